@@ -1,0 +1,29 @@
+"""pip install -e . : the megatron_zero package, its tools, and the csrc/ kernels.
+
+Kernels are built ahead of time when torch and a compiler are present; when a
+build fails the install still succeeds and megatron_zero.ops falls back to PyTorch.
+"""
+import os
+import sys
+
+from setuptools import find_packages, setup
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc"))
+try:
+    from extensions import build_ext_class, get_extensions  # csrc/extensions.py
+except ImportError:  # csrc/ not built yet (fresh tree): install pure Python
+    get_extensions, build_ext_class = (lambda: []), None
+
+ext_modules = get_extensions()
+cmdclass = {"build_ext": build_ext_class} if ext_modules and build_ext_class else {}
+
+setup(
+    name="megatron_zero",
+    version="0.1.0",
+    description="Megatron-style 3D-parallel GPT training with reshapable DeepSpeed-compatible checkpoints",
+    packages=find_packages(include=["megatron_zero", "megatron_zero.*"]),
+    python_requires=">=3.10",
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    entry_points={"console_scripts": []},
+)
