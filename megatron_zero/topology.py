@@ -1,0 +1,220 @@
+"""Rank <-> (pp, dp, tp) coordinates and every process group.
+
+The layout is Megatron's and DeepSpeed's: TP ranks are adjacent (fastest axis),
+then DP, then PP:  rank = pp * (DP * TP) + dp * TP + tp.
+
+`Layout` answers every question about the layout as pure functions (no process
+groups), so offline tools reading checkpoints can use it. `ParallelState` holds
+the torch.distributed groups for one rank; `build_parallel_state` is the only
+place in the project that creates groups.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+
+class TopologyError(ValueError):
+    """A layout that cannot be built; the message is one sentence naming the numbers."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A factorisation world = tp * pp * dp."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "dp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise TopologyError(f"the {name} size must be a positive integer, got {value!r}")
+
+    @classmethod
+    def from_world(cls, world_size: int, tp: int = 1, pp: int = 1) -> "Layout":
+        if world_size % (tp * pp) != 0:
+            raise TopologyError(
+                f"world size {world_size} is not divisible by tensor-parallel size {tp} "
+                f"x pipeline-parallel size {pp} (= {tp * pp}); choose sizes whose product divides it")
+        return cls(tp=tp, pp=pp, dp=world_size // (tp * pp))
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def mp_size(self) -> int:
+        """Model-parallel size (TP x PP)."""
+        return self.tp * self.pp
+
+    # ---- coordinates -------------------------------------------------------
+    def coords(self, rank: int) -> Tuple[int, int, int]:
+        """(pp, dp, tp) coordinates of a global rank."""
+        self._check_rank(rank)
+        return rank // (self.dp * self.tp), (rank // self.tp) % self.dp, rank % self.tp
+
+    def rank(self, pp: int, dp: int, tp: int) -> int:
+        if not (0 <= pp < self.pp and 0 <= dp < self.dp and 0 <= tp < self.tp):
+            raise TopologyError(f"coordinates (pp={pp}, dp={dp}, tp={tp}) lie outside {self}")
+        return pp * self.dp * self.tp + dp * self.tp + tp
+
+    def mp_rank(self, rank: int) -> int:
+        """Rank within the model-parallel group: pp * TP + tp (DeepSpeed's mp_rank)."""
+        pp, _, tp = self.coords(rank)
+        return pp * self.tp + tp
+
+    def mp_coords(self, mp_rank: int) -> Tuple[int, int]:
+        """(pp, tp) of a model-parallel rank."""
+        if not 0 <= mp_rank < self.mp_size:
+            raise TopologyError(f"model-parallel rank {mp_rank} lies outside 0..{self.mp_size - 1}")
+        return mp_rank // self.tp, mp_rank % self.tp
+
+    # ---- groups as rank lists ---------------------------------------------
+    def tp_group(self, rank: int) -> List[int]:
+        pp, dp, _ = self.coords(rank)
+        return [self.rank(pp, dp, t) for t in range(self.tp)]
+
+    def dp_group(self, rank: int) -> List[int]:
+        pp, _, tp = self.coords(rank)
+        return [self.rank(pp, d, tp) for d in range(self.dp)]
+
+    def pp_group(self, rank: int) -> List[int]:
+        _, dp, tp = self.coords(rank)
+        return [self.rank(p, dp, tp) for p in range(self.pp)]
+
+    def mp_group(self, rank: int) -> List[int]:
+        _, dp, _ = self.coords(rank)
+        return [self.rank(p, dp, t) for p in range(self.pp) for t in range(self.tp)]
+
+    def embedding_group(self, rank: int) -> List[int]:
+        """First and last pipeline stage of this rank's pipeline (one rank when PP=1)."""
+        group = self.pp_group(rank)
+        return sorted({group[0], group[-1]})
+
+    def all_groups(self, kind: str) -> List[List[int]]:
+        """Every group of one kind, in a fixed order (the order groups are created in)."""
+        getter = getattr(self, f"{kind}_group")
+        seen, groups = set(), []
+        for r in range(self.world_size):
+            g = tuple(getter(r))
+            if g not in seen:
+                seen.add(g)
+                groups.append(list(g))
+        return groups
+
+    # ---- pipeline neighbours ----------------------------------------------
+    def prev_stage_rank(self, rank: int) -> Optional[int]:
+        pp, dp, tp = self.coords(rank)
+        return None if pp == 0 else self.rank(pp - 1, dp, tp)
+
+    def next_stage_rank(self, rank: int) -> Optional[int]:
+        pp, dp, tp = self.coords(rank)
+        return None if pp == self.pp - 1 else self.rank(pp + 1, dp, tp)
+
+    def _check_rank(self, rank: int):
+        if not 0 <= rank < self.world_size:
+            raise TopologyError(f"rank {rank} lies outside a world of {self.world_size} ({self})")
+
+    def __str__(self):
+        return f"TP={self.tp} x PP={self.pp} x DP={self.dp}"
+
+
+GROUP_KINDS = ("tp", "dp", "pp", "mp", "embedding")
+
+
+@dataclass
+class ParallelState:
+    """One rank's view of the layout: its coordinates and its process groups."""
+
+    layout: Layout
+    rank: int
+    groups: dict  # kind -> torch.distributed ProcessGroup
+
+    @property
+    def tp_rank(self) -> int:
+        return self.layout.coords(self.rank)[2]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.layout.coords(self.rank)[1]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.layout.coords(self.rank)[0]
+
+    @property
+    def mp_rank(self) -> int:
+        return self.layout.mp_rank(self.rank)
+
+    @property
+    def tp_size(self) -> int:
+        return self.layout.tp
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dp
+
+    @property
+    def pp_size(self) -> int:
+        return self.layout.pp
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.layout.pp - 1
+
+    @property
+    def tp_group(self):
+        return self.groups["tp"]
+
+    @property
+    def dp_group(self):
+        return self.groups["dp"]
+
+    @property
+    def pp_group(self):
+        return self.groups["pp"]
+
+    @property
+    def mp_group(self):
+        return self.groups["mp"]
+
+    @property
+    def embedding_group(self):
+        return self.groups["embedding"]
+
+    @property
+    def prev_rank(self) -> Optional[int]:
+        return self.layout.prev_stage_rank(self.rank)
+
+    @property
+    def next_rank(self) -> Optional[int]:
+        return self.layout.next_stage_rank(self.rank)
+
+
+def build_parallel_state(tp: int = 1, pp: int = 1) -> ParallelState:
+    """Create every group on an initialised torch.distributed world.
+
+    Every rank must call this with the same sizes: each group is created by all
+    ranks in the same order, as torch.distributed requires.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError("build_parallel_state needs torch.distributed initialised first "
+                           "(megatron_zero.distributed.init_distributed)")
+    layout = Layout.from_world(dist.get_world_size(), tp=tp, pp=pp)
+    rank = dist.get_rank()
+    groups = {}
+    for kind in GROUP_KINDS:
+        mine = getattr(layout, f"{kind}_group")(rank)
+        for ranks in layout.all_groups(kind):
+            group = dist.new_group(ranks)
+            if ranks == mine:
+                groups[kind] = group
+    return ParallelState(layout=layout, rank=rank, groups=groups)

@@ -1,0 +1,60 @@
+"""The multi-rank harness: results come back, errors carry their traceback, nothing hangs."""
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_zero.testing import RankFailure, run_ranks
+
+
+def rank_and_sum(offset):
+    t = torch.tensor([dist.get_rank() + offset], dtype=torch.float64)
+    dist.all_reduce(t)
+    return dist.get_rank(), int(os.environ["WORLD_SIZE"]), t.item()
+
+
+def fail_on_rank_one():
+    if dist.get_rank() == 1:
+        raise ValueError("rank one is broken on purpose")
+    dist.barrier()
+
+
+def die_on_rank_two():
+    if dist.get_rank() == 2:
+        os._exit(3)
+    time.sleep(60)
+
+
+def stuck_on_rank_zero():
+    if dist.get_rank() == 0:
+        time.sleep(600)
+
+
+def test_results_per_rank():
+    assert run_ranks(rank_and_sum, 4, 10) == [(r, 4, 46.0) for r in range(4)]
+
+
+def test_exception_carries_rank_and_traceback():
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as err:
+        run_ranks(fail_on_rank_one, 3, timeout=60)
+    msg = str(err.value)
+    assert "rank 1 of 3" in msg and "ValueError: rank one is broken on purpose" in msg
+    assert "fail_on_rank_one" in msg and "Traceback" in msg
+    assert time.monotonic() - start < 30  # the other ranks were killed, not waited for
+
+
+def test_silent_death_is_reported():
+    with pytest.raises(RankFailure, match=r"rank 2 died with exit code 3"):
+        run_ranks(die_on_rank_two, 4, timeout=60)
+
+
+def test_timeout_names_the_stuck_rank_and_its_stack():
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as err:
+        run_ranks(stuck_on_rank_zero, 2, timeout=3)
+    msg = str(err.value)
+    assert "rank(s) [0] did not finish" in msg and "stuck_on_rank_zero" in msg
+    assert time.monotonic() - start < 20
