@@ -1,0 +1,89 @@
+"""Flag validation: every inconsistency is one sentence naming the flags, no traceback."""
+import json
+
+import pytest
+
+from megatron_zero.arguments import parse_args
+
+BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--micro-batch-size", "2", "--global-batch-size", "16", "--lr", "1e-3", "--train-iters", "10"]
+
+
+def with_flags(base, **changes):
+    argv = list(base)
+    for key, value in changes.items():
+        flag = "--" + key.replace("_", "-")
+        if flag in argv:
+            i = argv.index(flag)
+            argv[i + 1] = str(value)
+        else:
+            argv += [flag] + ([] if value is True else [str(value)])
+    return argv
+
+
+def refused(argv, world_size, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv, world_size=world_size)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.count("\n") == 1, err  # one line
+    return err
+
+
+def test_good_args_derive_dp_and_accumulation():
+    args = parse_args(with_flags(BASE, tensor_model_parallel_size=2), world_size=8)
+    assert (args.data_parallel_size, args.num_micro_batches) == (4, 2)
+    assert args.max_position_embeddings == 32 and args.ffn_hidden_size == 256
+
+
+@pytest.mark.parametrize("changes,world,words", [
+    (dict(global_batch_size=10), 4, ["--global-batch-size 10", "--micro-batch-size 2", "data-parallel size 4"]),
+    (dict(num_attention_heads=6, hidden_size=96, tensor_model_parallel_size=4), 4,
+     ["--num-attention-heads 6", "--tensor-model-parallel-size 4"]),
+    (dict(pipeline_model_parallel_size=8), 8, ["--num-layers 4", "--pipeline-model-parallel-size 8"]),
+    (dict(max_position_embeddings=16), 1, ["--seq-length 32", "--max-position-embeddings 16"]),
+    (dict(fp16=True, bf16=True), 1, ["--fp16", "--bf16"]),
+    (dict(tensor_model_parallel_size=4), 6, ["world size 6", "--tensor-model-parallel-size 4"]),
+    (dict(train_samples=100), 1, ["--train-iters", "--train-samples"]),
+    (dict(pipeline_model_parallel_size=4, global_batch_size=4), 4,
+     ["micro-batches", "--pipeline-model-parallel-size 4"]),
+    (dict(hidden_size=66), 1, ["--hidden-size 66", "--num-attention-heads 4"]),
+    (dict(lr=-1), 1, ["--lr"]),
+    (dict(save_interval=5), 1, ["--save-interval", "--save"]),
+    (dict(load="/nonexistent/ckpt"), 1, ["--load /nonexistent/ckpt"]),
+    (dict(zero_stage=7), 1, ["--zero-stage", "7"]),
+    (dict(data_path="0.3"), 1, []),
+])
+def test_inconsistencies_are_one_sentence(changes, world, words, capsys):
+    argv = with_flags(BASE, **changes)
+    if "data_path" in changes:  # weights without prefixes
+        argv = BASE + ["--data-path", "0.3", "a", "0.7"]
+        words = ["--data-path", "pairs"]
+    err = refused(argv, world, capsys)
+    for word in words:
+        assert word in err, (word, err)
+
+
+def test_unknown_flag_and_bad_type(capsys):
+    assert "--no-such-flag" in refused(BASE + ["--no-such-flag"], 1, capsys)
+    assert "--hidden-size" in refused(with_flags(BASE, hidden_size="big"), 1, capsys)
+
+
+def test_deepspeed_config_fills_and_conflicts(tmp_path, capsys):
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+                               "gradient_clipping": 0.5, "zero_optimization": {"stage": 2},
+                               "bf16": {"enabled": True}}))
+    argv = [a for a in BASE]
+    argv = with_flags(argv, deepspeed_config=cfg)
+    argv.remove("--micro-batch-size"); argv.remove("2")
+    argv.remove("--global-batch-size"); argv.remove("16")
+    args = parse_args(argv, world_size=2)
+    assert (args.micro_batch_size, args.global_batch_size, args.zero_stage) == (4, 32, 2)
+    assert args.bf16 and args.clip_grad == 0.5 and args.num_micro_batches == 4
+    err = refused(with_flags(BASE, deepspeed_config=cfg), 2, capsys)
+    assert "--micro-batch-size 2" in err and "train_micro_batch_size_per_gpu=4" in err
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert f"{bad} is not valid JSON" in refused(with_flags(BASE, deepspeed_config=bad), 1, capsys)
