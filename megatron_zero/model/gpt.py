@@ -1,0 +1,78 @@
+"""GPT (GPT-2 as Megatron builds it), tensor-parallel, buildable one pipeline stage at a time.
+
+    model = GPTModel(config)                                  # whole model, TP=1: the reference
+    model = GPTModel(config, tp_group)                        # whole model, TP-sharded
+    stage = GPTModel(config, tp_group, layer_indices=range(a, b))   # one pipeline stage
+
+Layers carry Megatron-DeepSpeed's global indices (see layers.py), so parameter
+names are the same whatever the layout. `tp_group=None` is TP=1 with no
+communication: that is the single-process reference path for parity tests.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from ..tensor_parallel import vocab_parallel_cross_entropy
+from ..tensor_parallel.utils import tp_rank_in, tp_world_size
+from .config import GPTConfig
+from .init import initialize_parameters
+from .layers import EMBEDDING_INDEX, holds_embedding, layer_kind, lm_head_index, num_pipeline_layers
+from .transformer import Embedding, LayerNorm, ParallelTransformerLayer
+
+
+class GPTModel(nn.Module):
+    def __init__(self, config: GPTConfig, tp_group=None, layer_indices: Optional[Iterable[int]] = None):
+        super().__init__()
+        L = config.num_layers
+        self.config, self.tp_group = config, tp_group
+        self.tp, self.tp_rank = tp_world_size(tp_group), tp_rank_in(tp_group)
+        config.check_tp(self.tp)
+        all_layers = range(num_pipeline_layers(L))
+        self.layer_indices = list(all_layers if layer_indices is None else layer_indices)
+        if not self.layer_indices or self.layer_indices != list(range(self.layer_indices[0], self.layer_indices[-1] + 1)) \
+                or self.layer_indices[0] < 0 or self.layer_indices[-1] >= len(all_layers):
+            raise ValueError(f"layer_indices must be a non-empty contiguous range within 0..{len(all_layers) - 1}, "
+                             f"got {self.layer_indices}")
+        if holds_embedding(self.layer_indices, L):
+            self.tied_modules = nn.ModuleDict({"embed": Embedding(config, tp_group)})
+        for i in self.layer_indices:
+            kind = layer_kind(i, L)
+            if kind == "block":
+                self.add_module(str(i), ParallelTransformerLayer(config, tp_group))
+            elif kind == "final_norm":
+                self.add_module(str(i), LayerNorm(config.hidden_size, config.layernorm_epsilon, config.params_dtype))
+        initialize_parameters(self, config, self.tp, self.tp_rank)
+
+    @property
+    def embedding(self) -> Embedding:
+        return self.tied_modules["embed"]
+
+    def forward(self, inputs, labels=None, loss_mask=None):
+        """Tokens [b, s] (first stage) or hidden [b, s, h] in; hidden, logits, or the mean loss out."""
+        x = inputs
+        L = self.config.num_layers
+        for i in self.layer_indices:
+            if i == EMBEDDING_INDEX:
+                x = self.embedding(x)
+            elif i == lm_head_index(L):
+                logits = self.embedding.lm_logits(x)
+                return logits if labels is None else self.loss(logits, labels, loss_mask)
+            elif i != 0:  # layer 0, the input cast, has nothing to do in this layout
+                x = self._modules[str(i)](x)
+        return x
+
+    def loss(self, logits, labels, loss_mask=None):
+        """Mean cross-entropy over tokens (weighted by loss_mask); padded vocabulary never counts."""
+        losses = vocab_parallel_cross_entropy(logits, labels, self.tp_group, self.config.vocab_size)
+        if loss_mask is None:
+            return losses.mean()
+        loss_mask = loss_mask.to(losses.dtype)
+        return (losses * loss_mask).sum() / loss_mask.sum()
+
+
+def reference_model(config: GPTConfig) -> GPTModel:
+    """The single-process, full-weight model every parity test compares against."""
+    return GPTModel(config, tp_group=None)

@@ -1,0 +1,64 @@
+"""Cross-entropy over logits whose vocabulary dimension is split across TP ranks.
+
+Numerically stable without gathering the logits: three all-reduces over the TP
+group (max of the logits, the target's logit, the sum of exp(logit - max)).
+Columns whose global index is >= `vocab_size` (vocabulary padding) are set to
+-inf first, so they never count in the loss and their gradient is exactly zero.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .utils import tp_rank_in, tp_world_size
+
+
+def _all_reduce(x, group, op=dist.ReduceOp.SUM):
+    if tp_world_size(group) > 1:
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group, vocab_size):
+        ctx.input_dtype = logits.dtype
+        local = logits.shape[-1]
+        start = tp_rank_in(group) * local
+        logits = logits.float()
+        if vocab_size is not None and start + local > vocab_size:
+            padded = torch.arange(start, start + local, device=logits.device) >= vocab_size
+            logits = logits.masked_fill(padded, float("-inf"))
+
+        logits_max = _all_reduce(logits.max(dim=-1).values, group, dist.ReduceOp.MAX)
+        logits = logits - logits_max.unsqueeze(-1)
+
+        outside = (target < start) | (target >= start + local)
+        local_target = (target - start).masked_fill(outside, 0)
+        predicted = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        predicted = _all_reduce(predicted, group)
+
+        exp_logits = logits.exp()
+        sum_exp = _all_reduce(exp_logits.sum(dim=-1), group)
+        loss = sum_exp.log() - predicted
+
+        softmax = exp_logits.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, outside, local_target)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, outside, local_target = ctx.saved_tensors
+        grad = softmax.clone()
+        hit = (~outside).to(grad.dtype).unsqueeze(-1)
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit)
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad.to(ctx.input_dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(vocab_parallel_logits, target, group=None, vocab_size=None):
+    """Per-token loss [*] from logits [*, V/tp] (this rank's vocabulary slice) and targets [*].
+
+    `vocab_size` is the unpadded vocabulary; columns at or beyond it are ignored.
+    """
+    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, group, vocab_size)
