@@ -1,0 +1,74 @@
+"""One pipeline stage of the GPT: building it, feeding it micro-batches, keeping the tied embedding tied.
+
+The first and the last stage both hold `tied_modules.embed` (the last uses the
+word embedding as its output layer). After each global batch's backward their
+gradients are summed over the embedding group, so both copies take the same
+update and never drift. The position embedding is summed too: the last stage's
+copy gets a zero gradient of its own, so it stays equal to the first stage's.
+The last stage's copies are marked `shared` so the gradient norm counts them once.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..model.gpt import GPTModel
+from ..topology import ParallelState
+from .partition import stage_layer_ranges
+
+
+def build_gpt_stage(config, state: ParallelState, partition_method: str = "uniform",
+                    explicit_partition: Optional[Sequence[int]] = None) -> GPTModel:
+    ranges = stage_layer_ranges(config.num_layers, state.pp_size, method=partition_method,
+                                explicit=explicit_partition, **_param_weights(config))
+    start, end = ranges[state.pp_rank]
+    tp_group = state.tp_group if state.tp_size > 1 else None
+    model = GPTModel(config, tp_group, layer_indices=range(start, end))
+    if state.pp_size > 1 and state.is_last_stage and hasattr(model, "tied_modules"):
+        for param in model.tied_modules.parameters():
+            param.shared = True
+    return model
+
+
+def _param_weights(config) -> Dict[str, int]:
+    h, f, v = config.hidden_size, config.ffn_hidden_size, config.vocab_size
+    block = 4 * h * h + 2 * h * f + 9 * h + f  # qkv, dense, mlp, their biases, two norms
+    return {"block_params": block, "embedding_params": v * h + config.max_position_embeddings * h,
+            "final_params": 2 * h}
+
+
+def sync_tied_embedding_grads(model: GPTModel, state: ParallelState):
+    """Sum the embedding's gradients over the first and last stage (no-op without pipelining)."""
+    if state.pp_size == 1 or not hasattr(model, "tied_modules"):
+        return
+    grads = []
+    for param in model.tied_modules.parameters():
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        grads.append(param.grad)
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=state.embedding_group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def make_forward_step(model: GPTModel, micro_batches: List[dict], state: ParallelState) -> Callable:
+    """forward_step(i, x) for the schedule: tokens in on the first stage, loss / M out on the last."""
+    m = len(micro_batches)
+
+    def forward_step(i, x):
+        batch = micro_batches[i]
+        inputs = batch["tokens"] if state.is_first_stage else x
+        if state.is_last_stage:
+            return model(inputs, labels=batch["labels"], loss_mask=batch.get("loss_mask")) / m
+        return model(inputs)
+
+    return forward_step
+
+
+def activation_shape(micro_batch_size: int, config) -> tuple:
+    return (micro_batch_size, config.seq_length, config.hidden_size)
