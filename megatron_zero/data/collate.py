@@ -1,0 +1,19 @@
+"""Turn a list of GPT samples (seq_length+1 tokens each) into model inputs."""
+from __future__ import annotations
+
+from typing import Dict, Sequence
+
+import numpy as np
+import torch
+
+
+def collate_gpt(samples: Sequence[np.ndarray]) -> Dict[str, torch.Tensor]:
+    """{'tokens': int64 [b, s], 'labels': int64 [b, s]}: labels are tokens shifted left by one."""
+    text = torch.from_numpy(np.stack([np.asarray(s, dtype=np.int64) for s in samples]))
+    return {"tokens": text[:, :-1].contiguous(), "labels": text[:, 1:].contiguous()}
+
+
+def micro_batches(dataset, sampler):
+    """Collated micro-batches for one rank, in the sampler's order."""
+    for indices in sampler:
+        yield collate_gpt([dataset[i] for i in indices])
