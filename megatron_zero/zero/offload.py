@@ -1,0 +1,137 @@
+"""Where the fp32 masters and Adam moments live, and the AdamW that steps them.
+
+One flat fp32 master per param group (this rank's partition). ``offload``:
+  'none'  masters and moments beside the model, stepped by torch.optim.AdamW;
+  'cpu'   in host memory, stepped by the C++ CPU Adam (megatron_zero.ops.cpu_adam) when
+          it is available, else torch's fused CPU AdamW;
+  'nvme'  in files under ``nvme_path`` (master, exp_avg, exp_avg_sq per group), paged
+          into memory for the step and for ``state()`` (so checkpoints can save them),
+          and dropped from memory afterwards.
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Dict, List
+
+import torch
+
+STATE_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def _cpu_adam_class():
+    try:  # the fused-kernels issue's C++ Adam, once it is committed
+        from megatron_zero.ops import cpu_adam  # type: ignore
+    except ImportError:
+        return None
+    return getattr(cpu_adam, "CPUAdamW", None) or getattr(cpu_adam, "DeepSpeedCPUAdam", None)
+
+
+class FlatAdamW:
+    def __init__(self, masters: List[torch.Tensor], hparams: List[dict], offload: str = "none",
+                 nvme_path: str | None = None, tag: str = "rank0"):
+        if offload not in ("none", "cpu", "nvme"):
+            raise ValueError(f"offload must be 'none', 'cpu' or 'nvme', got {offload!r}")
+        if offload == "nvme" and not nvme_path:
+            raise ValueError("offload='nvme' needs nvme_path, a directory for the optimizer-state files")
+        self.offload = offload
+        self.numels = [m.numel() for m in masters]
+        self.params = [torch.nn.Parameter(m.detach().to("cpu" if offload != "none" else m.device,
+                                                          torch.float32), requires_grad=True)
+                       for m in masters]
+        groups = [dict(h, params=[p]) for h, p in zip(hparams, self.params)]
+        cpu_adam = _cpu_adam_class() if offload in ("cpu", "nvme") else None
+        if cpu_adam is not None:
+            self.opt = cpu_adam(groups)
+        else:
+            self.opt = torch.optim.AdamW(groups, fused=offload in ("cpu", "nvme"))
+        self.steps = [0 for _ in masters]
+        self.paths = None
+        if offload == "nvme":
+            os.makedirs(nvme_path, exist_ok=True)
+            self.paths = [{k: os.path.join(nvme_path, f"{tag}_group{g}_{k}.bin")
+                           for k in ("fp32",) + STATE_KEYS} for g in range(len(masters))]
+            for g, p in enumerate(self.params):
+                self._write(g, "fp32", p.data)
+                for k in STATE_KEYS:
+                    self._write(g, k, torch.zeros(self.numels[g]))
+            self._page_out()
+
+    @property
+    def param_groups(self):
+        return self.opt.param_groups
+
+    # ---- nvme paging -----------------------------------------------------------
+    def _write(self, g: int, key: str, t: torch.Tensor):
+        with open(self.paths[g][key], "wb") as f:
+            t.detach().float().contiguous().numpy().tofile(f)
+
+    def _read(self, g: int, key: str) -> torch.Tensor:
+        return torch.from_file(self.paths[g][key], shared=False, size=self.numels[g], dtype=torch.float32)
+
+    def _page_in(self):
+        for g, p in enumerate(self.params):
+            p.data = self._read(g, "fp32")
+            if self.steps[g] > 0:
+                self.opt.state[p] = {"step": torch.tensor(float(self.steps[g])),
+                                     **{k: self._read(g, k) for k in STATE_KEYS}}
+
+    def _page_out(self):
+        for g, p in enumerate(self.params):
+            self._write(g, "fp32", p.data)
+            st = self.opt.state.pop(p, None)
+            if st:
+                for k in STATE_KEYS:
+                    self._write(g, k, st[k])
+            p.data = torch.empty(0)
+
+    @contextmanager
+    def paged(self):
+        """Masters (and moments) in memory for the duration; for NVMe, written back after."""
+        if self.offload != "nvme":
+            yield self.params
+            return
+        self._page_in()
+        try:
+            yield self.params
+        finally:
+            self._page_out()
+
+    # ---- stepping --------------------------------------------------------------
+    def step(self, grads: List[torch.Tensor]):
+        """One AdamW step of every group's master with its fp32 gradient partition (paged in)."""
+        for p, g in zip(self.params, grads):
+            p.grad = g.to(p.device)
+        self.opt.step()
+        for i, p in enumerate(self.params):
+            p.grad = None
+            self.steps[i] += 1
+
+    # ---- checkpoint views --------------------------------------------------------
+    def state(self, g: int) -> Dict[str, torch.Tensor]:
+        """{'step', 'exp_avg', 'exp_avg_sq'} of group g (zeros before the first step); call paged in."""
+        p = self.params[g]
+        st = self.opt.state.get(p, {})
+        out = {"step": torch.tensor(float(self.steps[g]))}
+        for k in STATE_KEYS:
+            out[k] = st[k] if k in st else torch.zeros_like(p.data)
+        return out
+
+    def set_state(self, g: int, state: Dict[str, torch.Tensor], master: torch.Tensor):
+        """Load group g's master and moments (full padded partition); call paged in."""
+        p = self.params[g]
+        p.data.copy_(master)
+        step = int(float(state["step"]))
+        self.steps[g] = step
+        if step > 0:
+            self.opt.state[p] = {"step": torch.tensor(float(step)),
+                                 **{k: state[k].detach().float().clone().reshape(-1) for k in STATE_KEYS}}
+        else:
+            self.opt.state.pop(p, None)
+
+    def state_bytes(self) -> int:
+        """Bytes of masters and moments held in memory right now."""
+        total = sum(p.data.numel() * 4 for p in self.params)
+        for st in self.opt.state.values():
+            total += sum(v.numel() * v.element_size() for k, v in st.items() if k in STATE_KEYS)
+        return total

@@ -1,0 +1,141 @@
+"""ZeroOptimizer: AdamW with ZeRO stage 0/1/2/3 partitioning, mixed precision, loss scaling,
+global-norm clipping and CPU/NVMe offload. The training loop calls
+
+    opt.backward(loss); ...; updated, grad_norm = opt.step(lr=...); opt.zero_grad()
+
+The checkpoint code calls ``state_dict()`` / ``load_state_dict()`` (DeepSpeed's ZeRO layout,
+see checkpoint_state.py).
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import checkpoint_state
+from .clip_grad import clip_coefficient, counts_in_norm, local_sums, norm_and_overflow, reduce_sums
+from .loss_scaler import LossScaler
+from .offload import FlatAdamW
+from .stage12 import Stage12
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def _dtype(d) -> torch.dtype:
+    if isinstance(d, torch.dtype):
+        if d not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype must be fp32, bf16 or fp16, got {d}")
+        return d
+    if d not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {d!r}")
+    return DTYPES[d]
+
+
+def _groups(named_params, defaults: dict):
+    """Normalise to ([[(name, param)] per group], [hyper-parameters per group])."""
+    items = list(named_params)
+    if items and isinstance(items[0], dict):
+        groups, hparams = [], []
+        for g in items:
+            groups.append([(n, p) for n, p in g["params"] if p.requires_grad])
+            hparams.append({k: g.get(k, v) for k, v in defaults.items()})
+        return groups, hparams
+    return [[(n, p) for n, p in items if p.requires_grad]], [dict(defaults)]
+
+
+class ZeroOptimizer:
+    def __init__(self, named_params, dp_group=None, stage: int = 1, lr: float = 1e-3,
+                 betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
+                 clip_grad: float = 0.0, mp_group=None, tp_rank: int = 0, dtype="fp32",
+                 loss_scaler=None, offload: str = "none", nvme_path: Optional[str] = None,
+                 bucket_size: int = 50_000_000, module: Optional[torch.nn.Module] = None,
+                 layers=None, prefetch: bool = True):
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+        self.stage, self.dtype, self.clip_grad = stage, _dtype(dtype), float(clip_grad or 0.0)
+        self.dp_group, self.mp_group, self.tp_rank = dp_group, mp_group, tp_rank
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        self.named_groups, hparams = _groups(named_params, defaults)
+        self.names = [[n for n, _ in g] for g in self.named_groups]
+        if stage == 3:
+            from .stage3 import Stage3
+            self.impl = Stage3(self.named_groups, dp_group, self.dtype, bucket_size, module=module,
+                               layers=layers, prefetch=prefetch)
+        else:
+            self.impl = Stage12(self.named_groups, dp_group, stage, self.dtype, bucket_size)
+        self.partition_count = self.impl.dp
+        self.dp_rank = self.impl.rank
+        tag = f"dp{dist.get_rank(dp_group) if dp_group is not None else 0}" + (
+            f"_rank{dist.get_rank()}" if dist.is_initialized() else "")
+        self.optimizer = FlatAdamW(self.impl.initial_masters, hparams, offload, nvme_path, tag=tag)
+        del self.impl.initial_masters
+        self.offload = offload
+        self.loss_scaler = LossScaler(loss_scaler, enabled=self.dtype == torch.float16)
+        self.overflow = False
+        # (offset in partition, numel) of the fragments that count in the global norm
+        self.counted = [[(s, n) for p, _, s, n in self.impl.owned_ranges(gi) if counts_in_norm(p, tp_rank)]
+                        for gi in range(len(self.named_groups))]
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.loss_scale
+
+    # ---- the training-loop face ---------------------------------------------------
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False):
+        """loss.backward(), scaled by the loss scale for fp16; stage 2/3 reduce their last bucket."""
+        scale = self.loss_scaler.loss_scale
+        (loss.float() * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+        self.impl.finish_backward()
+
+    def step(self, lr: Optional[float] = None):
+        """Reduce, unscale, check overflow, clip, step, publish weights. -> (updated, grad_norm)."""
+        grads = self.impl.grad_partitions()
+        inv = 1.0 / (self.loss_scaler.loss_scale * self.impl.reduce_dp)
+        for g in grads:
+            g.mul_(inv)
+        norm_groups = [self.dp_group if self.impl.dp > 1 else None, self.mp_group]
+        norm, overflow = norm_and_overflow(reduce_sums(local_sums(grads, self.counted), norm_groups))
+        self.overflow = overflow
+        if overflow:
+            self.loss_scaler.update(True)
+            self.zero_grad()
+            return False, norm
+        coef = clip_coefficient(norm, self.clip_grad)
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+        with self.optimizer.paged() as masters:
+            self.optimizer.step(grads)
+            self.impl.write_weights(masters)
+        self.loss_scaler.update(False)
+        self.zero_grad()
+        return True, norm
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.impl.zero_grad()
+
+    # ---- checkpoints ----------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return checkpoint_state.state_dict(self)
+
+    def load_state_dict(self, state: dict):
+        checkpoint_state.load_state_dict(self, state)
+
+    def param_slice_mappings(self):
+        """Per group: OrderedDict name -> fragment_address(numel, start) in this rank's partition."""
+        return self.impl.slice_mappings(self.names)
+
+    # ---- measurement -----------------------------------------------------------------
+    def memory_bytes(self) -> dict:
+        """Bytes of tensors this rank holds now: model parameters, gradients, optimizer state."""
+        return {"params": self.impl.param_bytes(), "grads": self.impl.grad_bytes(),
+                "optimizer_state": self.optimizer.state_bytes()}

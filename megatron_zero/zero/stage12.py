@@ -1,0 +1,169 @@
+"""ZeRO stages 1 and 2 (and 0, plain data parallelism): partitioned fp32 masters and moments; full model weights on every rank.
+
+Each param group's model weights become views of one flat buffer (model dtype), laid
+out by ``partition.partition_group``; this rank's fp32 master is a copy of its partition.
+
+Stage 1: after backward, every gradient is flattened and all-reduced; the rank keeps
+its partition. Stage 2: a post-accumulate-grad hook collects gradients into buckets of
+``bucket_size`` elements as backward produces them; a full bucket is reduce-scattered
+(each rank receives the sum of the pieces in its partition) into a persistent fp32
+partition-sized buffer and the parameters' ``.grad`` are dropped, so no rank ever holds
+more gradient than one bucket plus its partition.
+
+After the step, each rank writes its updated master into its slice of the flat buffer
+and the slices are all-gathered.
+"""
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .partition import GroupPartition, partition_group
+
+
+class Stage12:
+    def __init__(self, groups: Sequence[Sequence[Tuple[str, torch.nn.Parameter]]], dp_group, stage: int,
+                 dtype: torch.dtype, bucket_size: int):
+        self.stage, self.dtype, self.dp_group = stage, dtype, dp_group
+        # the DP size gradients are reduced over; stage 0 (plain data parallelism) keeps
+        # everything whole, so it partitions over one rank
+        self.reduce_dp = dist.get_world_size(dp_group) if dp_group is not None else 1
+        self.dp = 1 if stage == 0 else self.reduce_dp
+        self.rank = dist.get_rank(dp_group) if dp_group is not None and stage > 0 else 0
+        self.bucket_size = int(bucket_size)
+        self.groups = [[p for _, p in g] for g in groups]
+        self.parts: List[GroupPartition] = [partition_group([(n, p.numel()) for n, p in g], self.dp)
+                                            for g in groups]
+        self.flat: List[torch.Tensor] = []
+        self.initial_masters: List[torch.Tensor] = []
+        for params, part in zip(self.groups, self.parts):
+            flat32 = torch.zeros(part.padded_numel, dtype=torch.float32)
+            for p, off, n in zip(params, part.offsets, part.numels):
+                flat32[off:off + n].copy_(p.detach().reshape(-1))
+            lo, hi = part.bounds(self.rank)
+            self.initial_masters.append(flat32[lo:hi].clone())
+            flat = flat32.to(dtype) if dtype != torch.float32 else flat32
+            for p, off, n in zip(params, part.offsets, part.numels):
+                p.data = flat[off:off + n].view(p.shape)
+            self.flat.append(flat)
+        self.grad_parts = [torch.zeros(p.partition_size) for p in self.parts] if stage == 2 else None
+        self._hooks, self._bucket, self._bucket_numel = [], [], 0
+        self.peak_grad_numel = 0
+        if stage == 2:
+            self._where = {}
+            for gi, params in enumerate(self.groups):
+                for pi, p in enumerate(params):
+                    self._where[id(p)] = (gi, pi)
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+
+    # ---- what each rank owns -------------------------------------------------------
+    def owned_ranges(self, gi: int):
+        """(param, offset in param, offset in partition, numel) for this rank's partition."""
+        return [(self.groups[gi][i], a, s, n) for i, a, s, n in self.parts[gi].param_ranges(self.rank)]
+
+    def slice_mappings(self, names=None):
+        return [part.fragments(self.rank) for part in self.parts]
+
+    def group_paddings(self) -> List[int]:
+        return [part.padding(self.rank) for part in self.parts]
+
+    # ---- stage 2: bucketed reduce-scatter during backward ---------------------------------
+    def _grad_ready(self, p: torch.nn.Parameter):
+        self._bucket.append(p)
+        self._bucket_numel += p.numel()
+        held = sum(q.grad.numel() for q in self._bucket if q.grad is not None)
+        self.peak_grad_numel = max(self.peak_grad_numel, held)
+        if self._bucket_numel >= self.bucket_size:
+            self._flush()
+
+    def _flush(self):
+        if not self._bucket:
+            return
+        inputs = [[] for _ in range(self.dp)]
+        mine = []  # (group, offset in partition, numel) in the order received
+        for p in self._bucket:
+            gi, pi = self._where[id(p)]
+            part = self.parts[gi]
+            off, n = part.offsets[pi], part.numels[pi]
+            g = p.grad.detach().reshape(-1) if p.grad is not None else torch.zeros(n, dtype=self.dtype)
+            for r in range(self.dp):
+                lo, hi = part.bounds(r)
+                a, b = max(off, lo), min(off + n, hi)
+                if a < b:
+                    inputs[r].append(g[a - off:b - off].float())
+                    if r == self.rank:
+                        mine.append((gi, a - lo, b - a))
+            p.grad = None
+        sizes = [sum(t.numel() for t in ts) for ts in inputs]
+        width = max(sizes)
+        flat_in = []
+        for ts, size in zip(inputs, sizes):
+            t = torch.cat(ts) if ts else torch.zeros(0)
+            flat_in.append(torch.cat([t, t.new_zeros(width - size)]) if size < width else t)
+        out = torch.empty(width)
+        if self.dp > 1:
+            dist.reduce_scatter(out, flat_in, group=self.dp_group)
+        else:
+            out.copy_(flat_in[0])
+        pos = 0
+        for gi, start, n in mine:
+            self.grad_parts[gi].narrow(0, start, n).add_(out.narrow(0, pos, n))
+            pos += n
+        self._bucket, self._bucket_numel = [], 0
+
+    def finish_backward(self):
+        """Called after each backward: reduce the last, partly filled bucket (stage 2)."""
+        if self.stage == 2:
+            self._flush()
+
+    # ---- gradients for the step --------------------------------------------------------
+    def grad_partitions(self) -> List[torch.Tensor]:
+        """This rank's fp32 partition of each group's gradient, summed (not averaged) over DP."""
+        if self.stage == 2:
+            return self.grad_parts
+        out = []
+        for gi, (params, part) in enumerate(zip(self.groups, self.parts)):
+            flat = torch.zeros(part.padded_numel)
+            for p, off, n in zip(params, part.offsets, part.numels):
+                if p.grad is not None:
+                    flat[off:off + n].copy_(p.grad.detach().reshape(-1))
+            if self.reduce_dp > 1:
+                dist.all_reduce(flat, group=self.dp_group)
+            self.peak_grad_numel = max(self.peak_grad_numel, part.padded_numel)
+            lo, hi = part.bounds(self.rank)
+            out.append(flat[lo:hi].clone())
+        return out
+
+    def zero_grad(self):
+        for params in self.groups:
+            for p in params:
+                p.grad = None
+        if self.grad_parts is not None:
+            for g in self.grad_parts:
+                g.zero_()
+        self._bucket, self._bucket_numel = [], 0
+
+    # ---- weights -------------------------------------------------------------------
+    def write_weights(self, masters: List[torch.Tensor]):
+        """Copy each updated master into this rank's slice and all-gather the flat buffers."""
+        for flat, part, m in zip(self.flat, self.parts, masters):
+            lo, hi = part.bounds(self.rank)
+            mine = m.detach().to(self.dtype)
+            if self.dp > 1:
+                dist.all_gather(list(flat.chunk(self.dp)), mine, group=self.dp_group)
+            else:
+                flat[lo:hi].copy_(mine)
+
+    def grad_bytes(self) -> int:
+        held = sum(p.grad.numel() * p.grad.element_size() for ps in self.groups for p in ps if p.grad is not None)
+        return held + (sum(g.numel() * 4 for g in self.grad_parts) if self.grad_parts else 0)
+
+    def param_bytes(self) -> int:
+        return sum(f.numel() * f.element_size() for f in self.flat)
+
+    def remove_hooks(self):
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
