@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-partition-method", choices=["uniform", "parameters"], default="uniform")
+    g.add_argument("--pipeline-partition", type=str, default=None,
+                   help="explicit transformer layers per pipeline stage, e.g. 3,5")
     g.add_argument("--micro-batch-size", type=int, default=None)
     g.add_argument("--global-batch-size", type=int, default=None)
     g.add_argument("--zero-stage", type=int, default=1, choices=[0, 1, 2, 3])
@@ -160,6 +163,15 @@ def validate_args(args, world_size: int):
     _require(pp == 1 or args.num_micro_batches >= pp,
              f"{args.num_micro_batches} micro-batches per step (--global-batch-size {gbs} / (--micro-batch-size "
              f"{mb} x DP {dp})) is fewer than --pipeline-model-parallel-size {pp}; the pipeline would idle")
+    if args.pipeline_partition:
+        try:
+            counts = [int(x) for x in args.pipeline_partition.split(",")]
+        except ValueError:
+            counts = []
+        _require(len(counts) == pp and min(counts) >= 1 and sum(counts) == args.num_layers,
+                 f"--pipeline-partition {args.pipeline_partition} must list {pp} positive layer counts "
+                 f"(one per stage of --pipeline-model-parallel-size) summing to --num-layers {args.num_layers}")
+        args.pipeline_partition = counts
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     _require(args.seq_length <= args.max_position_embeddings,
