@@ -4,11 +4,12 @@ from __future__ import annotations
 from typing import Dict, Sequence
 
 import numpy as np
-import torch
 
 
-def collate_gpt(samples: Sequence[np.ndarray]) -> Dict[str, torch.Tensor]:
+def collate_gpt(samples: Sequence[np.ndarray]) -> Dict[str, "torch.Tensor"]:
     """{'tokens': int64 [b, s], 'labels': int64 [b, s]}: labels are tokens shifted left by one."""
+    import torch  # here, so that data tools (preprocess, corpus) start without loading torch
+
     text = torch.from_numpy(np.stack([np.asarray(s, dtype=np.int64) for s in samples]))
     return {"tokens": text[:, :-1].contiguous(), "labels": text[:, 1:].contiguous()}
 
