@@ -96,3 +96,18 @@ def test_same_seed_same_weights_other_seed_other_weights():
     assert torch.equal(a["2.mlp.dense_h_to_4h.bias"], torch.zeros(256))
     scaled, plain = a["2.mlp.dense_4h_to_h.weight"].std(), a["2.mlp.dense_h_to_4h.weight"].std()
     assert abs(scaled / plain - 0.5) < 0.05  # output projections: std / sqrt(2L) with L = 2
+
+
+def test_parameter_attributes_and_tp_duplicates():
+    from megatron_zero.tensor_parallel import param_is_tp_duplicate
+    c = config()
+    model = reference_model(c)
+    for name, p in model.named_parameters():
+        spec = param_spec(name, c)
+        assert p.tensor_model_parallel == (spec.partition_dim is not None), name
+        if p.tensor_model_parallel:
+            assert (p.partition_dim, p.partition_stride) == (spec.partition_dim, 1), name
+        assert not param_is_tp_duplicate(p, 0)
+        assert param_is_tp_duplicate(p, 1) == (spec.partition_dim is None), name
+    assert model.get_parameter("2.self_attention.dense.weight").partition_dim == 1
+    assert model.get_parameter("2.self_attention.dense.bias").tensor_model_parallel is False
