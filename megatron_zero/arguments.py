@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--loss-scale", type=float, default=None, help="static loss scale (fp16); default dynamic")
     g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16)
     g.add_argument("--loss-scale-window", type=int, default=1000)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--hysteresis", type=int, default=2)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--exit-interval", type=int, default=None)
     g.add_argument("--exit-duration-in-mins", type=float, default=None)

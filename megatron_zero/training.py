@@ -1,0 +1,227 @@
+"""The training loop: arguments -> topology -> model stage and ZeRO optimizer -> data -> steps -> checkpoints.
+
+`pretrain(argv)` is what pretrain_gpt.py runs on every rank. One iteration
+trains on one global batch: each DP rank takes its slice, the pipeline schedule
+runs its micro-batches (gradient accumulation), the tied embedding's gradients
+are summed over the first and last stage, and the ZeRO optimizer steps.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import checkpoint as ckpt
+from .arguments import ArgumentError, args_to_dict, parse_args
+from .data import DataError, GlobalBatchSampler, build_tokenizer, build_train_valid_test_datasets, collate_gpt
+from .distributed import LaunchError, init_distributed, read_launch_env
+from .exit_signal import ExitPolicy
+from .logger import TensorBoardLog, format_eval_line, format_train_line
+from .lr_schedule import LRSchedule
+from .model.config import GPTConfig
+from .pipeline.gpt_stage import activation_shape, build_gpt_stage, make_forward_step, sync_tied_embedding_grads
+from .pipeline.p2p import P2P
+from .pipeline.schedule import broadcast_loss, forward_backward
+from .rng_state import get_rng_state, set_rng_state
+from .tensor_parallel.random import model_parallel_seed
+from .throughput import gpt_flops_per_iteration, tflops_per_rank
+from .topology import build_parallel_state
+from .zero import ZeroOptimizer
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    skipped_iterations: int = 0
+    nan_iterations: int = 0
+
+
+def param_groups(model, weight_decay: float):
+    """Megatron's two groups: weight decay on matrices and embeddings, none on biases and norms."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if p.ndim == 1 else decay).append((name, p))
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class Trainer:
+    def __init__(self, args, state):
+        self.args, self.state = args, state
+        model_parallel_seed(args.seed, state.tp_rank, state.pp_rank)
+        self.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file,
+                                         args.merge_file, args.vocab_size)
+        self.config = GPTConfig(
+            vocab_size=self.tokenizer.vocab_size, hidden_size=args.hidden_size, num_layers=args.num_layers,
+            num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
+            max_position_embeddings=args.max_position_embeddings, ffn_hidden_size=args.ffn_hidden_size,
+            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, hidden_dropout=args.hidden_dropout,
+            attention_dropout=args.attention_dropout, layernorm_epsilon=args.layernorm_epsilon,
+            init_method_std=args.init_method_std, seed=args.seed)
+        self.model = build_gpt_stage(self.config, state, args.pipeline_partition_method, args.pipeline_partition)
+        loss_scaler = {"dynamic": args.loss_scale is None, "static_scale": args.loss_scale or 1.0,
+                       "initial_scale_power": int(math.log2(args.initial_loss_scale)),
+                       "scale_window": args.loss_scale_window, "min_scale": args.min_loss_scale,
+                       "hysteresis": args.hysteresis}
+        self.optimizer = ZeroOptimizer(
+            param_groups(self.model, args.weight_decay), dp_group=state.dp_group, stage=args.zero_stage,
+            lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+            weight_decay=args.weight_decay, clip_grad=args.clip_grad, mp_group=state.mp_group,
+            tp_rank=state.tp_rank, dtype=args.params_dtype, loss_scaler=loss_scaler, offload=args.offload,
+            nvme_path=args.zero_nvme_offload_path, module=self.model)
+        self.schedule = LRSchedule(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
+                                   args.lr_decay_style)
+        self.progress = TrainState()
+        self.p2p = P2P(state.prev_rank, state.next_rank, activation_shape(args.micro_batch_size, self.config),
+                       DTYPES[args.params_dtype])
+        writer_rank = state.layout.rank(state.pp_size - 1, 0, 0)
+        self.is_writer = state.rank == writer_rank
+        self.tb = TensorBoardLog(args.tensorboard_dir, self.is_writer)
+        if args.load:
+            self.load(args.load)
+        self._build_data()
+
+    # ---- data ------------------------------------------------------------------------
+    def _build_data(self):
+        a = self.args
+        gbs = a.global_batch_size
+        evals = (a.train_iters // a.eval_interval + 1) * a.eval_iters
+        sizes = [a.train_iters * gbs, evals * gbs if a.eval_iters else 0, a.eval_iters * gbs]
+        self.train_ds, self.valid_ds, _ = build_train_valid_test_datasets(
+            a.data_path, a.split, a.seq_length, a.seed, sizes, cache_dir=a.data_cache_path)
+
+    def _micro_batches(self, dataset, start: int):
+        """This rank's collated micro-batches of the global batch starting at sample `start`."""
+        if not (self.state.is_first_stage or self.state.is_last_stage):
+            return [{}] * self.args.num_micro_batches  # middle stages take activations, not tokens
+        a = self.args
+        sampler = GlobalBatchSampler(start + a.global_batch_size, start, a.micro_batch_size,
+                                     a.global_batch_size, self.state.dp_rank, self.state.dp_size)
+        return [collate_gpt([dataset[i] for i in idx]) for idx in sampler.global_batch(start)]
+
+    # ---- one iteration ---------------------------------------------------------------
+    def train_step(self, micro):
+        s = self.state
+        self.model.train()
+        losses = forward_backward(make_forward_step(self.model, micro, s), len(micro), self.p2p, s.pp_rank,
+                                  s.pp_size, backward_loss=self.optimizer.backward)
+        self.optimizer.impl.finish_backward()  # reduce the last stage-2 bucket on every stage
+        sync_tied_embedding_grads(self.model, s)
+        lr = self.schedule.lr()
+        updated, grad_norm = self.optimizer.step(lr=lr)
+        loss = broadcast_loss(losses, s.is_last_stage, s.layout.pp_group(s.rank)[-1], s.pp_group, s.dp_group)
+        return loss, lr, updated, grad_norm
+
+    @torch.no_grad()
+    def evaluate(self):
+        s, a = self.state, self.args
+        self.model.eval()
+        total = 0.0
+        for k in range(a.eval_iters):
+            micro = self._micro_batches(self.valid_ds, k * a.global_batch_size)
+            losses = forward_backward(make_forward_step(self.model, micro, s), len(micro), self.p2p, s.pp_rank,
+                                      s.pp_size, forward_only=True)
+            total += broadcast_loss(losses, s.is_last_stage, s.layout.pp_group(s.rank)[-1], s.pp_group,
+                                    s.dp_group)
+        return total / max(1, a.eval_iters)
+
+    # ---- checkpoints -----------------------------------------------------------------
+    def client_state(self) -> dict:
+        return {"args": args_to_dict(self.args), "iteration": self.progress.iteration,
+                "train_state": asdict(self.progress), "lr_scheduler": self.schedule.state_dict(),
+                "rng_state": get_rng_state(), "consumed_train_samples": self.progress.consumed_train_samples}
+
+    def save(self):
+        a = self.args
+        ckpt.save_checkpoint(a.save, self.progress.iteration, self.state, self.model, self.optimizer,
+                             self.client_state(), async_save=a.async_save, keep_last_k=a.keep_last_k)
+
+    def load(self, path):
+        a = self.args
+        client = ckpt.load_checkpoint(path, self.state, self.model, self.optimizer,
+                                      load_optimizer=not (a.no_load_optim or a.finetune),
+                                      universal=a.universal_checkpoint)
+        if client is None:
+            return
+        if a.finetune:
+            return
+        self.progress = TrainState(**client["train_state"])
+        self.schedule.load_state_dict(client["lr_scheduler"])
+        if not a.no_load_rng and client.get("rng_state") is not None:
+            set_rng_state(client["rng_state"])
+
+    # ---- the loop --------------------------------------------------------------------
+    def train(self) -> int:
+        a, s, p = self.args, self.state, self.progress
+        policy = ExitPolicy(a.exit_signal_handler, a.exit_duration_in_mins, a.exit_interval)
+        flops = gpt_flops_per_iteration(a.global_batch_size, a.seq_length, a.num_layers, a.hidden_size,
+                                        self.config.padded_vocab_size(s.tp_size), a.ffn_hidden_size)
+        self._log(f"training {self.config.num_layers}-layer GPT on {s.layout} from iteration {p.iteration}"
+                  f" ({p.consumed_train_samples} samples consumed), {a.num_micro_batches} micro-batches per step")
+        last_log, iters_since_log = time.monotonic(), 0
+        saved_at = None
+        while p.iteration < a.train_iters:
+            micro = self._micro_batches(self.train_ds, p.consumed_train_samples)
+            loss, lr, updated, grad_norm = self.train_step(micro)
+            p.iteration += 1
+            p.consumed_train_samples += a.global_batch_size
+            self.schedule.step()
+            if not updated:
+                p.skipped_iterations += 1
+            if loss != loss:
+                p.nan_iterations += 1
+            iters_since_log += 1
+            self.tb.train(p.iteration, loss, lr, grad_norm, self.optimizer.loss_scale, a.global_batch_size,
+                          p.consumed_train_samples)
+            if p.iteration % a.log_interval == 0 or p.iteration == a.train_iters:
+                elapsed = (time.monotonic() - last_log) / iters_since_log
+                tokens = a.global_batch_size * a.seq_length / elapsed
+                self._log(format_train_line(p.iteration, a.train_iters, p.consumed_train_samples, elapsed * 1e3,
+                                            lr, a.global_batch_size, loss, self.optimizer.loss_scale, grad_norm,
+                                            p.skipped_iterations, p.nan_iterations, tokens,
+                                            tflops_per_rank(flops, elapsed, s.layout.world_size)))
+                last_log, iters_since_log = time.monotonic(), 0
+            if a.eval_iters and self.valid_ds is not None and p.iteration % a.eval_interval == 0:
+                val = self.evaluate()
+                self.tb.validation(p.iteration, val)
+                self._log(format_eval_line(p.iteration, val))
+            if a.save and a.save_interval and p.iteration % a.save_interval == 0:
+                self.save()
+                saved_at = p.iteration
+            reason = policy.should_exit(p.iteration)
+            if reason:
+                self._log(f"exiting after iteration {p.iteration}: {reason}")
+                break
+        if a.save and saved_at != p.iteration:
+            self.save()
+        ckpt.finalize_async_saves()
+        policy.restore()
+        self.tb.close()
+        return 0
+
+    def _log(self, line: str):
+        if self.is_writer:
+            print(line, flush=True)
+
+
+def pretrain(argv=None) -> int:
+    try:
+        launch = read_launch_env()
+        args = parse_args(argv, world_size=launch.world_size)
+        init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+        state = build_parallel_state(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+        trainer = Trainer(args, state)
+        code = trainer.train()
+    except (ArgumentError, LaunchError, DataError, ckpt.CheckpointError) as err:
+        print(f"pretrain_gpt.py: error: {err}", file=sys.stderr, flush=True)
+        code = 2
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return code
