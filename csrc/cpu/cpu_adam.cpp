@@ -1,0 +1,101 @@
+// megatron_zero._C_cpu_adam: one fused, multi-threaded AdamW step over flat fp32
+// tensors, optionally writing the bf16/fp16 copy of the new weights in the same
+// pass (what ZeRO-Offload hands back to the GPU). Math is torch.optim.AdamW's.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+#include "adam_isa.h"
+
+namespace {
+
+using KernelFn = void (*)(const mz::AdamRange&, const mz::AdamScalars&);
+
+struct Kernel {
+  KernelFn fn;
+  const char* isa;
+};
+
+Kernel pick_kernel() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma"))
+    return {mz::adam_range_avx512, "avx512"};
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c"))
+    return {mz::adam_range_avx2, "avx2"};
+#endif
+  return {mz::adam_range_default, "default"};
+}
+
+const Kernel& kernel() {
+  static const Kernel k = pick_kernel();
+  return k;
+}
+
+void check_flat(const torch::Tensor& t, const char* name, int64_t numel) {
+  TORCH_CHECK(t.device().is_cpu(), "cpu_adam: ", name, " must be on the CPU, got ", t.device());
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32, "cpu_adam: ", name, " must be float32, got ",
+              t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), "cpu_adam: ", name, " must be contiguous");
+  TORCH_CHECK(t.numel() == numel, "cpu_adam: ", name, " has ", t.numel(),
+              " elements but param has ", numel);
+}
+
+void adam_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg,
+               torch::Tensor exp_avg_sq, int64_t step, double lr, double beta1, double beta2,
+               double eps, double weight_decay, c10::optional<torch::Tensor> low_out) {
+  const int64_t n = param.numel();
+  check_flat(param, "param", n);
+  check_flat(grad, "grad", n);
+  check_flat(exp_avg, "exp_avg", n);
+  check_flat(exp_avg_sq, "exp_avg_sq", n);
+  TORCH_CHECK(step >= 1, "cpu_adam: step must be >= 1 (the count after this update), got ", step);
+  int low_kind = mz::kLowNone;
+  uint16_t* low = nullptr;
+  if (low_out.has_value()) {
+    const torch::Tensor& o = *low_out;
+    TORCH_CHECK(o.device().is_cpu() && o.is_contiguous() && o.numel() == n,
+                "cpu_adam: low_out must be a contiguous CPU tensor with ", n, " elements");
+    TORCH_CHECK(o.scalar_type() == torch::kBFloat16 || o.scalar_type() == torch::kFloat16,
+                "cpu_adam: low_out must be bfloat16 or float16, got ", o.scalar_type());
+    low_kind = o.scalar_type() == torch::kBFloat16 ? mz::kLowBF16 : mz::kLowF16;
+    low = reinterpret_cast<uint16_t*>(o.data_ptr());
+  }
+  // Same double-precision folding as torch/optim/adam.py (_single_tensor_adam).
+  const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
+  const mz::AdamScalars s{
+      static_cast<float>(weight_decay != 0.0 ? 1.0 - lr * weight_decay : 1.0),
+      static_cast<float>(1.0 - beta1),
+      static_cast<float>(beta2),
+      static_cast<float>(1.0 - beta2),
+      static_cast<float>(std::pow(bc2, 0.5)),  // adam.py: bias_correction2**0.5
+      static_cast<float>(eps),
+      static_cast<float>(-(lr / bc1))};
+  float* p = param.data_ptr<float>();
+  float* m = exp_avg.data_ptr<float>();
+  float* v = exp_avg_sq.data_ptr<float>();
+  const float* g = grad.data_ptr<float>();
+  const KernelFn fn = kernel().fn;
+  constexpr int64_t kGrain = 1 << 16;  // elements per task: ~1.2 MB of traffic
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    const mz::AdamRange r{p + begin, m + begin, v + begin, g + begin,
+                          low ? low + begin : nullptr, low_kind, end - begin};
+    fn(r, s);
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.doc() = "Fused multi-threaded AdamW step on the CPU (torch.optim.AdamW's math)";
+  mod.def("adam_step", &adam_step, "In-place AdamW step on flat fp32 tensors",
+          py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+          py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+          py::arg("weight_decay"), py::arg("low_out") = py::none());
+  mod.def("isa", [] { return std::string(kernel().isa); },
+          "The instruction set the kernel dispatched to on this CPU");
+}

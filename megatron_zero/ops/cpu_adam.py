@@ -1,0 +1,87 @@
+"""AdamW on the CPU: the fused C++ step (csrc/cpu) or the same math in PyTorch.
+
+`adamw_step_` is what a ZeRO-Offload optimizer calls on its flat fp32
+partition; it can also write the bf16/fp16 copy of the new weights in the same
+pass. `CPUAdamW` wraps it as a torch.optim.Optimizer with torch.optim.AdamW's
+state keys (step, exp_avg, exp_avg_sq), so checkpoints are interchangeable.
+"""
+import torch
+
+from .fusion_flags import use_fused
+from .registry import load, warn_fallback_once
+
+_EXT = "megatron_zero._C_cpu_adam"
+
+
+def adamw_reference_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps,
+                     weight_decay, low_out=None):
+    """torch.optim.AdamW's single-tensor update, op for op (the fallback)."""
+    if weight_decay != 0:
+        param.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    step_size = lr / (1 - beta1**step)
+    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)
+    if low_out is not None:
+        low_out.copy_(param.view_as(low_out))
+
+
+def _kernel_fits(*tensors):
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+               for t in tensors)
+
+
+def adamw_step_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1=0.9, beta2=0.999,
+                eps=1e-8, weight_decay=0.0, low_out=None, fused=None):
+    """One in-place AdamW step; `step` counts this update (1 on the first).
+
+    low_out, if given, is a bf16/fp16 tensor with param's number of elements
+    that receives param's new value cast to its dtype.
+    """
+    step = int(step)
+    if step < 1:
+        raise ValueError(f"adamw_step_: step must be >= 1 (this update's count), got {step}")
+    if use_fused("cpu_adam_fusion", fused) and _kernel_fits(param, grad, exp_avg, exp_avg_sq):
+        ext = load(_EXT)
+        if ext is not None:
+            ext.adam_step(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps,
+                          weight_decay, low_out)
+            return
+        warn_fallback_once("cpu_adam", "the C++ extension was not built")
+    adamw_reference_(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1,
+                     beta2=beta2, eps=eps, weight_decay=weight_decay, low_out=low_out)
+
+
+class CPUAdamW(torch.optim.Optimizer):
+    """torch.optim.AdamW for CPU fp32 parameters, stepped by the fused kernel."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 fused=None):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        self.fused = fused
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                adamw_step_(p, p.grad, state["exp_avg"], state["exp_avg_sq"],
+                            step=int(state["step"].item()), lr=group["lr"], beta1=beta1,
+                            beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                            fused=self.fused)
+        return loss

@@ -1,0 +1,36 @@
+"""Multi-tensor AdamW: every parameter of a group updated by one CUDA launch.
+
+Fallback: the same per-tensor math as torch.optim.AdamW (cpu_adam's reference).
+All tensors are updated in place; `step` counts this update (1 on the first).
+"""
+import torch
+
+from .cpu_adam import adamw_reference_
+from .fusion_flags import use_fused
+from .registry import load
+
+_EXT = "megatron_zero._C_cuda"
+
+
+def _kernel_fits(lists):
+    return all(t.is_cuda and t.dtype == torch.float32 and t.is_contiguous()
+               for ts in lists for t in ts)
+
+
+def multi_tensor_adamw_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1=0.9,
+                        beta2=0.999, eps=1e-8, weight_decay=0.0, fused=None):
+    lists = (params, grads, exp_avgs, exp_avg_sqs)
+    if len({len(x) for x in lists}) != 1:
+        raise ValueError("multi_tensor_adamw_: params, grads, exp_avgs and exp_avg_sqs "
+                         f"must have equal lengths, got {[len(x) for x in lists]}")
+    if not params:
+        return
+    if (use_fused("multi_tensor_adam_fusion", fused) and _kernel_fits(lists)
+            and load(_EXT) is not None):
+        load(_EXT).multi_tensor_adamw(list(params), list(grads), list(exp_avgs),
+                                      list(exp_avg_sqs), int(step), lr, beta1, beta2, eps,
+                                      weight_decay)
+        return
+    for p, g, m, v in zip(*lists):
+        adamw_reference_(p, g, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                         weight_decay=weight_decay)

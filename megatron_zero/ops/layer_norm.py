@@ -1,0 +1,57 @@
+"""LayerNorm over the last dimension: the fused CUDA kernel or F.layer_norm.
+
+The kernel keeps the row statistics (mean, 1/std) from the forward pass for the
+backward pass, and sums dgamma/dbeta deterministically.
+"""
+import torch
+import torch.nn.functional as F
+
+from .fusion_flags import get_fusion_flags
+from .registry import load
+
+_EXT = "megatron_zero._C_cuda"
+
+
+class _FusedLayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        ext = load(_EXT)
+        x2 = x.contiguous().view(-1, x.shape[-1])
+        y, mean, invvar = ext.layer_norm_fwd(x2, weight.contiguous(), bias.contiguous(), eps)
+        ctx.save_for_backward(x2, weight, mean, invvar)
+        return y.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, mean, invvar = ctx.saved_tensors
+        ext = load(_EXT)
+        dx, dweight, dbias = ext.layer_norm_bwd(dy.contiguous().view_as(x2), x2, mean, invvar,
+                                                weight.contiguous())
+        return dx.view(dy.shape), dweight, dbias, None
+
+
+def _fused_ok(x, weight, bias, fused):
+    wanted = fused if fused is not None else (
+        get_fusion_flags().layer_norm_fusion and get_fusion_flags().persist_layer_norm)
+    return (wanted and x.is_cuda and weight is not None and bias is not None
+            and x.dtype == weight.dtype == bias.dtype
+            and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and load(_EXT) is not None)
+
+
+def layer_norm(x, weight, bias, eps=1e-5, fused=None):
+    """LayerNorm of x over its last dimension, with affine weight and bias."""
+    if _fused_ok(x, weight, bias, fused):
+        return _FusedLayerNorm.apply(x, weight, bias, eps)
+    return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+
+
+class LayerNorm(torch.nn.LayerNorm):
+    """nn.LayerNorm (same parameters and state_dict) that uses the fused kernel."""
+
+    def __init__(self, hidden_size, eps=1e-5, fused=None, **kw):
+        super().__init__(hidden_size, eps=eps, **kw)
+        self.fused = fused
+
+    def forward(self, x):
+        return layer_norm(x, self.weight, self.bias, self.eps, self.fused)

@@ -1,0 +1,52 @@
+"""Which compiled kernels were built, loaded lazily and remembered.
+
+The extensions are built by setup.py (csrc/extensions.py) at install time; a
+missing one is not an error, the ops fall back to PyTorch. `available_kernels()`
+says what this installation has, and why not when it does not.
+"""
+import importlib
+import warnings
+
+# extension module -> the kernels it provides
+EXTENSIONS = {
+    "megatron_zero._C_cpu_adam": ("cpu_adam",),
+    "megatron_zero._C_cuda": ("layer_norm", "scaled_upper_triang_masked_softmax", "bias_gelu",
+                              "multi_tensor_adam"),
+}
+
+_loaded = {}  # module name -> module or the reason it is missing (str)
+
+
+def load(module_name: str):
+    """The extension module, or None when it was not built (reason kept for reports)."""
+    if module_name not in _loaded:
+        try:
+            _loaded[module_name] = importlib.import_module(module_name)
+        except ImportError as e:
+            _loaded[module_name] = f"not built ({e})"
+    mod = _loaded[module_name]
+    return None if isinstance(mod, str) else mod
+
+
+def available_kernels() -> dict:
+    """{kernel name: True, or the reason it is unavailable}, for logs and tests."""
+    out = {}
+    for module_name, kernels in EXTENSIONS.items():
+        mod = load(module_name)
+        reason = True if mod is not None else _loaded[module_name]
+        if mod is not None and module_name.endswith("_C_cuda"):
+            import torch
+            if not torch.cuda.is_available():
+                reason = "built, but no CUDA device is visible"
+        for k in kernels:
+            out[k] = reason
+    return out
+
+
+_warned = set()
+
+
+def warn_fallback_once(kernel: str, why: str) -> None:
+    if kernel not in _warned:
+        _warned.add(kernel)
+        warnings.warn(f"megatron_zero.ops: {kernel} uses the PyTorch fallback: {why}", stacklevel=3)

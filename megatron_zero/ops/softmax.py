@@ -1,0 +1,45 @@
+"""Scaled upper-triangular masked softmax: the causal attention softmax.
+
+softmax(scale * x) over the last dimension of x [batches, sq, sk], where
+key j > query i is masked out (probability 0), computed in fp32 and returned
+in x's dtype. The fused CUDA kernel never builds the mask; the fallback does.
+"""
+import torch
+
+from .fusion_flags import use_fused
+from .registry import load
+
+_EXT = "megatron_zero._C_cuda"
+
+
+class _FusedCausalSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        y = load(_EXT).causal_softmax_fwd(x.contiguous(), scale)
+        ctx.save_for_backward(y)
+        ctx.scale = scale
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        return load(_EXT).causal_softmax_bwd(dy.contiguous(), y, ctx.scale), None
+
+
+def causal_softmax_reference(x, scale):
+    sq, sk = x.shape[-2:]  # equal; checked by the caller
+    mask = torch.ones(sq, sk, dtype=torch.bool, device=x.device).triu(1)  # key > query
+    scores = (x.float() * scale).masked_fill(mask, float("-inf"))
+    return torch.softmax(scores, dim=-1).to(x.dtype)
+
+
+def scaled_upper_triang_masked_softmax(x, scale=1.0, fused=None):
+    """Causal softmax of scale*x [batches, sq, sk] along the last dim (sq == sk)."""
+    if x.dim() != 3 or x.shape[-1] != x.shape[-2]:
+        raise ValueError(f"scaled_upper_triang_masked_softmax expects [batches, sq, sq], "
+                         f"got shape {tuple(x.shape)}")
+    if (use_fused("masked_softmax_fusion", fused) and x.is_cuda
+            and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and load(_EXT) is not None):
+        return _FusedCausalSoftmax.apply(x, float(scale))
+    return causal_softmax_reference(x, scale)
