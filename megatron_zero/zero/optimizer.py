@@ -95,6 +95,7 @@ class ZeroOptimizer:
 
     def step(self, lr: Optional[float] = None):
         """Reduce, unscale, check overflow, clip, step, publish weights. -> (updated, grad_norm)."""
+        self.impl.finish_backward()  # idempotent: for schedules that call loss.backward() themselves
         grads = self.impl.grad_partitions()
         inv = 1.0 / (self.loss_scaler.loss_scale * self.impl.reduce_dp)
         for g in grads:

@@ -10,6 +10,7 @@ before it); a unit is released again once every parameter of it has its gradient
 tensors that autograd saves for backward are saved as references to the parameter and rebuilt
 from the re-gathered data (saved-tensor hooks), so they do not pin the gathered storage.
 Gradients are reduce-scattered in buckets into this rank's fp32 chunk as they become ready.
+Methods named in ``entry_points`` (the tied embedding's ``lm_logits``) gather like a forward.
 Peak parameter memory: the rank's shard + the current unit + the prefetched one.
 """
 from __future__ import annotations
@@ -38,7 +39,7 @@ class _PreBackward(torch.autograd.Function):
 def _units(module: torch.nn.Module) -> List[torch.nn.Module]:
     out = []
     for child in module.children():
-        if isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)):
+        if isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)):
             out.extend(_units(child))
         else:
             out.append(child)
@@ -46,7 +47,8 @@ def _units(module: torch.nn.Module) -> List[torch.nn.Module]:
 
 
 class Stage3:
-    def __init__(self, groups, dp_group, dtype, bucket_size, module=None, layers=None, prefetch=True):
+    def __init__(self, groups, dp_group, dtype, bucket_size, module=None, layers=None, prefetch=True,
+                 entry_points=("lm_logits",)):
         if module is None:
             raise ValueError("ZeRO stage 3 needs module= (the model), to gather each layer's parameters "
                              "around its forward and backward")
@@ -84,6 +86,10 @@ class Stage3:
         for ui, u in enumerate(self.units):
             self._hooks.append(u.register_forward_pre_hook(lambda m, a, ui=ui: self._pre_forward(ui)))
             self._hooks.append(u.register_forward_hook(lambda m, a, out, ui=ui: self._post_forward(ui, out)))
+        for ui, u in enumerate(self.units):  # methods that use a unit's weights outside its forward
+            for name in entry_points:
+                if callable(getattr(u, name, None)):
+                    setattr(u, name, self._entry_point(ui, getattr(u, name)))
         self._units_of = {}
         for ui, ps in enumerate(self.unit_params):
             for p in ps:
@@ -175,7 +181,15 @@ class Stage3:
             items[i] = w
         return items[0] if single else type(out)(items)
 
+    def _entry_point(self, ui, method):
+        def gathered_call(*args, **kwargs):
+            self._pre_forward(ui)
+            return self._post_forward(ui, method(*args, **kwargs))
+        return gathered_call
+
     def _pre_backward(self, ui):
+        if ui in self._pending:  # a unit entered twice (tied embedding): already gathered
+            return
         self.gather_unit(ui)
         self._pending[ui] = {id(p) for p in self.unit_params[ui]}
         self._prefetch(ui, -1)
@@ -230,7 +244,8 @@ class Stage3:
                     self._materialize(p)
                 p.ds_rc = 0
                 self._release(p)
-        self._trace, self._order = self._order, []
+        if self._order:
+            self._trace, self._order = self._order, []
 
     # ---- the optimizer's face ------------------------------------------------------------
     def owned_ranges(self, gi):
