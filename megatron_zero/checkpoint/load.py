@@ -1,0 +1,131 @@
+"""load_checkpoint: read only this rank's files, verified, and refuse mismatches with one sentence.
+
+    client_state = load_checkpoint(load_dir, state, model, optimizer, load_optimizer=True)
+
+Returns None when load_dir holds no `latest` (a fresh start, as Megatron does). The client
+state comes back with `rng_state` resolved to this rank's (DP-indexed list in the file) and
+`args` as a dict.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from collections import OrderedDict
+from typing import Optional
+
+import torch
+
+from ..topology import ParallelState
+from .commit import LATEST
+from .deepspeed_layout import EMBED_PREFIX, layer_file_name, model_states_name, optim_states_name, param_shapes
+from .errors import CheckpointError
+from .reader import Checkpoint, open_checkpoint
+
+ENGINE_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+               "frozen_param_fragments", "data_sampler", "random_ltd", "skipped_steps", "global_steps",
+               "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
+               "universal_checkpoint_info"}
+
+
+def _check_layout(ckpt: Checkpoint, states: dict, name: str, state: ParallelState, need_same_dp: bool):
+    saved = ckpt.meta.get("layout") or {"dp": states.get("dp_world_size"), "mp": states.get("mp_world_size")}
+    lay = state.layout
+    here = {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp}
+    if "tp" in saved:
+        differs = [k for k in ("tp", "pp") + (("dp",) if need_same_dp else ()) if saved[k] != here[k]]
+        what = f"TP={saved['tp']} x PP={saved['pp']} x DP={saved['dp']}"
+    else:
+        differs = (["mp"] if saved["mp"] != lay.mp_size else []) + (["dp"] if need_same_dp and saved["dp"] != lay.dp
+                                                                    else [])
+        what = f"model-parallel size {saved['mp']} and DP={saved['dp']}"
+    if differs:
+        raise CheckpointError(f"the checkpoint {ckpt.directory} was saved with {what} but this run is {lay}; "
+                              "resume on the same layout, or convert it with tools/ds_to_universal.py and "
+                              "load it with --universal-checkpoint")
+
+
+def _check_shapes(saved_groups, model, optimizer, path: str):
+    named = dict(model.named_parameters())
+    saved = OrderedDict((n, tuple(s)) for g in saved_groups for n, s in g.items())
+    mine = OrderedDict((n, tuple(s)) for g in param_shapes(optimizer, named) for n, s in g.items())
+    diffs = [f"{n} {list(saved[n])} in the checkpoint vs {list(mine[n])} here" for n in mine
+             if n in saved and saved[n] != mine[n]]
+    diffs += [f"{n} missing from the checkpoint" for n in mine if n not in saved]
+    diffs += [f"{n} not in this model" for n in saved if n not in mine]
+    if diffs:
+        shown = "; ".join(diffs[:12]) + (f"; and {len(diffs) - 12} more" if len(diffs) > 12 else "")
+        raise CheckpointError(f"the checkpoint file {path} holds a model of another shape ({len(diffs)} "
+                              f"parameters differ: {shown}); build the model with the checkpoint's arguments")
+
+
+def _load_layers(ckpt: Checkpoint, model, tp_rank: int):
+    indices = list(model.layer_indices)
+    if hasattr(model, "tied_modules") and 1 not in indices:
+        indices = [1] + indices  # a last stage's copy of the tied embedding comes from layer_01
+    sd = OrderedDict()
+    for i in indices:
+        name = layer_file_name(i, tp_rank)
+        if not ckpt.has(name):
+            continue  # layers without parameters have no file; a missing real one is caught below
+        prefix = EMBED_PREFIX if i == 1 else f"{i}."
+        for k, v in ckpt.load(name).items():
+            sd[prefix + k] = v
+    missing = [k for k in model.state_dict() if k not in sd]
+    if missing:
+        from .deepspeed_layout import layer_of
+        files = sorted({layer_file_name(layer_of(k)[0], tp_rank) for k in missing})
+        raise CheckpointError(f"the checkpoint file {ckpt.path(files[0])} is missing (it holds {missing[0]}"
+                              f"{f' and {len(missing) - 1} more parameters' if len(missing) > 1 else ''})")
+    model.load_state_dict(sd, strict=True)
+
+
+def _weights_only(osd: dict) -> dict:
+    """An optimizer state with the fp32 masters but fresh moments and step (--no-load-optim)."""
+    sd = dict(osd)
+    for key in ("base_optimizer_state", "optimizer_state_dict"):
+        if key in sd:
+            sd[key] = {"state": {}, "param_groups": []}
+    sd["loss_scaler"] = None
+    return sd
+
+
+def load_checkpoint(load_dir: str, state: ParallelState, model, optimizer, load_optimizer: bool = True,
+                    universal: bool = False, tag: Optional[str] = None, verify: bool = True) -> Optional[dict]:
+    if universal:
+        raise CheckpointError("loading a universal checkpoint (--universal-checkpoint) is not supported by "
+                              "megatron_zero.checkpoint.load_checkpoint; load a checkpoint saved on this layout")
+    if tag is None and not os.path.exists(os.path.join(load_dir, LATEST)):
+        return None
+    ckpt = open_checkpoint(load_dir, tag, verify=verify)
+    stage, mp, dp = optimizer.stage, state.mp_rank, state.dp_rank
+    ms_name = model_states_name(mp, stage, dp)
+    if not ckpt.has(ms_name):
+        other = model_states_name(mp, 0 if stage == 3 else 3, dp)
+        why = (f"it was saved at ZeRO-{'3' if stage < 3 else '1/2'}, this run is ZeRO-{stage}" if ckpt.has(other)
+               else f"needed by model-parallel rank {mp}")
+        ckpt.require(ms_name, why)
+    states = ckpt.load(ms_name)
+    _check_layout(ckpt, states, ms_name, state, need_same_dp=load_optimizer or stage == 3)
+    _check_shapes(states["param_shapes"], model, optimizer, ckpt.path(ms_name))
+    if stage < 3:
+        _load_layers(ckpt, model, state.tp_rank)
+    bf16 = optimizer.dtype == torch.bfloat16
+    opt_name = optim_states_name(dp, mp, bf16)
+    if not ckpt.has(opt_name) and ckpt.has(optim_states_name(dp, mp, not bf16)):
+        opt_name = optim_states_name(dp, mp, not bf16)
+    if load_optimizer or stage == 3 or ckpt.meta.get("layout", {}).get("dp", states.get("dp_world_size")) == \
+            state.dp_size:
+        ckpt.require(opt_name, f"the ZeRO state of DP rank {dp}, model-parallel rank {mp}")
+        osd = ckpt.load(opt_name)["optimizer_state_dict"]
+        try:
+            optimizer.load_state_dict(osd if load_optimizer else _weights_only(osd))
+        except ValueError as e:
+            raise CheckpointError(f"the checkpoint file {ckpt.path(opt_name)} does not fit this optimizer: {e}") from e
+    client = {k: v for k, v in states.items() if k not in ENGINE_KEYS}
+    client["lr_scheduler"] = states.get("lr_scheduler")
+    rng = client.get("rng_state")
+    if isinstance(rng, list):
+        client["rng_state"] = rng[dp] if dp < len(rng) else None
+    if isinstance(client.get("args"), argparse.Namespace):
+        client["args"] = vars(client["args"])
+    return client

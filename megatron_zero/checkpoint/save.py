@@ -1,0 +1,101 @@
+"""save_checkpoint: every rank writes its own files of the DeepSpeed layout, in parallel.
+
+    save_checkpoint(save_dir, iteration, state, model, optimizer, client_state,
+                    async_save=False, keep_last_k=None)
+
+client_state (Megatron-DeepSpeed's): args, iteration, lr_scheduler, rng_state (this rank's),
+consumed samples, ... It goes into the model-states files; `rng_state` is gathered over the DP
+group and stored as Megatron's per-DP-rank list, so every rank gets its own back.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..topology import ParallelState
+from .deepspeed_layout import (CHECKPOINT_VERSION, DS_VERSION, assign_layers_to_dp, engine_state, layer_file_name,
+                               layer_state_dicts, model_states_name, optim_states_name, universal_checkpoint_info)
+from .writer import CopyFile, get_writer
+
+ZERO_TO_FP32 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zero_to_fp32.py")
+
+
+def ds_config(optimizer) -> dict:
+    """A DeepSpeed-style config describing the optimizer (recorded as `ds_config`)."""
+    return {"zero_optimization": {"stage": optimizer.stage,
+                                  "offload_optimizer": {"device": getattr(optimizer, "offload", "none")}},
+            "bf16": {"enabled": optimizer.dtype == torch.bfloat16},
+            "fp16": {"enabled": optimizer.dtype == torch.float16},
+            "gradient_clipping": optimizer.clip_grad}
+
+
+def _gather_dp(value, state: ParallelState):
+    if state.dp_size == 1:
+        return [value]
+    out = [None] * state.dp_size
+    dist.all_gather_object(out, value, group=state.dp_group)
+    return out
+
+
+def _client(client_state: dict, state: ParallelState, iteration: int) -> dict:
+    client = dict(client_state)
+    if isinstance(client.get("args"), dict):  # Megatron stores an argparse.Namespace
+        client["args"] = argparse.Namespace(**client["args"])
+    client["rng_state"] = _gather_dp(client.get("rng_state"), state)
+    client.setdefault("iteration", iteration)
+    client.setdefault("checkpoint_version", CHECKPOINT_VERSION)
+    return client
+
+
+def build_plan(iteration: int, state: ParallelState, model, optimizer, client: dict):
+    """[(file name, object)] this rank writes."""
+    tp, mp, dp_rank = state.tp_rank, state.mp_rank, state.dp_rank
+    stage = optimizer.stage
+    config = model.config
+    cfg = ds_config(optimizer)
+    plan = [(optim_states_name(dp_rank, mp, optimizer.dtype == torch.bfloat16),
+             {"optimizer_state_dict": optimizer.state_dict(), "ds_config": cfg, "ds_version": DS_VERSION})]
+    if stage == 3 or dp_rank == 0:
+        consumed = int(client.get("consumed_train_samples", 0) or 0)
+        states = engine_state(model, optimizer, iteration, consumed, state.dp_size, state.layout.mp_size, cfg,
+                              client.get("lr_scheduler"), int(client.get("skipped_steps", 0) or 0))
+        states["universal_checkpoint_info"] = universal_checkpoint_info(
+            config.num_layers, config.vocab_size, config.padded_vocab_size(state.tp_size))
+        states.update({k: v for k, v in client.items() if k not in states})
+        plan.append((model_states_name(mp, stage, dp_rank), states))
+    if stage < 3:
+        layers = layer_state_dicts(model.state_dict(), model.layer_indices)
+        nbytes = {i: sum(t.numel() * t.element_size() for t in sd.values()) for i, sd in layers.items()}
+        owner = assign_layers_to_dp(nbytes, state.dp_size)
+        plan += [(layer_file_name(i, tp), sd) for i, sd in layers.items() if owner[i] == dp_rank]
+    if state.rank == 0:
+        plan.append(("zero_to_fp32.py", CopyFile(ZERO_TO_FP32, executable=True)))
+    return plan
+
+
+def save_checkpoint(save_dir: str, iteration: int, state: ParallelState, model, optimizer, client_state: dict,
+                    async_save: bool = False, keep_last_k: Optional[int] = None, tag: Optional[str] = None,
+                    save_latest: bool = True) -> str:
+    """Collective. Returns the tag. With async_save, returns once the state is copied to host buffers."""
+    tag = tag or f"global_step{iteration}"
+    writer = get_writer()
+    writer.wait()  # the previous async save must be done before its buffers/state are reused
+    client = _client(client_state, state, iteration)
+    plan = build_plan(iteration, state, model, optimizer, client)
+    layout = state.layout
+    meta = {"layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp}, "zero_stage": optimizer.stage,
+            "model": {"num_layers": model.config.num_layers, "hidden_size": model.config.hidden_size,
+                      "vocab_size": model.config.vocab_size}}
+    writer.save(save_dir, tag, plan, iteration=iteration, meta=meta, async_save=async_save,
+                keep_last_k=keep_last_k, save_latest=save_latest)
+    return tag
+
+
+def finalize_async_saves() -> None:
+    """Wait for this rank's pending async save (rank 0: until it is committed). Call before exiting."""
+    from .writer import wait_for_pending_save
+    wait_for_pending_save()

@@ -1,0 +1,191 @@
+"""ZeRO checkpoint (any TP x PP x DP, stage 1/2/3, ours or DeepSpeed's) -> DeepSpeed's universal layout.
+
+    convert_to_universal("<save>/global_step10", "<save>/global_step10_universal", merge_workers=2)
+
+writes
+    <out>/zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt   {'param': full tensor, ['cat_dim'], ['vocab_tensor']}
+    <out>/zero/<param>/step.pt                        the optimizer step
+    <out>/zero/optimizer_state.pt                     the unsharded optimizer state (param_groups, loss scaler…)
+    <out>/mp_rank_*_model_states.pt                   copied from the source
+    <parent of out>/latest_universal                  the output's name
+
+One pass, no intermediate files: each task maps one pipeline stage's optimizer files
+(TP x DP of them, memory-mapped, so only the fragments of its parameters are read),
+assembles a batch of parameters to their full form and writes them. Memory per worker is
+about one parameter's three states plus the mapped pages of one batch. Tasks run in
+`merge_workers` processes, each writing `extract_workers` parameters at a time (threads).
+The output is written into `<out>.tmp-<id>` and renamed into place when complete.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import time
+import uuid
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from typing import List, Optional, Tuple
+
+import torch
+
+from .errors import CheckpointError
+from .tensor_io import save_file
+from .universal_info import STATE_KEYS
+from .universal_source import SourceCheckpoint, StageReader, load_any
+
+BATCH_ELEMENTS = 16 << 20
+_SRC: Optional[SourceCheckpoint] = None  # inherited by forked workers
+
+
+class Progress:
+    """One self-overwriting status line on stderr (a line every 10 % when stderr is not a terminal)."""
+
+    def __init__(self, what: str, total: int, enabled: bool = True):
+        self.what, self.total, self.done, self.bytes = what, total, 0, 0
+        self.start, self.enabled = time.monotonic(), enabled
+        self.tty = sys.stderr.isatty()
+        self._last_decile = -1
+
+    def update(self, n: int, nbytes: int):
+        self.done += n
+        self.bytes += nbytes
+        if not self.enabled:
+            return
+        line = (f"{self.what}: {self.done}/{self.total} parameters, {self.bytes / 2**30:.2f} GiB written, "
+                f"{time.monotonic() - self.start:.1f} s")
+        decile = 10 * self.done // max(1, self.total)
+        if self.tty:
+            print("\r" + line, end="", file=sys.stderr, flush=True)
+        elif decile != self._last_decile:
+            print(line, file=sys.stderr, flush=True)
+        self._last_decile = decile
+
+    def close(self):
+        if self.enabled and self.tty:
+            print(file=sys.stderr, flush=True)
+
+
+def universal_record(full: torch.Tensor, rule) -> dict:
+    record = {}
+    if rule.cat_dim is not None:
+        record["cat_dim"] = rule.cat_dim
+    if rule.vocab:
+        record["vocab_tensor"] = True
+    record["param"] = full
+    return record
+
+
+def _write_param(reader: StageReader, zero_dir: str, name: str) -> int:
+    directory = os.path.join(zero_dir, name)
+    os.makedirs(directory, exist_ok=True)
+    nbytes = 0
+    for key in STATE_KEYS:
+        full, rule = reader.assemble(name, key)
+        nbytes += save_file(universal_record(full, rule), os.path.join(directory, f"{key}.pt"), fsync=False)[0]
+        del full
+    step = reader.step(name)
+    if step is not None:
+        nbytes += save_file(step, os.path.join(directory, "step.pt"), fsync=False)[0]
+    return nbytes
+
+
+def _convert_batch(pp: int, names: List[str], zero_dir: str, threads: int) -> Tuple[int, int, List[str]]:
+    torch.set_num_threads(1)
+    with _SRC.stage(pp) as reader:
+        if threads > 1 and len(names) > 1:
+            with ThreadPoolExecutor(threads) as pool:
+                nbytes = sum(pool.map(lambda n: _write_param(reader, zero_dir, n), names))
+        else:
+            nbytes = sum(_write_param(reader, zero_dir, n) for n in names)
+        return len(names), nbytes, list(reader.mismatched)
+
+
+def _batches(src: SourceCheckpoint) -> List[Tuple[int, List[str]]]:
+    out = []
+    for pp in range(src.layout.pp):
+        numel = {}
+        for t in range(src.layout.tp):
+            for g in src.param_shapes[pp * src.layout.tp + t]:
+                for n, s in g.items():
+                    numel[n] = numel.get(n, 0) + int(torch.Size(s).numel())
+        batch, size = [], 0
+        for name, stage in src.params:
+            if stage != pp:
+                continue
+            if batch and size + numel[name] > BATCH_ELEMENTS:
+                out.append((pp, batch))
+                batch, size = [], 0
+            batch.append(name)
+            size += numel[name]
+        if batch:
+            out.append((pp, batch))
+    return out
+
+
+def _optimizer_state(src: SourceCheckpoint) -> dict:
+    osd = load_any(os.path.join(src.directory, src.zero_files[(0, 0)]), mmap=False)["optimizer_state_dict"]
+    if src.zero_stage == 3:
+        base = osd.get("optimizer_state_dict", {})
+        out = {k: v for k, v in osd.items() if k not in ("fp32_flat_groups", "optimizer_state_dict")}
+        out["param_groups"] = base.get("param_groups", [])
+        return out
+    sharded = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
+    out = {k: v for k, v in osd.items() if k not in sharded}
+    out["param_groups"] = osd["base_optimizer_state"].get("param_groups", [])
+    return out
+
+
+def convert_to_universal(input_folder: str, output_folder: str, merge_workers: int = 2, extract_workers: int = 1,
+                         strict: bool = True, progress: bool = True) -> dict:
+    """Convert; returns {'params', 'bytes', 'seconds', 'layout', 'zero_stage', 'mismatched'}."""
+    global _SRC
+    start = time.monotonic()
+    src = SourceCheckpoint(input_folder, strict=strict)
+    output_folder = os.path.normpath(output_folder)
+    if os.path.exists(output_folder):
+        raise CheckpointError(f"the output folder {output_folder} already exists; choose a new one or remove it")
+    tmp = f"{output_folder}.tmp-{uuid.uuid4().hex[:8]}"
+    zero_dir = os.path.join(tmp, "zero")
+    os.makedirs(zero_dir)
+    batches = _batches(src)
+    bar = Progress("ds_to_universal", len(src.params), progress)
+    mismatched, total_bytes = [], 0
+    _SRC = src
+    try:
+        if merge_workers > 1 and len(batches) > 1:
+            with ProcessPoolExecutor(min(merge_workers, len(batches)), mp_context=mp.get_context("fork")) as pool:
+                futures = [pool.submit(_convert_batch, pp, names, zero_dir, extract_workers) for pp, names in batches]
+                for f in futures:
+                    n, nbytes, bad = f.result()
+                    bar.update(n, nbytes)
+                    total_bytes += nbytes
+                    mismatched += bad
+        else:
+            for pp, names in batches:
+                n, nbytes, bad = _convert_batch(pp, names, zero_dir, extract_workers)
+                bar.update(n, nbytes)
+                total_bytes += nbytes
+                mismatched += bad
+        bar.close()
+        if mismatched and strict:
+            raise CheckpointError(f"TP-replicated parameters differ across TP ranks in {input_folder}: "
+                                  f"{', '.join(mismatched)}; pass --no_strict to take TP rank 0's copy")
+        for name in mismatched:
+            print(f"warning: {name}; TP rank 0's copy was kept", file=sys.stderr)
+        save_file(_optimizer_state(src), os.path.join(zero_dir, "optimizer_state.pt"), fsync=False)
+        copied = sorted(src.model_files.values()) or sorted(
+            f for f in os.listdir(input_folder) if f.endswith("_model_states.pt") and not f.startswith("layer_"))
+        for f in copied:
+            shutil.copyfile(os.path.join(input_folder, f), os.path.join(tmp, f))
+        os.rename(tmp, output_folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        _SRC = None
+    root, name = os.path.split(output_folder)
+    with open(os.path.join(root or ".", "latest_universal"), "w") as f:
+        f.write(name)
+    return {"params": len(src.params), "bytes": total_bytes, "seconds": time.monotonic() - start,
+            "layout": str(src.layout), "zero_stage": src.zero_stage, "mismatched": mismatched}

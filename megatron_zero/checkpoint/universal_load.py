@@ -1,0 +1,181 @@
+"""Load a universal checkpoint, or a plain ZeRO checkpoint of another layout, into any TP x PP x DP and ZeRO stage.
+
+    client = load_universal_checkpoint(path, state, model, optimizer)   # path: <out> or its parent (latest_universal)
+    client = load_reshaped_checkpoint(ckpt_dir, state, model, optimizer)  # a ZeRO checkpoint directory, any layout
+
+For every parameter this rank's model holds: read its full (unpadded) fp32 master and both
+Adam moments, re-pad the vocabulary (padded rows are never trained, so zeros are exact),
+take this TP rank's slice on the dimension its layer type gives (model/params.py), and
+narrow to this rank's ZeRO fragment. The split dimension recorded in the file must agree.
+A reshaped load reads the source's optimizer files memory-mapped, so each rank touches only
+the fragments of the parameters its stage holds. The client state (iteration, scheduler,
+consumed samples, args) is returned; its RNG state is kept only when the source had the
+same TP x PP (an RNG stream of another TP rank would mean nothing here).
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, Optional
+
+import torch
+
+from ..model.params import param_spec
+from ..model.sharding import shard_tensor
+from ..zero.universal_state import set_state_from_params
+from .errors import CheckpointError
+from .universal_info import STATE_KEYS
+from .universal_source import SourceCheckpoint, load_any
+
+LATEST_UNIVERSAL = "latest_universal"
+
+
+def find_universal_dir(path: str) -> Optional[str]:
+    """The universal checkpoint directory `path` is or names (via latest_universal), else None."""
+    if os.path.isfile(os.path.join(path, "zero", "optimizer_state.pt")):
+        return path
+    latest = os.path.join(path, LATEST_UNIVERSAL)
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            tag = f.read().strip()
+        candidate = os.path.join(path, tag)
+        if os.path.isfile(os.path.join(candidate, "zero", "optimizer_state.pt")):
+            return candidate
+        raise CheckpointError(f"{latest} names {tag!r} but {candidate}/zero/optimizer_state.pt does not exist")
+    return None
+
+
+def is_universal_checkpoint(path: str) -> bool:
+    return find_universal_dir(path) is not None
+
+
+class UniversalFiles:
+    """Full tensors from `<dir>/zero/<name>/<key>.pt`."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+
+    def full(self, name: str, key: str):
+        path = os.path.join(self.directory, "zero", name, f"{key}.pt")
+        if not os.path.exists(path):
+            raise CheckpointError(f"the universal checkpoint {self.directory} has no {key} for parameter {name} "
+                                  f"({path} is missing): it was written for another model")
+        record = load_any(path)
+        return record["param"], record.get("cat_dim")
+
+    def step(self, name: str) -> int:
+        path = os.path.join(self.directory, "zero", name, "step.pt")
+        return int(float(load_any(path, mmap=False))) if os.path.exists(path) else 0
+
+    def optimizer_state(self) -> dict:
+        return load_any(os.path.join(self.directory, "zero", "optimizer_state.pt"), mmap=False)
+
+    def model_states(self, mp_rank: int) -> Optional[dict]:
+        path = os.path.join(self.directory, f"mp_rank_{mp_rank:02d}_model_states.pt")
+        return load_any(path, mmap=False) if os.path.exists(path) else None
+
+    def close(self):
+        pass
+
+
+class ReshapedFiles:
+    """Full tensors assembled on the fly from a plain ZeRO checkpoint's optimizer files."""
+
+    def __init__(self, directory: str):
+        self.src = SourceCheckpoint(directory)
+        self.directory = directory
+        self.stage_of = dict(self.src.params)
+        self.readers = {}
+
+    def _reader(self, name: str):
+        if name not in self.stage_of:
+            raise CheckpointError(f"the checkpoint {self.directory} holds no parameter {name}: it was written for "
+                                  "another model")
+        pp = self.stage_of[name]
+        if pp not in self.readers:
+            self.readers[pp] = self.src.stage(pp)
+        return self.readers[pp]
+
+    def full(self, name: str, key: str):
+        t, rule = self._reader(name).assemble(name, key)
+        return t, rule.cat_dim
+
+    def step(self, name: str) -> int:
+        s = self._reader(name).step(name)
+        return int(float(s)) if s is not None else 0
+
+    def optimizer_state(self) -> dict:
+        sd = load_any(os.path.join(self.directory, self.src.zero_files[(0, 0)]), mmap=True)["optimizer_state_dict"]
+        return {"loss_scaler": sd.get("loss_scaler")}
+
+    def model_states(self, mp_rank: int) -> Optional[dict]:
+        name = self.src.model_files.get(mp_rank)
+        return load_any(os.path.join(self.directory, name), mmap=False) if name else None
+
+    def close(self):
+        for r in self.readers.values():
+            r.close()
+        mismatched = [m for r in self.readers.values() for m in r.mismatched]
+        self.readers.clear()
+        if mismatched:
+            raise CheckpointError(f"TP-replicated parameters differ across TP ranks in {self.directory}: "
+                                  f"{', '.join(mismatched)}")
+
+
+def _source_tp_pp(head: dict):
+    dims = head.get("checkpoint_parallel_dimensions")
+    if isinstance(dims, dict):
+        return dims.get("tp_degree"), dims.get("pp_degree")
+    args = head.get("args")
+    args = vars(args) if args is not None and not isinstance(args, dict) else (args or {})
+    return args.get("tensor_model_parallel_size"), args.get("pipeline_model_parallel_size")
+
+
+def _local_tensors(files, name: str, config, tp: int, tp_rank: int) -> Dict[str, torch.Tensor]:
+    spec = param_spec(name, config)
+    out = {}
+    for key in STATE_KEYS:
+        full, cat_dim = files.full(name, key)
+        if cat_dim is not None and spec.partition_dim is not None and cat_dim != spec.partition_dim:
+            raise CheckpointError(f"{files.directory} records cat_dim {cat_dim} for {name} but its layer type splits "
+                                  f"on dim {spec.partition_dim}; the file was converted with a wrong merge rule")
+        try:
+            out[key] = shard_tensor(full.float(), spec, config, tp, tp_rank)
+        except ValueError as e:
+            raise CheckpointError(f"cannot load {name} from {files.directory}: {e}") from e
+    return out
+
+
+def load_from(files, state, model, optimizer, load_optimizer: bool = True) -> dict:
+    config, tp, tp_rank = model.config, state.tp_size, state.tp_rank
+    try:
+        names = [n for g in optimizer.named_groups for n, _ in g]
+        step = files.step(names[0]) if names else 0
+        local = lambda name: _local_tensors(files, name, config, tp, tp_rank)  # noqa: E731
+        if load_optimizer:
+            set_state_from_params(optimizer, local, step)
+            scaler = files.optimizer_state().get("loss_scaler")
+            if isinstance(scaler, dict):
+                optimizer.loss_scaler.load_state_dict(scaler)
+        else:  # weights only: masters from fp32, moments and step zero
+            set_state_from_params(optimizer, lambda n: {k: (v if k == "fp32" else torch.zeros_like(v))
+                                                        for k, v in local(n).items()}, 0)
+        head = files.model_states(state.mp_rank) or files.model_states(0) or {}
+    finally:
+        files.close()
+    client = {k: v for k, v in head.items() if k not in ("module", "param_shapes", "optimizer")}
+    if tuple(_source_tp_pp(head)) != (state.tp_size, state.pp_size):
+        client["rng_state"] = None
+    return client
+
+
+def load_universal_checkpoint(path: str, state, model, optimizer, load_optimizer: bool = True) -> dict:
+    directory = find_universal_dir(path)
+    if directory is None:
+        raise CheckpointError(f"{path} is not a universal checkpoint: it has neither zero/optimizer_state.pt nor "
+                              f"a {LATEST_UNIVERSAL} file; convert it with tools/ds_to_universal.py")
+    return load_from(UniversalFiles(directory), state, model, optimizer, load_optimizer)
+
+
+def load_reshaped_checkpoint(ckpt_dir: str, state, model, optimizer, load_optimizer: bool = True) -> dict:
+    """Resume a plain ZeRO checkpoint (any TP/PP/DP/stage) directly into this layout."""
+    return load_from(ReshapedFiles(ckpt_dir), state, model, optimizer, load_optimizer)
