@@ -38,7 +38,7 @@ def _cuda_kernels(cuda_ext):
     return cuda_ext(
         "megatron_zero._C_cuda",
         sources=_rel("cuda/*.cu") + _rel("cuda/*.cpp"),
-        extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "-std=c++17"]},
+        extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]},
     )
 
 
