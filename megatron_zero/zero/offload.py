@@ -14,6 +14,7 @@ import os
 from contextlib import contextmanager
 from typing import Dict, List
 
+import numpy as np
 import torch
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -67,7 +68,12 @@ class FlatAdamW:
             t.detach().float().contiguous().numpy().tofile(f)
 
     def _read(self, g: int, key: str) -> torch.Tensor:
-        return torch.from_file(self.paths[g][key], shared=False, size=self.numels[g], dtype=torch.float32)
+        # a real read into memory, not a mapping: the file is rewritten while the tensor lives
+        t = torch.from_numpy(np.fromfile(self.paths[g][key], dtype=np.float32))
+        if t.numel() != self.numels[g]:
+            raise RuntimeError(f"optimizer-state file {self.paths[g][key]} holds {t.numel()} values, "
+                               f"expected {self.numels[g]}; it was changed outside this run")
+        return t
 
     def _page_in(self):
         for g, p in enumerate(self.params):
