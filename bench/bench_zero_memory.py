@@ -1,0 +1,92 @@
+"""Bytes each rank holds per ZeRO stage, beside the ZeRO paper's formulas adapted to fp32.
+
+    .venv/bin/python bench/bench_zero_memory.py [--dp 2] [--layers 4] [--hidden 128]
+
+Measured on the CPU by summing the bytes of the tensors a rank holds (ZeroOptimizer's
+bookkeeping): model parameters (peak during a step for stage 3), gradients (peak of
+parameter .grad alive plus the reduced fp32 partition), optimizer state (fp32 master +
+exp_avg + exp_avg_sq). Paper (Rajbhandari et al. 2019, fig. 1) with mixed precision:
+stage 1: 2Ψ + 2Ψ + KΨ/N, stage 2: 2Ψ + (2+K)Ψ/N, stage 3: (2+2+K)Ψ/N, K = 12.
+In fp32 the weights and gradients are 4 bytes: params 4Ψ (4Ψ/N at stage 3), grads 4Ψ
+(4Ψ/N at stage 2/3), optimizer 12Ψ/N (master, m, v; the paper's K without the fp16 copy).
+"""
+import argparse
+import os
+import platform
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megatron_zero.model.config import GPTConfig  # noqa: E402
+from megatron_zero.model.gpt import GPTModel  # noqa: E402
+from megatron_zero.testing import run_ranks  # noqa: E402
+from megatron_zero.zero import ZeroOptimizer  # noqa: E402
+
+
+def config(layers, hidden):
+    return GPTConfig(vocab_size=1000, hidden_size=hidden, num_layers=layers, num_attention_heads=4, seq_length=64,
+                     max_position_embeddings=64, make_vocab_size_divisible_by=8, hidden_dropout=0.0,
+                     attention_dropout=0.0)
+
+
+def measure(layers, hidden, bucket):
+    dp, rank = dist.get_world_size(), dist.get_rank()
+    out = {}
+    for stage in (0, 1, 2, 3):
+        model = GPTModel(config(layers, hidden))
+        psi = sum(p.numel() for p in model.parameters())
+        layer = max(sum(p.numel() for p in m.parameters()) for n, m in model.named_children() if n.isdigit())
+        opt = ZeroOptimizer(list(model.named_parameters()), dp_group=dist.group.WORLD, stage=stage,
+                            bucket_size=bucket, module=model, lr=1e-3)
+        tokens = torch.randint(0, 1000, (2, 65), generator=torch.Generator().manual_seed(rank))
+        peak_params = 0
+        for _ in range(2):
+            loss = model(tokens[:, :-1], labels=tokens[:, 1:])
+            opt.backward(loss)
+            grads = opt.memory_bytes()["grads"]
+            opt.step()
+        held = opt.memory_bytes()
+        impl = opt.impl
+        if stage == 3:
+            peak_params = sum(p.ds_shard.numel() * 4 for g in impl.groups for p in g) + impl.peak_param_numel * 4
+        else:
+            peak_params = held["params"]
+        peak_grads = max(grads, impl.peak_grad_numel * 4 + (sum(g.numel() * 4 for g in impl.grad_parts)
+                                                          if getattr(impl, "grad_parts", None) else 0))
+        out[stage] = dict(psi=psi, layer=layer, params=peak_params, grads=peak_grads, optim=held["optimizer_state"])
+    return out
+
+
+def formulas(stage, psi, n, layer):
+    params = 4 * psi if stage < 3 else 4 * psi / n + 4 * layer
+    grads = 4 * psi if stage < 2 else 4 * psi / n
+    optim = 12 * psi if stage == 0 else 12 * psi / n
+    return params, grads, optim
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dp", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--bucket", type=int, default=200_000)
+    a = ap.parse_args()
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}")
+    res = run_ranks(measure, a.dp, a.layers, a.hidden, a.bucket, timeout=600)[0]
+    psi, layer = res[0]["psi"], res[0]["layer"]
+    print(f"GPT {a.layers} layers, hidden {a.hidden}: Ψ = {psi:,} params, largest layer {layer:,}; DP = {a.dp}; "
+          f"fp32; bucket {a.bucket:,} elements; MB = 2**20 bytes, rank 0")
+    print("| stage | params MB (paper) | grads MB (paper) | optimizer MB (paper) | optimizer / (12Ψ/N) |")
+    print("|---|---|---|---|---|")
+    mb = 2 ** 20
+    for stage, r in res.items():
+        fp, fg, fo = formulas(stage, psi, 1 if stage == 0 else a.dp, layer)
+        print(f"| {stage} | {r['params'] / mb:.2f} ({fp / mb:.2f}) | {r['grads'] / mb:.2f} ({fg / mb:.2f}) | "
+              f"{r['optim'] / mb:.2f} ({fo / mb:.2f}) | {r['optim'] / (12 * psi / a.dp):.4f} |")
+
+
+if __name__ == "__main__":
+    main()
