@@ -1,0 +1,185 @@
+"""Universal checkpoints: a TP2xPP2xDP2 ZeRO-1 run saved at iteration 10, converted, resumed elsewhere.
+
+fp32, dropout 0, global batch 8 fixed. The baseline trains 20 iterations; each resume
+trains iterations 10..19 on another layout / ZeRO stage / micro-batch size and must give
+the baseline's loss at every iteration (relative 1e-5) and its final weights (1e-5).
+"""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_zero.checkpoint.universal_convert import convert_to_universal
+from megatron_zero.checkpoint.universal_dswrite import write_zero_checkpoint
+from megatron_zero.checkpoint.universal_load import load_reshaped_checkpoint, load_universal_checkpoint
+from megatron_zero.model.config import GPTConfig
+from megatron_zero.model.sharding import gather_state_dicts
+from megatron_zero.pipeline.gpt_stage import (activation_shape, build_gpt_stage, make_forward_step,
+                                              sync_tied_embedding_grads)
+from megatron_zero.pipeline.p2p import P2P
+from megatron_zero.pipeline.schedule import broadcast_loss, forward_backward
+from megatron_zero.testing import run_ranks
+from megatron_zero.topology import build_parallel_state
+from megatron_zero.training import param_groups
+from megatron_zero.zero import ZeroOptimizer
+
+GBS, ITERS, SAVE_AT, LR = 8, 20, 10, 1e-2
+
+
+def config():
+    return GPTConfig(vocab_size=100, hidden_size=32, num_layers=4, num_attention_heads=4, seq_length=8,
+                     max_position_embeddings=8, make_vocab_size_divisible_by=16,
+                     hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def global_batch(it):
+    g = torch.Generator().manual_seed(1000 + it)
+    start = torch.randint(0, 100, (GBS, 1), generator=g)
+    tokens = (start * 7 + 3 * torch.arange(9)) % 100  # a learnable sequence per sample
+    return tokens[:, :-1], tokens[:, 1:].contiguous()
+
+
+def train(tp, pp, stage, mb, save_dir=None, load=None, load_kind="universal"):
+    """Train to ITERS (from `load` if given); return coords, per-iteration losses, TP-form weights."""
+    state = build_parallel_state(tp=tp, pp=pp)
+    cfg = config()
+    model = build_gpt_stage(cfg, state)
+    opt = ZeroOptimizer(param_groups(model, 0.01), dp_group=state.dp_group, stage=stage, lr=LR,
+                        weight_decay=0.01, mp_group=state.mp_group, tp_rank=state.tp_rank, module=model)
+    p2p = P2P(state.prev_rank, state.next_rank, activation_shape(mb, cfg), torch.float32)
+    start = 0
+    if load is not None:
+        loader = load_universal_checkpoint if load_kind == "universal" else load_reshaped_checkpoint
+        client = loader(load, state, model, opt)
+        start = client["iteration"]
+        assert client["consumed_train_samples"] == start * GBS
+    dp, r = state.dp_size, state.dp_rank
+    m = GBS // (mb * dp)  # gradient accumulation steps, recomputed for this layout
+    losses = {}
+    for it in range(start, ITERS):
+        tokens, labels = global_batch(it)
+        micro = [{"tokens": tokens[j * mb * dp + r * mb:][:mb], "labels": labels[j * mb * dp + r * mb:][:mb]}
+                 for j in range(m)]
+        out = forward_backward(make_forward_step(model, micro, state), m, p2p, state.pp_rank, pp,
+                               backward_loss=opt.backward)
+        opt.impl.finish_backward()
+        sync_tied_embedding_grads(model, state)
+        updated, _ = opt.step(lr=LR)
+        assert updated
+        losses[it] = broadcast_loss(out, state.is_last_stage, state.layout.pp_group(state.rank)[-1],
+                                    state.pp_group, state.dp_group)
+        if save_dir is not None and it + 1 == SAVE_AT:
+            write_zero_checkpoint(save_dir, it + 1, state, model, opt,
+                                  {"iteration": it + 1, "consumed_train_samples": (it + 1) * GBS,
+                                   "args": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                                            "global_batch_size": GBS, "micro_batch_size": mb},
+                                   "lr_scheduler": {"num_steps": it + 1}})
+    if stage == 3:
+        with opt.impl.gathered():
+            weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    else:
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    dist.barrier()
+    return state.layout.coords(state.rank), losses, weights
+
+
+def full_weights(results):
+    """Gather every stage's TP-form weights (DP rank 0) into one full-form state dict."""
+    full = {}
+    stages = sorted({c[0] for c, _, _ in results})
+    for pp in stages:
+        shards = [w for (p, d, t), _, w in sorted(results, key=lambda x: x[0][2]) if p == pp and d == 0]
+        full.update(gather_state_dicts(shards, config()))
+    return full
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def without_key_bias(name, t):
+    """Drop the key entries of the QKV bias: softmax is shift-invariant, so their gradient is exactly
+    zero in exact arithmetic and Adam (m / (sqrt(v) + eps)) turns each layout's roundoff (~1e-10)
+    into updates of size ~lr * 1e-2. They cannot change the loss, which is compared exactly above."""
+    if not name.endswith("query_key_value.bias"):
+        return t
+    c = config()
+    per_head = t.view(c.num_attention_heads, 3, c.head_dim)
+    return torch.cat([per_head[:, 0], per_head[:, 2]], dim=1).reshape(-1)
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    root = tmp_path_factory.mktemp("universal")
+    results = run_ranks(train, 8, 2, 2, 1, 2, str(root), timeout=300)
+    losses = results[0][1]
+    assert all(r[1] == losses for r in results)
+    assert losses[ITERS - 1] < losses[0] - 0.1, "the baseline must actually learn for the test to mean anything"
+    src = os.path.join(root, f"global_step{SAVE_AT}")
+    out = os.path.join(root, f"global_step{SAVE_AT}_universal")
+    summary = convert_to_universal(src, out, merge_workers=2, extract_workers=2, progress=False)
+    assert summary["layout"] == "TP=2 x PP=2 x DP=2" and summary["mismatched"] == []
+    return {"losses": losses, "weights": full_weights(results), "src": src, "universal": out, "root": str(root)}
+
+
+def check_resume(baseline, results):
+    want = baseline["losses"]
+    for _, losses, _ in results:
+        assert sorted(losses) == list(range(SAVE_AT, ITERS))
+        for it, loss in losses.items():
+            assert abs(loss - want[it]) <= 1e-5 * abs(want[it]), (it, loss, want[it])
+    got = full_weights(results)
+    assert set(got) == set(baseline["weights"])
+    for name, w in baseline["weights"].items():
+        a, b = without_key_bias(name, got[name]), without_key_bias(name, w)
+        assert rel(a, b) <= 1e-5, (name, rel(a, b))
+
+
+def test_universal_files(baseline):
+    from megatron_zero.checkpoint.universal_source import load_any
+    zero = os.path.join(baseline["universal"], "zero")
+    we = load_any(os.path.join(zero, "tied_modules.embed.word_embeddings.weight", "fp32.pt"))
+    assert we["param"].shape == (100, 32) and we["vocab_tensor"] is True and we["cat_dim"] == 0
+    torch.testing.assert_close(we["param"], baseline_weight_at_save(baseline, "tied_modules.embed.word_embeddings.weight"))
+    assert load_any(os.path.join(zero, "2.self_attention.dense.weight", "exp_avg.pt"))["cat_dim"] == 1
+    assert load_any(os.path.join(zero, "3.mlp.dense_h_to_4h.weight", "fp32.pt"))["param"].shape == (128, 32)
+    assert "cat_dim" not in load_any(os.path.join(zero, "6.weight", "fp32.pt"))  # final norm: TP-replicated
+    assert int(load_any(os.path.join(zero, "2.input_layernorm.bias", "step.pt"))) == SAVE_AT
+    assert open(os.path.join(baseline["root"], "latest_universal")).read() == f"global_step{SAVE_AT}_universal"
+    assert sorted(f for f in os.listdir(baseline["universal"]) if f.startswith("mp_rank")) == \
+        [f"mp_rank_{i:02d}_model_states.pt" for i in range(4)]
+
+
+def baseline_weight_at_save(baseline, name):
+    """The word embedding at iteration 10, rebuilt from the universal file's source: the plain checkpoint."""
+    from megatron_zero.checkpoint.universal_source import SourceCheckpoint
+    src = SourceCheckpoint(baseline["src"])
+    with src.stage(0) as reader:
+        return reader.assemble(name, "fp32")[0].clone()
+
+
+@pytest.mark.parametrize("tp,pp,dp,stage,mb", [
+    (2, 2, 2, 1, 2),   # (a) same layout
+    (1, 1, 4, 1, 2),   # (b)
+    (4, 1, 2, 1, 2),   # (c)
+    (1, 4, 2, 1, 2),   # (d)
+    (2, 1, 1, 1, 1),   # (e) 4x the gradient accumulation (8 micro-batches instead of 2)
+    (2, 1, 2, 2, 2),   # (f) ZeRO-2
+    (2, 1, 2, 3, 2),   # (f) ZeRO-3
+], ids=["a-same", "b-tp1pp1dp4", "c-tp4dp2", "d-pp4dp2", "e-tp2dp1-ga8", "f-zero2", "f-zero3"])
+def test_universal_resume(baseline, tp, pp, dp, stage, mb):
+    results = run_ranks(train, tp * pp * dp, tp, pp, stage, mb, None, baseline["universal"], timeout=300)
+    check_resume(baseline, results)
+
+
+def test_universal_detected_from_parent(baseline):
+    """The parent directory names the universal checkpoint through latest_universal."""
+    results = run_ranks(train, 2, 1, 1, 1, 4, None, baseline["root"], timeout=300)
+    check_resume(baseline, results)
+
+
+def test_direct_reshaped_resume(baseline):
+    """--load of the plain ZeRO checkpoint at TP1 x PP2 x DP2, no conversion."""
+    results = run_ranks(train, 4, 1, 2, 1, 2, None, baseline["src"], "reshaped", timeout=300)
+    check_resume(baseline, results)
