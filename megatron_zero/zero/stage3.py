@@ -58,7 +58,8 @@ class Stage3:
         self.bucket_size = int(bucket_size)
         self.groups = [[p for _, p in g] for g in groups]
         self.offsets = [zero3_group_offsets([(n, p.numel()) for n, p in g], self.dp) for g in groups]
-        self.initial_masters, self.grad_parts = [], []
+        self.initial_masters, self.grad_parts, self._storage = [], [], {}
+        self.peak_param_numel = 0
         for gi, (g, offs) in enumerate(zip(groups, self.offsets)):
             total = sum(per for _, per in offs.values())
             master = torch.zeros(total)
@@ -82,7 +83,7 @@ class Stage3:
         for p in self.persistent:  # parameters outside every unit stay gathered
             p.ds_persistent = True
             self._materialize(p)
-        self._hooks, self._storage = [], {}
+        self._hooks = []
         for ui, u in enumerate(self.units):
             self._hooks.append(u.register_forward_pre_hook(lambda m, a, ui=ui: self._pre_forward(ui)))
             self._hooks.append(u.register_forward_hook(lambda m, a, out, ui=ui: self._post_forward(ui, out)))
@@ -98,7 +99,7 @@ class Stage3:
             for p in g:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
         self._trace, self._order, self._pending = [], [], {}
-        self._bucket, self._bucket_numel, self.peak_param_numel, self.peak_grad_numel = [], 0, 0, 0
+        self._bucket, self._bucket_numel, self.peak_grad_numel = [], 0, 0
 
     # ---- gather / release ----------------------------------------------------------
     def _start(self, p):
