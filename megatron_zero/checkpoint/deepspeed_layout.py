@@ -16,6 +16,8 @@ import re
 from collections import OrderedDict
 from typing import Dict, List, Optional, Tuple
 
+import torch
+
 from ..model.layers import EMBEDDING_INDEX
 from ..model.params import BLOCK_PARAMS, POSITION_EMBEDDINGS, WORD_EMBEDDINGS
 
@@ -97,7 +99,8 @@ def param_shapes(optimizer, named_params: Dict) -> List["OrderedDict"]:
     """Per optimizer group, name -> full local shape, in flat-buffer order (what zero_to_fp32 walks)."""
     out = []
     for names in optimizer.names:
-        out.append(OrderedDict((n, getattr(named_params[n], "ds_shape", named_params[n].shape)) for n in names))
+        out.append(OrderedDict((n, torch.Size(getattr(named_params[n], "ds_shape", named_params[n].shape)))
+                               for n in names))
     return out
 
 

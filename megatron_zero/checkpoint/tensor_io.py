@@ -38,10 +38,8 @@ def map_tensors(item, fn, memo=None):
     if isinstance(item, dict):
         kind = type(item) if type(item) in (dict, collections.OrderedDict) else dict
         return kind((k, map_tensors(v, fn, memo)) for k, v in item.items())
-    if isinstance(item, list):
-        return [map_tensors(v, fn, memo) for v in item]
-    if isinstance(item, tuple) and not hasattr(item, "_fields"):
-        return tuple(map_tensors(v, fn, memo) for v in item)
+    if type(item) in (list, tuple):  # not subclasses: torch.Size and named tuples stay what they are
+        return type(item)(map_tensors(v, fn, memo) for v in item)
     return item
 
 

@@ -55,7 +55,11 @@ def write_zero_checkpoint(save_dir: str, iteration: int, state, model, optimizer
     os.makedirs(directory, exist_ok=True)
     ds_config = ds_config or {"zero_optimization": {"stage": optimizer.stage}}
     mp, dp, tp = state.mp_rank, state.dp_rank, state.tp_rank
-    optim = {"optimizer_state_dict": optimizer.state_dict(), "ds_config": ds_config, "ds_version": DS_VERSION}
+    osd = dict(optimizer.state_dict())
+    if optimizer.stage in (1, 2) and isinstance(osd.get("partition_count"), int):
+        # DeepSpeed's stage 1/2 writes one count per param group; its ds_to_universal needs the list
+        osd["partition_count"] = [osd["partition_count"]] * len(optimizer.names)
+    optim = {"optimizer_state_dict": osd, "ds_config": ds_config, "ds_version": DS_VERSION}
     save_file(optim, os.path.join(directory, f"zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt"), fsync=False)
     if dp == 0:
         cfg = model.config
