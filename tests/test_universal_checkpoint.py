@@ -40,7 +40,7 @@ def global_batch(it):
     return tokens[:, :-1], tokens[:, 1:].contiguous()
 
 
-def train(tp, pp, stage, mb, save_dir=None, load=None, load_kind="universal"):
+def train(tp, pp, stage, mb, save_dir=None, load=None, load_kind="universal", iters=ITERS, save_at=SAVE_AT):
     """Train to ITERS (from `load` if given); return coords, per-iteration losses, TP-form weights."""
     state = build_parallel_state(tp=tp, pp=pp)
     cfg = config()
@@ -57,7 +57,7 @@ def train(tp, pp, stage, mb, save_dir=None, load=None, load_kind="universal"):
     dp, r = state.dp_size, state.dp_rank
     m = GBS // (mb * dp)  # gradient accumulation steps, recomputed for this layout
     losses = {}
-    for it in range(start, ITERS):
+    for it in range(start, iters):
         tokens, labels = global_batch(it)
         micro = [{"tokens": tokens[j * mb * dp + r * mb:][:mb], "labels": labels[j * mb * dp + r * mb:][:mb]}
                  for j in range(m)]
@@ -69,7 +69,7 @@ def train(tp, pp, stage, mb, save_dir=None, load=None, load_kind="universal"):
         assert updated
         losses[it] = broadcast_loss(out, state.is_last_stage, state.layout.pp_group(state.rank)[-1],
                                     state.pp_group, state.dp_group)
-        if save_dir is not None and it + 1 == SAVE_AT:
+        if save_dir is not None and it + 1 == save_at:
             write_zero_checkpoint(save_dir, it + 1, state, model, opt,
                                   {"iteration": it + 1, "consumed_train_samples": (it + 1) * GBS,
                                    "args": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
