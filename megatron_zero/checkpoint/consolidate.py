@@ -1,0 +1,151 @@
+"""Consolidate any of our checkpoints (ZeRO 1/2/3 at any TP x PP x DP, or universal) into one fp32 state dict.
+
+    consolidate_fp32("<save>", "<out>", safe_serialization=True, max_shard_size="2GB")
+    sd = get_fp32_state_dict("<save>")               # in memory: {name: full fp32 tensor}
+
+Names are the model's (Megatron-DeepSpeed's pipeline names), tensors in full form: TP slices
+merged on each parameter's split dimension, DP fragments concatenated, the tied embedding
+taken once, the vocabulary cut to its original size. Output: `pytorch_model.bin`, or
+safetensors — `model.safetensors`, or `model-0000k-of-0000n.safetensors` shards plus
+`model.safetensors.index.json` (Hugging Face's names). Parameters are assembled one at a
+time from memory-mapped optimizer files and written shard by shard, so peak host memory is
+about one output shard (for pytorch_model.bin: the model once), never twice the model.
+The safetensors format is written directly (8-byte header length, JSON header, raw bytes).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from typing import Dict, Iterator, List, Tuple
+
+import torch
+
+from .errors import CheckpointError
+from .tensor_io import save_file
+from .universal_convert import Progress
+from .universal_load import find_universal_dir
+from .universal_source import SourceCheckpoint, load_any
+
+DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+               torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def parse_size(size) -> int:
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)?\s*", str(size).upper())
+    if not m:
+        raise ValueError(f"max_shard_size {size!r} must be bytes or like '500MB' / '5GB'")
+    unit = (m.group(2) or "B").replace("IB", "B")
+    return int(float(m.group(1)) * {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}[unit])
+
+
+def resolve_checkpoint_dir(path: str, tag: str = None) -> str:
+    """A checkpoint directory from the save root (via `tag`, `latest` or `latest_universal`) or the directory itself."""
+    if tag:
+        return os.path.join(path, tag)
+    universal = find_universal_dir(path)
+    if universal is not None and not os.path.isfile(os.path.join(path, "latest")):
+        return universal
+    latest = os.path.join(path, "latest")
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            return os.path.join(path, f.read().strip())
+    return path
+
+
+def iter_fp32(checkpoint_dir: str, progress: bool = False) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(name, full fp32 tensor) for every parameter, one at a time."""
+    universal = find_universal_dir(checkpoint_dir)
+    if universal is not None:
+        zero = os.path.join(universal, "zero")
+        names = sorted(d for d in os.listdir(zero) if os.path.isdir(os.path.join(zero, d)))
+        bar = Progress("zero_to_fp32", len(names), progress)
+        for name in names:
+            t = load_any(os.path.join(zero, name, "fp32.pt"))["param"]
+            bar.update(1, t.numel() * t.element_size())
+            yield name, t
+        bar.close()
+        return
+    src = SourceCheckpoint(checkpoint_dir)
+    bar = Progress("zero_to_fp32", len(src.params), progress)
+    for pp in range(src.layout.pp):
+        with src.stage(pp) as reader:
+            for name in reader.names():
+                t, _ = reader.assemble(name, "fp32")
+                bar.update(1, t.numel() * t.element_size())
+                yield name, t
+            if reader.mismatched:
+                raise CheckpointError(f"TP-replicated parameters differ across TP ranks in {checkpoint_dir}: "
+                                      f"{', '.join(reader.mismatched)}")
+    bar.close()
+
+
+def get_fp32_state_dict(checkpoint_dir: str, tag: str = None) -> Dict[str, torch.Tensor]:
+    """The whole consolidated state dict in memory (tensors copied out of the mapped files)."""
+    return {n: t.clone() for n, t in iter_fp32(resolve_checkpoint_dir(checkpoint_dir, tag))}
+
+
+def write_safetensors(path: str, tensors: List[Tuple[str, torch.Tensor]], metadata: dict = None) -> int:
+    """Write one .safetensors file straight from the tensors' memory; returns its data bytes."""
+    header, offset = {}, 0
+    for name, t in tensors:
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    header["__metadata__"] = dict(metadata or {"format": "pt"})
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for _, t in tensors:
+            t = t.detach().contiguous()
+            if t.numel():
+                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    return offset
+
+
+def consolidate_fp32(checkpoint_dir: str, output_dir: str, safe_serialization: bool = False,
+                     max_shard_size="5GB", tag: str = None, progress: bool = True) -> dict:
+    """Write the consolidated fp32 weights; returns {'files', 'params', 'bytes'}."""
+    directory = resolve_checkpoint_dir(checkpoint_dir, tag)
+    os.makedirs(output_dir, exist_ok=True)
+    if not safe_serialization:
+        sd = dict(iter_fp32(directory, progress))
+        size, _ = save_file(sd, os.path.join(output_dir, "pytorch_model.bin"), fsync=False)
+        return {"files": ["pytorch_model.bin"], "params": len(sd), "bytes": size}
+    limit = parse_size(max_shard_size)
+    shards, pending, pending_bytes, total, weight_map = [], [], 0, 0, {}
+
+    def flush():
+        nonlocal pending, pending_bytes
+        if pending:
+            name = f"model-{len(shards) + 1:05d}.safetensors.part"
+            write_safetensors(os.path.join(output_dir, name), pending)
+            shards.append((name, [n for n, _ in pending]))
+            pending, pending_bytes = [], 0
+
+    count = 0
+    for name, t in iter_fp32(directory, progress):
+        n = t.numel() * t.element_size()
+        if pending and pending_bytes + n > limit:
+            flush()
+        pending.append((name, t))
+        pending_bytes += n
+        total += n
+        count += 1
+    flush()
+    files = []
+    for k, (part, names) in enumerate(shards):
+        final = "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        os.replace(os.path.join(output_dir, part), os.path.join(output_dir, final))
+        files.append(final)
+        weight_map.update({n: final for n in names})
+    if len(shards) > 1:
+        with open(os.path.join(output_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        files.append("model.safetensors.index.json")
+    return {"files": files, "params": count, "bytes": total}
