@@ -5,6 +5,8 @@ read it) but through a file object of our own that computes a CRC-32 and writes 
 tensor's bytes straight from the tensor's memory, in chunks: no second copy of the
 state is built in host RAM. torch's own per-record CRC is switched off (our checksum
 covers the whole file, zlib.crc32 runs at ~1.6 GB/s, and torch.load does not check it).
+Each chunk's write-back to disk is started at once (sync_file_range), so the disk works
+while the next chunk is checksummed and the final fsync has little left to wait for.
 
 Views: torch.save writes a tensor's *whole storage*, so saving a slice of a big flat
 buffer would write the whole buffer. `tight_tensors` re-points every contiguous view at
@@ -66,6 +68,22 @@ def clone_tensors_for_torch_save(item: Any, device: torch.device = torch.device(
     return map_tensors(item, lambda t: t.detach().clone().to(device), {})
 
 
+def _sync_file_range():
+    """Linux's sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE) via ctypes, or None."""
+    try:
+        import ctypes
+        import ctypes.util
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.sync_file_range
+        fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        return lambda fd, off, n: fn(fd, off, n, 2)
+    except (OSError, AttributeError):
+        return None
+
+
+_START_WRITEBACK = _sync_file_range()
+
+
 class _ChecksumWriter:
     """The file object torch.save writes into: CRC-32 and os.write in bounded chunks."""
 
@@ -81,6 +99,8 @@ class _ChecksumWriter:
             done = 0
             while done < len(chunk):
                 done += os.write(self.fd, chunk[done:])
+            if _START_WRITEBACK is not None:  # the disk starts on this chunk while we checksum the next
+                _START_WRITEBACK(self.fd, self.size, len(chunk))
             self.size += len(chunk)
             if self.size > (1 << 16):
                 crash_point("mid_file", self.rank)
