@@ -16,6 +16,6 @@ static void cast_f16_avx512(const float* x, uint16_t* out, int64_t n) {
 }
 
 void mz::adam_range_avx512(const AdamRange& r, const AdamScalars& s) {
-  adam_tiles(r, s, cast_f16_avx512);
+  adam_range(r, s, cast_f16_avx512);
 }
 #endif

@@ -2,5 +2,5 @@
 #include "adam_math.h"
 
 void mz::adam_range_default(const AdamRange& r, const AdamScalars& s) {
-  adam_tiles(r, s, cast_f16_soft);
+  adam_range(r, s, cast_f16_soft);
 }

@@ -21,28 +21,6 @@ namespace {
 
 using mz::AdamScalars;
 
-// torch's single-tensor AdamW, op for op (the step size and the bias
-// corrections are folded in double by the caller, as adam.py does):
-//   p *= decay; m.lerp_(g, 1-b1); v = v*b2 + (1-b2)*g*g;
-//   p += -step_size * m / (sqrt(v)/bc2_sqrt + eps)
-static inline void adam_update(float* __restrict__ p, float* __restrict__ m,
-                               float* __restrict__ v, const float* __restrict__ g,
-                               int64_t n, const AdamScalars& s) {
-  const float decay = s.decay, w1 = s.one_minus_b1, b2 = s.beta2, w2 = s.one_minus_b2;
-  const float bc2 = s.bc2_sqrt, eps = s.eps, neg_lr = s.neg_step_size;
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const float gi = g[i];
-    const float mi = MZ_FMA(w1, gi - m[i], m[i]);  // lerp, weight < 0.5
-    const float vi = MZ_FMA(w2 * gi, gi, v[i] * b2);  // mul_(b2).addcmul_(g, g, 1-b2)
-    const float denom = __builtin_sqrtf(vi) / bc2 + eps;
-    const float pi = p[i] * decay;  // rounded on its own, as param.mul_ does
-    m[i] = mi;
-    v[i] = vi;
-    p[i] = pi + neg_lr * mi / denom;
-  }
-}
-
 static inline uint32_t f32_bits(float f) {
   uint32_t u;
   __builtin_memcpy(&u, &f, 4);
@@ -56,12 +34,35 @@ static inline float bits_f32(uint32_t u) {
 }
 
 // Round-to-nearest-even float -> bfloat16, NaN -> 0x7fc0 (c10::BFloat16's rule).
-static inline void cast_bf16(const float* __restrict__ x, uint16_t* __restrict__ out, int64_t n) {
+static inline uint16_t bf16_from_float(float x) {
+  const uint32_t u = f32_bits(x);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0 : (uint16_t)rounded;
+}
+
+// torch's single-tensor AdamW, op for op (the step size and the bias
+// corrections are folded in double by the caller, as adam.py does):
+//   p *= decay; m.lerp_(g, 1-b1); v = v*b2 + (1-b2)*g*g;
+//   p += -step_size * m / (sqrt(v)/bc2_sqrt + eps)
+// With kBF16 the bf16 copy of the new p is written in the same loop.
+template <bool kBF16>
+static inline void adam_update(float* __restrict__ p, float* __restrict__ m,
+                               float* __restrict__ v, const float* __restrict__ g,
+                               uint16_t* __restrict__ low, int64_t n, const AdamScalars& s) {
+  const float decay = s.decay, w1 = s.one_minus_b1, b2 = s.beta2, w2 = s.one_minus_b2;
+  const float bc2 = s.bc2_sqrt, eps = s.eps, neg_lr = s.neg_step_size;
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    const uint32_t u = f32_bits(x[i]);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    out[i] = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0 : (uint16_t)rounded;
+    const float gi = g[i];
+    const float mi = MZ_FMA(w1, gi - m[i], m[i]);  // lerp, weight < 0.5
+    const float vi = MZ_FMA(w2 * gi, gi, v[i] * b2);  // mul_(b2).addcmul_(g, g, 1-b2)
+    const float denom = __builtin_sqrtf(vi) / bc2 + eps;
+    const float pi = p[i] * decay;  // rounded on its own, as param.mul_ does
+    const float pn = pi + neg_lr * mi / denom;
+    m[i] = mi;
+    v[i] = vi;
+    p[i] = pn;
+    if (kBF16) low[i] = bf16_from_float(pn);
   }
 }
 
@@ -82,16 +83,17 @@ static inline void cast_f16_soft(const float* __restrict__ x, uint16_t* __restri
   for (int64_t i = 0; i < n; ++i) out[i] = half_from_float(x[i]);
 }
 
-// One ISA's whole range: update tiles small enough to stay in L1, and cast each
-// tile to the low-precision copy while it is still there.
+// One ISA's whole range. bf16 is cast inside the update loop; fp16 (which needs
+// F16C instructions) tile by tile, while the tile's new weights are still in L1.
 template <typename CastF16>
-static inline void adam_tiles(const mz::AdamRange& r, const AdamScalars& s, CastF16 cast_f16) {
+static inline void adam_range(const mz::AdamRange& r, const AdamScalars& s, CastF16 cast_f16) {
+  if (r.low_kind == mz::kLowNone) return adam_update<false>(r.p, r.m, r.v, r.g, nullptr, r.n, s);
+  if (r.low_kind == mz::kLowBF16) return adam_update<true>(r.p, r.m, r.v, r.g, r.low, r.n, s);
   constexpr int64_t kTile = 1024;
   for (int64_t off = 0; off < r.n; off += kTile) {
     const int64_t len = r.n - off < kTile ? r.n - off : kTile;
-    adam_update(r.p + off, r.m + off, r.v + off, r.g + off, len, s);
-    if (r.low_kind == mz::kLowBF16) cast_bf16(r.p + off, r.low + off, len);
-    if (r.low_kind == mz::kLowF16) cast_f16(r.p + off, r.low + off, len);
+    adam_update<false>(r.p + off, r.m + off, r.v + off, r.g + off, nullptr, len, s);
+    cast_f16(r.p + off, r.low + off, len);
   }
 }
 

@@ -5,6 +5,8 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 
 #include "adam_isa.h"
@@ -80,11 +82,20 @@ void adam_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg,
   float* v = exp_avg_sq.data_ptr<float>();
   const float* g = grad.data_ptr<float>();
   const KernelFn fn = kernel().fn;
-  constexpr int64_t kGrain = 1 << 16;  // elements per task: ~1.2 MB of traffic
-  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+  auto run = [&](int64_t begin, int64_t end) {
     const mz::AdamRange r{p + begin, m + begin, v + begin, g + begin,
                           low ? low + begin : nullptr, low_kind, end - begin};
     fn(r, s);
+  };
+  // Threads take chunks from a shared counter rather than one fixed slice each,
+  // so a thread the OS preempts (a busy machine) does not hold up the step.
+  constexpr int64_t kChunk = 1 << 16;
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), chunks);
+  if (threads <= 1) return run(0, n);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t c = next++; c < chunks; c = next++) run(c * kChunk, std::min(n, (c + 1) * kChunk));
   });
 }
 
