@@ -202,6 +202,9 @@ def validate_args(args, world_size: int):
     _require(args.log_interval >= 1 and args.eval_interval >= 1,
              "--log-interval and --eval-interval must be at least 1")
     _require(args.eval_iters >= 0, f"--eval-iters {args.eval_iters} must not be negative")
+    _require(args.zero_stage < 3 or pp == 1,
+             f"--zero-stage 3 partitions parameters across data-parallel ranks and cannot be combined with "
+             f"--pipeline-model-parallel-size {pp}; use --zero-stage 1 or 2 with pipelining")
     if args.zero_nvme_offload_path:
         args.offload = "nvme"
     _require(args.offload == "none" or args.zero_stage >= 1,

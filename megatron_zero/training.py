@@ -111,7 +111,6 @@ class Trainer:
         self.model.train()
         losses = forward_backward(make_forward_step(self.model, micro, s), len(micro), self.p2p, s.pp_rank,
                                   s.pp_size, backward_loss=self.optimizer.backward)
-        self.optimizer.impl.finish_backward()  # reduce the last stage-2 bucket on every stage
         sync_tied_embedding_grads(self.model, s)
         lr = self.schedule.lr()
         updated, grad_norm = self.optimizer.step(lr=lr)

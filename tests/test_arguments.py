@@ -53,6 +53,8 @@ def test_good_args_derive_dp_and_accumulation():
     (dict(save_interval=5), 1, ["--save-interval", "--save"]),
     (dict(load="/nonexistent/ckpt"), 1, ["--load /nonexistent/ckpt"]),
     (dict(zero_stage=7), 1, ["--zero-stage", "7"]),
+    (dict(zero_stage=3, pipeline_model_parallel_size=2, global_batch_size=8), 2,
+     ["--zero-stage 3", "--pipeline-model-parallel-size 2"]),
     (dict(data_path="0.3"), 1, []),
 ])
 def test_inconsistencies_are_one_sentence(changes, world, words, capsys):

@@ -5,7 +5,8 @@ word embedding as its output layer). After each global batch's backward their
 gradients are summed over the embedding group, so both copies take the same
 update and never drift. The position embedding is summed too: the last stage's
 copy gets a zero gradient of its own, so it stays equal to the first stage's.
-The last stage's copies are marked `shared` so the gradient norm counts them once.
+The last stage's copies are marked `shared` so the gradient norm counts them once, and
+both copies `zero_defer_reduce` so ZeRO-2 reduces them only after that sum.
 """
 from __future__ import annotations
 
@@ -26,9 +27,11 @@ def build_gpt_stage(config, state: ParallelState, partition_method: str = "unifo
     start, end = ranges[state.pp_rank]
     tp_group = state.tp_group if state.tp_size > 1 else None
     model = GPTModel(config, tp_group, layer_indices=range(start, end))
-    if state.pp_size > 1 and state.is_last_stage and hasattr(model, "tied_modules"):
+    if state.pp_size > 1 and hasattr(model, "tied_modules"):
         for param in model.tied_modules.parameters():
-            param.shared = True
+            param.zero_defer_reduce = True  # ZeRO-2 reduces it after sync_tied_embedding_grads
+            if state.is_last_stage:
+                param.shared = True
     return model
 
 

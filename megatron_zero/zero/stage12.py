@@ -51,12 +51,18 @@ class Stage12:
         self.grad_parts = [torch.zeros(p.partition_size) for p in self.parts] if stage == 2 else None
         self._hooks, self._bucket, self._bucket_numel = [], [], 0
         self.peak_grad_numel = 0
+        # Parameters marked `zero_defer_reduce` (the pipeline-tied embedding, whose gradient is
+        # summed over the first and last stage after backward) keep their .grad until the step.
+        self._deferred = []
         if stage == 2:
             self._where = {}
             for gi, params in enumerate(self.groups):
                 for pi, p in enumerate(params):
                     self._where[id(p)] = (gi, pi)
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+                    if getattr(p, "zero_defer_reduce", False):
+                        self._deferred.append(p)
+                    else:
+                        self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
 
     # ---- what each rank owns -------------------------------------------------------
     def owned_ranges(self, gi: int):
@@ -122,6 +128,10 @@ class Stage12:
     def grad_partitions(self) -> List[torch.Tensor]:
         """This rank's fp32 partition of each group's gradient, summed (not averaged) over DP."""
         if self.stage == 2:
+            if self._deferred:  # same parameters, same order on every DP rank
+                self._flush()
+                self._bucket = list(self._deferred)
+                self._flush()
             return self.grad_parts
         out = []
         for gi, (params, part) in enumerate(zip(self.groups, self.parts)):
