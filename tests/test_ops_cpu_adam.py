@@ -95,9 +95,13 @@ def test_cpu_adamw_optimizer_matches_torch_and_shares_state_keys():
     assert set(s_ours) == set(s_theirs) and s_ours["step"].item() == s_theirs["step"].item() == 10
 
 
-def test_rejects_mismatched_sizes_and_step_zero():
+def test_rejects_mismatched_sizes_overlap_and_step_zero():
     p, g = torch.zeros(10), torch.zeros(9)
     with pytest.raises(RuntimeError, match="grad has 9 elements"):
         adamw_step_(p, g, torch.zeros(10), torch.zeros(10), step=1, fused=True, **HP)
+    buf = torch.zeros(30)
+    with pytest.raises(RuntimeError, match="exp_avg and exp_avg_sq share memory"):
+        adamw_step_(buf[:10], g[:0].new_zeros(10), buf[10:20], buf[15:25], step=1, fused=True,
+                    **HP)
     with pytest.raises(ValueError, match="step must be >= 1"):
         adamw_step_(p, p, p.clone(), p.clone(), step=0, **HP)

@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <utility>
+#include <vector>
 
 #include "adam_isa.h"
 
@@ -46,6 +48,18 @@ void check_flat(const torch::Tensor& t, const char* name, int64_t numel) {
               " elements but param has ", numel);
 }
 
+// The kernel's loops promise the compiler that no two arrays share memory.
+void check_disjoint(const std::vector<std::pair<const char*, const torch::Tensor*>>& ts) {
+  for (size_t i = 0; i < ts.size(); ++i)
+    for (size_t j = i + 1; j < ts.size(); ++j) {
+      const auto* a = static_cast<const char*>(ts[i].second->data_ptr());
+      const auto* b = static_cast<const char*>(ts[j].second->data_ptr());
+      const bool overlap = a < b + ts[j].second->nbytes() && b < a + ts[i].second->nbytes();
+      TORCH_CHECK(!overlap || ts[i].second->numel() == 0, "cpu_adam: ", ts[i].first, " and ",
+                  ts[j].first, " share memory; each needs its own buffer");
+    }
+}
+
 void adam_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg,
                torch::Tensor exp_avg_sq, int64_t step, double lr, double beta1, double beta2,
                double eps, double weight_decay, c10::optional<torch::Tensor> low_out) {
@@ -66,6 +80,10 @@ void adam_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg,
     low_kind = o.scalar_type() == torch::kBFloat16 ? mz::kLowBF16 : mz::kLowF16;
     low = reinterpret_cast<uint16_t*>(o.data_ptr());
   }
+  std::vector<std::pair<const char*, const torch::Tensor*>> arrays{
+      {"param", &param}, {"grad", &grad}, {"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}};
+  if (low_out.has_value()) arrays.emplace_back("low_out", &*low_out);
+  check_disjoint(arrays);
   // Same double-precision folding as torch/optim/adam.py (_single_tensor_adam).
   const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
   const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
@@ -106,7 +124,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("adam_step", &adam_step, "In-place AdamW step on flat fp32 tensors",
           py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
           py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
-          py::arg("weight_decay"), py::arg("low_out") = py::none());
+          py::arg("weight_decay"), py::arg("low_out") = py::none(),
+          py::call_guard<py::gil_scoped_release>());  // ZeRO-Offload overlaps it with Python
   mod.def("isa", [] { return std::string(kernel().isa); },
           "The instruction set the kernel dispatched to on this CPU");
 }

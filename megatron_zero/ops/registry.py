@@ -23,7 +23,11 @@ def load(module_name: str):
         try:
             _loaded[module_name] = importlib.import_module(module_name)
         except ImportError as e:
-            _loaded[module_name] = f"not built ({e})"
+            import torch
+            if module_name.endswith("_C_cuda") and torch.version.cuda is None:
+                _loaded[module_name] = f"not built: torch {torch.__version__} is a CPU-only build"
+            else:
+                _loaded[module_name] = f"not built ({e})"
     mod = _loaded[module_name]
     return None if isinstance(mod, str) else mod
 
