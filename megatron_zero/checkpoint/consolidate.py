@@ -24,7 +24,7 @@ import torch
 
 from .errors import CheckpointError
 from .tensor_io import save_file
-from .universal_convert import Progress
+from .universal_convert import Progress, batches
 from .universal_load import find_universal_dir
 from .universal_source import SourceCheckpoint, load_any
 
@@ -71,9 +71,9 @@ def iter_fp32(checkpoint_dir: str, progress: bool = False) -> Iterator[Tuple[str
         return
     src = SourceCheckpoint(checkpoint_dir)
     bar = Progress("zero_to_fp32", len(src.params), progress)
-    for pp in range(src.layout.pp):
+    for pp, names in batches(src):  # a fresh mapping per batch: touched pages are released after it
         with src.stage(pp) as reader:
-            for name in reader.names():
+            for name in names:
                 t, _ = reader.assemble(name, "fp32")
                 bar.update(1, t.numel() * t.element_size())
                 yield name, t

@@ -34,7 +34,7 @@ from .tensor_io import save_file
 from .universal_info import STATE_KEYS
 from .universal_source import SourceCheckpoint, StageReader, load_any
 
-BATCH_ELEMENTS = 16 << 20
+BATCH_ELEMENTS = 4 << 20  # per task: bounds the mapped pages a worker touches before it unmaps them
 _SRC: Optional[SourceCheckpoint] = None  # inherited by forked workers
 
 
@@ -101,7 +101,7 @@ def _convert_batch(pp: int, names: List[str], zero_dir: str, threads: int) -> Tu
         return len(names), nbytes, list(reader.mismatched)
 
 
-def _batches(src: SourceCheckpoint) -> List[Tuple[int, List[str]]]:
+def batches(src: SourceCheckpoint) -> List[Tuple[int, List[str]]]:
     out = []
     for pp in range(src.layout.pp):
         numel = {}
@@ -148,21 +148,21 @@ def convert_to_universal(input_folder: str, output_folder: str, merge_workers: i
     tmp = f"{output_folder}.tmp-{uuid.uuid4().hex[:8]}"
     zero_dir = os.path.join(tmp, "zero")
     os.makedirs(zero_dir)
-    batches = _batches(src)
+    tasks = batches(src)
     bar = Progress("ds_to_universal", len(src.params), progress)
     mismatched, total_bytes = [], 0
     _SRC = src
     try:
-        if merge_workers > 1 and len(batches) > 1:
-            with ProcessPoolExecutor(min(merge_workers, len(batches)), mp_context=mp.get_context("fork")) as pool:
-                futures = [pool.submit(_convert_batch, pp, names, zero_dir, extract_workers) for pp, names in batches]
+        if merge_workers > 1 and len(tasks) > 1:
+            with ProcessPoolExecutor(min(merge_workers, len(tasks)), mp_context=mp.get_context("fork")) as pool:
+                futures = [pool.submit(_convert_batch, pp, names, zero_dir, extract_workers) for pp, names in tasks]
                 for f in futures:
                     n, nbytes, bad = f.result()
                     bar.update(n, nbytes)
                     total_bytes += nbytes
                     mismatched += bad
         else:
-            for pp, names in batches:
+            for pp, names in tasks:
                 n, nbytes, bad = _convert_batch(pp, names, zero_dir, extract_workers)
                 bar.update(n, nbytes)
                 total_bytes += nbytes
