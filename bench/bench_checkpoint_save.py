@@ -2,7 +2,9 @@
 
     .venv/bin/python bench/bench_checkpoint_save.py [--layers 10 --hidden 768 --vocab 32000 --reps 3]
 
-A ~100M-parameter GPT, fp32, ZeRO-2 on 2 gloo CPU ranks, after one training step. Each rank
+A ~100M-parameter GPT, fp32, ZeRO-2 on 2 gloo CPU ranks, after one training step; the same ranks
+hold our model+ZeroOptimizer and a DeepSpeed engine of the same model, and the reps of every method
+are interleaved with a dd of the disk, so the disk's drift hits all alike. Each rank
 reports its save time, the bytes it wrote and its peak extra RSS during the save (RSS sampled
 every 2 ms, minus RSS before); a row's time is the slowest rank (the save is done when all are),
 bytes/s is all bytes over that time, RSS is the worst rank as a fraction of that rank's state
@@ -82,9 +84,23 @@ def state_bytes(model, opt_sd):
     return sum(seen)
 
 
-def ours_and_torch(a, root):
-    from megatron_zero.checkpoint import save_checkpoint
-    from megatron_zero.checkpoint.save import build_plan, _client
+def timed_save(out, key, d, fn, rank, after=None):
+    dist.barrier()
+    dt, extra = measured(fn)
+    if after is not None:  # not timed: e.g. let an async save finish
+        after()
+    dist.barrier()
+    out[key].append((dt, extra, dir_bytes(d) if rank == 0 else 0))
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def all_saves(a, root):
+    """Every method on the same ranks, reps interleaved (ours, async, torch.save, DeepSpeed, dd), so the
+    disk's drift hits all alike."""
+    from megatron_zero.checkpoint import finalize_async_saves, save_checkpoint
+    from megatron_zero.checkpoint.save import _client, build_plan
     from megatron_zero.checkpoint.writer import CopyFile
     from megatron_zero.model.gpt import GPTModel
     from megatron_zero.topology import build_parallel_state
@@ -97,80 +113,58 @@ def ours_and_torch(a, root):
     tokens, labels = batch(cfg)
     opt.backward(model(tokens, labels=labels))
     opt.step()
-    nbytes = state_bytes(model, opt.state_dict())
+    engine = deepspeed_engine(cfg, tokens, labels) if a.deepspeed else None
     rank = dist.get_rank()
-    out = {"state_bytes": nbytes, "ours": [], "ours_async_block": [], "torch": []}
+    out = {"state_bytes": state_bytes(model, opt.state_dict()), "ours": [], "ours_async_block": [], "torch": [],
+           "deepspeed": [], "dd": []}
     for rep in range(a.reps):
         d = os.path.join(root, f"ours{rep}")
-        dist.barrier()
-        dt, extra = measured(lambda: save_checkpoint(d, 10, state, model, opt, {"iteration": 10}))
-        out["ours"].append((dt, extra, dir_bytes(os.path.join(d, "global_step10")) if rank == 0 else 0))
-        dist.barrier()
-        if rank == 0:
-            shutil.rmtree(d)
-        d = os.path.join(root, f"async{rep}")
-        dist.barrier()
-        dt, extra = measured(lambda: save_checkpoint(d, 10, state, model, opt, {"iteration": 10}, async_save=True))
-        from megatron_zero.checkpoint import finalize_async_saves
-        finalize_async_saves()
-        out["ours_async_block"].append((dt, extra, 0))
-        dist.barrier()
-        if rank == 0:
-            shutil.rmtree(d)
+        timed_save(out, "ours", d, lambda: save_checkpoint(d, 10, state, model, opt, {"iteration": 10}), rank)
+        da = os.path.join(root, f"async{rep}")
+        timed_save(out, "ours_async_block", da, lambda: save_checkpoint(da, 10, state, model, opt, {"iteration": 10},
+                                                                         async_save=True), rank,
+                   after=finalize_async_saves)
         # torch.save of exactly the objects this rank's plan holds, each to its file, then fsync
-        d = os.path.join(root, f"torch{rep}")
-        os.makedirs(d, exist_ok=True)
+        dt_ = os.path.join(root, f"torch{rep}")
+        os.makedirs(dt_, exist_ok=True)
         plan = [(n, o) for n, o in build_plan(10, state, model, opt, _client({"iteration": 10}, state, 10))
                 if not isinstance(o, CopyFile)]
-        dist.barrier()
 
         def torch_save():
             for n, o in plan:
-                torch.save(o, os.path.join(d, n))
-            fsync_tree(d, {n for n, _ in plan})
+                torch.save(o, os.path.join(dt_, n))
+            fsync_tree(dt_, {n for n, _ in plan})
 
-        dt, extra = measured(torch_save)
-        dist.barrier()
-        out["torch"].append((dt, extra, dir_bytes(d) if rank == 0 else 0))
-        dist.barrier()
+        timed_save(out, "torch", dt_, torch_save, rank)
+        del plan
+        if engine is not None:
+            dd_ = os.path.join(root, f"ds{rep}")
+
+            def ds_save():
+                engine.save_checkpoint(dd_, tag="global_step10")
+                mine = {f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"} | (
+                    {"mp_rank_00_model_states.pt", "zero_to_fp32.py", "latest"} if rank == 0 else set())
+                fsync_tree(dd_, mine)
+
+            timed_save(out, "deepspeed", dd_, ds_save, rank)
         if rank == 0:
-            shutil.rmtree(d)
+            out["dd"].append(dd_speed(root))
+        dist.barrier()
     return out
 
 
-def deepspeed_save(a, root):
+def deepspeed_engine(cfg, tokens, labels):
     import deepspeed
     from megatron_zero.model.gpt import GPTModel
 
-    cfg = config(a)
     model = GPTModel(cfg)
     ds_cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
               "zero_optimization": {"stage": 2}, "steps_per_print": 10 ** 9}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg)
-    tokens, labels = batch(cfg)
     engine.backward(engine(tokens, labels=labels))
     engine.step()
-    nbytes = state_bytes(model, engine.optimizer.state_dict())
-    rank = dist.get_rank()
-    out = {"state_bytes": nbytes, "deepspeed": []}
-    for rep in range(a.reps):
-        d = os.path.join(root, f"ds{rep}")
-        dist.barrier()
-
-        def save():
-            engine.save_checkpoint(d, tag="global_step10")
-            mine = {f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"} | (
-                {"mp_rank_00_model_states.pt", "zero_to_fp32.py", "latest"} if rank == 0 else set())
-            fsync_tree(d, mine)
-
-        dt, extra = measured(save)
-        dist.barrier()
-        out["deepspeed"].append((dt, extra, dir_bytes(d) if rank == 0 else 0))
-        dist.barrier()
-        if rank == 0:
-            shutil.rmtree(d)
-    return out
+    return engine
 
 
 def dd_speed(root, mib=2048):
@@ -191,7 +185,8 @@ def row(name, per_rank, state, disk):
     nbytes = per_rank[0][0][2]
     extra = max(max(x[1] for x in per_rank[r]) / state[r] for r in range(len(per_rank)))
     rate = nbytes / t if nbytes else float("nan")
-    print(f"| {name} | {t:.2f} | {nbytes / 2**20:.0f} | {rate / 2**20:.0f} | {rate / disk:.2f} | {extra:.3f} |")
+    speed = "— | —" if "async" in name else f"{rate / 2**20:.0f} | {rate / disk:.2f}"  # async: nothing written yet
+    print(f"| {name} | {t:.2f} | {nbytes / 2**20:.0f} | {speed} | {extra:.3f} |")
 
 
 def main():
@@ -209,24 +204,24 @@ def main():
         print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
               f"python {platform.python_version()}; GPT {a.layers} layers, hidden {a.hidden}, vocab {a.vocab}: "
               f"{params / 1e6:.1f}M params, fp32, ZeRO-2, DP 2 (gloo), {a.reps} reps, median")
-        disk = statistics.median(dd_speed(root) for _ in range(2))
-        ours = run_ranks(ours_and_torch, 2, a, root, timeout=1800)
         try:
-            ds = run_ranks(deepspeed_save, 2, a, root, timeout=1800)
-        except Exception as e:  # deepspeed missing or failing: still print ours
-            print(f"(DeepSpeed row skipped: {str(e).splitlines()[-1]})")
-            ds = None
-        state = [o["state_bytes"] for o in ours]
-        print(f"disk (dd 2 GiB, conv=fsync): {disk / 2**20:.0f} MiB/s; state per rank: "
-              f"{', '.join(f'{s / 2**20:.0f} MiB' for s in state)}")
+            import deepspeed  # noqa: F401
+            a.deepspeed = True
+        except ImportError:
+            print("(DeepSpeed row skipped: deepspeed is not installed)")
+            a.deepspeed = False
+        res = run_ranks(all_saves, 2, a, root, timeout=3600)
+        disk = statistics.median(res[0]["dd"])
+        state = [o["state_bytes"] for o in res]
+        print(f"disk (dd 2 GiB, conv=fsync, median of {len(res[0]['dd'])} between the reps): "
+              f"{disk / 2**20:.0f} MiB/s; state per rank: {', '.join(f'{s / 2**20:.0f} MiB' for s in state)}")
         print("| save | seconds | MiB written | MiB/s | / disk | peak extra RSS / state |")
         print("|---|---|---|---|---|---|")
-        row("megatron_zero save_checkpoint", [o["ours"] for o in ours], state, disk)
-        row("megatron_zero async (blocking part)", [o["ours_async_block"] for o in ours], state, disk)
-        row("torch.save of the same objects", [o["torch"] for o in ours], state, disk)
-        if ds:
-            row("DeepSpeed 0.19 save_checkpoint + fsync", [o["deepspeed"] for o in ds],
-                [o["state_bytes"] for o in ds], disk)
+        row("megatron_zero save_checkpoint", [o["ours"] for o in res], state, disk)
+        row("megatron_zero async (blocking part)", [o["ours_async_block"] for o in res], state, disk)
+        row("torch.save of the same objects + fsync", [o["torch"] for o in res], state, disk)
+        if a.deepspeed:
+            row("DeepSpeed 0.19 save_checkpoint + fsync", [o["deepspeed"] for o in res], state, disk)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -91,9 +91,9 @@ def _weights_only(osd: dict) -> dict:
 
 def load_checkpoint(load_dir: str, state: ParallelState, model, optimizer, load_optimizer: bool = True,
                     universal: bool = False, tag: Optional[str] = None, verify: bool = True) -> Optional[dict]:
-    if universal:
-        raise CheckpointError("loading a universal checkpoint (--universal-checkpoint) is not supported by "
-                              "megatron_zero.checkpoint.load_checkpoint; load a checkpoint saved on this layout")
+    if universal:  # universal_load.py (the reshape path) owns that format
+        from .universal_load import load_universal_checkpoint
+        return load_universal_checkpoint(load_dir, state, model, optimizer, load_optimizer=load_optimizer)
     if tag is None and not os.path.exists(os.path.join(load_dir, LATEST)):
         return None
     ckpt = open_checkpoint(load_dir, tag, verify=verify)
