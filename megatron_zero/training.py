@@ -8,6 +8,7 @@ are summed over the first and last stage, and the ZeRO optimizer steps.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -49,6 +50,28 @@ def param_groups(model, weight_decay: float):
     for name, p in model.named_parameters():
         (no_decay if p.ndim == 1 else decay).append((name, p))
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def load_any_checkpoint(path, state, model, optimizer, load_optimizer=True, universal=False):
+    """Resume from `path`: a universal checkpoint (asked for, or all there is), a checkpoint saved on
+    this layout, or, saved on another TP/PP/DP or ZeRO stage, the same reshaped while loading."""
+    from .checkpoint.commit import LATEST
+    from .checkpoint.universal_load import (is_universal_checkpoint, load_reshaped_checkpoint,
+                                            load_universal_checkpoint)
+
+    has_latest = os.path.exists(os.path.join(path, LATEST))
+    if universal or (not has_latest and is_universal_checkpoint(path)):
+        return load_universal_checkpoint(path, state, model, optimizer, load_optimizer)
+    if not has_latest:
+        return None
+    found = ckpt.open_checkpoint(path)
+    meta = found.meta
+    saved = meta.get("layout")
+    here = {"tp": state.tp_size, "pp": state.pp_size, "dp": state.dp_size}
+    same_stage_family = (meta.get("zero_stage", optimizer.stage) == 3) == (optimizer.stage == 3)
+    if saved is not None and (saved != here or not same_stage_family):
+        return load_reshaped_checkpoint(found.directory, state, model, optimizer, load_optimizer)
+    return ckpt.load_checkpoint(path, state, model, optimizer, load_optimizer=load_optimizer)
 
 
 class Trainer:
@@ -143,10 +166,11 @@ class Trainer:
 
     def load(self, path):
         a = self.args
-        client = ckpt.load_checkpoint(path, self.state, self.model, self.optimizer,
-                                      load_optimizer=not (a.no_load_optim or a.finetune),
-                                      universal=a.universal_checkpoint)
+        client = load_any_checkpoint(path, self.state, self.model, self.optimizer,
+                                     load_optimizer=not (a.no_load_optim or a.finetune),
+                                     universal=a.universal_checkpoint)
         if client is None:
+            self._log(f"no checkpoint under --load {path} (no 'latest' file); starting from scratch")
             return
         if a.finetune:
             return

@@ -108,6 +108,43 @@ def write_safetensors(path: str, tensors: List[Tuple[str, torch.Tensor]], metada
     return offset
 
 
+def read_safetensors(path: str) -> Dict[str, torch.Tensor]:
+    """Read a .safetensors file (ours or Hugging Face's) into CPU tensors."""
+    by_name = {v: k for k, v in DTYPE_NAMES.items()}
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+        data = bytearray(f.read())
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        lo, hi = info["data_offsets"]
+        flat = torch.frombuffer(data, dtype=torch.uint8, offset=lo, count=hi - lo) if hi > lo else \
+            torch.empty(0, dtype=torch.uint8)
+        out[name] = flat.view(by_name[info["dtype"]]).reshape(info["shape"]).clone()
+    return out
+
+
+def load_consolidated(path: str) -> Dict[str, torch.Tensor]:
+    """A consolidated state dict from pytorch_model.bin, model.safetensors, or a sharded safetensors index."""
+    if os.path.isdir(path):
+        for name in ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin"):
+            if os.path.isfile(os.path.join(path, name)):
+                return load_consolidated(os.path.join(path, name))
+        raise CheckpointError(f"{path} holds no pytorch_model.bin, model.safetensors or safetensors index")
+    if path.endswith(".index.json"):
+        with open(path) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        out = {}
+        for shard in shards:
+            out.update(read_safetensors(os.path.join(os.path.dirname(path), shard)))
+        return out
+    if path.endswith(".safetensors"):
+        return read_safetensors(path)
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
 def consolidate_fp32(checkpoint_dir: str, output_dir: str, safe_serialization: bool = False,
                      max_shard_size="5GB", tag: str = None, progress: bool = True) -> dict:
     """Write the consolidated fp32 weights; returns {'files', 'params', 'bytes'}."""
