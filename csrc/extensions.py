@@ -64,14 +64,21 @@ def _build_ext_class():
         return None
 
     class LenientBuildExtension(BuildExtension):
-        """BuildExtension that turns a failed kernel build into a message."""
+        """BuildExtension that turns a failed kernel build into a message.
+
+        A failed extension is dropped from self.extensions, so the later steps
+        (in-place copy, editable wheel) do not look for its missing .so.
+        """
 
         def build_extensions(self):
+            self._failed = []
             try:
                 super().build_extensions()
-            except Exception as e:  # no compiler at all, ABI check, ninja...
+            except Exception as e:  # no working compiler at all, ABI check, ninja...
                 _say(f"could not build the kernels ({type(e).__name__}: {e}); "
                      "megatron_zero.ops will use the PyTorch fallbacks.")
+                self._failed = list(self.extensions)
+            self.extensions = [e for e in self.extensions if e not in self._failed]
 
         def build_extension(self, ext):
             try:
@@ -79,6 +86,7 @@ def _build_ext_class():
             except Exception as e:
                 _say(f"could not build {ext.name} ({type(e).__name__}: {str(e)[-300:]}); "
                      "megatron_zero.ops will use the PyTorch fallback for it.")
+                self._failed.append(ext)
 
     return LenientBuildExtension
 
