@@ -43,22 +43,25 @@ static inline uint16_t bf16_from_float(float x) {
 // torch's single-tensor AdamW, op for op (the step size and the bias
 // corrections are folded in double by the caller, as adam.py does):
 //   p *= decay; m.lerp_(g, 1-b1); v = v*b2 + (1-b2)*g*g;
-//   p += -step_size * m / (sqrt(v)/bc2_sqrt + eps)
+//   p += -step_size * m / (sqrt(v)/bc2_sqrt + eps)   (rearranged below)
 // With kBF16 the bf16 copy of the new p is written in the same loop.
 template <bool kBF16>
 static inline void adam_update(float* __restrict__ p, float* __restrict__ m,
                                float* __restrict__ v, const float* __restrict__ g,
                                uint16_t* __restrict__ low, int64_t n, const AdamScalars& s) {
   const float decay = s.decay, w1 = s.one_minus_b1, b2 = s.beta2, w2 = s.one_minus_b2;
-  const float bc2 = s.bc2_sqrt, eps = s.eps, neg_lr = s.neg_step_size;
+  const float eps_bc2 = s.eps * s.bc2_sqrt, neg_lr_bc2 = s.neg_step_size * s.bc2_sqrt;
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const float gi = g[i];
     const float mi = MZ_FMA(w1, gi - m[i], m[i]);  // lerp, weight < 0.5
     const float vi = MZ_FMA(w2 * gi, gi, v[i] * b2);  // mul_(b2).addcmul_(g, g, 1-b2)
-    const float denom = __builtin_sqrtf(vi) / bc2 + eps;
+    // torch: -step_size * m / (sqrt(v) / bc2 + eps). Multiplying through by bc2
+    // saves a division per element (a third of the arithmetic) for ~1 ulp of
+    // the update; m and v stay bit-identical to torch's.
+    const float denom = __builtin_sqrtf(vi) + eps_bc2;
     const float pi = p[i] * decay;  // rounded on its own, as param.mul_ does
-    const float pn = pi + neg_lr * mi / denom;
+    const float pn = pi + neg_lr_bc2 * mi / denom;
     m[i] = mi;
     v[i] = vi;
     p[i] = pn;
