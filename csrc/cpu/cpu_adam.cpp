@@ -107,9 +107,12 @@ void adam_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg,
   };
   // Threads take chunks from a shared counter rather than one fixed slice each,
   // so a thread the OS preempts (a busy machine) does not hold up the step.
-  constexpr int64_t kChunk = 1 << 16;
+  // About 8 chunks per thread, each at least 64K elements: long runs for the
+  // hardware prefetcher, small enough to rebalance.
+  const int64_t max_threads = at::get_num_threads();
+  const int64_t kChunk = std::max<int64_t>(1 << 16, ((n / (8 * max_threads)) + 15) / 16 * 16);
   const int64_t chunks = (n + kChunk - 1) / kChunk;
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), chunks);
+  const int64_t threads = std::min<int64_t>(max_threads, chunks);
   if (threads <= 1) return run(0, n);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
