@@ -40,8 +40,8 @@ static inline uint16_t bf16_from_float(float x) {
   return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0 : (uint16_t)rounded;
 }
 
-// torch's single-tensor AdamW, op for op (the step size and the bias
-// corrections are folded in double by the caller, as adam.py does):
+// torch's single-tensor AdamW with the same ops, one rearranged (the step size
+// and bias corrections are folded in double by the caller, as adam.py does):
 //   p *= decay; m.lerp_(g, 1-b1); v = v*b2 + (1-b2)*g*g;
 //   p += -step_size * m / (sqrt(v)/bc2_sqrt + eps)   (rearranged below)
 // With kBF16 the bf16 copy of the new p is written in the same loop.
@@ -54,11 +54,11 @@ static inline void adam_update(float* __restrict__ p, float* __restrict__ m,
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const float gi = g[i];
-    const float mi = MZ_FMA(w1, gi - m[i], m[i]);  // lerp, weight < 0.5
+    const float mi = MZ_FMA(w1, gi - m[i], m[i]);  // torch's lerp for weight < 0.5
     const float vi = MZ_FMA(w2 * gi, gi, v[i] * b2);  // mul_(b2).addcmul_(g, g, 1-b2)
     // torch: -step_size * m / (sqrt(v) / bc2 + eps). Multiplying through by bc2
     // saves a division per element (a third of the arithmetic) for ~1 ulp of
-    // the update; m and v stay bit-identical to torch's.
+    // the update; with FMA (and beta1 > 0.5) m and v stay bit-identical to torch's.
     const float denom = __builtin_sqrtf(vi) + eps_bc2;
     const float pi = p[i] * decay;  // rounded on its own, as param.mul_ does
     const float pn = pi + neg_lr_bc2 * mi / denom;
