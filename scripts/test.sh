@@ -4,7 +4,7 @@
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-bash scripts/setup_env.sh || exit 1
+bash scripts/setup_env.sh --test || exit 1
 .venv/bin/python -m pytest -q -p no:cacheprovider "${@:-tests}"
 rc=$?
 if [ $rc -eq 5 ]; then
