@@ -24,7 +24,7 @@ sys.path.insert(0, ROOT)
 
 def make_checkpoint(hidden, layers, vocab, save_dir):
     import torch
-    from megatron_zero.checkpoint.universal_dswrite import write_zero_checkpoint
+    from megatron_zero.checkpoint import save_checkpoint
     from megatron_zero.model.config import GPTConfig
     from megatron_zero.pipeline.gpt_stage import build_gpt_stage
     from megatron_zero.topology import build_parallel_state
@@ -40,7 +40,7 @@ def make_checkpoint(hidden, layers, vocab, save_dir):
     tokens = torch.randint(0, vocab, (1, 33), generator=torch.Generator().manual_seed(state.rank))
     opt.backward(model(tokens[:, :-1], labels=tokens[:, 1:]))
     opt.step()
-    write_zero_checkpoint(save_dir, 1, state, model, opt,
+    save_checkpoint(save_dir, 1, state, model, opt,
                           {"iteration": 1, "args": {"num_attention_heads": 12}, "consumed_train_samples": 2})
     return sum(p.numel() for p in model.parameters())
 

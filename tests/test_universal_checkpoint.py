@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_zero.checkpoint.universal_convert import convert_to_universal
-from megatron_zero.checkpoint.universal_dswrite import write_zero_checkpoint
+from megatron_zero.checkpoint import save_checkpoint
 from megatron_zero.checkpoint.universal_load import load_reshaped_checkpoint, load_universal_checkpoint
 from megatron_zero.model.config import GPTConfig
 from megatron_zero.model.sharding import gather_state_dicts
@@ -70,11 +70,11 @@ def train(tp, pp, stage, mb, save_dir=None, load=None, load_kind="universal", it
         losses[it] = broadcast_loss(out, state.is_last_stage, state.layout.pp_group(state.rank)[-1],
                                     state.pp_group, state.dp_group)
         if save_dir is not None and it + 1 == save_at:
-            write_zero_checkpoint(save_dir, it + 1, state, model, opt,
-                                  {"iteration": it + 1, "consumed_train_samples": (it + 1) * GBS,
-                                   "args": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                                            "global_batch_size": GBS, "micro_batch_size": mb},
-                                   "lr_scheduler": {"num_steps": it + 1}})
+            save_checkpoint(save_dir, it + 1, state, model, opt,
+                            {"iteration": it + 1, "consumed_train_samples": (it + 1) * GBS,
+                             "args": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                                      "global_batch_size": GBS, "micro_batch_size": mb},
+                             "lr_scheduler": {"num_steps": it + 1}})
     if stage == 3:
         with opt.impl.gathered():
             weights = {n: p.detach().clone() for n, p in model.named_parameters()}
