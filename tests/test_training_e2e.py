@@ -50,7 +50,8 @@ def test_four_ranks_train_and_log_tensorboard(builtin_corpus, tmp_path):
     data, tok = builtin_corpus
     tb = tmp_path / "tb"
     argv = model_flags(data, tok, **{"tensor-model-parallel-size": 2, "pipeline-model-parallel-size": 2,
-                                     "tensorboard-dir": tb, "data-cache-path": tmp_path / "cache"})
+                                     "tensorboard-dir": tb, "data-cache-path": tmp_path / "cache",
+                                     "save": tmp_path / "ckpt"})
     run = torchrun(4, argv)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     losses = losses_from_log(run.stdout)
@@ -65,6 +66,12 @@ def test_four_ranks_train_and_log_tensorboard(builtin_corpus, tmp_path):
     tb_losses = [e.value for e in events.Scalars("lm loss")]
     assert [e.step for e in events.Scalars("lm loss")] == list(range(1, 13))
     assert tb_losses == pytest.approx(losses, rel=1e-5)
+    # a user sees what the model learned: sample from the TP2 x PP2 checkpoint on one process
+    gen = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "generate_text.py"), "--load",
+                          str(tmp_path / "ckpt"), "--prompt", "The import statement", "--max-new-tokens", "8",
+                          "--greedy"], capture_output=True, text=True, timeout=120)
+    assert gen.returncode == 0, gen.stderr
+    assert gen.stdout.startswith("The import statement") and len(gen.stdout.split()) > 3
 
 
 @pytest.mark.parametrize("flags,words", [
