@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from .fusion_flags import use_fused
-from .registry import load
+from .registry import load, warn_fallback_once
 
 _EXT = "megatron_zero._C_cuda"
 
@@ -30,6 +30,8 @@ def bias_gelu(bias, y, fused=None):
     """GeLU_tanh(y + bias); bias broadcasts over y's last dimension."""
     if (use_fused("bias_gelu_fusion", fused) and y.is_cuda and y.dtype == bias.dtype
             and y.dtype in (torch.float32, torch.float16, torch.bfloat16)
-            and bias.dim() == 1 and y.shape[-1] == bias.numel() and load(_EXT) is not None):
-        return _FusedBiasGelu.apply(y, bias)
+            and bias.dim() == 1 and y.shape[-1] == bias.numel()):
+        if load(_EXT) is not None:
+            return _FusedBiasGelu.apply(y, bias)
+        warn_fallback_once("bias_gelu", "megatron_zero._C_cuda is not built")
     return F.gelu(y + bias, approximate="tanh")

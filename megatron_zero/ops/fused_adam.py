@@ -7,7 +7,7 @@ import torch
 
 from .cpu_adam import adamw_reference_
 from .fusion_flags import use_fused
-from .registry import load
+from .registry import load, warn_fallback_once
 
 _EXT = "megatron_zero._C_cuda"
 
@@ -25,12 +25,13 @@ def multi_tensor_adamw_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1
                          f"must have equal lengths, got {[len(x) for x in lists]}")
     if not params:
         return
-    if (use_fused("multi_tensor_adam_fusion", fused) and _kernel_fits(lists)
-            and load(_EXT) is not None):
-        load(_EXT).multi_tensor_adamw(list(params), list(grads), list(exp_avgs),
-                                      list(exp_avg_sqs), int(step), lr, beta1, beta2, eps,
-                                      weight_decay)
-        return
+    if use_fused("multi_tensor_adam_fusion", fused) and _kernel_fits(lists):
+        if load(_EXT) is None:
+            warn_fallback_once("multi_tensor_adam", "megatron_zero._C_cuda is not built")
+        else:
+            return load(_EXT).multi_tensor_adamw(list(params), list(grads), list(exp_avgs),
+                                                 list(exp_avg_sqs), int(step), lr, beta1,
+                                                 beta2, eps, weight_decay)
     for p, g, m, v in zip(*lists):
         adamw_reference_(p, g, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                          weight_decay=weight_decay)

@@ -37,7 +37,7 @@ def get_fusion_flags() -> FusionFlags:
 
 
 def set_fusion_flags(**changes) -> FusionFlags:
-    """Change some switches, e.g. set_fusion_flags(bias_gelu_fusion=False); returns the old flags."""
+    """Change some switches, e.g. set_fusion_flags(bias_gelu_fusion=False); returns the old."""
     global _flags
     known = {f.name for f in fields(FusionFlags)}
     unknown = sorted(set(changes) - known)

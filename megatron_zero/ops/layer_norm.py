@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from .fusion_flags import get_fusion_flags
-from .registry import load
+from .registry import load, warn_fallback_once
 
 _EXT = "megatron_zero._C_cuda"
 
@@ -30,13 +30,20 @@ class _FusedLayerNorm(torch.autograd.Function):
         return dx.view(dy.shape), dweight, dbias, None
 
 
+def _built(kernel):
+    if load(_EXT) is None:
+        warn_fallback_once(kernel, "megatron_zero._C_cuda is not built")
+        return False
+    return True
+
+
 def _fused_ok(x, weight, bias, fused):
     wanted = fused if fused is not None else (
         get_fusion_flags().layer_norm_fusion and get_fusion_flags().persist_layer_norm)
     return (wanted and x.is_cuda and weight is not None and bias is not None
             and x.dtype == weight.dtype == bias.dtype
             and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
-            and load(_EXT) is not None)
+            and _built("layer_norm"))
 
 
 def layer_norm(x, weight, bias, eps=1e-5, fused=None):

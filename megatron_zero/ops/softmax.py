@@ -7,7 +7,7 @@ in x's dtype. The fused CUDA kernel never builds the mask; the fallback does.
 import torch
 
 from .fusion_flags import use_fused
-from .registry import load
+from .registry import load, warn_fallback_once
 
 _EXT = "megatron_zero._C_cuda"
 
@@ -39,7 +39,9 @@ def scaled_upper_triang_masked_softmax(x, scale=1.0, fused=None):
         raise ValueError(f"scaled_upper_triang_masked_softmax expects [batches, sq, sq], "
                          f"got shape {tuple(x.shape)}")
     if (use_fused("masked_softmax_fusion", fused) and x.is_cuda
-            and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
-            and load(_EXT) is not None):
-        return _FusedCausalSoftmax.apply(x, float(scale))
+            and x.dtype in (torch.float32, torch.float16, torch.bfloat16)):
+        if load(_EXT) is not None:
+            return _FusedCausalSoftmax.apply(x, float(scale))
+        warn_fallback_once("scaled_upper_triang_masked_softmax",
+                           "megatron_zero._C_cuda is not built")
     return causal_softmax_reference(x, scale)
