@@ -24,6 +24,7 @@ from .exit_signal import ExitPolicy
 from .logger import TensorBoardLog, format_eval_line, format_train_line
 from .lr_schedule import LRSchedule
 from .model.config import GPTConfig
+from .ops import set_fusion_flags
 from .pipeline.gpt_stage import activation_shape, build_gpt_stage, make_forward_step, sync_tied_embedding_grads
 from .pipeline.p2p import P2P
 from .pipeline.schedule import broadcast_loss, forward_backward
@@ -52,6 +53,12 @@ def param_groups(model, weight_decay: float):
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def fusion_flags(args) -> dict:
+    """Megatron's --no-*-fusion flags as megatron_zero.ops switches."""
+    return {name: getattr(args, name) for name in ("masked_softmax_fusion", "bias_gelu_fusion",
+                                                   "persist_layer_norm", "gradient_accumulation_fusion")}
+
+
 def load_any_checkpoint(path, state, model, optimizer, load_optimizer=True, universal=False):
     """Resume from `path`: a universal checkpoint (asked for, or all there is), a checkpoint saved on
     this layout, or, saved on another TP/PP/DP or ZeRO stage, the same reshaped while loading."""
@@ -77,6 +84,7 @@ def load_any_checkpoint(path, state, model, optimizer, load_optimizer=True, univ
 class Trainer:
     def __init__(self, args, state):
         self.args, self.state = args, state
+        set_fusion_flags(**fusion_flags(args))
         model_parallel_seed(args.seed, state.tp_rank, state.pp_rank)
         self.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file,
                                          args.merge_file, args.vocab_size)

@@ -89,3 +89,16 @@ def test_deepspeed_config_fills_and_conflicts(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     assert f"{bad} is not valid JSON" in refused(with_flags(BASE, deepspeed_config=bad), 1, capsys)
+
+
+def test_no_fusion_flags_reach_the_ops_switches():
+    from megatron_zero.ops import get_fusion_flags, set_fusion_flags
+    from megatron_zero.training import fusion_flags
+
+    args = parse_args(BASE + ["--no-masked-softmax-fusion", "--no-bias-gelu-fusion"], world_size=1)
+    old = set_fusion_flags(**fusion_flags(args))
+    try:
+        flags = get_fusion_flags()
+        assert not flags.masked_softmax_fusion and not flags.bias_gelu_fusion and flags.persist_layer_norm
+    finally:
+        set_fusion_flags(**{k: getattr(old, k) for k in fusion_flags(args)})
