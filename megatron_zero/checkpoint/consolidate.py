@@ -23,7 +23,7 @@ from typing import Dict, Iterator, List, Tuple
 import torch
 
 from .errors import CheckpointError
-from .tensor_io import save_file
+from .torch_zip_writer import TorchZipWriter
 from .universal_convert import Progress, batches
 from .universal_load import find_universal_dir
 from .universal_source import SourceCheckpoint, load_any
@@ -151,9 +151,11 @@ def consolidate_fp32(checkpoint_dir: str, output_dir: str, safe_serialization: b
     directory = resolve_checkpoint_dir(checkpoint_dir, tag)
     os.makedirs(output_dir, exist_ok=True)
     if not safe_serialization:
-        sd = dict(iter_fp32(directory, progress))
-        size, _ = save_file(sd, os.path.join(output_dir, "pytorch_model.bin"), fsync=False)
-        return {"files": ["pytorch_model.bin"], "params": len(sd), "bytes": size}
+        final = os.path.join(output_dir, "pytorch_model.bin")
+        with TorchZipWriter(final + ".part", copy_files=True) as writer:  # the mapped files are only read
+            total = sum(writer.add(name, t) for name, t in iter_fp32(directory, progress))
+        os.replace(final + ".part", final)
+        return {"files": ["pytorch_model.bin"], "params": len(writer.entries), "bytes": total}
     limit = parse_size(max_shard_size)
     shards, pending, pending_bytes, total, weight_map = [], [], 0, 0, {}
 

@@ -1,0 +1,248 @@
+"""Stream a flat {name: tensor} state dict into torch.save's zip format, one tensor at a time.
+
+    with TorchZipWriter("pytorch_model.bin") as w:
+        for name, t in tensors:          # each tensor's bytes are written at once, then it can go
+            w.add(name, t)
+    torch.load("pytorch_model.bin", weights_only=True, mmap=True)   # {name: tensor}, as torch.save wrote it
+
+torch.save pickles the whole object first and so needs every tensor at hand; here each tensor
+becomes its storage record `archive/data/<k>` as soon as it is added, and `archive/data.pkl`
+(which refers to storages by key through persistent ids) is pickled at the end from the
+recorded names, dtypes and shapes. Peak memory is one tensor, not the state dict.
+
+The layout is miniz's (torch's writer): stored records, local headers padded with an 'FB'
+extra field so every record's data starts on a 64-byte boundary (torch.load(mmap=True) maps
+storages in place), a data descriptor after each record, ZIP64 fields past 4 GiB, and the
+records torch.load reads (`data.pkl`, `.format_version`, `.storage_alignment`, `byteorder`,
+`version`). The data.pkl bytes equal torch.save's for the same dict. Storage records carry
+CRC 0, as torch's own writer does with its CRC option off (torch.load does not check it).
+A tensor that is a view of a memory-mapped file (e.g. a fragment of an optimizer file opened
+with torch.load(mmap=True)) is copied file-to-file in the kernel (copy_file_range), without
+faulting its pages into this process — only with copy_files=True, for callers that never
+modify mapped tensors (a private mapping's modified pages differ from the file).
+"""
+from __future__ import annotations
+
+import collections
+import io
+import os
+import pickle
+import struct
+import sys
+import zlib
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+ALIGN = 64
+CHUNK = 8 << 20
+_U32 = 0xFFFFFFFF
+
+
+def _storage_type(dtype: torch.dtype):
+    return getattr(torch, torch.storage.TypedStorage(dtype=dtype, device="cpu", _internal=True)._pickle_storage_type())
+
+
+class _Storage:
+    def __init__(self, key: str, dtype: torch.dtype, numel: int):
+        self.key, self.dtype, self.numel = key, dtype, numel
+
+
+class _Tensor:
+    """Pickles exactly as a contiguous CPU tensor does (torch._utils._rebuild_tensor_v2)."""
+
+    def __init__(self, storage: _Storage, shape: Tuple[int, ...]):
+        self.storage, self.shape = storage, shape
+
+    def __reduce_ex__(self, protocol):
+        stride, acc = [], 1
+        for d in reversed(self.shape):
+            stride.append(acc)
+            acc *= d
+        return (torch._utils._rebuild_tensor_v2,
+                (self.storage, 0, tuple(self.shape), tuple(reversed(stride)), False, collections.OrderedDict()))
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj):
+        if isinstance(obj, _Storage):
+            return ("storage", _storage_type(obj.dtype), obj.key, "cpu", obj.numel)
+        return None
+
+
+class _Mappings:
+    """Which file (and offset) backs an address of this process, from /proc/self/maps (Linux).
+
+    The table is re-read only on a miss or when its entry no longer names the same file
+    (/proc/self/map_files/<range> is checked, one readlink): files unmapped and others mapped
+    at the same addresses are never confused."""
+
+    def __init__(self):
+        self.table: List[Tuple[int, int, str, str, int]] = []
+
+    def _read(self) -> None:
+        self.table = []
+        try:
+            with open("/proc/self/maps") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            return
+        for line in lines:
+            parts = line.split(None, 5)
+            if len(parts) == 6 and parts[5].startswith("/") and not parts[5].endswith("(deleted)"):
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                self.table.append((lo, hi, parts[0], parts[5], int(parts[2], 16)))
+
+    def _find(self, ptr: int, nbytes: int) -> Optional[Tuple[str, int]]:
+        for lo, hi, span, path, pgoff in self.table:
+            if lo <= ptr and ptr + nbytes <= hi:
+                try:
+                    if os.readlink(f"/proc/self/map_files/{span}") != path:
+                        return None
+                except OSError:
+                    return None
+                return path, pgoff + ptr - lo
+        return None
+
+    def lookup(self, ptr: int, nbytes: int) -> Optional[Tuple[str, int]]:
+        """(path, file offset) when [ptr, ptr+nbytes) lies in one file mapping, else None."""
+        found = self._find(ptr, nbytes)
+        if found is None:
+            self._read()
+            found = self._find(ptr, nbytes)
+        return found
+
+
+class TorchZipWriter:
+    def __init__(self, path: str, archive: str = "archive", force_zip64: bool = False, copy_files: bool = False):
+        self.path, self.archive, self.force_zip64, self.copy_files = path, archive, force_zip64, copy_files
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.pos = 0
+        self.central: List[bytes] = []
+        self.entries: Dict[str, _Tensor] = {}
+        self._sources: Dict[str, int] = {}
+        self._maps = _Mappings()
+
+    # --- zip records -------------------------------------------------------------------------
+    def _write(self, data) -> None:
+        mv = memoryview(data).cast("B")
+        done = 0
+        while done < len(mv):
+            done += os.write(self.fd, mv[done:done + CHUNK])
+        self.pos += len(mv)
+
+    def _header(self, name: str, size: int) -> Tuple[bytes, int, bool]:
+        raw = f"{self.archive}/{name}".encode()
+        offset = self.pos
+        zip64 = self.force_zip64 or size >= _U32 or offset >= _U32
+        extra = struct.pack("<HHQQ", 1, 16, 0, 0) if zip64 else b""
+        start = offset + 30 + len(raw) + len(extra) + 4  # 4: the FB field's own header
+        extra += struct.pack("<HH", 0x4246, -start % ALIGN) + b"Z" * (-start % ALIGN)
+        head = struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 0x0808, 0, 0, 0x21, 0, 0, 0,
+                           len(raw), len(extra))
+        self._write(head + raw + extra)
+        return raw, offset, zip64
+
+    def _finish(self, raw: bytes, offset: int, zip64: bool, size: int, crc: int) -> None:
+        self._write(struct.pack("<IIQQ" if zip64 else "<IIII", 0x08074B50, crc, size, size))
+        extra = b""
+        if zip64:
+            extra = struct.pack("<HHQQQ", 1, 24, size, size, offset)
+        small = _U32 if zip64 else size
+        self.central.append(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45 if zip64 else 20, 45 if zip64 else 20,
+                                        0x0808, 0, 0, 0x21, crc, small, small, len(raw), len(extra), 0, 0, 0, 0,
+                                        _U32 if zip64 else offset) + raw + extra)
+
+    def _record(self, name: str, data: bytes) -> None:
+        raw, offset, zip64 = self._header(name, len(data))
+        self._write(data)
+        self._finish(raw, offset, zip64, len(data), zlib.crc32(data))
+
+    # --- tensors -----------------------------------------------------------------------------
+    def _copy_from_file(self, t: torch.Tensor, nbytes: int) -> bool:
+        where = self._maps.lookup(t.data_ptr(), nbytes) if self.copy_files else None
+        if where is None:
+            return False
+        path, off = where
+        src = self._sources.get(path)
+        if src is None:
+            try:
+                src = self._sources[path] = os.open(path, os.O_RDONLY)
+            except OSError:
+                return False
+        done = 0
+        try:
+            while done < nbytes:
+                n = os.copy_file_range(src, self.fd, nbytes - done, off + done)
+                if n == 0:
+                    raise OSError("copy_file_range copied nothing")
+                done += n
+        except OSError:
+            if done:  # rewind what was copied and write from memory instead
+                os.lseek(self.fd, self.pos, os.SEEK_SET)
+            return False
+        self.pos += nbytes
+        return True
+
+    def add(self, name: str, tensor: torch.Tensor) -> int:
+        """Write `tensor`'s bytes now as the next storage record; returns their size."""
+        if name in self.entries:
+            raise ValueError(f"{name} was already written")
+        t = tensor.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        nbytes = t.numel() * t.element_size()
+        storage = _Storage(str(len(self.entries)), t.dtype, t.numel())
+        raw, offset, zip64 = self._header(f"data/{storage.key}", nbytes)
+        if nbytes and not (hasattr(os, "copy_file_range") and self._copy_from_file(t, nbytes)):
+            self._write(t.reshape(-1).view(torch.uint8).numpy())
+        self._finish(raw, offset, zip64, nbytes, 0)
+        self.entries[name] = _Tensor(storage, tuple(t.shape))
+        return nbytes
+
+    def close(self) -> int:
+        """Write data.pkl, the small records and the central directory; returns the file size."""
+        if self.fd is None:
+            return self.pos
+        buf = io.BytesIO()
+        _Pickler(buf, protocol=2).dump(dict(self.entries))
+        self._record("data.pkl", buf.getvalue())
+        self._record(".format_version", b"1")
+        self._record(".storage_alignment", str(ALIGN).encode())
+        self._record("byteorder", sys.byteorder.encode())
+        self._record("version", b"3\n")
+        start, n = self.pos, len(self.central)
+        for entry in self.central:
+            self._write(entry)
+        size = self.pos - start
+        if self.force_zip64 or start >= _U32 or n >= 0xFFFF:
+            eocd64 = self.pos
+            self._write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, n, n, size, start))
+            self._write(struct.pack("<IIQI", 0x07064B50, 0, eocd64, 1))
+            self._write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, _U32, _U32, 0))
+        else:
+            self._write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, n, n, size, start, 0))
+        os.close(self.fd)
+        self.fd = None
+        for fd in self._sources.values():
+            os.close(fd)
+        self._sources.clear()
+        return self.pos
+
+    def abort(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        for fd in self._sources.values():
+            os.close(fd)
+        self._sources.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
