@@ -164,3 +164,26 @@ def test_streamed_bin_memory_is_one_tensor(tmp_path):
     assert extra < 48 << 20, f"peak RSS grew {extra / 2**20:.0f} MiB while streaming 256 MiB"
     got = torch.load(out, weights_only=True, mmap=True)
     assert len(got) == 32 and all(torch.equal(got[f"p{i}"], torch.full((1 << 21,), float(i))) for i in (0, 17, 31))
+
+
+@pytest.mark.parametrize("reserve_for", ["all", "none"], ids=["header-in-reserved-room", "header-moved"])
+def test_safetensors_stream(tmp_path, reserve_for):
+    from megatron_zero.checkpoint.consolidate import SafetensorsStream
+    sd = {f"layer.{i}.weight": torch.randn(3, i + 1, 2) for i in range(6)}
+    sd["bias"] = torch.arange(5.0).bfloat16()
+    path = str(tmp_path / "x.safetensors")
+    w = SafetensorsStream(path, list(sd) if reserve_for == "all" else [])
+    for name, t in sd.items():
+        w.add(name, t)
+    w.close()
+    got = read_safetensors_any(path)
+    assert list(got) == list(sd) and all(torch.equal(got[n], sd[n]) for n in sd)
+
+
+def read_safetensors_any(path):
+    try:
+        from safetensors.torch import load_file
+        return load_file(path)
+    except ImportError:
+        from megatron_zero.checkpoint.consolidate import read_safetensors as ours
+        return ours(path)

@@ -8,22 +8,26 @@ merged on each parameter's split dimension, DP fragments concatenated, the tied 
 taken once, the vocabulary cut to its original size. Output: `pytorch_model.bin`, or
 safetensors — `model.safetensors`, or `model-0000k-of-0000n.safetensors` shards plus
 `model.safetensors.index.json` (Hugging Face's names). Parameters are assembled one at a
-time from memory-mapped optimizer files and written shard by shard, so peak host memory is
-about one output shard (for pytorch_model.bin: the model once), never twice the model.
-The safetensors format is written directly (8-byte header length, JSON header, raw bytes).
+time from memory-mapped optimizer files and streamed out as they come, for both formats:
+pytorch_model.bin through TorchZipWriter (torch.save's zip layout, data.pkl written last),
+safetensors with the header written last into room reserved in front. Peak host memory is
+about one parameter, never the model. A parameter that is a single fragment (a view of a
+mapped file) is copied file-to-file in the kernel (copy_file_range) without passing through
+this process.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
 import struct
 from typing import Dict, Iterator, List, Tuple
 
 import torch
 
 from .errors import CheckpointError
-from .torch_zip_writer import TorchZipWriter
+from .torch_zip_writer import TensorBytesWriter, TorchZipWriter, cpu_contiguous
 from .universal_convert import Progress, batches
 from .universal_load import find_universal_dir
 from .universal_source import SourceCheckpoint, load_any
@@ -56,31 +60,41 @@ def resolve_checkpoint_dir(path: str, tag: str = None) -> str:
     return path
 
 
-def iter_fp32(checkpoint_dir: str, progress: bool = False) -> Iterator[Tuple[str, torch.Tensor]]:
-    """(name, full fp32 tensor) for every parameter, one at a time."""
+def fp32_source(checkpoint_dir: str, progress: bool = False) -> Tuple[List[str], Iterator[Tuple[str, torch.Tensor]]]:
+    """(every parameter's name, an iterator of (name, full fp32 tensor) one at a time)."""
     universal = find_universal_dir(checkpoint_dir)
     if universal is not None:
         zero = os.path.join(universal, "zero")
         names = sorted(d for d in os.listdir(zero) if os.path.isdir(os.path.join(zero, d)))
-        bar = Progress("zero_to_fp32", len(names), progress)
-        for name in names:
-            t = load_any(os.path.join(zero, name, "fp32.pt"))["param"]
-            bar.update(1, t.numel() * t.element_size())
-            yield name, t
-        bar.close()
-        return
-    src = SourceCheckpoint(checkpoint_dir)
-    bar = Progress("zero_to_fp32", len(src.params), progress)
-    for pp, names in batches(src):  # a fresh mapping per batch: touched pages are released after it
-        with src.stage(pp) as reader:
+
+        def from_universal():
+            bar = Progress("zero_to_fp32", len(names), progress)
             for name in names:
-                t, _ = reader.assemble(name, "fp32")
+                t = load_any(os.path.join(zero, name, "fp32.pt"))["param"]
                 bar.update(1, t.numel() * t.element_size())
                 yield name, t
-            if reader.mismatched:
-                raise CheckpointError(f"TP-replicated parameters differ across TP ranks in {checkpoint_dir}: "
-                                      f"{', '.join(reader.mismatched)}")
-    bar.close()
+            bar.close()
+        return names, from_universal()
+    src = SourceCheckpoint(checkpoint_dir)
+
+    def from_zero():
+        bar = Progress("zero_to_fp32", len(src.params), progress)
+        for pp, names in batches(src):  # a fresh mapping per batch: touched pages are released after it
+            with src.stage(pp) as reader:
+                for name in names:
+                    t, _ = reader.assemble(name, "fp32")
+                    bar.update(1, t.numel() * t.element_size())
+                    yield name, t
+                if reader.mismatched:
+                    raise CheckpointError(f"TP-replicated parameters differ across TP ranks in {checkpoint_dir}: "
+                                          f"{', '.join(reader.mismatched)}")
+        bar.close()
+    return [n for n, _ in src.params], from_zero()
+
+
+def iter_fp32(checkpoint_dir: str, progress: bool = False) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(name, full fp32 tensor) for every parameter, one at a time (views of the mapped files where possible)."""
+    return fp32_source(checkpoint_dir, progress)[1]
 
 
 def get_fp32_state_dict(checkpoint_dir: str, tag: str = None) -> Dict[str, torch.Tensor]:
@@ -145,44 +159,79 @@ def load_consolidated(path: str) -> Dict[str, torch.Tensor]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+class SafetensorsStream:
+    """One .safetensors file written tensor by tensor: the data first, after room reserved for the header
+    (sized for `names`), then the header, padded with spaces as the format allows, in front."""
+
+    def __init__(self, path: str, names: List[str], copy_files: bool = False):
+        self.path, self.entries, self.offset = path, {}, 0
+        reserve = 64 + sum(len(json.dumps(n)) + 48 + 10 * 21 for n in names)  # up to 10 dims, 20-digit numbers
+        self.reserve = reserve + (-reserve % 8)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.lseek(self.fd, 8 + self.reserve, os.SEEK_SET)
+        self.out = TensorBytesWriter(self.fd, copy_files)
+
+    def add(self, name: str, tensor: torch.Tensor) -> int:
+        t = cpu_contiguous(tensor)
+        n = self.out.write_tensor(t)
+        self.entries[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape),
+                              "data_offsets": [self.offset, self.offset + n]}
+        self.offset += n
+        return n
+
+    def close(self) -> None:
+        self.out.close_sources()
+        raw = json.dumps({**self.entries, "__metadata__": {"format": "pt"}}, separators=(",", ":")).encode()
+        if len(raw) <= self.reserve:
+            os.pwrite(self.fd, struct.pack("<Q", self.reserve) + raw + b" " * (self.reserve - len(raw)), 0)
+            os.close(self.fd)
+            return
+        os.close(self.fd)  # more dims than reserved for: write the header, then move the data behind it
+        raw += b" " * (-len(raw) % 8)
+        with open(self.path, "rb") as src, open(self.path + ".tmp", "wb") as dst:
+            dst.write(struct.pack("<Q", len(raw)) + raw)
+            src.seek(8 + self.reserve)
+            shutil.copyfileobj(src, dst, 8 << 20)
+        os.replace(self.path + ".tmp", self.path)
+
+
 def consolidate_fp32(checkpoint_dir: str, output_dir: str, safe_serialization: bool = False,
                      max_shard_size="5GB", tag: str = None, progress: bool = True) -> dict:
     """Write the consolidated fp32 weights; returns {'files', 'params', 'bytes'}."""
     directory = resolve_checkpoint_dir(checkpoint_dir, tag)
     os.makedirs(output_dir, exist_ok=True)
+    names, tensors = fp32_source(directory, progress)
+    # the tensors are views of read-only mapped files or fresh copies: their bytes are copied file-to-file
     if not safe_serialization:
         final = os.path.join(output_dir, "pytorch_model.bin")
-        with TorchZipWriter(final + ".part", copy_files=True) as writer:  # the mapped files are only read
-            total = sum(writer.add(name, t) for name, t in iter_fp32(directory, progress))
+        with TorchZipWriter(final + ".part", copy_files=True) as writer:
+            total = sum(writer.add(name, t) for name, t in tensors)
         os.replace(final + ".part", final)
         return {"files": ["pytorch_model.bin"], "params": len(writer.entries), "bytes": total}
     limit = parse_size(max_shard_size)
-    shards, pending, pending_bytes, total, weight_map = [], [], 0, 0, {}
-
-    def flush():
-        nonlocal pending, pending_bytes
-        if pending:
-            name = f"model-{len(shards) + 1:05d}.safetensors.part"
-            write_safetensors(os.path.join(output_dir, name), pending)
-            shards.append((name, [n for n, _ in pending]))
-            pending, pending_bytes = [], 0
-
-    count = 0
-    for name, t in iter_fp32(directory, progress):
+    shards: List[Tuple[str, List[str]]] = []
+    shard, total, count = None, 0, 0
+    for name, t in tensors:
         n = t.numel() * t.element_size()
-        if pending and pending_bytes + n > limit:
-            flush()
-        pending.append((name, t))
-        pending_bytes += n
+        if shard is not None and shard.entries and shard.offset + n > limit:
+            shard.close()
+            shard = None
+        if shard is None:
+            part = os.path.join(output_dir, f"model-{len(shards) + 1:05d}.safetensors.part")
+            shard = SafetensorsStream(part, names[count:], copy_files=True)
+            shards.append((part, []))
+        shard.add(name, t)
+        shards[-1][1].append(name)
         total += n
         count += 1
-    flush()
-    files = []
-    for k, (part, names) in enumerate(shards):
+    if shard is not None:
+        shard.close()
+    files, weight_map = [], {}
+    for k, (part, members) in enumerate(shards):
         final = "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        os.replace(os.path.join(output_dir, part), os.path.join(output_dir, final))
+        os.replace(part, os.path.join(output_dir, final))
         files.append(final)
-        weight_map.update({n: final for n in names})
+        weight_map.update({n: final for n in members})
     if len(shards) > 1:
         with open(os.path.join(output_dir, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)

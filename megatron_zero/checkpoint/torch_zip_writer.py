@@ -113,23 +113,80 @@ class _Mappings:
         return found
 
 
-class TorchZipWriter:
-    def __init__(self, path: str, archive: str = "archive", force_zip64: bool = False, copy_files: bool = False):
-        self.path, self.archive, self.force_zip64, self.copy_files = path, archive, force_zip64, copy_files
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self.pos = 0
-        self.central: List[bytes] = []
-        self.entries: Dict[str, _Tensor] = {}
+class TensorBytesWriter:
+    """Appends tensors' raw bytes to an open file descriptor: from memory, or with copy_files=True,
+    file-to-file (copy_file_range) for views of memory-mapped files."""
+
+    def __init__(self, fd: int, copy_files: bool = False):
+        self.fd, self.copy_files, self.pos = fd, copy_files, os.lseek(fd, 0, os.SEEK_CUR)
         self._sources: Dict[str, int] = {}
         self._maps = _Mappings()
 
-    # --- zip records -------------------------------------------------------------------------
-    def _write(self, data) -> None:
+    def write(self, data) -> None:
         mv = memoryview(data).cast("B")
         done = 0
         while done < len(mv):
             done += os.write(self.fd, mv[done:done + CHUNK])
         self.pos += len(mv)
+
+    def _copy_from_file(self, t: torch.Tensor, nbytes: int) -> bool:
+        where = self._maps.lookup(t.data_ptr(), nbytes)
+        if where is None:
+            return False
+        path, off = where
+        src = self._sources.get(path)
+        if src is None:
+            try:
+                src = self._sources[path] = os.open(path, os.O_RDONLY)
+            except OSError:
+                return False
+        done = 0
+        try:
+            while done < nbytes:
+                n = os.copy_file_range(src, self.fd, nbytes - done, off + done)
+                if n == 0:
+                    raise OSError("copy_file_range copied nothing")
+                done += n
+        except OSError:
+            if done:  # rewind what was copied and write from memory instead
+                os.lseek(self.fd, self.pos, os.SEEK_SET)
+            return False
+        self.pos += nbytes
+        return True
+
+    def write_tensor(self, t: torch.Tensor) -> int:
+        """Write a contiguous CPU tensor's bytes; returns their count."""
+        nbytes = t.numel() * t.element_size()
+        if nbytes and not (self.copy_files and hasattr(os, "copy_file_range") and self._copy_from_file(t, nbytes)):
+            self.write(t.reshape(-1).view(torch.uint8).numpy())
+        return nbytes
+
+    def close_sources(self) -> None:
+        for fd in self._sources.values():
+            os.close(fd)
+        self._sources.clear()
+
+
+def cpu_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    t = tensor.detach()
+    return (t.cpu() if t.device.type != "cpu" else t).contiguous()
+
+
+class TorchZipWriter:
+    def __init__(self, path: str, archive: str = "archive", force_zip64: bool = False, copy_files: bool = False):
+        self.path, self.archive, self.force_zip64 = path, archive, force_zip64
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.out = TensorBytesWriter(self.fd, copy_files)
+        self.central: List[bytes] = []
+        self.entries: Dict[str, _Tensor] = {}
+
+    @property
+    def pos(self) -> int:
+        return self.out.pos
+
+    # --- zip records -------------------------------------------------------------------------
+    def _write(self, data) -> None:
+        self.out.write(data)
 
     def _header(self, name: str, size: int) -> Tuple[bytes, int, bool]:
         raw = f"{self.archive}/{name}".encode()
@@ -158,45 +215,15 @@ class TorchZipWriter:
         self._write(data)
         self._finish(raw, offset, zip64, len(data), zlib.crc32(data))
 
-    # --- tensors -----------------------------------------------------------------------------
-    def _copy_from_file(self, t: torch.Tensor, nbytes: int) -> bool:
-        where = self._maps.lookup(t.data_ptr(), nbytes) if self.copy_files else None
-        if where is None:
-            return False
-        path, off = where
-        src = self._sources.get(path)
-        if src is None:
-            try:
-                src = self._sources[path] = os.open(path, os.O_RDONLY)
-            except OSError:
-                return False
-        done = 0
-        try:
-            while done < nbytes:
-                n = os.copy_file_range(src, self.fd, nbytes - done, off + done)
-                if n == 0:
-                    raise OSError("copy_file_range copied nothing")
-                done += n
-        except OSError:
-            if done:  # rewind what was copied and write from memory instead
-                os.lseek(self.fd, self.pos, os.SEEK_SET)
-            return False
-        self.pos += nbytes
-        return True
-
     def add(self, name: str, tensor: torch.Tensor) -> int:
         """Write `tensor`'s bytes now as the next storage record; returns their size."""
         if name in self.entries:
             raise ValueError(f"{name} was already written")
-        t = tensor.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        t = t.contiguous()
+        t = cpu_contiguous(tensor)
         nbytes = t.numel() * t.element_size()
         storage = _Storage(str(len(self.entries)), t.dtype, t.numel())
         raw, offset, zip64 = self._header(f"data/{storage.key}", nbytes)
-        if nbytes and not (hasattr(os, "copy_file_range") and self._copy_from_file(t, nbytes)):
-            self._write(t.reshape(-1).view(torch.uint8).numpy())
+        self.out.write_tensor(t)
         self._finish(raw, offset, zip64, nbytes, 0)
         self.entries[name] = _Tensor(storage, tuple(t.shape))
         return nbytes
@@ -225,18 +252,14 @@ class TorchZipWriter:
             self._write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, n, n, size, start, 0))
         os.close(self.fd)
         self.fd = None
-        for fd in self._sources.values():
-            os.close(fd)
-        self._sources.clear()
+        self.out.close_sources()
         return self.pos
 
     def abort(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
-        for fd in self._sources.values():
-            os.close(fd)
-        self._sources.clear()
+        self.out.close_sources()
 
     def __enter__(self):
         return self
