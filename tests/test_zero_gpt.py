@@ -8,7 +8,7 @@ from megatron_zero.model.config import GPTConfig
 from megatron_zero.model.gpt import GPTModel, reference_model
 from megatron_zero.testing import run_ranks
 from megatron_zero.zero import ZeroOptimizer
-from test_zero_helpers import full_masters, rel
+from test_zero_helpers import ZERO3_PERSIST, full_masters, rel
 
 STEPS, GLOBAL = 20, 8
 HP = dict(lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -47,7 +47,7 @@ def zero_gpt(stages, clip):
     for stage in stages:
         model = GPTModel(config())
         opt = ZeroOptimizer(list(model.named_parameters()), dp_group=dist.group.WORLD, stage=stage,
-                            clip_grad=clip, bucket_size=4000, module=model, **HP)
+                            clip_grad=clip, bucket_size=4000, module=model, **ZERO3_PERSIST, **HP)
         losses, norms = [], []
         for step in range(STEPS):
             tokens, labels = global_batch(step)

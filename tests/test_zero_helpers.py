@@ -7,6 +7,10 @@ import torch.nn.functional as F
 
 VOCAB, HIDDEN, SEQ, GLOBAL_BATCH = 48, 16, 8, 8
 HP = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+# ZeRO-3 persistence threshold for the small test models: every parameter of theirs is below
+# DeepSpeed's default 1e5 (all would stay gathered); 100 keeps LayerNorms and biases gathered
+# and all-gathers the weight matrices per unit, so both paths are exercised.
+ZERO3_PERSIST = dict(persistence_threshold=100)
 
 
 class Block(nn.Module):
@@ -71,6 +75,7 @@ def zero_run(stage, steps=20, clip=0.0, dtype="fp32", layers=2, bucket_size=600,
 
     dp, rank = dist.get_world_size(), dist.get_rank()
     model = ToyGPT(layers)
+    kw = {**ZERO3_PERSIST, **kw}
     opt = ZeroOptimizer(list(model.named_parameters()), dp_group=dist.group.WORLD, stage=stage,
                         clip_grad=clip, dtype=dtype, bucket_size=bucket_size, module=model, **HP, **kw)
     per = GLOBAL_BATCH // dp

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from megatron_zero.testing import run_ranks
 from megatron_zero.zero import LossScaler, ZeroOptimizer
-from test_zero_helpers import GLOBAL_BATCH, HP, ToyGPT, batch, reference, zero_run
+from test_zero_helpers import GLOBAL_BATCH, HP, ZERO3_PERSIST, ToyGPT, batch, reference, zero_run
 
 BF16_TOLERANCE = 0.03  # relative, per step: bf16 weights/activations against the fp32 reference
 
@@ -28,7 +28,8 @@ def fp16_forced_overflow(stage, bad_step):
     dp, rank = dist.get_world_size(), dist.get_rank()
     model = ToyGPT()
     opt = ZeroOptimizer(list(model.named_parameters()), dp_group=dist.group.WORLD, stage=stage, dtype="fp16",
-                        module=model, loss_scaler={"initial_scale_power": 8, "hysteresis": 1}, **HP)
+                        module=model, loss_scaler={"initial_scale_power": 8, "hysteresis": 1}, **ZERO3_PERSIST,
+                        **HP)
     per = GLOBAL_BATCH // dp
     record = []
     for s in range(8):

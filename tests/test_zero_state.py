@@ -11,7 +11,7 @@ import torch.distributed as dist
 from megatron_zero.testing import run_ranks
 from megatron_zero.zero import ZeroOptimizer, param_slice_mappings, partition_group, zero3_group_offsets
 from megatron_zero.zero.partition import fragment_address, zero3_param_partition
-from test_zero_helpers import GLOBAL_BATCH, HP, ToyGPT, batch, full_masters
+from test_zero_helpers import GLOBAL_BATCH, HP, ZERO3_PERSIST, ToyGPT, batch, full_masters
 
 
 def test_partition_bookkeeping_offline():
@@ -40,7 +40,7 @@ def train_and_save(stage, path, offload, nvme_path, steps=3, resume_from=None):
     dp, rank = dist.get_world_size(), dist.get_rank()
     model = ToyGPT()
     opt = ZeroOptimizer(list(model.named_parameters()), dp_group=dist.group.WORLD, stage=stage, module=model,
-                        offload=offload, nvme_path=nvme_path, bucket_size=500, **HP)
+                        offload=offload, nvme_path=nvme_path, bucket_size=500, **ZERO3_PERSIST, **HP)
     start = 0
     if resume_from:
         opt.load_state_dict(torch.load(os.path.join(resume_from, f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"),

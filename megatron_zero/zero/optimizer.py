@@ -51,7 +51,7 @@ class ZeroOptimizer:
                  clip_grad: float = 0.0, mp_group=None, tp_rank: int = 0, dtype="fp32",
                  loss_scaler=None, offload: str = "none", nvme_path: Optional[str] = None,
                  bucket_size: int = 50_000_000, module: Optional[torch.nn.Module] = None,
-                 layers=None, prefetch: bool = True):
+                 layers=None, prefetch: bool = True, persistence_threshold: int = 100_000):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
         self.stage, self.dtype, self.clip_grad = stage, _dtype(dtype), float(clip_grad or 0.0)
@@ -62,7 +62,7 @@ class ZeroOptimizer:
         if stage == 3:
             from .stage3 import Stage3
             self.impl = Stage3(self.named_groups, dp_group, self.dtype, bucket_size, module=module,
-                               layers=layers, prefetch=prefetch)
+                               layers=layers, prefetch=prefetch, persistence_threshold=persistence_threshold)
         else:
             self.impl = Stage12(self.named_groups, dp_group, stage, self.dtype, bucket_size)
         self.partition_count = self.impl.dp

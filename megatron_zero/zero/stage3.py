@@ -3,25 +3,30 @@
 Each parameter is cut into dp chunks of ceil(numel/dp) (DeepSpeed's layout, see partition.py);
 a rank keeps only its chunk (``p.ds_shard``, model dtype) and ``p.data`` is empty between uses.
 The model is split into *units* (its children, ModuleList/Sequential expanded): a forward
-pre-hook all-gathers the unit's parameters (and starts an async gather of the unit that came
-next in the last step's order: prefetch), a forward hook releases them. The unit's outputs pass
+pre-hook all-gathers the unit's parameters, in one coalesced all-gather (stage3_gather.py), and
+starts an async gather of the unit that came next in the last step's order (prefetch); a
+forward hook releases them. The unit's outputs pass
 through an identity autograd function whose backward re-gathers the unit (prefetching the unit
 before it); a unit is released again once every parameter of it has its gradient. Parameter
 tensors that autograd saves for backward are saved as references to the parameter and rebuilt
 from the re-gathered data (saved-tensor hooks), so they do not pin the gathered storage.
 Gradients are reduce-scattered in buckets into this rank's fp32 chunk as they become ready.
 Methods named in ``entry_points`` (the tied embedding's ``lm_logits``) gather like a forward.
-Peak parameter memory: the rank's shard + the current unit + the prefetched one.
+Parameters of at most ``persistence_threshold`` elements (DeepSpeed's
+stage3_param_persistence_threshold, default 1e5; 0: none) and parameters outside every unit
+are *persistent*: gathered once and kept, re-gathered (one all-gather) after each step.
+Peak parameter memory: the rank's shard + the persistent parameters + the current unit + the
+prefetched one.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from typing import List
 
 import torch
 import torch.distributed as dist
 
-from .partition import zero3_group_offsets, zero3_param_partition
+from .partition import zero3_group_offsets
+from .stage3_gather import GatherMixin
 
 
 class _PreBackward(torch.autograd.Function):
@@ -46,9 +51,9 @@ def _units(module: torch.nn.Module) -> List[torch.nn.Module]:
     return out
 
 
-class Stage3:
+class Stage3(GatherMixin):
     def __init__(self, groups, dp_group, dtype, bucket_size, module=None, layers=None, prefetch=True,
-                 entry_points=("lm_logits",)):
+                 entry_points=("lm_logits",), persistence_threshold=100_000):
         if module is None:
             raise ValueError("ZeRO stage 3 needs module= (the model), to gather each layer's parameters "
                              "around its forward and backward")
@@ -59,7 +64,7 @@ class Stage3:
         self.groups = [[p for _, p in g] for g in groups]
         self.offsets = [zero3_group_offsets([(n, p.numel()) for n, p in g], self.dp) for g in groups]
         self.initial_masters, self.grad_parts, self._storage = [], [], {}
-        self.peak_param_numel = 0
+        self.peak_param_numel = self.gather_calls = 0
         for gi, (g, offs) in enumerate(zip(groups, self.offsets)):
             total = sum(per for _, per in offs.values())
             master = torch.zeros(total)
@@ -77,18 +82,23 @@ class Stage3:
             self.grad_parts.append(torch.zeros(total))
         managed = {id(p) for g in self.groups for p in g}
         self.units = list(layers) if layers is not None else _units(module)
-        self.unit_params = [[p for p in u.parameters() if id(p) in managed] for u in self.units]
-        in_unit = {id(p) for ps in self.unit_params for p in ps}
-        self.persistent = [p for g in self.groups for p in g if id(p) not in in_unit]
-        for p in self.persistent:  # parameters outside every unit stay gathered
+        in_unit = {id(p) for u in self.units for p in u.parameters()}
+        self.persistence_threshold = int(persistence_threshold)
+        self.persistent = [p for g in self.groups for p in g
+                           if id(p) not in in_unit or p.ds_numel <= self.persistence_threshold]
+        for p in self.persistent:  # small parameters and those outside every unit stay gathered
             p.ds_persistent = True
-            self._materialize(p)
+        self._gather(self.persistent)
+        # a unit's parameters to gather: the non-persistent ones (a unit without any gets no hooks)
+        self.unit_params = [[p for p in u.parameters() if id(p) in managed and not p.ds_persistent]
+                            for u in self.units]
         self._hooks = []
         for ui, u in enumerate(self.units):
+            if not self.unit_params[ui]:
+                continue
             self._hooks.append(u.register_forward_pre_hook(lambda m, a, ui=ui: self._pre_forward(ui)))
             self._hooks.append(u.register_forward_hook(lambda m, a, out, ui=ui: self._post_forward(ui, out)))
-        for ui, u in enumerate(self.units):  # methods that use a unit's weights outside its forward
-            for name in entry_points:
+            for name in entry_points:  # methods that use a unit's weights outside its forward
                 if callable(getattr(u, name, None)):
                     setattr(u, name, self._entry_point(ui, getattr(u, name)))
         self._units_of = {}
@@ -101,64 +111,7 @@ class Stage3:
         self._trace, self._order, self._pending = [], [], {}
         self._bucket, self._bucket_numel, self.peak_grad_numel = [], 0, 0
 
-    # ---- gather / release ----------------------------------------------------------
-    def _start(self, p):
-        if p.ds_inflight is None and p.data.numel() == 0:
-            full = torch.empty(p.ds_per * self.dp, dtype=self.dtype)
-            if self.dp > 1:
-                work = dist.all_gather(list(full.chunk(self.dp)), p.ds_shard, group=self.dp_group, async_op=True)
-            else:
-                full.copy_(p.ds_shard)
-                work = None
-            p.ds_inflight = (full, work)
-
-    def _materialize(self, p):
-        self._start(p)
-        if p.ds_inflight is not None:
-            full, work = p.ds_inflight
-            if work is not None:
-                work.wait()
-            p.ds_inflight = None
-            p.data = full[:p.ds_numel].view(p.ds_shape)
-            self._storage[full.untyped_storage().data_ptr()] = p
-            self.peak_param_numel = max(self.peak_param_numel, self.gathered_numel())
-
-    def _release(self, p):
-        if p.ds_persistent or p.ds_rc > 0 or p.data.numel() == 0:
-            return
-        self._storage.pop(p.data.untyped_storage().data_ptr(), None)
-        p.data = torch.empty(0, dtype=self.dtype)
-
-    def gather_unit(self, ui):
-        for p in self.unit_params[ui]:
-            self._materialize(p)
-            p.ds_rc += 1
-
-    def release_unit(self, ui):
-        for p in self.unit_params[ui]:
-            p.ds_rc = max(0, p.ds_rc - 1)
-            self._release(p)
-
-    def _prefetch(self, ui, step):
-        if self.prefetch and ui in self._trace:
-            j = self._trace.index(ui) + step
-            if 0 <= j < len(self._trace):
-                for p in self.unit_params[self._trace[j]]:
-                    self._start(p)
-
     # ---- hooks -------------------------------------------------------------------------
-    def _pack(self, t):
-        p = self._storage.get(t.untyped_storage().data_ptr())
-        return (p, t.size(), t.stride(), t.storage_offset()) if p is not None else t
-
-    def _unpack(self, packed):
-        if isinstance(packed, torch.Tensor):
-            return packed
-        p, size, stride, offset = packed
-        if p.data.numel() == 0:
-            self._materialize(p)
-        return p.data.as_strided(size, stride, offset)
-
     def _pre_forward(self, ui):
         self._order.append(ui)
         self.gather_unit(ui)
@@ -211,22 +164,30 @@ class Stage3:
                     self.release_unit(ui)
 
     def _flush(self):
+        """Reduce-scatter the bucket: row r of ``flat`` is what rank r receives the sum of, each
+        gradient's chunk r written straight into it (its padding zeroed), fp32."""
         if not self._bucket:
             return
-        inputs = [[] for _ in range(self.dp)]
+        flat = torch.empty(self.dp, sum(p.ds_per for p in self._bucket))
+        pos = 0
         for p in self._bucket:
-            g = torch.zeros(p.ds_per * self.dp)
-            if p.grad is not None:
-                g[:p.ds_numel].copy_(p.grad.detach().reshape(-1))
-            for r, c in enumerate(g.chunk(self.dp)):
-                inputs[r].append(c)
+            per, n, dst = p.ds_per, p.ds_numel, flat[:, pos:pos + p.ds_per]
+            pos += per
+            if p.grad is None:
+                dst.zero_()
+                continue
+            g, full = p.grad.detach().reshape(-1), n // per  # rows filled completely
+            dst[:full].copy_(g[:full * per].view(full, per))
+            if full < self.dp:
+                dst[full, :n - full * per].copy_(g[full * per:])
+                dst[full, n - full * per:].zero_()
+                dst[full + 1:].zero_()
             p.grad = None
-        flat_in = [torch.cat(ts) for ts in inputs]
-        out = torch.empty_like(flat_in[0])
         if self.dp > 1:
-            dist.reduce_scatter(out, flat_in, group=self.dp_group)
+            out = torch.empty(flat.size(1))
+            dist.reduce_scatter(out, list(flat.unbind(0)), group=self.dp_group)
         else:
-            out.copy_(flat_in[0])
+            out = flat[0]
         pos = 0
         for p in self._bucket:
             gi, off = p.ds_where
@@ -239,12 +200,7 @@ class Stage3:
         for ui in list(self._pending):
             self.release_unit(ui)
         self._pending = {}
-        for g in self.groups:  # drop prefetches that were not used and anything left gathered
-            for p in g:
-                if p.ds_inflight is not None:
-                    self._materialize(p)
-                p.ds_rc = 0
-                self._release(p)
+        self._drain()  # drop prefetches that were not used and anything left gathered
         if self._order:
             self._trace, self._order = self._order, []
 
@@ -275,34 +231,10 @@ class Stage3:
             for p in g:
                 _, off = p.ds_where
                 p.ds_shard.copy_(m.data[off:off + p.ds_per])
-                if p.data.numel():  # a persistent (or still gathered) parameter: refresh it
-                    p.ds_rc, persistent = 0, p.ds_persistent
-                    p.ds_persistent = False
-                    self._release(p)
-                    p.ds_persistent = persistent
-                    if persistent:
-                        self._materialize(p)
-
-    @contextmanager
-    def gathered(self):
-        """Every parameter gathered for the duration (to save or inspect the full model)."""
-        for g in self.groups:
-            for p in g:
-                self._materialize(p)
-                p.ds_rc += 1
-        try:
-            yield
-        finally:
-            for g in self.groups:
-                for p in g:
-                    p.ds_rc -= 1
-                    self._release(p)
+        self._refresh_persistent()
 
     def slice_mappings(self, names):
         return [{n: (off, per) for n, (off, per) in offs.items()} for offs in self.offsets]
-
-    def gathered_numel(self):
-        return sum(p.data.numel() for g in self.groups for p in g)
 
     def grad_bytes(self):
         held = sum(p.grad.numel() * p.grad.element_size() for g in self.groups for p in g if p.grad is not None)
