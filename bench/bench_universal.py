@@ -6,10 +6,13 @@
 Builds a TP1 x PP1 x DP2 ZeRO-1 checkpoint of our GPT (one real training step, so the Adam
 moments are non-zero; the layout DeepSpeed's zero_to_fp32 can also read), then runs each
 tool as a subprocess and prints wall time and peak RSS summed over the tool's whole process
-tree (sampled every 20 ms), plus the temporary files each conversion creates.
+tree (sampled every 20 ms), plus the temporary files each conversion creates. zero_to_fp32 runs
+`--reps` times per implementation, ours and DeepSpeed's interleaved; a row shows the median
+time and the median peak RSS. The load average is printed before and after.
 """
 import argparse
 import os
+import statistics
 import shutil
 import subprocess
 import sys
@@ -72,6 +75,8 @@ def main():
     p.add_argument("--hidden", type=int, default=768)
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--reps", type=int, default=3, help="zero_to_fp32 runs per implementation (median shown)")
+    p.add_argument("--fp32-only", action="store_true", help="skip the ds_to_universal rows")
     p.add_argument("--keep", default=None, help="work directory to keep (default: a temporary one, removed)")
     a = p.parse_args()
     work = a.keep or tempfile.mkdtemp(prefix="bench_universal_")
@@ -85,33 +90,46 @@ def main():
     py = sys.executable
     rows = []
 
-    def run(what, who, cmd, out, temp=None):
-        seconds, rss = measure(cmd, env)
-        rows.append((what, who, seconds, rss, temp))
+    def once(cmd, out):
+        result = measure(cmd, env)
         shutil.rmtree(out, ignore_errors=True)
         for f in ("latest_universal",):
             if os.path.exists(os.path.join(save, f)):
                 os.remove(os.path.join(save, f))
+        return result
 
-    out = os.path.join(save, "u_ours")
-    run("ds_to_universal", "megatron_zero", [py, os.path.join(ROOT, "tools", "ds_to_universal.py"), "--input_folder",
-        src, "--output_folder", out, "--num_merge_workers", "2", "--num_extract_workers", "2", "--quiet"], out, 0)
-    out = os.path.join(save, "u_ds")
-    cmd = [py, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", src, "--output_folder", out,
-           "--num_extract_workers", "2", "--num_merge_workers", "2"]
-    seconds, rss = measure(cmd + ["--keep_temp_folder"], env)  # once to count its temporary files
-    temp = count_files(os.path.join(out, "tmp"))
-    shutil.rmtree(out)
-    run("ds_to_universal", "DeepSpeed 0.19.8", cmd, out, temp)
+    def run(what, who, cmd, out, temp=None):
+        seconds, rss = once(cmd, out)
+        rows.append((what, who, seconds, rss, temp))
+
+    load_before = os.getloadavg()
+
+    if not a.fp32_only:
+        out = os.path.join(save, "u_ours")
+        run("ds_to_universal", "megatron_zero", [py, os.path.join(ROOT, "tools", "ds_to_universal.py"),
+            "--input_folder", src, "--output_folder", out, "--num_merge_workers", "2", "--num_extract_workers", "2",
+            "--quiet"], out, 0)
+        out = os.path.join(save, "u_ds")
+        cmd = [py, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", src, "--output_folder", out,
+               "--num_extract_workers", "2", "--num_merge_workers", "2"]
+        seconds, rss = measure(cmd + ["--keep_temp_folder"], env)  # once to count its temporary files
+        temp = count_files(os.path.join(out, "tmp"))
+        shutil.rmtree(out)
+        run("ds_to_universal", "DeepSpeed 0.19.8", cmd, out, temp)
     for fmt, extra in (("pytorch_model.bin", []), ("safetensors", ["--safe_serialization"])):
-        out = os.path.join(work, "fp32_ours")
-        run(f"zero_to_fp32 ({fmt})", "megatron_zero", [py, os.path.join(ROOT, "tools", "zero_to_fp32.py"), save, out,
-            "--quiet", "--max_shard_size", "200MB"] + extra, out)
-        out = os.path.join(work, "fp32_ds")
-        run(f"zero_to_fp32 ({fmt})", "DeepSpeed 0.19.8", [py, "-m", "deepspeed.utils.zero_to_fp32", save, out] + extra,
-            out)
+        ours_out, ds_out = os.path.join(work, "fp32_ours"), os.path.join(work, "fp32_ds")
+        ours = [py, os.path.join(ROOT, "tools", "zero_to_fp32.py"), save, ours_out, "--quiet"] + extra  # 5GB shards
+        theirs = [py, "-m", "deepspeed.utils.zero_to_fp32", save, ds_out] + extra
+        runs = {"ours": [], "ds": []}
+        for _ in range(a.reps):  # interleaved, so both see the same background load
+            runs["ours"].append(once(ours, ours_out))
+            runs["ds"].append(once(theirs, ds_out))
+        for who, key in (("megatron_zero", "ours"), ("DeepSpeed 0.19.8", "ds")):
+            rows.append((f"zero_to_fp32 ({fmt})", who, statistics.median(r[0] for r in runs[key]),
+                         statistics.median(r[1] for r in runs[key]), None))
     print(f"\ncheckpoint: {params / 1e6:.1f}M parameters, TP1 x PP1 x DP2 ZeRO-1, {size / 2**20:.0f} MiB on disk; "
-          f"{os.cpu_count()} cores\n")
+          f"{os.cpu_count()} cores; zero_to_fp32 median of {a.reps}; load average {load_before[0]:.2f} before, "
+          f"{os.getloadavg()[0]:.2f} after\n")
     print(f"| tool | implementation | time (s) | peak RSS (MiB) | temporary files | time ratio | RSS ratio |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for i in range(0, len(rows), 2):
