@@ -73,6 +73,9 @@ def test_consolidate(tmp_path, tp, pp, dp, stage):
     convert_to_universal(str(tmp_path / "global_step3"), str(uni), progress=False)
     usd = get_fp32_state_dict(str(uni))
     assert set(usd) == set(want) and all(torch.equal(usd[n], want[n]) for n in want)
+    consolidate_fp32(str(uni), str(tmp_path / "ubin"), progress=False)  # streamed from the mapped fp32.pt files
+    ubin = torch.load(tmp_path / "ubin" / "pytorch_model.bin", weights_only=True, mmap=True)
+    assert set(ubin) == set(want) and all(torch.equal(ubin[n], want[n]) for n in want)
 
 
 def test_zero_to_fp32_cli(tmp_path):

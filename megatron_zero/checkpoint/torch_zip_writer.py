@@ -88,6 +88,8 @@ class _Mappings:
         except OSError:
             return
         for line in lines:
+            if line.endswith(".so") or ".so." in line[line.rfind("/"):]:  # shared libraries: not data files
+                continue
             parts = line.split(None, 5)
             if len(parts) == 6 and parts[5].startswith("/") and not parts[5].endswith("(deleted)"):
                 lo, hi = (int(x, 16) for x in parts[0].split("-"))
