@@ -190,3 +190,13 @@ def read_safetensors_any(path):
     except ImportError:
         from megatron_zero.checkpoint.consolidate import read_safetensors as ours
         return ours(path)
+
+
+def test_torch_zip_writer_removes_partial_file(tmp_path):
+    from megatron_zero.checkpoint.torch_zip_writer import TorchZipWriter
+    path = tmp_path / "x.bin"
+    with pytest.raises(ValueError, match="already written"):
+        with TorchZipWriter(str(path)) as w:
+            w.add("a", torch.ones(3))
+            w.add("a", torch.ones(3))
+    assert not path.exists()

@@ -179,14 +179,23 @@ class SafetensorsStream:
         self.offset += n
         return n
 
+    def abort(self) -> None:
+        self.out.close_sources()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
     def close(self) -> None:
         self.out.close_sources()
         raw = json.dumps({**self.entries, "__metadata__": {"format": "pt"}}, separators=(",", ":")).encode()
+        fd, self.fd = self.fd, None
         if len(raw) <= self.reserve:
-            os.pwrite(self.fd, struct.pack("<Q", self.reserve) + raw + b" " * (self.reserve - len(raw)), 0)
-            os.close(self.fd)
+            try:
+                os.pwrite(fd, struct.pack("<Q", self.reserve) + raw + b" " * (self.reserve - len(raw)), 0)
+            finally:
+                os.close(fd)
             return
-        os.close(self.fd)  # more dims than reserved for: write the header, then move the data behind it
+        os.close(fd)  # more dims than reserved for: write the header, then move the data behind it
         raw += b" " * (-len(raw) % 8)
         with open(self.path, "rb") as src, open(self.path + ".tmp", "wb") as dst:
             dst.write(struct.pack("<Q", len(raw)) + raw)
@@ -211,21 +220,29 @@ def consolidate_fp32(checkpoint_dir: str, output_dir: str, safe_serialization: b
     limit = parse_size(max_shard_size)
     shards: List[Tuple[str, List[str]]] = []
     shard, total, count = None, 0, 0
-    for name, t in tensors:
-        n = t.numel() * t.element_size()
-        if shard is not None and shard.entries and shard.offset + n > limit:
+    try:
+        for name, t in tensors:
+            n = t.numel() * t.element_size()
+            if shard is not None and shard.entries and shard.offset + n > limit:
+                shard.close()
+                shard = None
+            if shard is None:
+                part = os.path.join(output_dir, f"model-{len(shards) + 1:05d}.safetensors.part")
+                shard = SafetensorsStream(part, names[count:], copy_files=True)
+                shards.append((part, []))
+            shard.add(name, t)
+            shards[-1][1].append(name)
+            total += n
+            count += 1
+        if shard is not None:
             shard.close()
-            shard = None
-        if shard is None:
-            part = os.path.join(output_dir, f"model-{len(shards) + 1:05d}.safetensors.part")
-            shard = SafetensorsStream(part, names[count:], copy_files=True)
-            shards.append((part, []))
-        shard.add(name, t)
-        shards[-1][1].append(name)
-        total += n
-        count += 1
-    if shard is not None:
-        shard.close()
+    except BaseException:
+        if shard is not None:
+            shard.abort()
+        for part, _ in shards:
+            if os.path.exists(part):
+                os.remove(part)
+        raise
     files, weight_map = [], {}
     for k, (part, members) in enumerate(shards):
         final = "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"

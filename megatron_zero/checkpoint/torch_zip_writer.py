@@ -258,9 +258,11 @@ class TorchZipWriter:
         return self.pos
 
     def abort(self) -> None:
+        """Stop and remove the partial file."""
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+            os.remove(self.path)
         self.out.close_sources()
 
     def __enter__(self):
