@@ -109,6 +109,7 @@ class Stage3(GatherMixin):
             for p in g:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
         self._trace, self._order, self._pending = [], [], {}
+        self._fpos, self._bpos = -1, 1 << 62  # where forward / backward are in _trace
         self._bucket, self._bucket_numel, self.peak_grad_numel = [], 0, 0
 
     # ---- hooks -------------------------------------------------------------------------
@@ -203,6 +204,7 @@ class Stage3(GatherMixin):
         self._drain()  # drop prefetches that were not used and anything left gathered
         if self._order:
             self._trace, self._order = self._order, []
+        self._fpos, self._bpos = -1, 1 << 62
 
     # ---- the optimizer's face ------------------------------------------------------------
     def owned_ranges(self, gi):

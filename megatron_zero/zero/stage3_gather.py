@@ -29,7 +29,7 @@ class _Flight:
 
 
 class GatherMixin:
-    """Needs: dtype, dp, dp_group, groups, units, unit_params, prefetch, _storage, _trace."""
+    """Needs: dtype, dp, dp_group, groups, unit_params, prefetch, _storage, _trace, _fpos, _bpos."""
 
     def _start(self, params):
         """Begin one all-gather of those of ``params`` that are neither gathered nor under way."""
@@ -95,10 +95,21 @@ class GatherMixin:
             self._release(p)
 
     def _prefetch(self, ui, step):
-        if self.prefetch and ui in self._trace:
-            j = self._trace.index(ui) + step
-            if 0 <= j < len(self._trace):
-                self._start(self.unit_params[self._trace[j]])
+        """Start gathering the unit after (step +1, forward) or before (-1, backward) ``ui`` in the
+        last step's order. ``_fpos`` / ``_bpos`` follow the position in it (forward from the start,
+        backward from the end), so a unit entered twice (the tied embedding: first and last)
+        prefetches what follows that visit."""
+        t = self._trace
+        if not (self.prefetch and ui in t):
+            return
+        if step > 0:
+            pos = self._fpos + 1 if self._fpos + 1 < len(t) and t[self._fpos + 1] == ui else t.index(ui)
+            self._fpos = pos
+        else:
+            below = [j for j in range(min(self._bpos, len(t)) - 1, -1, -1) if t[j] == ui]
+            pos = self._bpos = below[0] if below else t.index(ui)
+        if 0 <= pos + step < len(t):
+            self._start(self.unit_params[t[pos + step]])
 
     def _drain(self):
         """Wait for any gather still under way (unused prefetches) and drop what it brought."""
