@@ -39,4 +39,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Every output file is written, closed and renamed into place by now: skip the interpreter's teardown,
+    # which with torch loaded takes ~0.4 s (a fifth of this tool's run on a 100M-parameter model).
+    os._exit(code)
