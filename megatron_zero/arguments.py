@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--zero-stage", type=int, default=1, choices=[0, 1, 2, 3])
     g.add_argument("--cpu-optimizer", "--zero-cpu-offload", dest="offload", action="store_const", const="cpu",
                    default="none", help="keep fp32 masters and Adam state in host memory (ZeRO-Offload)")
+    g.add_argument("--zero-param-persistence-threshold", type=int, default=100_000,
+                   help="ZeRO-3: parameters of at most this many elements stay gathered (DeepSpeed's "
+                        "stage3_param_persistence_threshold; 0 gathers every parameter per layer)")
     g.add_argument("--zero-nvme-offload-path", type=str, default=None,
                    help="keep optimizer state in files under this path (ZeRO-Infinity style)")
     g.add_argument("--deepspeed-config", "--deepspeed_config", dest="deepspeed_config", type=str, default=None)
@@ -205,6 +208,8 @@ def validate_args(args, world_size: int):
     _require(args.zero_stage < 3 or pp == 1,
              f"--zero-stage 3 partitions parameters across data-parallel ranks and cannot be combined with "
              f"--pipeline-model-parallel-size {pp}; use --zero-stage 1 or 2 with pipelining")
+    _require(args.zero_param_persistence_threshold >= 0,
+             f"--zero-param-persistence-threshold {args.zero_param_persistence_threshold} must not be negative")
     if args.zero_nvme_offload_path:
         args.offload = "nvme"
     _require(args.offload == "none" or args.zero_stage >= 1,

@@ -21,6 +21,8 @@ _MAPPING = [
     (("train_batch_size",), "global_batch_size", "--global-batch-size"),
     (("gradient_clipping",), "clip_grad", "--clip-grad"),
     (("zero_optimization", "stage"), "zero_stage", "--zero-stage"),
+    (("zero_optimization", "stage3_param_persistence_threshold"), "zero_param_persistence_threshold",
+     "--zero-param-persistence-threshold"),
     (("optimizer", "params", "lr"), "lr", "--lr"),
     (("optimizer", "params", "eps"), "adam_eps", "--adam-eps"),
     (("optimizer", "params", "weight_decay"), "weight_decay", "--weight-decay"),

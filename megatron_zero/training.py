@@ -105,7 +105,8 @@ class Trainer:
             lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
             weight_decay=args.weight_decay, clip_grad=args.clip_grad, mp_group=state.mp_group,
             tp_rank=state.tp_rank, dtype=args.params_dtype, loss_scaler=loss_scaler, offload=args.offload,
-            nvme_path=args.zero_nvme_offload_path, module=self.model)
+            nvme_path=args.zero_nvme_offload_path, module=self.model,
+            persistence_threshold=args.zero_param_persistence_threshold)
         self.schedule = LRSchedule(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
                                    args.lr_decay_style)
         self.progress = TrainState()
