@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_zero.model.config import GPTConfig
 from megatron_zero.model.gpt import reference_model
 from megatron_zero.model.sharding import gather_state_dicts
 from megatron_zero.pipeline.gpt_stage import (activation_shape, build_gpt_stage, make_forward_step,
@@ -16,15 +15,14 @@ from megatron_zero.pipeline.gpt_stage import (activation_shape, build_gpt_stage,
 from megatron_zero.pipeline.p2p import P2P
 from megatron_zero.pipeline.schedule import broadcast_loss, forward_backward
 from megatron_zero.testing import run_ranks
+from megatron_zero.testing.tiny_gpt import tiny_gpt_config
 from megatron_zero.topology import build_parallel_state
 
 STEPS, LR, MB = 3, 0.5, 2
 
 
 def config():
-    return GPTConfig(vocab_size=100, hidden_size=32, num_layers=4, num_attention_heads=4, seq_length=8,
-                     max_position_embeddings=8, make_vocab_size_divisible_by=16,
-                     hidden_dropout=0.0, attention_dropout=0.0)
+    return tiny_gpt_config()
 
 
 def global_batch(step, size):

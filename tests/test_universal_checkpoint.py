@@ -13,13 +13,13 @@ import torch.distributed as dist
 from megatron_zero.checkpoint.universal_convert import convert_to_universal
 from megatron_zero.checkpoint import save_checkpoint
 from megatron_zero.checkpoint.universal_load import load_reshaped_checkpoint, load_universal_checkpoint
-from megatron_zero.model.config import GPTConfig
 from megatron_zero.model.sharding import gather_state_dicts
 from megatron_zero.pipeline.gpt_stage import (activation_shape, build_gpt_stage, make_forward_step,
                                               sync_tied_embedding_grads)
 from megatron_zero.pipeline.p2p import P2P
 from megatron_zero.pipeline.schedule import broadcast_loss, forward_backward
 from megatron_zero.testing import run_ranks
+from megatron_zero.testing.tiny_gpt import tiny_gpt_config
 from megatron_zero.topology import build_parallel_state
 from megatron_zero.training import param_groups
 from megatron_zero.zero import ZeroOptimizer
@@ -28,9 +28,7 @@ GBS, ITERS, SAVE_AT, LR = 8, 20, 10, 1e-2
 
 
 def config():
-    return GPTConfig(vocab_size=100, hidden_size=32, num_layers=4, num_attention_heads=4, seq_length=8,
-                     max_position_embeddings=8, make_vocab_size_divisible_by=16,
-                     hidden_dropout=0.0, attention_dropout=0.0)
+    return tiny_gpt_config()
 
 
 def global_batch(it):

@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_zero.model.config import GPTConfig
 from megatron_zero.model.gpt import GPTModel, reference_model
 from megatron_zero.testing import run_ranks
+from megatron_zero.testing.tiny_gpt import tiny_gpt_config
 from megatron_zero.zero import ZeroOptimizer
 from test_zero_helpers import ZERO3_PERSIST, full_masters, rel
 
@@ -15,9 +15,7 @@ HP = dict(lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
 def config():
-    return GPTConfig(vocab_size=100, hidden_size=32, num_layers=2, num_attention_heads=4, seq_length=8,
-                     max_position_embeddings=8, make_vocab_size_divisible_by=16,
-                     hidden_dropout=0.0, attention_dropout=0.0)
+    return tiny_gpt_config(num_layers=2)
 
 
 def global_batch(step):
