@@ -18,6 +18,8 @@ import torch.distributed as dist
 
 from . import checkpoint as ckpt
 from .arguments import ArgumentError, args_to_dict, parse_args
+from .checkpoint.commit import LATEST
+from .checkpoint.universal_load import is_universal_checkpoint, load_reshaped_checkpoint, load_universal_checkpoint
 from .data import DataError, GlobalBatchSampler, build_tokenizer, build_train_valid_test_datasets, collate_gpt
 from .distributed import LaunchError, init_distributed, read_launch_env
 from .exit_signal import ExitPolicy
@@ -62,10 +64,6 @@ def fusion_flags(args) -> dict:
 def load_any_checkpoint(path, state, model, optimizer, load_optimizer=True, universal=False):
     """Resume from `path`: a universal checkpoint (asked for, or all there is), a checkpoint saved on
     this layout, or, saved on another TP/PP/DP or ZeRO stage, the same reshaped while loading."""
-    from .checkpoint.commit import LATEST
-    from .checkpoint.universal_load import (is_universal_checkpoint, load_reshaped_checkpoint,
-                                            load_universal_checkpoint)
-
     has_latest = os.path.exists(os.path.join(path, LATEST))
     if universal or (not has_latest and is_universal_checkpoint(path)):
         return load_universal_checkpoint(path, state, model, optimizer, load_optimizer)
@@ -78,7 +76,8 @@ def load_any_checkpoint(path, state, model, optimizer, load_optimizer=True, univ
     same_stage_family = (meta.get("zero_stage", optimizer.stage) == 3) == (optimizer.stage == 3)
     if saved is not None and (saved != here or not same_stage_family):
         return load_reshaped_checkpoint(found.directory, state, model, optimizer, load_optimizer)
-    return ckpt.load_checkpoint(path, state, model, optimizer, load_optimizer=load_optimizer)
+    return ckpt.load_checkpoint(path, state, model, optimizer, load_optimizer=load_optimizer,
+                                tag=os.path.basename(found.directory))
 
 
 class Trainer:
@@ -247,7 +246,6 @@ def pretrain(argv=None) -> int:
         launch = read_launch_env()
         args = parse_args(argv, world_size=launch.world_size)
         init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
-        torch.set_num_threads(max(1, torch.get_num_threads()))
         state = build_parallel_state(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
         trainer = Trainer(args, state)
         code = trainer.train()
