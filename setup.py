@@ -1,7 +1,10 @@
-"""pip install -e . : the megatron_zero package, its tools, and the csrc/ kernels.
+"""pip install . : the megatron_zero package, its tools, its dependencies, and the csrc/ kernels.
 
-Kernels are built ahead of time when torch and a compiler are present; when a
-build fails the install still succeeds and megatron_zero.ops falls back to PyTorch.
+Kernels are built ahead of time when torch and a compiler are present at build time. A plain
+`pip install .` builds in an isolated environment that has no torch, so it installs no kernels;
+`pip install --no-build-isolation .` (what scripts/setup_env.sh runs) builds them against the
+installed torch. When a build fails, or is skipped, the install still succeeds and megatron_zero.ops
+falls back to PyTorch, saying so (and why) on first use: pip shows a build's own output only with -v.
 """
 import os
 import sys
@@ -24,6 +27,13 @@ setup(
     packages=find_packages(include=["megatron_zero", "megatron_zero.*"]) + ["megatron_zero_tools"],
     package_dir={"megatron_zero_tools": "tools"},
     python_requires=">=3.10",
+    # Ranges the code is written for; CI tests the pins in requirements.txt (torch 2.13.0).
+    install_requires=["torch>=2.4,<2.14", "numpy>=1.24", "sentencepiece>=0.1.99", "tensorboard>=2.10"],
+    extras_require={
+        "wandb": ["wandb>=0.16"],
+        "test": ["pytest>=7", "ruff>=0.5", "deepspeed>=0.16", "megatron-core>=0.10", "transformers>=4.40",
+                 "wandb>=0.16"],
+    },
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     entry_points={"console_scripts": [

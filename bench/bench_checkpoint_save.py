@@ -136,7 +136,7 @@ def all_saves(a, root):
             fsync_tree(dt_, {n for n, _ in plan})
 
         timed_save(out, "torch", dt_, torch_save, rank)
-        del plan
+        plan.clear()
         if engine is not None:
             dd_ = os.path.join(root, f"ds{rep}")
 

@@ -130,7 +130,7 @@ def main():
     print(f"\ncheckpoint: {params / 1e6:.1f}M parameters, TP1 x PP1 x DP2 ZeRO-1, {size / 2**20:.0f} MiB on disk; "
           f"{os.cpu_count()} cores; zero_to_fp32 median of {a.reps}; load average {load_before[0]:.2f} before, "
           f"{os.getloadavg()[0]:.2f} after\n")
-    print(f"| tool | implementation | time (s) | peak RSS (MiB) | temporary files | time ratio | RSS ratio |")
+    print("| tool | implementation | time (s) | peak RSS (MiB) | temporary files | time ratio | RSS ratio |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for i in range(0, len(rows), 2):
         ours, theirs = rows[i], rows[i + 1]

@@ -33,7 +33,7 @@ def config(layers, hidden):
 
 
 def measure(layers, hidden, bucket):
-    dp, rank = dist.get_world_size(), dist.get_rank()
+    rank = dist.get_rank()
     out = {}
     for stage in (0, 1, 2, 3):
         model = GPTModel(config(layers, hidden))

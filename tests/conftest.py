@@ -1,11 +1,29 @@
-"""Shared fixtures: the built-in corpus, built once per test session."""
+"""Shared fixtures (the built-in corpus, built once per session) and the markers' meaning.
+
+Markers (registered in pyproject.toml): `multirank` is set here on every test of a module that spawns
+ranks (it binds `run_ranks` or defines a `torchrun` launcher), so `-m "not multirank"` runs the
+single-process tests alone; `gpu` tests are skipped, with the reason, where torch sees no CUDA device;
+`slurm` tests skip themselves when no cluster can be set up (tests/test_slurm.py).
+"""
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_collection_modifyitems(config, items):
+    no_cuda = None if torch.cuda.is_available() else \
+        pytest.mark.skip(reason=f"needs a CUDA device; torch {torch.__version__} sees none")
+    for item in items:
+        names = vars(item.module) if item.module is not None else {}
+        if "run_ranks" in names or "torchrun" in names:
+            item.add_marker(pytest.mark.multirank)
+        if no_cuda is not None and item.get_closest_marker("gpu") is not None:
+            item.add_marker(no_cuda)
 
 
 @pytest.fixture(scope="session")

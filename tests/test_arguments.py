@@ -79,8 +79,9 @@ def test_deepspeed_config_fills_and_conflicts(tmp_path, capsys):
                                "bf16": {"enabled": True}}))
     argv = [a for a in BASE]
     argv = with_flags(argv, deepspeed_config=cfg)
-    argv.remove("--micro-batch-size"); argv.remove("2")
-    argv.remove("--global-batch-size"); argv.remove("16")
+    for flag, value in (("--micro-batch-size", "2"), ("--global-batch-size", "16")):
+        argv.remove(flag)
+        argv.remove(value)
     args = parse_args(argv, world_size=2)
     assert (args.micro_batch_size, args.global_batch_size, args.zero_stage) == (4, 32, 2)
     assert args.bf16 and args.clip_grad == 0.5 and args.num_micro_batches == 4

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_zero.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from megatron_zero.checkpoint import load_checkpoint, save_checkpoint
 from megatron_zero.checkpoint.deepspeed_layout import universal_checkpoint_info
 from megatron_zero.model.config import GPTConfig
 from megatron_zero.model.sharding import gather_state_dicts

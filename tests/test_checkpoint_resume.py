@@ -6,7 +6,6 @@ on gloo ranks; dropout is on, so the RNG states must come back too.
 import os
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from megatron_zero.testing.multirank import run_ranks

@@ -13,8 +13,8 @@ def factorisations(world):
 
 
 ALL_LAYOUTS = [lay for w in (1, 2, 4, 8) for lay in factorisations(w)]
-EXPECTED_SIZE = {"tp": lambda l: l.tp, "dp": lambda l: l.dp, "pp": lambda l: l.pp,
-                 "mp": lambda l: l.tp * l.pp, "embedding": lambda l: min(l.pp, 2)}
+EXPECTED_SIZE = {"tp": lambda lay: lay.tp, "dp": lambda lay: lay.dp, "pp": lambda lay: lay.pp,
+                 "mp": lambda lay: lay.tp * lay.pp, "embedding": lambda lay: min(lay.pp, 2)}
 
 
 def test_counts_factorisations():

@@ -1,6 +1,5 @@
 """pretrain_gpt.py end to end: 4 ranks, TensorBoard tags, falling loss, flags refused without traceback,
 and preemption by SIGTERM (save, exit 0, resume at the right iteration)."""
-import glob
 import os
 import re
 import signal

@@ -1,7 +1,6 @@
 """Bytes held per rank: optimizer state 12Ψ/DP (+ padding) at stage 1/2, no full gradient at stage 2,
 parameters ≈ Ψ/DP + the persistent (small) parameters + a layer or two (current + prefetched) at
 stage 3, gathered with one all-gather per layer."""
-import torch
 import torch.distributed as dist
 
 from megatron_zero.testing import run_ranks

@@ -2,7 +2,6 @@
 lowers the scale, and continues; the dynamic loss scaler follows DeepSpeed's rule."""
 import math
 
-import torch
 import torch.distributed as dist
 
 from megatron_zero.testing import run_ranks

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from typing import List, Sequence
 
 import numpy as np

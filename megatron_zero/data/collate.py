@@ -1,9 +1,12 @@
 """Turn a list of GPT samples (seq_length+1 tokens each) into model inputs."""
 from __future__ import annotations
 
-from typing import Dict, Sequence
+from typing import TYPE_CHECKING, Dict, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 
 def collate_gpt(samples: Sequence[np.ndarray]) -> Dict[str, "torch.Tensor"]:

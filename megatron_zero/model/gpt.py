@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-import torch
 from torch import nn
 
 from ..tensor_parallel import vocab_parallel_cross_entropy

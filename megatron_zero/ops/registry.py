@@ -27,7 +27,8 @@ def load(module_name: str):
             if module_name.endswith("_C_cuda") and torch.version.cuda is None:
                 _loaded[module_name] = f"not built: torch {torch.__version__} is a CPU-only build"
             else:
-                _loaded[module_name] = f"not built ({e})"
+                _loaded[module_name] = (f"not built ({e}): the install compiled no csrc/ kernels; a plain `pip install .` "
+                                        "builds without torch, `pip install --no-build-isolation .` builds them")
     mod = _loaded[module_name]
     return None if isinstance(mod, str) else mod
 

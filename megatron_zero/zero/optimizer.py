@@ -8,7 +8,7 @@ see checkpoint_state.py).
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
