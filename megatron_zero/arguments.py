@@ -6,6 +6,7 @@ Every inconsistency is refused with one sentence naming the flags and values
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from typing import List, Optional
@@ -113,6 +114,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-iters", type=int, default=10)
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--tensorboard-dir", type=str, default=None)
+    g.add_argument("--log-params-norm", action="store_true", help="log the L2 norm of the weights (a collective)")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true")
+    g.add_argument("--log-world-size-to-tensorboard", action="store_true")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true")
+    g.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2],
+                   help="0: no timers; 1: forward-backward and optimizer; 2: also forward, backward, communication")
+    g.add_argument("--timing-log-option", choices=["max", "minmax", "all"], default="minmax")
+    g.add_argument("--peak-tflops", type=float, default=None,
+                   help="peak TFLOP/s of one device for the training dtype, for MFU (known for H100/H200/A100/V100)")
+    g.add_argument("--wandb-project", type=str, default=None)
+    g.add_argument("--wandb-exp-name", type=str, default=None)
+    g.add_argument("--wandb-save-dir", type=str, default=None, help="default: <--save>/wandb")
     return p
 
 
@@ -214,12 +227,35 @@ def validate_args(args, world_size: int):
         args.offload = "nvme"
     _require(args.offload == "none" or args.zero_stage >= 1,
              f"optimizer offload ({args.offload}) needs --zero-stage 1, 2 or 3, not {args.zero_stage}")
+    _check_logging(args)
     if args.load:
         _require(os.path.isdir(args.load), f"--load {args.load} is not a directory")
     if args.data_path:
         _check_data_path(args.data_path)
     args.params_dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     return args
+
+
+def _check_logging(args):
+    _require(args.peak_tflops is None or args.peak_tflops > 0, f"--peak-tflops {args.peak_tflops} must be positive")
+    if args.wandb_project is None:
+        _require(args.wandb_exp_name is None and args.wandb_save_dir is None,
+                 "--wandb-exp-name / --wandb-save-dir are given without --wandb-project; name the project")
+        return
+    _require(_importable("wandb"),
+             f"--wandb-project {args.wandb_project} needs the wandb package, which is not installed (pip install wandb)")
+    _require(bool(args.wandb_exp_name), "--wandb-project needs --wandb-exp-name (the run's name)")
+    if args.wandb_save_dir is None:
+        _require(args.save is not None, "--wandb-project needs --wandb-save-dir (or --save, to write under <save>/wandb)")
+        args.wandb_save_dir = os.path.join(args.save, "wandb")
+
+
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+        return True
+    except ImportError:
+        return False
 
 
 def _check_data_path(data_path: List[str]):

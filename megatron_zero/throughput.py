@@ -1,4 +1,22 @@
-"""FLOPs per iteration for a GPT (Megatron's formula) and the TFLOP/s per rank it implies."""
+"""FLOPs per iteration for a GPT (Megatron's formula), the TFLOP/s per rank it implies, and MFU.
+
+MFU (model FLOPs utilisation) is achieved model TFLOP/s per rank over the device's peak for the
+training dtype. The peak is `--peak-tflops` when given; otherwise the dense peak of a known
+accelerator (PEAK_TFLOPS, from the vendors' data sheets, without sparsity); otherwise none, and MFU
+is not reported: a CPU has no peak that this code could know (give --peak-tflops to get one).
+"""
+from typing import Optional
+
+import torch
+
+# device name substring -> dense peak TFLOP/s by training dtype (NVIDIA data sheets, SXM parts;
+# fp32 means TF32 tensor cores, which torch uses for fp32 matmuls only when allowed: an upper bound)
+PEAK_TFLOPS = {
+    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.5},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.5},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0},
+    "V100": {"bf16": 0.0, "fp16": 125.0, "fp32": 15.7},
+}
 
 
 def gpt_flops_per_iteration(batch_size: int, seq_length: int, num_layers: int, hidden_size: int,
@@ -18,3 +36,21 @@ def gpt_flops_per_iteration(batch_size: int, seq_length: int, num_layers: int, h
 
 def tflops_per_rank(flops: float, seconds: float, world_size: int) -> float:
     return flops / seconds / world_size / 1e12 if seconds > 0 else 0.0
+
+
+def peak_tflops(device: torch.device, dtype: str, given: Optional[float] = None) -> Optional[float]:
+    """--peak-tflops if given, else the known dense peak of `device` for `dtype`, else None."""
+    if given is not None:
+        return given
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, peaks in PEAK_TFLOPS.items():
+        if key in name and peaks.get(dtype):
+            return peaks[dtype]
+    return None
+
+
+def mfu(tflops: float, peak: Optional[float]) -> Optional[float]:
+    """Fraction of the peak achieved, or None without a peak."""
+    return tflops / peak if peak else None

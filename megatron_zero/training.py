@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import os
 import sys
-import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -23,7 +22,7 @@ from .checkpoint.universal_load import is_universal_checkpoint, load_reshaped_ch
 from .data import DataError, GlobalBatchSampler, build_tokenizer, build_train_valid_test_datasets, collate_gpt
 from .distributed import LaunchError, init_distributed, read_launch_env
 from .exit_signal import ExitPolicy
-from .logger import TensorBoardLog, format_eval_line, format_train_line
+from .logger import format_eval_line
 from .lr_schedule import LRSchedule
 from .model.config import GPTConfig
 from .ops import set_fusion_flags
@@ -32,8 +31,9 @@ from .pipeline.p2p import P2P
 from .pipeline.schedule import broadcast_loss, forward_backward
 from .rng_state import get_rng_state, set_rng_state
 from .tensor_parallel.random import model_parallel_seed
-from .throughput import gpt_flops_per_iteration, tflops_per_rank
+from .timers import TimedCalls
 from .topology import build_parallel_state
+from .training_log import TrainingLog
 from .zero import ZeroOptimizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -113,7 +113,9 @@ class Trainer:
                        DTYPES[args.params_dtype])
         writer_rank = state.layout.rank(state.pp_size - 1, 0, 0)
         self.is_writer = state.rank == writer_rank
-        self.tb = TensorBoardLog(args.tensorboard_dir, self.is_writer)
+        self.log = TrainingLog(args, state.layout.world_size, self.config.padded_vocab_size(state.tp_size),
+                               next(self.model.parameters()).device, self.is_writer, self._log)
+        self.train_p2p = TimedCalls(self.p2p, self.log.timers("pipeline-p2p", 2))
         if args.load:
             self.load(args.load)
         self._build_data()
@@ -138,14 +140,19 @@ class Trainer:
 
     # ---- one iteration ---------------------------------------------------------------
     def train_step(self, micro):
-        s = self.state
+        s, timers = self.state, self.log.timers
         self.model.train()
-        losses = forward_backward(make_forward_step(self.model, micro, s), len(micro), self.p2p, s.pp_rank,
-                                  s.pp_size, backward_loss=self.optimizer.backward)
-        sync_tied_embedding_grads(self.model, s)
+        with timers("forward-backward", 1):
+            step = timers.timed(make_forward_step(self.model, micro, s), "forward-compute", 2)
+            losses = forward_backward(step, len(micro), self.train_p2p, s.pp_rank, s.pp_size,
+                                      backward_loss=self.optimizer.backward)
+        with timers("embedding-grads-all-reduce", 2):
+            sync_tied_embedding_grads(self.model, s)
         lr = self.schedule.lr()
-        updated, grad_norm = self.optimizer.step(lr=lr)
-        loss = broadcast_loss(losses, s.is_last_stage, s.layout.pp_group(s.rank)[-1], s.pp_group, s.dp_group)
+        with timers("optimizer", 1):
+            updated, grad_norm = self.optimizer.step(lr=lr)
+        with timers("loss-broadcast", 2):
+            loss = broadcast_loss(losses, s.is_last_stage, s.layout.pp_group(s.rank)[-1], s.pp_group, s.dp_group)
         return loss, lr, updated, grad_norm
 
     @torch.no_grad()
@@ -191,11 +198,8 @@ class Trainer:
     def train(self) -> int:
         a, s, p = self.args, self.state, self.progress
         policy = ExitPolicy(a.exit_signal_handler, a.exit_duration_in_mins, a.exit_interval)
-        flops = gpt_flops_per_iteration(a.global_batch_size, a.seq_length, a.num_layers, a.hidden_size,
-                                        self.config.padded_vocab_size(s.tp_size), a.ffn_hidden_size)
         self._log(f"training {self.config.num_layers}-layer GPT on {s.layout} from iteration {p.iteration}"
                   f" ({p.consumed_train_samples} samples consumed), {a.num_micro_batches} micro-batches per step")
-        last_log, iters_since_log = time.monotonic(), 0
         saved_at = None
         while p.iteration < a.train_iters:
             micro = self._micro_batches(self.train_ds, p.consumed_train_samples)
@@ -207,20 +211,13 @@ class Trainer:
                 p.skipped_iterations += 1
             if loss != loss:
                 p.nan_iterations += 1
-            iters_since_log += 1
-            self.tb.train(p.iteration, loss, lr, grad_norm, self.optimizer.loss_scale, a.global_batch_size,
-                          p.consumed_train_samples)
-            if p.iteration % a.log_interval == 0 or p.iteration == a.train_iters:
-                elapsed = (time.monotonic() - last_log) / iters_since_log
-                tokens = a.global_batch_size * a.seq_length / elapsed
-                self._log(format_train_line(p.iteration, a.train_iters, p.consumed_train_samples, elapsed * 1e3,
-                                            lr, a.global_batch_size, loss, self.optimizer.loss_scale, grad_norm,
-                                            p.skipped_iterations, p.nan_iterations, tokens,
-                                            tflops_per_rank(flops, elapsed, s.layout.world_size)))
-                last_log, iters_since_log = time.monotonic(), 0
+            self.log.iteration(p, loss, lr, grad_norm, self.optimizer.loss_scale, updated,
+                               self.optimizer.params_norm)
             if a.eval_iters and self.valid_ds is not None and p.iteration % a.eval_interval == 0:
                 val = self.evaluate()
-                self.tb.validation(p.iteration, val)
+                self.log.scalars.scalar("lm loss validation", val, p.iteration, p.consumed_train_samples)
+                self.log.scalars.scalar("lm loss validation ppl", math.exp(min(20.0, val)), p.iteration,
+                                        p.consumed_train_samples)
                 self._log(format_eval_line(p.iteration, val))
             if a.save and a.save_interval and p.iteration % a.save_interval == 0:
                 self.save()
@@ -233,7 +230,7 @@ class Trainer:
             self.save()
         ckpt.finalize_async_saves()
         policy.restore()
-        self.tb.close()
+        self.log.close()
         return 0
 
     def _log(self, line: str):

@@ -121,6 +121,14 @@ class ZeroOptimizer:
         self.zero_grad()
         return True, norm
 
+    def params_norm(self) -> float:
+        """L2 norm of the whole model's fp32 master weights, each element once (Megatron's params-norm).
+
+        A collective over the DP and model-parallel groups, counted as the gradient norm is."""
+        with self.optimizer.paged() as masters:
+            sums = local_sums(masters, self.counted)
+        return norm_and_overflow(reduce_sums(sums, [self.dp_group if self.impl.dp > 1 else None, self.mp_group]))[0]
+
     def zero_grad(self, set_to_none: bool = True):
         self.impl.zero_grad()
 

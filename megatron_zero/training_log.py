@@ -1,0 +1,86 @@
+"""What the training loop reports, and when: the log line, TensorBoard / wandb scalars, the timers.
+
+Every iteration: the loss, learning rate, loss scale, grad norm and batch size go to the scalar
+writers (each also "vs samples"), and the loss joins the running average. Every --log-interval:
+the averaged line (logger.format_train_line), `iteration-time`, `throughput` (model TFLOP/s per rank,
+Megatron's formula), `world-size` (--log-world-size-to-tensorboard), `params-norm` (--log-params-norm,
+a collective over the model-parallel and data-parallel groups), the memory tags
+(--log-memory-to-tensorboard) and the timers' breakdown (--timing-log-level, a collective).
+Collectives are entered by every rank at the same iterations; only the writer rank prints and writes.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+from .logger import ScalarLog, format_train_line, memory_scalars
+from .throughput import gpt_flops_per_iteration, mfu, peak_tflops, tflops_per_rank
+from .timers import Timers
+
+
+class TrainingLog:
+    def __init__(self, args, world_size: int, padded_vocab_size: int, device, is_writer: bool, print_fn):
+        self.args, self.world_size, self.device, self.is_writer, self.print = args, world_size, device, is_writer, print_fn
+        self.timers = Timers(args.timing_log_level, args.timing_log_option, device)
+        self.scalars = ScalarLog(args, is_writer)
+        self.flops = gpt_flops_per_iteration(args.global_batch_size, args.seq_length, args.num_layers,
+                                             args.hidden_size, padded_vocab_size, args.ffn_hidden_size)
+        self.peak = peak_tflops(device, args.params_dtype, args.peak_tflops)
+        self._loss_sum, self._loss_count, self._iters = 0.0, 0, 0
+        self._last = time.monotonic()
+
+    def iteration(self, progress, loss: float, lr: float, grad_norm, loss_scale: float, updated: bool,
+                  params_norm_fn):
+        """Record one finished iteration; every --log-interval print the line (params_norm_fn: a collective)."""
+        a, p, w = self.args, progress, self.scalars
+        it, samples = p.iteration, p.consumed_train_samples
+        w.scalar("lm loss", loss, it, samples)
+        w.scalar("learning-rate", lr, it, samples)
+        if grad_norm is not None:
+            w.scalar("grad-norm", grad_norm, it, samples)
+        w.scalar("loss-scale", loss_scale, it, samples)
+        w.scalar("batch-size", a.global_batch_size, it, samples)
+        self._iters += 1
+        if updated and math.isfinite(loss):
+            self._loss_sum += loss
+            self._loss_count += 1
+        if it % a.log_interval != 0 and it != a.train_iters:
+            return
+        elapsed = (time.monotonic() - self._last) / self._iters
+        tflops = tflops_per_rank(self.flops, elapsed, self.world_size)
+        params_norm = params_norm_fn() if a.log_params_norm else None
+        timing = self._timing_block(it)
+        avg_loss = self._loss_sum / self._loss_count if self._loss_count else float("nan")
+        w.scalar("iteration-time", elapsed, it, samples)
+        w.scalar("throughput", tflops, it, samples)
+        if params_norm is not None:
+            w.scalar("params-norm", params_norm, it, samples)
+        if a.log_world_size_to_tensorboard:
+            w.scalar("world-size", self.world_size, it, samples)
+        if a.log_memory_to_tensorboard:
+            for tag, value in memory_scalars(self.device).items():
+                w.scalar(tag, value, it, samples)
+        self.print(format_train_line(it, a.train_iters, samples, elapsed * 1e3, lr, a.global_batch_size, avg_loss,
+                                     loss_scale, grad_norm, p.skipped_iterations, p.nan_iterations,
+                                     a.global_batch_size * a.seq_length / elapsed, tflops, mfu(tflops, self.peak),
+                                     params_norm))
+        if timing:
+            self.print(timing)
+        self._loss_sum, self._loss_count, self._iters = 0.0, 0, 0
+        self._last = time.monotonic()
+
+    def _timing_block(self, iteration: int) -> str:
+        """The timers' text (collective); backward-compute is what forward-backward leaves after forward and p2p."""
+        t = self.timers
+        if t.log_level >= 2:
+            fb, fwd, p2p = (t(n, 1 if n == "forward-backward" else 2).elapsed_s
+                            for n in ("forward-backward", "forward-compute", "pipeline-p2p"))
+            t("backward-compute", 2).add(max(0.0, fb - fwd - p2p))
+        text, max_ms = t.report(normalizer=self._iters)
+        if self.args.log_timers_to_tensorboard:
+            for name, ms in max_ms.items():
+                self.scalars.scalar(f"{name}-time", ms, iteration)
+        return text
+
+    def close(self):
+        self.scalars.close()
