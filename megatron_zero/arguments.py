@@ -106,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--keep-last-k", type=int, default=None)
     g.add_argument("--async-save", action="store_true")
+    g.add_argument("--save-16bit-model", action="store_true",
+                   help="each save also writes <tag>/model_16bit/*.safetensors: the consolidated model in the "
+                        "training dtype, bf16 when training in fp32 (DeepSpeed's "
+                        "zero_optimization.stage3_gather_16bit_weights_on_model_save)")
     g.add_argument("--universal-checkpoint", action="store_true")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")

@@ -21,6 +21,7 @@ _MAPPING = [
     (("train_batch_size",), "global_batch_size", "--global-batch-size"),
     (("gradient_clipping",), "clip_grad", "--clip-grad"),
     (("zero_optimization", "stage"), "zero_stage", "--zero-stage"),
+    (("zero_optimization", "stage3_gather_16bit_weights_on_model_save"), "save_16bit_model", "--save-16bit-model"),
     (("zero_optimization", "stage3_param_persistence_threshold"), "zero_param_persistence_threshold",
      "--zero-param-persistence-threshold"),
     (("optimizer", "params", "lr"), "lr", "--lr"),

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from . import checkpoint as ckpt
 from .arguments import ArgumentError, args_to_dict, parse_args
 from .checkpoint.commit import LATEST
+from .checkpoint.save_16bit import save_16bit_model
 from .checkpoint.universal_load import is_universal_checkpoint, load_reshaped_checkpoint, load_universal_checkpoint
 from .data import DataError, GlobalBatchSampler, build_tokenizer, build_train_valid_test_datasets, collate_gpt
 from .distributed import LaunchError, init_distributed, read_launch_env
@@ -176,8 +177,12 @@ class Trainer:
 
     def save(self):
         a = self.args
-        ckpt.save_checkpoint(a.save, self.progress.iteration, self.state, self.model, self.optimizer,
-                             self.client_state(), async_save=a.async_save, keep_last_k=a.keep_last_k)
+        tag = ckpt.save_checkpoint(a.save, self.progress.iteration, self.state, self.model, self.optimizer,
+                                   self.client_state(), async_save=a.async_save, keep_last_k=a.keep_last_k)
+        if a.save_16bit_model:  # from the committed files, so an async save is waited for first
+            ckpt.finalize_async_saves()
+            save_16bit_model(os.path.join(a.save, tag), torch.bfloat16 if a.params_dtype == "fp32" else
+                             DTYPES[a.params_dtype])
 
     def load(self, path):
         a = self.args

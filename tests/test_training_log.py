@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron_zero.arguments import parse_args
+from megatron_zero.checkpoint.consolidate import get_fp32_state_dict, load_consolidated
 from megatron_zero.model.gpt import reference_model
 from megatron_zero.pipeline.gpt_stage import build_gpt_stage
 from megatron_zero.testing import run_ranks
@@ -55,7 +56,8 @@ def test_log_line_tags_timers_and_wandb_offline(builtin_corpus, tmp_path):
                                      "log-params-norm": True, "log-memory-to-tensorboard": True,
                                      "log-world-size-to-tensorboard": True, "log-timers-to-tensorboard": True,
                                      "timing-log-level": 2, "peak-tflops": 0.05, "wandb-project": "mz-test",
-                                     "wandb-exp-name": "offline-run", "wandb-save-dir": wb})
+                                     "wandb-exp-name": "offline-run", "wandb-save-dir": wb,
+                                     "save": tmp_path / "ckpt", "save-16bit-model": True})
     os.environ["WANDB_MODE"] = "offline"
     try:
         run = torchrun(2, argv)
@@ -88,6 +90,10 @@ def test_log_line_tags_timers_and_wandb_offline(builtin_corpus, tmp_path):
     runs = list((wb / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, list(wb.rglob("*"))[:20]
     assert list(runs[0].glob("run-*.wandb"))
+    # --save-16bit-model: both pipeline stages' ranks wrote a shard of the bf16 model next to the checkpoint
+    bf16 = load_consolidated(str(tmp_path / "ckpt" / "global_step4" / "model_16bit"))
+    fp32 = get_fp32_state_dict(str(tmp_path / "ckpt"))
+    assert sorted(bf16) == sorted(fp32) and all(torch.equal(bf16[n], t.to(torch.bfloat16)) for n, t in fp32.items())
 
 
 @pytest.mark.parametrize("flags,words", [

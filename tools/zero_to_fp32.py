@@ -2,6 +2,7 @@
 """Consolidate a megatron_zero / DeepSpeed ZeRO checkpoint (any TP x PP x DP, stage 1/2/3, or universal) to fp32.
 
     python tools/zero_to_fp32.py <save> <output_dir> [--safe_serialization] [--max_shard_size 5GB] [-t TAG]
+                                 [--dtype fp32|bf16|fp16]
 
 DeepSpeed's arguments; unlike DeepSpeed's script it also merges tensor- and pipeline-parallel
 checkpoints. Writes pytorch_model.bin, or safetensors shards with model.safetensors.index.json.
@@ -10,10 +11,14 @@ import argparse
 import os
 import sys
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_zero.checkpoint.consolidate import consolidate_fp32  # noqa: E402
 from megatron_zero.checkpoint.errors import CheckpointError  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def main(argv=None) -> int:
@@ -26,10 +31,12 @@ def main(argv=None) -> int:
     p.add_argument("--exclude_frozen_parameters", action="store_true",
                    help="accepted for compatibility (our checkpoints hold no frozen parameters)")
     p.add_argument("--quiet", action="store_true", help="no progress line")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+                   help="cast each parameter to this type as it is written (bf16/fp16: the 16-bit model)")
     a = p.parse_args(argv)
     try:
         out = consolidate_fp32(a.checkpoint_dir, a.output_dir, a.safe_serialization, a.max_shard_size, a.tag,
-                               progress=not a.quiet)
+                               progress=not a.quiet, dtype=DTYPES[a.dtype])
     except (CheckpointError, ValueError) as e:
         print(f"zero_to_fp32.py: error: {e}", file=sys.stderr)
         return 2

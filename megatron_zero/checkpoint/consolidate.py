@@ -205,11 +205,15 @@ class SafetensorsStream:
 
 
 def consolidate_fp32(checkpoint_dir: str, output_dir: str, safe_serialization: bool = False,
-                     max_shard_size="5GB", tag: str = None, progress: bool = True) -> dict:
-    """Write the consolidated fp32 weights; returns {'files', 'params', 'bytes'}."""
+                     max_shard_size="5GB", tag: str = None, progress: bool = True,
+                     dtype: torch.dtype = torch.float32) -> dict:
+    """Write the consolidated weights (fp32, or cast one parameter at a time to `dtype`); returns
+    {'files', 'params', 'bytes'}."""
     directory = resolve_checkpoint_dir(checkpoint_dir, tag)
     os.makedirs(output_dir, exist_ok=True)
     names, tensors = fp32_source(directory, progress)
+    if dtype != torch.float32:
+        tensors = ((name, t.to(dtype)) for name, t in tensors)
     # the tensors are views of read-only mapped files or fresh copies: their bytes are copied file-to-file
     if not safe_serialization:
         final = os.path.join(output_dir, "pytorch_model.bin")

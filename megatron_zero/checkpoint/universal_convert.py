@@ -25,7 +25,7 @@ import sys
 import time
 import uuid
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -101,14 +101,22 @@ def _convert_batch(pp: int, names: List[str], zero_dir: str, threads: int) -> Tu
         return len(names), nbytes, list(reader.mismatched)
 
 
-def batches(src: SourceCheckpoint) -> List[Tuple[int, List[str]]]:
-    out = []
+def param_numels(src: SourceCheckpoint) -> Dict[str, int]:
+    """{parameter name: its elements summed over the TP slices of the pipeline stage that owns it}."""
+    numel, owner = {}, dict(src.params)
     for pp in range(src.layout.pp):
-        numel = {}
         for t in range(src.layout.tp):
             for g in src.param_shapes[pp * src.layout.tp + t]:
                 for n, s in g.items():
-                    numel[n] = numel.get(n, 0) + int(torch.Size(s).numel())
+                    if owner.get(n) == pp:
+                        numel[n] = numel.get(n, 0) + int(torch.Size(s).numel())
+    return numel
+
+
+def batches(src: SourceCheckpoint) -> List[Tuple[int, List[str]]]:
+    out = []
+    numel = param_numels(src)
+    for pp in range(src.layout.pp):
         batch, size = [], 0
         for name, stage in src.params:
             if stage != pp:
