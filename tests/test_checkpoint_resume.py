@@ -9,7 +9,7 @@ import pytest
 import torch.distributed as dist
 
 from megatron_zero.testing.multirank import run_ranks
-from test_training_e2e import model_flags
+from megatron_zero.testing.launch import model_flags
 
 
 def _train(argv, tp, pp):

@@ -13,7 +13,7 @@ from megatron_zero.arguments import parse_args
 from megatron_zero.checkpoint.consolidate import load_consolidated
 from megatron_zero.checkpoint.save_16bit import DIRNAME, INDEX, save_16bit_model, shard_names, split_by_bytes
 from megatron_zero.testing import run_ranks
-from test_training_e2e import model_flags
+from megatron_zero.testing.launch import model_flags
 from test_universal_checkpoint import full_weights, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from megatron_zero.testing.multirank import free_port
-from test_training_e2e import model_flags
+from megatron_zero.testing.launch import model_flags
 from conftest import ROOT
 
 pytestmark = pytest.mark.slurm

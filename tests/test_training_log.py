@@ -16,7 +16,7 @@ from megatron_zero.testing.tiny_gpt import tiny_gpt_config
 from megatron_zero.timers import Timers
 from megatron_zero.topology import build_parallel_state
 from megatron_zero.zero import ZeroOptimizer
-from test_training_e2e import model_flags, torchrun
+from megatron_zero.testing.launch import model_flags, torchrun
 
 
 def _params_norm(tp, pp, stage):

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from megatron_zero.testing.multirank import free_port
-from test_training_e2e import losses_from_log, model_flags, torchrun
+from megatron_zero.testing.launch import losses_from_log, model_flags, torchrun
 from conftest import ROOT
 
 NODE = os.path.join(ROOT, "scripts", "torchrun_node.sh")
