@@ -33,7 +33,9 @@ def slurm_env():
         reason = (setup.stderr.strip().splitlines() or ["no output"])[-1]
         pytest.skip(f"no SLURM cluster: {reason}")
     conf = re.search(r"export SLURM_CONF=(\S+)", setup.stderr).group(1)
-    return {**os.environ, "SLURM_CONF": conf, "OMP_NUM_THREADS": "1", "MEGATRON_ZERO_ROOT": ROOT}
+    yield {**os.environ, "SLURM_CONF": conf, "OMP_NUM_THREADS": "1", "MEGATRON_ZERO_ROOT": ROOT}
+    if "already running" not in setup.stderr:  # leave a cluster we found as it was; stop the one we started
+        subprocess.run(["bash", os.path.join(ROOT, "scripts", "slurm_local_cluster.sh"), "stop"], timeout=60)
 
 
 def job_field(env, job, field):
