@@ -4,7 +4,8 @@ Kernels are built ahead of time when torch and a compiler are present at build t
 `pip install .` builds in an isolated environment that has no torch, so it installs no kernels;
 `pip install --no-build-isolation .` (what scripts/setup_env.sh runs) builds them against the
 installed torch. When a build fails, or is skipped, the install still succeeds and megatron_zero.ops
-falls back to PyTorch, saying so (and why) on first use: pip shows a build's own output only with -v.
+falls back to PyTorch; pip shows a build's own output only with -v, so the training log's first lines
+say which kernels are in use and why the others are not (megatron_zero.ops.kernel_report).
 """
 import os
 import sys

@@ -26,7 +26,7 @@ from .exit_signal import ExitPolicy
 from .logger import format_eval_line
 from .lr_schedule import LRSchedule
 from .model.config import GPTConfig
-from .ops import set_fusion_flags
+from .ops import kernel_report, set_fusion_flags
 from .pipeline.gpt_stage import activation_shape, build_gpt_stage, make_forward_step, sync_tied_embedding_grads
 from .pipeline.p2p import P2P
 from .pipeline.schedule import broadcast_loss, forward_backward
@@ -205,6 +205,7 @@ class Trainer:
         policy = ExitPolicy(a.exit_signal_handler, a.exit_duration_in_mins, a.exit_interval)
         self._log(f"training {self.config.num_layers}-layer GPT on {s.layout} from iteration {p.iteration}"
                   f" ({p.consumed_train_samples} samples consumed), {a.num_micro_batches} micro-batches per step")
+        self._log(kernel_report())
         saved_at = None
         while p.iteration < a.train_iters:
             micro = self._micro_batches(self.train_ds, p.consumed_train_samples)

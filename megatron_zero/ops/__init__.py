@@ -8,11 +8,11 @@ from .cpu_adam import CPUAdamW, adamw_step_
 from .fused_adam import multi_tensor_adamw_
 from .fusion_flags import FusionFlags, get_fusion_flags, set_fusion_flags
 from .layer_norm import LayerNorm, layer_norm
-from .registry import available_kernels
+from .registry import available_kernels, kernel_report
 from .softmax import scaled_upper_triang_masked_softmax
 
 __all__ = [
-    "CPUAdamW", "FusionFlags", "LayerNorm", "adamw_step_", "available_kernels", "bias_gelu",
+    "CPUAdamW", "FusionFlags", "LayerNorm", "adamw_step_", "available_kernels", "kernel_report", "bias_gelu",
     "get_fusion_flags", "layer_norm", "multi_tensor_adamw_", "scaled_upper_triang_masked_softmax",
     "set_fusion_flags",
 ]

@@ -48,6 +48,19 @@ def available_kernels() -> dict:
     return out
 
 
+def kernel_report() -> str:
+    """One line for the training log: which kernels are in use, and why the others are not."""
+    status = available_kernels()
+    built = [k for k, v in status.items() if v is True]
+    reasons = {}
+    for k, v in status.items():
+        if v is not True:
+            reasons.setdefault(v, []).append(k)
+    parts = [f"kernels in use: {', '.join(built) or 'none'}"]
+    parts += [f"{', '.join(ks)}: {why}; PyTorch fallback" for why, ks in reasons.items()]
+    return " | ".join(parts)
+
+
 _warned = set()
 
 
