@@ -206,6 +206,7 @@ class Trainer:
         self._log(f"training {self.config.num_layers}-layer GPT on {s.layout} from iteration {p.iteration}"
                   f" ({p.consumed_train_samples} samples consumed), {a.num_micro_batches} micro-batches per step")
         self._log(kernel_report())
+        self.log.start()
         saved_at = None
         while p.iteration < a.train_iters:
             micro = self._micro_batches(self.train_ds, p.consumed_train_samples)

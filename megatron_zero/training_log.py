@@ -29,6 +29,10 @@ class TrainingLog:
         self._loss_sum, self._loss_count, self._iters = 0.0, 0, 0
         self._last = time.monotonic()
 
+    def start(self):
+        """The clock for the first interval starts here (after loading and building the data)."""
+        self._last = time.monotonic()
+
     def iteration(self, progress, loss: float, lr: float, grad_norm, loss_scale: float, updated: bool,
                   params_norm_fn):
         """Record one finished iteration; every --log-interval print the line (params_norm_fn: a collective)."""
