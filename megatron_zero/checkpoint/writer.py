@@ -28,7 +28,8 @@ import torch.distributed as dist
 from .commit import commit, new_save_id, tmp_dir
 from .errors import CheckpointError
 from .manifest import parts_present, write_part
-from .tensor_io import file_checksum, map_tensors, save_file
+from .checksum import file_checksum
+from .tensor_io import map_tensors, save_file
 
 
 class CopyFile:
