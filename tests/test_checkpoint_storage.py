@@ -40,7 +40,8 @@ def _save_twice(save_dir, async_save):
         live = _state(rank, step)
         writer.save(save_dir, f"global_step{step}", [(f"rank{rank}.pt", live)], iteration=step,
                     async_save=async_save, keep_last_k=2)
-        live["w"].add_(100.0)  # training goes on: an async save must have taken its own copy
+        writer.wait_until_state_read()  # what the optimizer's next step does before changing the state
+        live["w"].add_(100.0)  # training goes on
         live["flat_part"].zero_()
     writer.wait()
     torch.distributed.barrier()
