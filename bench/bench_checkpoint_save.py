@@ -6,7 +6,9 @@ A ~100M-parameter GPT, fp32, ZeRO-2 on 2 gloo CPU ranks, after one training step
 hold our model+ZeroOptimizer and a DeepSpeed engine of the same model, and the reps of every method
 are interleaved with a dd of the disk, so the disk's drift hits all alike. Each rank
 reports its save time, the bytes it wrote and its peak extra RSS during the save (RSS sampled
-every 2 ms, minus RSS before); a row's time is the slowest rank (the save is done when all are),
+every 2 ms, minus RSS before); an async save's rows are the call's blocking part and the time
+until the background writer has read the whole state (what the next optimizer step waits for at
+worst, with no training in between); a row's time is the slowest rank (the save is done when all are),
 bytes/s is all bytes over that time, RSS is the worst rank as a fraction of that rank's state
 (its model weights + optimizer partition). Every save ends with fsync of what it wrote.
 """
@@ -101,7 +103,7 @@ def all_saves(a, root):
     disk's drift hits all alike."""
     from megatron_zero.checkpoint import finalize_async_saves, save_checkpoint
     from megatron_zero.checkpoint.save import _client, build_plan
-    from megatron_zero.checkpoint.writer import CopyFile
+    from megatron_zero.checkpoint.writer import CopyFile, get_writer
     from megatron_zero.model.gpt import GPTModel
     from megatron_zero.topology import build_parallel_state
     from megatron_zero.zero import ZeroOptimizer
@@ -115,7 +117,8 @@ def all_saves(a, root):
     opt.step()
     engine = deepspeed_engine(cfg, tokens, labels) if a.deepspeed else None
     rank = dist.get_rank()
-    out = {"state_bytes": state_bytes(model, opt.state_dict()), "ours": [], "ours_async_block": [], "torch": [],
+    out = {"state_bytes": state_bytes(model, opt.state_dict()), "ours": [], "ours_async_block": [],
+           "ours_async_read": [], "torch": [],
            "deepspeed": [], "dd": []}
     for rep in range(a.reps):
         d = os.path.join(root, f"ours{rep}")
@@ -124,6 +127,12 @@ def all_saves(a, root):
         timed_save(out, "ours_async_block", da, lambda: save_checkpoint(da, 10, state, model, opt, {"iteration": 10},
                                                                          async_save=True), rank,
                    after=finalize_async_saves)
+        dr = os.path.join(root, f"async_read{rep}")
+
+        def save_until_state_read():  # how long the next optimizer step would wait, at worst
+            save_checkpoint(dr, 10, state, model, opt, {"iteration": 10}, async_save=True)
+            get_writer().wait_until_state_read()
+        timed_save(out, "ours_async_read", dr, save_until_state_read, rank, after=finalize_async_saves)
         # torch.save of exactly the objects this rank's plan holds, each to its file, then fsync
         dt_ = os.path.join(root, f"torch{rep}")
         os.makedirs(dt_, exist_ok=True)
@@ -219,6 +228,7 @@ def main():
         print("|---|---|---|---|---|---|")
         row("megatron_zero save_checkpoint", [o["ours"] for o in res], state, disk)
         row("megatron_zero async (blocking part)", [o["ours_async_block"] for o in res], state, disk)
+        row("megatron_zero async (until the state is read)", [o["ours_async_read"] for o in res], state, disk)
         row("torch.save of the same objects + fsync", [o["torch"] for o in res], state, disk)
         if a.deepspeed:
             row("DeepSpeed 0.19 save_checkpoint + fsync", [o["deepspeed"] for o in res], state, disk)

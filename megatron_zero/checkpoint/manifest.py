@@ -13,7 +13,7 @@ import os
 from typing import Dict, Iterable, Optional
 
 from .errors import CheckpointError
-from .tensor_io import file_checksum
+from .checksum import algorithm_of, file_checksum
 
 MANIFEST = "manifest.json"
 FORMAT = "megatron_zero-manifest-1"
@@ -94,7 +94,7 @@ def verify_checksums(ckpt_dir: str, manifest: dict, names: Iterable[str]) -> Non
         info = manifest["files"].get(name)
         if info is None:
             raise CheckpointError(f"the checkpoint file {path} is not listed in the manifest of {ckpt_dir}")
-        got = file_checksum(path)
+        got = file_checksum(path, algorithm_of(info["checksum"], path))
         if got != info["checksum"]:
             raise CheckpointError(f"the checkpoint file {path} fails its checksum ({got}, manifest records "
                                   f"{info['checksum']}): it is damaged")

@@ -80,7 +80,8 @@ def build_plan(iteration: int, state: ParallelState, model, optimizer, client: d
 def save_checkpoint(save_dir: str, iteration: int, state: ParallelState, model, optimizer, client_state: dict,
                     async_save: bool = False, keep_last_k: Optional[int] = None, tag: Optional[str] = None,
                     save_latest: bool = True) -> str:
-    """Collective. Returns the tag. With async_save, returns once the state is copied to host buffers."""
+    """Collective. Returns the tag. With async_save, returns at once; the optimizer's next step waits
+    until the background writer has read the state (writer.py)."""
     tag = tag or f"global_step{iteration}"
     writer = get_writer()
     writer.wait()  # the previous async save must be done before its buffers/state are reused
@@ -92,6 +93,8 @@ def save_checkpoint(save_dir: str, iteration: int, state: ParallelState, model, 
                       "vocab_size": model.config.vocab_size}}
     writer.save(save_dir, tag, plan, iteration=iteration, meta=meta, async_save=async_save,
                 keep_last_k=keep_last_k, save_latest=save_latest)
+    if async_save:  # the files are written from the live state: the next step must not change it before
+        optimizer.before_next_step(writer.wait_until_state_read)
     return tag
 
 

@@ -1,10 +1,10 @@
 """Write and read one checkpoint file: torch.save format, streamed, checksummed, fsynced.
 
 `save_file` writes with `torch.save`'s zip format (so torch.load and DeepSpeed's tools
-read it) but through a file object of our own that computes a CRC-32 and writes each
-tensor's bytes straight from the tensor's memory, in chunks: no second copy of the
-state is built in host RAM. torch's own per-record CRC is switched off (our checksum
-covers the whole file, zlib.crc32 runs at ~1.6 GB/s, and torch.load does not check it).
+read it) but through a file object of our own that computes a checksum (checksum.py:
+hardware CRC-32C) and writes each tensor's bytes straight from the tensor's memory, in
+chunks: no second copy of the state is built in host RAM. torch's own per-record CRC is
+switched off (our checksum covers the whole file, and torch.load does not check it).
 Each chunk's write-back to disk is started at once (sync_file_range), so the disk works
 while the next chunk is checksummed and the final fsync has little left to wait for.
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import os
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Tuple
@@ -25,6 +24,7 @@ from typing import Any, Tuple
 import torch
 import torch.serialization
 
+from .checksum import Checksum
 from .errors import CheckpointError, crash_point
 
 CHUNK_BYTES = 8 << 20
@@ -86,19 +86,19 @@ _START_WRITEBACK = _sync_file_range()
 
 
 class _ChecksumWriter:
-    """The file object torch.save writes into: os.write in bounded chunks, CRC-32 alongside.
+    """The file object torch.save writes into: os.write in bounded chunks, the checksum alongside.
 
-    A big write (a tensor) is cut into chunks; a helper thread checksums chunk i (zlib releases
-    the GIL) while this thread writes it, and write() returns only when both are done, so no
+    A big write (a tensor) is cut into chunks; a helper thread checksums chunk i (the GIL is
+    released) while this thread writes it, and write() returns only when both are done, so no
     buffer torch hands us is used after the call."""
 
     def __init__(self, path: str, rank: int):
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self.crc, self.size, self.rank = 0, 0, rank
+        self.checksum, self.size, self.rank = Checksum(), 0, rank
         self.pool = ThreadPoolExecutor(max_workers=1)
 
     def _update(self, chunk):
-        self.crc = zlib.crc32(chunk, self.crc)
+        self.checksum.update(chunk)
 
     def write(self, data) -> int:
         mv = memoryview(data).cast("B")
@@ -142,7 +142,7 @@ def _no_torch_crc():
 
 
 def save_file(obj: Any, path: str, fsync: bool = True, rank: int = 0) -> Tuple[int, str]:
-    """torch.save `obj` to `path` (tensors streamed from their memory); return (size, 'crc32:<hex>')."""
+    """torch.save `obj` to `path` (tensors streamed from their memory); return (size, checksum string)."""
     obj = tight_tensors(obj)
     writer = _ChecksumWriter(path, rank)
     try:
@@ -150,21 +150,7 @@ def save_file(obj: Any, path: str, fsync: bool = True, rank: int = 0) -> Tuple[i
             torch.save(obj, writer)
     finally:
         writer.close(fsync=fsync)
-    return writer.size, f"crc32:{writer.crc:08x}"
-
-
-def file_checksum(path: str) -> str:
-    """'crc32:<hex>' of a whole file, read in bounded chunks."""
-    crc = 0
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(CHUNK_BYTES)
-        view = memoryview(buf)
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
-            crc = zlib.crc32(view[:n], crc)
-    return f"crc32:{crc:08x}"
+    return writer.size, str(writer.checksum)
 
 
 def load_file(path: str, mmap: bool = True) -> Any:

@@ -6,11 +6,15 @@
     writer.wait()      # async: block until this rank's files are written (rank 0: and committed)
 
 Synchronous: write, fsync, record a manifest part, barrier, rank 0 commits, barrier.
-Asynchronous: the call returns once the state is copied into host buffers (reused from
-save to save); a background thread writes the files and the part; rank 0's thread waits
-for every rank's part to appear in the shared directory, then commits. No collective
-runs in the background thread, so it never races the training loop's collectives. The
-next save, and `wait()`, block until the previous one is done; errors surface there.
+Asynchronous: the call returns at once, copying nothing: a background thread writes the
+files straight from the live tensors (one chunk in flight, as a synchronous save), then the
+part; rank 0's thread waits for every rank's part to appear in the shared directory, then
+commits. The state must not change while it is being read, so its owner waits on
+`wait_until_state_read()` before mutating it (save_checkpoint registers that with the
+optimizer, whose next step() calls it first): the save overlaps the next forward and backward,
+and the step waits only for what is left. Extra host memory: none beyond the writer's chunk.
+No collective runs in the background thread, so it never races the training loop's
+collectives. The next save, and `wait()`, block until the previous one is done; errors surface there.
 """
 from __future__ import annotations
 
@@ -28,7 +32,8 @@ import torch.distributed as dist
 from .commit import commit, new_save_id, tmp_dir
 from .errors import CheckpointError
 from .manifest import parts_present, write_part
-from .tensor_io import file_checksum, map_tensors, save_file
+from .checksum import file_checksum
+from .tensor_io import map_tensors, save_file
 
 
 class CopyFile:
@@ -36,29 +41,6 @@ class CopyFile:
 
     def __init__(self, src: str, executable: bool = False):
         self.src, self.executable = src, executable
-
-
-class HostBuffers:
-    """Host copies of the state for async saves; buffers are kept and reused by the next save."""
-
-    def __init__(self):
-        self.free = defaultdict(list)
-
-    def snapshot(self, obj: Any) -> Tuple[Any, List[torch.Tensor]]:
-        used = []
-
-        def copy(t: torch.Tensor) -> torch.Tensor:
-            key = (t.dtype, t.numel())
-            buf = self.free[key].pop() if self.free[key] else torch.empty(t.numel(), dtype=t.dtype)
-            buf.copy_(t.detach().reshape(-1))
-            used.append(buf)
-            return buf.view(t.shape)
-
-        return map_tensors(obj, copy), used
-
-    def release(self, used: List[torch.Tensor]) -> None:
-        for buf in used:
-            self.free[(buf.dtype, buf.numel())].append(buf)
 
 
 def _rank_world():
@@ -86,8 +68,9 @@ def _write_files(directory: str, plan: Sequence[Tuple[str, Any]], rank: int) -> 
 
 class CheckpointWriter:
     def __init__(self):
-        self.buffers = HostBuffers()
         self._thread: Optional[threading.Thread] = None
+        self._state_read = threading.Event()
+        self._state_read.set()
         self._error: Optional[BaseException] = None
         self.commit_timeout = float(os.environ.get("MEGATRON_ZERO_CKPT_COMMIT_TIMEOUT", 3600))
 
@@ -113,17 +96,21 @@ class CheckpointWriter:
             if world > 1:
                 dist.barrier()
             return
-        snap, used = self.buffers.snapshot([(n, o) for n, o in plan if not isinstance(o, CopyFile)])
-        snap += [(n, o) for n, o in plan if isinstance(o, CopyFile)]
+        # the containers are copied now (the caller may change them); the tensors stay the live ones
+        plan = [(n, o if isinstance(o, CopyFile) else map_tensors(o, lambda t: t)) for n, o in plan]
         self._error = None
-        self._thread = threading.Thread(target=self._background, args=(snap, used) + args,
+        self._state_read.clear()
+        self._thread = threading.Thread(target=self._background, args=(plan,) + args,
                                         name="megatron_zero-async-save", daemon=True)
         self._thread.start()
 
-    def _background(self, plan, used, save_dir, tag, tmp, rank, world, meta, iteration, save_latest, keep_last_k):
+    def _background(self, plan, save_dir, tag, tmp, rank, world, meta, iteration, save_latest, keep_last_k):
         try:
-            write_part(tmp, rank, _write_files(tmp, plan, rank))
-            self.buffers.release(used)
+            try:
+                files = _write_files(tmp, plan, rank)
+            finally:
+                self._state_read.set()
+            write_part(tmp, rank, files)
             if rank != 0:
                 return
             deadline = time.monotonic() + self.commit_timeout
@@ -139,6 +126,10 @@ class CheckpointWriter:
     @property
     def pending(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def wait_until_state_read(self) -> None:
+        """Block until the pending async save has read every tensor of the state (errors surface in wait())."""
+        self._state_read.wait()
 
     def wait(self) -> None:
         """Block until the previous async save of this rank is written (and, on rank 0, committed)."""

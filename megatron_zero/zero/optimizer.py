@@ -74,6 +74,7 @@ class ZeroOptimizer:
         self.offload = offload
         self.loss_scaler = LossScaler(loss_scaler, enabled=self.dtype == torch.float16)
         self.overflow = False
+        self._before_step = []  # callables run before the state next changes (async checkpoint readers)
         # (offset in partition, numel) of the fragments that count in the global norm
         self.counted = [[(s, n) for p, _, s, n in self.impl.owned_ranges(gi) if counts_in_norm(p, tp_rank)]
                         for gi in range(len(self.named_groups))]
@@ -93,8 +94,13 @@ class ZeroOptimizer:
         (loss.float() * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         self.impl.finish_backward()
 
+    def before_next_step(self, fn) -> None:
+        """Call fn() at the start of the next step(), before any saved state changes (an async save reading it)."""
+        self._before_step.append(fn)
+
     def step(self, lr: Optional[float] = None):
         """Reduce, unscale, check overflow, clip, step, publish weights. -> (updated, grad_norm)."""
+        self._state_about_to_change()
         self.impl.finish_backward()  # idempotent: for schedules that call loss.backward() themselves
         grads = self.impl.grad_partitions()
         inv = 1.0 / (self.loss_scaler.loss_scale * self.impl.reduce_dp)
@@ -137,7 +143,12 @@ class ZeroOptimizer:
         return checkpoint_state.state_dict(self)
 
     def load_state_dict(self, state: dict):
+        self._state_about_to_change()
         checkpoint_state.load_state_dict(self, state)
+
+    def _state_about_to_change(self) -> None:
+        while self._before_step:
+            self._before_step.pop(0)()
 
     def param_slice_mappings(self):
         """Per group: OrderedDict name -> fragment_address(numel, start) in this rank's partition."""
