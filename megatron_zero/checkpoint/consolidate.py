@@ -217,6 +217,14 @@ def consolidate_fp32(checkpoint_dir: str, output_dir: str, safe_serialization: b
             total = sum(writer.add(name, t) for name, t in tensors)
         os.replace(final + ".part", final)
         return {"files": ["pytorch_model.bin"], "params": len(writer.entries), "bytes": total}
+    return write_safetensors_shards(output_dir, names, tensors, max_shard_size, copy_files=True)
+
+
+def write_safetensors_shards(output_dir: str, names: List[str], tensors: Iterator[Tuple[str, torch.Tensor]],
+                             max_shard_size="5GB", copy_files: bool = False) -> dict:
+    """Stream (name, tensor) pairs into `model.safetensors`, or into shards of at most `max_shard_size` with
+    Hugging Face's `model.safetensors.index.json`; `names` lists them in stream order (it sizes the headers).
+    Shards are written as `.part` files and renamed when all are complete. Returns {'files', 'params', 'bytes'}."""
     limit = parse_size(max_shard_size)
     shards: List[Tuple[str, List[str]]] = []
     shard, total, count = None, 0, 0
@@ -228,7 +236,7 @@ def consolidate_fp32(checkpoint_dir: str, output_dir: str, safe_serialization: b
                 shard = None
             if shard is None:
                 part = os.path.join(output_dir, f"model-{len(shards) + 1:05d}.safetensors.part")
-                shard = SafetensorsStream(part, names[count:], copy_files=True)
+                shard = SafetensorsStream(part, names[count:], copy_files=copy_files)
                 shards.append((part, []))
             shard.add(name, t)
             shards[-1][1].append(name)
