@@ -7,6 +7,7 @@ the same batch (1e-5).
 """
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -170,3 +171,41 @@ def test_tools_and_bad_input(tmp_path):
     os.remove(os.path.join(src, "model.safetensors"))
     with pytest.raises(CheckpointError, match="holds none of"):
         import_hf(src, str(tmp_path / "c4"))
+
+
+def test_import_trains_and_generates_with_hf_tokenizer(tmp_path):
+    """convert_from_hf -> preprocess (HuggingFaceTokenizer) -> pretrain --load at TP2 -> generate_text."""
+    from megatron_zero.testing.multirank import free_port
+    from megatron_zero.testing.tiny_tokenizer import byte_level_bpe, corpus_texts
+
+    src, ckpt = tmp_path / "hf", tmp_path / "ckpt"
+    byte_level_bpe(str(src), 300)
+    cfg = transformers.GPT2Config(vocab_size=300, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                                  bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(str(src))
+    run = lambda *a, **kw: subprocess.run([sys.executable, *a], capture_output=True, text=True,  # noqa: E731
+                                          timeout=300, **kw)
+    done = run(os.path.join(ROOT, "tools", "convert_from_hf.py"), "--input-dir", str(src), "--output-dir",
+               str(ckpt), "--tensor-model-parallel-size", "2")
+    assert done.returncode == 0, done.stderr
+    flags = open(ckpt / "megatron_flags.txt").read().split()
+    assert flags[-4:] == ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(ckpt / "tokenizer")]
+    with open(tmp_path / "docs.jsonl", "w") as f:
+        f.writelines(json.dumps({"text": t}) + "\n" for t in corpus_texts(10))
+    done = run(os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", str(tmp_path / "docs.jsonl"),
+               "--output-prefix", str(tmp_path / "docs"), "--tokenizer-type", "HuggingFaceTokenizer",
+               "--tokenizer-model", str(ckpt / "tokenizer"), "--append-eod")
+    assert done.returncode == 0, done.stderr
+    train = flags + ["--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3",
+                     "--train-iters", "2", "--log-interval", "1", "--eval-iters", "0", "--split", "100,0,0",
+                     "--data-path", str(tmp_path / "docs_text_document"), "--load", str(ckpt),
+                     "--save", str(tmp_path / "save"), "--hidden-dropout", "0", "--attention-dropout", "0"]
+    done = run("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+               os.path.join(ROOT, "pretrain_gpt.py"), *train, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "from iteration 0" in done.stdout and len(re.findall(r"lm loss: ([0-9.E+-]+)", done.stdout)) == 2
+    done = run(os.path.join(ROOT, "tools", "generate_text.py"), "--load", str(tmp_path / "save"), "--prompt",
+               "The import statement", "--max-new-tokens", "4", "--greedy")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("The import statement")
