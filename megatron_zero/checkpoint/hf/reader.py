@@ -77,8 +77,13 @@ class HFModelDir:
 
     def get(self, name: str) -> torch.Tensor:
         stored = self.resolve(name)
-        handle = self._open(self.file_of[stored])
-        return handle.get_tensor(stored) if hasattr(handle, "get_tensor") else handle[stored]
+        filename = self.file_of[stored]
+        handle = self._open(filename)
+        try:
+            return handle.get_tensor(stored) if hasattr(handle, "get_tensor") else handle[stored]
+        except Exception as e:  # a truncated or damaged file fails here, in the library's own types
+            raise CheckpointError(f"{os.path.join(self.directory, filename)}: tensor {stored} cannot be read "
+                                  f"({type(e).__name__}: {e})") from None
 
     def unused(self, used: Iterable[str], skipped: Iterable[str]) -> List[str]:
         """Tensors neither used nor matching a `skipped` pattern (a model this mapping does not describe)."""
