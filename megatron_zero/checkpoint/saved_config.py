@@ -3,9 +3,9 @@
     args = saved_args(checkpoint_dir)                    # the args in mp_rank_*_model_states.pt, or {}
     config = saved_config(shapes, args, num_heads=None)  # shapes: {name: full (unsharded) shape}
 
-Our trainer records every model flag; other writers (DeepSpeed, tests) may record none, so the sizes
-are read from the full shapes, and only the head count, which no shape shows, must come from the
-args or `num_heads`.
+Our trainer and importer record every model flag; other writers (DeepSpeed, tests) may record none,
+so sizes the args lack are read from the full shapes of a GPT-2 (an architecture that needs more must
+record its args), and the head count, which no shape shows, must come from the args or `num_heads`.
 """
 from __future__ import annotations
 
@@ -36,15 +36,16 @@ def config_from_args(args: dict, vocab_size: int) -> GPTConfig:
 
 def saved_config(shapes: Dict[str, Sequence[int]], args: dict, num_heads: Optional[int] = None,
                  where: str = "the checkpoint") -> GPTConfig:
-    heads = num_heads or args.get("num_attention_heads")
-    if not heads:
+    """Recorded args first; the sizes they lack from the GPT-2 shapes; the vocabulary always from the shapes."""
+    recorded = {k: v for k, v in args.items() if v is not None}
+    if num_heads:
+        recorded["num_attention_heads"] = int(num_heads)
+    if not recorded.get("num_attention_heads"):
         raise CheckpointError(f"{where} does not record num_attention_heads in its args; pass --num-attention-heads")
     vocab, hidden = shapes[WORD_EMBEDDINGS]
-    sizes = {"hidden_size": hidden, "num_attention_heads": int(heads),
+    sizes = {"hidden_size": hidden,
              "num_layers": sum(1 for k in shapes if k.endswith(".self_attention.query_key_value.weight")),
              "ffn_hidden_size": shapes[f"{block_layer_index(0)}.mlp.dense_h_to_4h.weight"][0]}
     if POSITION_EMBEDDINGS in shapes:
         sizes["max_position_embeddings"] = sizes["seq_length"] = shapes[POSITION_EMBEDDINGS][0]
-    recorded = {k: v for k, v in args.items() if v is not None}
-    return config_from_args({**recorded, **sizes, "seq_length": recorded.get("seq_length", sizes.get("seq_length"))},
-                            vocab)
+    return config_from_args({**sizes, **recorded}, vocab)

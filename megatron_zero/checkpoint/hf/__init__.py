@@ -15,6 +15,7 @@ Tensors are in our full form (model/sharding.py): unsharded, the unpadded vocabu
 Megatron's grouped layout (per query group: its q heads, then k, then v), the fused SwiGLU weight as
 [gate; up]. Adding an architecture is one module and one line in ARCHITECTURES; put more specific
 architectures before less specific ones (export takes the first whose `matches` is true).
+Errors are CheckpointError, one sentence naming the file or value.
 """
 from __future__ import annotations
 
@@ -50,7 +51,10 @@ def for_config(config: GPTConfig, name: Optional[str] = None) -> ModuleType:
         if not ARCHITECTURES[name].matches(config):
             raise CheckpointError(f"--architecture {name} cannot hold this checkpoint's model")
         return ARCHITECTURES[name]
-    return next(m for m in ARCHITECTURES.values() if m.matches(config))
+    for module in ARCHITECTURES.values():
+        if module.matches(config):
+            return module
+    raise CheckpointError(f"no Hugging Face architecture holds this model; supported: {', '.join(ARCHITECTURES)}")
 
 
 __all__ = ["ARCHITECTURES", "TensorMapping", "for_config", "for_hf_config"]

@@ -44,9 +44,14 @@ def flags(config: GPTConfig) -> List[str]:
     return base_flags(config)
 
 
+# config fields that other architectures switch (absent from GPTConfig before they exist), at GPT-2's values
+GPT2_SWITCHES = {"normalization": "LayerNorm", "position_embedding_type": "learned_absolute", "swiglu": False,
+                 "untie_embeddings_and_output_weights": False, "add_bias_linear": True}
+
+
 def matches(config: GPTConfig) -> bool:
-    """Whether `config` is this architecture (the default one: any config the other modules do not claim)."""
-    return True
+    return all(getattr(config, k, v) == v for k, v in GPT2_SWITCHES.items()) and \
+        getattr(config, "num_query_groups", None) in (None, config.num_attention_heads)
 
 
 def hf_config(config: GPTConfig) -> dict:
