@@ -225,3 +225,39 @@ def test_import_trains_and_generates_with_hf_tokenizer(tmp_path):
                "The import statement", "--max-new-tokens", "4", "--greedy")
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("The import statement")
+
+
+BOUNDED = r"""
+import sys, torch, transformers
+from megatron_zero.checkpoint.hf.exporter import export_hf
+from megatron_zero.checkpoint.hf.importer import import_hf
+def hwm():
+    return int([l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1]) * 1024
+def rss():
+    return int([l for l in open("/proc/self/status") if l.startswith("VmRSS")][0].split()[1]) * 1024
+root = sys.argv[1]
+torch.manual_seed(0)
+model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=8192, n_positions=64, n_embd=512, n_layer=4,
+                                                             n_head=8))
+model.save_pretrained(root + "/st")
+model.save_pretrained(root + "/bin", safe_serialization=False)
+del model
+import_hf(root + "/st", root + "/warm")  # first use: lazy imports and allocator pools
+for what, run in (("safetensors", lambda: import_hf(root + "/st", root + "/a")),
+                  ("bin", lambda: import_hf(root + "/bin", root + "/b")),
+                  ("export", lambda: export_hf(root + "/a", root + "/back", max_shard_size="20MB"))):
+    base = rss()
+    open("/proc/self/clear_refs", "w").write("5")  # reset VmHWM to the current RSS
+    run()
+    print(what, hwm() - base)
+"""
+
+
+def test_conversion_memory_is_about_one_tensor(tmp_path):
+    """A 67 MB model (largest tensor: the 16 MiB word embedding) converts within 1.5x its largest tensor of RSS."""
+    done = subprocess.run([sys.executable, "-c", BOUNDED, str(tmp_path)], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    growth = {line.split()[0]: int(line.split()[1]) for line in done.stdout.splitlines() if line.strip()}
+    assert set(growth) == {"safetensors", "bin", "export"}, done.stdout
+    assert all(extra < 24 << 20 for extra in growth.values()), growth  # 1.5x the largest tensor
