@@ -1,7 +1,7 @@
 """The model config a checkpoint was saved with: from its recorded args, sizes it lacks from tensor shapes.
 
     args = saved_args(checkpoint_dir)                    # the args in mp_rank_*_model_states.pt, or {}
-    config = saved_config(shapes, args, num_heads=None)  # shapes: {name: full (unsharded) shape}
+    config = saved_config(names, shape_of, args)         # shape_of(name): a full (unsharded) shape
 
 Our trainer and importer record every model flag; other writers (DeepSpeed, tests) may record none,
 so sizes the args lack are read from the full shapes of a GPT-2 (an architecture that needs more must
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import fields
-from typing import Dict, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from ..model.config import GPTConfig
 from ..model.layers import block_layer_index
@@ -34,18 +34,24 @@ def config_from_args(args: dict, vocab_size: int) -> GPTConfig:
     return GPTConfig(vocab_size=vocab_size, **{k: v for k, v in args.items() if k in keep and v is not None})
 
 
-def saved_config(shapes: Dict[str, Sequence[int]], args: dict, num_heads: Optional[int] = None,
-                 where: str = "the checkpoint") -> GPTConfig:
-    """Recorded args first; the sizes they lack from the GPT-2 shapes; the vocabulary always from the shapes."""
+def saved_config(names: Sequence[str], shape_of: Callable[[str], Sequence[int]], args: dict,
+                 num_heads: Optional[int] = None, where: str = "the checkpoint") -> GPTConfig:
+    """Recorded args first; the sizes they lack from the GPT-2 shapes; the vocabulary always from the shapes.
+    `names`: every parameter; `shape_of(name)`: a parameter's full shape (asked for at most three)."""
     recorded = {k: v for k, v in args.items() if v is not None}
     if num_heads:
         recorded["num_attention_heads"] = int(num_heads)
     if not recorded.get("num_attention_heads"):
         raise CheckpointError(f"{where} does not record num_attention_heads in its args; pass --num-attention-heads")
-    vocab, hidden = shapes[WORD_EMBEDDINGS]
+    if WORD_EMBEDDINGS not in names:
+        raise CheckpointError(f"{where} holds no {WORD_EMBEDDINGS}; it is not a checkpoint of our GPT")
+    vocab, hidden = shape_of(WORD_EMBEDDINGS)
     sizes = {"hidden_size": hidden,
-             "num_layers": sum(1 for k in shapes if k.endswith(".self_attention.query_key_value.weight")),
-             "ffn_hidden_size": shapes[f"{block_layer_index(0)}.mlp.dense_h_to_4h.weight"][0]}
-    if POSITION_EMBEDDINGS in shapes:
-        sizes["max_position_embeddings"] = sizes["seq_length"] = shapes[POSITION_EMBEDDINGS][0]
+             "num_layers": sum(1 for k in names if k.endswith(".self_attention.query_key_value.weight"))}
+    if "ffn_hidden_size" not in recorded:
+        sizes["ffn_hidden_size"] = shape_of(f"{block_layer_index(0)}.mlp.dense_h_to_4h.weight")[0]
+    if POSITION_EMBEDDINGS in names and "max_position_embeddings" not in recorded:
+        sizes["max_position_embeddings"] = shape_of(POSITION_EMBEDDINGS)[0]
+    if "seq_length" not in recorded:
+        sizes["seq_length"] = recorded.get("max_position_embeddings", sizes.get("max_position_embeddings"))
     return config_from_args({**sizes, **recorded}, vocab)
