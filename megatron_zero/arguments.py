@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--zero-nvme-offload-path", type=str, default=None,
                    help="keep optimizer state in files under this path (ZeRO-Infinity style)")
     g.add_argument("--deepspeed-config", "--deepspeed_config", dest="deepspeed_config", type=str, default=None)
+    p.set_defaults(deepspeed_scheduler=None)  # the JSON's `scheduler`, set by deepspeed_config.py
     g.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None)
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
 

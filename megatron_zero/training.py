@@ -24,7 +24,7 @@ from .data import DataError, GlobalBatchSampler, build_tokenizer, build_train_va
 from .distributed import LaunchError, init_distributed, read_launch_env
 from .exit_signal import ExitPolicy
 from .logger import TensorBoardLog, format_eval_line, format_train_line
-from .lr_schedule import LRSchedule
+from .lr_schedule import build_lr_schedule
 from .model.config import GPTConfig
 from .ops import set_fusion_flags
 from .pipeline.gpt_stage import activation_shape, build_gpt_stage, make_forward_step, sync_tied_embedding_grads
@@ -106,8 +106,7 @@ class Trainer:
             tp_rank=state.tp_rank, dtype=args.params_dtype, loss_scaler=loss_scaler, offload=args.offload,
             nvme_path=args.zero_nvme_offload_path, module=self.model,
             persistence_threshold=args.zero_param_persistence_threshold)
-        self.schedule = LRSchedule(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
-                                   args.lr_decay_style)
+        self.schedule = build_lr_schedule(args)
         self.progress = TrainState()
         self.p2p = P2P(state.prev_rank, state.next_rank, activation_shape(args.micro_batch_size, self.config),
                        DTYPES[args.params_dtype])
