@@ -110,7 +110,9 @@ def test_byte_identical_with_megatron_core(tmp_path):
 def _write_like_megatron_deepspeed(prefix, docs, eod):
     """What Megatron-DeepSpeed's tools/preprocess_data.py --append-eod writes: each non-empty document's
     sentences and then the EOD into the .bin, the sentence lengths alone (no EOD) into the .idx."""
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder as CoreBuilder
+    from megatron.core.datasets.indexed_dataset import (
+        IndexedDatasetBuilder as CoreBuilder,
+    )
 
     builder = CoreBuilder(prefix + ".bin", dtype=np.uint16)
     for sentences in docs:
