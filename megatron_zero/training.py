@@ -19,7 +19,9 @@ import torch.distributed as dist
 from . import checkpoint as ckpt
 from .arguments import ArgumentError, args_to_dict, parse_args
 from .checkpoint.commit import LATEST
-from .checkpoint.universal_load import is_universal_checkpoint, load_reshaped_checkpoint, load_universal_checkpoint
+from .checkpoint.compat import check_checkpoint_compat
+from .checkpoint.universal_load import (find_universal_dir, is_universal_checkpoint, load_reshaped_checkpoint,
+                                        load_universal_checkpoint)
 from .data import DataError, GlobalBatchSampler, build_tokenizer, build_train_valid_test_datasets, collate_gpt
 from .distributed import LaunchError, init_distributed, read_launch_env
 from .exit_signal import ExitPolicy
@@ -61,15 +63,21 @@ def fusion_flags(args) -> dict:
                                                    "persist_layer_norm", "gradient_accumulation_fusion")}
 
 
-def load_any_checkpoint(path, state, model, optimizer, load_optimizer=True, universal=False):
+def load_any_checkpoint(path, state, model, optimizer, load_optimizer=True, universal=False, check=None):
     """Resume from `path`: a universal checkpoint (asked for, or all there is), a checkpoint saved on
-    this layout, or, saved on another TP/PP/DP or ZeRO stage, the same reshaped while loading."""
+    this layout, or, saved on another TP/PP/DP or ZeRO stage, the same reshaped while loading.
+    `check(directory)` sees the chosen checkpoint directory before anything is loaded from it."""
     has_latest = os.path.exists(os.path.join(path, LATEST))
     if universal or (not has_latest and is_universal_checkpoint(path)):
+        directory = find_universal_dir(path)
+        if check and directory:
+            check(directory)
         return load_universal_checkpoint(path, state, model, optimizer, load_optimizer)
     if not has_latest:
         return None
     found = ckpt.open_checkpoint(path)
+    if check:
+        check(found.directory)
     meta = found.meta
     saved = meta.get("layout")
     here = {"tp": state.tp_size, "pp": state.pp_size, "dp": state.dp_size}
@@ -124,7 +132,8 @@ class Trainer:
         evals = (a.train_iters // a.eval_interval + 1) * a.eval_iters
         sizes = [a.train_iters * gbs, evals * gbs if a.eval_iters else 0, a.eval_iters * gbs]
         self.train_ds, self.valid_ds, _ = build_train_valid_test_datasets(
-            a.data_path, a.split, a.seq_length, a.seed, sizes, cache_dir=a.data_cache_path)
+            a.data_path, a.split, a.seq_length, a.seed, sizes, cache_dir=a.data_cache_path,
+            vocab_size=self.tokenizer.vocab_size)
 
     def _micro_batches(self, dataset, start: int):
         """This rank's collated micro-batches of the global batch starting at sample `start`."""
@@ -175,7 +184,8 @@ class Trainer:
         a = self.args
         client = load_any_checkpoint(path, self.state, self.model, self.optimizer,
                                      load_optimizer=not (a.no_load_optim or a.finetune),
-                                     universal=a.universal_checkpoint)
+                                     universal=a.universal_checkpoint, check=lambda directory: check_checkpoint_compat(
+                                         directory, a, self.config.vocab_size, self.config.padded_vocab_size))
         if client is None:
             self._log(f"no checkpoint under --load {path} (no 'latest' file); starting from scratch")
             return
