@@ -244,14 +244,15 @@ def _is_number(text: str) -> bool:
         return False
 
 
-def parse_args(argv: Optional[List[str]] = None, world_size: int = 1):
-    """Parse and validate; on bad input print one sentence to stderr and exit 2."""
+def parse_args(argv: Optional[List[str]] = None, world_size: int = 1, report: bool = True):
+    """Parse and validate; on bad input print one sentence to stderr (if `report`: one rank of many) and exit 2."""
     try:
         args = build_parser().parse_args(argv)
         return validate_args(args, world_size)
     except ArgumentError as err:
-        print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
-        raise SystemExit(2)
+        if report:
+            print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def args_to_dict(args) -> dict:

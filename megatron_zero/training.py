@@ -20,10 +20,12 @@ from . import checkpoint as ckpt
 from .arguments import ArgumentError, args_to_dict, parse_args
 from .checkpoint.commit import LATEST
 from .checkpoint.compat import check_checkpoint_compat
+from .checkpoint.lock import hold_save_lock
 from .checkpoint.universal_load import (find_universal_dir, is_universal_checkpoint, load_reshaped_checkpoint,
                                         load_universal_checkpoint)
 from .data import DataError, GlobalBatchSampler, build_tokenizer, build_train_valid_test_datasets, collate_gpt
-from .distributed import LaunchError, init_distributed, read_launch_env
+from .distributed import (LaunchError, another_rank_failed, init_distributed, is_peer_failure, read_launch_env,
+                          report_failure, stop_with_launcher)
 from .exit_signal import ExitPolicy
 from .logger import TensorBoardLog, format_eval_line, format_train_line
 from .lr_schedule import build_lr_schedule
@@ -251,16 +253,39 @@ class Trainer:
 
 
 def pretrain(argv=None) -> int:
+    """Train as the flags say. Exit code 0 when done (or stopped by a signal, saved); 2 on bad input: one
+    sentence from the rank that found it, the other ranks quiet (also 2); 1 when a rank lost contact with
+    another that said nothing."""
+    lock = None
     try:
         launch = read_launch_env()
-        args = parse_args(argv, world_size=launch.world_size)
+        if launch.source != "single":
+            stop_with_launcher()
+        args = parse_args(argv, world_size=launch.world_size, report=launch.rank == 0)
         init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+        lock = hold_save_lock(args.save) if args.save else None
         state = build_parallel_state(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
         trainer = Trainer(args, state)
         code = trainer.train()
     except (ArgumentError, LaunchError, DataError, ckpt.CheckpointError) as err:
-        print(f"pretrain_gpt.py: error: {err}", file=sys.stderr, flush=True)
+        report_failure(str(err), lambda line: print(f"pretrain_gpt.py: error: {line}", file=sys.stderr, flush=True))
         code = 2
+    except Exception as err:
+        if not is_peer_failure(err):
+            report_failure(f"{type(err).__name__}: {err}", lambda line: None)  # the traceback says it
+            raise
+        if another_rank_failed():
+            code = 2  # that rank has said why
+        else:
+            print(f"pretrain_gpt.py: error: rank {dist.get_rank()} lost contact with another rank "
+                  f"({str(err).splitlines()[0][:200]}); that rank's log says why", file=sys.stderr, flush=True)
+            code = 1
+    finally:
+        if lock is not None:
+            lock.release()
+    if code and dist.is_initialized() and dist.get_world_size() > 1:
+        sys.stdout.flush()
+        os._exit(code)  # peers may be gone: tearing the process group down would only wait on them
     if dist.is_initialized():
         dist.destroy_process_group()
     return code

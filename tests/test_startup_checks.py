@@ -29,17 +29,23 @@ def byte_data(prefix, top=255, docs=40, seed=0):
     return str(prefix)
 
 
-def pretrain(tmp_path, data, **changes):
+def tiny_flags(tmp_path, data, **changes):
+    """pretrain_gpt.py flags of a 2-layer byte-level GPT on `data`, saving under tmp_path/ckpt."""
     flags = {"num-layers": 2, "hidden-size": 32, "num-attention-heads": 4, "seq-length": 16, "micro-batch-size": 2,
              "global-batch-size": 4, "lr": 1e-3, "train-iters": 2, "tokenizer-type": "ByteTokenizer",
              "data-path": data, "split": "100,0,0", "eval-iters": 0, "log-interval": 1,
              "save": tmp_path / "ckpt", "data-cache-path": tmp_path / "cache"}
     flags.update(changes)
-    argv = [PRETRAIN]
+    argv = []
     for k, v in flags.items():
         argv += [f"--{k}"] + ([] if v is True else [str(v)])
+    return argv
+
+
+def pretrain(tmp_path, data, **changes):
     env = {**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable] + argv, capture_output=True, text=True, timeout=180, env=env)
+    return subprocess.run([sys.executable, PRETRAIN] + tiny_flags(tmp_path, data, **changes), capture_output=True,
+                          text=True, timeout=180, env=env)
 
 
 def one_line_error(run):
