@@ -9,7 +9,10 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
-from megatron_zero.checkpoint.compat import disagreements
+from megatron_zero.arguments import parse_args
+from megatron_zero.checkpoint.compat import check_checkpoint_compat, disagreements
+from megatron_zero.checkpoint.errors import CheckpointError
+from megatron_zero.checkpoint.universal_convert import convert_to_universal
 from megatron_zero.data import DataError, token_range
 from megatron_zero.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from megatron_zero.testing.multirank import free_port
@@ -84,6 +87,12 @@ def test_checkpoint_model_settings_are_checked_on_resume(tmp_path):
     err = one_line_error(pretrain(tmp_path, data, load=tmp_path / "ckpt", **{
         "tokenizer-type": "NullTokenizer", "vocab-size": 300, "train-iters": 3}))
     assert "vocabulary size 257 in the checkpoint vs 301 here" in err
+    # a universal checkpoint records the same settings (its copied model-states file)
+    universal = tmp_path / "universal"
+    convert_to_universal(str(tmp_path / "ckpt" / "global_step2"), str(universal), merge_workers=1)
+    args = parse_args(tiny_flags(tmp_path, data, **{"num-attention-heads": 2}))
+    with pytest.raises(CheckpointError, match="--num-attention-heads 4 in the checkpoint vs 2 here"):
+        check_checkpoint_compat(str(universal), args, 257, lambda tp: 384)
     # what may change on resume: batch sizes, lr, ZeRO stage, dropout, precision of the run, seed
     run = pretrain(tmp_path, data, load=tmp_path / "ckpt", **{
         "train-iters": 3, "global-batch-size": 8, "lr": 5e-4, "zero-stage": 2, "hidden-dropout": 0.0, "seed": 9})
