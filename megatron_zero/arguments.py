@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--zero-nvme-offload-path", type=str, default=None,
                    help="keep optimizer state in files under this path (ZeRO-Infinity style)")
     g.add_argument("--deepspeed-config", "--deepspeed_config", dest="deepspeed_config", type=str, default=None)
+    p.set_defaults(deepspeed_scheduler=None)  # the JSON's `scheduler`, set by deepspeed_config.py
     g.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None)
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
 
@@ -283,14 +284,15 @@ def _is_number(text: str) -> bool:
         return False
 
 
-def parse_args(argv: Optional[List[str]] = None, world_size: int = 1):
-    """Parse and validate; on bad input print one sentence to stderr and exit 2."""
+def parse_args(argv: Optional[List[str]] = None, world_size: int = 1, report: bool = True):
+    """Parse and validate; on bad input print one sentence to stderr (if `report`: one rank of many) and exit 2."""
     try:
         args = build_parser().parse_args(argv)
         return validate_args(args, world_size)
     except ArgumentError as err:
-        print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
-        raise SystemExit(2)
+        if report:
+            print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def args_to_dict(args) -> dict:

@@ -4,12 +4,26 @@ torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT.
 SLURM (srun, one task per GPU) sets SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID and
 SLURM_NODELIST/SLURM_JOB_NODELIST; the master address is the first host of the
 node list. The backend is nccl where CUDA is present, else gloo.
+
+Two guards for a job of many processes:
+- `stop_with_launcher`: a worker gets SIGTERM when its launcher (torchrun's agent, the
+  SLURM step) dies, through Linux's parent-death signal (prctl PR_SET_PDEATHSIG);
+  torchrun puts each worker in a session of its own, so nothing else would reach it.
+  With --exit-signal-handler it stops after the iteration and saves, else it dies.
+- One failure, one sentence: a rank that fails says its sentence and records it in the
+  job's TCPStore (`report_failure`) before it exits; a rank with the same sentence after
+  it stays quiet. A rank that then loses contact with the failed one (`is_peer_failure`)
+  finds the report (`another_rank_failed`) and exits quietly instead of printing the
+  backend's connection traceback.
 """
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
 import re
+import signal
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -98,3 +112,73 @@ def init_distributed(backend: Optional[str] = None, timeout_minutes: float = 10.
         timeout=datetime.timedelta(minutes=timeout_minutes),
     )
     return launch
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+FAILURE_COUNT, FAILURE_MESSAGE = "megatron_zero/failures", "megatron_zero/failure"
+STORE_TIMEOUT = datetime.timedelta(seconds=5)
+
+
+def stop_with_launcher(sig: int = signal.SIGTERM) -> bool:
+    """Have the kernel send `sig` to this process when its parent dies (Linux); False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        return False
+    if os.getppid() != parent:  # the launcher died before the request was in place
+        os.kill(os.getpid(), sig)
+    return True
+
+
+def _job_store(environ: Optional[dict] = None):
+    """A client of the job's TCPStore (torchrun's agent or rank 0 hosts it), or None."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    launch = read_launch_env(environ)
+    try:
+        return dist.TCPStore(launch.master_addr, launch.master_port, is_master=False, timeout=STORE_TIMEOUT,
+                             wait_for_workers=False)
+    except (RuntimeError, ValueError):  # the host of the store is gone
+        return None
+
+
+def report_failure(message: str, say) -> None:
+    """say(message) unless another rank has already said the same; then record it for the other ranks."""
+    store = _job_store()
+    if store is None:
+        say(message)
+        return
+    try:
+        first = store.add(FAILURE_COUNT, 1) == 1
+        if not first and store.get(FAILURE_MESSAGE).decode() == message:  # get waits for the first to say it
+            return
+    except RuntimeError:
+        first = False
+    say(message)
+    if first:
+        store.set(FAILURE_MESSAGE, message)
+
+
+def another_rank_failed() -> bool:
+    """Whether some rank has reported a failure of its own (and said it)."""
+    store = _job_store()
+    try:
+        if store is None or not store.check([FAILURE_COUNT]):
+            return False
+        store.wait([FAILURE_MESSAGE], STORE_TIMEOUT)
+        return True
+    except RuntimeError:
+        return False
+
+
+def is_peer_failure(err: BaseException) -> bool:
+    """A collective broken because another rank went away (gloo/NCCL connection errors, a timeout)."""
+    import torch.distributed as dist
+
+    text = str(err)
+    return isinstance(err, dist.DistError) or (isinstance(err, RuntimeError) and any(
+        s in text for s in ("Connection closed by peer", "Connection reset by peer", "gloo/transport", "NCCL")))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 
 class LRSchedule:
@@ -43,3 +44,70 @@ class LRSchedule:
 
     def load_state_dict(self, state: dict):
         self.num_steps = int(state["num_steps"])
+
+
+DEEPSPEED_STYLES = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
+
+
+class DeepSpeedWarmupSchedule(LRSchedule):
+    """DeepSpeed's WarmupLR / WarmupDecayLR / WarmupCosineLR (deepspeed/runtime/lr_schedules.py), value for value.
+
+    They map onto the schedule above as constant / linear / cosine decay after a warm-up
+    that starts at warmup_min_lr (log or linear in the step). DeepSpeed builds its scheduler
+    at iteration -1 and steps it after each optimizer step, so the lr of the step after n
+    completed steps is its formula at iteration n - 1 (the first step runs at warmup_min_lr,
+    or at 0 for WarmupCosineLR). `params` are the JSON's scheduler.params; `lr` is the
+    optimizer's lr (the peak unless warmup_max_lr says otherwise).
+    """
+
+    def __init__(self, kind: str, params: dict, lr: float, train_iters: int, num_steps: int = 0):
+        p = dict(params)
+        total = p.get("total_num_steps", 0)
+        self.kind = kind
+        self.total_num_steps = train_iters if total == "auto" else int(total)
+        self.warmup_type = p.get("warmup_type", "log")
+        warmup = max(2, int(p.get("warmup_num_steps", 1000)))
+        self.inverse_log_warm_up = 1.0 / math.log(warmup)
+        if kind == "WarmupCosineLR":
+            self.warmup_min_ratio = float(p.get("warmup_min_ratio", 0.0))
+            self.cos_min_ratio = float(p.get("cos_min_ratio", 0.0001))
+            peak, floor = float(lr), float(lr) * self.cos_min_ratio
+        else:
+            peak = float(p.get("warmup_max_lr", lr if kind == "WarmupLR" else 0.001))
+            floor = float(p.get("warmup_min_lr", 0.0))
+        super().__init__(peak, floor, warmup, self.total_num_steps, DEEPSPEED_STYLES[kind], num_steps)
+
+    def _warmup_gamma(self, t: int) -> float:
+        if self.warmup_type == "log":
+            return self.inverse_log_warm_up * math.log(t + 1)
+        return t / self.warmup_steps
+
+    def lr(self, step: Optional[int] = None) -> float:
+        t = (self.num_steps if step is None else step) - 1  # DeepSpeed's last_batch_iteration
+        w, total = self.warmup_steps, self.total_num_steps
+        if self.kind == "WarmupCosineLR":
+            if t < 0:
+                return 0.0
+            if t < w:
+                ratio = self.warmup_min_ratio + self._warmup_gamma(t) * (1. - self.warmup_min_ratio)
+            else:
+                progress = min(1.0, (t - w + 1) / max(1, total - w))
+                ratio = max(0.0, self.cos_min_ratio + (1. - self.cos_min_ratio) * ((1 + math.cos(math.pi * progress)) / 2))
+            return self.max_lr * ratio
+        if t < 0:
+            return self.min_lr
+        if t < w:
+            gamma = self._warmup_gamma(t)
+        elif self.kind == "WarmupLR":
+            gamma = 1.0
+        else:
+            gamma = max(0.0, float(total - t) / float(max(1.0, total - w)))
+        return self.min_lr + (self.max_lr - self.min_lr) * gamma
+
+
+def build_lr_schedule(args) -> LRSchedule:
+    """The schedule the flags describe: Megatron's, or the DeepSpeed JSON's `scheduler`."""
+    ds = args.deepspeed_scheduler
+    if ds is not None:
+        return DeepSpeedWarmupSchedule(ds["type"], ds["params"], args.lr, args.train_iters)
+    return LRSchedule(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters, args.lr_decay_style)

@@ -18,13 +18,17 @@ import torch.distributed as dist
 from . import checkpoint as ckpt
 from .arguments import ArgumentError, args_to_dict, parse_args
 from .checkpoint.commit import LATEST
+from .checkpoint.compat import check_checkpoint_compat
+from .checkpoint.lock import hold_save_lock
 from .checkpoint.save_16bit import save_16bit_model
-from .checkpoint.universal_load import is_universal_checkpoint, load_reshaped_checkpoint, load_universal_checkpoint
+from .checkpoint.universal_load import (find_universal_dir, is_universal_checkpoint, load_reshaped_checkpoint,
+                                        load_universal_checkpoint)
 from .data import DataError, GlobalBatchSampler, build_tokenizer, build_train_valid_test_datasets, collate_gpt
-from .distributed import LaunchError, init_distributed, read_launch_env
+from .distributed import (LaunchError, another_rank_failed, init_distributed, is_peer_failure, read_launch_env,
+                          report_failure, stop_with_launcher)
 from .exit_signal import ExitPolicy
 from .logger import format_eval_line
-from .lr_schedule import LRSchedule
+from .lr_schedule import build_lr_schedule
 from .model.config import GPTConfig
 from .ops import kernel_report, set_fusion_flags
 from .pipeline.gpt_stage import activation_shape, build_gpt_stage, make_forward_step, sync_tied_embedding_grads
@@ -62,15 +66,21 @@ def fusion_flags(args) -> dict:
                                                    "persist_layer_norm", "gradient_accumulation_fusion")}
 
 
-def load_any_checkpoint(path, state, model, optimizer, load_optimizer=True, universal=False):
+def load_any_checkpoint(path, state, model, optimizer, load_optimizer=True, universal=False, check=None):
     """Resume from `path`: a universal checkpoint (asked for, or all there is), a checkpoint saved on
-    this layout, or, saved on another TP/PP/DP or ZeRO stage, the same reshaped while loading."""
+    this layout, or, saved on another TP/PP/DP or ZeRO stage, the same reshaped while loading.
+    `check(directory)` sees the chosen checkpoint directory before anything is loaded from it."""
     has_latest = os.path.exists(os.path.join(path, LATEST))
     if universal or (not has_latest and is_universal_checkpoint(path)):
+        directory = find_universal_dir(path)
+        if check and directory:
+            check(directory)
         return load_universal_checkpoint(path, state, model, optimizer, load_optimizer)
     if not has_latest:
         return None
     found = ckpt.open_checkpoint(path)
+    if check:
+        check(found.directory)
     meta = found.meta
     saved = meta.get("layout")
     here = {"tp": state.tp_size, "pp": state.pp_size, "dp": state.dp_size}
@@ -107,8 +117,7 @@ class Trainer:
             tp_rank=state.tp_rank, dtype=args.params_dtype, loss_scaler=loss_scaler, offload=args.offload,
             nvme_path=args.zero_nvme_offload_path, module=self.model,
             persistence_threshold=args.zero_param_persistence_threshold)
-        self.schedule = LRSchedule(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
-                                   args.lr_decay_style)
+        self.schedule = build_lr_schedule(args)
         self.progress = TrainState()
         self.p2p = P2P(state.prev_rank, state.next_rank, activation_shape(args.micro_batch_size, self.config),
                        DTYPES[args.params_dtype])
@@ -128,7 +137,8 @@ class Trainer:
         evals = (a.train_iters // a.eval_interval + 1) * a.eval_iters
         sizes = [a.train_iters * gbs, evals * gbs if a.eval_iters else 0, a.eval_iters * gbs]
         self.train_ds, self.valid_ds, _ = build_train_valid_test_datasets(
-            a.data_path, a.split, a.seq_length, a.seed, sizes, cache_dir=a.data_cache_path)
+            a.data_path, a.split, a.seq_length, a.seed, sizes, cache_dir=a.data_cache_path,
+            vocab_size=self.tokenizer.vocab_size)
 
     def _micro_batches(self, dataset, start: int):
         """This rank's collated micro-batches of the global batch starting at sample `start`."""
@@ -188,7 +198,8 @@ class Trainer:
         a = self.args
         client = load_any_checkpoint(path, self.state, self.model, self.optimizer,
                                      load_optimizer=not (a.no_load_optim or a.finetune),
-                                     universal=a.universal_checkpoint)
+                                     universal=a.universal_checkpoint, check=lambda directory: check_checkpoint_compat(
+                                         directory, a, self.config.vocab_size, self.config.padded_vocab_size))
         if client is None:
             self._log(f"no checkpoint under --load {path} (no 'latest' file); starting from scratch")
             return
@@ -246,16 +257,39 @@ class Trainer:
 
 
 def pretrain(argv=None) -> int:
+    """Train as the flags say. Exit code 0 when done (or stopped by a signal, saved); 2 on bad input: one
+    sentence from the rank that found it, the other ranks quiet (also 2); 1 when a rank lost contact with
+    another that said nothing."""
+    lock = None
     try:
         launch = read_launch_env()
-        args = parse_args(argv, world_size=launch.world_size)
+        if launch.source != "single":
+            stop_with_launcher()
+        args = parse_args(argv, world_size=launch.world_size, report=launch.rank == 0)
         init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+        lock = hold_save_lock(args.save) if args.save else None
         state = build_parallel_state(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
         trainer = Trainer(args, state)
         code = trainer.train()
     except (ArgumentError, LaunchError, DataError, ckpt.CheckpointError) as err:
-        print(f"pretrain_gpt.py: error: {err}", file=sys.stderr, flush=True)
+        report_failure(str(err), lambda line: print(f"pretrain_gpt.py: error: {line}", file=sys.stderr, flush=True))
         code = 2
+    except Exception as err:
+        if not is_peer_failure(err):
+            report_failure(f"{type(err).__name__}: {err}", lambda line: None)  # the traceback says it
+            raise
+        if another_rank_failed():
+            code = 2  # that rank has said why
+        else:
+            print(f"pretrain_gpt.py: error: rank {dist.get_rank()} lost contact with another rank "
+                  f"({str(err).splitlines()[0][:200]}); that rank's log says why", file=sys.stderr, flush=True)
+            code = 1
+    finally:
+        if lock is not None:
+            lock.release()
+    if code and dist.is_initialized() and dist.get_world_size() > 1:
+        sys.stdout.flush()
+        os._exit(code)  # peers may be gone: tearing the process group down would only wait on them
     if dist.is_initialized():
         dist.destroy_process_group()
     return code

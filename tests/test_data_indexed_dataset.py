@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from megatron_zero.data.errors import DataError
+from megatron_zero.data.gpt_dataset import GPTDataset
 from megatron_zero.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
 
@@ -104,3 +105,66 @@ def test_byte_identical_with_megatron_core(tmp_path):
     for i, d in enumerate(docs):
         np.testing.assert_array_equal(their_reader[i], d)
         np.testing.assert_array_equal(our_reader[i], d)
+
+
+def _write_like_megatron_deepspeed(prefix, docs, eod):
+    """What Megatron-DeepSpeed's tools/preprocess_data.py --append-eod writes: each non-empty document's
+    sentences and then the EOD into the .bin, the sentence lengths alone (no EOD) into the .idx."""
+    from megatron.core.datasets.indexed_dataset import (
+        IndexedDatasetBuilder as CoreBuilder,
+    )
+
+    builder = CoreBuilder(prefix + ".bin", dtype=np.uint16)
+    for sentences in docs:
+        ids = [t for s in sentences for t in s]
+        lengths = [len(s) for s in sentences if len(s)]
+        builder.add_document(np.array(ids + [eod] if ids else [], dtype=np.int64), lengths)
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+def test_megatron_deepspeed_append_eod_files_read_with_each_eod(tmp_path, capsys):
+    rng = np.random.default_rng(3)
+    eod = 999
+    docs = [[list(rng.integers(0, 900, size=int(rng.integers(1, 9)))) for _ in range(int(rng.integers(0, 4)))]
+            for _ in range(40)]
+    docs[0] = [[1, 2, 3], [4, 5]]  # two sentences
+    docs[1] = []  # empty document: no tokens, no EOD
+    prefix = _write_like_megatron_deepspeed(str(tmp_path / "mds"), docs, eod)
+    ds = IndexedDataset(prefix)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--append-eod" in err and f"token {eod}" in err and prefix + ".idx" in err
+    assert ds.eod_uncounted == eod and ds.num_documents == len(docs)
+    for d, sentences in enumerate(docs):
+        ids = [t for s in sentences for t in s]
+        np.testing.assert_array_equal(ds.document(d), ids + [eod] if ids else [])
+    np.testing.assert_array_equal(ds[0], [1, 2, 3])
+    np.testing.assert_array_equal(ds[1], [4, 5, eod])
+    # GPT samples over it run through the EODs exactly like a pair written with the EOD counted
+    builder = IndexedDatasetBuilder(str(tmp_path / "counted"), dtype=np.uint16)
+    for sentences in docs:  # the EOD counted in the last sentence, as Megatron-LM's preprocess does
+        lengths = [len(s) for s in sentences]
+        builder.add_document([t for s in sentences for t in s] + ([eod] if lengths else []),
+                             lengths[:-1] + [lengths[-1] + 1] if lengths else [])
+    builder.finalize()
+    counted = IndexedDataset(str(tmp_path / "counted"))
+    np.testing.assert_array_equal(counted.sequence_lengths, ds.sequence_lengths)
+    a = GPTDataset(ds, "train", np.arange(len(ds), dtype=np.int32), 20, 8, 1, str(tmp_path / "c1"))
+    b = GPTDataset(counted, "train", np.arange(len(ds), dtype=np.int32), 20, 8, 1, str(tmp_path / "c2"))
+    for i in range(20):
+        np.testing.assert_array_equal(a[i], b[i])
+
+
+def test_extra_tokens_that_are_not_eods_are_still_refused(tmp_path):
+    docs = [[[1, 2, 3]], [[4, 5]], [[6]]]
+    prefix = _write_like_megatron_deepspeed(str(tmp_path / "mds"), docs, 999)
+    raw = np.fromfile(prefix + ".bin", dtype=np.uint16)
+    raw[6] = 7  # the second document's EOD is no longer the same token as the others
+    raw.tofile(prefix + ".bin")
+    with pytest.raises(DataError, match="written by different runs"):
+        IndexedDataset(prefix)
+    one_more = _write(str(tmp_path / "plain"), [np.array([1, 2, 3])])
+    with open(one_more + ".bin", "ab") as f:  # one stray token more per document, but no EOD layout ...
+        f.write(np.array([999, 999], dtype=np.uint16).tobytes())
+    with pytest.raises(DataError, match="written by different runs"):
+        IndexedDataset(one_more)

@@ -23,10 +23,8 @@ import os
 import shutil
 import threading
 import time
-from collections import defaultdict
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
-import torch
 import torch.distributed as dist
 
 from .commit import commit, new_save_id, tmp_dir

@@ -12,6 +12,7 @@ from .blended_dataset import BlendedDataset
 from .errors import DataError
 from .gpt_dataset import GPTDataset
 from .indexed_dataset import IndexedDataset
+from .token_range import check_token_ids
 
 SPLITS = ("train", "valid", "test")
 BLEND_SURPLUS = 0.005  # Megatron's mid_level_dataset_surplus
@@ -43,8 +44,10 @@ def parse_split(split: str) -> List[Optional[Tuple[float, float]]]:
     return [(ends[i], ends[i + 1]) if parts[i] > 0 else None for i in range(3)]
 
 
-def _gpt_splits(prefix, bookends, seq_length, seed, num_samples, cache_dir):
+def _gpt_splits(prefix, bookends, seq_length, seed, num_samples, cache_dir, vocab_size):
     indexed = IndexedDataset(prefix)
+    if vocab_size is not None:
+        check_token_ids(indexed, vocab_size, cache_dir)
     n = len(indexed)
     out = []
     for name, be, ns in zip(SPLITS, bookends, num_samples):
@@ -61,11 +64,12 @@ def _gpt_splits(prefix, bookends, seq_length, seed, num_samples, cache_dir):
 
 def build_train_valid_test_datasets(data_prefix: Sequence[str], splits_string: str, seq_length: int, seed: int,
                                     train_valid_test_num_samples: Sequence[Optional[int]],
-                                    cache_dir: Optional[str] = None):
+                                    cache_dir: Optional[str] = None, vocab_size: Optional[int] = None):
     """(train, valid, test) datasets of GPT samples; a split of weight 0 is None.
 
     data_prefix is Megatron's --data-path list; num_samples per split are the samples the
-    loop will draw (e.g. train_iters * global_batch_size). Every rank must call this
+    loop will draw (e.g. train_iters * global_batch_size). With vocab_size, a dataset holding a
+    larger token id is refused (token_range.py). Every rank must call this
     (rank 0 builds the cached indices while the others wait).
     """
     prefixes, weights = parse_data_path(data_prefix)
@@ -73,12 +77,13 @@ def build_train_valid_test_datasets(data_prefix: Sequence[str], splits_string: s
         raise DataError("--data-path is empty; give one or more dataset prefixes (optionally with weights).")
     bookends = parse_split(splits_string)
     if len(prefixes) == 1:
-        return tuple(_gpt_splits(prefixes[0], bookends, seq_length, seed, train_valid_test_num_samples, cache_dir))
+        return tuple(_gpt_splits(prefixes[0], bookends, seq_length, seed, train_valid_test_num_samples, cache_dir,
+                                 vocab_size))
     weights = weights or [1.0] * len(prefixes)
     norm = [w / sum(weights) for w in weights]
     per_dataset = [_gpt_splits(p, bookends, seq_length, seed,
                                [None if t is None else int(math.ceil(math.ceil(t * w) * (1 + BLEND_SURPLUS)))
-                                for t in train_valid_test_num_samples], cache_dir)
+                                for t in train_valid_test_num_samples], cache_dir, vocab_size)
                    for p, w in zip(prefixes, norm)]
     out = []
     for s, name in enumerate(SPLITS):

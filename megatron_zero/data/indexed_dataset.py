@@ -14,11 +14,20 @@
 
 `.bin` is the tokens of all sequences, concatenated, in the dtype above.
 Without sentence splitting (our preprocess) every document is one sequence.
+
+Megatron-DeepSpeed's `tools/preprocess_data.py --append-eod` writes the end-of-document
+token into the `.bin` but leaves it out of the sequence lengths (and so of the pointers).
+Such a pair is recognised exactly: the pointers follow the lengths, the `.bin` holds
+exactly one token more per non-empty document than the lengths sum to, and the token
+after each non-empty document (where that layout puts it) is the same id in every
+document. It is then read with each document's last sequence one token longer (its EOD),
+as Megatron-LM's preprocess counts it, and one line says so.
 """
 from __future__ import annotations
 
 import os
 import struct
+import sys
 from typing import Iterable, Optional
 
 import numpy as np
@@ -98,6 +107,17 @@ def write_index(path: str, sequence_lengths, document_indices, dtype) -> None:
         f.write(np.asarray(document_indices, dtype=np.int64).tobytes(order="C"))
 
 
+def _note(line: str) -> None:
+    """One line on stderr, from global rank 0 only."""
+    try:
+        import torch.distributed as dist
+        quiet = dist.is_available() and dist.is_initialized() and dist.get_rank() != 0
+    except ImportError:
+        quiet = False
+    if not quiet:
+        print(f"note: {line}", file=sys.stderr, flush=True)
+
+
 class IndexedDataset:
     """Read-only, memory-mapped view of a `{prefix}.bin/.idx` pair.
 
@@ -108,6 +128,7 @@ class IndexedDataset:
 
     def __init__(self, prefix: str):
         self.prefix = prefix
+        self.eod_uncounted: Optional[int] = None  # the EOD id when the .idx leaves it out (Megatron-DeepSpeed)
         ip, bp = idx_path(prefix), bin_path(prefix)
         for p in (ip, bp):
             if not os.path.isfile(p):
@@ -160,10 +181,38 @@ class IndexedDataset:
         if size < need:
             raise DataError(f"{bp} is truncated: {idx_path(self.prefix)} describes {need} bytes of "
                             f"{self.dtype.name} tokens but the .bin has {size} bytes.")
+        if size > need and self._read_eod_uncounted(size, need // item):
+            need = size
         if size > need:
             raise DataError(f"{bp} does not match {idx_path(self.prefix)}: the index describes {need} bytes "
                             f"but the .bin has {size} bytes (were they written by different runs?).")
         self._bin_size = size
+
+    def _read_eod_uncounted(self, bin_size: int, counted: int) -> bool:
+        """Recognise Megatron-DeepSpeed's --append-eod pair (module docstring); if it is one, count each EOD."""
+        if self.sequence_modes is not None or bin_size % self.dtype.itemsize:
+            return False
+        bin_tokens = bin_size // self.dtype.itemsize
+        lengths = np.asarray(self.sequence_lengths, dtype=np.int64)
+        ends = np.asarray(self.document_indices[1:], dtype=np.int64)
+        cumulative = np.concatenate([[0], np.cumsum(lengths)])
+        doc_tokens = cumulative[ends] - cumulative[np.asarray(self.document_indices[:-1], dtype=np.int64)]
+        nonempty = doc_tokens > 0
+        if counted + int(nonempty.sum()) != bin_tokens or not nonempty.any():
+            return False
+        fixed = lengths.copy()
+        fixed[ends[nonempty] - 1] += 1
+        eod_at = np.cumsum(fixed)[ends[nonempty] - 1] - 1
+        gaps = np.asarray(np.memmap(bin_path(self.prefix), dtype=self.dtype, mode="r")[eod_at])
+        if np.any(gaps != gaps[0]):
+            return False
+        self.sequence_lengths = fixed.astype(np.int32)
+        self.sequence_pointers = np.zeros(len(fixed), dtype=np.int64)
+        np.cumsum(fixed[:-1] * self.dtype.itemsize, out=self.sequence_pointers[1:])
+        self.eod_uncounted = int(gaps[0])
+        _note(f"{idx_path(self.prefix)} was written by Megatron-DeepSpeed's preprocess_data.py --append-eod (its "
+              f"sizes leave out each document's end-of-document token {int(gaps[0])}); reading each document with it")
+        return True
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)

@@ -1,0 +1,104 @@
+"""Does a checkpoint hold the model the flags describe? Checked before anything is loaded.
+
+The model settings a checkpoint records (its `args`, and the vocabulary in
+`universal_checkpoint_info`) are compared with this run's; every disagreement is
+named in one sentence and the run refused, because loading the weights into
+another architecture either fails later with a shape error or, worse, trains a
+different model (another head count, layer-norm epsilon or sequence length gives
+normal-looking losses).
+
+    refused when they differ     num_layers, hidden_size, num_attention_heads, ffn_hidden_size,
+                                 seq_length, max_position_embeddings, make_vocab_size_divisible_by,
+                                 layernorm_epsilon, the vocabulary size; and Megatron's architecture
+                                 switches a Megatron(-DeepSpeed) checkpoint may record (swiglu,
+                                 normalization, untied output, ...) against this run's value
+                                 (the flag's, or the one fixed architecture megatron_zero builds)
+    free to change on resume     parallel sizes and ZeRO stage (reshaped on load), batch sizes,
+                                 lr and its schedule, precision, dropout, init std, seed, data,
+                                 iteration counts, logging and checkpoint flags
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Optional
+
+from .errors import CheckpointError
+from .manifest import read_manifest
+from .reader import Checkpoint
+
+MODEL_SETTINGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
+                  "max_position_embeddings", "make_vocab_size_divisible_by", "layernorm_epsilon")
+# Megatron-LM / Megatron-DeepSpeed architecture switches, with the value megatron_zero's GPT has when
+# no flag of that name exists here.
+ARCHITECTURE = {"swiglu": False, "normalization": "layernorm", "untie_embeddings_and_output_weights": False,
+                "add_bias_linear": True, "apply_residual_connection_post_layernorm": False,
+                "group_query_attention": False, "add_position_embedding": True}
+HEAD_FILE = re.compile(r"^(?:(?:bf16_|fp16_)?zero_pp_rank_\d+_)?mp_rank_00_model_states\.pt$")
+
+
+def read_head(directory: str) -> dict:
+    """The first model-states file of a checkpoint (or universal checkpoint) directory, checksum-verified
+    where the directory has a manifest."""
+    names = sorted(n for n in os.listdir(directory) if HEAD_FILE.match(n))
+    if not names:
+        raise CheckpointError(f"the checkpoint {directory} has no mp_rank_00 model-states file, so the model it "
+                              "holds cannot be checked")
+    head = Checkpoint(directory, read_manifest(directory, required=False)).load(names[0])
+    return head if isinstance(head, dict) else {}
+
+
+def _as_dict(args) -> dict:
+    if args is None:
+        return {}
+    return args if isinstance(args, dict) else dict(vars(args))
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, str) and isinstance(b, str):
+        return a.lower() == b.lower()
+    if isinstance(a, float) or isinstance(b, float):
+        return a is not None and b is not None and abs(float(a) - float(b)) <= 1e-12 * max(abs(a), abs(b), 1e-30)
+    return a == b
+
+
+def _recorded_vocab(head: dict, saved: dict, padded_at) -> Optional[tuple]:
+    """(the checkpoint's vocabulary, ours) in comparable terms, or None if it records none."""
+    info = head.get("universal_checkpoint_info")
+    if isinstance(info, dict) and info.get("original_vocab_size") is not None:
+        return int(info["original_vocab_size"]), None
+    if saved.get("padded_vocab_size") is not None:  # Megatron: padded at the source's TP
+        return int(saved["padded_vocab_size"]), padded_at(int(saved.get("tensor_model_parallel_size", 1) or 1))
+    return None
+
+
+def disagreements(head: dict, args, vocab_size: int, padded_at) -> list:
+    """'name checkpoint-value vs here-value' for every model setting that differs."""
+    saved = _as_dict(head.get("args"))
+    ours = vars(args)
+    out = []
+    for key in MODEL_SETTINGS:
+        if saved.get(key) is not None and ours.get(key) is not None and not _same(saved[key], ours[key]):
+            out.append(f"--{key.replace('_', '-')} {saved[key]} in the checkpoint vs {ours[key]} here")
+    for key, fixed in ARCHITECTURE.items():
+        here = ours.get(key, fixed)
+        if key in saved and saved[key] is not None and not _same(saved[key], here):
+            out.append(f"{key} {saved[key]} in the checkpoint vs {here} here")
+    vocab = _recorded_vocab(head, saved, padded_at)
+    if vocab is not None:
+        recorded, mine = vocab
+        mine = vocab_size if mine is None else mine
+        if recorded != mine:
+            what = "vocabulary size" if vocab[1] is None else "padded vocabulary size"
+            out.append(f"{what} {recorded} in the checkpoint vs {mine} here (from the tokenizer)")
+    return out
+
+
+def check_checkpoint_compat(directory: str, args, vocab_size: int, padded_at) -> None:
+    """Refuse, in one sentence naming each difference, a checkpoint holding another model than the flags'.
+
+    padded_at(tp) is this run's padded vocabulary at tensor-parallel size tp."""
+    diffs = disagreements(read_head(directory), args, vocab_size, padded_at)
+    if diffs:
+        raise CheckpointError(f"the checkpoint {directory} holds another model than these flags describe "
+                              f"({'; '.join(diffs)}); give the checkpoint's settings, or start without --load")

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# torchrun <args>, with SIGTERM (what SLURM and `kill` send) passed to the workers instead of torchrun:
+#   bash scripts/pretrain_torchrun.sh --nproc_per_node 4 ... pretrain_gpt.py --exit-signal-handler <flags>
+# torchrun answers SIGTERM by killing its workers after 30 s and exiting 1 with a traceback. Here the
+# workers get it: with --exit-signal-handler they stop after the current iteration, save and exit 0,
+# and then so does torchrun. A worker that exits 2 has printed its one sentence (bad input): torchrun's
+# ChildFailedError traceback is left out then and the job exits 2; any other failure keeps torchrun's
+# report. Used by pretrain_local.sh and pretrain_slurm.sbatch (LAUNCHER=torchrun).
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+"${PYTHON:-$root/.venv/bin/python}" -c '
+import sys
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import parse_args, run
+try:
+    run(parse_args(sys.argv[1:]))
+except ChildFailedError as failed:
+    if all(f.exitcode != 2 for f in failed.failures.values()):
+        raise
+    sys.exit(2)
+' "$@" &
+launcher=$!
+forward() {
+    local workers
+    workers=$(ps -o pid= --ppid "$launcher" 2>/dev/null | tr -s ' \n' ' ')
+    echo "pretrain_torchrun: SIGTERM; telling the workers (${workers:-none}) to save and stop" >&2
+    [ -n "$workers" ] && kill -TERM $workers 2>/dev/null
+}
+trap forward TERM
+code=0
+while kill -0 "$launcher" 2>/dev/null; do
+    wait "$launcher"
+    code=$?
+done
+exit "$code"

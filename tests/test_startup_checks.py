@@ -1,0 +1,114 @@
+"""Checks before the first iteration: the data's token ids against the vocabulary, and a checkpoint's model
+settings against the flags (each difference named; settings that may change on resume are not refused)."""
+import argparse
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import ROOT
+
+from megatron_zero.arguments import parse_args
+from megatron_zero.checkpoint.compat import check_checkpoint_compat, disagreements
+from megatron_zero.checkpoint.errors import CheckpointError
+from megatron_zero.checkpoint.universal_convert import convert_to_universal
+from megatron_zero.data import DataError, token_range
+from megatron_zero.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from megatron_zero.testing.multirank import free_port
+
+PRETRAIN = os.path.join(ROOT, "pretrain_gpt.py")
+
+
+def byte_data(prefix, top=255, docs=40, seed=0):
+    rng = np.random.default_rng(seed)
+    builder = IndexedDatasetBuilder(str(prefix), dtype=np.uint16)
+    for d in range(docs):
+        tokens = list(rng.integers(0, 256, size=60)) + [256]
+        if d == docs // 2:
+            tokens[3] = top
+        builder.add_document(tokens)
+    builder.finalize()
+    return str(prefix)
+
+
+def tiny_flags(tmp_path, data, **changes):
+    """pretrain_gpt.py flags of a 2-layer byte-level GPT on `data`, saving under tmp_path/ckpt."""
+    flags = {"num-layers": 2, "hidden-size": 32, "num-attention-heads": 4, "seq-length": 16, "micro-batch-size": 2,
+             "global-batch-size": 4, "lr": 1e-3, "train-iters": 2, "tokenizer-type": "ByteTokenizer",
+             "data-path": data, "split": "100,0,0", "eval-iters": 0, "log-interval": 1,
+             "save": tmp_path / "ckpt", "data-cache-path": tmp_path / "cache"}
+    flags.update(changes)
+    argv = []
+    for k, v in flags.items():
+        argv += [f"--{k}"] + ([] if v is True else [str(v)])
+    return argv
+
+
+def pretrain(tmp_path, data, **changes):
+    env = {**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, PRETRAIN] + tiny_flags(tmp_path, data, **changes), capture_output=True,
+                          text=True, timeout=180, env=env)
+
+
+def one_line_error(run):
+    assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "Traceback" not in run.stderr and run.stderr.strip().count("\n") == 0, run.stderr
+    return run.stderr
+
+
+def test_token_ids_above_the_vocabulary_are_refused_and_the_maximum_is_cached(tmp_path, monkeypatch):
+    ds = IndexedDataset(byte_data(tmp_path / "ok"))
+    assert token_range.check_token_ids(ds, 257, str(tmp_path / "cache")) == 256
+    bad = IndexedDataset(byte_data(tmp_path / "bad", top=400))
+    with pytest.raises(DataError, match=r"bad\.bin holds token id 400 but the tokenizer's vocabulary has 257 ids"):
+        token_range.check_token_ids(bad, 257, str(tmp_path / "cache"))
+    monkeypatch.setattr(token_range, "scan_max_token_id", lambda *a: pytest.fail("the cached maximum was rescanned"))
+    assert token_range.max_token_id(bad, str(tmp_path / "cache")) == 400
+    monkeypatch.undo()
+    monkeypatch.setattr(token_range, "CHUNK_TOKENS", 7)  # the chunked scan finds the same maximum
+    assert token_range.scan_max_token_id(str(tmp_path / "bad.bin"), np.uint16) == 400
+
+
+def test_pretrain_refuses_data_of_another_tokenizer(tmp_path):
+    err = one_line_error(pretrain(tmp_path, byte_data(tmp_path / "wide", top=300)))
+    assert "wide.bin holds token id 300" in err and "257 ids" in err
+
+
+def test_checkpoint_model_settings_are_checked_on_resume(tmp_path):
+    data = byte_data(tmp_path / "bytes")
+    assert pretrain(tmp_path, data).returncode == 0
+    err = one_line_error(pretrain(tmp_path, data, load=tmp_path / "ckpt", **{
+        "num-attention-heads": 2, "hidden-size": 64, "seq-length": 8, "layernorm-epsilon": 1e-6, "train-iters": 3}))
+    for words in ("--num-attention-heads 4 in the checkpoint vs 2 here", "--hidden-size 32 in the checkpoint vs 64",
+                  "--seq-length 16 in the checkpoint vs 8", "--layernorm-epsilon 1e-05 in the checkpoint vs 1e-06",
+                  "--ffn-hidden-size 128 in the checkpoint vs 256"):
+        assert words in err, (words, err)
+    err = one_line_error(pretrain(tmp_path, data, load=tmp_path / "ckpt", **{
+        "tokenizer-type": "NullTokenizer", "vocab-size": 300, "train-iters": 3}))
+    assert "vocabulary size 257 in the checkpoint vs 301 here" in err
+    # a universal checkpoint records the same settings (its copied model-states file)
+    universal = tmp_path / "universal"
+    convert_to_universal(str(tmp_path / "ckpt" / "global_step2"), str(universal), merge_workers=1)
+    args = parse_args(tiny_flags(tmp_path, data, **{"num-attention-heads": 2}))
+    with pytest.raises(CheckpointError, match="--num-attention-heads 4 in the checkpoint vs 2 here"):
+        check_checkpoint_compat(str(universal), args, 257, lambda tp: 384)
+    # what may change on resume: batch sizes, lr, ZeRO stage, dropout, precision of the run, seed
+    run = pretrain(tmp_path, data, load=tmp_path / "ckpt", **{
+        "train-iters": 3, "global-batch-size": 8, "lr": 5e-4, "zero-stage": 2, "hidden-dropout": 0.0, "seed": 9})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "from iteration 2" in run.stdout
+
+
+def test_megatron_deepspeed_architecture_switches_are_compared():
+    args = argparse.Namespace(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=128,
+                              seq_length=16, max_position_embeddings=16, make_vocab_size_divisible_by=128,
+                              layernorm_epsilon=1e-5)
+    saved = dict(vars(args), swiglu=True, normalization="rmsnorm", padded_vocab_size=512,
+                 tensor_model_parallel_size=2, add_bias_linear=True)
+    diffs = disagreements({"args": argparse.Namespace(**saved)}, args, 257, lambda tp: 256 * tp)
+    assert diffs == ["swiglu True in the checkpoint vs False here",
+                     "normalization rmsnorm in the checkpoint vs layernorm here"]
+    diffs = disagreements({"args": dict(saved, swiglu=False, normalization="LayerNorm", padded_vocab_size=384)},
+                          args, 257, lambda tp: 256 * tp)
+    assert diffs == ["padded vocabulary size 384 in the checkpoint vs 512 here (from the tokenizer)"]
