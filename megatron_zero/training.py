@@ -25,7 +25,7 @@ from .distributed import LaunchError, init_distributed, read_launch_env
 from .exit_signal import ExitPolicy
 from .logger import TensorBoardLog, format_eval_line, format_train_line
 from .lr_schedule import LRSchedule
-from .model.config import GPTConfig
+from .model.config import GPTConfig, architecture_kwargs
 from .ops import set_fusion_flags
 from .pipeline.gpt_stage import activation_shape, build_gpt_stage, make_forward_step, sync_tied_embedding_grads
 from .pipeline.p2p import P2P
@@ -93,7 +93,7 @@ class Trainer:
             max_position_embeddings=args.max_position_embeddings, ffn_hidden_size=args.ffn_hidden_size,
             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, hidden_dropout=args.hidden_dropout,
             attention_dropout=args.attention_dropout, layernorm_epsilon=args.layernorm_epsilon,
-            init_method_std=args.init_method_std, seed=args.seed)
+            init_method_std=args.init_method_std, seed=args.seed, **architecture_kwargs(vars(args)))
         self.model = build_gpt_stage(self.config, state, args.pipeline_partition_method, args.pipeline_partition)
         loss_scaler = {"dynamic": args.loss_scale is None, "static_scale": args.loss_scale or 1.0,
                        "initial_scale_power": int(math.log2(args.initial_loss_scale)),
@@ -192,7 +192,8 @@ class Trainer:
         a, s, p = self.args, self.state, self.progress
         policy = ExitPolicy(a.exit_signal_handler, a.exit_duration_in_mins, a.exit_interval)
         flops = gpt_flops_per_iteration(a.global_batch_size, a.seq_length, a.num_layers, a.hidden_size,
-                                        self.config.padded_vocab_size(s.tp_size), a.ffn_hidden_size)
+                                        self.config.padded_vocab_size(s.tp_size), a.ffn_hidden_size,
+                                        self.config.qkv_size, self.config.swiglu)
         self._log(f"training {self.config.num_layers}-layer GPT on {s.layout} from iteration {p.iteration}"
                   f" ({p.consumed_train_samples} samples consumed), {a.num_micro_batches} micro-batches per step")
         last_log, iters_since_log = time.monotonic(), 0
