@@ -31,6 +31,7 @@ setup(
         "megatron-zero-ds-to-universal = megatron_zero_tools.ds_to_universal:main",
         "megatron-zero-zero-to-fp32 = megatron_zero_tools.zero_to_fp32:main",
         "megatron-zero-convert-to-hf = megatron_zero_tools.convert_to_hf:main",
+        "megatron-zero-convert-from-hf = megatron_zero_tools.convert_from_hf:main",
         "megatron-zero-preprocess-data = megatron_zero_tools.preprocess_data:main",
         "megatron-zero-train-tokenizer = megatron_zero_tools.train_tokenizer:main",
         "megatron-zero-build-corpus = megatron_zero_tools.build_corpus:main",

@@ -180,7 +180,7 @@ class Trainer:
         if client is None:
             self._log(f"no checkpoint under --load {path} (no 'latest' file); starting from scratch")
             return
-        if a.finetune:
+        if a.finetune or client.get("weights_only"):  # weights only (an import): fresh optimizer, iteration 0
             return
         self.progress = TrainState(**client["train_state"])
         self.schedule.load_state_dict(client["lr_scheduler"])

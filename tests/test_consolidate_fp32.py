@@ -184,12 +184,8 @@ def test_safetensors_stream(tmp_path, reserve_for):
 
 
 def read_safetensors_any(path):
-    try:
-        from safetensors.torch import load_file
-        return load_file(path)
-    except ImportError:
-        from megatron_zero.checkpoint.consolidate import read_safetensors as ours
-        return ours(path)
+    from safetensors.torch import load_file
+    return load_file(path)
 
 
 def test_torch_zip_writer_removes_partial_file(tmp_path):

@@ -1,18 +1,19 @@
 import json
 
 import pytest
+from tokenizers.pre_tokenizers import ByteLevel
 
 from megatron_zero.data.errors import DataError
-from megatron_zero.data.gpt2_bpe import bytes_to_unicode, pretokenize_pattern
 from megatron_zero.data.tokenizer_training import train_sentencepiece
 from megatron_zero.data.tokenizers import build_tokenizer
+from megatron_zero.testing.tiny_tokenizer import byte_level_bpe
 
 MERGES = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "Ġwor l", "Ġworl d"]
 
 
 @pytest.fixture
 def tiny_gpt2(tmp_path):
-    vocab = {c: i for i, c in enumerate(bytes_to_unicode().values())}
+    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}  # GPT-2's 256 byte symbols
     for m in MERGES:
         vocab["".join(m.split())] = len(vocab)
     vocab["<|endoftext|>"] = len(vocab)
@@ -35,13 +36,16 @@ def test_gpt2_bpe_on_hand_made_vocab(tiny_gpt2):
     assert len(ids) == len(text.encode("utf-8")) - 2  # only "ll" and "Ġw" merge; the rest are bytes
 
 
-def test_gpt2_pretokenizer_matches_regex_package():
-    assert pretokenize_pattern().findall("I'm 42  x²!\x1c ") == ["I", "'m", " 42", " ", " x", "²", "!\x1c", " "]
+def test_gpt2_pretokenizer_matches_regex_package(tiny_gpt2):
+    """GPT-2's split (its published `regex` pattern) is what GPT2BPETokenizer's pre-tokenizer does."""
+    pre = tiny_gpt2[0].tokenizer.pre_tokenizer
+    split = lambda text: [text[a:b] for _, (a, b) in pre.pre_tokenize_str(text)]  # noqa: E731
+    assert split("I'm 42  x²!\x1c ") == ["I", "'m", " 42", " ", " x", "²", "!\x1c", " "]
     regex = pytest.importorskip("regex", reason="the `regex` package is not installed")
     ref = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
     import pydoc_data.topics
     text = "\n".join(list(pydoc_data.topics.topics.values())[:20]) + " Ⅻ x² _a_ ½ 一二 ٣ \t\n "
-    assert pretokenize_pattern().findall(text) == ref.findall(text)
+    assert split(text) == ref.findall(text)
 
 
 def test_byte_and_null_tokenizers():
@@ -77,3 +81,40 @@ def test_missing_flags_and_files_are_one_sentence(tmp_path):
         build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=str(tmp_path / "nope.model"))
     with pytest.raises(DataError, match="unknown"):
         build_tokenizer("BertWordPieceLowerCase")
+
+
+def test_huggingface_tokenizer_matches_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    path = byte_level_bpe(str(tmp_path / "llama_like"), 400, bos="<s>", eos="</s>")
+    by_dir = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "llama_like"))
+    by_file = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=path)
+    ref = transformers.PreTrainedTokenizerFast(tokenizer_file=path)
+    text = "The for statement is used to iterate over the elements of a sequence. é ½ 一"
+    ids = by_dir.tokenize(text)
+    assert ids == by_file.tokenize(text) == ref(text)["input_ids"] and ids[0] == ref.convert_tokens_to_ids("<s>")
+    assert by_dir.vocab_size == len(ref) == 400 and by_dir.eod == ref.convert_tokens_to_ids("</s>")
+    assert by_dir.detokenize(ids) == "<s>" + text == ref.decode(ids)
+    gpt2_dir = tmp_path / "gpt2_like"
+    byte_level_bpe(str(gpt2_dir), 400)
+    bpe = build_tokenizer("GPT2BPETokenizer", vocab_file=str(gpt2_dir / "vocab.json"),
+                          merge_file=str(gpt2_dir / "merges.txt"))
+    hf = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(gpt2_dir))
+    assert bpe.tokenize(text) == hf.tokenize(text) and bpe.eod == hf.eod and bpe.vocab_size == hf.vocab_size
+
+
+def test_huggingface_tokenizer_bad_input_is_one_sentence(tmp_path):
+    with pytest.raises(DataError, match="needs --tokenizer-model"):
+        build_tokenizer("HuggingFaceTokenizer")
+    with pytest.raises(DataError, match="neither a tokenizer.json nor a directory holding one"):
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path))
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(DataError, match="is not a Hugging Face tokenizer.json"):
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path))
+    byte_level_bpe(str(tmp_path / "noend"), 300, eos="<x>")
+    (tmp_path / "noend" / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(DataError, match="has no end token"):
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "noend"))
+    (tmp_path / "merges.txt").write_text("a b\n")
+    with pytest.raises(DataError, match="not a GPT-2 vocab.json and merges.txt"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "tokenizer.json"),
+                        merge_file=str(tmp_path / "merges.txt"))

@@ -1,4 +1,5 @@
-"""convert_to_hf: transformers' GPT2LMHeadModel loads our export and computes our logits (1e-5)."""
+"""convert_to_hf: transformers' GPT2LMHeadModel loads the export of a trained TP2xPP2 checkpoint and
+computes our logits (1e-5)."""
 import os
 import subprocess
 import sys
@@ -7,9 +8,8 @@ import pytest
 import torch
 
 from megatron_zero.checkpoint.consolidate import get_fp32_state_dict
-from megatron_zero.checkpoint.hf_export import export_hf
 from megatron_zero.model.gpt import reference_model
-from megatron_zero.model.sharding import gather_state_dicts, shard_state_dict
+from megatron_zero.model.sharding import shard_state_dict
 from megatron_zero.testing import run_ranks
 from test_universal_checkpoint import config, train
 
@@ -37,17 +37,6 @@ def hf_logits(path, tokens):
     model.eval()
     with torch.no_grad():
         return model(tokens).logits
-
-
-def test_export_matches_logits(tmp_path):
-    cfg = config()
-    torch.manual_seed(0)
-    sd = gather_state_dicts([reference_model(cfg).state_dict()], cfg)
-    for name in sd:  # make biases, norms and position embeddings non-trivial so every mapping counts
-        sd[name] = sd[name] + 0.05 * torch.randn_like(sd[name])
-    export_hf(sd, cfg, str(tmp_path))
-    tokens = torch.randint(0, cfg.vocab_size, (3, cfg.seq_length))
-    torch.testing.assert_close(hf_logits(str(tmp_path), tokens), our_logits(sd, tokens), rtol=1e-5, atol=1e-5)
 
 
 def test_convert_trained_tp2_pp2_checkpoint(tmp_path):

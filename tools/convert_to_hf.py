@@ -1,7 +1,10 @@
 #!/usr/bin/env python
-"""Write a Hugging Face GPT2LMHeadModel directory (config.json + model.safetensors) from any of our checkpoints.
+"""Write a Hugging Face model directory (config.json, generation_config.json, safetensors) from any of our checkpoints.
 
-    python tools/convert_to_hf.py <save> <hf_dir> [-t TAG] [--num-attention-heads N]
+    python tools/convert_to_hf.py <save> <hf_dir> [-t TAG] [--dtype fp32|bf16|fp16] [--max-shard-size 5GB]
+
+Architectures: those in megatron_zero/checkpoint/hf/ (the checkpoint's model picks one; --architecture
+overrides). Weights stream out one parameter at a time: memory is about one parameter, never the model.
 """
 import argparse
 import os
@@ -10,7 +13,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_zero.checkpoint.errors import CheckpointError  # noqa: E402
-from megatron_zero.checkpoint.hf_export import convert_checkpoint_to_hf  # noqa: E402
+from megatron_zero.checkpoint.hf import ARCHITECTURES  # noqa: E402
+from megatron_zero.checkpoint.hf.exporter import DTYPES, export_hf  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -18,16 +22,23 @@ def main(argv=None) -> int:
     p.add_argument("checkpoint_dir", help="save directory (holding `latest`), a checkpoint or a universal checkpoint")
     p.add_argument("output_dir")
     p.add_argument("-t", "--tag", default=None)
+    p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="the exported weights' dtype")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, like 500MB or 5GB")
+    p.add_argument("--architecture", choices=list(ARCHITECTURES), default=None,
+                   help="default: the architecture the checkpoint's model is")
     p.add_argument("--num-attention-heads", type=int, default=None,
                    help="needed only when the checkpoint's args do not record it")
+    p.add_argument("--progress", action="store_true", help="a progress line on stderr")
     a = p.parse_args(argv)
     try:
-        cfg = convert_checkpoint_to_hf(a.checkpoint_dir, a.output_dir, a.num_attention_heads, a.tag)
+        out = export_hf(a.checkpoint_dir, a.output_dir, a.dtype, a.max_shard_size, a.architecture,
+                        a.num_attention_heads, a.tag, a.progress)
     except (CheckpointError, ValueError, KeyError) as e:
         print(f"convert_to_hf.py: error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote GPT2LMHeadModel ({cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}) "
-          f"to {a.output_dir}")
+    cfg = out["config"]
+    print(f"wrote {out['architecture']} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, "
+          f"{a.dtype}) to {a.output_dir}: {', '.join(out['files'])}")
     return 0
 
 

@@ -13,8 +13,7 @@ import sys
 
 from megatron_zero.checkpoint import CheckpointError
 from megatron_zero.checkpoint.consolidate import get_fp32_state_dict, load_consolidated, resolve_checkpoint_dir
-from megatron_zero.checkpoint.hf_export import config_from_checkpoint
-from megatron_zero.checkpoint.universal_source import load_any
+from megatron_zero.checkpoint.saved_config import saved_args, saved_config
 from megatron_zero.data import DataError, build_tokenizer
 from megatron_zero.generation import generate
 from megatron_zero.model.gpt import reference_model
@@ -23,23 +22,15 @@ from megatron_zero.model.sharding import shard_state_dict
 CONSOLIDATED = ("pytorch_model.bin", "model.safetensors", "model.safetensors.index.json")
 
 
-def saved_args(directory: str) -> dict:
-    for name in sorted(os.listdir(directory)):
-        if name.startswith("mp_rank_") and name.endswith("_model_states.pt"):
-            args = load_any(os.path.join(directory, name)).get("args") or {}
-            return args if isinstance(args, dict) else vars(args)
-    return {}
-
-
 def load_model(path: str, num_heads=None):
     """(reference model with the checkpoint's weights, the arguments it was trained with)."""
     consolidated = os.path.isfile(path) or any(os.path.isfile(os.path.join(path, c)) for c in CONSOLIDATED)
     if consolidated:
-        sd, directory, args = load_consolidated(path), os.path.dirname(path) if os.path.isfile(path) else path, {}
+        sd, args = load_consolidated(path), {}
     else:
         directory = resolve_checkpoint_dir(path)
         sd, args = get_fp32_state_dict(directory), saved_args(directory)
-    config = config_from_checkpoint(sd, directory, num_heads or args.get("num_attention_heads"))
+    config = saved_config({n: t.shape for n, t in sd.items()}, args, num_heads, where=path)
     config.make_vocab_size_divisible_by = int(args.get("make_vocab_size_divisible_by", 128))
     model = reference_model(config)
     model.load_state_dict(shard_state_dict(sd, config, 1, 0), strict=True)

@@ -21,7 +21,7 @@ def parse_args(argv=None):
     p.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract (one dataset per key)")
     p.add_argument("--output-prefix", required=True)
     p.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
-    p.add_argument("--tokenizer-model", help="SentencePiece .model")
+    p.add_argument("--tokenizer-model", help="SentencePiece .model, or HF tokenizer.json (or its directory)")
     p.add_argument("--vocab-file", help="GPT-2 vocab.json")
     p.add_argument("--merge-file", help="GPT-2 merges.txt")
     p.add_argument("--vocab-size", type=int, help="NullTokenizer vocabulary size")

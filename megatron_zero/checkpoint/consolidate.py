@@ -25,6 +25,7 @@ import struct
 from typing import Dict, Iterator, List, Tuple
 
 import torch
+from safetensors.torch import load_file
 
 from .errors import CheckpointError
 from .torch_zip_writer import TensorBytesWriter, TorchZipWriter, cpu_contiguous
@@ -102,44 +103,6 @@ def get_fp32_state_dict(checkpoint_dir: str, tag: str = None) -> Dict[str, torch
     return {n: t.clone() for n, t in iter_fp32(resolve_checkpoint_dir(checkpoint_dir, tag))}
 
 
-def write_safetensors(path: str, tensors: List[Tuple[str, torch.Tensor]], metadata: dict = None) -> int:
-    """Write one .safetensors file straight from the tensors' memory; returns its data bytes."""
-    header, offset = {}, 0
-    for name, t in tensors:
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    header["__metadata__"] = dict(metadata or {"format": "pt"})
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for _, t in tensors:
-            t = t.detach().contiguous()
-            if t.numel():
-                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-    return offset
-
-
-def read_safetensors(path: str) -> Dict[str, torch.Tensor]:
-    """Read a .safetensors file (ours or Hugging Face's) into CPU tensors."""
-    by_name = {v: k for k, v in DTYPE_NAMES.items()}
-    with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
-        data = bytearray(f.read())
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        lo, hi = info["data_offsets"]
-        flat = torch.frombuffer(data, dtype=torch.uint8, offset=lo, count=hi - lo) if hi > lo else \
-            torch.empty(0, dtype=torch.uint8)
-        out[name] = flat.view(by_name[info["dtype"]]).reshape(info["shape"]).clone()
-    return out
-
-
 def load_consolidated(path: str) -> Dict[str, torch.Tensor]:
     """A consolidated state dict from pytorch_model.bin, model.safetensors, or a sharded safetensors index."""
     if os.path.isdir(path):
@@ -152,10 +115,10 @@ def load_consolidated(path: str) -> Dict[str, torch.Tensor]:
             shards = sorted(set(json.load(f)["weight_map"].values()))
         out = {}
         for shard in shards:
-            out.update(read_safetensors(os.path.join(os.path.dirname(path), shard)))
+            out.update(load_file(os.path.join(os.path.dirname(path), shard)))
         return out
     if path.endswith(".safetensors"):
-        return read_safetensors(path)
+        return load_file(path)
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
@@ -217,6 +180,14 @@ def consolidate_fp32(checkpoint_dir: str, output_dir: str, safe_serialization: b
             total = sum(writer.add(name, t) for name, t in tensors)
         os.replace(final + ".part", final)
         return {"files": ["pytorch_model.bin"], "params": len(writer.entries), "bytes": total}
+    return write_safetensors_shards(output_dir, names, tensors, max_shard_size, copy_files=True)
+
+
+def write_safetensors_shards(output_dir: str, names: List[str], tensors: Iterator[Tuple[str, torch.Tensor]],
+                             max_shard_size="5GB", copy_files: bool = False) -> dict:
+    """Stream (name, tensor) pairs into `model.safetensors`, or into shards of at most `max_shard_size` with
+    Hugging Face's `model.safetensors.index.json`; `names` lists them in stream order (it sizes the headers).
+    Shards are written as `.part` files and renamed when all are complete. Returns {'files', 'params', 'bytes'}."""
     limit = parse_size(max_shard_size)
     shards: List[Tuple[str, List[str]]] = []
     shard, total, count = None, 0, 0
@@ -228,7 +199,7 @@ def consolidate_fp32(checkpoint_dir: str, output_dir: str, safe_serialization: b
                 shard = None
             if shard is None:
                 part = os.path.join(output_dir, f"model-{len(shards) + 1:05d}.safetensors.part")
-                shard = SafetensorsStream(part, names[count:], copy_files=True)
+                shard = SafetensorsStream(part, names[count:], copy_files=copy_files)
                 shards.append((part, []))
             shard.add(name, t)
             shards[-1][1].append(name)

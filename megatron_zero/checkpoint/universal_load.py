@@ -131,10 +131,10 @@ def _source_tp_pp(head: dict):
     return args.get("tensor_model_parallel_size"), args.get("pipeline_model_parallel_size")
 
 
-def _local_tensors(files, name: str, config, tp: int, tp_rank: int) -> Dict[str, torch.Tensor]:
+def _local_tensors(files, name: str, config, tp: int, tp_rank: int, keys=STATE_KEYS) -> Dict[str, torch.Tensor]:
     spec = param_spec(name, config)
     out = {}
-    for key in STATE_KEYS:
+    for key in keys:
         full, cat_dim, sub_params = files.full(name, key)
         if cat_dim is not None and spec.partition_dim is not None and cat_dim != spec.partition_dim:
             raise CheckpointError(f"{files.directory} records cat_dim {cat_dim} for {name} but its layer type splits "
@@ -152,6 +152,8 @@ def _local_tensors(files, name: str, config, tp: int, tp_rank: int) -> Dict[str,
 def load_from(files, state, model, optimizer, load_optimizer: bool = True) -> dict:
     config, tp, tp_rank = model.config, state.tp_size, state.tp_rank
     try:
+        head = files.model_states(state.mp_rank) or files.model_states(0) or {}
+        load_optimizer = load_optimizer and not head.get("weights_only")  # e.g. an import from Hugging Face
         names = [n for g in optimizer.named_groups for n, _ in g]
         step = files.step(names[0]) if names else 0
         local = lambda name: _local_tensors(files, name, config, tp, tp_rank)  # noqa: E731
@@ -161,9 +163,10 @@ def load_from(files, state, model, optimizer, load_optimizer: bool = True) -> di
             if isinstance(scaler, dict):
                 optimizer.loss_scaler.load_state_dict(scaler)
         else:  # weights only: masters from fp32, moments and step zero
-            set_state_from_params(optimizer, lambda n: {k: (v if k == "fp32" else torch.zeros_like(v))
-                                                        for k, v in local(n).items()}, 0)
-        head = files.model_states(state.mp_rank) or files.model_states(0) or {}
+            def weights(n):
+                fp32 = _local_tensors(files, n, config, tp, tp_rank, ("fp32",))["fp32"]
+                return {"fp32": fp32, "exp_avg": torch.zeros_like(fp32), "exp_avg_sq": torch.zeros_like(fp32)}
+            set_state_from_params(optimizer, weights, 0)
     finally:
         files.close()
     client = {k: v for k, v in head.items() if k not in ("module", "param_shapes", "optimizer")}

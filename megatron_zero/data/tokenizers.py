@@ -5,7 +5,8 @@ tokenize(text) -> list[int] and detokenize(ids) -> str.
                                <MASK>, and <PAD>/<BOS>/<EOS> when the model has none) are
                                appended after the model's pieces; eod is <EOD>
     GPTSentencePieceTokenizer  a `.model` as is; eod is the model's eos id
-    GPT2BPETokenizer           vocab.json + merges.txt (gpt2_bpe.py)
+    GPT2BPETokenizer           vocab.json + merges.txt (hf_tokenizers.py, the `tokenizers` library)
+    HuggingFaceTokenizer       a tokenizer.json or a directory holding one (hf_tokenizers.py)
     NullTokenizer              text is space-separated ids; eod = vocab_size (Megatron's)
     ByteTokenizer              UTF-8 bytes 0..255, eod 256 (ours, for tests)
 """
@@ -15,10 +16,10 @@ import os
 from typing import List, Optional
 
 from .errors import DataError
-from .gpt2_bpe import GPT2BPETokenizer
+from .hf_tokenizers import GPT2BPETokenizer, HuggingFaceTokenizer
 
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "GPT2BPETokenizer",
-                   "NullTokenizer", "ByteTokenizer")
+                   "HuggingFaceTokenizer", "NullTokenizer", "ByteTokenizer")
 
 
 class ByteTokenizer:
@@ -108,6 +109,8 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None, 
         return GPTSentencePieceTokenizer(need(tokenizer_model, "--tokenizer-model"))
     if tokenizer_type == "GPT2BPETokenizer":
         return GPT2BPETokenizer(need(vocab_file, "--vocab-file"), need(merge_file, "--merge-file"))
+    if tokenizer_type == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(need(tokenizer_model, "--tokenizer-model"))
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(need(vocab_size, "--vocab-size"))
     if tokenizer_type == "ByteTokenizer":

@@ -1,0 +1,51 @@
+"""The model config a checkpoint was saved with: from its recorded args, sizes it lacks from tensor shapes.
+
+    args = saved_args(checkpoint_dir)                    # the args in mp_rank_*_model_states.pt, or {}
+    config = saved_config(shapes, args, num_heads=None)  # shapes: {name: full (unsharded) shape}
+
+Our trainer and importer record every model flag; other writers (DeepSpeed, tests) may record none,
+so sizes the args lack are read from the full shapes of a GPT-2 (an architecture that needs more must
+record its args), and the head count, which no shape shows, must come from the args or `num_heads`.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import fields
+from typing import Dict, Optional, Sequence
+
+from ..model.config import GPTConfig
+from ..model.layers import block_layer_index
+from ..model.params import POSITION_EMBEDDINGS, WORD_EMBEDDINGS
+from .errors import CheckpointError
+from .universal_source import MODEL_FILE, load_any
+
+
+def saved_args(directory: str) -> dict:
+    heads = [f for f in sorted(os.listdir(directory)) if MODEL_FILE.match(f)]
+    if not heads:
+        return {}
+    args = load_any(os.path.join(directory, heads[0]), mmap=True).get("args") or {}
+    return args if isinstance(args, dict) else vars(args)
+
+
+def config_from_args(args: dict, vocab_size: int) -> GPTConfig:
+    """Our model config from recorded args (flag dests) and the unpadded vocabulary size."""
+    keep = {f.name for f in fields(GPTConfig)} - {"vocab_size", "params_dtype"}
+    return GPTConfig(vocab_size=vocab_size, **{k: v for k, v in args.items() if k in keep and v is not None})
+
+
+def saved_config(shapes: Dict[str, Sequence[int]], args: dict, num_heads: Optional[int] = None,
+                 where: str = "the checkpoint") -> GPTConfig:
+    """Recorded args first; the sizes they lack from the GPT-2 shapes; the vocabulary always from the shapes."""
+    recorded = {k: v for k, v in args.items() if v is not None}
+    if num_heads:
+        recorded["num_attention_heads"] = int(num_heads)
+    if not recorded.get("num_attention_heads"):
+        raise CheckpointError(f"{where} does not record num_attention_heads in its args; pass --num-attention-heads")
+    vocab, hidden = shapes[WORD_EMBEDDINGS]
+    sizes = {"hidden_size": hidden,
+             "num_layers": sum(1 for k in shapes if k.endswith(".self_attention.query_key_value.weight")),
+             "ffn_hidden_size": shapes[f"{block_layer_index(0)}.mlp.dense_h_to_4h.weight"][0]}
+    if POSITION_EMBEDDINGS in shapes:
+        sizes["max_position_embeddings"] = sizes["seq_length"] = shapes[POSITION_EMBEDDINGS][0]
+    return config_from_args({**sizes, **recorded}, vocab)
