@@ -15,7 +15,8 @@ from typing import Dict, Optional, Sequence
 
 from ..model.config import GPTConfig
 from ..model.layers import block_layer_index
-from ..model.params import POSITION_EMBEDDINGS, WORD_EMBEDDINGS
+from ..model.params import (POSITION_EMBEDDINGS, UNTIED_POSITION_EMBEDDINGS, UNTIED_WORD_EMBEDDINGS,
+                            WORD_EMBEDDINGS)
 from .errors import CheckpointError
 from .universal_source import MODEL_FILE, load_any
 
@@ -36,16 +37,27 @@ def config_from_args(args: dict, vocab_size: int) -> GPTConfig:
 
 def saved_config(shapes: Dict[str, Sequence[int]], args: dict, num_heads: Optional[int] = None,
                  where: str = "the checkpoint") -> GPTConfig:
-    """Recorded args first; the sizes they lack from the GPT-2 shapes; the vocabulary always from the shapes."""
+    """Recorded args first; the sizes they lack from the shapes; the vocabulary always from the shapes."""
     recorded = {k: v for k, v in args.items() if v is not None}
     if num_heads:
         recorded["num_attention_heads"] = int(num_heads)
     if not recorded.get("num_attention_heads"):
         raise CheckpointError(f"{where} does not record num_attention_heads in its args; pass --num-attention-heads")
-    vocab, hidden = shapes[WORD_EMBEDDINGS]
+    untied = UNTIED_WORD_EMBEDDINGS in shapes
+    vocab, hidden = shapes[UNTIED_WORD_EMBEDDINGS if untied else WORD_EMBEDDINGS]
+    first = f"{block_layer_index(0)}."
+    mlp_in = shapes[first + "mlp.dense_h_to_4h.weight"][0]
+    heads = recorded["num_attention_heads"]
+    qkv_heads = shapes[first + "self_attention.query_key_value.weight"][0] // (hidden // heads)
     sizes = {"hidden_size": hidden,
              "num_layers": sum(1 for k in shapes if k.endswith(".self_attention.query_key_value.weight")),
-             "ffn_hidden_size": shapes[f"{block_layer_index(0)}.mlp.dense_h_to_4h.weight"][0]}
-    if POSITION_EMBEDDINGS in shapes:
-        sizes["max_position_embeddings"] = sizes["seq_length"] = shapes[POSITION_EMBEDDINGS][0]
+             "ffn_hidden_size": mlp_in // 2 if recorded.get("swiglu") else mlp_in,  # SwiGLU's rows: [gate; up]
+             "num_query_groups": (qkv_heads - heads) // 2,  # (heads + 2 groups) x head_dim
+             "untie_embeddings_and_output_weights": untied}
+    positions = UNTIED_POSITION_EMBEDDINGS if untied else POSITION_EMBEDDINGS
+    if positions in shapes:
+        sizes["max_position_embeddings"] = sizes["seq_length"] = shapes[positions][0]
+    if "max_position_embeddings" not in {**sizes, **recorded}:
+        raise CheckpointError(f"{where} records no max_position_embeddings in its args and has no position "
+                              "embedding to read it from (a RoPE model); pass the training run's args")
     return config_from_args({**sizes, **recorded}, vocab)
