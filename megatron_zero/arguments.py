@@ -11,7 +11,7 @@ import sys
 from typing import List, Optional
 
 from .deepspeed_config import DeepSpeedConfigError, apply_deepspeed_config
-from .model.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES
+from .model.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, default_ffn_hidden_size
 
 
 class ArgumentError(ValueError):
@@ -181,8 +181,8 @@ def validate_args(args, world_size: int):
              f"--tensor-model-parallel-size {tp}")
     _require(args.hidden_size % args.num_attention_heads == 0,
              f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {args.num_attention_heads}")
-    if args.ffn_hidden_size is None:  # Megatron's defaults: 4h, or with SwiGLU 2/3 of it rounded down to 64
-        args.ffn_hidden_size = int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu else 4 * args.hidden_size
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = default_ffn_hidden_size(args.hidden_size, args.swiglu)
     _require(args.ffn_hidden_size >= 1 and args.ffn_hidden_size % tp == 0,
              f"--ffn-hidden-size {args.ffn_hidden_size} is not a positive multiple of "
              f"--tensor-model-parallel-size {tp}")

@@ -17,6 +17,11 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 
 
+def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
+    """Megatron's default: 4h, or with SwiGLU 2/3 of that rounded down to a multiple of 64."""
+    return int(4 * hidden_size * 2 / 3 / 64) * 64 if swiglu else 4 * hidden_size
+
+
 @dataclass
 class GPTConfig:
     vocab_size: int
@@ -25,7 +30,7 @@ class GPTConfig:
     num_attention_heads: int
     seq_length: int
     max_position_embeddings: int
-    ffn_hidden_size: Optional[int] = None  # None -> 4 * hidden_size
+    ffn_hidden_size: Optional[int] = None  # None -> default_ffn_hidden_size
     make_vocab_size_divisible_by: int = 128
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
@@ -44,7 +49,7 @@ class GPTConfig:
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
+            self.ffn_hidden_size = default_ffn_hidden_size(self.hidden_size, self.swiglu)
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         if self.normalization not in NORMALIZATIONS:
