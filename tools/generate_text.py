@@ -30,7 +30,7 @@ def load_model(path: str, num_heads=None):
     else:
         directory = resolve_checkpoint_dir(path)
         sd, args = get_fp32_state_dict(directory), saved_args(directory)
-    config = saved_config({n: t.shape for n, t in sd.items()}, args, num_heads, where=path)
+    config = saved_config(list(sd), lambda n: sd[n].shape, args, num_heads, where=path)
     config.make_vocab_size_divisible_by = int(args.get("make_vocab_size_divisible_by", 128))
     model = reference_model(config)
     model.load_state_dict(shard_state_dict(sd, config, 1, 0), strict=True)

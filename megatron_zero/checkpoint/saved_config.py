@@ -1,7 +1,7 @@
 """The model config a checkpoint was saved with: from its recorded args, sizes it lacks from tensor shapes.
 
     args = saved_args(checkpoint_dir)                    # the args in mp_rank_*_model_states.pt, or {}
-    config = saved_config(shapes, args, num_heads=None)  # shapes: {name: full (unsharded) shape}
+    config = saved_config(names, shape_of, args)         # shape_of(name): a full (unsharded) shape
 
 Our trainer and importer record every model flag; other writers (DeepSpeed, tests) may record none,
 so sizes the args lack are read from the full shapes of a GPT-2 (an architecture that needs more must
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import fields
-from typing import Dict, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from ..model.config import GPTConfig
 from ..model.layers import block_layer_index
@@ -35,29 +35,36 @@ def config_from_args(args: dict, vocab_size: int) -> GPTConfig:
     return GPTConfig(vocab_size=vocab_size, **{k: v for k, v in args.items() if k in keep and v is not None})
 
 
-def saved_config(shapes: Dict[str, Sequence[int]], args: dict, num_heads: Optional[int] = None,
-                 where: str = "the checkpoint") -> GPTConfig:
-    """Recorded args first; the sizes they lack from the shapes; the vocabulary always from the shapes."""
+def saved_config(names: Sequence[str], shape_of: Callable[[str], Sequence[int]], args: dict,
+                 num_heads: Optional[int] = None, where: str = "the checkpoint") -> GPTConfig:
+    """Recorded args first; the sizes they lack from the shapes; the vocabulary always from the shapes.
+    `names`: every parameter; `shape_of(name)`: a parameter's full shape (asked for at most three)."""
     recorded = {k: v for k, v in args.items() if v is not None}
     if num_heads:
         recorded["num_attention_heads"] = int(num_heads)
     if not recorded.get("num_attention_heads"):
         raise CheckpointError(f"{where} does not record num_attention_heads in its args; pass --num-attention-heads")
-    untied = UNTIED_WORD_EMBEDDINGS in shapes
-    vocab, hidden = shapes[UNTIED_WORD_EMBEDDINGS if untied else WORD_EMBEDDINGS]
+    untied = UNTIED_WORD_EMBEDDINGS in names
+    word = UNTIED_WORD_EMBEDDINGS if untied else WORD_EMBEDDINGS
+    if word not in names:
+        raise CheckpointError(f"{where} holds no {WORD_EMBEDDINGS}; it is not a checkpoint of our GPT")
+    vocab, hidden = shape_of(word)
     first = f"{block_layer_index(0)}."
-    mlp_in = shapes[first + "mlp.dense_h_to_4h.weight"][0]
-    heads = recorded["num_attention_heads"]
-    qkv_heads = shapes[first + "self_attention.query_key_value.weight"][0] // (hidden // heads)
-    sizes = {"hidden_size": hidden,
-             "num_layers": sum(1 for k in shapes if k.endswith(".self_attention.query_key_value.weight")),
-             "ffn_hidden_size": mlp_in // 2 if recorded.get("swiglu") else mlp_in,  # SwiGLU's rows: [gate; up]
-             "num_query_groups": (qkv_heads - heads) // 2,  # (heads + 2 groups) x head_dim
-             "untie_embeddings_and_output_weights": untied}
+    sizes = {"hidden_size": hidden, "untie_embeddings_and_output_weights": untied,
+             "num_layers": sum(1 for k in names if k.endswith(".self_attention.query_key_value.weight"))}
+    if "ffn_hidden_size" not in recorded:  # SwiGLU's rows are [gate; up]
+        rows = shape_of(first + "mlp.dense_h_to_4h.weight")[0]
+        sizes["ffn_hidden_size"] = rows // 2 if recorded.get("swiglu") else rows
+    if "num_query_groups" not in recorded:  # QKV rows: (heads + 2 groups) x head_dim
+        heads = recorded["num_attention_heads"]
+        qkv_heads = shape_of(first + "self_attention.query_key_value.weight")[0] // (hidden // heads)
+        sizes["num_query_groups"] = (qkv_heads - heads) // 2
     positions = UNTIED_POSITION_EMBEDDINGS if untied else POSITION_EMBEDDINGS
-    if positions in shapes:
-        sizes["max_position_embeddings"] = sizes["seq_length"] = shapes[positions][0]
+    if positions in names and "max_position_embeddings" not in recorded:
+        sizes["max_position_embeddings"] = shape_of(positions)[0]
     if "max_position_embeddings" not in {**sizes, **recorded}:
         raise CheckpointError(f"{where} records no max_position_embeddings in its args and has no position "
                               "embedding to read it from (a RoPE model); pass the training run's args")
+    if "seq_length" not in recorded:
+        sizes["seq_length"] = recorded.get("max_position_embeddings", sizes.get("max_position_embeddings"))
     return config_from_args({**sizes, **recorded}, vocab)

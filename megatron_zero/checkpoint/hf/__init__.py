@@ -16,7 +16,11 @@ Tensors are in our full form (model/sharding.py): unsharded, the unpadded vocabu
 Megatron's grouped layout (per query group: its q heads, then k, then v), the fused SwiGLU weight as
 [gate; up]. Adding an architecture is one module and one line in ARCHITECTURES; put more specific
 architectures before less specific ones (export takes the first whose `matches` is true).
-Errors are CheckpointError, one sentence naming the file or value.
+Errors are CheckpointError, one sentence naming the file or value. Helpers for mappings: mapping.py
+(`same`, `transposed`, `base_flags`). The streaming around them: reader.py (HF files, one tensor at a
+time), importer.py (-> a weights-only universal checkpoint), exporter.py (-> safetensors shards).
+Export builds the config from the checkpoint's recorded args (saved_config.py), so an architecture's
+config fields must be GPTConfig fields named like their flags' dests.
 """
 from __future__ import annotations
 

@@ -29,14 +29,16 @@ from . import for_config
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def full_shapes(directory: str) -> dict:
-    """{name: full shape} of every parameter: from a universal checkpoint's mapped files, else by a pass."""
+def shape_reader(directory: str):
+    """(every parameter name, shape_of(name) -> full shape): a universal checkpoint's files are mapped one by
+    one as asked; a ZeRO checkpoint's shapes come from one pass assembling each parameter."""
     universal = find_universal_dir(directory)
     if universal is not None:
         zero = os.path.join(universal, "zero")
-        return {n: tuple(load_any(os.path.join(zero, n, "fp32.pt"), mmap=True)["param"].shape)
-                for n in os.listdir(zero) if os.path.isdir(os.path.join(zero, n))}
-    return {n: tuple(t.shape) for n, t in fp32_source(directory)[1]}
+        names = [n for n in os.listdir(zero) if os.path.isdir(os.path.join(zero, n))]
+        return names, lambda n: tuple(load_any(os.path.join(zero, n, "fp32.pt"), mmap=True)["param"].shape)
+    shapes = {n: tuple(t.shape) for n, t in fp32_source(directory)[1]}
+    return list(shapes), shapes.__getitem__
 
 
 def _head(directory: str) -> dict:
@@ -53,7 +55,7 @@ def export_hf(checkpoint_dir: str, output_dir: str, dtype: str = "fp32", max_sha
     directory = resolve_checkpoint_dir(checkpoint_dir, tag)
     if not os.path.isdir(directory):
         raise CheckpointError(f"the checkpoint directory {directory} does not exist")
-    config = saved_config(full_shapes(directory), saved_args(directory), num_heads, where=directory)
+    config = saved_config(*shape_reader(directory), saved_args(directory), num_heads, where=directory)
     head = _head(directory)
     module = for_config(config, architecture or head.get("hf_architecture"))
     mappings = {m.ours: m for m in module.tensor_mappings(config)}
