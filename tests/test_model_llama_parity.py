@@ -4,7 +4,7 @@ TP, PP, DP and ZeRO 0-3 against the single-process reference with torch.optim.Ad
 One 8-rank run trains every layout in turn, 3 steps each with clipping active: per step the loss
 matches the reference to relative 1e-5 and the global gradient norm to 5e-5, and (ZeRO 0-2) the
 final weights, gathered over TP, match to 1e-5. The layouts cover TP2, TP4, PP2, TP2xPP2xDP2, ZeRO
-0, 1, 2, 3, num_query_groups < TP and num_query_groups = 1. A bf16 layout tracks fp32 within 3 %.
+0, 1, 2, 3, num_query_groups < TP and num_query_groups = 1. bf16 and fp16 layouts track fp32 within 3 %.
 """
 import pytest
 import torch
@@ -25,7 +25,7 @@ from megatron_zero.zero import ZeroOptimizer
 STEPS, GLOBAL_BATCH, WORLD = 3, 8, 8
 HP = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
 CLIP = 0.5
-BF16_TOLERANCE = 0.03
+HALF_TOLERANCE = 0.03
 
 # (tp, pp, zero stage, num_query_groups, dtype); DP = 8 / (tp * pp)
 LAYOUTS = [
@@ -37,7 +37,9 @@ LAYOUTS = [
     (2, 2, 2, 1, "fp32"),   # TP2 x PP2 x DP2, one group
     (2, 1, 3, 2, "fp32"),   # TP2 x DP4, ZeRO-3
     (2, 2, 1, 1, "bf16"),   # bf16 through TP, PP and ZeRO
+    (2, 1, 2, 2, "fp16"),   # fp16 (static loss scale 1024) through TP and ZeRO-2
 ]
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def config(groups):
@@ -71,10 +73,11 @@ def train_layout(tp, pp, stage, groups, dtype):
     model = build_gpt_stage(cfg, state)
     opt = ZeroOptimizer(list(model.named_parameters()), dp_group=state.dp_group, stage=stage, clip_grad=CLIP,
                         mp_group=state.mp_group, tp_rank=state.tp_rank, bucket_size=3000, dtype=dtype,
-                        module=model, persistence_threshold=100, **HP)
+                        module=model, persistence_threshold=100, loss_scaler={"dynamic": False, "static_scale": 1024.0},
+                        **HP)
     per_rank = GLOBAL_BATCH // state.dp_size
     p2p = P2P(state.prev_rank, state.next_rank, activation_shape(1, cfg),
-              torch.bfloat16 if dtype == "bf16" else torch.float32)
+              HALF.get(dtype, torch.float32))
     losses, norms = [], []
     for step in range(STEPS):
         tokens, labels = batch(step)
@@ -114,10 +117,10 @@ def test_layout_matches_reference(runs, references, index):
     tp, pp, stage, groups, dtype = LAYOUTS[index]
     ref_losses, ref_norms, ref_weights = references[groups]
     results = [rank_results[index] for rank_results in runs]
-    if dtype == "bf16":
+    if dtype in HALF:
         for _, losses, _, _ in results:
             for got, want in zip(losses, ref_losses):
-                assert abs(got - want) <= BF16_TOLERANCE * want, (got, want)
+                assert abs(got - want) <= HALF_TOLERANCE * want, (got, want)
         return
     assert max(ref_norms) > CLIP  # clipping was active
     for _, losses, norms, _ in results:
