@@ -12,6 +12,7 @@ import sys
 from typing import List, Optional
 
 from .deepspeed_config import DeepSpeedConfigError, apply_deepspeed_config
+from .model.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, default_ffn_hidden_size
 
 
 class ArgumentError(ValueError):
@@ -21,6 +22,14 @@ class ArgumentError(ValueError):
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, no usage dump
         raise ArgumentError(f"{message} (see --help)")
+
+
+def _normalization(text: str) -> str:
+    """LayerNorm or RMSNorm, in any case (Megatron-DeepSpeed writes layernorm / rmsnorm)."""
+    by_lower = {n.lower(): n for n in NORMALIZATIONS}
+    if text.lower() not in by_lower:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(NORMALIZATIONS)}")
+    return by_lower[text.lower()]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,8 +44,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--layernorm-epsilon", type=float, default=1e-5)
+    g.add_argument("--layernorm-epsilon", "--norm-epsilon", dest="layernorm_epsilon", type=float, default=1e-5)
     g.add_argument("--init-method-std", type=float, default=0.02)
+
+    g = p.add_argument_group("architecture (GPT-2 by default; these give the Llama / Mistral family)")
+    g.add_argument("--normalization", type=_normalization, default="LayerNorm", metavar="{LayerNorm,RMSNorm}")
+    g.add_argument("--position-embedding-type", choices=list(POSITION_EMBEDDING_TYPES), default="learned_absolute")
+    g.add_argument("--use-rotary-position-embeddings", dest="position_embedding_type", action="store_const",
+                   const="rope", help="Megatron-DeepSpeed's spelling of --position-embedding-type rope")
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="grouped-query attention with --num-query-groups (default 1) key/value heads")
+    g.add_argument("--num-query-groups", "--num-key-value-heads", dest="num_query_groups", type=int, default=None)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -177,9 +200,11 @@ def validate_args(args, world_size: int):
     _require(args.hidden_size % args.num_attention_heads == 0,
              f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {args.num_attention_heads}")
     if args.ffn_hidden_size is None:
-        args.ffn_hidden_size = 4 * args.hidden_size
-    _require(args.ffn_hidden_size % tp == 0,
-             f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by --tensor-model-parallel-size {tp}")
+        args.ffn_hidden_size = default_ffn_hidden_size(args.hidden_size, args.swiglu)
+    _require(args.ffn_hidden_size >= 1 and args.ffn_hidden_size % tp == 0,
+             f"--ffn-hidden-size {args.ffn_hidden_size} is not a positive multiple of "
+             f"--tensor-model-parallel-size {tp}")
+    _validate_architecture(args, tp)
     _require(args.num_layers >= pp,
              f"--num-layers {args.num_layers} is fewer than --pipeline-model-parallel-size {pp}; "
              "every stage needs at least one layer")
@@ -261,6 +286,29 @@ def _importable(module: str) -> bool:
         return True
     except ImportError:
         return False
+
+
+def _validate_architecture(args, tp: int):
+    """Grouped-query attention and RoPE settings that can work at this TP size."""
+    heads = args.num_attention_heads
+    if args.num_query_groups is None:
+        args.num_query_groups = 1 if args.group_query_attention else heads
+    groups = args.num_query_groups
+    _require(groups >= 1 and heads % groups == 0,
+             f"--num-attention-heads {heads} is not divisible by --num-query-groups {groups}")
+    _require((groups % tp if groups >= tp else tp % groups) == 0,
+             f"--num-query-groups {groups} and --tensor-model-parallel-size {tp} must divide one another "
+             "(fewer groups than TP ranks replicate each group's key/value heads)")
+    head_dim = args.hidden_size // heads
+    _require((heads + 2 * groups) * head_dim % tp == 0,
+             f"the fused QKV size ({heads} + 2 x {groups} groups) x head dim {head_dim} is not divisible by "
+             f"--tensor-model-parallel-size {tp}")
+    _require(0 < args.rotary_percent <= 1, f"--rotary-percent {args.rotary_percent} must lie in (0, 1]")
+    _require(args.rotary_base >= 1, f"--rotary-base {args.rotary_base} must be positive")
+    if args.position_embedding_type == "rope":
+        _require(int(head_dim * args.rotary_percent) % 2 == 0,
+                 f"--rotary-percent {args.rotary_percent} of head dim {head_dim} rotates an odd number of "
+                 "features; RoPE rotates pairs")
 
 
 def _check_data_path(data_path: List[str]):

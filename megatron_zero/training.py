@@ -28,8 +28,9 @@ from .distributed import (LaunchError, another_rank_failed, init_distributed, is
                           report_failure, stop_with_launcher)
 from .exit_signal import ExitPolicy
 from .logger import format_eval_line
+from .throughput import gpt_flops_per_iteration
 from .lr_schedule import build_lr_schedule
-from .model.config import GPTConfig
+from .model.config import GPTConfig, architecture_kwargs
 from .ops import kernel_report, set_fusion_flags
 from .pipeline.gpt_stage import activation_shape, build_gpt_stage, make_forward_step, sync_tied_embedding_grads
 from .pipeline.p2p import P2P
@@ -104,7 +105,7 @@ class Trainer:
             max_position_embeddings=args.max_position_embeddings, ffn_hidden_size=args.ffn_hidden_size,
             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, hidden_dropout=args.hidden_dropout,
             attention_dropout=args.attention_dropout, layernorm_epsilon=args.layernorm_epsilon,
-            init_method_std=args.init_method_std, seed=args.seed)
+            init_method_std=args.init_method_std, seed=args.seed, **architecture_kwargs(vars(args)))
         self.model = build_gpt_stage(self.config, state, args.pipeline_partition_method, args.pipeline_partition)
         loss_scaler = {"dynamic": args.loss_scale is None, "static_scale": args.loss_scale or 1.0,
                        "initial_scale_power": int(math.log2(args.initial_loss_scale)),
@@ -123,8 +124,11 @@ class Trainer:
                        DTYPES[args.params_dtype])
         writer_rank = state.layout.rank(state.pp_size - 1, 0, 0)
         self.is_writer = state.rank == writer_rank
-        self.log = TrainingLog(args, state.layout.world_size, self.config.padded_vocab_size(state.tp_size),
-                               next(self.model.parameters()).device, self.is_writer, self._log)
+        flops = gpt_flops_per_iteration(args.global_batch_size, args.seq_length, args.num_layers, args.hidden_size,
+                                        self.config.padded_vocab_size(state.tp_size), self.config.ffn_hidden_size,
+                                        self.config.qkv_size, self.config.swiglu)
+        self.log = TrainingLog(args, state.layout.world_size, flops, next(self.model.parameters()).device,
+                               self.is_writer, self._log)
         self.train_p2p = TimedCalls(self.p2p, self.log.timers("pipeline-p2p", 2))
         if args.load:
             self.load(args.load)

@@ -14,17 +14,16 @@ import math
 import time
 
 from .logger import ScalarLog, format_train_line, memory_scalars
-from .throughput import gpt_flops_per_iteration, mfu, peak_tflops, tflops_per_rank
+from .throughput import mfu, peak_tflops, tflops_per_rank
 from .timers import Timers
 
 
 class TrainingLog:
-    def __init__(self, args, world_size: int, padded_vocab_size: int, device, is_writer: bool, print_fn):
+    def __init__(self, args, world_size: int, flops_per_iteration: float, device, is_writer: bool, print_fn):
         self.args, self.world_size, self.device, self.is_writer, self.print = args, world_size, device, is_writer, print_fn
         self.timers = Timers(args.timing_log_level, args.timing_log_option, device)
         self.scalars = ScalarLog(args, is_writer)
-        self.flops = gpt_flops_per_iteration(args.global_batch_size, args.seq_length, args.num_layers,
-                                             args.hidden_size, padded_vocab_size, args.ffn_hidden_size)
+        self.flops = flops_per_iteration
         self.peak = peak_tflops(device, args.params_dtype, args.peak_tflops)
         self._loss_sum, self._loss_count, self._iters = 0.0, 0, 0
         self._last = time.monotonic()

@@ -103,3 +103,40 @@ def test_no_fusion_flags_reach_the_ops_switches():
         assert not flags.masked_softmax_fusion and not flags.bias_gelu_fusion and flags.persist_layer_norm
     finally:
         set_fusion_flags(**{k: getattr(old, k) for k in fusion_flags(args)})
+
+
+LLAMA = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu", "--group-query-attention",
+         "--num-query-groups", "2", "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+DS_LLAMA = ["--normalization", "rmsnorm", "--use-rotary-position-embeddings", "--swiglu", "--num-key-value-heads", "2",
+            "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+
+
+def test_architecture_flags_and_their_megatron_deepspeed_spellings():
+    from megatron_zero.arguments import args_to_dict
+    from megatron_zero.model.config import ARCHITECTURE_FIELDS, GPTConfig, architecture_kwargs
+    megatron, deepspeed = (parse_args(BASE + flags, world_size=4) for flags in (LLAMA, DS_LLAMA))
+    recorded = args_to_dict(megatron)  # what a checkpoint records
+    assert {k: recorded[k] for k in ARCHITECTURE_FIELDS} == {
+        "normalization": "RMSNorm", "position_embedding_type": "rope", "rotary_base": 10000, "rotary_percent": 1.0,
+        "swiglu": True, "num_query_groups": 2, "untie_embeddings_and_output_weights": True, "add_bias_linear": False}
+    assert architecture_kwargs(vars(deepspeed)) == architecture_kwargs(recorded)
+    assert megatron.ffn_hidden_size == 128  # Megatron's SwiGLU default: 2/3 of 4h, rounded down to 64
+    config = GPTConfig(vocab_size=100, hidden_size=64, num_layers=4, num_attention_heads=4, seq_length=32,
+                       max_position_embeddings=32, **architecture_kwargs(recorded))
+    assert config.qkv_size == (4 + 2 * 2) * 16 and config.mlp_in_size == 256
+    gpt2 = parse_args(BASE, world_size=1)
+    assert architecture_kwargs(vars(gpt2))["num_query_groups"] == 4 and not gpt2.swiglu
+    assert parse_args(BASE + ["--group-query-attention"], world_size=1).num_query_groups == 1  # Megatron's default
+
+
+@pytest.mark.parametrize("flags,world,words", [
+    (["--num-query-groups", "3"], 1, "--num-attention-heads 4 is not divisible by --num-query-groups 3"),
+    (["--num-query-groups", "6", "--tensor-model-parallel-size", "4", "--num-attention-heads", "12",
+      "--hidden-size", "96"], 4, "--num-query-groups 6 and --tensor-model-parallel-size 4 must divide one another"),
+    (["--normalization", "BatchNorm"], 1, "'BatchNorm' is not one of LayerNorm, RMSNorm"),
+    (["--position-embedding-type", "alibi"], 1, "--position-embedding-type"),
+    (["--position-embedding-type", "rope", "--rotary-percent", "0.1"], 1, "rotates an odd number"),
+    (["--rotary-percent", "1.5"], 1, "--rotary-percent 1.5 must lie in (0, 1]"),
+])
+def test_bad_architecture_flags_are_one_sentence(flags, world, words, capsys):
+    assert words in refused(BASE + flags, world, capsys)

@@ -15,6 +15,7 @@ from megatron_zero.pipeline.gpt_stage import build_gpt_stage, make_forward_step,
 from megatron_zero.pipeline.p2p import P2P
 from megatron_zero.pipeline.schedule import forward_backward
 from megatron_zero.testing.multirank import RankFailure, run_ranks
+from megatron_zero.testing.tiny_gpt import tiny_gpt_config, tiny_llama_config
 from megatron_zero.topology import build_parallel_state
 from megatron_zero.zero import ZeroOptimizer
 
@@ -125,14 +126,23 @@ def test_mismatches_are_refused_with_a_sentence(tmp_path):
 
 
 def test_universal_info_describes_our_parameters():
-    info = universal_checkpoint_info(num_layers=2, vocab_size=100, padded_vocab_size=112)
+    info = universal_checkpoint_info(tiny_gpt_config(num_layers=2), padded_vocab_size=112)
     import re
-    def kind(name):
+    def kind(name, info=info):
         return [k for k in ("tp_replicated_parameter_patterns", "parameter_with_row_parallelism_patterns",
-                            "vocabulary_parameter_patterns") if any(re.match(p, name) for p in info[k])]
+                            "vocabulary_parameter_patterns", "parameter_with_2_sub_params_cat_dim_0",
+                            "pipeline_replicated_parameter_patterns")
+                if any(re.match(p, name) for p in info.get(k, []))]
     assert kind("2.self_attention.dense.weight") == ["parameter_with_row_parallelism_patterns"]
     assert kind("3.mlp.dense_4h_to_h.bias") == ["tp_replicated_parameter_patterns"]
     assert kind("4.weight") == ["tp_replicated_parameter_patterns"]  # final norm
     assert kind("2.self_attention.query_key_value.weight") == []      # column-parallel: dim 0
-    assert kind("tied_modules.embed.word_embeddings.weight") == ["vocabulary_parameter_patterns"]
+    assert kind("tied_modules.embed.word_embeddings.weight") == ["vocabulary_parameter_patterns",
+                                                                 "pipeline_replicated_parameter_patterns"]
     assert info["original_vocab_size"] == 100 and info["padded_vocab_size"] == 112
+    assert "parameter_with_2_sub_params_cat_dim_0" not in info  # GPT-2's info is what it always was
+    llama = universal_checkpoint_info(tiny_llama_config(num_layers=2), padded_vocab_size=112)
+    assert kind("3.mlp.dense_h_to_4h.weight", llama) == ["parameter_with_2_sub_params_cat_dim_0"]
+    assert kind("1.word_embeddings.weight", llama) == ["vocabulary_parameter_patterns"]  # untied: stage 0 only
+    assert kind("5.lm_head.weight", llama) == ["vocabulary_parameter_patterns"]
+    assert kind("4.weight", llama) == ["tp_replicated_parameter_patterns"]

@@ -38,10 +38,11 @@ def global_batch(it):
     return tokens[:, :-1], tokens[:, 1:].contiguous()
 
 
-def train(tp, pp, stage, mb, save_dir=None, load=None, load_kind="universal", iters=ITERS, save_at=SAVE_AT):
-    """Train to ITERS (from `load` if given); return coords, per-iteration losses, TP-form weights."""
+def train(tp, pp, stage, mb, save_dir=None, load=None, load_kind="universal", iters=ITERS, save_at=SAVE_AT,
+          cfg=None):
+    """Train to `iters` (from `load` if given); return coords, per-iteration losses, TP-form weights."""
     state = build_parallel_state(tp=tp, pp=pp)
-    cfg = config()
+    cfg = cfg or config()
     model = build_gpt_stage(cfg, state)
     opt = ZeroOptimizer(param_groups(model, 0.01), dp_group=state.dp_group, stage=stage, lr=LR,
                         weight_decay=0.01, mp_group=state.mp_group, tp_rank=state.tp_rank, module=model)
@@ -82,13 +83,13 @@ def train(tp, pp, stage, mb, save_dir=None, load=None, load_kind="universal", it
     return state.layout.coords(state.rank), losses, weights
 
 
-def full_weights(results):
+def full_weights(results, cfg=None):
     """Gather every stage's TP-form weights (DP rank 0) into one full-form state dict."""
     full = {}
     stages = sorted({c[0] for c, _, _ in results})
     for pp in stages:
         shards = [w for (p, d, t), _, w in sorted(results, key=lambda x: x[0][2]) if p == pp and d == 0]
-        full.update(gather_state_dicts(shards, config()))
+        full.update(gather_state_dicts(shards, cfg or config()))
     return full
 
 

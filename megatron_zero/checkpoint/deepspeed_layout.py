@@ -19,7 +19,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..model.layers import EMBEDDING_INDEX
-from ..model.params import BLOCK_PARAMS, POSITION_EMBEDDINGS, WORD_EMBEDDINGS
+from ..model.params import (BLOCK_PARAMS, LM_HEAD_SUFFIX, SWIGLU_SUFFIXES, block_suffixes, position_embeddings_name,
+                            word_embeddings_name)
+from .universal_info import SUB_PARAMS_PATTERNS
 
 DS_VERSION = "0.19.8"
 CHECKPOINT_VERSION = 3.0
@@ -76,22 +78,27 @@ def assign_layers_to_dp(layer_bytes: "OrderedDict[int, int]", dp: int) -> Dict[i
     return owner
 
 
-def universal_checkpoint_info(num_layers: int, vocab_size: int, padded_vocab_size: int) -> dict:
-    """Megatron-DeepSpeed's pattern lists, derived from our parameter catalogue's split dimensions."""
+def universal_checkpoint_info(config, padded_vocab_size: int) -> dict:
+    """Megatron-DeepSpeed's pattern lists, derived from our parameter catalogue for this model's config."""
     def pat(suffix):
         return r"\d+\." + re.escape(suffix)
 
-    replicated = [re.escape(POSITION_EMBEDDINGS)] + [pat(s) for s, (dim, _) in BLOCK_PARAMS.items() if dim is None]
-    replicated += [pat("weight"), pat("bias")]  # the final layer norm, `{L+2}.weight|bias`
+    word, positions = word_embeddings_name(config), position_embeddings_name(config)
+    suffixes = block_suffixes(config)
+    replicated = [re.escape(positions)] if positions else []
+    replicated += [pat(s) for s in suffixes if BLOCK_PARAMS[s][0] is None]
+    replicated += [pat("weight"), pat("bias")]  # the final norm, `{L+2}.weight|bias`
+    tied = not config.untie_embeddings_and_output_weights
     return {
         "universal_checkpoint_version": UNIVERSAL_CHECKPOINT_VERSION,
-        "original_vocab_size": int(vocab_size),
+        "original_vocab_size": int(config.vocab_size),
         "padded_vocab_size": int(padded_vocab_size),
-        "vocabulary_parameter_patterns": [re.escape(WORD_EMBEDDINGS)],
-        "pipeline_replicated_parameter_patterns": [re.escape(WORD_EMBEDDINGS), re.escape(POSITION_EMBEDDINGS)],
+        "vocabulary_parameter_patterns": [re.escape(word)] + ([] if tied else [pat(LM_HEAD_SUFFIX)]),
+        "pipeline_replicated_parameter_patterns": [re.escape(n) for n in (word, positions) if n and tied],
         "tp_replicated_parameter_patterns": replicated,
-        "parameter_with_row_parallelism_patterns": [pat(s) for s, (dim, _) in BLOCK_PARAMS.items() if dim == 1],
+        "parameter_with_row_parallelism_patterns": [pat(s) for s in suffixes if BLOCK_PARAMS[s][0] == 1],
         "parameter_to_average_patterns": [],
+        **({SUB_PARAMS_PATTERNS: [pat(s) for s in suffixes if s in SWIGLU_SUFFIXES]} if config.swiglu else {}),
     }
 
 

@@ -67,7 +67,7 @@ def _load_layers(ckpt: Checkpoint, model, tp_rank: int):
         name = layer_file_name(i, tp_rank)
         if not ckpt.has(name):
             continue  # layers without parameters have no file; a missing real one is caught below
-        prefix = EMBED_PREFIX if i == 1 else f"{i}."
+        prefix = EMBED_PREFIX if i == 1 and hasattr(model, "tied_modules") else f"{i}."
         for k, v in ckpt.load(name).items():
             sd[prefix + k] = v
     missing = [k for k in model.state_dict() if k not in sd]

@@ -63,8 +63,7 @@ def build_plan(iteration: int, state: ParallelState, model, optimizer, client: d
         consumed = int(client.get("consumed_train_samples", 0) or 0)
         states = engine_state(model, optimizer, iteration, consumed, state.dp_size, state.layout.mp_size, cfg,
                               client.get("lr_scheduler"), int(client.get("skipped_steps", 0) or 0))
-        states["universal_checkpoint_info"] = universal_checkpoint_info(
-            config.num_layers, config.vocab_size, config.padded_vocab_size(state.tp_size))
+        states["universal_checkpoint_info"] = universal_checkpoint_info(config, config.padded_vocab_size(state.tp_size))
         states.update({k: v for k, v in client.items() if k not in states})
         plan.append((model_states_name(mp, stage, dp_rank), states))
     if stage < 3:

@@ -15,7 +15,8 @@ from typing import Callable, Optional, Sequence
 
 from ..model.config import GPTConfig
 from ..model.layers import block_layer_index
-from ..model.params import POSITION_EMBEDDINGS, WORD_EMBEDDINGS
+from ..model.params import (POSITION_EMBEDDINGS, UNTIED_POSITION_EMBEDDINGS, UNTIED_WORD_EMBEDDINGS,
+                            WORD_EMBEDDINGS)
 from .errors import CheckpointError
 from .universal_source import MODEL_FILE, load_any
 
@@ -36,22 +37,34 @@ def config_from_args(args: dict, vocab_size: int) -> GPTConfig:
 
 def saved_config(names: Sequence[str], shape_of: Callable[[str], Sequence[int]], args: dict,
                  num_heads: Optional[int] = None, where: str = "the checkpoint") -> GPTConfig:
-    """Recorded args first; the sizes they lack from the GPT-2 shapes; the vocabulary always from the shapes.
+    """Recorded args first; the sizes they lack from the shapes; the vocabulary always from the shapes.
     `names`: every parameter; `shape_of(name)`: a parameter's full shape (asked for at most three)."""
     recorded = {k: v for k, v in args.items() if v is not None}
     if num_heads:
         recorded["num_attention_heads"] = int(num_heads)
     if not recorded.get("num_attention_heads"):
         raise CheckpointError(f"{where} does not record num_attention_heads in its args; pass --num-attention-heads")
-    if WORD_EMBEDDINGS not in names:
+    untied = UNTIED_WORD_EMBEDDINGS in names
+    word = UNTIED_WORD_EMBEDDINGS if untied else WORD_EMBEDDINGS
+    if word not in names:
         raise CheckpointError(f"{where} holds no {WORD_EMBEDDINGS}; it is not a checkpoint of our GPT")
-    vocab, hidden = shape_of(WORD_EMBEDDINGS)
-    sizes = {"hidden_size": hidden,
+    vocab, hidden = shape_of(word)
+    first = f"{block_layer_index(0)}."
+    sizes = {"hidden_size": hidden, "untie_embeddings_and_output_weights": untied,
              "num_layers": sum(1 for k in names if k.endswith(".self_attention.query_key_value.weight"))}
-    if "ffn_hidden_size" not in recorded:
-        sizes["ffn_hidden_size"] = shape_of(f"{block_layer_index(0)}.mlp.dense_h_to_4h.weight")[0]
-    if POSITION_EMBEDDINGS in names and "max_position_embeddings" not in recorded:
-        sizes["max_position_embeddings"] = shape_of(POSITION_EMBEDDINGS)[0]
+    if "ffn_hidden_size" not in recorded:  # SwiGLU's rows are [gate; up]
+        rows = shape_of(first + "mlp.dense_h_to_4h.weight")[0]
+        sizes["ffn_hidden_size"] = rows // 2 if recorded.get("swiglu") else rows
+    if "num_query_groups" not in recorded:  # QKV rows: (heads + 2 groups) x head_dim
+        heads = recorded["num_attention_heads"]
+        qkv_heads = shape_of(first + "self_attention.query_key_value.weight")[0] // (hidden // heads)
+        sizes["num_query_groups"] = (qkv_heads - heads) // 2
+    positions = UNTIED_POSITION_EMBEDDINGS if untied else POSITION_EMBEDDINGS
+    if positions in names and "max_position_embeddings" not in recorded:
+        sizes["max_position_embeddings"] = shape_of(positions)[0]
+    if "max_position_embeddings" not in {**sizes, **recorded}:
+        raise CheckpointError(f"{where} records no max_position_embeddings in its args and has no position "
+                              "embedding to read it from (a RoPE model); pass the training run's args")
     if "seq_length" not in recorded:
         sizes["seq_length"] = recorded.get("max_position_embeddings", sizes.get("max_position_embeddings"))
     return config_from_args({**sizes, **recorded}, vocab)

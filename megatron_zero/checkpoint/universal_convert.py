@@ -3,7 +3,8 @@
     convert_to_universal("<save>/global_step10", "<save>/global_step10_universal", merge_workers=2)
 
 writes
-    <out>/zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt   {'param': full tensor, ['cat_dim'], ['vocab_tensor']}
+    <out>/zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt   {'param': full tensor, ['cat_dim'], ['vocab_tensor'],
+                                                      ['param_n_sub_params']}
     <out>/zero/<param>/step.pt                        the optimizer step
     <out>/zero/optimizer_state.pt                     the unsharded optimizer state (param_groups, loss scaler…)
     <out>/mp_rank_*_model_states.pt                   copied from the source
@@ -31,7 +32,7 @@ import torch
 
 from .errors import CheckpointError
 from .tensor_io import save_file
-from .universal_info import STATE_KEYS
+from .universal_info import STATE_KEYS, SUB_PARAMS_KEY
 from .universal_source import SourceCheckpoint, StageReader, load_any
 
 BATCH_ELEMENTS = 4 << 20  # per task: bounds the mapped pages a worker touches before it unmaps them
@@ -72,6 +73,8 @@ def universal_record(full: torch.Tensor, rule) -> dict:
         record["cat_dim"] = rule.cat_dim
     if rule.vocab:
         record["vocab_tensor"] = True
+    if rule.sub_params > 1:
+        record[SUB_PARAMS_KEY] = rule.sub_params
     record["param"] = full
     return record
 

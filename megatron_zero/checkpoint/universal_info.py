@@ -9,6 +9,8 @@ whatever the source TP is: row-parallel weights are cat_dim 1 even from a TP=1 s
 (DeepSpeed would mark them 0 there, and a TP=2 target would then slice the wrong
 dimension). For any other name, DeepSpeed's pattern lists in the checkpoint's
 `universal_checkpoint_info` decide, exactly as deepspeed.checkpoint.ds_to_universal does.
+A tensor of two sub-parameters (SwiGLU's [gate; up], DeepSpeed's
+`parameter_with_2_sub_params_cat_dim_0`) is merged block by block: [gate_0..gate_n; up_0..up_n].
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from ..model.params import BLOCK_PARAMS, POSITION_EMBEDDINGS, WORD_EMBEDDINGS
+from ..model.params import (BLOCK_PARAMS, LM_HEAD_SUFFIX, POSITION_EMBEDDINGS, UNTIED_POSITION_EMBEDDINGS,
+                            UNTIED_WORD_EMBEDDINGS, WORD_EMBEDDINGS)
 
 UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"
 UNIVERSAL_CHECKPOINT_VERSION = 0.2
@@ -25,7 +28,10 @@ PIPELINE_REPLICATED_PATTERNS = "pipeline_replicated_parameter_patterns"
 TP_REPLICATED_PATTERNS = "tp_replicated_parameter_patterns"
 ROW_PARALLEL_PATTERNS = "parameter_with_row_parallelism_patterns"
 TO_AVERAGE_PATTERNS = "parameter_to_average_patterns"
+SUB_PARAMS_PATTERNS = "parameter_with_2_sub_params_cat_dim_0"
+SUB_PARAMS_KEY = "param_n_sub_params"  # in a universal file: DeepSpeed's name for the sub-parameter count
 STATE_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
+_LM_HEAD = re.compile(r"\d+\." + re.escape(LM_HEAD_SUFFIX) + "$")
 
 
 @dataclass(frozen=True)
@@ -33,38 +39,25 @@ class MergeRule:
     cat_dim: Optional[int]   # None: replicated across TP ranks
     vocab: bool = False      # dim 0 is the (padded) vocabulary
     average: bool = False    # DeepSpeed's parameter_to_average_patterns
+    sub_params: int = 1      # >1: cat_dim holds this many equal blocks, each concatenated over TP on its own
 
 
-def _block_patterns(dim_test) -> list:
-    return [r"\d+\." + re.escape(s) + "$" for s, (dim, _) in BLOCK_PARAMS.items() if dim_test(dim)]
+def gpt_rule(name: str, info: Optional[dict]) -> Optional[MergeRule]:
+    """The rule for one of our GPT's parameter names, or None for a name our GPT does not have.
 
-
-def gpt_universal_checkpoint_info(original_vocab_size: int, padded_vocab_size: int) -> dict:
-    """The `universal_checkpoint_info` our checkpoints carry (Megatron-DeepSpeed's keys and patterns)."""
-    return {
-        "universal_checkpoint_version": UNIVERSAL_CHECKPOINT_VERSION,
-        "original_vocab_size": int(original_vocab_size),
-        "padded_vocab_size": int(padded_vocab_size),
-        VOCAB_PATTERNS: [re.escape(WORD_EMBEDDINGS) + "$"],
-        PIPELINE_REPLICATED_PATTERNS: [re.escape(WORD_EMBEDDINGS) + "$", re.escape(POSITION_EMBEDDINGS) + "$"],
-        TP_REPLICATED_PATTERNS: [re.escape(POSITION_EMBEDDINGS) + "$"] + _block_patterns(lambda d: d is None)
-        + [r"\d+\.weight$", r"\d+\.bias$"],
-        ROW_PARALLEL_PATTERNS: _block_patterns(lambda d: d == 1),
-    }
-
-
-def gpt_rule(name: str) -> Optional[MergeRule]:
-    """The rule for one of our GPT's parameter names, or None for a name our GPT does not have."""
-    if name == WORD_EMBEDDINGS:
+    Whether dense_h_to_4h holds SwiGLU's [gate; up] (two sub-parameters, each split across TP)
+    is a property of the model, recorded in the checkpoint's pattern list SUB_PARAMS_PATTERNS."""
+    if name in (WORD_EMBEDDINGS, UNTIED_WORD_EMBEDDINGS) or _LM_HEAD.match(name):
         return MergeRule(0, vocab=True)
-    if name == POSITION_EMBEDDINGS:
+    if name in (POSITION_EMBEDDINGS, UNTIED_POSITION_EMBEDDINGS):
         return MergeRule(None)
     index, _, suffix = name.partition(".")
     if index.isdigit():
         if suffix in BLOCK_PARAMS:
-            return MergeRule(BLOCK_PARAMS[suffix][0])
+            sub_params = 2 if _matches((info or {}).get(SUB_PARAMS_PATTERNS), name) else 1
+            return MergeRule(BLOCK_PARAMS[suffix][0], sub_params=sub_params)
         if suffix in ("weight", "bias"):
-            return MergeRule(None)  # the final LayerNorm
+            return MergeRule(None)  # the final norm
     return None
 
 
@@ -84,7 +77,7 @@ def pattern_rule(name: str, info: Optional[dict]) -> MergeRule:
 
 
 def merge_rule(name: str, info: Optional[dict]) -> MergeRule:
-    return gpt_rule(name) or pattern_rule(name, info)
+    return gpt_rule(name, info) or pattern_rule(name, info)
 
 
 def is_pipeline_replicated(name: str, info: Optional[dict]) -> bool:

@@ -5,7 +5,8 @@
 
 For every parameter this rank's model holds: read its full (unpadded) fp32 master and both
 Adam moments, re-pad the vocabulary (padded rows are never trained, so zeros are exact),
-take this TP rank's slice on the dimension its layer type gives (model/params.py), and
+take this TP rank's slice on the dimension its layer type gives (model/params.py; SwiGLU's
+[gate; up] block by block), and
 narrow to this rank's ZeRO fragment. The split dimension recorded in the file must agree.
 A reshaped load reads the source's optimizer files memory-mapped, so each rank touches only
 the fragments of the parameters its stage holds. The client state (iteration, scheduler,
@@ -23,7 +24,7 @@ from ..model.params import param_spec
 from ..model.sharding import shard_tensor
 from ..zero.universal_state import set_state_from_params
 from .errors import CheckpointError
-from .universal_info import STATE_KEYS
+from .universal_info import STATE_KEYS, SUB_PARAMS_KEY
 from .universal_source import SourceCheckpoint, load_any
 
 LATEST_UNIVERSAL = "latest_universal"
@@ -60,7 +61,7 @@ class UniversalFiles:
             raise CheckpointError(f"the universal checkpoint {self.directory} has no {key} for parameter {name} "
                                   f"({path} is missing): it was written for another model")
         record = load_any(path)
-        return record["param"], record.get("cat_dim")
+        return record["param"], record.get("cat_dim"), int(record.get(SUB_PARAMS_KEY, 1))
 
     def step(self, name: str) -> int:
         path = os.path.join(self.directory, "zero", name, "step.pt")
@@ -97,7 +98,7 @@ class ReshapedFiles:
 
     def full(self, name: str, key: str):
         t, rule = self._reader(name).assemble(name, key)
-        return t, rule.cat_dim
+        return t, rule.cat_dim, rule.sub_params
 
     def step(self, name: str) -> int:
         s = self._reader(name).step(name)
@@ -134,10 +135,13 @@ def _local_tensors(files, name: str, config, tp: int, tp_rank: int, keys=STATE_K
     spec = param_spec(name, config)
     out = {}
     for key in keys:
-        full, cat_dim = files.full(name, key)
+        full, cat_dim, sub_params = files.full(name, key)
         if cat_dim is not None and spec.partition_dim is not None and cat_dim != spec.partition_dim:
             raise CheckpointError(f"{files.directory} records cat_dim {cat_dim} for {name} but its layer type splits "
                                   f"on dim {spec.partition_dim}; the file was converted with a wrong merge rule")
+        if spec.partition_dim is not None and sub_params != spec.sub_params:
+            raise CheckpointError(f"{files.directory} holds {name} as {sub_params} sub-parameter(s) but this model's "
+                                  f"has {spec.sub_params} (--swiglu differs between the checkpoint and this run)")
         try:
             out[key] = shard_tensor(full.float(), spec, config, tp, tp_rank)
         except ValueError as e:

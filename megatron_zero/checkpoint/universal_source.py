@@ -24,7 +24,8 @@ import torch
 from ..topology import Layout
 from ..zero.partition import zero3_group_offsets
 from .errors import CheckpointError
-from .universal_info import UNIVERSAL_CHECKPOINT_INFO, MergeRule, merge_rule
+from ..model.sharding import merge_sub_params
+from .universal_info import SUB_PARAMS_PATTERNS, UNIVERSAL_CHECKPOINT_INFO, MergeRule, merge_rule
 
 ZERO_FILE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 MODEL_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
@@ -69,6 +70,15 @@ def load_any(path: str, mmap: bool = True):
         if mmap and "mmap" in str(e):  # a legacy (non-zip) file cannot be mapped
             return load_any(path, mmap=False)
         raise CheckpointError(f"the checkpoint file {path} cannot be read ({str(e).splitlines()[0]})") from e
+
+
+def _with_swiglu_patterns(info: dict, args) -> dict:
+    """The checkpoint's pattern lists, plus SwiGLU's sub-parameter patterns when its args say --swiglu
+    but its info predates that list (Megatron-DeepSpeed before it recorded them)."""
+    args = vars(args) if args is not None and not isinstance(args, dict) else (args or {})
+    if not args.get("swiglu") or SUB_PARAMS_PATTERNS in info:
+        return info
+    return {**info, SUB_PARAMS_PATTERNS: [r"\d+\.mlp\.dense_h_to_4h\.weight$", r"\d+\.mlp\.dense_h_to_4h\.bias$"]}
 
 
 def _indexed(state, g):
@@ -122,7 +132,7 @@ class SourceCheckpoint:
                 head = {k: v for k, v in sd.items() if k not in ("module", "optimizer", "param_shapes")}
             del sd
         self.head = head
-        self.info = head.get(UNIVERSAL_CHECKPOINT_INFO) or {}
+        self.info = _with_swiglu_patterns(head.get(UNIVERSAL_CHECKPOINT_INFO) or {}, head.get("args"))
         self.layout = Layout(*self._tp_pp(head, len(mps)), dp=len(dps))
         self.zero_stage = self._zero_stage()
         self.params: List[Tuple[str, int]] = []
@@ -262,6 +272,8 @@ class StageReader:
                         break
         elif tp == 1:
             full = self.tp_slice(name, key, 0)
+        elif rule.sub_params > 1:
+            full = merge_sub_params([self.tp_slice(name, key, t) for t in range(tp)], rule.cat_dim, rule.sub_params)
         else:
             shapes = [self.local_shape(name, t) for t in range(tp)]
             dim = rule.cat_dim

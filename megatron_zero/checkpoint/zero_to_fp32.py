@@ -8,8 +8,9 @@ Copied into every checkpoint megatron_zero writes; needs only torch (no deepspee
 <checkpoint_dir> is the save directory (its `latest` names the tag) or a tag directory. For each
 model-parallel rank the fp32 masters are reassembled from the DP partitions in the order of
 `param_shapes`; then pipeline stages are merged by name and TP pieces joined as the checkpoint's
-`universal_checkpoint_info` says (replicated: taken once; row-parallel: dim 1; others: dim 0; the
-vocabulary trimmed to `original_vocab_size`). Shards are memory-mapped, not read whole.
+`universal_checkpoint_info` says (replicated: taken once; row-parallel: dim 1; others: dim 0, the
+two halves of a SwiGLU [gate; up] each joined on their own; the vocabulary trimmed to
+`original_vocab_size`). Shards are memory-mapped, not read whole.
 """
 import argparse
 import glob
@@ -110,6 +111,9 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None):
             full = parts[0]
         else:
             dim = 1 if _matches(info.get("parameter_with_row_parallelism_patterns", []), name) else 0
+            if _matches(info.get("parameter_with_2_sub_params_cat_dim_0", []), name):  # SwiGLU [gate; up]
+                halves = [p.chunk(2, dim=0) for p in parts]
+                parts = [h[0] for h in halves] + [h[1] for h in halves]
             full = torch.cat(parts, dim=dim)
         if _matches(info.get("vocabulary_parameter_patterns", []), name) and "original_vocab_size" in info:
             full = full[:info["original_vocab_size"]].clone()

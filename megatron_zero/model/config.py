@@ -1,10 +1,25 @@
-"""The GPT model's hyper-parameters (a dataclass; layers are handed what they need)."""
+"""The GPT model's hyper-parameters (a dataclass; layers are handed what they need).
+
+The defaults are GPT-2 as Megatron builds it. The architecture switches (Megatron-LM's flag names)
+make the Llama / Mistral family: `normalization="RMSNorm"`, `position_embedding_type="rope"`,
+`swiglu=True`, `num_query_groups < num_attention_heads` (grouped-query attention),
+`untie_embeddings_and_output_weights=True`, `add_bias_linear=False`.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
+
+
+def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
+    """Megatron's default: 4h, or with SwiGLU 2/3 of that rounded down to a multiple of 64."""
+    return int(4 * hidden_size * 2 / 3 / 64) * 64 if swiglu else 4 * hidden_size
 
 
 @dataclass
@@ -15,7 +30,7 @@ class GPTConfig:
     num_attention_heads: int
     seq_length: int
     max_position_embeddings: int
-    ffn_hidden_size: Optional[int] = None  # None -> 4 * hidden_size
+    ffn_hidden_size: Optional[int] = None  # None -> default_ffn_hidden_size
     make_vocab_size_divisible_by: int = 128
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
@@ -23,10 +38,30 @@ class GPTConfig:
     init_method_std: float = 0.02
     seed: int = 1234
     params_dtype: torch.dtype = torch.float32
+    normalization: str = "LayerNorm"                 # or "RMSNorm" (weight only, no bias)
+    position_embedding_type: str = "learned_absolute"  # or "rope" (no position-embedding table)
+    rotary_base: int = 10000
+    rotary_percent: float = 1.0                      # share of head_dim that RoPE rotates
+    swiglu: bool = False                             # MLP out = W2 (silu(gate x) * (up x))
+    num_query_groups: Optional[int] = None           # None -> num_attention_heads (no grouping)
+    untie_embeddings_and_output_weights: bool = False
+    add_bias_linear: bool = True
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
+            self.ffn_hidden_size = default_ffn_hidden_size(self.hidden_size, self.swiglu)
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(f"normalization {self.normalization!r} is not one of {NORMALIZATIONS}")
+        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
+            raise ValueError(f"position_embedding_type {self.position_embedding_type!r} is not one of "
+                             f"{POSITION_EMBEDDING_TYPES}")
+        if not 0 < self.rotary_percent <= 1:
+            raise ValueError(f"rotary_percent {self.rotary_percent} must lie in (0, 1]")
+        if self.num_query_groups < 1 or self.num_attention_heads % self.num_query_groups != 0:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not divisible by "
+                             f"num_query_groups {self.num_query_groups}")
         if self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by "
                              f"num_attention_heads {self.num_attention_heads}")
@@ -34,9 +69,35 @@ class GPTConfig:
             raise ValueError(f"seq_length {self.seq_length} exceeds max_position_embeddings "
                              f"{self.max_position_embeddings}")
 
+        if self.position_embedding_type == "rope" and self.rotary_dim % 2 != 0:
+            raise ValueError(f"rotary_percent {self.rotary_percent} of head_dim {self.head_dim} gives an odd "
+                             f"rotary dimension {self.rotary_dim}; RoPE rotates pairs")
+
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.rotary_percent)
+
+    @property
+    def has_position_embeddings(self) -> bool:
+        return self.position_embedding_type == "learned_absolute"
+
+    @property
+    def has_norm_bias(self) -> bool:
+        return self.normalization == "LayerNorm"
+
+    @property
+    def qkv_size(self) -> int:
+        """Rows of the fused QKV weight: per query group, its q heads, one k and one v head."""
+        return (self.num_attention_heads + 2 * self.num_query_groups) * self.head_dim
+
+    @property
+    def mlp_in_size(self) -> int:
+        """Rows of dense_h_to_4h: [gate; up] with SwiGLU, else ffn_hidden_size."""
+        return 2 * self.ffn_hidden_size if self.swiglu else self.ffn_hidden_size
 
     def padded_vocab_size(self, tp: int = 1) -> int:
         """Vocabulary rounded up to a multiple of make_vocab_size_divisible_by * tp (Megatron's rule)."""
@@ -48,3 +109,18 @@ class GPTConfig:
         for what, n in (("num_attention_heads", self.num_attention_heads), ("ffn_hidden_size", self.ffn_hidden_size)):
             if n % tp != 0:
                 raise ValueError(f"{what} {n} is not divisible by the tensor-parallel size {tp}")
+        groups = self.num_query_groups
+        if (groups % tp if groups >= tp else tp % groups) != 0:
+            raise ValueError(f"num_query_groups {groups} and the tensor-parallel size {tp} must divide one another")
+        if self.qkv_size % tp != 0:
+            raise ValueError(f"the fused QKV size {self.qkv_size} is not divisible by the tensor-parallel size {tp}")
+
+
+ARCHITECTURE_FIELDS = ("normalization", "position_embedding_type", "rotary_base", "rotary_percent", "swiglu",
+                       "num_query_groups", "untie_embeddings_and_output_weights", "add_bias_linear")
+
+
+def architecture_kwargs(args: dict) -> dict:
+    """The architecture fields of GPTConfig from a training run's arguments (parsed, or saved in a checkpoint);
+    a checkpoint from before these flags existed gives none, i.e. GPT-2."""
+    return {k: args[k] for k in ARCHITECTURE_FIELDS if args.get(k) is not None}

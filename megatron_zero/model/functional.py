@@ -5,12 +5,27 @@ and otherwise the PyTorch fallback of identical meaning.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .. import ops
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     return ops.layer_norm(x, weight, bias, eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return ops.rms_norm(x, weight, eps)
+
+
+def apply_rotary_pos_emb(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return ops.apply_rotary_pos_emb(t, cos, sin)
+
+
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for x = [gate, up] on the last dimension (Megatron's SwiGLU)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def scaled_upper_triang_masked_softmax(scores: torch.Tensor, scale: float) -> torch.Tensor:

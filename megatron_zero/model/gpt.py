@@ -1,4 +1,4 @@
-"""GPT (GPT-2 as Megatron builds it), tensor-parallel, buildable one pipeline stage at a time.
+"""GPT (GPT-2 as Megatron builds it, or the Llama family), tensor-parallel, buildable one pipeline stage at a time.
 
     model = GPTModel(config)                                  # whole model, TP=1: the reference
     model = GPTModel(config, tp_group)                        # whole model, TP-sharded
@@ -19,7 +19,7 @@ from ..tensor_parallel.utils import tp_rank_in, tp_world_size
 from .config import GPTConfig
 from .init import initialize_parameters
 from .layers import EMBEDDING_INDEX, holds_embedding, layer_kind, lm_head_index, num_pipeline_layers
-from .transformer import Embedding, LayerNorm, ParallelTransformerLayer
+from .transformer import Embedding, LMHead, ParallelTransformerLayer, build_norm
 
 
 class GPTModel(nn.Module):
@@ -35,19 +35,30 @@ class GPTModel(nn.Module):
                 or self.layer_indices[0] < 0 or self.layer_indices[-1] >= len(all_layers):
             raise ValueError(f"layer_indices must be a non-empty contiguous range within 0..{len(all_layers) - 1}, "
                              f"got {self.layer_indices}")
-        if holds_embedding(self.layer_indices, L):
+        self.tied = not config.untie_embeddings_and_output_weights
+        if self.tied and holds_embedding(self.layer_indices, L):
             self.tied_modules = nn.ModuleDict({"embed": Embedding(config, tp_group)})
         for i in self.layer_indices:
             kind = layer_kind(i, L)
-            if kind == "block":
+            if kind == "embedding" and not self.tied:
+                self.add_module(str(i), Embedding(config, tp_group))
+            elif kind == "block":
                 self.add_module(str(i), ParallelTransformerLayer(config, tp_group))
             elif kind == "final_norm":
-                self.add_module(str(i), LayerNorm(config.hidden_size, config.layernorm_epsilon, config.params_dtype))
+                self.add_module(str(i), build_norm(config))
+            elif kind == "lm_head" and not self.tied:
+                self.add_module(str(i), LMHead(config, tp_group))
         initialize_parameters(self, config, self.tp, self.tp_rank)
 
     @property
     def embedding(self) -> Embedding:
-        return self.tied_modules["embed"]
+        return self.tied_modules["embed"] if self.tied else self._modules[str(EMBEDDING_INDEX)]
+
+    def output_logits(self, hidden):
+        """This TP rank's slice of the vocabulary logits: the tied word embedding or the untied head."""
+        if self.tied:
+            return self.embedding.lm_logits(hidden)
+        return self._modules[str(lm_head_index(self.config.num_layers))](hidden)
 
     def forward(self, inputs, labels=None, loss_mask=None):
         """Tokens [b, s] (first stage) or hidden [b, s, h] in; hidden, logits, or the mean loss out."""
@@ -57,7 +68,7 @@ class GPTModel(nn.Module):
             if i == EMBEDDING_INDEX:
                 x = self.embedding(x)
             elif i == lm_head_index(L):
-                logits = self.embedding.lm_logits(x)
+                logits = self.output_logits(x)
                 return logits if labels is None else self.loss(logits, labels, loss_mask)
             elif i != 0:  # layer 0, the input cast, has nothing to do in this layout
                 x = self._modules[str(i)](x)

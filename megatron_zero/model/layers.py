@@ -1,10 +1,11 @@
 """Global layer indices, as Megatron-DeepSpeed's GPTModelPipe numbers them (L = num_layers):
 
     0        input cast (no parameters)
-    1        embedding, tied (parameters under `tied_modules.embed.`)
+    1        embedding: tied, under `tied_modules.embed.`; untied, under `1.`
     2..L+1   transformer blocks (parameters under `{i}.`)
-    L+2      final LayerNorm (`{L+2}.weight`, `{L+2}.bias`)
-    L+3      output head, tied to the word embedding (no parameters of its own)
+    L+2      final norm (`{L+2}.weight`, and `{L+2}.bias` for LayerNorm)
+    L+3      output head: tied to the word embedding (no parameters of its own), or untied,
+             Megatron-DeepSpeed's LMHeadPipe (`{L+3}.lm_head.weight`, on the last stage)
 
 Pure functions, usable offline (checkpoint tools, pipeline partitioning).
 """
@@ -56,6 +57,6 @@ def layer_kind(layer_index: int, num_layers: int) -> str:
                      f"for a model of {num_layers} layers")
 
 
-def holds_embedding(layer_indices, num_layers: int) -> bool:
-    """A stage keeps the tied embedding if it runs the input embedding or the output head."""
-    return EMBEDDING_INDEX in layer_indices or lm_head_index(num_layers) in layer_indices
+def holds_embedding(layer_indices, num_layers: int, tied: bool = True) -> bool:
+    """A stage keeps the embedding if it runs the input embedding, or, tied, the output head."""
+    return EMBEDDING_INDEX in layer_indices or (tied and lm_head_index(num_layers) in layer_indices)

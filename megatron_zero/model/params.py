@@ -1,8 +1,23 @@
 """The parameter catalogue: every parameter's name, full (unsharded) shape, TP split and init.
 
-Names are Megatron-DeepSpeed's pipeline names. The full shape of the word
-embedding is the *unpadded* one, [config.vocab_size, h]; padding to
-`config.padded_vocab_size(tp)` happens when a full tensor is sharded.
+Names are Megatron-DeepSpeed's pipeline names (GPTModelPipe):
+
+    tied (GPT-2)                                   untied (--untie-embeddings-and-output-weights)
+    tied_modules.embed.word_embeddings.weight      1.word_embeddings.weight
+    tied_modules.embed.position_embeddings.weight  1.position_embeddings.weight   (learned positions only)
+    (the output head reuses the word embedding)    {L+3}.lm_head.weight           (last stage, vocab-parallel)
+
+Block parameters are `{i}.<suffix>` with the suffixes of BLOCK_PARAMS; the config decides which
+exist (no `*.bias` of a linear layer with add_bias_linear=False, no norm bias with RMSNorm).
+The final norm is `{L+2}.weight` (and `{L+2}.bias` for LayerNorm).
+
+The full shape of a vocabulary tensor is the *unpadded* one, [config.vocab_size, h]; padding
+to `config.padded_vocab_size(tp)` happens when a full tensor is sharded. Two full layouts
+are fused (see sharding.py for how they split across TP):
+* query_key_value: per query group g, [q heads of g, k head of g, v head of g] rows of
+  head_dim each (Megatron's layout; GPT-2's per-head [q, k, v] is groups == heads);
+* SwiGLU's dense_h_to_4h: [gate (ffn rows); up (ffn rows)], `sub_params=2`: TP rank r holds
+  [gate_r; up_r].
 """
 from __future__ import annotations
 
@@ -14,6 +29,10 @@ from .layers import (EMBEDDING_INDEX, final_norm_index, is_block_index, lm_head_
 
 WORD_EMBEDDINGS = "tied_modules.embed.word_embeddings.weight"
 POSITION_EMBEDDINGS = "tied_modules.embed.position_embeddings.weight"
+UNTIED_WORD_EMBEDDINGS = f"{EMBEDDING_INDEX}.word_embeddings.weight"
+UNTIED_POSITION_EMBEDDINGS = f"{EMBEDDING_INDEX}.position_embeddings.weight"
+LM_HEAD_SUFFIX = "lm_head.weight"
+SWIGLU_SUFFIXES = ("mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias")
 
 # suffix within a block -> (partition_dim or None, init kind)
 BLOCK_PARAMS = {
@@ -30,6 +49,7 @@ BLOCK_PARAMS = {
     "mlp.dense_4h_to_h.weight": (1, "scaled_normal"),
     "mlp.dense_4h_to_h.bias": (None, "zeros"),
 }
+_NORM_BIASES = ("input_layernorm.bias", "post_attention_layernorm.bias")
 
 
 @dataclass(frozen=True)
@@ -39,46 +59,82 @@ class ParamSpec:
     partition_dim: Optional[int]  # None: replicated across TP
     init: str                     # 'normal', 'scaled_normal', 'zeros' or 'ones'
     is_vocab: bool = False        # rows are the (padded) vocabulary
+    sub_params: int = 1           # >1: the partition dim holds this many equal blocks, each split across TP
+
+
+def word_embeddings_name(config: GPTConfig) -> str:
+    return UNTIED_WORD_EMBEDDINGS if config.untie_embeddings_and_output_weights else WORD_EMBEDDINGS
+
+
+def position_embeddings_name(config: GPTConfig) -> Optional[str]:
+    if not config.has_position_embeddings:
+        return None
+    return UNTIED_POSITION_EMBEDDINGS if config.untie_embeddings_and_output_weights else POSITION_EMBEDDINGS
+
+
+def lm_head_name(config: GPTConfig) -> Optional[str]:
+    """The untied output layer's weight, or None when the word embedding is the output layer."""
+    if not config.untie_embeddings_and_output_weights:
+        return None
+    return f"{lm_head_index(config.num_layers)}.{LM_HEAD_SUFFIX}"
+
+
+def block_suffixes(config: GPTConfig) -> List[str]:
+    """The suffixes of BLOCK_PARAMS a block of this config has, in module order."""
+    out = []
+    for suffix in BLOCK_PARAMS:
+        if suffix in _NORM_BIASES and not config.has_norm_bias:
+            continue
+        if suffix.endswith(".bias") and suffix not in _NORM_BIASES and not config.add_bias_linear:
+            continue
+        out.append(suffix)
+    return out
 
 
 def _block_shape(suffix: str, c: GPTConfig) -> Tuple[int, ...]:
-    h, f = c.hidden_size, c.ffn_hidden_size
+    h = c.hidden_size
     return {
-        "self_attention.query_key_value.weight": (3 * h, h),
-        "self_attention.query_key_value.bias": (3 * h,),
+        "self_attention.query_key_value.weight": (c.qkv_size, h),
+        "self_attention.query_key_value.bias": (c.qkv_size,),
         "self_attention.dense.weight": (h, h),
-        "mlp.dense_h_to_4h.weight": (f, h),
-        "mlp.dense_h_to_4h.bias": (f,),
-        "mlp.dense_4h_to_h.weight": (h, f),
+        "mlp.dense_h_to_4h.weight": (c.mlp_in_size, h),
+        "mlp.dense_h_to_4h.bias": (c.mlp_in_size,),
+        "mlp.dense_4h_to_h.weight": (h, c.ffn_hidden_size),
     }.get(suffix, (h,))
 
 
 def param_spec(name: str, config: GPTConfig) -> ParamSpec:
     """What a parameter is, from its name alone; raises ValueError on a name this model has not."""
     h = config.hidden_size
-    if name == WORD_EMBEDDINGS:
+    if name == word_embeddings_name(config):
         return ParamSpec(name, (config.vocab_size, h), 0, "normal", is_vocab=True)
-    if name == POSITION_EMBEDDINGS:
+    if name == position_embeddings_name(config):
         return ParamSpec(name, (config.max_position_embeddings, h), None, "normal")
+    if name == lm_head_name(config):
+        return ParamSpec(name, (config.vocab_size, h), 0, "normal", is_vocab=True)
     index, _, suffix = name.partition(".")
     if index.isdigit():
         i = int(index)
-        if is_block_index(i, config.num_layers) and suffix in BLOCK_PARAMS:
+        if is_block_index(i, config.num_layers) and suffix in block_suffixes(config):
             dim, init = BLOCK_PARAMS[suffix]
-            return ParamSpec(name, _block_shape(suffix, config), dim, init)
-        if i == final_norm_index(config.num_layers) and suffix in ("weight", "bias"):
+            sub_params = 2 if config.swiglu and suffix in SWIGLU_SUFFIXES else 1
+            return ParamSpec(name, _block_shape(suffix, config), dim, init, sub_params=sub_params)
+        if i == final_norm_index(config.num_layers) and (suffix == "weight" or
+                                                         (suffix == "bias" and config.has_norm_bias)):
             return ParamSpec(name, (h,), None, "ones" if suffix == "weight" else "zeros")
-    raise ValueError(f"{name!r} is not a parameter of a GPT with {config.num_layers} layers")
+    raise ValueError(f"{name!r} is not a parameter of this {config.num_layers}-layer model")
 
 
 def layer_param_names(layer_index: int, config: GPTConfig) -> List[str]:
     L = config.num_layers
     if layer_index == EMBEDDING_INDEX:
-        return [WORD_EMBEDDINGS, POSITION_EMBEDDINGS]
+        return [n for n in (word_embeddings_name(config), position_embeddings_name(config)) if n]
     if is_block_index(layer_index, L):
-        return [f"{layer_index}.{suffix}" for suffix in BLOCK_PARAMS]
+        return [f"{layer_index}.{suffix}" for suffix in block_suffixes(config)]
     if layer_index == final_norm_index(L):
-        return [f"{layer_index}.weight", f"{layer_index}.bias"]
+        return [f"{layer_index}.weight"] + ([f"{layer_index}.bias"] if config.has_norm_bias else [])
+    if layer_index == lm_head_index(L) and config.untie_embeddings_and_output_weights:
+        return [lm_head_name(config)]
     return []
 
 
@@ -86,7 +142,8 @@ def param_names(config: GPTConfig, layer_indices=None) -> List[str]:
     """Every parameter name of the layers given (default: the whole model), in module order."""
     indices = list(range(num_pipeline_layers(config.num_layers)) if layer_indices is None else layer_indices)
     names = []
-    if lm_head_index(config.num_layers) in indices and EMBEDDING_INDEX not in indices:
+    tied = not config.untie_embeddings_and_output_weights
+    if tied and lm_head_index(config.num_layers) in indices and EMBEDDING_INDEX not in indices:
         names += layer_param_names(EMBEDDING_INDEX, config)
     for i in indices:
         names += layer_param_names(i, config)

@@ -10,8 +10,12 @@ Forms, stated once:
   before the split.
 
 Padded rows are never trained (their logits are excluded from the loss), so they
-are zeros and re-padding is exact. The fused QKV weight is laid out per head
-(heads x [q, k, v] x head_dim), so its TP split is a plain contiguous dim-0 split.
+are zeros and re-padding is exact. The fused QKV weight is laid out per query group
+(groups x [q heads, k, v] x head_dim), so its TP split is a plain contiguous dim-0 split:
+with num_query_groups >= tp each rank holds whole groups; with fewer groups than ranks each
+holds a piece of one group and attention all-gathers the group (Megatron's KV replication).
+A tensor with `sub_params` blocks (SwiGLU's [gate; up]) is split block by block: TP rank r
+holds [gate_r; up_r], so each rank has matching halves.
 """
 from __future__ import annotations
 
@@ -47,8 +51,20 @@ def shard_tensor(full: torch.Tensor, spec: ParamSpec, config: GPTConfig, tp: int
         full = pad_vocab(full, config.padded_vocab_size(tp))
     if spec.partition_dim is None:
         return full.clone()
-    size = full.shape[spec.partition_dim] // tp
-    return full.narrow(spec.partition_dim, tp_rank * size, size).clone()
+    return split_sub_params(full, spec.partition_dim, spec.sub_params, tp, tp_rank)
+
+
+def split_sub_params(full: torch.Tensor, dim: int, sub_params: int, tp: int, tp_rank: int) -> torch.Tensor:
+    """TP rank tp_rank's slice of each of the `sub_params` equal blocks of `dim`, concatenated."""
+    blocks = full.chunk(sub_params, dim=dim)
+    size = blocks[0].shape[dim] // tp
+    return torch.cat([b.narrow(dim, tp_rank * size, size) for b in blocks], dim=dim)
+
+
+def merge_sub_params(shards: List[torch.Tensor], dim: int, sub_params: int) -> torch.Tensor:
+    """The inverse of split_sub_params over every TP rank's slice (in TP-rank order)."""
+    pieces = [s.chunk(sub_params, dim=dim) for s in shards]
+    return torch.cat([p[k] for k in range(sub_params) for p in pieces], dim=dim)
 
 
 def gather_tensor(shards: List[torch.Tensor], spec: ParamSpec, config: GPTConfig) -> torch.Tensor:
@@ -56,7 +72,7 @@ def gather_tensor(shards: List[torch.Tensor], spec: ParamSpec, config: GPTConfig
     if spec.partition_dim is None:
         full = shards[0].clone()
     else:
-        full = torch.cat(list(shards), dim=spec.partition_dim)
+        full = merge_sub_params(list(shards), spec.partition_dim, spec.sub_params)
     return unpad_vocab(full, config.vocab_size) if spec.is_vocab else full
 
 

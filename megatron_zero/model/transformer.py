@@ -1,7 +1,10 @@
-"""The GPT-2 pieces as Megatron builds them, tensor-parallel: embedding, LayerNorm, attention, MLP, block.
+"""The transformer pieces as Megatron builds them, tensor-parallel: embedding, norms, attention, MLP, block,
+and the untied output head.
 
 Activations are batch-first [b, s, h]. Inside a block the attention heads and the
-MLP's 4h features are split across TP ranks; the residual stream is replicated.
+MLP's ffn features are split across TP ranks; the residual stream is replicated.
+GPT-2 is the default; the config's architecture switches give the Llama family
+(RMSNorm, RoPE, SwiGLU, grouped-query attention, no linear biases, untied head).
 """
 from __future__ import annotations
 
@@ -12,8 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                               all_gather_last_dim_from_tensor_parallel_region,
                                copy_to_tensor_model_parallel_region, get_rng_tracker)
-from ..tensor_parallel.utils import divide, set_tensor_model_parallel_attributes, tp_world_size
+from ..tensor_parallel.utils import divide, set_tensor_model_parallel_attributes, tp_rank_in, tp_world_size
+from ..ops import rotary_tables
 from . import functional
 from .config import GPTConfig
 
@@ -31,21 +36,42 @@ class LayerNorm(nn.Module):
         return functional.layer_norm(x, self.weight, self.bias, self.eps)
 
 
+class RMSNorm(nn.Module):
+    """RMSNorm with `weight` only, replicated across TP."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype=torch.float32):
+        super().__init__()
+        self.eps = eps
+        self.weight = set_tensor_model_parallel_attributes(nn.Parameter(torch.ones(hidden_size, dtype=dtype)), False)
+
+    def forward(self, x):
+        return functional.rms_norm(x, self.weight, self.eps)
+
+
+def build_norm(config: GPTConfig) -> nn.Module:
+    norm = RMSNorm if config.normalization == "RMSNorm" else LayerNorm
+    return norm(config.hidden_size, config.layernorm_epsilon, config.params_dtype)
+
+
 class Embedding(nn.Module):
-    """Word (vocab-parallel) + learned position embeddings, then hidden dropout; also the tied output head."""
+    """Word (vocab-parallel) embedding, plus learned positions if the config has them, then hidden dropout;
+    when tied, also the output head."""
 
     def __init__(self, config: GPTConfig, tp_group=None):
         super().__init__()
         self.config, self.tp_group = config, tp_group
         padded = config.padded_vocab_size(tp_world_size(tp_group))
         self.word_embeddings = VocabParallelEmbedding(padded, config.hidden_size, tp_group, config.params_dtype)
-        positions = torch.zeros(config.max_position_embeddings, config.hidden_size, dtype=config.params_dtype)
-        self.position_embeddings = nn.Embedding(*positions.shape, _weight=positions)  # no draw from the RNG
-        set_tensor_model_parallel_attributes(self.position_embeddings.weight, False)
+        if config.has_position_embeddings:
+            positions = torch.zeros(config.max_position_embeddings, config.hidden_size, dtype=config.params_dtype)
+            self.position_embeddings = nn.Embedding(*positions.shape, _weight=positions)  # no draw from the RNG
+            set_tensor_model_parallel_attributes(self.position_embeddings.weight, False)
 
     def forward(self, tokens):
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.word_embeddings(tokens) + self.position_embeddings(positions).unsqueeze(0)
+        x = self.word_embeddings(tokens)
+        if self.config.has_position_embeddings:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+            x = x + self.position_embeddings(positions).unsqueeze(0)
         return F.dropout(x, self.config.hidden_dropout, self.training)
 
     def lm_logits(self, hidden):
@@ -54,25 +80,99 @@ class Embedding(nn.Module):
         return F.linear(hidden, self.word_embeddings.weight)
 
 
-class ParallelAttention(nn.Module):
-    """Causal self-attention; each TP rank owns num_heads / tp whole heads.
+class LMHead(nn.Module):
+    """The untied output layer (Megatron-DeepSpeed's LMHeadPipe): a vocab-parallel linear, no bias."""
 
-    The fused QKV output is laid out per head: [heads, (q, k, v), head_dim].
+    def __init__(self, config: GPTConfig, tp_group=None):
+        super().__init__()
+        padded = config.padded_vocab_size(tp_world_size(tp_group))
+        self.lm_head = ColumnParallelLinear(config.hidden_size, padded, tp_group, bias=False,
+                                            params_dtype=config.params_dtype)
+
+    def forward(self, hidden):
+        """This TP rank's slice of the vocabulary logits [b, s, V_padded / tp]."""
+        return self.lm_head(hidden)
+
+
+class RotaryEmbedding:
+    """cos/sin tables for RoPE, built once per sequence length and device (no parameters, nothing saved)."""
+
+    def __init__(self, config: GPTConfig):
+        self.dim, self.base = config.rotary_dim, config.rotary_base
+        self._tables = {}
+
+    def __call__(self, seq_len: int, device):
+        key = (seq_len, str(device))
+        if key not in self._tables:
+            self._tables[key] = rotary_tables(seq_len, self.dim, self.base, device)
+        return self._tables[key]
+
+
+class QKVSplit:
+    """This TP rank's query, key and value heads out of its slice of the fused, grouped QKV output.
+
+    The full QKV rows are, per query group, [q heads of the group, k, v]. With num_query_groups
+    >= tp each rank's contiguous slice holds whole groups. With fewer groups than ranks
+    (Megatron's KV replication) the slices are all-gathered, each rank takes its group's block,
+    and keeps its num_heads / tp query heads of that group; the ranks sharing a group compute
+    its k and v redundantly.
     """
+
+    def __init__(self, config: GPTConfig, tp_group=None):
+        tp, groups = tp_world_size(tp_group), config.num_query_groups
+        self.tp_group, self.head_dim = tp_group, config.head_dim
+        self.local_heads = divide(config.num_attention_heads, tp)
+        self.gather = groups < tp
+        if self.gather:
+            ranks_per_group = tp // groups
+            rank = tp_rank_in(tp_group)
+            self.group_index, self.q_index = rank // ranks_per_group, rank % ranks_per_group
+            self.local_groups = 1
+            self.heads_per_group = config.num_attention_heads // groups
+        else:
+            self.local_groups = groups // tp
+            self.heads_per_group = self.local_heads // self.local_groups
+
+    def __call__(self, mixed: torch.Tensor):
+        """mixed [b, s, local QKV rows] -> q [b, local_heads, s, hd], k and v [b, local_groups, s, hd]."""
+        b, s, _ = mixed.shape
+        hd = self.head_dim
+        if self.gather:
+            mixed = all_gather_last_dim_from_tensor_parallel_region(mixed, self.tp_group)
+            size = (self.heads_per_group + 2) * hd
+            mixed = mixed[..., self.group_index * size:(self.group_index + 1) * size]
+        mixed = mixed.reshape(b, s, self.local_groups, (self.heads_per_group + 2) * hd)
+        q, k, v = mixed.split([self.heads_per_group * hd, hd, hd], dim=-1)
+        q = q.reshape(b, s, self.local_groups * self.heads_per_group, hd)
+        if self.gather:
+            q = q[:, :, self.q_index * self.local_heads:(self.q_index + 1) * self.local_heads]
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+
+class ParallelAttention(nn.Module):
+    """Causal self-attention; each TP rank owns num_heads / tp whole query heads (see QKVSplit)."""
 
     def __init__(self, config: GPTConfig, tp_group=None):
         super().__init__()
         h = config.hidden_size
         self.head_dim = config.head_dim
-        self.local_heads = divide(config.num_attention_heads, tp_world_size(tp_group))
+        self.split_qkv = QKVSplit(config, tp_group)
+        self.local_heads = self.split_qkv.local_heads
+        self.rotary = RotaryEmbedding(config) if config.position_embedding_type == "rope" else None
         self.dropout_p = config.attention_dropout
-        self.query_key_value = ColumnParallelLinear(h, 3 * h, tp_group, params_dtype=config.params_dtype)
-        self.dense = RowParallelLinear(h, h, tp_group, input_is_parallel=True, params_dtype=config.params_dtype)
+        bias = config.add_bias_linear
+        self.query_key_value = ColumnParallelLinear(h, config.qkv_size, tp_group, bias=bias,
+                                                    params_dtype=config.params_dtype)
+        self.dense = RowParallelLinear(h, h, tp_group, bias=bias, input_is_parallel=True,
+                                       params_dtype=config.params_dtype)
 
     def forward(self, x):
         b, s, _ = x.shape
-        qkv = self.query_key_value(x).view(b, s, self.local_heads, 3 * self.head_dim)
-        q, k, v = (t.transpose(1, 2) for t in qkv.split(self.head_dim, dim=-1))  # [b, np, s, hd]
+        q, k, v = self.split_qkv(self.query_key_value(x))  # [b, heads or groups, s, hd]
+        if self.rotary is not None:
+            cos, sin = self.rotary(s, x.device)
+            q, k = functional.apply_rotary_pos_emb(q, cos, sin), functional.apply_rotary_pos_emb(k, cos, sin)
+        k, v = expand_kv_heads(k, self.local_heads), expand_kv_heads(v, self.local_heads)
         probs = functional.scaled_upper_triang_masked_softmax(q @ k.transpose(-2, -1), 1.0 / math.sqrt(self.head_dim))
         if self.training and self.dropout_p > 0:
             with get_rng_tracker().fork():  # heads differ per TP rank: draw per-rank masks
@@ -81,30 +181,42 @@ class ParallelAttention(nn.Module):
         return self.dense(context)
 
 
+def expand_kv_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """[b, groups, s, hd] -> [b, heads, s, hd]: each group's head serves heads / groups query heads in a row."""
+    groups = t.shape[1]
+    return t if groups == heads else t.repeat_interleave(heads // groups, dim=1)
+
+
 class ParallelMLP(nn.Module):
-    """h -> ffn (column-parallel) -> GeLU -> h (row-parallel)."""
+    """h -> ffn (column-parallel) -> GeLU, or SwiGLU over [gate; up] -> h (row-parallel)."""
 
     def __init__(self, config: GPTConfig, tp_group=None):
         super().__init__()
-        h, f = config.hidden_size, config.ffn_hidden_size
-        self.dense_h_to_4h = ColumnParallelLinear(h, f, tp_group, skip_bias_add=True, params_dtype=config.params_dtype)
-        self.dense_4h_to_h = RowParallelLinear(f, h, tp_group, input_is_parallel=True, params_dtype=config.params_dtype)
+        h, f, bias = config.hidden_size, config.ffn_hidden_size, config.add_bias_linear
+        self.swiglu = config.swiglu
+        self.dense_h_to_4h = ColumnParallelLinear(h, config.mlp_in_size, tp_group, bias=bias, skip_bias_add=True,
+                                                  params_dtype=config.params_dtype)
+        self.dense_4h_to_h = RowParallelLinear(f, h, tp_group, bias=bias, input_is_parallel=True,
+                                               params_dtype=config.params_dtype)
 
     def forward(self, x):
         y, bias = self.dense_h_to_4h(x)
+        if self.swiglu:
+            return self.dense_4h_to_h(functional.swiglu(y if bias is None else y + bias))
+        if bias is None:
+            return self.dense_4h_to_h(F.gelu(y, approximate="tanh"))
         return self.dense_4h_to_h(functional.bias_gelu(bias, y))
 
 
 class ParallelTransformerLayer(nn.Module):
-    """Pre-LayerNorm block: x + drop(attn(ln(x))), then + drop(mlp(ln(.))). Hidden dropout is replicated."""
+    """Pre-norm block: x + drop(attn(norm(x))), then + drop(mlp(norm(.))). Hidden dropout is replicated."""
 
     def __init__(self, config: GPTConfig, tp_group=None):
         super().__init__()
         self.hidden_dropout = config.hidden_dropout
-        eps, dtype = config.layernorm_epsilon, config.params_dtype
-        self.input_layernorm = LayerNorm(config.hidden_size, eps, dtype)
+        self.input_layernorm = build_norm(config)
         self.self_attention = ParallelAttention(config, tp_group)
-        self.post_attention_layernorm = LayerNorm(config.hidden_size, eps, dtype)
+        self.post_attention_layernorm = build_norm(config)
         self.mlp = ParallelMLP(config, tp_group)
 
     def forward(self, x):

@@ -5,17 +5,22 @@ word embedding as its output layer). After each global batch's backward their
 gradients are summed over the embedding group, so both copies take the same
 update and never drift. The position embedding is summed too: the last stage's
 copy gets a zero gradient of its own, so it stays equal to the first stage's.
+An untied model (--untie-embeddings-and-output-weights) has no shared tensor: the embedding
+lives on the first stage, the output head on the last, and none of this applies.
 The last stage's copies are marked `shared` so the gradient norm counts them once, and
 both copies `zero_defer_reduce` so ZeRO-2 reduces them only after that sum.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..model.gpt import GPTModel
+from ..model.layers import EMBEDDING_INDEX, block_layer_index, final_norm_index, lm_head_index
+from ..model.params import layer_param_names, param_spec
 from ..topology import ParallelState
 from .partition import stage_layer_ranges
 
@@ -36,10 +41,12 @@ def build_gpt_stage(config, state: ParallelState, partition_method: str = "unifo
 
 
 def _param_weights(config) -> Dict[str, int]:
-    h, f, v = config.hidden_size, config.ffn_hidden_size, config.vocab_size
-    block = 4 * h * h + 2 * h * f + 9 * h + f  # qkv, dense, mlp, their biases, two norms
-    return {"block_params": block, "embedding_params": v * h + config.max_position_embeddings * h,
-            "final_params": 2 * h}
+    """Parameter counts from the catalogue: a block, the embedding, and the final norm plus an untied head."""
+    def count(*indices):
+        return sum(math.prod(param_spec(n, config).full_shape) for i in indices for n in layer_param_names(i, config))
+    L = config.num_layers
+    return {"block_params": count(block_layer_index(0)), "embedding_params": count(EMBEDDING_INDEX),
+            "final_params": count(final_norm_index(L), lm_head_index(L))}
 
 
 def sync_tied_embedding_grads(model: GPTModel, state: ParallelState):

@@ -4,6 +4,9 @@
     reduce_from: forward all-reduce (sum),  backward identity
     scatter_to: forward keep my last-dim chunk, backward all-gather last dim
     gather_from: forward all-gather last dim,   backward keep my chunk
+    all_gather_last_dim: forward all-gather last dim, backward reduce-scatter last dim
+                 (every rank uses a different part of the gathered tensor: grouped-query
+                 attention with fewer KV groups than TP ranks)
 
 `group=None` (or a group of one rank) makes every mapping the identity.
 """
@@ -74,6 +77,17 @@ class _GatherFromRegion(torch.autograd.Function):
         return _split_last(grad, ctx.group), None
 
 
+class _AllGatherLastDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):  # reduce-scatter as all-reduce + keep my chunk: gloo has no reduce_scatter
+        return _split_last(_all_reduce(grad.contiguous(), ctx.group), ctx.group), None
+
+
 def _active(group) -> bool:
     return tp_world_size(group) > 1
 
@@ -92,3 +106,7 @@ def scatter_to_tensor_model_parallel_region(x, group):
 
 def gather_from_tensor_model_parallel_region(x, group):
     return _GatherFromRegion.apply(x, group) if _active(group) else x
+
+
+def all_gather_last_dim_from_tensor_parallel_region(x, group):
+    return _AllGatherLastDim.apply(x, group) if _active(group) else x

@@ -1,5 +1,8 @@
-"""The small GPT the parity tests share: fast on 8 gloo ranks, vocabulary padded (100 -> 112 at TP1)."""
+"""The small models the parity tests share: fast on 8 gloo ranks, vocabulary padded (100 -> 112 at TP1)."""
 from ..model.config import GPTConfig
+
+LLAMA_ARCHITECTURE = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
+                          untie_embeddings_and_output_weights=True, add_bias_linear=False)
 
 
 def tiny_gpt_config(num_layers: int = 4, **overrides) -> GPTConfig:
@@ -9,3 +12,10 @@ def tiny_gpt_config(num_layers: int = 4, **overrides) -> GPTConfig:
                   attention_dropout=0.0)
     fields.update(overrides)
     return GPTConfig(**fields)
+
+
+def tiny_llama_config(num_layers: int = 4, num_query_groups: int = 2, **overrides) -> GPTConfig:
+    """tiny_gpt_config as a Llama: RMSNorm, RoPE, SwiGLU (ffn 48), grouped-query attention, untied, no bias."""
+    fields = dict(LLAMA_ARCHITECTURE, num_query_groups=num_query_groups, ffn_hidden_size=48, hidden_size=64)
+    fields.update(overrides)
+    return tiny_gpt_config(num_layers, **fields)

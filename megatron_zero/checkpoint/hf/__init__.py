@@ -5,6 +5,7 @@ An architecture module (see gpt2.py) provides
     HF_ARCHITECTURE            the transformers class name in config.json's "architectures"
     MODEL_TYPE                 config.json's "model_type"
     SKIPPED_HF                 regexes of HF tensor names that are not parameters (buffers, tied copies)
+    PRESERVED_HF               config.json keys our config does not hold, carried from an import to its export
     config_from_hf(hf) -> GPTConfig              refuses (CheckpointError) what our model cannot compute
     hf_config(config) -> dict                    config.json for an export
     flags(config) -> list[str]                   the Megatron flags that build this model
@@ -28,10 +29,10 @@ from typing import Optional
 
 from ...model.config import GPTConfig
 from ..errors import CheckpointError
-from . import gpt2
+from . import gpt2, llama, mistral
 from .mapping import TensorMapping
 
-ARCHITECTURES = {m.HF_ARCHITECTURE: m for m in (gpt2,)}
+ARCHITECTURES = {m.HF_ARCHITECTURE: m for m in (llama, mistral, gpt2)}
 
 
 def for_hf_config(hf: dict, where: str = "config.json") -> ModuleType:

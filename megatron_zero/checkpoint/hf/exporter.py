@@ -83,6 +83,7 @@ def export_hf(checkpoint_dir: str, output_dir: str, dtype: str = "fp32", max_sha
     saved = head.get("hf_config") or {}
     tokens = {k: saved[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if saved.get(k) is not None}
     hf.update(tokens)
+    hf.update({k: saved[k] for k in module.PRESERVED_HF if k in saved})
     with open(os.path.join(output_dir, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
     with open(os.path.join(output_dir, "generation_config.json"), "w") as f:

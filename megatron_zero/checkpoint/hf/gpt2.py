@@ -19,6 +19,7 @@ from .mapping import TensorMapping, base_flags, same, transposed
 HF_ARCHITECTURE = "GPT2LMHeadModel"
 MODEL_TYPE = "gpt2"
 SKIPPED_HF = (r"(^|\.)attn\.(masked_)?bias$", r"^lm_head\.weight$")
+PRESERVED_HF = ()
 ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # the same tanh GeLU
 
 

@@ -3,7 +3,8 @@
     summary = import_hf("<hf_dir>", "<ckpt>", tp=2, pp=2)
 
 writes
-    <ckpt>/zero/<param>/fp32.pt           {'param': full fp32 tensor, ['cat_dim'], ['vocab_tensor']}
+    <ckpt>/zero/<param>/fp32.pt           {'param': full fp32 tensor, ['cat_dim'], ['vocab_tensor'],
+                                           ['param_n_sub_params']}
     <ckpt>/zero/optimizer_state.pt        {} (no optimizer: the run starts with a fresh one)
     <ckpt>/mp_rank_00_model_states.pt     {'args': the model's flags, 'iteration': 0, 'weights_only': True, ...}
     <ckpt>/megatron_flags.txt             the flags that build this model, one command line
@@ -26,6 +27,7 @@ from typing import Optional
 from ...model.params import param_names, param_spec
 from ..errors import CheckpointError
 from ..tensor_io import save_file
+from ..universal_info import SUB_PARAMS_KEY
 from . import for_hf_config
 from .reader import HFModelDir
 
@@ -77,6 +79,8 @@ def import_hf(input_dir: str, output_dir: str, tp: int = 1, pp: int = 1) -> dict
             record = {} if spec.partition_dim is None else {"cat_dim": spec.partition_dim}
             if spec.is_vocab:
                 record["vocab_tensor"] = True
+            if spec.sub_params > 1:
+                record[SUB_PARAMS_KEY] = spec.sub_params
             record["param"] = full.contiguous()
             os.makedirs(os.path.join(tmp, "zero", name))
             total += save_file(record, os.path.join(tmp, "zero", name, "fp32.pt"), fsync=False)[0]
