@@ -53,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "stage3_param_persistence_threshold; 0 gathers every parameter per layer)")
     g.add_argument("--zero-nvme-offload-path", type=str, default=None,
                    help="keep optimizer state in files under this path (ZeRO-Infinity style)")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="Megatron's distributed optimizer: ZeRO-1 (the default --zero-stage)")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="ZeRO 0-2: reduce gradient buckets asynchronously during backward")
+    g.add_argument("--overlap-param-gather", action="store_true", default=None,
+                   help="ZeRO 1/2: all-gather updated weights asynchronously, waited on at first use; "
+                        "ZeRO-3: prefetch the next layer (on by default there, as in DeepSpeed)")
     g.add_argument("--deepspeed-config", "--deepspeed_config", dest="deepspeed_config", type=str, default=None)
     g.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None)
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
@@ -210,6 +217,7 @@ def validate_args(args, world_size: int):
              f"--pipeline-model-parallel-size {pp}; use --zero-stage 1 or 2 with pipelining")
     _require(args.zero_param_persistence_threshold >= 0,
              f"--zero-param-persistence-threshold {args.zero_param_persistence_threshold} must not be negative")
+    _check_overlap(args)
     if args.zero_nvme_offload_path:
         args.offload = "nvme"
     _require(args.offload == "none" or args.zero_stage >= 1,
@@ -220,6 +228,21 @@ def validate_args(args, world_size: int):
         _check_data_path(args.data_path)
     args.params_dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     return args
+
+
+def _check_overlap(args):
+    """--use-distributed-optimizer, --overlap-grad-reduce and --overlap-param-gather against the ZeRO stage."""
+    stage = args.zero_stage
+    _require(not args.use_distributed_optimizer or stage >= 1,
+             f"--use-distributed-optimizer is ZeRO-1 and contradicts --zero-stage {stage}; drop one of them")
+    _require(not args.overlap_grad_reduce or stage <= 2,
+             "--overlap-grad-reduce applies to --zero-stage 0, 1 or 2 (ZeRO-3 reduce-scatters each layer's "
+             "gradients during backward already); drop it or choose another stage")
+    if args.overlap_param_gather is None:
+        args.overlap_param_gather = stage == 3
+    _require(not args.overlap_param_gather or stage >= 1,
+             "--overlap-param-gather needs --use-distributed-optimizer (ZeRO-1) or --zero-stage 2 or 3: "
+             "with --zero-stage 0 there are no parameters to gather")
 
 
 def _check_data_path(data_path: List[str]):

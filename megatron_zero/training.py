@@ -105,7 +105,9 @@ class Trainer:
             weight_decay=args.weight_decay, clip_grad=args.clip_grad, mp_group=state.mp_group,
             tp_rank=state.tp_rank, dtype=args.params_dtype, loss_scaler=loss_scaler, offload=args.offload,
             nvme_path=args.zero_nvme_offload_path, module=self.model,
-            persistence_threshold=args.zero_param_persistence_threshold)
+            persistence_threshold=args.zero_param_persistence_threshold,
+            prefetch=args.overlap_param_gather, overlap_grad_reduce=args.overlap_grad_reduce,
+            overlap_param_gather=args.overlap_param_gather and args.zero_stage < 3)
         self.schedule = LRSchedule(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
                                    args.lr_decay_style)
         self.progress = TrainState()
@@ -141,7 +143,8 @@ class Trainer:
         s = self.state
         self.model.train()
         losses = forward_backward(make_forward_step(self.model, micro, s), len(micro), self.p2p, s.pp_rank,
-                                  s.pp_size, backward_loss=self.optimizer.backward)
+                                  s.pp_size, backward_loss=self.optimizer.backward,
+                                  before_last_backward=self.optimizer.arm_grad_reduce)
         sync_tied_embedding_grads(self.model, s)
         lr = self.schedule.lr()
         updated, grad_norm = self.optimizer.step(lr=lr)
