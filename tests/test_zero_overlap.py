@@ -4,6 +4,8 @@ hold): same losses and same final weights, torch.equal, at DP2, TP2 x DP2 and PP
 gradient accumulation (2 micro-batches), clipping, and buckets small enough that several are in
 flight. At DP 2 each gradient element is one sum of two numbers, so the order of the collectives
 cannot change it: equality is exact."""
+import glob
+
 import pytest
 import torch
 
@@ -90,3 +92,28 @@ def _wait_counts(stage):
 def test_param_gather_waits_for_first_units_chunks_only():
     for total, left in run_ranks(_wait_counts, DP, 1):
         assert total > 2 and 0 < left < total
+
+
+def test_pretrain_with_overlap_flags_logs_the_same_losses(builtin_corpus, tmp_path):
+    """The flags reach the optimizer through pretrain_gpt.py (PP2 x DP2, ZeRO-2, tied embedding), and a
+    checkpoint saved while the updated weights are being gathered holds them: its layer files equal the
+    blocking run's."""
+    from test_training_e2e import losses_from_log, model_flags, torchrun
+
+    data, tok = builtin_corpus
+    runs = {}
+    for name, extra in (("blocking", {}), ("overlap", {"overlap-grad-reduce": True, "overlap-param-gather": True})):
+        argv = model_flags(data, tok, **{"pipeline-model-parallel-size": 2, "zero-stage": 2, "train-iters": 3,
+                                         "eval-iters": 0, "data-cache-path": tmp_path / "cache",
+                                         "save": tmp_path / name, "save-interval": 2, **extra})
+        run = torchrun(4, argv)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        runs[name] = losses_from_log(run.stdout)
+    assert len(runs["blocking"]) == 3 and runs["overlap"] == runs["blocking"]
+    layer_files = sorted(glob.glob(str(tmp_path / "blocking" / "global_step2" / "layer_*-model_states.pt")))
+    assert layer_files
+    for path in layer_files:
+        blocking = torch.load(path, weights_only=True)
+        overlap = torch.load(path.replace("blocking", "overlap"), weights_only=True)
+        assert blocking.keys() == overlap.keys()
+        assert all(torch.equal(blocking[k], overlap[k]) for k in blocking), path
