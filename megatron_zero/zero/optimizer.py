@@ -52,7 +52,8 @@ class ZeroOptimizer:
                  loss_scaler=None, offload: str = "none", nvme_path: Optional[str] = None,
                  bucket_size: int = 50_000_000, module: Optional[torch.nn.Module] = None,
                  layers=None, prefetch: bool = True, persistence_threshold: int = 100_000,
-                 overlap_grad_reduce: bool = False, overlap_param_gather: bool = False):
+                 overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
+                 quantized_weights: bool = False, quantized_gradients: bool = False):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
         self.stage, self.dtype, self.clip_grad = stage, _dtype(dtype), float(clip_grad or 0.0)
@@ -62,8 +63,11 @@ class ZeroOptimizer:
         self.names = [[n for n, _ in g] for g in self.named_groups]
         if stage == 3:
             from .stage3 import Stage3
-            self.impl = Stage3(self.named_groups, dp_group, self.dtype, bucket_size, module=module,
-                               layers=layers, prefetch=prefetch, persistence_threshold=persistence_threshold)
+            from .stage3_zeropp import Stage3ZeroPP
+            zeropp = {"quantized_weights": quantized_weights, "quantized_gradients": quantized_gradients}
+            cls, extra = (Stage3ZeroPP, zeropp) if any(zeropp.values()) else (Stage3, {})
+            self.impl = cls(self.named_groups, dp_group, self.dtype, bucket_size, module=module, layers=layers,
+                            prefetch=prefetch, persistence_threshold=persistence_threshold, **extra)
         elif overlap_grad_reduce or overlap_param_gather:
             from .stage12_overlap import Stage12Overlap
             self.impl = Stage12Overlap(self.named_groups, dp_group, stage, self.dtype, bucket_size,
