@@ -60,6 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--overlap-param-gather", action="store_true", default=None,
                    help="ZeRO 1/2: all-gather updated weights asynchronously, waited on at first use; "
                         "ZeRO-3: prefetch the next layer (on by default there, as in DeepSpeed)")
+    g.add_argument("--zero-quantized-weights", action="store_true",
+                   help="ZeRO++ qwZ (ZeRO-3): all-gather weights as int8 blocks (DeepSpeed's zero_quantized_weights)")
+    g.add_argument("--zero-quantized-gradients", action="store_true",
+                   help="ZeRO++ qgZ (ZeRO-3): reduce-scatter gradients as int8 blocks (zero_quantized_gradients)")
+    g.add_argument("--zero-hpz-partition-size", type=int, default=1,
+                   help="ZeRO++ hpZ (ZeRO-3): backward re-gathers weights within blocks of this many DP ranks "
+                        "(zero_hpz_partition_size; 1: off)")
     g.add_argument("--deepspeed-config", "--deepspeed_config", dest="deepspeed_config", type=str, default=None)
     g.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None)
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
@@ -231,13 +238,21 @@ def validate_args(args, world_size: int):
 
 
 def _check_overlap(args):
-    """--use-distributed-optimizer, --overlap-grad-reduce and --overlap-param-gather against the ZeRO stage."""
+    """--use-distributed-optimizer, --overlap-*, and ZeRO++'s flags against the ZeRO stage."""
     stage = args.zero_stage
     _require(not args.use_distributed_optimizer or stage >= 1,
              f"--use-distributed-optimizer is ZeRO-1 and contradicts --zero-stage {stage}; drop one of them")
     _require(not args.overlap_grad_reduce or stage <= 2,
              "--overlap-grad-reduce applies to --zero-stage 0, 1 or 2 (ZeRO-3 reduce-scatters each layer's "
              "gradients during backward already); drop it or choose another stage")
+    zeropp = [flag for flag, on in (("--zero-quantized-weights", args.zero_quantized_weights),
+                                    ("--zero-quantized-gradients", args.zero_quantized_gradients),
+                                    ("--zero-hpz-partition-size", args.zero_hpz_partition_size != 1)) if on]
+    _require(not zeropp or stage == 3,
+             f"{' and '.join(zeropp)} (ZeRO++) need --zero-stage 3, not {stage}")
+    hpz, dp = args.zero_hpz_partition_size, args.data_parallel_size
+    _require(hpz >= 1 and dp % hpz == 0,
+             f"--zero-hpz-partition-size {hpz} (zero_hpz_partition_size) must divide the data-parallel size {dp}")
     if args.overlap_param_gather is None:
         args.overlap_param_gather = stage == 3
     _require(not args.overlap_param_gather or stage >= 1,

@@ -31,6 +31,13 @@ _MAPPING = [
     (("fp16", "loss_scale_window"), "loss_scale_window", "--loss-scale-window"),
 ]
 
+# ZeRO++ (zero/stage3_zeropp.py)
+_MAPPING += [
+    (("zero_optimization", "zero_quantized_weights"), "zero_quantized_weights", "--zero-quantized-weights"),
+    (("zero_optimization", "zero_quantized_gradients"), "zero_quantized_gradients", "--zero-quantized-gradients"),
+    (("zero_optimization", "zero_hpz_partition_size"), "zero_hpz_partition_size", "--zero-hpz-partition-size"),
+]
+
 
 def _lookup(config: dict, path):
     node = config

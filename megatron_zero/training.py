@@ -33,7 +33,7 @@ from .pipeline.schedule import broadcast_loss, forward_backward
 from .rng_state import get_rng_state, set_rng_state
 from .tensor_parallel.random import model_parallel_seed
 from .throughput import gpt_flops_per_iteration, tflops_per_rank
-from .topology import build_parallel_state
+from .topology import build_hpz_group, build_parallel_state
 from .zero import ZeroOptimizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -107,7 +107,10 @@ class Trainer:
             nvme_path=args.zero_nvme_offload_path, module=self.model,
             persistence_threshold=args.zero_param_persistence_threshold,
             prefetch=args.overlap_param_gather, overlap_grad_reduce=args.overlap_grad_reduce,
-            overlap_param_gather=args.overlap_param_gather and args.zero_stage < 3)
+            overlap_param_gather=args.overlap_param_gather and args.zero_stage < 3,
+            quantized_weights=args.zero_quantized_weights, quantized_gradients=args.zero_quantized_gradients,
+            hpz_group=build_hpz_group(state.layout, state.rank, args.zero_hpz_partition_size)
+            if args.zero_hpz_partition_size > 1 else None)
         self.schedule = LRSchedule(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
                                    args.lr_decay_style)
         self.progress = TrainState()

@@ -53,7 +53,7 @@ class ZeroOptimizer:
                  bucket_size: int = 50_000_000, module: Optional[torch.nn.Module] = None,
                  layers=None, prefetch: bool = True, persistence_threshold: int = 100_000,
                  overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
-                 quantized_weights: bool = False, quantized_gradients: bool = False):
+                 quantized_weights: bool = False, quantized_gradients: bool = False, hpz_group=None):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
         self.stage, self.dtype, self.clip_grad = stage, _dtype(dtype), float(clip_grad or 0.0)
@@ -64,7 +64,8 @@ class ZeroOptimizer:
         if stage == 3:
             from .stage3 import Stage3
             from .stage3_zeropp import Stage3ZeroPP
-            zeropp = {"quantized_weights": quantized_weights, "quantized_gradients": quantized_gradients}
+            zeropp = {"quantized_weights": quantized_weights, "quantized_gradients": quantized_gradients,
+                      "hpz_group": hpz_group}
             cls, extra = (Stage3ZeroPP, zeropp) if any(zeropp.values()) else (Stage3, {})
             self.impl = cls(self.named_groups, dp_group, self.dtype, bucket_size, module=module, layers=layers,
                             prefetch=prefetch, persistence_threshold=persistence_threshold, **extra)
