@@ -2,6 +2,7 @@
 GPT trained with qwZ (quantized weight all-gathers), qgZ (quantized gradient reduce-scatters) and
 both, against the same run unquantized: the loss curve stays within the stated tolerance while
 this rank sends about a quarter of the bytes."""
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -105,3 +106,26 @@ def test_hpz_is_exact_and_gathers_backward_within_its_group():
         assert all(torch.equal(base_w[n], weights[n]) for n in base_w)
         print(f"hpZ bytes sent {sent} vs {base_bytes}")
         assert sent["hpz_all_gather"] > 0 and sent["all_gather"] < 0.6 * base_bytes["all_gather"], (sent, base_bytes)
+
+
+def test_pretrain_reads_the_zeropp_keys(builtin_corpus, tmp_path):
+    """zero_quantized_weights / zero_quantized_gradients / zero_hpz_partition_size in --deepspeed-config
+    reach ZeRO-3 through pretrain_gpt.py: it trains, and the quantized losses differ from the plain run's
+    by less than the tolerance above."""
+    import json
+
+    from test_training_e2e import losses_from_log, model_flags, torchrun
+
+    data, tok = builtin_corpus
+    runs = {}
+    for name, keys in (("plain", {}), ("zeropp", {"zero_quantized_weights": True, "zero_quantized_gradients": True,
+                                                  "zero_hpz_partition_size": 2})):
+        cfg = tmp_path / f"{name}.json"
+        cfg.write_text(json.dumps({"zero_optimization": {"stage": 3, **keys}}))
+        argv = model_flags(data, tok, **{"train-iters": 3, "eval-iters": 0, "data-cache-path": tmp_path / "cache",
+                                         "deepspeed-config": cfg})
+        run = torchrun(2, argv)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        runs[name] = losses_from_log(run.stdout)
+    assert len(runs["plain"]) == 3 and runs["zeropp"] != runs["plain"]
+    assert runs["zeropp"] == pytest.approx(runs["plain"], rel=LOSS_RTOL)
