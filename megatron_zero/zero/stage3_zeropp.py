@@ -7,8 +7,9 @@ scale per block).
 
 - qwZ: each all-gather of a unit's shards sends the int8 shards and their scales (two async
   all-gathers); waiting for them dequantizes every rank's row, this rank's own included, so all
-  ranks compute with the same weights. Only the gathered copies are quantized: the shards and the
-  fp32 masters the optimizer steps stay exact.
+  ranks compute with the same weights. Only the gathered copies are quantized (the persistent
+  parameters' too, and what ``gathered()`` shows): the shards, the fp32 masters the optimizer steps
+  and the checkpoint (which ZeRO-3 writes from the masters) stay exact.
 - hpZ (``hpz_group``, a block of h ranks of the DP group, topology.build_hpz_group): when a
   forward gather over DP finishes, each rank keeps its 1/h slice of every parameter it brought
   (``p.ds_secondary``, ceil(numel/h) elements); backward re-gathers a unit from those slices over
