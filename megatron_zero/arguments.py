@@ -77,6 +77,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "stage3_param_persistence_threshold; 0 gathers every parameter per layer)")
     g.add_argument("--zero-nvme-offload-path", type=str, default=None,
                    help="keep optimizer state in files under this path (ZeRO-Infinity style)")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="Megatron's distributed optimizer: ZeRO-1 (the default --zero-stage)")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="ZeRO 0-2: reduce gradient buckets asynchronously during backward")
+    g.add_argument("--overlap-param-gather", action="store_true", default=None,
+                   help="ZeRO 1/2: all-gather updated weights asynchronously, waited on at first use; "
+                        "ZeRO-3: prefetch the next layer (on by default there, as in DeepSpeed)")
+    g.add_argument("--zero-quantized-weights", action="store_true",
+                   help="ZeRO++ qwZ (ZeRO-3): all-gather weights as int8 blocks (DeepSpeed's zero_quantized_weights)")
+    g.add_argument("--zero-quantized-gradients", action="store_true",
+                   help="ZeRO++ qgZ (ZeRO-3): reduce-scatter gradients as int8 blocks (zero_quantized_gradients)")
+    g.add_argument("--zero-hpz-partition-size", type=int, default=1,
+                   help="ZeRO++ hpZ (ZeRO-3): backward re-gathers weights within blocks of this many DP ranks "
+                        "(zero_hpz_partition_size; 1: off)")
     g.add_argument("--deepspeed-config", "--deepspeed_config", dest="deepspeed_config", type=str, default=None)
     p.set_defaults(deepspeed_scheduler=None)  # the JSON's `scheduler`, set by deepspeed_config.py
     g.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None)
@@ -253,6 +267,7 @@ def validate_args(args, world_size: int):
              f"--pipeline-model-parallel-size {pp}; use --zero-stage 1 or 2 with pipelining")
     _require(args.zero_param_persistence_threshold >= 0,
              f"--zero-param-persistence-threshold {args.zero_param_persistence_threshold} must not be negative")
+    _check_overlap(args)
     if args.zero_nvme_offload_path:
         args.offload = "nvme"
     _require(args.offload == "none" or args.zero_stage >= 1,
@@ -309,6 +324,29 @@ def _validate_architecture(args, tp: int):
         _require(int(head_dim * args.rotary_percent) % 2 == 0,
                  f"--rotary-percent {args.rotary_percent} of head dim {head_dim} rotates an odd number of "
                  "features; RoPE rotates pairs")
+
+
+def _check_overlap(args):
+    """--use-distributed-optimizer, --overlap-*, and ZeRO++'s flags against the ZeRO stage."""
+    stage = args.zero_stage
+    _require(not args.use_distributed_optimizer or stage >= 1,
+             f"--use-distributed-optimizer is ZeRO-1 and contradicts --zero-stage {stage}; drop one of them")
+    _require(not args.overlap_grad_reduce or stage <= 2,
+             "--overlap-grad-reduce applies to --zero-stage 0, 1 or 2 (ZeRO-3 reduce-scatters each layer's "
+             "gradients during backward already); drop it or choose another stage")
+    zeropp = [flag for flag, on in (("--zero-quantized-weights", args.zero_quantized_weights),
+                                    ("--zero-quantized-gradients", args.zero_quantized_gradients),
+                                    ("--zero-hpz-partition-size", args.zero_hpz_partition_size != 1)) if on]
+    _require(not zeropp or stage == 3,
+             f"{' and '.join(zeropp)} (ZeRO++) need --zero-stage 3, not {stage}")
+    hpz, dp = args.zero_hpz_partition_size, args.data_parallel_size
+    _require(hpz >= 1 and dp % hpz == 0,
+             f"--zero-hpz-partition-size {hpz} (zero_hpz_partition_size) must divide the data-parallel size {dp}")
+    if args.overlap_param_gather is None:
+        args.overlap_param_gather = stage == 3
+    _require(not args.overlap_param_gather or stage >= 1,
+             "--overlap-param-gather needs --use-distributed-optimizer (ZeRO-1) or --zero-stage 2 or 3: "
+             "with --zero-stage 0 there are no parameters to gather")
 
 
 def _check_data_path(data_path: List[str]):

@@ -91,6 +91,14 @@ def _leaves(node, path=()):
         yield path, node
 
 
+# ZeRO++ (zero/stage3_zeropp.py)
+_FLAGS.update({
+    ("zero_optimization", "zero_quantized_weights"): ("zero_quantized_weights", "--zero-quantized-weights"),
+    ("zero_optimization", "zero_quantized_gradients"): ("zero_quantized_gradients", "--zero-quantized-gradients"),
+    ("zero_optimization", "zero_hpz_partition_size"): ("zero_hpz_partition_size", "--zero-hpz-partition-size"),
+})
+
+
 def _lookup(config: dict, path):
     """The value at `path`, None when absent or "auto"."""
     node = config

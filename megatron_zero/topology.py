@@ -218,3 +218,22 @@ def build_parallel_state(tp: int = 1, pp: int = 1) -> ParallelState:
             if ranks == mine:
                 groups[kind] = group
     return ParallelState(layout=layout, rank=rank, groups=groups)
+
+
+def build_hpz_group(layout: Layout, rank: int, size: int):
+    """ZeRO++ hpZ's secondary group for ``rank``: its DP group cut into consecutive blocks of ``size``
+    ranks (DeepSpeed's zero_hpz_partition_size; the GPUs of one node when it is their count).
+    Collective: every rank creates every block, in the same order."""
+    import torch.distributed as dist
+
+    mine = None
+    for dp_ranks in layout.all_groups("dp"):
+        if len(dp_ranks) % size:
+            raise ValueError(f"zero_hpz_partition_size {size} does not divide the data-parallel size "
+                             f"{len(dp_ranks)}")
+        for i in range(0, len(dp_ranks), size):
+            block = dp_ranks[i:i + size]
+            group = dist.new_group(block)
+            if rank in block:
+                mine = group
+    return mine

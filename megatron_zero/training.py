@@ -38,7 +38,7 @@ from .pipeline.schedule import broadcast_loss, forward_backward
 from .rng_state import get_rng_state, set_rng_state
 from .tensor_parallel.random import model_parallel_seed
 from .timers import TimedCalls
-from .topology import build_parallel_state
+from .topology import build_hpz_group, build_parallel_state
 from .training_log import TrainingLog
 from .zero import ZeroOptimizer
 
@@ -117,7 +117,12 @@ class Trainer:
             weight_decay=args.weight_decay, clip_grad=args.clip_grad, mp_group=state.mp_group,
             tp_rank=state.tp_rank, dtype=args.params_dtype, loss_scaler=loss_scaler, offload=args.offload,
             nvme_path=args.zero_nvme_offload_path, module=self.model,
-            persistence_threshold=args.zero_param_persistence_threshold)
+            persistence_threshold=args.zero_param_persistence_threshold,
+            prefetch=args.overlap_param_gather, overlap_grad_reduce=args.overlap_grad_reduce,
+            overlap_param_gather=args.overlap_param_gather and args.zero_stage < 3,
+            quantized_weights=args.zero_quantized_weights, quantized_gradients=args.zero_quantized_gradients,
+            hpz_group=build_hpz_group(state.layout, state.rank, args.zero_hpz_partition_size)
+            if args.zero_hpz_partition_size > 1 else None)
         self.schedule = build_lr_schedule(args)
         self.progress = TrainState()
         self.p2p = P2P(state.prev_rank, state.next_rank, activation_shape(args.micro_batch_size, self.config),
@@ -160,7 +165,8 @@ class Trainer:
         with timers("forward-backward", 1):
             step = timers.timed(make_forward_step(self.model, micro, s), "forward-compute", 2)
             losses = forward_backward(step, len(micro), self.train_p2p, s.pp_rank, s.pp_size,
-                                      backward_loss=self.optimizer.backward)
+                                      backward_loss=self.optimizer.backward,
+                                      before_last_backward=self.optimizer.arm_grad_reduce)
         with timers("embedding-grads-all-reduce", 2):
             sync_tied_embedding_grads(self.model, s)
         lr = self.schedule.lr()

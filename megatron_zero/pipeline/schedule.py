@@ -10,7 +10,9 @@ of activations, and frees each as soon as its backward is done.
 activation, None on the first stage) and returns the activation to send, or on
 the last stage the loss of that micro-batch (already divided by the number of
 micro-batches). `backward_loss(loss)` starts the backward on the last stage
-(the optimizer's, which applies the fp16 loss scale).
+(the optimizer's, which applies the fp16 loss scale). `before_last_backward()`, if given,
+runs just before the last micro-batch's backward (Megatron's grad-sync switch: with
+--overlap-grad-reduce, ZeRO 0/1 reduce each gradient as that backward produces it).
 """
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ class ScheduleStats:
     max_in_flight: int = 0  # most micro-batches whose activations were held at once
 
 
-def _backward(x, y, grad_y, is_last, backward_loss):
+def _backward(x, y, grad_y, is_last, backward_loss, count_backward):
+    count_backward()
     if is_last:
         backward_loss(y)
     else:
@@ -39,9 +42,17 @@ def _backward(x, y, grad_y, is_last, backward_loss):
 
 def forward_backward(forward_step: Callable, num_micro_batches: int, p2p: Optional[P2P],
                      stage: int, num_stages: int, backward_loss: Callable = None,
-                     forward_only: bool = False, stats: Optional[ScheduleStats] = None) -> List[torch.Tensor]:
+                     forward_only: bool = False, stats: Optional[ScheduleStats] = None,
+                     before_last_backward: Optional[Callable] = None) -> List[torch.Tensor]:
     """Run the schedule; returns the (detached) micro-batch losses on the last stage, [] elsewhere."""
     backward_loss = backward_loss or (lambda loss: loss.backward())
+    backwards_done = [0]
+
+    def count_backward():
+        if backwards_done[0] == num_micro_batches - 1 and before_last_backward is not None:
+            before_last_backward()
+        backwards_done[0] += 1
+
     stats = stats or ScheduleStats()
     is_first, is_last = stage == 0, stage == num_stages - 1
     losses: List[torch.Tensor] = []
@@ -53,6 +64,7 @@ def forward_backward(forward_step: Callable, num_micro_batches: int, p2p: Option
             losses.append(loss.detach())
             stats.max_in_flight = max(stats.max_in_flight, 1)
             if not forward_only:
+                count_backward()
                 backward_loss(loss)
         return losses
 
@@ -87,7 +99,8 @@ def forward_backward(forward_step: Callable, num_micro_batches: int, p2p: Option
     for j in range(steady):
         y = run_forward(warmup + j, x)
         grad_y = None if is_last else p2p.send_forward_recv_backward(y)
-        grad_x = _backward(inputs.popleft(), outputs.popleft(), grad_y, is_last, backward_loss)
+        grad_x = _backward(inputs.popleft(), outputs.popleft(), grad_y, is_last, backward_loss,
+                           count_backward)
         if j == steady - 1:
             if not is_first:
                 p2p.send_backward(grad_x)
@@ -98,7 +111,8 @@ def forward_backward(forward_step: Callable, num_micro_batches: int, p2p: Option
 
     for _ in range(warmup):
         grad_y = p2p.recv_backward()
-        grad_x = _backward(inputs.popleft(), outputs.popleft(), grad_y, is_last, backward_loss)
+        grad_x = _backward(inputs.popleft(), outputs.popleft(), grad_y, is_last, backward_loss,
+                           count_backward)
         if not is_first:
             p2p.send_backward(grad_x)
     return losses

@@ -51,7 +51,9 @@ class ZeroOptimizer:
                  clip_grad: float = 0.0, mp_group=None, tp_rank: int = 0, dtype="fp32",
                  loss_scaler=None, offload: str = "none", nvme_path: Optional[str] = None,
                  bucket_size: int = 50_000_000, module: Optional[torch.nn.Module] = None,
-                 layers=None, prefetch: bool = True, persistence_threshold: int = 100_000):
+                 layers=None, prefetch: bool = True, persistence_threshold: int = 100_000,
+                 overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
+                 quantized_weights: bool = False, quantized_gradients: bool = False, hpz_group=None):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
         self.stage, self.dtype, self.clip_grad = stage, _dtype(dtype), float(clip_grad or 0.0)
@@ -61,8 +63,16 @@ class ZeroOptimizer:
         self.names = [[n for n, _ in g] for g in self.named_groups]
         if stage == 3:
             from .stage3 import Stage3
-            self.impl = Stage3(self.named_groups, dp_group, self.dtype, bucket_size, module=module,
-                               layers=layers, prefetch=prefetch, persistence_threshold=persistence_threshold)
+            from .stage3_zeropp import Stage3ZeroPP
+            zeropp = {"quantized_weights": quantized_weights, "quantized_gradients": quantized_gradients,
+                      "hpz_group": hpz_group}
+            cls, extra = (Stage3ZeroPP, zeropp) if any(zeropp.values()) else (Stage3, {})
+            self.impl = cls(self.named_groups, dp_group, self.dtype, bucket_size, module=module, layers=layers,
+                            prefetch=prefetch, persistence_threshold=persistence_threshold, **extra)
+        elif overlap_grad_reduce or overlap_param_gather:
+            from .stage12_overlap import Stage12Overlap
+            self.impl = Stage12Overlap(self.named_groups, dp_group, stage, self.dtype, bucket_size,
+                                       overlap_grad_reduce, overlap_param_gather, module=module)
         else:
             self.impl = Stage12(self.named_groups, dp_group, stage, self.dtype, bucket_size)
         self.partition_count = self.impl.dp
@@ -97,6 +107,17 @@ class ZeroOptimizer:
     def before_next_step(self, fn) -> None:
         """Call fn() at the start of the next step(), before any saved state changes (an async save reading it)."""
         self._before_step.append(fn)
+
+    def arm_grad_reduce(self):
+        """Called before the global batch's last backward: with overlap_grad_reduce, stage 0/1
+        reduce each gradient as soon as that backward has produced it."""
+        if hasattr(self.impl, "arm"):
+            self.impl.arm()
+
+    def wait_params(self):
+        """With overlap_param_gather, wait for the weights the last step is still gathering."""
+        if hasattr(self.impl, "wait_params"):
+            self.impl.wait_params()
 
     def step(self, lr: Optional[float] = None):
         """Reduce, unscale, check overflow, clip, step, publish weights. -> (updated, grad_norm)."""
@@ -140,6 +161,7 @@ class ZeroOptimizer:
 
     # ---- checkpoints ----------------------------------------------------------------
     def state_dict(self) -> dict:
+        self.wait_params()  # the checkpoint's model files are read next
         return checkpoint_state.state_dict(self)
 
     def load_state_dict(self, state: dict):

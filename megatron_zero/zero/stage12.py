@@ -55,14 +55,17 @@ class Stage12:
         # summed over the first and last stage after backward) keep their .grad until the step.
         self._deferred = []
         if stage == 2:
-            self._where = {}
-            for gi, params in enumerate(self.groups):
-                for pi, p in enumerate(params):
-                    self._where[id(p)] = (gi, pi)
-                    if getattr(p, "zero_defer_reduce", False):
-                        self._deferred.append(p)
-                    else:
-                        self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+            self._register_grad_hooks()
+
+    def _register_grad_hooks(self):
+        self._where = {}
+        for gi, params in enumerate(self.groups):
+            for pi, p in enumerate(params):
+                self._where[id(p)] = (gi, pi)
+                if getattr(p, "zero_defer_reduce", False):
+                    self._deferred.append(p)
+                else:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
 
     # ---- what each rank owns -------------------------------------------------------
     def owned_ranges(self, gi: int):
@@ -87,6 +90,17 @@ class Stage12:
     def _flush(self):
         if not self._bucket:
             return
+        flat_in, mine = self._pack_bucket()
+        out = torch.empty(flat_in[0].numel())
+        if self.dp > 1:
+            dist.reduce_scatter(out, flat_in, group=self.dp_group)
+        else:
+            out.copy_(flat_in[0])
+        self._add_to_partitions(out, mine)
+
+    def _pack_bucket(self):
+        """Empty the bucket into dp equal fp32 rows (row r: the pieces in rank r's partition) and
+        drop the gradients. -> (rows, [(group, offset in partition, numel)] of this rank's row)."""
         inputs = [[] for _ in range(self.dp)]
         mine = []  # (group, offset in partition, numel) in the order received
         for p in self._bucket:
@@ -108,16 +122,14 @@ class Stage12:
         for ts, size in zip(inputs, sizes):
             t = torch.cat(ts) if ts else torch.zeros(0)
             flat_in.append(torch.cat([t, t.new_zeros(width - size)]) if size < width else t)
-        out = torch.empty(width)
-        if self.dp > 1:
-            dist.reduce_scatter(out, flat_in, group=self.dp_group)
-        else:
-            out.copy_(flat_in[0])
+        self._bucket, self._bucket_numel = [], 0
+        return flat_in, mine
+
+    def _add_to_partitions(self, out: torch.Tensor, mine):
         pos = 0
         for gi, start, n in mine:
             self.grad_parts[gi].narrow(0, start, n).add_(out.narrow(0, pos, n))
             pos += n
-        self._bucket, self._bucket_numel = [], 0
 
     def finish_backward(self):
         """Called after each backward: reduce the last, partly filled bucket (stage 2)."""

@@ -65,6 +65,7 @@ class Stage3(GatherMixin):
         self.offsets = [zero3_group_offsets([(n, p.numel()) for n, p in g], self.dp) for g in groups]
         self.initial_masters, self.grad_parts, self._storage = [], [], {}
         self.peak_param_numel = self.gather_calls = 0
+        self.comm_bytes = {"all_gather": 0, "reduce_scatter": 0}  # sent by this rank
         for gi, (g, offs) in enumerate(zip(groups, self.offsets)):
             total = sum(per for _, per in offs.values())
             master = torch.zeros(total)
@@ -184,17 +185,20 @@ class Stage3(GatherMixin):
                 dst[full, n - full * per:].zero_()
                 dst[full + 1:].zero_()
             p.grad = None
-        if self.dp > 1:
-            out = torch.empty(flat.size(1))
-            dist.reduce_scatter(out, list(flat.unbind(0)), group=self.dp_group)
-        else:
-            out = flat[0]
+        out = self._reduce_scatter_rows(flat) if self.dp > 1 else flat[0]
         pos = 0
         for p in self._bucket:
             gi, off = p.ds_where
             self.grad_parts[gi][off:off + p.ds_per].add_(out[pos:pos + p.ds_per])
             pos += p.ds_per
         self._bucket, self._bucket_numel = [], 0
+
+    def _reduce_scatter_rows(self, flat):
+        """Sum over DP of row ``rank`` of every rank's ``flat`` [dp, n] (fp32)."""
+        out = torch.empty(flat.size(1))
+        self.comm_bytes["reduce_scatter"] += flat[0].numel() * 4 * (self.dp - 1)
+        dist.reduce_scatter(out, list(flat.unbind(0)), group=self.dp_group)
+        return out
 
     def finish_backward(self):
         self._flush()

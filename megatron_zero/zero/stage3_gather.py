@@ -38,14 +38,19 @@ class GatherMixin:
             return
         flat = torch.cat([p.ds_shard for p in todo]) if len(todo) > 1 else todo[0].ds_shard
         if self.dp > 1:
-            out = torch.empty(flat.numel() * self.dp, dtype=self.dtype)
-            work = _all_gather(out, flat, group=self.dp_group, async_op=True)
+            out, work = self._all_gather_shards(flat)
         else:
             out, work = flat.clone() if len(todo) == 1 else flat, None
         flight = _Flight(todo, out, work)
         for p in todo:
             p.ds_inflight = flight
         self.gather_calls += 1
+
+    def _all_gather_shards(self, flat):
+        """Start the all-gather of ``flat`` over DP: -> (rank-major output, work with .wait())."""
+        out = torch.empty(flat.numel() * self.dp, dtype=self.dtype)
+        self.comm_bytes["all_gather"] += flat.numel() * flat.element_size() * (self.dp - 1)
+        return out, _all_gather(out, flat, group=self.dp_group, async_op=True)
 
     def _finish(self, flight):
         if flight.work is not None:
