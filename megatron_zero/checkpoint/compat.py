@@ -9,10 +9,11 @@ normal-looking losses).
 
     refused when they differ     num_layers, hidden_size, num_attention_heads, ffn_hidden_size,
                                  seq_length, max_position_embeddings, make_vocab_size_divisible_by,
-                                 layernorm_epsilon, the vocabulary size; and Megatron's architecture
-                                 switches a Megatron(-DeepSpeed) checkpoint may record (swiglu,
-                                 normalization, untied output, ...) against this run's value
-                                 (the flag's, or the one fixed architecture megatron_zero builds)
+                                 layernorm_epsilon, the vocabulary size, and the architecture
+                                 switches (normalization, position embedding type, rotary base and
+                                 percent, swiglu, query groups, untied output, linear biases); a
+                                 switch a checkpoint of an earlier version or of Megatron(-DeepSpeed)
+                                 does not record is taken at its GPT-2 value
     free to change on resume     parallel sizes and ZeRO stage (reshaped on load), batch sizes,
                                  lr and its schedule, precision, dropout, init std, seed, data,
                                  iteration counts, logging and checkpoint flags
@@ -28,12 +29,13 @@ from .manifest import read_manifest
 from .reader import Checkpoint
 
 MODEL_SETTINGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
-                  "max_position_embeddings", "make_vocab_size_divisible_by", "layernorm_epsilon")
-# Megatron-LM / Megatron-DeepSpeed architecture switches, with the value megatron_zero's GPT has when
-# no flag of that name exists here.
+                  "max_position_embeddings", "make_vocab_size_divisible_by", "layernorm_epsilon",
+                  "num_query_groups", "rotary_base", "rotary_percent")
+# Megatron-LM / Megatron-DeepSpeed architecture switches, with the GPT-2 value: what a checkpoint that
+# does not record one holds, and what this run has when it has no flag of that name.
 ARCHITECTURE = {"swiglu": False, "normalization": "layernorm", "untie_embeddings_and_output_weights": False,
                 "add_bias_linear": True, "apply_residual_connection_post_layernorm": False,
-                "group_query_attention": False, "add_position_embedding": True}
+                "position_embedding_type": "learned_absolute", "add_position_embedding": True}
 HEAD_FILE = re.compile(r"^(?:(?:bf16_|fp16_)?zero_pp_rank_\d+_)?mp_rank_00_model_states\.pt$")
 
 
@@ -75,15 +77,18 @@ def _recorded_vocab(head: dict, saved: dict, padded_at) -> Optional[tuple]:
 def disagreements(head: dict, args, vocab_size: int, padded_at) -> list:
     """'name checkpoint-value vs here-value' for every model setting that differs."""
     saved = _as_dict(head.get("args"))
-    ours = vars(args)
+    ours = dict(vars(args))
+    if "position_embedding_type" in ours:  # Megatron-DeepSpeed's spelling of the same switch
+        ours["add_position_embedding"] = ours["position_embedding_type"] == "learned_absolute"
     out = []
     for key in MODEL_SETTINGS:
         if saved.get(key) is not None and ours.get(key) is not None and not _same(saved[key], ours[key]):
             out.append(f"--{key.replace('_', '-')} {saved[key]} in the checkpoint vs {ours[key]} here")
-    for key, fixed in ARCHITECTURE.items():
-        here = ours.get(key, fixed)
-        if key in saved and saved[key] is not None and not _same(saved[key], here):
-            out.append(f"{key} {saved[key]} in the checkpoint vs {here} here")
+    for key, gpt2 in ARCHITECTURE.items():
+        here = ours.get(key, gpt2)
+        there = saved[key] if saved.get(key) is not None else gpt2
+        if not _same(there, here):
+            out.append(f"{key} {there} in the checkpoint vs {here} here")
     vocab = _recorded_vocab(head, saved, padded_at)
     if vocab is not None:
         recorded, mine = vocab
