@@ -10,6 +10,8 @@ import os
 import sys
 from typing import List, Optional
 
+import torch
+
 from .deepspeed_config import DeepSpeedConfigError, apply_deepspeed_config
 
 
@@ -36,6 +38,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--layernorm-epsilon", type=float, default=1e-5)
     g.add_argument("--init-method-std", type=float, default=0.02)
+
+    g = p.add_argument_group("memory and speed")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+                   help="recompute activations in backward: whole layers (full) or the attention core (selective)")
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
+                   help="full recompute: chunks of --recompute-num-layers layers (uniform), or only the first "
+                        "--recompute-num-layers layers of each pipeline stage (block)")
+    g.add_argument("--recompute-num-layers", "--checkpoint-num-layers", dest="recompute_num_layers", type=int,
+                   default=1)
+    g.add_argument("--checkpoint-activations", action="store_true",
+                   help="Megatron-DeepSpeed's name for --recompute-granularity full --recompute-method uniform")
+    g.add_argument("--attention-backend", choices=["auto", "flash", "fused", "unfused"], default="auto",
+                   help="auto: torch's scaled_dot_product_attention where it applies, else unfused; flash: only "
+                        "its kernels that never build the s x s matrix; fused: the fused causal-softmax kernel; "
+                        "unfused: matmul, causal softmax, matmul")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="split LayerNorm and dropout regions along the sequence over the tensor-parallel group "
+                        "(the identity at TP 1, as in Megatron)")
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -177,6 +197,7 @@ def validate_args(args, world_size: int):
                  f"--pipeline-partition {args.pipeline_partition} must list {pp} positive layer counts "
                  f"(one per stage of --pipeline-model-parallel-size) summing to --num-layers {args.num_layers}")
         args.pipeline_partition = counts
+    _validate_memory_flags(args, tp, pp)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     _require(args.seq_length <= args.max_position_embeddings,
@@ -220,6 +241,31 @@ def validate_args(args, world_size: int):
         _check_data_path(args.data_path)
     args.params_dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     return args
+
+
+def _validate_memory_flags(args, tp: int, pp: int):
+    if args.checkpoint_activations:
+        _require(args.recompute_granularity in (None, "full"),
+                 f"--checkpoint-activations means --recompute-granularity full; it contradicts "
+                 f"--recompute-granularity {args.recompute_granularity}")
+        args.recompute_granularity = "full"
+        args.recompute_method = args.recompute_method or "uniform"
+    if args.recompute_granularity == "full":
+        _require(args.recompute_method is not None,
+                 "--recompute-granularity full needs --recompute-method uniform or block")
+    else:
+        _require(args.recompute_method is None,
+                 f"--recompute-method {args.recompute_method} applies only to --recompute-granularity full")
+    per_stage = args.num_layers // pp
+    _require(1 <= args.recompute_num_layers <= max(1, per_stage),
+             f"--recompute-num-layers {args.recompute_num_layers} must lie between 1 and the {per_stage} layers "
+             f"of a pipeline stage (--num-layers {args.num_layers} / --pipeline-model-parallel-size {pp})")
+    _require(args.attention_backend != "flash" or args.attention_dropout == 0 or torch.cuda.is_available(),
+             f"--attention-backend flash with --attention-dropout {args.attention_dropout} needs CUDA: torch has "
+             "no flash kernel with dropout on this machine; use --attention-backend auto or --attention-dropout 0")
+    _require(not args.sequence_parallel or args.seq_length % tp == 0,
+             f"--sequence-parallel splits --seq-length {args.seq_length} over --tensor-model-parallel-size {tp}, "
+             "which does not divide it")
 
 
 def _check_data_path(data_path: List[str]):

@@ -6,6 +6,10 @@ from typing import Optional
 
 import torch
 
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused")
+
 
 @dataclass
 class GPTConfig:
@@ -23,6 +27,13 @@ class GPTConfig:
     init_method_std: float = 0.02
     seed: int = 1234
     params_dtype: torch.dtype = torch.float32
+    # memory and speed (model/recompute.py, model/attention_core.py, sequence parallelism): none of
+    # these changes a parameter, so checkpoints never record or need them
+    recompute_granularity: Optional[str] = None  # None, 'full' or 'selective'
+    recompute_method: Optional[str] = None       # 'uniform' or 'block' (full granularity)
+    recompute_num_layers: int = 1
+    attention_backend: str = "auto"
+    sequence_parallel: bool = False
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -33,6 +44,15 @@ class GPTConfig:
         if self.seq_length > self.max_position_embeddings:
             raise ValueError(f"seq_length {self.seq_length} exceeds max_position_embeddings "
                              f"{self.max_position_embeddings}")
+        for what, value, allowed in (("recompute_granularity", self.recompute_granularity, RECOMPUTE_GRANULARITIES),
+                                     ("recompute_method", self.recompute_method, RECOMPUTE_METHODS),
+                                     ("attention_backend", self.attention_backend, ATTENTION_BACKENDS)):
+            if value is not None and value not in allowed:
+                raise ValueError(f"{what} {value!r} is not one of {allowed}")
+        if self.recompute_granularity == "full" and self.recompute_method is None:
+            raise ValueError("recompute_granularity 'full' needs recompute_method 'uniform' or 'block'")
+        if self.recompute_num_layers < 1:
+            raise ValueError(f"recompute_num_layers {self.recompute_num_layers} must be at least 1")
 
     @property
     def head_dim(self) -> int:
@@ -48,3 +68,6 @@ class GPTConfig:
         for what, n in (("num_attention_heads", self.num_attention_heads), ("ffn_hidden_size", self.ffn_hidden_size)):
             if n % tp != 0:
                 raise ValueError(f"{what} {n} is not divisible by the tensor-parallel size {tp}")
+        if self.sequence_parallel and self.seq_length % tp != 0:
+            raise ValueError(f"seq_length {self.seq_length} is not divisible by the tensor-parallel size {tp}, "
+                             "which sequence parallelism splits it over")

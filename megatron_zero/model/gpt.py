@@ -19,8 +19,9 @@ from ..tensor_parallel import vocab_parallel_cross_entropy
 from ..tensor_parallel.utils import tp_rank_in, tp_world_size
 from .config import GPTConfig
 from .init import initialize_parameters
-from .layers import EMBEDDING_INDEX, holds_embedding, layer_kind, lm_head_index, num_pipeline_layers
-from .transformer import Embedding, LayerNorm, ParallelTransformerLayer
+from .layers import EMBEDDING_INDEX, holds_embedding, is_block_index, layer_kind, lm_head_index, num_pipeline_layers
+from .recompute import run_layers
+from .transformer import Embedding, ParallelTransformerLayer, layer_norm_for
 
 
 class GPTModel(nn.Module):
@@ -43,12 +44,17 @@ class GPTModel(nn.Module):
             if kind == "block":
                 self.add_module(str(i), ParallelTransformerLayer(config, tp_group))
             elif kind == "final_norm":
-                self.add_module(str(i), LayerNorm(config.hidden_size, config.layernorm_epsilon, config.params_dtype))
+                self.add_module(str(i), layer_norm_for(config, tp_group))
         initialize_parameters(self, config, self.tp, self.tp_rank)
 
     @property
     def embedding(self) -> Embedding:
         return self.tied_modules["embed"]
+
+    @property
+    def blocks(self):
+        """This stage's transformer layers, in order."""
+        return [self._modules[str(i)] for i in self.layer_indices if is_block_index(i, self.config.num_layers)]
 
     def forward(self, inputs, labels=None, loss_mask=None):
         """Tokens [b, s] (first stage) or hidden [b, s, h] in; hidden, logits, or the mean loss out."""
@@ -60,9 +66,11 @@ class GPTModel(nn.Module):
             elif i == lm_head_index(L):
                 logits = self.embedding.lm_logits(x)
                 return logits if labels is None else self.loss(logits, labels, loss_mask)
-            elif i != 0:  # layer 0, the input cast, has nothing to do in this layout
+            elif layer_kind(i, L) == "final_norm":
                 x = self._modules[str(i)](x)
-        return x
+            elif is_block_index(i, L) and (i == self.layer_indices[0] or not is_block_index(i - 1, L)):
+                x = run_layers(self.blocks, x, self.config)  # the stage's first block runs them all
+        return x  # (layer 0, the input cast, has nothing to do in this layout)
 
     def loss(self, logits, labels, loss_mask=None):
         """Mean cross-entropy over tokens (weighted by loss_mask); padded vocabulary never counts."""
