@@ -43,7 +43,7 @@ def batch(b=2, seed=0):
 def loss_grads_and_calls(**overrides):
     """Loss, gradients and how often each block's forward ran, with dropout on, on fixed RNG states."""
     model_parallel_seed(11)
-    model = GPTModel(tiny_gpt_config(**DROPOUT, **overrides))
+    model = GPTModel(tiny_gpt_config(**{**DROPOUT, **overrides}))
     calls = []
     for block in model.blocks:
         block.register_forward_pre_hook(lambda *_: calls.append(1))
@@ -117,3 +117,12 @@ def test_recompute_matches_no_recompute_at_tp2_pp2_with_dropout():
                 assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses)), (sp, name)
                 for n, g in ref_grads.items():
                     assert torch.equal(grads[n], g), (sp, name, n)
+
+
+def test_selective_recompute_of_sdpa_matches():
+    base = dict(attention_dropout=0.0, attention_backend="flash")  # hidden dropout stays on
+    ref_loss, ref_grads, _, _ = loss_grads_and_calls(**base)
+    loss, grads, _, _ = loss_grads_and_calls(**base, recompute_granularity="selective")
+    assert torch.equal(loss, ref_loss)
+    for name, g in ref_grads.items():
+        assert torch.equal(grads[name], g), name
