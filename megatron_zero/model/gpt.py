@@ -53,13 +53,18 @@ class GPTModel(nn.Module):
 
     @property
     def blocks(self):
-        """This stage's transformer layers, in order."""
-        return [self._modules[str(i)] for i in self.layer_indices if is_block_index(i, self.config.num_layers)]
+        """This stage's transformer layers, in order (run together: model/recompute.py)."""
+        return [self._modules[str(i)] for i in self.block_indices]
+
+    @property
+    def block_indices(self):
+        return [i for i in self.layer_indices if is_block_index(i, self.config.num_layers)]
 
     def forward(self, inputs, labels=None, loss_mask=None):
         """Tokens [b, s] (first stage) or hidden [b, s, h] in; hidden, logits, or the mean loss out."""
         x = inputs
         L = self.config.num_layers
+        first_block = next(iter(self.block_indices), None)
         for i in self.layer_indices:
             if i == EMBEDDING_INDEX:
                 x = self.embedding(x)
@@ -68,8 +73,8 @@ class GPTModel(nn.Module):
                 return logits if labels is None else self.loss(logits, labels, loss_mask)
             elif layer_kind(i, L) == "final_norm":
                 x = self._modules[str(i)](x)
-            elif is_block_index(i, L) and (i == self.layer_indices[0] or not is_block_index(i - 1, L)):
-                x = run_layers(self.blocks, x, self.config)  # the stage's first block runs them all
+            elif i == first_block:  # the stage's first block runs them all
+                x = run_layers(self.blocks, x, self.config)
         return x  # (layer 0, the input cast, has nothing to do in this layout)
 
     def loss(self, logits, labels, loss_mask=None):
