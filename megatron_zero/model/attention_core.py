@@ -3,9 +3,10 @@
     unfused  q @ k^T, the causal softmax of megatron_zero.ops (its CUDA kernel only where
              --no-masked-softmax-fusion does not forbid it and it is built), dropout, @ v:
              the path this model always had; it builds the [b, heads, s, s] matrix
-    fused    the same with the fused causal-softmax kernel asked for explicitly (ops falls
-             back to PyTorch, warning once, where the kernel is not built or the tensors are
-             not on its device: on a CPU this is the unfused computation)
+    fused    the same with the fused causal-softmax CUDA kernel asked for even where
+             --no-masked-softmax-fusion is given; ops falls back to PyTorch where the kernel
+             is not built (warning once) or the tensors are not on CUDA (on a CPU this is the
+             unfused computation)
     flash    torch.nn.functional.scaled_dot_product_attention restricted to the kernels that
              never build the s x s matrix (flash; memory-efficient): O(s) activation memory
     auto     scaled_dot_product_attention with torch's kernel choice, where it applies (below)
