@@ -197,7 +197,7 @@ def validate_args(args, world_size: int):
                  f"--pipeline-partition {args.pipeline_partition} must list {pp} positive layer counts "
                  f"(one per stage of --pipeline-model-parallel-size) summing to --num-layers {args.num_layers}")
         args.pipeline_partition = counts
-    _validate_memory_flags(args, tp, pp)
+    _validate_memory_flags(args, tp)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     _require(args.seq_length <= args.max_position_embeddings,
@@ -243,7 +243,7 @@ def validate_args(args, world_size: int):
     return args
 
 
-def _validate_memory_flags(args, tp: int, pp: int):
+def _validate_memory_flags(args, tp: int):
     if args.checkpoint_activations:
         _require(args.recompute_granularity in (None, "full"),
                  f"--checkpoint-activations means --recompute-granularity full; it contradicts "
@@ -256,10 +256,9 @@ def _validate_memory_flags(args, tp: int, pp: int):
     else:
         _require(args.recompute_method is None,
                  f"--recompute-method {args.recompute_method} applies only to --recompute-granularity full")
-    per_stage = args.num_layers // pp
-    _require(1 <= args.recompute_num_layers <= max(1, per_stage),
-             f"--recompute-num-layers {args.recompute_num_layers} must lie between 1 and the {per_stage} layers "
-             f"of a pipeline stage (--num-layers {args.num_layers} / --pipeline-model-parallel-size {pp})")
+    _require(1 <= args.recompute_num_layers <= args.num_layers,
+             f"--recompute-num-layers {args.recompute_num_layers} must lie between 1 and --num-layers "
+             f"{args.num_layers}")
     _require(args.attention_backend != "flash" or args.attention_dropout == 0 or torch.cuda.is_available(),
              f"--attention-backend flash with --attention-dropout {args.attention_dropout} needs CUDA: torch has "
              "no flash kernel with dropout on this machine; use --attention-backend auto or --attention-dropout 0")
