@@ -16,8 +16,10 @@ shrinks with the tensors; after a warm-up step (seq 64) the kernel's high-water 
            scores, recomputed activations, gradients of activations; the parameters' .grad exist
            from the warm-up and are not counted).
 The baseline row of each group is `none` (no recompute) measured in the same run; the ratio is
-to it. The bound for full recompute is one layer's peak (the same model with 1 layer, measured)
-plus the inputs of the other layers (L - 1) x s x h x 4 bytes.
+to it. The bound for full recompute is "one layer's activations plus the layer inputs": one
+layer's peak (the same model with 1 layer, measured) plus L x s x h x 4 bytes, the inputs of the
+other L - 1 layers and the gradient arriving at the layer being recomputed (the 1-layer model's
+output gradient exists before the measurement starts, so its peak leaves that one out).
 """
 import argparse
 import ctypes
@@ -108,7 +110,7 @@ def main():
             for recompute in rows:
                 held, peak, input_bytes = run(seq, a.layers, a.hidden, a.heads, backend, recompute, tp, sp)
                 base = base or (held, peak)
-                bound = mib(one_layer_peak + (a.layers - 1) * input_bytes) if recompute == "full" else ""
+                bound = mib(one_layer_peak + a.layers * input_bytes) if recompute == "full" else ""
                 print(f"| {seq} | {backend} | {tp} | {'on' if sp else 'off'} | {recompute} | {mib(held)} | "
                       f"{mib(peak)} | {held / base[0]:.2f} | {peak / base[1]:.2f} | {bound} |", flush=True)
 
