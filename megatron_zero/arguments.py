@@ -11,6 +11,8 @@ import os
 import sys
 from typing import List, Optional
 
+import torch
+
 from .deepspeed_config import DeepSpeedConfigError, apply_deepspeed_config
 from .model.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, default_ffn_hidden_size
 
@@ -60,6 +62,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-query-groups", "--num-key-value-heads", dest="num_query_groups", type=int, default=None)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
+
+    g = p.add_argument_group("memory and speed")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+                   help="recompute activations in backward: whole layers (full) or the attention core (selective)")
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
+                   help="full recompute: chunks of --recompute-num-layers layers (uniform), or only the first "
+                        "--recompute-num-layers layers of each pipeline stage (block)")
+    g.add_argument("--recompute-num-layers", "--checkpoint-num-layers", dest="recompute_num_layers", type=int,
+                   default=1)
+    g.add_argument("--checkpoint-activations", action="store_true",
+                   help="Megatron-DeepSpeed's name for --recompute-granularity full --recompute-method uniform")
+    g.add_argument("--attention-backend", choices=["auto", "flash", "fused", "unfused"], default="auto",
+                   help="auto: torch's scaled_dot_product_attention where it applies, else unfused; flash: only "
+                        "its kernels that never build the s x s matrix; fused: the fused causal-softmax kernel; "
+                        "unfused: matmul, causal softmax, matmul")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="split LayerNorm and dropout regions along the sequence over the tensor-parallel group "
+                        "(the identity at TP 1, as in Megatron)")
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -234,6 +254,7 @@ def validate_args(args, world_size: int):
                  f"--pipeline-partition {args.pipeline_partition} must list {pp} positive layer counts "
                  f"(one per stage of --pipeline-model-parallel-size) summing to --num-layers {args.num_layers}")
         args.pipeline_partition = counts
+    _validate_memory_flags(args, tp)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     _require(args.seq_length <= args.max_position_embeddings,
@@ -347,6 +368,30 @@ def _check_overlap(args):
     _require(not args.overlap_param_gather or stage >= 1,
              "--overlap-param-gather needs --use-distributed-optimizer (ZeRO-1) or --zero-stage 2 or 3: "
              "with --zero-stage 0 there are no parameters to gather")
+
+
+def _validate_memory_flags(args, tp: int):
+    if args.checkpoint_activations:
+        _require(args.recompute_granularity in (None, "full"),
+                 f"--checkpoint-activations means --recompute-granularity full; it contradicts "
+                 f"--recompute-granularity {args.recompute_granularity}")
+        args.recompute_granularity = "full"
+        args.recompute_method = args.recompute_method or "uniform"
+    if args.recompute_granularity == "full":
+        _require(args.recompute_method is not None,
+                 "--recompute-granularity full needs --recompute-method uniform or block")
+    else:
+        _require(args.recompute_method is None,
+                 f"--recompute-method {args.recompute_method} applies only to --recompute-granularity full")
+    _require(1 <= args.recompute_num_layers <= args.num_layers,
+             f"--recompute-num-layers {args.recompute_num_layers} must lie between 1 and --num-layers "
+             f"{args.num_layers}")
+    _require(args.attention_backend != "flash" or args.attention_dropout == 0 or torch.cuda.is_available(),
+             f"--attention-backend flash with --attention-dropout {args.attention_dropout} needs CUDA: torch has "
+             "no flash kernel with dropout on this machine; use --attention-backend auto or --attention-dropout 0")
+    _require(not args.sequence_parallel or args.seq_length % tp == 0,
+             f"--sequence-parallel splits --seq-length {args.seq_length} over --tensor-model-parallel-size {tp}, "
+             "which does not divide it")
 
 
 def _check_data_path(data_path: List[str]):

@@ -105,7 +105,10 @@ class Trainer:
             max_position_embeddings=args.max_position_embeddings, ffn_hidden_size=args.ffn_hidden_size,
             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, hidden_dropout=args.hidden_dropout,
             attention_dropout=args.attention_dropout, layernorm_epsilon=args.layernorm_epsilon,
-            init_method_std=args.init_method_std, seed=args.seed, **architecture_kwargs(vars(args)))
+            init_method_std=args.init_method_std, seed=args.seed, **architecture_kwargs(vars(args)),
+            recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+            recompute_num_layers=args.recompute_num_layers, attention_backend=args.attention_backend,
+            sequence_parallel=args.sequence_parallel)
         self.model = build_gpt_stage(self.config, state, args.pipeline_partition_method, args.pipeline_partition)
         loss_scaler = {"dynamic": args.loss_scale is None, "static_scale": args.loss_scale or 1.0,
                        "initial_scale_power": int(math.log2(args.initial_loss_scale)),
@@ -125,8 +128,8 @@ class Trainer:
             if args.zero_hpz_partition_size > 1 else None)
         self.schedule = build_lr_schedule(args)
         self.progress = TrainState()
-        self.p2p = P2P(state.prev_rank, state.next_rank, activation_shape(args.micro_batch_size, self.config),
-                       DTYPES[args.params_dtype])
+        self.p2p = P2P(state.prev_rank, state.next_rank,
+                       activation_shape(args.micro_batch_size, self.config, state.tp_size), DTYPES[args.params_dtype])
         writer_rank = state.layout.rank(state.pp_size - 1, 0, 0)
         self.is_writer = state.rank == writer_rank
         flops = gpt_flops_per_iteration(args.global_batch_size, args.seq_length, args.num_layers, args.hidden_size,

@@ -21,8 +21,8 @@ from megatron_zero.topology import build_parallel_state
 STEPS, LR, MB = 3, 0.5, 2
 
 
-def config():
-    return tiny_gpt_config()
+def config(**overrides):
+    return tiny_gpt_config(**overrides)
 
 
 def global_batch(step, size):
@@ -47,11 +47,11 @@ def reference_run(m, dp):
     return losses, gather_state_dicts([grads], config())
 
 
-def pipelined_run(tp, pp, m, explicit):
+def pipelined_run(tp, pp, m, explicit, overrides=None):
     state = build_parallel_state(tp=tp, pp=pp)
-    cfg = config()
+    cfg = config(**(overrides or {}))
     model = build_gpt_stage(cfg, state, explicit_partition=explicit)
-    p2p = P2P(state.prev_rank, state.next_rank, activation_shape(MB, cfg), torch.float32)
+    p2p = P2P(state.prev_rank, state.next_rank, activation_shape(MB, cfg, tp), torch.float32)
     dp, r = state.dp_size, state.dp_rank
     losses = []
     for step in range(STEPS):
@@ -77,14 +77,16 @@ def pipelined_run(tp, pp, m, explicit):
     return state.layout.coords(state.rank), losses, grads, weights
 
 
-@pytest.mark.parametrize("tp,pp,dp,m,explicit", [
-    (1, 2, 1, 4, None), (1, 4, 1, 4, None), (2, 2, 1, 3, None), (2, 2, 2, 2, None),
-    (1, 3, 1, 3, None),          # 4 layers over 3 stages: uneven
-    (1, 2, 1, 2, [1, 3]),        # an explicit partition
+@pytest.mark.parametrize("tp,pp,dp,m,explicit,sequence_parallel", [
+    (1, 2, 1, 4, None, False), (1, 4, 1, 4, None, False), (2, 2, 1, 3, None, False), (2, 2, 2, 2, None, False),
+    (1, 3, 1, 3, None, False),          # 4 layers over 3 stages: uneven
+    (1, 2, 1, 2, [1, 3], False),        # an explicit partition
+    (2, 1, 1, 2, None, True), (2, 2, 1, 3, None, True),  # sequence parallelism (stages pass [b, s/tp, h])
 ])
-def test_pipeline_matches_reference(tp, pp, dp, m, explicit):
+def test_pipeline_matches_reference(tp, pp, dp, m, explicit, sequence_parallel):
     ref_losses, ref_grads = reference_run(m, dp)
-    results = run_ranks(pipelined_run, tp * pp * dp, tp, pp, m, explicit, timeout=240)
+    results = run_ranks(pipelined_run, tp * pp * dp, tp, pp, m, explicit, {"sequence_parallel": sequence_parallel},
+                        timeout=240)
     for _, losses, _, _ in results:
         assert losses == pytest.approx(ref_losses, rel=1e-5)
     seen = set()

@@ -12,7 +12,9 @@ from typing import Optional
 
 import torch
 
-
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 
@@ -46,6 +48,13 @@ class GPTConfig:
     num_query_groups: Optional[int] = None           # None -> num_attention_heads (no grouping)
     untie_embeddings_and_output_weights: bool = False
     add_bias_linear: bool = True
+    # memory and speed (model/recompute.py, model/attention_core.py, sequence parallelism): none of
+    # these changes a parameter, so checkpoints never record or need them
+    recompute_granularity: Optional[str] = None  # None, 'full' or 'selective'
+    recompute_method: Optional[str] = None       # 'uniform' or 'block' (full granularity)
+    recompute_num_layers: int = 1
+    attention_backend: str = "auto"
+    sequence_parallel: bool = False
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -68,6 +77,15 @@ class GPTConfig:
         if self.seq_length > self.max_position_embeddings:
             raise ValueError(f"seq_length {self.seq_length} exceeds max_position_embeddings "
                              f"{self.max_position_embeddings}")
+        for what, value, allowed in (("recompute_granularity", self.recompute_granularity, RECOMPUTE_GRANULARITIES),
+                                     ("recompute_method", self.recompute_method, RECOMPUTE_METHODS),
+                                     ("attention_backend", self.attention_backend, ATTENTION_BACKENDS)):
+            if value is not None and value not in allowed:
+                raise ValueError(f"{what} {value!r} is not one of {allowed}")
+        if self.recompute_granularity == "full" and self.recompute_method is None:
+            raise ValueError("recompute_granularity 'full' needs recompute_method 'uniform' or 'block'")
+        if self.recompute_num_layers < 1:
+            raise ValueError(f"recompute_num_layers {self.recompute_num_layers} must be at least 1")
 
         if self.position_embedding_type == "rope" and self.rotary_dim % 2 != 0:
             raise ValueError(f"rotary_percent {self.rotary_percent} of head_dim {self.head_dim} gives an odd "
@@ -114,6 +132,9 @@ class GPTConfig:
             raise ValueError(f"num_query_groups {groups} and the tensor-parallel size {tp} must divide one another")
         if self.qkv_size % tp != 0:
             raise ValueError(f"the fused QKV size {self.qkv_size} is not divisible by the tensor-parallel size {tp}")
+        if self.sequence_parallel and self.seq_length % tp != 0:
+            raise ValueError(f"seq_length {self.seq_length} is not divisible by the tensor-parallel size {tp}, "
+                             "which sequence parallelism splits it over")
 
 
 ARCHITECTURE_FIELDS = ("normalization", "position_embedding_type", "rotary_base", "rotary_percent", "swiglu",

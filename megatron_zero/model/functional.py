@@ -28,13 +28,13 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def scaled_upper_triang_masked_softmax(scores: torch.Tensor, scale: float) -> torch.Tensor:
+def scaled_upper_triang_masked_softmax(scores: torch.Tensor, scale: float, fused=None) -> torch.Tensor:
     """softmax(scale * scores) over the last dim with a causal mask (key j > query i is excluded).
 
-    scores: [..., sq, sk] with sq == sk.
+    scores: [..., sq, sk] with sq == sk. `fused`: None follows the fusion switch, True/False override it.
     """
     sq, sk = scores.shape[-2:]
-    probs = ops.scaled_upper_triang_masked_softmax(scores.reshape(-1, sq, sk), scale)
+    probs = ops.scaled_upper_triang_masked_softmax(scores.reshape(-1, sq, sk), scale, fused=fused)
     return probs.view(scores.shape)
 
 

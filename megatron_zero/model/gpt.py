@@ -18,7 +18,8 @@ from ..tensor_parallel import vocab_parallel_cross_entropy
 from ..tensor_parallel.utils import tp_rank_in, tp_world_size
 from .config import GPTConfig
 from .init import initialize_parameters
-from .layers import EMBEDDING_INDEX, holds_embedding, layer_kind, lm_head_index, num_pipeline_layers
+from .layers import EMBEDDING_INDEX, holds_embedding, is_block_index, layer_kind, lm_head_index, num_pipeline_layers
+from .recompute import run_layers
 from .transformer import Embedding, LMHead, ParallelTransformerLayer, build_norm
 
 
@@ -45,7 +46,7 @@ class GPTModel(nn.Module):
             elif kind == "block":
                 self.add_module(str(i), ParallelTransformerLayer(config, tp_group))
             elif kind == "final_norm":
-                self.add_module(str(i), build_norm(config))
+                self.add_module(str(i), build_norm(config, tp_group))
             elif kind == "lm_head" and not self.tied:
                 self.add_module(str(i), LMHead(config, tp_group))
         initialize_parameters(self, config, self.tp, self.tp_rank)
@@ -60,19 +61,31 @@ class GPTModel(nn.Module):
             return self.embedding.lm_logits(hidden)
         return self._modules[str(lm_head_index(self.config.num_layers))](hidden)
 
+    @property
+    def blocks(self):
+        """This stage's transformer layers, in order (run together: model/recompute.py)."""
+        return [self._modules[str(i)] for i in self.block_indices]
+
+    @property
+    def block_indices(self):
+        return [i for i in self.layer_indices if is_block_index(i, self.config.num_layers)]
+
     def forward(self, inputs, labels=None, loss_mask=None):
         """Tokens [b, s] (first stage) or hidden [b, s, h] in; hidden, logits, or the mean loss out."""
         x = inputs
         L = self.config.num_layers
+        first_block = next(iter(self.block_indices), None)
         for i in self.layer_indices:
             if i == EMBEDDING_INDEX:
                 x = self.embedding(x)
             elif i == lm_head_index(L):
                 logits = self.output_logits(x)
                 return logits if labels is None else self.loss(logits, labels, loss_mask)
-            elif i != 0:  # layer 0, the input cast, has nothing to do in this layout
+            elif layer_kind(i, L) == "final_norm":
                 x = self._modules[str(i)](x)
-        return x
+            elif i == first_block:  # the stage's first block runs them all
+                x = run_layers(self.blocks, x, self.config)
+        return x  # (layer 0, the input cast, has nothing to do in this layout)
 
     def loss(self, logits, labels, loss_mask=None):
         """Mean cross-entropy over tokens (weighted by loss_mask); padded vocabulary never counts."""

@@ -2,55 +2,89 @@
 and the untied output head.
 
 Activations are batch-first [b, s, h]. Inside a block the attention heads and the
-MLP's ffn features are split across TP ranks; the residual stream is replicated.
+MLP's ffn features are split across TP ranks; the residual stream is replicated, or
+with sequence parallelism split along s over the TP ranks (each holds [b, s/tp, h]:
+norms, dropout and residual adds work on that chunk; the column-parallel layers
+all-gather it, the row-parallel layers reduce-scatter back to it). Dropout on a
+TP-split activation draws per-rank masks inside the RNG tracker's fork.
 GPT-2 is the default; the config's architecture switches give the Llama family
 (RMSNorm, RoPE, SwiGLU, grouped-query attention, no linear biases, untied head).
 """
 from __future__ import annotations
 
-import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops import rotary_tables
 from ..tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                all_gather_last_dim_from_tensor_parallel_region,
-                               copy_to_tensor_model_parallel_region, get_rng_tracker)
+                               copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
+                               get_rng_tracker, scatter_to_sequence_parallel_region)
+from ..tensor_parallel.layers import sequence_parallel_param, sum_sequence_parallel_grad
 from ..tensor_parallel.utils import divide, set_tensor_model_parallel_attributes, tp_rank_in, tp_world_size
-from ..ops import rotary_tables
 from . import functional
+from .attention_core import attention_core
 from .config import GPTConfig
+from .recompute import checkpoint
+
+
+def sequence_parallel_active(config: GPTConfig, tp_group) -> bool:
+    return config.sequence_parallel and tp_world_size(tp_group) > 1
+
+
+def dropout(x, p: float, training: bool, per_tp_rank: bool):
+    """F.dropout; `per_tp_rank` (a TP-split activation) draws from the RNG tracker's per-rank stream."""
+    if not (training and p > 0):
+        return x
+    if per_tp_rank:
+        with get_rng_tracker().fork():
+            return F.dropout(x, p, True)
+    return F.dropout(x, p, True)
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm with `weight` and `bias`, replicated across TP."""
+    """LayerNorm with `weight` and `bias`, replicated across TP.
 
-    def __init__(self, hidden_size: int, eps: float, dtype=torch.float32):
+    Given `sequence_parallel_group` it normalises a sequence chunk: its parameters are marked
+    `sequence_parallel` and their gradients summed over that group in backward.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, dtype=torch.float32, sequence_parallel_group=None):
         super().__init__()
-        self.eps = eps
+        self.eps, self.tp_group = eps, sequence_parallel_group
         self.weight = set_tensor_model_parallel_attributes(nn.Parameter(torch.ones(hidden_size, dtype=dtype)), False)
         self.bias = set_tensor_model_parallel_attributes(nn.Parameter(torch.zeros(hidden_size, dtype=dtype)), False)
+        if sequence_parallel_group is not None:
+            sequence_parallel_param(self.weight)
+            sequence_parallel_param(self.bias)
 
     def forward(self, x):
-        return functional.layer_norm(x, self.weight, self.bias, self.eps)
+        weight, bias = (sum_sequence_parallel_grad(p, self.tp_group) for p in (self.weight, self.bias))
+        return functional.layer_norm(x, weight, bias, self.eps)
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with `weight` only, replicated across TP."""
+    """RMSNorm with `weight` only, replicated across TP (sequence-parallel like LayerNorm when given a group)."""
 
-    def __init__(self, hidden_size: int, eps: float, dtype=torch.float32):
+    def __init__(self, hidden_size: int, eps: float, dtype=torch.float32, sequence_parallel_group=None):
         super().__init__()
-        self.eps = eps
+        self.eps, self.tp_group = eps, sequence_parallel_group
         self.weight = set_tensor_model_parallel_attributes(nn.Parameter(torch.ones(hidden_size, dtype=dtype)), False)
+        if sequence_parallel_group is not None:
+            sequence_parallel_param(self.weight)
 
     def forward(self, x):
-        return functional.rms_norm(x, self.weight, self.eps)
+        return functional.rms_norm(x, sum_sequence_parallel_grad(self.weight, self.tp_group), self.eps)
 
 
-def build_norm(config: GPTConfig) -> nn.Module:
+def build_norm(config: GPTConfig, tp_group=None) -> nn.Module:
+    """The residual stream's norm (LayerNorm or RMSNorm; sequence-parallel when the model is)."""
     norm = RMSNorm if config.normalization == "RMSNorm" else LayerNorm
-    return norm(config.hidden_size, config.layernorm_epsilon, config.params_dtype)
+    sp_group = tp_group if sequence_parallel_active(config, tp_group) else None
+    return norm(config.hidden_size, config.layernorm_epsilon, config.params_dtype, sp_group)
 
 
 class Embedding(nn.Module):
@@ -60,6 +94,7 @@ class Embedding(nn.Module):
     def __init__(self, config: GPTConfig, tp_group=None):
         super().__init__()
         self.config, self.tp_group = config, tp_group
+        self.sequence_parallel = sequence_parallel_active(config, tp_group)
         padded = config.padded_vocab_size(tp_world_size(tp_group))
         self.word_embeddings = VocabParallelEmbedding(padded, config.hidden_size, tp_group, config.params_dtype)
         if config.has_position_embeddings:
@@ -72,11 +107,16 @@ class Embedding(nn.Module):
         if self.config.has_position_embeddings:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
             x = x + self.position_embeddings(positions).unsqueeze(0)
-        return F.dropout(x, self.config.hidden_dropout, self.training)
+        if self.sequence_parallel:
+            x = scatter_to_sequence_parallel_region(x, self.tp_group)
+        return dropout(x, self.config.hidden_dropout, self.training, self.sequence_parallel)
 
     def lm_logits(self, hidden):
-        """This TP rank's slice of the vocabulary logits [b, s, V_padded / tp]."""
-        hidden = copy_to_tensor_model_parallel_region(hidden, self.tp_group)
+        """This TP rank's slice of the vocabulary logits [b, s, V_padded / tp] (whole sequence)."""
+        if self.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden, self.tp_group)
+        else:
+            hidden = copy_to_tensor_model_parallel_region(hidden, self.tp_group)
         return F.linear(hidden, self.word_embeddings.weight)
 
 
@@ -87,10 +127,11 @@ class LMHead(nn.Module):
         super().__init__()
         padded = config.padded_vocab_size(tp_world_size(tp_group))
         self.lm_head = ColumnParallelLinear(config.hidden_size, padded, tp_group, bias=False,
-                                            params_dtype=config.params_dtype)
+                                            params_dtype=config.params_dtype,
+                                            sequence_parallel=sequence_parallel_active(config, tp_group))
 
     def forward(self, hidden):
-        """This TP rank's slice of the vocabulary logits [b, s, V_padded / tp]."""
+        """This TP rank's slice of the vocabulary logits [b, s, V_padded / tp] (whole sequence)."""
         return self.lm_head(hidden)
 
 
@@ -150,7 +191,8 @@ class QKVSplit:
 
 
 class ParallelAttention(nn.Module):
-    """Causal self-attention; each TP rank owns num_heads / tp whole query heads (see QKVSplit)."""
+    """Causal self-attention; each TP rank owns num_heads / tp whole query heads (see QKVSplit).
+    The core (softmax(q k^T) v) is one of the backends of attention_core.py."""
 
     def __init__(self, config: GPTConfig, tp_group=None):
         super().__init__()
@@ -159,26 +201,24 @@ class ParallelAttention(nn.Module):
         self.split_qkv = QKVSplit(config, tp_group)
         self.local_heads = self.split_qkv.local_heads
         self.rotary = RotaryEmbedding(config) if config.position_embedding_type == "rope" else None
-        self.dropout_p = config.attention_dropout
-        bias = config.add_bias_linear
+        self.dropout_p, self.backend = config.attention_dropout, config.attention_backend
+        self.recompute_core = config.recompute_granularity == "selective"
+        bias, sp = config.add_bias_linear, sequence_parallel_active(config, tp_group)
         self.query_key_value = ColumnParallelLinear(h, config.qkv_size, tp_group, bias=bias,
-                                                    params_dtype=config.params_dtype)
+                                                    params_dtype=config.params_dtype, sequence_parallel=sp)
         self.dense = RowParallelLinear(h, h, tp_group, bias=bias, input_is_parallel=True,
-                                       params_dtype=config.params_dtype)
+                                       params_dtype=config.params_dtype, sequence_parallel=sp)
 
     def forward(self, x):
-        b, s, _ = x.shape
         q, k, v = self.split_qkv(self.query_key_value(x))  # [b, heads or groups, s, hd]
+        b, _, s, _ = q.shape  # the whole sequence, also when x is a sequence-parallel chunk
         if self.rotary is not None:
             cos, sin = self.rotary(s, x.device)
             q, k = functional.apply_rotary_pos_emb(q, cos, sin), functional.apply_rotary_pos_emb(k, cos, sin)
         k, v = expand_kv_heads(k, self.local_heads), expand_kv_heads(v, self.local_heads)
-        probs = functional.scaled_upper_triang_masked_softmax(q @ k.transpose(-2, -1), 1.0 / math.sqrt(self.head_dim))
-        if self.training and self.dropout_p > 0:
-            with get_rng_tracker().fork():  # heads differ per TP rank: draw per-rank masks
-                probs = F.dropout(probs, self.dropout_p, True)
-        context = (probs @ v).transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
-        return self.dense(context)
+        core = partial(attention_core, backend=self.backend, dropout_p=self.dropout_p, training=self.training)
+        context = checkpoint(core, q, k, v) if self.recompute_core else core(q, k, v)
+        return self.dense(context.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
 
 
 def expand_kv_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -194,10 +234,11 @@ class ParallelMLP(nn.Module):
         super().__init__()
         h, f, bias = config.hidden_size, config.ffn_hidden_size, config.add_bias_linear
         self.swiglu = config.swiglu
+        sp = sequence_parallel_active(config, tp_group)
         self.dense_h_to_4h = ColumnParallelLinear(h, config.mlp_in_size, tp_group, bias=bias, skip_bias_add=True,
-                                                  params_dtype=config.params_dtype)
+                                                  params_dtype=config.params_dtype, sequence_parallel=sp)
         self.dense_4h_to_h = RowParallelLinear(f, h, tp_group, bias=bias, input_is_parallel=True,
-                                               params_dtype=config.params_dtype)
+                                               params_dtype=config.params_dtype, sequence_parallel=sp)
 
     def forward(self, x):
         y, bias = self.dense_h_to_4h(x)
@@ -209,16 +250,21 @@ class ParallelMLP(nn.Module):
 
 
 class ParallelTransformerLayer(nn.Module):
-    """Pre-norm block: x + drop(attn(norm(x))), then + drop(mlp(norm(.))). Hidden dropout is replicated."""
+    """Pre-norm block: x + drop(attn(norm(x))), then + drop(mlp(norm(.))).
+
+    Hidden dropout is replicated over TP, or with sequence parallelism drawn per rank on its chunk.
+    """
 
     def __init__(self, config: GPTConfig, tp_group=None):
         super().__init__()
         self.hidden_dropout = config.hidden_dropout
-        self.input_layernorm = build_norm(config)
+        self.sequence_parallel = sequence_parallel_active(config, tp_group)
+        self.input_layernorm = build_norm(config, tp_group)
         self.self_attention = ParallelAttention(config, tp_group)
-        self.post_attention_layernorm = build_norm(config)
+        self.post_attention_layernorm = build_norm(config, tp_group)
         self.mlp = ParallelMLP(config, tp_group)
 
     def forward(self, x):
-        x = x + F.dropout(self.self_attention(self.input_layernorm(x)), self.hidden_dropout, self.training)
-        return x + F.dropout(self.mlp(self.post_attention_layernorm(x)), self.hidden_dropout, self.training)
+        p, sp = self.hidden_dropout, self.sequence_parallel
+        x = x + dropout(self.self_attention(self.input_layernorm(x)), p, self.training, sp)
+        return x + dropout(self.mlp(self.post_attention_layernorm(x)), p, self.training, sp)

@@ -80,5 +80,7 @@ def make_forward_step(model: GPTModel, micro_batches: List[dict], state: Paralle
     return forward_step
 
 
-def activation_shape(micro_batch_size: int, config) -> tuple:
-    return (micro_batch_size, config.seq_length, config.hidden_size)
+def activation_shape(micro_batch_size: int, config, tp: int = 1) -> tuple:
+    """What one stage sends the next: [b, s, h], or [b, s / tp, h] with sequence parallelism."""
+    seq = config.seq_length // tp if config.sequence_parallel else config.seq_length
+    return (micro_batch_size, seq, config.hidden_size)

@@ -5,6 +5,14 @@ Each layer holds only its TP rank's shard. The weights start at zero: the owner
 the same seed gives the same full model whatever the TP size.
 
 With tp_group=None each layer is the plain PyTorch layer (TP=1, no communication).
+
+With `sequence_parallel` the activations outside the layers are split along the
+sequence over the TP group: the column-parallel layer all-gathers its input (and
+reduce-scatters the input gradient), the row-parallel layer reduce-scatters its
+output instead of all-reducing it. A replicated parameter applied to a sequence
+chunk (LayerNorm, the row-parallel bias) gets only this rank's part of its
+gradient; `sequence_parallel_param` marks it (Megatron's `sequence_parallel`
+attribute) and `sum_sequence_parallel_grad` sums that gradient over TP in backward.
 """
 from __future__ import annotations
 
@@ -12,13 +20,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .mappings import (copy_to_tensor_model_parallel_region, gather_from_tensor_model_parallel_region,
-                       reduce_from_tensor_model_parallel_region, scatter_to_tensor_model_parallel_region)
+from .mappings import (copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
+                       gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
+                       reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_model_parallel_region)
 from .utils import divide, set_tensor_model_parallel_attributes, tp_rank_in, tp_world_size
 
 
 def _param(*shape, dtype):
     return nn.Parameter(torch.zeros(*shape, dtype=dtype))
+
+
+def sequence_parallel_param(param: nn.Parameter) -> nn.Parameter:
+    param.sequence_parallel = True
+    return param
+
+
+def sum_sequence_parallel_grad(param: torch.Tensor, tp_group) -> torch.Tensor:
+    """`param` as used in forward; with sequence parallelism its gradient is summed over TP."""
+    if getattr(param, "sequence_parallel", False):
+        return copy_to_tensor_model_parallel_region(param, tp_group)
+    return param
 
 
 class ColumnParallelLinear(nn.Module):
@@ -29,15 +50,19 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, input_size, output_size, tp_group=None, bias=True, gather_output=False,
-                 skip_bias_add=False, params_dtype=torch.float32):
+                 skip_bias_add=False, params_dtype=torch.float32, sequence_parallel=False):
         super().__init__()
         self.tp_group, self.gather_output, self.skip_bias_add = tp_group, gather_output, skip_bias_add
+        self.sequence_parallel = sequence_parallel
         local = divide(output_size, tp_world_size(tp_group))
         self.weight = set_tensor_model_parallel_attributes(_param(local, input_size, dtype=params_dtype), True, 0)
         self.bias = set_tensor_model_parallel_attributes(_param(local, dtype=params_dtype), True, 0) if bias else None
 
     def forward(self, x):
-        x = copy_to_tensor_model_parallel_region(x, self.tp_group)
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.tp_group)
+        else:
+            x = copy_to_tensor_model_parallel_region(x, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
         y = F.linear(x, self.weight, bias)
         if self.gather_output:
@@ -53,20 +78,29 @@ class RowParallelLinear(nn.Module):
     """
 
     def __init__(self, input_size, output_size, tp_group=None, bias=True, input_is_parallel=True,
-                 skip_bias_add=False, params_dtype=torch.float32):
+                 skip_bias_add=False, params_dtype=torch.float32, sequence_parallel=False):
         super().__init__()
         self.tp_group, self.input_is_parallel, self.skip_bias_add = tp_group, input_is_parallel, skip_bias_add
+        self.sequence_parallel = sequence_parallel and tp_world_size(tp_group) > 1
+        if self.sequence_parallel and not input_is_parallel:
+            raise ValueError("a sequence-parallel RowParallelLinear needs input_is_parallel=True (Megatron's rule)")
         local = divide(input_size, tp_world_size(tp_group))
         self.weight = set_tensor_model_parallel_attributes(_param(output_size, local, dtype=params_dtype), True, 1)
         self.bias = set_tensor_model_parallel_attributes(_param(output_size, dtype=params_dtype), False) if bias else None
+        if self.bias is not None and self.sequence_parallel:
+            sequence_parallel_param(self.bias)
 
     def forward(self, x):
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
-        y = reduce_from_tensor_model_parallel_region(F.linear(x, self.weight), self.tp_group)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(F.linear(x, self.weight), self.tp_group)
+        else:
+            y = reduce_from_tensor_model_parallel_region(F.linear(x, self.weight), self.tp_group)
+        bias = None if self.bias is None else sum_sequence_parallel_grad(self.bias, self.tp_group)
         if self.skip_bias_add:
-            return y, self.bias
-        return y if self.bias is None else y + self.bias
+            return y, bias
+        return y if bias is None else y + bias
 
 
 class VocabParallelEmbedding(nn.Module):
