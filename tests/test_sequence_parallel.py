@@ -6,10 +6,13 @@ test_pipeline_gpt.py; recomputation with sequence parallelism and dropout in tes
 import torch
 import torch.distributed as dist
 
+import pytest
+
 from megatron_zero.model import GPTModel, gather_state_dicts, reference_model, unpad_vocab
+from megatron_zero.model.params import param_spec
 from megatron_zero.tensor_parallel import model_parallel_seed
 from megatron_zero.testing import run_ranks
-from megatron_zero.testing.tiny_gpt import tiny_gpt_config
+from megatron_zero.testing.tiny_gpt import tiny_gpt_config, tiny_llama_config
 from megatron_zero.topology import build_parallel_state
 
 WORD = "tied_modules.embed.word_embeddings.weight"
@@ -53,6 +56,33 @@ def test_sequence_parallel_matches_reference_at_tp2():
     assert full.keys() == ref_grads.keys()
     for name, g in full.items():
         torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def llama_sp_fn(groups):
+    state = build_parallel_state(tp=2)
+    model = GPTModel(tiny_llama_config(num_query_groups=groups, sequence_parallel=True), state.tp_group)
+    tokens, labels, mask = batch()
+    loss = model(tokens, labels, mask)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("groups", [2, 1])  # 1: fewer KV groups than TP ranks (gathered and replicated)
+def test_sequence_parallel_llama_matches_reference_at_tp2(groups):
+    """RMSNorm, RoPE on the gathered sequence, SwiGLU, grouped-query attention and the untied head under
+    sequence parallelism: loss to 1e-6, every gathered gradient to rtol 1e-5 (fp32, dropout 0)."""
+    config = tiny_llama_config(num_query_groups=groups)
+    ref = reference_model(config)
+    tokens, labels, mask = batch()
+    ref_loss = ref(tokens, labels, mask)
+    ref_loss.backward()
+    results = run_ranks(llama_sp_fn, 2, groups, timeout=120)
+    for loss, _ in results:
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-6, atol=0)
+    full = gather_state_dicts([r[1] for r in results], config)
+    for name, p in ref.named_parameters():
+        want = unpad_vocab(p.grad, config.vocab_size) if param_spec(name, config).is_vocab else p.grad
+        torch.testing.assert_close(full[name], want, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def train_with_dropout_fn(steps):
