@@ -99,7 +99,8 @@ def main():
     print(f"# {platform.node()} {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}, GPT2LMHeadModel --size {a.size}: "
           f"{params / 1e9:.3f} B parameters, fp32 {params * 4 / 2**30:.2f} GiB; round trip bit-exact: {exact}")
     print(f"{'step':<32}{'seconds':>9}{'peak RSS MiB':>14}{'time ratio':>12}{'RSS ratio':>11}")
-    base = {"ours convert_from_hf": "transformers from_pretrained", "ours convert_to_hf": "transformers save_pretrained"}
+    base = {"ours convert_from_hf": "transformers from_pretrained",
+            "ours convert_to_hf": "transformers save_pretrained"}
     for name, r in results.items():
         ref = results.get(base.get(name, name))
         print(f"{name:<32}{r['seconds']:>9.2f}{r['peak_mib']:>14.0f}{r['seconds'] / ref['seconds']:>11.2f}x"
