@@ -109,7 +109,7 @@ class Stage3(GatherMixin):
         for g in self.groups:
             for p in g:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
-        self._trace, self._order, self._pending = [], [], {}
+        self._trace, self._order, self._pending, self._saved_hooks = [], [], {}, []
         self._fpos, self._bpos = -1, 1 << 62  # where forward / backward are in _trace
         self._bucket, self._bucket_numel, self.peak_grad_numel = [], 0, 0
 
@@ -118,10 +118,12 @@ class Stage3(GatherMixin):
         self._order.append(ui)
         self.gather_unit(ui)
         self._prefetch(ui, +1)
-        torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        hooks.__enter__()  # left in _post_forward: a forward hook pair cannot hold a `with` block
+        self._saved_hooks.append(hooks)
 
     def _post_forward(self, ui, out):
-        torch._C._autograd._pop_saved_tensors_default_hooks()
+        self._saved_hooks.pop().__exit__(None, None, None)
         self.release_unit(ui)
         if not torch.is_grad_enabled():
             return out
