@@ -6,7 +6,7 @@
 #   sudo bash scripts/slurm_local_cluster.sh start   # install if missing, configure, start; idempotent
 #   export SLURM_CONF=/tmp/megatron_zero_slurm/slurm.conf   # what the commands below need (printed)
 #   sbatch --nodes 1 --ntasks-per-node 4 scripts/pretrain_slurm.sbatch <flags>
-#   sudo bash scripts/slurm_local_cluster.sh stop    # stop the daemons this script started
+#   sudo bash scripts/slurm_local_cluster.sh stop    # stop the daemons this script started (munged too)
 #
 # The cluster's files live in SLURM_LOCAL_DIR (default /tmp/megatron_zero_slurm): its own slurm.conf,
 # so an installed cluster's /etc/slurm is never touched. The node declares SLURM_LOCAL_CPUS CPUs
@@ -73,6 +73,7 @@ start_munge() {
     chown munge:munge /etc/munge/munge.key 2>/dev/null; chmod 400 /etc/munge/munge.key
     mkdir -p /run/munge && chown munge:munge /run/munge
     runuser -u munge -- munged || { say "munged would not start"; return 1; }
+    touch "$dir/munged.ours"  # stop ends only a munged this script started
     timeout 10 bash -c 'until munge -n </dev/null >/dev/null 2>&1; do sleep 0.5; done' \
         || { say "munge does not answer"; return 1; }
 }
@@ -103,7 +104,11 @@ stop() {
     for pidfile in "$dir/slurmd.pid" "$dir/slurmctld.pid"; do
         alive "$pidfile" && kill "$(cat "$pidfile")"
     done
-    say "stopped slurmd and slurmctld (munged is left running)"
+    if [ -f "$dir/munged.ours" ] && [ -f /run/munge/munged.pid ]; then
+        kill "$(cat /run/munge/munged.pid)" 2>/dev/null
+        rm -f "$dir/munged.ours"
+    fi
+    say "stopped slurmd and slurmctld (and munged, if this script started it)"
 }
 
 case "${1:-start}" in
