@@ -22,7 +22,6 @@ from ..model.params import (BLOCK_PARAMS, LM_HEAD_SUFFIX, POSITION_EMBEDDINGS, U
                             UNTIED_WORD_EMBEDDINGS, WORD_EMBEDDINGS)
 
 UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"
-UNIVERSAL_CHECKPOINT_VERSION = 0.2
 VOCAB_PATTERNS = "vocabulary_parameter_patterns"
 PIPELINE_REPLICATED_PATTERNS = "pipeline_replicated_parameter_patterns"
 TP_REPLICATED_PATTERNS = "tp_replicated_parameter_patterns"
