@@ -12,6 +12,7 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,7 @@ from .arguments import ArgumentError, args_to_dict, parse_args
 from .checkpoint.commit import LATEST
 from .checkpoint.universal_load import is_universal_checkpoint, load_reshaped_checkpoint, load_universal_checkpoint
 from .data import DataError, GlobalBatchSampler, build_tokenizer, build_train_valid_test_datasets, collate_gpt
+from .device import DeviceError, backend_for, select_device, to_device, use_device
 from .distributed import LaunchError, init_distributed, read_launch_env
 from .exit_signal import ExitPolicy
 from .logger import TensorBoardLog, format_eval_line, format_train_line
@@ -81,8 +83,10 @@ def load_any_checkpoint(path, state, model, optimizer, load_optimizer=True, univ
 
 
 class Trainer:
-    def __init__(self, args, state):
+    def __init__(self, args, state, device: Optional[torch.device] = None):
+        """`device`: where this rank trains; None chooses from --device and LOCAL_RANK (select_device)."""
         self.args, self.state = args, state
+        self.device = device if device is not None else select_device(args.device, read_launch_env().local_rank)
         set_fusion_flags(**fusion_flags(args))
         model_parallel_seed(args.seed, state.tp_rank, state.pp_rank)
         self.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file,
@@ -94,7 +98,8 @@ class Trainer:
             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, hidden_dropout=args.hidden_dropout,
             attention_dropout=args.attention_dropout, layernorm_epsilon=args.layernorm_epsilon,
             init_method_std=args.init_method_std, seed=args.seed)
-        self.model = build_gpt_stage(self.config, state, args.pipeline_partition_method, args.pipeline_partition)
+        self.model = build_gpt_stage(self.config, state, args.pipeline_partition_method, args.pipeline_partition,
+                                     device=self.device)
         loss_scaler = {"dynamic": args.loss_scale is None, "static_scale": args.loss_scale or 1.0,
                        "initial_scale_power": int(math.log2(args.initial_loss_scale)),
                        "scale_window": args.loss_scale_window, "min_scale": args.min_loss_scale,
@@ -105,12 +110,12 @@ class Trainer:
             weight_decay=args.weight_decay, clip_grad=args.clip_grad, mp_group=state.mp_group,
             tp_rank=state.tp_rank, dtype=args.params_dtype, loss_scaler=loss_scaler, offload=args.offload,
             nvme_path=args.zero_nvme_offload_path, module=self.model,
-            persistence_threshold=args.zero_param_persistence_threshold)
+            persistence_threshold=args.zero_param_persistence_threshold, device=self.device)
         self.schedule = LRSchedule(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
                                    args.lr_decay_style)
         self.progress = TrainState()
         self.p2p = P2P(state.prev_rank, state.next_rank, activation_shape(args.micro_batch_size, self.config),
-                       DTYPES[args.params_dtype])
+                       DTYPES[args.params_dtype], self.device)
         writer_rank = state.layout.rank(state.pp_size - 1, 0, 0)
         self.is_writer = state.rank == writer_rank
         self.tb = TensorBoardLog(args.tensorboard_dir, self.is_writer)
@@ -134,7 +139,8 @@ class Trainer:
         a = self.args
         sampler = GlobalBatchSampler(start + a.global_batch_size, start, a.micro_batch_size,
                                      a.global_batch_size, self.state.dp_rank, self.state.dp_size)
-        return [collate_gpt([dataset[i] for i in idx]) for idx in sampler.global_batch(start)]
+        return [to_device(collate_gpt([dataset[i] for i in idx]), self.device)
+                for idx in sampler.global_batch(start)]
 
     # ---- one iteration ---------------------------------------------------------------
     def train_step(self, micro):
@@ -145,7 +151,8 @@ class Trainer:
         sync_tied_embedding_grads(self.model, s)
         lr = self.schedule.lr()
         updated, grad_norm = self.optimizer.step(lr=lr)
-        loss = broadcast_loss(losses, s.is_last_stage, s.layout.pp_group(s.rank)[-1], s.pp_group, s.dp_group)
+        loss = broadcast_loss(losses, s.is_last_stage, s.layout.pp_group(s.rank)[-1], s.pp_group, s.dp_group,
+                              self.device)
         return loss, lr, updated, grad_norm
 
     @torch.no_grad()
@@ -158,7 +165,7 @@ class Trainer:
             losses = forward_backward(make_forward_step(self.model, micro, s), len(micro), self.p2p, s.pp_rank,
                                       s.pp_size, forward_only=True)
             total += broadcast_loss(losses, s.is_last_stage, s.layout.pp_group(s.rank)[-1], s.pp_group,
-                                    s.dp_group)
+                                    s.dp_group, self.device)
         return total / max(1, a.eval_iters)
 
     # ---- checkpoints -----------------------------------------------------------------
@@ -190,7 +197,7 @@ class Trainer:
     # ---- the loop --------------------------------------------------------------------
     def train(self) -> int:
         a, s, p = self.args, self.state, self.progress
-        policy = ExitPolicy(a.exit_signal_handler, a.exit_duration_in_mins, a.exit_interval)
+        policy = ExitPolicy(a.exit_signal_handler, a.exit_duration_in_mins, a.exit_interval, device=self.device)
         flops = gpt_flops_per_iteration(a.global_batch_size, a.seq_length, a.num_layers, a.hidden_size,
                                         self.config.padded_vocab_size(s.tp_size), a.ffn_hidden_size)
         self._log(f"training {self.config.num_layers}-layer GPT on {s.layout} from iteration {p.iteration}"
@@ -245,11 +252,13 @@ def pretrain(argv=None) -> int:
     try:
         launch = read_launch_env()
         args = parse_args(argv, world_size=launch.world_size)
-        init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+        device = select_device(args.device, launch.local_rank)
+        use_device(device)
+        init_distributed(args.distributed_backend or backend_for(device), args.distributed_timeout_minutes)
         state = build_parallel_state(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
-        trainer = Trainer(args, state)
+        trainer = Trainer(args, state, device)
         code = trainer.train()
-    except (ArgumentError, LaunchError, DataError, ckpt.CheckpointError) as err:
+    except (ArgumentError, LaunchError, DeviceError, DataError, ckpt.CheckpointError) as err:
         print(f"pretrain_gpt.py: error: {err}", file=sys.stderr, flush=True)
         code = 2
     if dist.is_initialized():

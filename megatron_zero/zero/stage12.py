@@ -25,8 +25,8 @@ from .partition import GroupPartition, partition_group
 
 class Stage12:
     def __init__(self, groups: Sequence[Sequence[Tuple[str, torch.nn.Parameter]]], dp_group, stage: int,
-                 dtype: torch.dtype, bucket_size: int):
-        self.stage, self.dtype, self.dp_group = stage, dtype, dp_group
+                 dtype: torch.dtype, bucket_size: int, device: torch.device):
+        self.stage, self.dtype, self.dp_group, self.device = stage, dtype, dp_group, device
         # the DP size gradients are reduced over; stage 0 (plain data parallelism) keeps
         # everything whole, so it partitions over one rank
         self.reduce_dp = dist.get_world_size(dp_group) if dp_group is not None else 1
@@ -39,7 +39,7 @@ class Stage12:
         self.flat: List[torch.Tensor] = []
         self.initial_masters: List[torch.Tensor] = []
         for params, part in zip(self.groups, self.parts):
-            flat32 = torch.zeros(part.padded_numel, dtype=torch.float32)
+            flat32 = torch.zeros(part.padded_numel, dtype=torch.float32, device=device)
             for p, off, n in zip(params, part.offsets, part.numels):
                 flat32[off:off + n].copy_(p.detach().reshape(-1))
             lo, hi = part.bounds(self.rank)
@@ -48,7 +48,7 @@ class Stage12:
             for p, off, n in zip(params, part.offsets, part.numels):
                 p.data = flat[off:off + n].view(p.shape)
             self.flat.append(flat)
-        self.grad_parts = [torch.zeros(p.partition_size) for p in self.parts] if stage == 2 else None
+        self.grad_parts = [torch.zeros(p.partition_size, device=device) for p in self.parts] if stage == 2 else None
         self._hooks, self._bucket, self._bucket_numel = [], [], 0
         self.peak_grad_numel = 0
         # Parameters marked `zero_defer_reduce` (the pipeline-tied embedding, whose gradient is
@@ -93,7 +93,7 @@ class Stage12:
             gi, pi = self._where[id(p)]
             part = self.parts[gi]
             off, n = part.offsets[pi], part.numels[pi]
-            g = p.grad.detach().reshape(-1) if p.grad is not None else torch.zeros(n, dtype=self.dtype)
+            g = p.grad.detach().reshape(-1) if p.grad is not None else torch.zeros(n, dtype=self.dtype, device=self.device)
             for r in range(self.dp):
                 lo, hi = part.bounds(r)
                 a, b = max(off, lo), min(off + n, hi)
@@ -106,9 +106,9 @@ class Stage12:
         width = max(sizes)
         flat_in = []
         for ts, size in zip(inputs, sizes):
-            t = torch.cat(ts) if ts else torch.zeros(0)
+            t = torch.cat(ts) if ts else torch.zeros(0, device=self.device)
             flat_in.append(torch.cat([t, t.new_zeros(width - size)]) if size < width else t)
-        out = torch.empty(width)
+        out = torch.empty(width, device=self.device)
         if self.dp > 1:
             dist.reduce_scatter(out, flat_in, group=self.dp_group)
         else:
@@ -135,7 +135,7 @@ class Stage12:
             return self.grad_parts
         out = []
         for gi, (params, part) in enumerate(zip(self.groups, self.parts)):
-            flat = torch.zeros(part.padded_numel)
+            flat = torch.zeros(part.padded_numel, device=self.device)
             for p, off, n in zip(params, part.offsets, part.numels):
                 if p.grad is not None:
                     flat[off:off + n].copy_(p.grad.detach().reshape(-1))
@@ -160,7 +160,7 @@ class Stage12:
         """Copy each updated master into this rank's slice and all-gather the flat buffers."""
         for flat, part, m in zip(self.flat, self.parts, masters):
             lo, hi = part.bounds(self.rank)
-            mine = m.detach().to(self.dtype)
+            mine = m.detach().to(flat.device, self.dtype, non_blocking=True)  # offloaded masters come up
             if self.dp > 1:
                 dist.all_gather(list(flat.chunk(self.dp)), mine, group=self.dp_group)
             else:
