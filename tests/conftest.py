@@ -8,6 +8,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped, with the reason, where there is none")
+
+
 @pytest.fixture(scope="session")
 def builtin_corpus(tmp_path_factory):
     """(data prefix, tokenizer model) of the built-in pydoc corpus."""

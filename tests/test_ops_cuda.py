@@ -7,6 +7,7 @@ import torch
 from megatron_zero import ops
 from megatron_zero.ops.softmax import causal_softmax_reference
 
+pytestmark = pytest.mark.gpu
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-2, atol=1e-2),
        torch.bfloat16: dict(rtol=5e-2, atol=5e-2)}

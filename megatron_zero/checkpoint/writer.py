@@ -25,6 +25,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ..device import host_empty, synchronize
 from .commit import commit, new_save_id, tmp_dir
 from .errors import CheckpointError
 from .manifest import parts_present, write_part
@@ -39,22 +40,27 @@ class CopyFile:
 
 
 class HostBuffers:
-    """Host copies of the state for async saves; buffers are kept and reused by the next save."""
+    """Host copies of the state for async saves (pinned for GPU tensors, copied without blocking, one
+    wait at the end); buffers are kept and reused by the next save."""
 
     def __init__(self):
         self.free = defaultdict(list)
 
     def snapshot(self, obj: Any) -> Tuple[Any, List[torch.Tensor]]:
-        used = []
+        used, devices = [], set()
 
         def copy(t: torch.Tensor) -> torch.Tensor:
+            devices.add(t.device)
             key = (t.dtype, t.numel())
-            buf = self.free[key].pop() if self.free[key] else torch.empty(t.numel(), dtype=t.dtype)
-            buf.copy_(t.detach().reshape(-1))
+            buf = self.free[key].pop() if self.free[key] else host_empty(t.numel(), t.dtype, t.device)
+            buf.copy_(t.detach().reshape(-1), non_blocking=True)  # pinned when t is on a GPU
             used.append(buf)
             return buf.view(t.shape)
 
-        return map_tensors(obj, copy), used
+        snap = map_tensors(obj, copy)
+        for device in devices:
+            synchronize(device)  # every non-blocking copy has landed before the writer thread reads
+        return snap, used
 
     def release(self, used: List[torch.Tensor]) -> None:
         for buf in used:

@@ -10,6 +10,13 @@ its partition. Stage 2: a post-accumulate-grad hook collects gradients into buck
 partition-sized buffer and the parameters' ``.grad`` are dropped, so no rank ever holds
 more gradient than one bucket plus its partition.
 
+Stages 0 and 1 with gradient-accumulation fusion (on unless --no-gradient-accumulation-fusion):
+as Megatron's fp32 ``main_grad``, each micro-batch's gradient is added, as soon as backward
+produces it, into one persistent fp32 flat buffer per group and the parameter's ``.grad`` is
+dropped, so accumulation over micro-batches is in fp32 (not bf16/fp16) and no model-dtype
+gradient outlives its micro-batch. Off: ``.grad`` accumulates in the model dtype and is copied
+into a fresh fp32 flat buffer at the step. In fp32 both give bit-identical sums.
+
 After the step, each rank writes its updated master into its slice of the flat buffer
 and the slices are all-gathered.
 """
@@ -20,6 +27,7 @@ from typing import List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ..ops.fusion_flags import get_fusion_flags
 from .partition import GroupPartition, partition_group
 
 
@@ -54,6 +62,14 @@ class Stage12:
         # Parameters marked `zero_defer_reduce` (the pipeline-tied embedding, whose gradient is
         # summed over the first and last stage after backward) keep their .grad until the step.
         self._deferred = []
+        self.main_grads = None
+        if stage < 2 and get_fusion_flags().gradient_accumulation_fusion:
+            self.main_grads = [torch.zeros(part.padded_numel, device=device) for part in self.parts]
+            for gi, (params, part) in enumerate(zip(self.groups, self.parts)):
+                for p, off, n in zip(params, part.offsets, part.numels):
+                    if not getattr(p, "zero_defer_reduce", False):  # the tied embedding keeps .grad
+                        self._hooks.append(p.register_post_accumulate_grad_hook(
+                            lambda p, main=self.main_grads[gi][off:off + n]: self._accumulate(p, main)))
         if stage == 2:
             self._where = {}
             for gi, params in enumerate(self.groups):
@@ -75,6 +91,11 @@ class Stage12:
     def group_paddings(self) -> List[int]:
         return [part.padding(self.rank) for part in self.parts]
 
+    # ---- stages 0/1: fp32 accumulation during backward --------------------------------------
+    def _accumulate(self, p: torch.nn.Parameter, main: torch.Tensor):
+        main.add_(p.grad.detach().reshape(-1))
+        p.grad = None
+
     # ---- stage 2: bucketed reduce-scatter during backward ---------------------------------
     def _grad_ready(self, p: torch.nn.Parameter):
         self._bucket.append(p)
@@ -93,7 +114,8 @@ class Stage12:
             gi, pi = self._where[id(p)]
             part = self.parts[gi]
             off, n = part.offsets[pi], part.numels[pi]
-            g = p.grad.detach().reshape(-1) if p.grad is not None else torch.zeros(n, dtype=self.dtype, device=self.device)
+            g = p.grad.detach().reshape(-1) if p.grad is not None else \
+                torch.zeros(n, dtype=self.dtype, device=self.device)
             for r in range(self.dp):
                 lo, hi = part.bounds(r)
                 a, b = max(off, lo), min(off + n, hi)
@@ -135,9 +157,9 @@ class Stage12:
             return self.grad_parts
         out = []
         for gi, (params, part) in enumerate(zip(self.groups, self.parts)):
-            flat = torch.zeros(part.padded_numel, device=self.device)
+            flat = self.main_grads[gi] if self.main_grads else torch.zeros(part.padded_numel, device=self.device)
             for p, off, n in zip(params, part.offsets, part.numels):
-                if p.grad is not None:
+                if p.grad is not None:  # without fusion: every parameter; with it: the deferred ones
                     flat[off:off + n].copy_(p.grad.detach().reshape(-1))
             if self.reduce_dp > 1:
                 dist.all_reduce(flat, group=self.dp_group)
@@ -150,9 +172,8 @@ class Stage12:
         for params in self.groups:
             for p in params:
                 p.grad = None
-        if self.grad_parts is not None:
-            for g in self.grad_parts:
-                g.zero_()
+        for g in (self.grad_parts or []) + (self.main_grads or []):
+            g.zero_()
         self._bucket, self._bucket_numel = [], 0
 
     # ---- weights -------------------------------------------------------------------
@@ -168,7 +189,7 @@ class Stage12:
 
     def grad_bytes(self) -> int:
         held = sum(p.grad.numel() * p.grad.element_size() for ps in self.groups for p in ps if p.grad is not None)
-        return held + (sum(g.numel() * 4 for g in self.grad_parts) if self.grad_parts else 0)
+        return held + sum(g.numel() * 4 for g in (self.grad_parts or []) + (self.main_grads or []))
 
     def param_bytes(self) -> int:
         return sum(f.numel() * f.element_size() for f in self.flat)
