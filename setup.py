@@ -24,6 +24,9 @@ setup(
     packages=find_packages(include=["megatron_zero", "megatron_zero.*"]) + ["megatron_zero_tools"],
     package_dir={"megatron_zero_tools": "tools"},
     python_requires=">=3.10",
+    # the torch range the code keeps to (public APIs present since 2.4; see README "Torch versions").
+    # requirements.txt pins 2.13.0 for this machine's quick set-up; GPU images bring their own torch.
+    install_requires=["torch>=2.4,<2.14", "numpy", "sentencepiece"],
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     entry_points={"console_scripts": [

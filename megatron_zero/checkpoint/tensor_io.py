@@ -134,6 +134,9 @@ class _ChecksumWriter:
 
 @contextmanager
 def _no_torch_crc():
+    if not hasattr(torch.serialization, "set_crc32_options"):  # a torch before the switch: it computes CRCs
+        yield
+        return
     before = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
     try:
