@@ -28,8 +28,10 @@ setup(
     packages=find_packages(include=["megatron_zero", "megatron_zero.*"]) + ["megatron_zero_tools"],
     package_dir={"megatron_zero_tools": "tools"},
     python_requires=">=3.10",
-    # Ranges the code is written for; CI tests the pins in requirements.txt (torch 2.13.0).
-    install_requires=["torch>=2.4,<2.14", "numpy>=1.24", "sentencepiece>=0.1.99", "tensorboard>=2.10"],
+    # the torch range the code keeps to (public APIs present since 2.4; see README "Torch versions");
+    # CI tests the pins in requirements.txt (torch 2.13.0), and GPU images bring their own torch
+    install_requires=["torch>=2.4,<2.14", "numpy>=1.24", "sentencepiece>=0.1.99", "tensorboard>=2.10",
+                      "crc32c>=2.3", "safetensors>=0.4,<1", "tokenizers>=0.20,<1"],
     extras_require={
         "wandb": ["wandb>=0.16"],
         "test": ["pytest>=7", "ruff>=0.5", "deepspeed>=0.16", "megatron-core>=0.10", "transformers>=4.40",

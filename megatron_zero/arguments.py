@@ -113,7 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(zero_hpz_partition_size; 1: off)")
     g.add_argument("--deepspeed-config", "--deepspeed_config", dest="deepspeed_config", type=str, default=None)
     p.set_defaults(deepspeed_scheduler=None)  # the JSON's `scheduler`, set by deepspeed_config.py
-    g.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None)
+    g.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None,
+                   help="default: nccl on CUDA, gloo on the CPU")
+    g.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                   help="where each rank trains: cuda:LOCAL_RANK when CUDA is present (auto), or forced")
+    g.add_argument("--no-cuda", dest="device", action="store_const", const="cpu",
+                   help="train on the CPU even where CUDA is present (same as --device cpu)")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
 
     g = p.add_argument_group("training")
@@ -294,6 +299,8 @@ def validate_args(args, world_size: int):
     _require(args.offload == "none" or args.zero_stage >= 1,
              f"optimizer offload ({args.offload}) needs --zero-stage 1, 2 or 3, not {args.zero_stage}")
     _check_logging(args)
+    _require(not (args.device == "cpu" and args.distributed_backend == "nccl"),
+             "--distributed-backend nccl needs GPUs but --device cpu was given; use --distributed-backend gloo")
     if args.load:
         _require(os.path.isdir(args.load), f"--load {args.load} is not a directory")
     if args.data_path:

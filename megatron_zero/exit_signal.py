@@ -14,12 +14,16 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .device import HOST
+
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class ExitPolicy:
     def __init__(self, handle_signals: bool = False, duration_mins: Optional[float] = None,
-                 exit_interval: Optional[int] = None, start_time: Optional[float] = None):
+                 exit_interval: Optional[int] = None, start_time: Optional[float] = None,
+                 device: torch.device = HOST):
+        self.device = device  # the flags are all-reduced there (NCCL reduces device tensors only)
         self.received: Optional[int] = None
         self.duration_mins = duration_mins
         self.exit_interval = exit_interval
@@ -44,7 +48,7 @@ class ExitPolicy:
             self.duration_mins is not None and (time.monotonic() - self.start) / 60.0 >= self.duration_mins,
             bool(self.exit_interval) and iteration % self.exit_interval == 0,
         ]
-        flags = torch.tensor([float(r) for r in reasons])
+        flags = torch.tensor([float(r) for r in reasons], device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if flags[0] > 0:

@@ -11,6 +11,7 @@ import math
 import os
 import sys
 from dataclasses import asdict, dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,7 @@ from .checkpoint.save_16bit import save_16bit_model
 from .checkpoint.universal_load import (find_universal_dir, is_universal_checkpoint, load_reshaped_checkpoint,
                                         load_universal_checkpoint)
 from .data import DataError, GlobalBatchSampler, build_tokenizer, build_train_valid_test_datasets, collate_gpt
+from .device import DeviceError, backend_for, select_device, to_device, use_device
 from .distributed import (LaunchError, another_rank_failed, init_distributed, is_peer_failure, read_launch_env,
                           report_failure, stop_with_launcher)
 from .exit_signal import ExitPolicy
@@ -93,8 +95,10 @@ def load_any_checkpoint(path, state, model, optimizer, load_optimizer=True, univ
 
 
 class Trainer:
-    def __init__(self, args, state):
+    def __init__(self, args, state, device: Optional[torch.device] = None):
+        """`device`: where this rank trains; None chooses from --device and LOCAL_RANK (select_device)."""
         self.args, self.state = args, state
+        self.device = device if device is not None else select_device(args.device, read_launch_env().local_rank)
         set_fusion_flags(**fusion_flags(args))
         model_parallel_seed(args.seed, state.tp_rank, state.pp_rank)
         self.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file,
@@ -109,7 +113,8 @@ class Trainer:
             recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
             recompute_num_layers=args.recompute_num_layers, attention_backend=args.attention_backend,
             sequence_parallel=args.sequence_parallel)
-        self.model = build_gpt_stage(self.config, state, args.pipeline_partition_method, args.pipeline_partition)
+        self.model = build_gpt_stage(self.config, state, args.pipeline_partition_method, args.pipeline_partition,
+                                     device=self.device)
         loss_scaler = {"dynamic": args.loss_scale is None, "static_scale": args.loss_scale or 1.0,
                        "initial_scale_power": int(math.log2(args.initial_loss_scale)),
                        "scale_window": args.loss_scale_window, "min_scale": args.min_loss_scale,
@@ -125,11 +130,12 @@ class Trainer:
             overlap_param_gather=args.overlap_param_gather and args.zero_stage < 3,
             quantized_weights=args.zero_quantized_weights, quantized_gradients=args.zero_quantized_gradients,
             hpz_group=build_hpz_group(state.layout, state.rank, args.zero_hpz_partition_size)
-            if args.zero_hpz_partition_size > 1 else None)
+            if args.zero_hpz_partition_size > 1 else None, device=self.device)
         self.schedule = build_lr_schedule(args)
         self.progress = TrainState()
         self.p2p = P2P(state.prev_rank, state.next_rank,
-                       activation_shape(args.micro_batch_size, self.config, state.tp_size), DTYPES[args.params_dtype])
+                       activation_shape(args.micro_batch_size, self.config, state.tp_size), DTYPES[args.params_dtype],
+                       self.device)
         writer_rank = state.layout.rank(state.pp_size - 1, 0, 0)
         self.is_writer = state.rank == writer_rank
         flops = gpt_flops_per_iteration(args.global_batch_size, args.seq_length, args.num_layers, args.hidden_size,
@@ -159,7 +165,8 @@ class Trainer:
         a = self.args
         sampler = GlobalBatchSampler(start + a.global_batch_size, start, a.micro_batch_size,
                                      a.global_batch_size, self.state.dp_rank, self.state.dp_size)
-        return [collate_gpt([dataset[i] for i in idx]) for idx in sampler.global_batch(start)]
+        return [to_device(collate_gpt([dataset[i] for i in idx]), self.device)
+                for idx in sampler.global_batch(start)]
 
     # ---- one iteration ---------------------------------------------------------------
     def train_step(self, micro):
@@ -176,7 +183,8 @@ class Trainer:
         with timers("optimizer", 1):
             updated, grad_norm = self.optimizer.step(lr=lr)
         with timers("loss-broadcast", 2):
-            loss = broadcast_loss(losses, s.is_last_stage, s.layout.pp_group(s.rank)[-1], s.pp_group, s.dp_group)
+            loss = broadcast_loss(losses, s.is_last_stage, s.layout.pp_group(s.rank)[-1], s.pp_group, s.dp_group,
+                                  self.device)
         return loss, lr, updated, grad_norm
 
     @torch.no_grad()
@@ -189,7 +197,7 @@ class Trainer:
             losses = forward_backward(make_forward_step(self.model, micro, s), len(micro), self.p2p, s.pp_rank,
                                       s.pp_size, forward_only=True)
             total += broadcast_loss(losses, s.is_last_stage, s.layout.pp_group(s.rank)[-1], s.pp_group,
-                                    s.dp_group)
+                                    s.dp_group, self.device)
         return total / max(1, a.eval_iters)
 
     # ---- checkpoints -----------------------------------------------------------------
@@ -226,7 +234,7 @@ class Trainer:
     # ---- the loop --------------------------------------------------------------------
     def train(self) -> int:
         a, s, p = self.args, self.state, self.progress
-        policy = ExitPolicy(a.exit_signal_handler, a.exit_duration_in_mins, a.exit_interval)
+        policy = ExitPolicy(a.exit_signal_handler, a.exit_duration_in_mins, a.exit_interval, device=self.device)
         self._log(f"training {self.config.num_layers}-layer GPT on {s.layout} from iteration {p.iteration}"
                   f" ({p.consumed_train_samples} samples consumed), {a.num_micro_batches} micro-batches per step")
         self._log(kernel_report())
@@ -279,12 +287,14 @@ def pretrain(argv=None) -> int:
         if launch.source != "single":
             stop_with_launcher()
         args = parse_args(argv, world_size=launch.world_size, report=launch.rank == 0)
-        init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+        device = select_device(args.device, launch.local_rank)
+        use_device(device)
+        init_distributed(args.distributed_backend or backend_for(device), args.distributed_timeout_minutes)
         lock = hold_save_lock(args.save) if args.save else None
         state = build_parallel_state(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
-        trainer = Trainer(args, state)
+        trainer = Trainer(args, state, device)
         code = trainer.train()
-    except (ArgumentError, LaunchError, DataError, ckpt.CheckpointError) as err:
+    except (ArgumentError, LaunchError, DeviceError, DataError, ckpt.CheckpointError) as err:
         report_failure(str(err), lambda line: print(f"pretrain_gpt.py: error: {line}", file=sys.stderr, flush=True))
         code = 2
     except Exception as err:

@@ -56,6 +56,7 @@ def test_good_args_derive_dp_and_accumulation():
     (dict(zero_stage=3, pipeline_model_parallel_size=2, global_batch_size=8), 2,
      ["--zero-stage 3", "--pipeline-model-parallel-size 2"]),
     (dict(data_path="0.3"), 1, []),
+    (dict(device="cpu", distributed_backend="nccl"), 1, ["--distributed-backend nccl", "--device cpu"]),
 ])
 def test_inconsistencies_are_one_sentence(changes, world, words, capsys):
     argv = with_flags(BASE, **changes)
@@ -140,3 +141,23 @@ def test_architecture_flags_and_their_megatron_deepspeed_spellings():
 ])
 def test_bad_architecture_flags_are_one_sentence(flags, world, words, capsys):
     assert words in refused(BASE + flags, world, capsys)
+
+
+def test_device_flags_choose_one_device(capsys, monkeypatch):
+    import torch
+
+    from megatron_zero.device import backend_for, select_device
+    from megatron_zero.training import pretrain
+
+    assert parse_args(BASE + ["--no-cuda"], world_size=1).device == "cpu"
+    assert parse_args(BASE, world_size=1).device == "auto"
+    assert select_device("cpu", 3) == torch.device("cpu") and backend_for(torch.device("cpu")) == "gloo"
+    assert backend_for(torch.device("cuda", 1)) == "nccl"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert select_device("auto", 0) == torch.device("cpu")
+    assert pretrain(BASE + ["--device", "cuda"]) == 2  # refused before any process group starts
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--device cuda" in err and "--device cpu" in err and "Traceback" not in err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert select_device("auto", 3) == torch.device("cuda", 1)  # LOCAL_RANK modulo the node's GPUs

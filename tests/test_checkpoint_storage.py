@@ -33,6 +33,16 @@ def test_views_are_written_without_their_whole_storage(tmp_path):
     assert cloned["a"].data_ptr() != view.data_ptr()
 
 
+def test_save_without_torch_crc_switch(tmp_path, monkeypatch):
+    """Torch builds without torch.serialization.set_crc32_options (the fallback): the same bytes are saved."""
+    view = torch.arange(3000.0)[100:1100]
+    save_file({"v": view}, str(tmp_path / "with.pt"))
+    monkeypatch.delattr(torch.serialization, "set_crc32_options")
+    save_file({"v": view}, str(tmp_path / "without.pt"))
+    assert torch.equal(load_file(str(tmp_path / "without.pt"))["v"], view)
+    assert os.path.getsize(tmp_path / "without.pt") == os.path.getsize(tmp_path / "with.pt")
+
+
 def _save_twice(save_dir, async_save):
     rank = torch.distributed.get_rank()
     writer = CheckpointWriter()

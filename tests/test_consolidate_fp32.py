@@ -196,3 +196,10 @@ def test_torch_zip_writer_removes_partial_file(tmp_path):
             w.add("a", torch.ones(3))
             w.add("a", torch.ones(3))
     assert not path.exists()
+
+
+def test_storage_type_table_matches_torch():
+    """The public storage-class table torch_zip_writer pickles by equals torch's own (private) mapping."""
+    from megatron_zero.checkpoint.torch_zip_writer import STORAGE_TYPES
+    for dtype, name in STORAGE_TYPES.items():
+        assert torch.storage.TypedStorage(dtype=dtype, device="cpu", _internal=True)._pickle_storage_type() == name

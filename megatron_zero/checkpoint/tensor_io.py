@@ -10,7 +10,10 @@ while the next chunk is checksummed and the final fsync has little left to wait 
 
 Views: torch.save writes a tensor's *whole storage*, so saving a slice of a big flat
 buffer would write the whole buffer. `tight_tensors` re-points every contiguous view at
-exactly its own bytes without copying (torch.frombuffer over the same memory);
+exactly its own bytes without copying (torch.from_dlpack over the same memory, on the
+CPU or a GPU alike); device tensors stay on the device, and torch.save copies them to the
+host one storage at a time, so host memory during a save from a GPU is bounded by the
+largest single tensor saved, not by the state;
 `clone_tensors_for_torch_save` is DeepSpeed's copying equivalent, for users' own saves.
 """
 from __future__ import annotations
@@ -48,19 +51,17 @@ def map_tensors(item, fn, memo=None):
 
 def _tight(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
-    if t.device.type != "cpu":
-        return t.cpu()
     nbytes = t.numel() * t.element_size()
     if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == nbytes:
         return t
     if not t.is_contiguous() or nbytes == 0:
         return t.clone()
-    raw = t.reshape(-1).view(torch.uint8).numpy()  # shares t's memory
-    return torch.frombuffer(raw, dtype=torch.uint8).view(t.dtype).view(t.shape)
+    raw = torch.from_dlpack(t.reshape(-1).view(torch.uint8))  # shares t's memory, owns exactly its bytes
+    return raw.view(t.dtype).view(t.shape)
 
 
 def tight_tensors(item: Any) -> Any:
-    """The same structure with every tensor detached, on the CPU, and owning exactly its bytes (no copy)."""
+    """The same structure with every tensor detached, on its device, and owning exactly its bytes (no copy)."""
     return map_tensors(item, _tight, {})
 
 
@@ -133,6 +134,9 @@ class _ChecksumWriter:
 
 @contextmanager
 def _no_torch_crc():
+    if not hasattr(torch.serialization, "set_crc32_options"):  # a torch before the switch: it computes CRCs
+        yield
+        return
     before = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
     try:

@@ -39,8 +39,21 @@ CHUNK = 8 << 20
 _U32 = 0xFFFFFFFF
 
 
+# The legacy storage class torch.save names for each dtype in data.pkl (the public torch.*Storage
+# classes; test_consolidate_fp32 checks the table against torch's own mapping).
+STORAGE_TYPES = {
+    torch.float32: "FloatStorage", torch.float64: "DoubleStorage", torch.float16: "HalfStorage",
+    torch.bfloat16: "BFloat16Storage", torch.int64: "LongStorage", torch.int32: "IntStorage",
+    torch.int16: "ShortStorage", torch.int8: "CharStorage", torch.uint8: "ByteStorage",
+    torch.bool: "BoolStorage", torch.complex64: "ComplexFloatStorage", torch.complex128: "ComplexDoubleStorage",
+}
+
+
 def _storage_type(dtype: torch.dtype):
-    return getattr(torch, torch.storage.TypedStorage(dtype=dtype, device="cpu", _internal=True)._pickle_storage_type())
+    if dtype not in STORAGE_TYPES:
+        raise ValueError(f"cannot stream a {dtype} tensor into a torch.save file; "
+                         f"supported dtypes: {', '.join(str(d) for d in STORAGE_TYPES)}")
+    return getattr(torch, STORAGE_TYPES[dtype])
 
 
 class _Storage:
@@ -49,7 +62,9 @@ class _Storage:
 
 
 class _Tensor:
-    """Pickles exactly as a contiguous CPU tensor does (torch._utils._rebuild_tensor_v2)."""
+    """Pickles exactly as a contiguous CPU tensor does. torch._utils._rebuild_tensor_v2 is not ours to
+    avoid: it is the name torch.save writes and torch.load's weights_only allow-list accepts, the same
+    in every torch since 1.x (the format, not an implementation detail we call)."""
 
     def __init__(self, storage: _Storage, shape: Tuple[int, ...]):
         self.storage, self.shape = storage, shape

@@ -1,6 +1,6 @@
 """Layout-independent weight initialisation.
 
-Each full (unsharded, unpadded) weight is drawn on the CPU from a generator seeded
+Each full (unsharded, unpadded) weight is drawn on the host from a generator seeded
 with `config.seed` plus a stable hash of the parameter's name; a TP rank then
 keeps its slice. The same seed therefore gives the same full model whatever the
 TP or PP layout. Megatron's init: normal(0, std) for weights, std / sqrt(2L) for
@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from ..device import HOST
 from .config import GPTConfig
 from .params import param_spec
 from .sharding import shard_tensor
@@ -25,17 +26,17 @@ def name_seed(seed: int, name: str) -> int:
 
 
 def full_init_tensor(name: str, config: GPTConfig) -> torch.Tensor:
-    """The initial full-form value of one parameter (fp32, CPU)."""
+    """The initial full-form value of one parameter (fp32, on the host; the caller copies its slice to the device)."""
     spec = param_spec(name, config)
     if spec.init == "zeros":
-        return torch.zeros(spec.full_shape)
+        return torch.zeros(spec.full_shape, device=HOST)
     if spec.init == "ones":
-        return torch.ones(spec.full_shape)
+        return torch.ones(spec.full_shape, device=HOST)
     std = config.init_method_std
     if spec.init == "scaled_normal":
         std = std / math.sqrt(2.0 * config.num_layers)
-    gen = torch.Generator().manual_seed(name_seed(config.seed, name))
-    return torch.randn(spec.full_shape, generator=gen) * std
+    gen = torch.Generator(device=HOST).manual_seed(name_seed(config.seed, name))
+    return torch.randn(spec.full_shape, generator=gen, device=HOST) * std
 
 
 def full_init_state_dict(config: GPTConfig, names) -> dict:

@@ -7,6 +7,7 @@ state keys (step, exp_avg, exp_avg_sq), so checkpoints are interchangeable.
 """
 import torch
 
+from ..device import HOST
 from .fusion_flags import use_fused
 from .registry import load, warn_fallback_once
 
@@ -54,13 +55,13 @@ def adamw_step_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1=0.9, beta2=
                      beta2=beta2, eps=eps, weight_decay=weight_decay, low_out=low_out)
 
 
-class CPUAdamW(torch.optim.Optimizer):
-    """torch.optim.AdamW for CPU fp32 parameters, stepped by the fused kernel."""
+class AdamWBase(torch.optim.Optimizer):
+    """torch.optim.AdamW's hyper-parameters and state keys (step on the host, exp_avg, exp_avg_sq);
+    subclasses say how `_update(group, params, states)` steps a group's parameters that have a gradient."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  fused=None):
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults)
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.fused = fused
 
     @torch.no_grad()
@@ -70,18 +71,28 @@ class CPUAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
                 state = self.state[p]
                 if not state:
-                    state["step"] = torch.tensor(0.0)
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=HOST)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["step"] += 1
-                adamw_step_(p, p.grad, state["exp_avg"], state["exp_avg_sq"],
-                            step=int(state["step"].item()), lr=group["lr"], beta1=beta1,
-                            beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                            fused=self.fused)
+            self._update(group, params, [self.state[p] for p in params])
         return loss
+
+    def _update(self, group, params, states):
+        raise NotImplementedError
+
+
+class CPUAdamW(AdamWBase):
+    """torch.optim.AdamW for CPU fp32 parameters, stepped by the fused kernel."""
+
+    def _update(self, group, params, states):
+        beta1, beta2 = group["betas"]
+        for p, state in zip(params, states):
+            adamw_step_(p, p.grad, state["exp_avg"], state["exp_avg_sq"],
+                        step=int(state["step"].item()), lr=group["lr"], beta1=beta1,
+                        beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                        fused=self.fused)

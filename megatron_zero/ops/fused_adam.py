@@ -2,10 +2,11 @@
 
 Fallback: the same per-tensor math as torch.optim.AdamW (cpu_adam's reference).
 All tensors are updated in place; `step` counts this update (1 on the first).
+`MultiTensorAdamW` is the torch.optim.Optimizer face the on-device ZeRO step uses.
 """
 import torch
 
-from .cpu_adam import adamw_reference_
+from .cpu_adam import AdamWBase, adamw_reference_
 from .fusion_flags import use_fused
 from .registry import load, warn_fallback_once
 
@@ -35,3 +36,19 @@ def multi_tensor_adamw_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1
     for p, g, m, v in zip(*lists):
         adamw_reference_(p, g, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                          weight_decay=weight_decay)
+
+
+class MultiTensorAdamW(AdamWBase):
+    """torch.optim.AdamW (same update, same state keys) stepping each param group with one
+    `multi_tensor_adamw_` call: the CUDA kernel where the tensors fit it, the fallback elsewhere."""
+
+    def _update(self, group, params, states):
+        beta1, beta2 = group["betas"]
+        by_step = {}  # parameters whose step counts agree go in one launch
+        for p, state in zip(params, states):
+            by_step.setdefault(int(state["step"].item()), []).append((p, state))
+        for step, pairs in by_step.items():
+            multi_tensor_adamw_([p for p, _ in pairs], [p.grad for p, _ in pairs],
+                                [s["exp_avg"] for _, s in pairs], [s["exp_avg_sq"] for _, s in pairs],
+                                step=step, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                                weight_decay=group["weight_decay"], fused=self.fused)

@@ -18,8 +18,9 @@ from dataclasses import dataclass, fields, replace
 class FusionFlags:
     masked_softmax_fusion: bool = True
     bias_gelu_fusion: bool = True
-    # Accumulate weight gradients straight into the fp32 main_grad; read by the
-    # tensor-parallel linear layers, which own that code path.
+    # Accumulate each micro-batch's gradients into an fp32 main-grad buffer as backward
+    # produces them (ZeRO stages 0/1, zero/stage12.py); stages 2/3 always reduce-scatter
+    # each bucket into fp32 partitions, so there the accumulation is fp32 either way.
     gradient_accumulation_fusion: bool = True
     # Megatron's "persistent" LayerNorm variant; there is one fused LayerNorm
     # here, so this and layer_norm_fusion together decide whether it is used.

@@ -18,6 +18,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..device import HOST
 from ..model.gpt import GPTModel
 from ..model.layers import EMBEDDING_INDEX, block_layer_index, final_norm_index, lm_head_index
 from ..model.params import layer_param_names, param_spec
@@ -26,12 +27,14 @@ from .partition import stage_layer_ranges
 
 
 def build_gpt_stage(config, state: ParallelState, partition_method: str = "uniform",
-                    explicit_partition: Optional[Sequence[int]] = None) -> GPTModel:
+                    explicit_partition: Optional[Sequence[int]] = None, device: torch.device = HOST) -> GPTModel:
+    """This rank's stage, its parameters created on `device` (the initial values are drawn on the host)."""
     ranges = stage_layer_ranges(config.num_layers, state.pp_size, method=partition_method,
                                 explicit=explicit_partition, **_param_weights(config))
     start, end = ranges[state.pp_rank]
     tp_group = state.tp_group if state.tp_size > 1 else None
-    model = GPTModel(config, tp_group, layer_indices=range(start, end))
+    with device:  # the default device for the modules' own tensors
+        model = GPTModel(config, tp_group, layer_indices=range(start, end))
     if state.pp_size > 1 and hasattr(model, "tied_modules"):
         for param in model.tied_modules.parameters():
             param.zero_defer_reduce = True  # ZeRO-2 reduces it after sync_tied_embedding_grads

@@ -12,9 +12,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..device import HOST
+
 
 class P2P:
-    def __init__(self, prev_rank: Optional[int], next_rank: Optional[int], shape, dtype, device="cpu"):
+    def __init__(self, prev_rank: Optional[int], next_rank: Optional[int], shape, dtype, device: torch.device = HOST):
         self.prev_rank, self.next_rank = prev_rank, next_rank
         self.shape, self.dtype, self.device = tuple(shape), dtype, device
 

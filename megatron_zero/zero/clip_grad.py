@@ -17,6 +17,8 @@ from typing import Iterable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ..device import HOST
+
 
 def counts_in_norm(param: torch.Tensor, tp_rank: int) -> bool:
     """Does this rank's copy of ``param`` contribute to the global gradient norm?"""
@@ -29,8 +31,9 @@ def counts_in_norm(param: torch.Tensor, tp_rank: int) -> bool:
 
 def local_sums(grads: List[torch.Tensor], counted: List[List[Tuple[int, int]]]) -> torch.Tensor:
     """[sum of squares over counted fragments, number of non-finite elements anywhere] (fp64)."""
-    sq = torch.zeros((), dtype=torch.float64)
-    bad = torch.zeros((), dtype=torch.float64)
+    device = grads[0].device if grads else HOST
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    bad = torch.zeros((), dtype=torch.float64, device=device)
     for g, frags in zip(grads, counted):
         for start, numel in frags:
             piece = g.narrow(0, start, numel)

@@ -1,9 +1,13 @@
 """Where the fp32 masters and Adam moments live, and the AdamW that steps them.
 
 One flat fp32 master per param group (this rank's partition). ``offload``:
-  'none'  masters and moments beside the model, stepped by torch.optim.AdamW;
-  'cpu'   in host memory, stepped by the C++ CPU Adam (megatron_zero.ops.cpu_adam) when
-          it is available, else torch's fused CPU AdamW;
+  'none'  masters and moments beside the model on ``device``, stepped by the multi-tensor
+          AdamW (one CUDA launch per group on a GPU; torch.optim.AdamW's math elsewhere);
+  'cpu'   in host memory (pinned when ``device`` is a GPU), stepped by the C++ CPU Adam
+          (megatron_zero.ops.cpu_adam) when it is available, else torch's fused CPU AdamW;
+          gradients come down into pinned host buffers with non-blocking copies (one wait
+          before the step), and the updated masters go back up in ``write_weights``; with
+          the device being the CPU these copies do not happen (the gradients are used in place);
   'nvme'  in files under ``nvme_path`` (master, exp_avg, exp_avg_sq per group), paged
           into memory for the step and for ``state()`` (so checkpoints can save them),
           and dropped from memory afterwards.
@@ -16,6 +20,9 @@ from typing import Dict, List
 
 import numpy as np
 import torch
+
+from ..device import HOST, host_empty, synchronize
+from ..ops.fused_adam import MultiTensorAdamW
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -30,22 +37,26 @@ def _cpu_adam_class():
 
 class FlatAdamW:
     def __init__(self, masters: List[torch.Tensor], hparams: List[dict], offload: str = "none",
-                 nvme_path: str | None = None, tag: str = "rank0"):
+                 nvme_path: str | None = None, tag: str = "rank0", device: torch.device = HOST):
         if offload not in ("none", "cpu", "nvme"):
             raise ValueError(f"offload must be 'none', 'cpu' or 'nvme', got {offload!r}")
         if offload == "nvme" and not nvme_path:
             raise ValueError("offload='nvme' needs nvme_path, a directory for the optimizer-state files")
-        self.offload = offload
+        self.offload, self.device = offload, device
+        self.home = HOST if offload != "none" else device  # where masters and moments live
         self.numels = [m.numel() for m in masters]
-        self.params = [torch.nn.Parameter(m.detach().to("cpu" if offload != "none" else m.device,
-                                                          torch.float32), requires_grad=True)
-                       for m in masters]
+        self.params = [torch.nn.Parameter(self._at_home(m), requires_grad=True) for m in masters]
+        # host buffers the device's gradients are copied into (offload from a GPU only)
+        self.grad_staging = [host_empty(n, torch.float32, device) if self.home != device else None
+                             for n in self.numels]
         groups = [dict(h, params=[p]) for h, p in zip(hparams, self.params)]
         cpu_adam = _cpu_adam_class() if offload in ("cpu", "nvme") else None
         if cpu_adam is not None:
             self.opt = cpu_adam(groups)
+        elif offload in ("cpu", "nvme"):
+            self.opt = torch.optim.AdamW(groups, fused=True)
         else:
-            self.opt = torch.optim.AdamW(groups, fused=offload in ("cpu", "nvme"))
+            self.opt = MultiTensorAdamW(groups)
         self.steps = [0 for _ in masters]
         self.paths = None
         if offload == "nvme":
@@ -55,8 +66,14 @@ class FlatAdamW:
             for g, p in enumerate(self.params):
                 self._write(g, "fp32", p.data)
                 for k in STATE_KEYS:
-                    self._write(g, k, torch.zeros(self.numels[g]))
+                    self._write(g, k, torch.zeros(self.numels[g], device=HOST))
             self._page_out()
+
+    def _at_home(self, master: torch.Tensor) -> torch.Tensor:
+        """An fp32 copy of `master` where the optimizer keeps it (pinned host memory for offload from a GPU)."""
+        if self.home == self.device:  # no offload, or offload with the CPU as the device
+            return master.detach().to(self.home, torch.float32)
+        return host_empty(master.numel(), torch.float32, self.device).copy_(master.detach().reshape(-1))
 
     @property
     def param_groups(self):
@@ -79,7 +96,7 @@ class FlatAdamW:
         for g, p in enumerate(self.params):
             p.data = self._read(g, "fp32")
             if self.steps[g] > 0:
-                self.opt.state[p] = {"step": torch.tensor(float(self.steps[g])),
+                self.opt.state[p] = {"step": torch.tensor(float(self.steps[g]), device=HOST),
                                      **{k: self._read(g, k) for k in STATE_KEYS}}
 
     def _page_out(self):
@@ -89,7 +106,7 @@ class FlatAdamW:
             if st:
                 for k in STATE_KEYS:
                     self._write(g, k, st[k])
-            p.data = torch.empty(0)
+            p.data = torch.empty(0, device=HOST)
 
     @contextmanager
     def paged(self):
@@ -106,8 +123,10 @@ class FlatAdamW:
     # ---- stepping --------------------------------------------------------------
     def step(self, grads: List[torch.Tensor]):
         """One AdamW step of every group's master with its fp32 gradient partition (paged in)."""
-        for p, g in zip(self.params, grads):
-            p.grad = g.to(p.device)
+        for p, g, staging in zip(self.params, grads, self.grad_staging):
+            p.grad = g if staging is None else staging.copy_(g, non_blocking=True)
+        if self.home != self.device:
+            synchronize(self.device)  # the non-blocking copies above have landed
         self.opt.step()
         for i, p in enumerate(self.params):
             p.grad = None
@@ -118,7 +137,7 @@ class FlatAdamW:
         """{'step', 'exp_avg', 'exp_avg_sq'} of group g (zeros before the first step); call paged in."""
         p = self.params[g]
         st = self.opt.state.get(p, {})
-        out = {"step": torch.tensor(float(self.steps[g]))}
+        out = {"step": torch.tensor(float(self.steps[g]), device=HOST)}
         for k in STATE_KEYS:
             out[k] = st[k] if k in st else torch.zeros_like(p.data)
         return out
@@ -130,8 +149,9 @@ class FlatAdamW:
         step = int(float(state["step"]))
         self.steps[g] = step
         if step > 0:
-            self.opt.state[p] = {"step": torch.tensor(float(step)),
-                                 **{k: state[k].detach().float().clone().reshape(-1) for k in STATE_KEYS}}
+            self.opt.state[p] = {"step": torch.tensor(float(step), device=HOST),
+                                 **{k: state[k].detach().to(p.device, torch.float32, copy=True).reshape(-1)
+                                    for k in STATE_KEYS}}
         else:
             self.opt.state.pop(p, None)
 

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..device import HOST
 from . import checkpoint_state
 from .clip_grad import clip_coefficient, counts_in_norm, local_sums, norm_and_overflow, reduce_sums
 from .loss_scaler import LossScaler
@@ -53,7 +54,8 @@ class ZeroOptimizer:
                  bucket_size: int = 50_000_000, module: Optional[torch.nn.Module] = None,
                  layers=None, prefetch: bool = True, persistence_threshold: int = 100_000,
                  overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
-                 quantized_weights: bool = False, quantized_gradients: bool = False, hpz_group=None):
+                 quantized_weights: bool = False, quantized_gradients: bool = False, hpz_group=None,
+                 device: Optional[torch.device] = None):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
         self.stage, self.dtype, self.clip_grad = stage, _dtype(dtype), float(clip_grad or 0.0)
@@ -61,6 +63,9 @@ class ZeroOptimizer:
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         self.named_groups, hparams = _groups(named_params, defaults)
         self.names = [[n for n, _ in g] for g in self.named_groups]
+        # every buffer lives beside the parameters (the model was built on the rank's device)
+        self.device = device if device is not None else next(
+            (p.device for g in self.named_groups for _, p in g), HOST)
         if stage == 3:
             from .stage3 import Stage3
             from .stage3_zeropp import Stage3ZeroPP
@@ -68,18 +73,20 @@ class ZeroOptimizer:
                       "hpz_group": hpz_group}
             cls, extra = (Stage3ZeroPP, zeropp) if any(zeropp.values()) else (Stage3, {})
             self.impl = cls(self.named_groups, dp_group, self.dtype, bucket_size, module=module, layers=layers,
-                            prefetch=prefetch, persistence_threshold=persistence_threshold, **extra)
+                            prefetch=prefetch, persistence_threshold=persistence_threshold, device=self.device,
+                            **extra)
         elif overlap_grad_reduce or overlap_param_gather:
             from .stage12_overlap import Stage12Overlap
             self.impl = Stage12Overlap(self.named_groups, dp_group, stage, self.dtype, bucket_size,
-                                       overlap_grad_reduce, overlap_param_gather, module=module)
+                                       overlap_grad_reduce, overlap_param_gather, module=module, device=self.device)
         else:
-            self.impl = Stage12(self.named_groups, dp_group, stage, self.dtype, bucket_size)
+            self.impl = Stage12(self.named_groups, dp_group, stage, self.dtype, bucket_size, self.device)
         self.partition_count = self.impl.dp
         self.dp_rank = self.impl.rank
         tag = f"dp{dist.get_rank(dp_group) if dp_group is not None else 0}" + (
             f"_rank{dist.get_rank()}" if dist.is_initialized() else "")
-        self.optimizer = FlatAdamW(self.impl.initial_masters, hparams, offload, nvme_path, tag=tag)
+        self.optimizer = FlatAdamW(self.impl.initial_masters, hparams, offload, nvme_path, tag=tag,
+                                   device=self.device)
         del self.impl.initial_masters
         self.offload = offload
         self.loss_scaler = LossScaler(loss_scaler, enabled=self.dtype == torch.float16)

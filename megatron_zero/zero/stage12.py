@@ -10,6 +10,13 @@ its partition. Stage 2: a post-accumulate-grad hook collects gradients into buck
 partition-sized buffer and the parameters' ``.grad`` are dropped, so no rank ever holds
 more gradient than one bucket plus its partition.
 
+Stages 0 and 1 with gradient-accumulation fusion (on unless --no-gradient-accumulation-fusion):
+as Megatron's fp32 ``main_grad``, each micro-batch's gradient is added, as soon as backward
+produces it, into one persistent fp32 flat buffer per group and the parameter's ``.grad`` is
+dropped, so accumulation over micro-batches is in fp32 (not bf16/fp16) and no model-dtype
+gradient outlives its micro-batch. Off: ``.grad`` accumulates in the model dtype and is copied
+into a fresh fp32 flat buffer at the step. In fp32 both give bit-identical sums.
+
 After the step, each rank writes its updated master into its slice of the flat buffer
 and the slices are all-gathered.
 """
@@ -20,13 +27,14 @@ from typing import List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ..ops.fusion_flags import get_fusion_flags
 from .partition import GroupPartition, partition_group
 
 
 class Stage12:
     def __init__(self, groups: Sequence[Sequence[Tuple[str, torch.nn.Parameter]]], dp_group, stage: int,
-                 dtype: torch.dtype, bucket_size: int):
-        self.stage, self.dtype, self.dp_group = stage, dtype, dp_group
+                 dtype: torch.dtype, bucket_size: int, device: torch.device, accumulate_main_grads: bool = True):
+        self.stage, self.dtype, self.dp_group, self.device = stage, dtype, dp_group, device
         # the DP size gradients are reduced over; stage 0 (plain data parallelism) keeps
         # everything whole, so it partitions over one rank
         self.reduce_dp = dist.get_world_size(dp_group) if dp_group is not None else 1
@@ -39,7 +47,7 @@ class Stage12:
         self.flat: List[torch.Tensor] = []
         self.initial_masters: List[torch.Tensor] = []
         for params, part in zip(self.groups, self.parts):
-            flat32 = torch.zeros(part.padded_numel, dtype=torch.float32)
+            flat32 = torch.zeros(part.padded_numel, dtype=torch.float32, device=device)
             for p, off, n in zip(params, part.offsets, part.numels):
                 flat32[off:off + n].copy_(p.detach().reshape(-1))
             lo, hi = part.bounds(self.rank)
@@ -48,12 +56,20 @@ class Stage12:
             for p, off, n in zip(params, part.offsets, part.numels):
                 p.data = flat[off:off + n].view(p.shape)
             self.flat.append(flat)
-        self.grad_parts = [torch.zeros(p.partition_size) for p in self.parts] if stage == 2 else None
+        self.grad_parts = [torch.zeros(p.partition_size, device=device) for p in self.parts] if stage == 2 else None
         self._hooks, self._bucket, self._bucket_numel = [], [], 0
         self.peak_grad_numel = 0
         # Parameters marked `zero_defer_reduce` (the pipeline-tied embedding, whose gradient is
         # summed over the first and last stage after backward) keep their .grad until the step.
         self._deferred = []
+        self.main_grads = None
+        if stage < 2 and accumulate_main_grads and get_fusion_flags().gradient_accumulation_fusion:
+            self.main_grads = [torch.zeros(part.padded_numel, device=device) for part in self.parts]
+            for gi, (params, part) in enumerate(zip(self.groups, self.parts)):
+                for p, off, n in zip(params, part.offsets, part.numels):
+                    if not getattr(p, "zero_defer_reduce", False):  # the tied embedding keeps .grad
+                        self._hooks.append(p.register_post_accumulate_grad_hook(
+                            lambda p, main=self.main_grads[gi][off:off + n]: self._accumulate(p, main)))
         if stage == 2:
             self._register_grad_hooks()
 
@@ -78,6 +94,11 @@ class Stage12:
     def group_paddings(self) -> List[int]:
         return [part.padding(self.rank) for part in self.parts]
 
+    # ---- stages 0/1: fp32 accumulation during backward --------------------------------------
+    def _accumulate(self, p: torch.nn.Parameter, main: torch.Tensor):
+        main.add_(p.grad.detach().reshape(-1))
+        p.grad = None
+
     # ---- stage 2: bucketed reduce-scatter during backward ---------------------------------
     def _grad_ready(self, p: torch.nn.Parameter):
         self._bucket.append(p)
@@ -91,7 +112,7 @@ class Stage12:
         if not self._bucket:
             return
         flat_in, mine = self._pack_bucket()
-        out = torch.empty(flat_in[0].numel())
+        out = torch.empty(flat_in[0].numel(), device=self.device)
         if self.dp > 1:
             dist.reduce_scatter(out, flat_in, group=self.dp_group)
         else:
@@ -107,7 +128,8 @@ class Stage12:
             gi, pi = self._where[id(p)]
             part = self.parts[gi]
             off, n = part.offsets[pi], part.numels[pi]
-            g = p.grad.detach().reshape(-1) if p.grad is not None else torch.zeros(n, dtype=self.dtype)
+            g = p.grad.detach().reshape(-1) if p.grad is not None else \
+                torch.zeros(n, dtype=self.dtype, device=self.device)
             for r in range(self.dp):
                 lo, hi = part.bounds(r)
                 a, b = max(off, lo), min(off + n, hi)
@@ -120,7 +142,7 @@ class Stage12:
         width = max(sizes)
         flat_in = []
         for ts, size in zip(inputs, sizes):
-            t = torch.cat(ts) if ts else torch.zeros(0)
+            t = torch.cat(ts) if ts else torch.zeros(0, device=self.device)
             flat_in.append(torch.cat([t, t.new_zeros(width - size)]) if size < width else t)
         self._bucket, self._bucket_numel = [], 0
         return flat_in, mine
@@ -147,9 +169,9 @@ class Stage12:
             return self.grad_parts
         out = []
         for gi, (params, part) in enumerate(zip(self.groups, self.parts)):
-            flat = torch.zeros(part.padded_numel)
+            flat = self.main_grads[gi] if self.main_grads else torch.zeros(part.padded_numel, device=self.device)
             for p, off, n in zip(params, part.offsets, part.numels):
-                if p.grad is not None:
+                if p.grad is not None:  # without fusion: every parameter; with it: the deferred ones
                     flat[off:off + n].copy_(p.grad.detach().reshape(-1))
             if self.reduce_dp > 1:
                 dist.all_reduce(flat, group=self.dp_group)
@@ -162,9 +184,8 @@ class Stage12:
         for params in self.groups:
             for p in params:
                 p.grad = None
-        if self.grad_parts is not None:
-            for g in self.grad_parts:
-                g.zero_()
+        for g in (self.grad_parts or []) + (self.main_grads or []):
+            g.zero_()
         self._bucket, self._bucket_numel = [], 0
 
     # ---- weights -------------------------------------------------------------------
@@ -172,7 +193,7 @@ class Stage12:
         """Copy each updated master into this rank's slice and all-gather the flat buffers."""
         for flat, part, m in zip(self.flat, self.parts, masters):
             lo, hi = part.bounds(self.rank)
-            mine = m.detach().to(self.dtype)
+            mine = m.detach().to(flat.device, self.dtype, non_blocking=True)  # offloaded masters come up
             if self.dp > 1:
                 dist.all_gather(list(flat.chunk(self.dp)), mine, group=self.dp_group)
             else:
@@ -180,7 +201,7 @@ class Stage12:
 
     def grad_bytes(self) -> int:
         held = sum(p.grad.numel() * p.grad.element_size() for ps in self.groups for p in ps if p.grad is not None)
-        return held + (sum(g.numel() * 4 for g in self.grad_parts) if self.grad_parts else 0)
+        return held + sum(g.numel() * 4 for g in (self.grad_parts or []) + (self.main_grads or []))
 
     def param_bytes(self) -> int:
         return sum(f.numel() * f.element_size() for f in self.flat)

@@ -34,6 +34,7 @@ from typing import Dict, List, Set, Tuple
 import torch
 import torch.distributed as dist
 
+from ..device import HOST
 from .stage12 import Stage12
 from .stage3 import _units
 
@@ -43,13 +44,16 @@ MAX_IN_FLIGHT = 2
 class Stage12Overlap(Stage12):
     def __init__(self, groups, dp_group, stage: int, dtype: torch.dtype, bucket_size: int,
                  overlap_grad_reduce: bool = True, overlap_param_gather: bool = False, module=None,
-                 entry_points=("lm_logits",)):
-        super().__init__(groups, dp_group, stage, dtype, bucket_size)
+                 entry_points=("lm_logits",), device: torch.device = HOST):
+        # stage 0/1 with overlapped reduction reduce .grad from their own hooks in the last backward,
+        # so the fp32 main-grad accumulation of the base class (its hooks drop .grad) is not used
+        super().__init__(groups, dp_group, stage, dtype, bucket_size, device,
+                         accumulate_main_grads=not (overlap_grad_reduce and stage < 2))
         self.overlap_grad_reduce = overlap_grad_reduce
         self.armed = stage == 2
         self._in_flight = deque()
         if overlap_grad_reduce and stage < 2:
-            self.grad_parts = [torch.zeros(p.partition_size) for p in self.parts]
+            self.grad_parts = [torch.zeros(p.partition_size, device=self.device) for p in self.parts]
             self._register_grad_hooks()
         self._gathers: Dict[Tuple[int, int], object] = {}
         self.overlap_param_gather = overlap_param_gather and self.dp > 1
@@ -76,7 +80,7 @@ class Stage12Overlap(Stage12):
             return
         flat_in, mine = self._pack_bucket()
         if self.dp > 1:
-            out = torch.empty(flat_in[0].numel())
+            out = torch.empty(flat_in[0].numel(), device=self.device)
             work = dist.reduce_scatter(out, flat_in, group=self.dp_group, async_op=True)
         else:
             out = flat_in[0]

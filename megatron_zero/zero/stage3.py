@@ -25,6 +25,7 @@ from typing import List
 import torch
 import torch.distributed as dist
 
+from ..device import HOST
 from .partition import zero3_group_offsets
 from .stage3_gather import GatherMixin
 
@@ -53,11 +54,11 @@ def _units(module: torch.nn.Module) -> List[torch.nn.Module]:
 
 class Stage3(GatherMixin):
     def __init__(self, groups, dp_group, dtype, bucket_size, module=None, layers=None, prefetch=True,
-                 entry_points=("lm_logits",), persistence_threshold=100_000):
+                 entry_points=("lm_logits",), persistence_threshold=100_000, device=HOST):
         if module is None:
             raise ValueError("ZeRO stage 3 needs module= (the model), to gather each layer's parameters "
                              "around its forward and backward")
-        self.dtype, self.dp_group, self.prefetch = dtype, dp_group, prefetch
+        self.dtype, self.dp_group, self.prefetch, self.device = dtype, dp_group, prefetch, device
         self.dp = self.reduce_dp = dist.get_world_size(dp_group) if dp_group is not None else 1
         self.rank = dist.get_rank(dp_group) if dp_group is not None else 0
         self.bucket_size = int(bucket_size)
@@ -68,19 +69,19 @@ class Stage3(GatherMixin):
         self.comm_bytes = {"all_gather": 0, "reduce_scatter": 0}  # sent by this rank
         for gi, (g, offs) in enumerate(zip(groups, self.offsets)):
             total = sum(per for _, per in offs.values())
-            master = torch.zeros(total)
+            master = torch.zeros(total, device=device)
             for name, p in g:
                 off, per = offs[name]
-                padded = torch.zeros(per * self.dp)
+                padded = torch.zeros(per * self.dp, device=device)
                 padded[:p.numel()].copy_(p.detach().reshape(-1))
                 chunk = padded[self.rank * per:(self.rank + 1) * per]
                 master[off:off + per].copy_(chunk)
                 p.ds_numel, p.ds_shape, p.ds_per, p.ds_where = p.numel(), p.shape, per, (gi, off)
                 p.ds_shard = chunk.to(dtype).clone()
                 p.ds_rc, p.ds_inflight, p.ds_persistent = 0, None, False
-                p.data = torch.empty(0, dtype=dtype)
+                p.data = torch.empty(0, dtype=dtype, device=device)
             self.initial_masters.append(master)
-            self.grad_parts.append(torch.zeros(total))
+            self.grad_parts.append(torch.zeros(total, device=device))
         managed = {id(p) for g in self.groups for p in g}
         self.units = list(layers) if layers is not None else _units(module)
         in_unit = {id(p) for u in self.units for p in u.parameters()}
@@ -93,7 +94,7 @@ class Stage3(GatherMixin):
         # a unit's parameters to gather: the non-persistent ones (a unit without any gets no hooks)
         self.unit_params = [[p for p in u.parameters() if id(p) in managed and not p.ds_persistent]
                             for u in self.units]
-        self._hooks = []
+        self._hooks, self._saved_hooks = [], []
         for ui, u in enumerate(self.units):
             if not self.unit_params[ui]:
                 continue
@@ -172,7 +173,7 @@ class Stage3(GatherMixin):
         gradient's chunk r written straight into it (its padding zeroed), fp32."""
         if not self._bucket:
             return
-        flat = torch.empty(self.dp, sum(p.ds_per for p in self._bucket))
+        flat = torch.empty(self.dp, sum(p.ds_per for p in self._bucket), device=self.device)
         pos = 0
         for p in self._bucket:
             per, n, dst = p.ds_per, p.ds_numel, flat[:, pos:pos + p.ds_per]
@@ -197,7 +198,7 @@ class Stage3(GatherMixin):
 
     def _reduce_scatter_rows(self, flat):
         """Sum over DP of row ``rank`` of every rank's ``flat`` [dp, n] (fp32)."""
-        out = torch.empty(flat.size(1))
+        out = torch.empty(flat.size(1), device=self.device)
         self.comm_bytes["reduce_scatter"] += flat[0].numel() * 4 * (self.dp - 1)
         dist.reduce_scatter(out, list(flat.unbind(0)), group=self.dp_group)
         return out
@@ -250,7 +251,7 @@ class Stage3(GatherMixin):
 
     def param_bytes(self):
         shards = sum(p.ds_shard.numel() * p.ds_shard.element_size() for g in self.groups for p in g)
-        return shards + self.gathered_numel() * torch.empty(0, dtype=self.dtype).element_size()
+        return shards + self.gathered_numel() * self.dtype.itemsize
 
     def remove_hooks(self):
         for h in self._hooks:

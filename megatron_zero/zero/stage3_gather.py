@@ -29,7 +29,7 @@ class _Flight:
 
 
 class GatherMixin:
-    """Needs: dtype, dp, dp_group, groups, unit_params, prefetch, _storage, _trace, _fpos, _bpos."""
+    """Needs: dtype, device, dp, dp_group, groups, unit_params, prefetch, _storage, _trace, _fpos, _bpos."""
 
     def _start(self, params):
         """Begin one all-gather of those of ``params`` that are neither gathered nor under way."""
@@ -48,7 +48,7 @@ class GatherMixin:
 
     def _all_gather_shards(self, flat):
         """Start the all-gather of ``flat`` over DP: -> (rank-major output, work with .wait())."""
-        out = torch.empty(flat.numel() * self.dp, dtype=self.dtype)
+        out = torch.empty(flat.numel() * self.dp, dtype=self.dtype, device=self.device)
         self.comm_bytes["all_gather"] += flat.numel() * flat.element_size() * (self.dp - 1)
         return out, _all_gather(out, flat, group=self.dp_group, async_op=True)
 
@@ -61,7 +61,7 @@ class GatherMixin:
         else:
             rows, pos, fulls = flight.out.view(self.dp, -1), 0, []
             for p in flight.params:
-                full = torch.empty(p.ds_per * self.dp, dtype=self.dtype)
+                full = torch.empty(p.ds_per * self.dp, dtype=self.dtype, device=self.device)
                 full.view(self.dp, p.ds_per).copy_(rows[:, pos:pos + p.ds_per])
                 pos += p.ds_per
                 fulls.append(full)
@@ -86,7 +86,7 @@ class GatherMixin:
         if p.ds_persistent or p.ds_rc > 0 or p.data.numel() == 0:
             return
         self._storage.pop(p.data.untyped_storage().data_ptr(), None)
-        p.data = torch.empty(0, dtype=self.dtype)
+        p.data = torch.empty(0, dtype=self.dtype, device=self.device)
 
     def gather_unit(self, ui):
         ps = self.unit_params[ui]

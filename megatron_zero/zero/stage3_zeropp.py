@@ -58,7 +58,7 @@ class _HpzGather:
         pieces, rows, pos, col = self.gathered.view(self.h, -1), self.out.view(self.dp, -1), 0, 0
         for p in self.params:
             s = p.ds_secondary.numel()
-            padded = torch.zeros(p.ds_per * self.dp, dtype=self.out.dtype)
+            padded = torch.zeros(p.ds_per * self.dp, dtype=self.out.dtype, device=self.out.device)
             padded[:p.ds_numel].copy_(pieces[:, pos:pos + s].reshape(-1)[:p.ds_numel])
             rows[:, col:col + p.ds_per].copy_(padded.view(self.dp, p.ds_per))
             pos, col = pos + s, col + p.ds_per
@@ -97,10 +97,10 @@ class Stage3ZeroPP(Stage3):
         if not (self.h > 1 and self._in_backward and todo and all(p.ds_secondary is not None for p in todo)):
             return super()._start(params)
         flat = torch.cat([p.ds_secondary for p in todo])
-        gathered = torch.empty(flat.numel() * self.h, dtype=self.dtype)
+        gathered = torch.empty(flat.numel() * self.h, dtype=self.dtype, device=self.device)
         work = _all_gather(gathered, flat, group=self.hpz_group, async_op=True)
         self.comm_bytes["hpz_all_gather"] += flat.numel() * flat.element_size() * (self.h - 1)
-        out = torch.empty(sum(p.ds_per for p in todo) * self.dp, dtype=self.dtype)
+        out = torch.empty(sum(p.ds_per for p in todo) * self.dp, dtype=self.dtype, device=self.device)
         flight = _Flight(todo, out, _HpzGather(work, gathered, todo, out, self.h, self.dp))
         for p in todo:
             p.ds_inflight = flight
@@ -112,7 +112,7 @@ class Stage3ZeroPP(Stage3):
         if over_dp and self.h > 1:
             for p in (q for q in flight.params if not q.ds_persistent):
                 j, s = p.ds_hpz_slice
-                secondary = torch.zeros(s, dtype=self.dtype)
+                secondary = torch.zeros(s, dtype=self.dtype, device=self.device)
                 piece = p.data.reshape(-1)[j * s:(j + 1) * s]
                 secondary[:piece.numel()].copy_(piece)
                 p.ds_secondary = secondary
@@ -129,12 +129,12 @@ class Stage3ZeroPP(Stage3):
             return super()._all_gather_shards(flat)
         n = flat.numel()
         q, scales = quantize(flat)
-        all_q = torch.empty(q.numel() * self.dp, dtype=torch.int8)
-        all_s = torch.empty(scales.numel() * self.dp)
+        all_q = torch.empty(q.numel() * self.dp, dtype=torch.int8, device=self.device)
+        all_s = torch.empty(scales.numel() * self.dp, device=self.device)
         works = [_all_gather(all_q, q, group=self.dp_group, async_op=True),
                  _all_gather(all_s, scales, group=self.dp_group, async_op=True)]
         self.comm_bytes["all_gather"] += (q.numel() + scales.numel() * 4) * (self.dp - 1)
-        out = torch.empty(n * self.dp, dtype=self.dtype)
+        out = torch.empty(n * self.dp, dtype=self.dtype, device=self.device)
         return out, _QuantizedGather(works, all_q, all_s, out, self.dp)
 
     def _reduce_scatter_rows(self, flat):
@@ -148,7 +148,7 @@ class Stage3ZeroPP(Stage3):
         dist.all_to_all_single(recv_q, send_q, group=self.dp_group)
         dist.all_to_all_single(recv_s, send_s, group=self.dp_group)
         self.comm_bytes["reduce_scatter"] += (quantized_numel(n) + send_s.numel() // self.dp * 4) * (self.dp - 1)
-        out = torch.zeros(n)
+        out = torch.zeros(n, device=self.device)
         for q, s in zip(recv_q.view(self.dp, -1), recv_s.view(self.dp, -1)):
             out.add_(dequantize(q, s, n))
         return out

@@ -1,0 +1,64 @@
+"""Where a rank's tensors live: the one device chosen at start-up, and the host memory that feeds it.
+
+    device = select_device("auto", local_rank)   # cuda:LOCAL_RANK where CUDA is present, else the CPU
+    backend = backend_for(device)                # nccl with CUDA, gloo with the CPU
+
+The device is chosen once (training.pretrain) and passed down as a `torch.device`;
+everything a step touches is created on it. This module is the only place that asks
+what kind of device it is: host staging buffers are pinned (page-locked) when the
+device is a GPU, so host<->device copies can be `non_blocking`; on the CPU the same
+calls are plain allocations and copies, and `synchronize` does nothing.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+
+HOST = torch.device("cpu")
+DEVICE_CHOICES = ("auto", "cuda", "cpu")
+
+
+class DeviceError(RuntimeError):
+    """The device asked for is not present (one sentence)."""
+
+
+def select_device(choice: str = "auto", local_rank: int = 0) -> torch.device:
+    """'auto': cuda:LOCAL_RANK where CUDA is present, else the CPU; 'cuda' / 'cpu' force it."""
+    if choice not in DEVICE_CHOICES:
+        raise DeviceError(f"--device {choice!r} is not one of {', '.join(DEVICE_CHOICES)}")
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return HOST
+    if not torch.cuda.is_available():
+        raise DeviceError("--device cuda was given but torch sees no CUDA device "
+                          f"(torch {torch.__version__}); use --device cpu")
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def use_device(device: torch.device) -> None:
+    """Make `device` the current CUDA device of this process (NCCL and the CUDA RNG follow it)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def host_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host buffer to stage copies to/from `device`: pinned when the device is a GPU."""
+    return torch.empty(numel, dtype=dtype, device=HOST, pin_memory=device.type == "cuda")
+
+
+def to_device(batch: Dict[str, Any], device: torch.device) -> Dict[str, Any]:
+    """A collated batch (host tensors) on `device`: pinned first, then copied without blocking."""
+    if device.type == HOST.type:
+        return batch
+    return {k: v.pin_memory().to(device, non_blocking=True) if torch.is_tensor(v) else v
+            for k, v in batch.items()}
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the copies queued on `device` (host buffers written by non_blocking copies)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

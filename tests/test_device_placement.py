@@ -1,0 +1,100 @@
+"""Placement discipline: a Trainer given a device object creates every tensor of a step there.
+
+How it is proved without a GPU. A tensor can land on the wrong device only where it is *made*
+from nothing: a factory call (torch.zeros, empty, tensor, arange, ...). Every other op puts its
+result beside its inputs (or fails on a device mismatch), and `*_like` / `Tensor.new_*` inherit
+their input's device. A factory call that names no device goes to torch's default device, which
+is the CPU whatever the trainer was given: on a GPU that is a CPU tensor in the step (a device
+mismatch, or a silent host round trip). So on the CPU, where such a bug computes correctly, it
+is still visible at the call: the factory reaches torch with no `device`.
+
+The test runs each rank under a TorchFunctionMode that sees every factory call made by
+megatron_zero code (the calling frame's module is in the package; torch's own internals are
+not ours to place) while the Trainer is built with an explicit `torch.device` and while it
+trains two iterations, and records each call that arrives without a device. A factory inside
+`with torch.device(d):` (how build_gpt_stage makes the modules) arrives with `device=d` filled
+in by torch's device context, so it counts as placed; host memory chosen on purpose (the
+layout-independent initial weights, pinned staging buffers) names `HOST` explicitly. The test
+asserts that no call went unplaced, that placed calls were seen at all (the mode is not
+looking at nothing), and, after the two steps, that the parameters, ZeRO flat buffers, gradient
+partitions, fp32 masters and Adam moments are on the trainer's device (host memory only for
+the masters of --cpu-optimizer). Layouts: PP2 (p2p buffers, tied-embedding sync), DP2 ZeRO-3
+(gathers, saved-tensor hooks), DP2 ZeRO-2 with --cpu-optimizer; dropout on (the RNG tracker).
+"""
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+from megatron_zero.testing.multirank import run_ranks
+from test_training_e2e import model_flags
+
+FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.arange, torch.tensor, torch.as_tensor,
+             torch.randn, torch.rand, torch.randint, torch.randperm, torch.empty_strided, torch.linspace,
+             torch.eye, torch.scalar_tensor}
+
+
+class FactoryRecorder(TorchFunctionMode):
+    """Counts factory calls from megatron_zero code; keeps 'file:line' of those without a device."""
+
+    def __init__(self):
+        super().__init__()
+        self.placed, self.unplaced = 0, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in FACTORIES:
+            caller = sys._getframe(1)
+            if caller.f_globals.get("__name__", "").startswith("megatron_zero"):
+                if kwargs.get("device") is None:
+                    self.unplaced.append(f"{caller.f_code.co_filename}:{caller.f_lineno} {func.__name__}")
+                else:
+                    self.placed += 1
+        return func(*args, **kwargs)
+
+
+def _two_iterations(argv, tp, pp):
+    from megatron_zero.arguments import parse_args
+    from megatron_zero.topology import build_parallel_state
+    from megatron_zero.training import Trainer
+
+    device = torch.device("cpu")
+    args = parse_args(argv, world_size=dist.get_world_size())
+    recorder = FactoryRecorder()
+    with recorder:
+        trainer = Trainer(args, build_parallel_state(tp, pp), device)
+        trainer.train()  # --train-iters 2
+    opt = trainer.optimizer
+    home = torch.device("cpu") if opt.offload != "none" else device
+    where = {
+        "parameters": {p.device for p in trainer.model.parameters()},
+        "grad partitions": {g.device for g in opt.impl.grad_partitions()},
+        "masters": {p.device for p in opt.optimizer.params},
+        "moments": {t.device for st in opt.optimizer.opt.state.values() for k, t in st.items() if k != "step"},
+    }
+    if hasattr(opt.impl, "flat"):
+        where["flat buffers"] = {f.device for f in opt.impl.flat}
+    else:
+        where["shards"] = {p.ds_shard.device for g in opt.impl.groups for p in g}
+    expected = {name: {home if name in ("masters", "moments") else device} for name in where}
+    return recorder.placed, recorder.unplaced, where, expected
+
+
+@pytest.mark.parametrize("layout", ["pp2", "dp2_zero3", "dp2_zero2_cpu_optimizer"])
+def test_trainer_makes_every_tensor_on_its_device(builtin_corpus, tmp_path, layout):
+    data, tok = builtin_corpus
+    flags = {"pipeline-model-parallel-size": 2 if layout == "pp2" else 1,
+             "zero-stage": {"pp2": 1, "dp2_zero3": 3, "dp2_zero2_cpu_optimizer": 2}[layout],
+             "cpu-optimizer": layout.endswith("cpu_optimizer"), "device": "cpu",
+             "num-layers": 2, "hidden-size": 32, "num-attention-heads": 4, "seq-length": 32,
+             "micro-batch-size": 1, "global-batch-size": 4, "train-iters": 2, "eval-iters": 0,
+             "log-interval": 100, "hidden-dropout": 0.1, "attention-dropout": 0.1,
+             "zero-param-persistence-threshold": 0, "data-cache-path": tmp_path / "cache"}
+    pp = 2 if layout == "pp2" else 1
+    results = run_ranks(_two_iterations, 2, model_flags(data, tok, **flags), 1, pp, timeout=300)
+    for rank, (placed, unplaced, where, expected) in enumerate(results):
+        assert not unplaced, f"rank {rank}: factory calls without a device: {unplaced}"
+        assert placed > 10, f"rank {rank}: only {placed} factory calls seen; the recorder is not looking"
+        assert where == expected, f"rank {rank}: {where} != {expected}"
