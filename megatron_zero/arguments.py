@@ -10,6 +10,7 @@ import os
 import sys
 from typing import List, Optional
 
+from .checkpoint.reader import add_verify_flag
 from .deepspeed_config import DeepSpeedConfigError, apply_deepspeed_config
 
 
@@ -109,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true")
+    g.add_argument("--overwrite-checkpoints", action="store_true",
+                   help="start from scratch even though --save holds checkpoints (they are overwritten)")
+    add_verify_flag(g)
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=10)
     g.add_argument("--log-interval", type=int, default=100)

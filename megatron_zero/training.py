@@ -18,8 +18,10 @@ import torch.distributed as dist
 
 from . import checkpoint as ckpt
 from .arguments import ArgumentError, args_to_dict, parse_args
-from .checkpoint.commit import LATEST
-from .checkpoint.universal_load import is_universal_checkpoint, load_reshaped_checkpoint, load_universal_checkpoint
+from .checkpoint.preflight import check_save_dir, checkpoint_bytes
+from .checkpoint.reader import open_directory
+from .checkpoint.resume import find_resume_point, refuse_fresh_start_over
+from .checkpoint.universal_load import load_reshaped_checkpoint, load_universal_checkpoint
 from .data import DataError, GlobalBatchSampler, build_tokenizer, build_train_valid_test_datasets, collate_gpt
 from .distributed import LaunchError, init_distributed, read_launch_env
 from .exit_signal import ExitPolicy
@@ -61,23 +63,25 @@ def fusion_flags(args) -> dict:
                                                    "persist_layer_norm", "gradient_accumulation_fusion")}
 
 
-def load_any_checkpoint(path, state, model, optimizer, load_optimizer=True, universal=False):
-    """Resume from `path`: a universal checkpoint (asked for, or all there is), a checkpoint saved on
-    this layout, or, saved on another TP/PP/DP or ZeRO stage, the same reshaped while loading."""
-    has_latest = os.path.exists(os.path.join(path, LATEST))
-    if universal or (not has_latest and is_universal_checkpoint(path)):
-        return load_universal_checkpoint(path, state, model, optimizer, load_optimizer)
-    if not has_latest:
+def load_any_checkpoint(path, state, model, optimizer, load_optimizer=True, universal=False, verify=True, log=print):
+    """Resume from what `path` names (checkpoint/resume.py): a universal checkpoint, a checkpoint saved
+    on this layout, or, saved on another TP/PP/DP or ZeRO stage, the same reshaped while loading.
+    None when `path` holds no checkpoint."""
+    point = find_resume_point(path, universal, verify)
+    if point is None:
         return None
-    found = ckpt.open_checkpoint(path)
-    meta = found.meta
+    if point.note:
+        log(point.note)
+    if point.universal:
+        return load_universal_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify)
+    meta = open_directory(point.directory, verify).meta
     saved = meta.get("layout")
     here = {"tp": state.tp_size, "pp": state.pp_size, "dp": state.dp_size}
     same_stage_family = (meta.get("zero_stage", optimizer.stage) == 3) == (optimizer.stage == 3)
     if saved is not None and (saved != here or not same_stage_family):
-        return load_reshaped_checkpoint(found.directory, state, model, optimizer, load_optimizer)
-    return ckpt.load_checkpoint(path, state, model, optimizer, load_optimizer=load_optimizer,
-                                tag=os.path.basename(found.directory))
+        return load_reshaped_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify)
+    root, tag = os.path.split(point.directory)
+    return ckpt.load_checkpoint(root, state, model, optimizer, load_optimizer=load_optimizer, tag=tag, verify=verify)
 
 
 class Trainer:
@@ -114,8 +118,11 @@ class Trainer:
         writer_rank = state.layout.rank(state.pp_size - 1, 0, 0)
         self.is_writer = state.rank == writer_rank
         self.tb = TensorBoardLog(args.tensorboard_dir, self.is_writer)
-        if args.load:
-            self.load(args.load)
+        resumed = bool(args.load) and self.load(args.load)
+        if args.save:
+            if not resumed and not args.overwrite_checkpoints:
+                refuse_fresh_start_over(args.save)
+            self._check_save_dir()
         self._build_data()
 
     # ---- data ------------------------------------------------------------------------
@@ -172,20 +179,42 @@ class Trainer:
         ckpt.save_checkpoint(a.save, self.progress.iteration, self.state, self.model, self.optimizer,
                              self.client_state(), async_save=a.async_save, keep_last_k=a.keep_last_k)
 
-    def load(self, path):
+    def _check_save_dir(self):
+        """--save writable and with room for a checkpoint, before the first iteration (rank 0 checks)."""
+        a, s = self.args, self.state
+        local = sum(math.prod(getattr(p, "ds_shape", p.shape)) for p in self.model.parameters())
+        counts = [local] if s.layout.world_size == 1 else [None] * s.layout.world_size
+        if s.layout.world_size > 1:
+            dist.all_gather_object(counts, local)
+        one = checkpoint_bytes(sum(counts) // s.dp_size, DTYPES[a.params_dtype].itemsize)
+        planned = 1 + (max(0, a.train_iters - self.progress.iteration) // a.save_interval if a.save_interval else 0)
+        outcome = [None]
+        if s.rank == 0:
+            try:
+                check_save_dir(a.save, one, planned, a.keep_last_k)
+            except ckpt.CheckpointError as e:
+                outcome = [str(e)]
+        if s.layout.world_size > 1:
+            dist.broadcast_object_list(outcome, src=0)
+        if outcome[0] is not None:
+            raise ckpt.CheckpointError(outcome[0])
+
+    def load(self, path) -> bool:
+        """Resume from --load; False when it holds no checkpoint (a fresh start)."""
         a = self.args
         client = load_any_checkpoint(path, self.state, self.model, self.optimizer,
                                      load_optimizer=not (a.no_load_optim or a.finetune),
-                                     universal=a.universal_checkpoint)
+                                     universal=a.universal_checkpoint, verify=a.verify_checkpoint, log=self._log)
         if client is None:
-            self._log(f"no checkpoint under --load {path} (no 'latest' file); starting from scratch")
-            return
+            self._log(f"no checkpoint under --load {path}; starting from scratch")
+            return False
         if a.finetune:
-            return
+            return True
         self.progress = TrainState(**client["train_state"])
         self.schedule.load_state_dict(client["lr_scheduler"])
         if not a.no_load_rng and client.get("rng_state") is not None:
             set_rng_state(client["rng_state"])
+        return True
 
     # ---- the loop --------------------------------------------------------------------
     def train(self) -> int:

@@ -10,6 +10,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_zero.checkpoint.errors import CheckpointError  # noqa: E402
+from megatron_zero.checkpoint.reader import add_verify_flag  # noqa: E402
 from megatron_zero.checkpoint.hf_export import convert_checkpoint_to_hf  # noqa: E402
 
 
@@ -20,9 +21,11 @@ def main(argv=None) -> int:
     p.add_argument("-t", "--tag", default=None)
     p.add_argument("--num-attention-heads", type=int, default=None,
                    help="needed only when the checkpoint's args do not record it")
+    add_verify_flag(p)
     a = p.parse_args(argv)
     try:
-        cfg = convert_checkpoint_to_hf(a.checkpoint_dir, a.output_dir, a.num_attention_heads, a.tag)
+        cfg = convert_checkpoint_to_hf(a.checkpoint_dir, a.output_dir, a.num_attention_heads, a.tag,
+                                       verify=a.verify_checkpoint)
     except (CheckpointError, ValueError, KeyError) as e:
         print(f"convert_to_hf.py: error: {e}", file=sys.stderr)
         return 2

@@ -14,6 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_zero.checkpoint.consolidate import consolidate_fp32  # noqa: E402
 from megatron_zero.checkpoint.errors import CheckpointError  # noqa: E402
+from megatron_zero.checkpoint.reader import add_verify_flag  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -26,10 +27,11 @@ def main(argv=None) -> int:
     p.add_argument("--exclude_frozen_parameters", action="store_true",
                    help="accepted for compatibility (our checkpoints hold no frozen parameters)")
     p.add_argument("--quiet", action="store_true", help="no progress line")
+    add_verify_flag(p)
     a = p.parse_args(argv)
     try:
         out = consolidate_fp32(a.checkpoint_dir, a.output_dir, a.safe_serialization, a.max_shard_size, a.tag,
-                               progress=not a.quiet)
+                               progress=not a.quiet, verify=a.verify_checkpoint)
     except (CheckpointError, ValueError) as e:
         print(f"zero_to_fp32.py: error: {e}", file=sys.stderr)
         return 2

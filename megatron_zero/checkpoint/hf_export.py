@@ -21,7 +21,8 @@ from ..model.layers import block_layer_index, final_norm_index
 from ..model.params import POSITION_EMBEDDINGS, WORD_EMBEDDINGS
 from .consolidate import get_fp32_state_dict, resolve_checkpoint_dir, write_safetensors
 from .errors import CheckpointError
-from .universal_source import MODEL_FILE, load_any
+from .reader import open_directory
+from .universal_source import MODEL_FILE
 
 
 def _qkv_to_hf(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -74,14 +75,19 @@ def export_hf(sd: Dict[str, torch.Tensor], config: GPTConfig, out_dir: str) -> s
     return out_dir
 
 
-def config_from_checkpoint(sd: Dict[str, torch.Tensor], directory: str, num_heads: Optional[int] = None,
-                           layernorm_epsilon: Optional[float] = None) -> GPTConfig:
-    """Shapes give every size but the head count, which comes from the checkpoint's args or `num_heads`."""
-    args = {}
+def saved_args(directory: str, verify: bool = True) -> dict:
+    """The training arguments a checkpoint directory records (its first model-states file), or {}."""
     heads = [f for f in sorted(os.listdir(directory)) if MODEL_FILE.match(f)]
-    if heads:
-        a = load_any(os.path.join(directory, heads[0]), mmap=True).get("args") or {}
-        args = a if isinstance(a, dict) else vars(a)
+    if not heads:
+        return {}
+    args = open_directory(directory, verify).load(heads[0]).get("args") or {}
+    return args if isinstance(args, dict) else vars(args)
+
+
+def config_from_checkpoint(sd: Dict[str, torch.Tensor], directory: str, num_heads: Optional[int] = None,
+                           layernorm_epsilon: Optional[float] = None, verify: bool = True) -> GPTConfig:
+    """Shapes give every size but the head count, which comes from the checkpoint's args or `num_heads`."""
+    args = saved_args(directory, verify)
     num_heads = num_heads or args.get("num_attention_heads")
     if not num_heads:
         raise CheckpointError(f"the checkpoint {directory} does not record num_attention_heads in its args; "
@@ -96,9 +102,9 @@ def config_from_checkpoint(sd: Dict[str, torch.Tensor], directory: str, num_head
 
 
 def convert_checkpoint_to_hf(checkpoint_dir: str, out_dir: str, num_heads: Optional[int] = None,
-                             tag: Optional[str] = None) -> GPTConfig:
+                             tag: Optional[str] = None, verify: bool = True) -> GPTConfig:
     directory = resolve_checkpoint_dir(checkpoint_dir, tag)
-    sd = get_fp32_state_dict(directory)
-    config = config_from_checkpoint(sd, directory, num_heads)
+    sd = get_fp32_state_dict(directory, verify=verify)
+    config = config_from_checkpoint(sd, directory, num_heads, verify=verify)
     export_hf(sd, config, out_dir)
     return config

@@ -16,16 +16,19 @@ exactly its own bytes without copying (torch.frombuffer over the same memory);
 from __future__ import annotations
 
 import collections
+import io
 import os
+import pickle
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.serialization
 
 from .errors import CheckpointError, crash_point
+from .safe_pickle import RefusedGlobal, safe_load
 
 CHUNK_BYTES = 8 << 20
 
@@ -96,11 +99,19 @@ class _ChecksumWriter:
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self.crc, self.size, self.rank = 0, 0, rank
         self.pool = ThreadPoolExecutor(max_workers=1)
-
-    def _update(self, chunk):
-        self.crc = zlib.crc32(chunk, self.crc)
+        self.error: Optional[OSError] = None  # torch.save turns our exceptions into 'unexpected pos'
 
     def write(self, data) -> int:
+        try:
+            return self._write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def _update(self, chunk):
+        self.crc = checksum_update(self.crc, chunk)
+
+    def _write(self, data) -> int:
         mv = memoryview(data).cast("B")
         pending = None
         for off in range(0, len(mv), CHUNK_BYTES):
@@ -148,32 +159,83 @@ def save_file(obj: Any, path: str, fsync: bool = True, rank: int = 0) -> Tuple[i
     try:
         with _no_torch_crc():
             torch.save(obj, writer)
-    finally:
         writer.close(fsync=fsync)
-    return writer.size, f"crc32:{writer.crc:08x}"
+    except (OSError, RuntimeError) as e:
+        try:
+            writer.close(fsync=False)
+        except OSError:
+            pass
+        err = writer.error or e
+        if not isinstance(err, OSError):
+            raise
+        raise OSError(err.errno, err.strerror, path) from e
+    return writer.size, checksum_text(writer.crc)
+
+
+def checksum_update(crc: int, chunk) -> int:
+    """The running checksum after `chunk` (what the writer and every verifying reader call)."""
+    return zlib.crc32(chunk, crc)
+
+
+def checksum_text(crc: int) -> str:
+    return f"crc32:{crc:08x}"
+
+
+def _read_checksummed(path: str, keep: bool) -> Tuple[str, Optional[bytearray]]:
+    """One pass over the file: its checksum, and with keep=True its bytes."""
+    crc, size = 0, os.path.getsize(path)
+    data = bytearray(size) if keep else bytearray(min(size, CHUNK_BYTES) or 1)
+    view, pos = memoryview(data), 0
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            chunk = view[pos:pos + CHUNK_BYTES] if keep else view
+            n = f.readinto(chunk)
+            if not n:
+                break
+            crc = checksum_update(crc, chunk[:n])
+            pos += n if keep else 0
+    if keep and pos != size:
+        raise OSError(f"read {pos} bytes of {size}")
+    return checksum_text(crc), data if keep else None
 
 
 def file_checksum(path: str) -> str:
     """'crc32:<hex>' of a whole file, read in bounded chunks."""
-    crc = 0
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(CHUNK_BYTES)
-        view = memoryview(buf)
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
-            crc = zlib.crc32(view[:n], crc)
-    return f"crc32:{crc:08x}"
+    return _read_checksummed(path, keep=False)[0]
 
 
-def load_file(path: str, mmap: bool = True) -> Any:
-    """torch.load a checkpoint file onto the CPU, memory-mapped where possible."""
+def verify_file(path: str, checksum: str, keep: bool = False) -> Optional[bytearray]:
+    """Refuse `path` unless its checksum is `checksum`; with keep=True return the bytes read."""
+    got, data = _read_checksummed(path, keep)
+    if got != checksum:
+        raise CheckpointError(f"the checkpoint file {path} fails its checksum ({got}, manifest records "
+                              f"{checksum}): it is damaged")
+    return data
+
+
+def load_file(path: str, mmap: bool = True, checksum: Optional[str] = None) -> Any:
+    """Safely load a checkpoint file onto the CPU (weights only + safe_pickle's allow-list).
+
+    With `checksum` (the manifest's), the file is verified as it is read: mmap=False reads it
+    once, checksumming each chunk, and unpickles those bytes; mmap=True checksums it in one
+    sequential read that leaves its pages in the page cache, where the mapping then finds them.
+    A legacy (non-zip) file, which cannot be mapped, is read without mapping."""
     if not os.path.exists(path):
         raise CheckpointError(f"the checkpoint file {path} is missing")
     try:
-        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=False)
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        data = verify_file(path, checksum, keep=not mmap) if checksum is not None else None
+        try:
+            return safe_load(io.BytesIO(data) if data is not None else path, mmap=mmap and data is None,
+                             where=f"the checkpoint file {path}")
+        except RuntimeError as e:
+            if mmap and data is None and "mmap" in str(e):
+                return safe_load(path, mmap=False, where=f"the checkpoint file {path}")
+            raise
+    except RefusedGlobal as e:
+        raise CheckpointError(str(e)) from None
+    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as e:
+        if isinstance(e, CheckpointError):
+            raise
         raise CheckpointError(f"the checkpoint file {path} cannot be read ({str(e).splitlines()[0]})") from e
 
 

@@ -5,7 +5,10 @@
                 async_save=False, keep_last_k=None)
     writer.wait()      # async: block until this rank's files are written (rank 0: and committed)
 
-Synchronous: write, fsync, record a manifest part, barrier, rank 0 commits, barrier.
+Synchronous: write, fsync, record a manifest part, exchange outcomes, rank 0 commits, exchange
+outcomes. A failed write or commit on any rank (a full disk, any I/O error) stops the save on
+every rank with one sentence (the file, the bytes the checkpoint needs, the bytes free); rank 0
+removes the partial temporary directory; earlier checkpoints and `latest` are never touched.
 Asynchronous: the call returns once the state is copied into host buffers (reused from
 save to save); a background thread writes the files and the part; rank 0's thread waits
 for every rank's part to appear in the shared directory, then commits. No collective
@@ -67,6 +70,45 @@ def _rank_world():
     return 0, 1
 
 
+def plan_bytes(plan: Sequence[Tuple[str, Any]]) -> int:
+    """About how many bytes this rank's files take (tensor bytes and copied files; pickles add little)."""
+    total = 0
+
+    def count(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    for _, obj in plan:
+        if isinstance(obj, CopyFile):
+            total += os.path.getsize(obj.src)
+        else:
+            map_tensors(obj, count)
+    return total
+
+
+def _failure(save_dir: str, tag: str, err: BaseException, needed: int) -> str:
+    """One sentence for a save that failed with `err` (an OSError names its file)."""
+    where = getattr(err, "filename", None) or save_dir
+    what = getattr(err, "strerror", None) or str(err).splitlines()[0]
+    try:
+        free = shutil.disk_usage(save_dir).free
+        room = f"; the checkpoint needs about {needed} bytes and {free} bytes are free"
+    except OSError:
+        room = ""
+    return (f"saving checkpoint {tag} into {save_dir} failed writing {where}: {what}{room}; the partial "
+            "checkpoint was removed, earlier checkpoints and `latest` are intact")
+
+
+def _all_outcomes(outcome: Optional[str], world: int) -> List[Optional[str]]:
+    """Every rank's outcome (None: fine, else its sentence); a collective that replaces a barrier."""
+    if world == 1:
+        return [outcome]
+    out = [None] * world
+    dist.all_gather_object(out, outcome)
+    return out
+
+
 def _write_files(directory: str, plan: Sequence[Tuple[str, Any]], rank: int) -> dict:
     files = {}
     for name, obj in plan:
@@ -101,17 +143,10 @@ class CheckpointWriter:
         if world > 1:
             dist.broadcast_object_list(ids, src=0)
         tmp = tmp_dir(save_dir, tag, ids[0])
-        os.makedirs(tmp, exist_ok=True)
         meta = dict(meta or {}, iteration=iteration, world_size=world)
         args = (save_dir, tag, tmp, rank, world, meta, iteration, save_latest, keep_last_k)
         if not async_save:
-            write_part(tmp, rank, _write_files(tmp, plan, rank))
-            if world > 1:
-                dist.barrier()
-            if rank == 0:
-                commit(save_dir, tag, tmp, world, meta, iteration, save_latest, keep_last_k)
-            if world > 1:
-                dist.barrier()
+            self._save_sync(save_dir, tag, tmp, plan, rank, world, meta, iteration, save_latest, keep_last_k)
             return
         snap, used = self.buffers.snapshot([(n, o) for n, o in plan if not isinstance(o, CopyFile)])
         snap += [(n, o) for n, o in plan if isinstance(o, CopyFile)]
@@ -120,9 +155,35 @@ class CheckpointWriter:
                                         name="megatron_zero-async-save", daemon=True)
         self._thread.start()
 
+    def _save_sync(self, save_dir, tag, tmp, plan, rank, world, meta, iteration, save_latest, keep_last_k):
+        needed = [plan_bytes(plan)]
+        if world > 1:
+            needed = _all_outcomes(needed[0], world)
+        for step in ("write", "commit"):
+            outcome = None
+            try:
+                if step == "write":
+                    os.makedirs(tmp, exist_ok=True)
+                    write_part(tmp, rank, _write_files(tmp, plan, rank))
+                elif rank == 0:
+                    commit(save_dir, tag, tmp, world, meta, iteration, save_latest, keep_last_k)
+            except OSError as e:
+                outcome = _failure(save_dir, tag, e, sum(needed))
+            failed = [o for o in _all_outcomes(outcome, world) if o is not None]
+            if failed:
+                if rank == 0:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                raise CheckpointError(failed[0])
+
     def _background(self, plan, used, save_dir, tag, tmp, rank, world, meta, iteration, save_latest, keep_last_k):
         try:
-            write_part(tmp, rank, _write_files(tmp, plan, rank))
+            try:
+                os.makedirs(tmp, exist_ok=True)
+                write_part(tmp, rank, _write_files(tmp, plan, rank))
+            except OSError as e:
+                if rank == 0:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                raise CheckpointError(_failure(save_dir, tag, e, plan_bytes(plan))) from e
             self.buffers.release(used)
             if rank != 0:
                 return
@@ -132,7 +193,11 @@ class CheckpointWriter:
                     raise CheckpointError(f"not every rank finished writing {tmp} within {self.commit_timeout:.0f} s; "
                                           "the checkpoint was not committed")
                 time.sleep(0.02)
-            commit(save_dir, tag, tmp, world, meta, iteration, save_latest, keep_last_k)
+            try:
+                commit(save_dir, tag, tmp, world, meta, iteration, save_latest, keep_last_k)
+            except OSError as e:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise CheckpointError(_failure(save_dir, tag, e, plan_bytes(plan))) from e
         except BaseException as e:  # surfaced by wait()
             self._error = e
 
@@ -147,7 +212,8 @@ class CheckpointWriter:
             self._thread = None
         if self._error is not None:
             err, self._error = self._error, None
-            raise CheckpointError(f"the asynchronous checkpoint save failed: {err}") from err
+            raise CheckpointError(str(err) if isinstance(err, CheckpointError) else
+                                  f"the asynchronous checkpoint save failed: {err}") from err
 
 
 _WRITER: Optional[CheckpointWriter] = None
