@@ -173,6 +173,8 @@ class CheckpointWriter:
             if failed:
                 if rank == 0:
                     shutil.rmtree(tmp, ignore_errors=True)
+                if world > 1:
+                    dist.barrier()  # the partial directory is gone on return, on every rank
                 raise CheckpointError(failed[0])
 
     def _background(self, plan, used, save_dir, tag, tmp, rank, world, meta, iteration, save_latest, keep_last_k):
