@@ -10,6 +10,8 @@ before the next. A clean run of every path first shows it works and what it read
 import fnmatch
 import os
 import random
+import subprocess
+import sys
 
 import torch
 
@@ -18,6 +20,7 @@ from megatron_zero.checkpoint.consolidate import get_fp32_state_dict
 from megatron_zero.checkpoint.hf_export import convert_checkpoint_to_hf
 from megatron_zero.checkpoint.universal_convert import convert_to_universal
 from megatron_zero.testing.multirank import run_ranks
+from conftest import ROOT
 from test_checkpoint_layout import _setup, _train_step
 
 SEED, FLIPS_PER_PATH = 15, 10
@@ -87,11 +90,15 @@ def _paths(save_dir, tag_dir, universal_dir, work):
             "HF export": lambda: convert_checkpoint_to_hf(tag_dir, os.path.join(work, "hf"), num_heads=4)}
 
 
-def _inject(save_dir):
+def _save_tiny(save_dir):
     state, config, model, opt = _setup(1, 1, 1)
     _train_step(state, config, model, opt)
     save_checkpoint(save_dir, 1, state, model, opt, {"iteration": 1})
-    want = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _inject(save_dir):
+    want = _save_tiny(save_dir)
     tag_dir = os.path.join(save_dir, "global_step1")
     work = os.path.join(os.path.dirname(save_dir), "work")
     os.makedirs(work)
@@ -130,3 +137,21 @@ def test_every_read_path_refuses_every_flipped_byte(tmp_path):
     print("flips detected per path:", detected)
     assert detected == {name: FLIPS_PER_PATH for name in READS}
     assert sum(detected.values()) >= 50
+
+
+def test_tools_refuse_a_flipped_byte_unless_told_not_to_verify(tmp_path):
+    save_dir = str(tmp_path / "ckpt")
+    run_ranks(_save_tiny, 1, save_dir, timeout=300)
+    damaged = os.path.join(save_dir, "global_step1", "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    with open(damaged, "r+b") as f:  # the middle of the file: tensor bytes, so it still unpickles
+        f.seek(os.path.getsize(damaged) // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x40]))
+    tool = [sys.executable, os.path.join(ROOT, "tools", "zero_to_fp32.py"), save_dir, str(tmp_path / "out"), "--quiet"]
+    refused = subprocess.run(tool, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and refused.stderr.startswith(
+        f"zero_to_fp32.py: error: the checkpoint file {damaged} fails its checksum"), refused.stderr
+    assert not os.path.exists(tmp_path / "out" / "pytorch_model.bin")
+    unverified = subprocess.run(tool + ["--no-verify-checkpoint"], capture_output=True, text=True, timeout=120)
+    assert unverified.returncode == 0 and os.path.exists(tmp_path / "out" / "pytorch_model.bin"), unverified.stderr

@@ -6,15 +6,15 @@ non-tensor types our and DeepSpeed's checkpoints hold.
 What the allow-list holds, and why (nothing in it runs code on load: each is a plain container,
 a value type, or a stand-in class with no behaviour):
 
-| global in the pickle                                   | written by                            | loads as               |
-|--------------------------------------------------------|---------------------------------------|------------------------|
-| argparse.Namespace                                     | Megatron(-DeepSpeed) `args`, ours      | argparse.Namespace     |
-| types.SimpleNamespace                                  | our fragment_address                  | types.SimpleNamespace  |
-| numpy.(_)core.multiarray._reconstruct, ndarray, dtype  | `np_rng_state` (numpy 1 and 2 names)  | numpy arrays           |
-| numeric dtype classes (numpy 2's numpy.dtypes.*)       | the same                              | numpy dtypes           |
-| deepspeed.utils.tensor_fragment.fragment_address       | DeepSpeed's ZeRO-1/2 optimizer files  | a stand-in (numel, start) |
-| deepspeed.runtime.fp16.loss_scaler.(Dynamic)LossScaler | DeepSpeed's optimizer files           | a stand-in (attributes) |
-| deepspeed.runtime.zero.config.ZeroStageEnum            | DeepSpeed's optimizer files           | int                    |
+| global in the pickle                                   | written by                           | loads as       |
+|--------------------------------------------------------|--------------------------------------|----------------|
+| argparse.Namespace                                     | Megatron(-DeepSpeed) `args`, ours    | itself         |
+| types.SimpleNamespace                                  | our fragment_address                 | itself         |
+| numpy.(_)core.multiarray._reconstruct, ndarray, dtype  | `np_rng_state` (numpy 1 and 2 names) | numpy arrays   |
+| numeric dtype classes (numpy 2's numpy.dtypes.*)       | the same                             | numpy dtypes   |
+| deepspeed.utils.tensor_fragment.fragment_address       | DeepSpeed's ZeRO-1/2 optimizer files | a stand-in     |
+| deepspeed.runtime.fp16.loss_scaler.(Dynamic)LossScaler | DeepSpeed's optimizer files          | a stand-in     |
+| deepspeed.runtime.zero.config.ZeroStageEnum            | DeepSpeed's optimizer files          | int            |
 
 The DeepSpeed names map to stand-ins defined here, so DeepSpeed's checkpoints load whether or not
 deepspeed is installed, and none of DeepSpeed's code runs. Anything else (os.system, builtins.eval,
