@@ -3,8 +3,8 @@
     client_state = load_checkpoint(load_dir, state, model, optimizer, load_optimizer=True)
 
 Returns None when load_dir holds no `latest` (a fresh start, as Megatron does). The client
-state comes back with `rng_state` resolved to this rank's (DP-indexed list in the file) and
-`args` as a dict.
+state comes back with `rng_state` resolved to this rank's (rank_rng_state: the DP-indexed list
+in the file, DP rank 0's entry where the saving run had fewer DP ranks) and `args` as a dict.
 """
 from __future__ import annotations
 
