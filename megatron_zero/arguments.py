@@ -13,6 +13,7 @@ from typing import List, Optional
 
 import torch
 
+from .checkpoint.reader import add_verify_flag
 from .deepspeed_config import DeepSpeedConfigError, apply_deepspeed_config
 from .model.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, default_ffn_hidden_size
 
@@ -177,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true")
+    g.add_argument("--overwrite-checkpoints", action="store_true",
+                   help="start from scratch even though --save holds checkpoints (they are overwritten)")
+    add_verify_flag(g)
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=10)
     g.add_argument("--log-interval", type=int, default=100)

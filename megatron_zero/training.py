@@ -18,12 +18,13 @@ import torch.distributed as dist
 
 from . import checkpoint as ckpt
 from .arguments import ArgumentError, args_to_dict, parse_args
-from .checkpoint.commit import LATEST
 from .checkpoint.compat import check_checkpoint_compat
 from .checkpoint.lock import hold_save_lock
+from .checkpoint.preflight import check_save_dir, checkpoint_bytes
+from .checkpoint.reader import open_directory
+from .checkpoint.resume import find_resume_point, refuse_fresh_start_over
 from .checkpoint.save_16bit import save_16bit_model
-from .checkpoint.universal_load import (find_universal_dir, is_universal_checkpoint, load_reshaped_checkpoint,
-                                        load_universal_checkpoint)
+from .checkpoint.universal_load import load_reshaped_checkpoint, load_universal_checkpoint
 from .data import DataError, GlobalBatchSampler, build_tokenizer, build_train_valid_test_datasets, collate_gpt
 from .device import DeviceError, backend_for, select_device, to_device, use_device
 from .distributed import (LaunchError, another_rank_failed, init_distributed, is_peer_failure, read_launch_env,
@@ -69,29 +70,29 @@ def fusion_flags(args) -> dict:
                                                    "persist_layer_norm", "gradient_accumulation_fusion")}
 
 
-def load_any_checkpoint(path, state, model, optimizer, load_optimizer=True, universal=False, check=None):
-    """Resume from `path`: a universal checkpoint (asked for, or all there is), a checkpoint saved on
-    this layout, or, saved on another TP/PP/DP or ZeRO stage, the same reshaped while loading.
-    `check(directory)` sees the chosen checkpoint directory before anything is loaded from it."""
-    has_latest = os.path.exists(os.path.join(path, LATEST))
-    if universal or (not has_latest and is_universal_checkpoint(path)):
-        directory = find_universal_dir(path)
-        if check and directory:
-            check(directory)
-        return load_universal_checkpoint(path, state, model, optimizer, load_optimizer)
-    if not has_latest:
+def load_any_checkpoint(path, state, model, optimizer, load_optimizer=True, universal=False, verify=True, log=print,
+                        check=None):
+    """Resume from what `path` names (checkpoint/resume.py): a universal checkpoint, a checkpoint saved
+    on this layout, or, saved on another TP/PP/DP or ZeRO stage, the same reshaped while loading.
+    `check(directory)` sees the chosen checkpoint directory before anything is loaded from it.
+    None when `path` holds no checkpoint."""
+    point = find_resume_point(path, universal, verify)
+    if point is None:
         return None
-    found = ckpt.open_checkpoint(path)
+    if point.note:
+        log(point.note)
     if check:
-        check(found.directory)
-    meta = found.meta
+        check(point.directory)
+    if point.universal:
+        return load_universal_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify)
+    meta = open_directory(point.directory, verify).meta
     saved = meta.get("layout")
     here = {"tp": state.tp_size, "pp": state.pp_size, "dp": state.dp_size}
     same_stage_family = (meta.get("zero_stage", optimizer.stage) == 3) == (optimizer.stage == 3)
     if saved is not None and (saved != here or not same_stage_family):
-        return load_reshaped_checkpoint(found.directory, state, model, optimizer, load_optimizer)
-    return ckpt.load_checkpoint(path, state, model, optimizer, load_optimizer=load_optimizer,
-                                tag=os.path.basename(found.directory))
+        return load_reshaped_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify)
+    root, tag = os.path.split(point.directory)
+    return ckpt.load_checkpoint(root, state, model, optimizer, load_optimizer=load_optimizer, tag=tag, verify=verify)
 
 
 class Trainer:
@@ -144,8 +145,11 @@ class Trainer:
         self.log = TrainingLog(args, state.layout.world_size, flops, next(self.model.parameters()).device,
                                self.is_writer, self._log)
         self.train_p2p = TimedCalls(self.p2p, self.log.timers("pipeline-p2p", 2))
-        if args.load:
-            self.load(args.load)
+        resumed = bool(args.load) and self.load(args.load)
+        if args.save:
+            if not resumed and not args.overwrite_checkpoints:
+                refuse_fresh_start_over(args.save)
+            self._check_save_dir()
         self._build_data()
 
     # ---- data ------------------------------------------------------------------------
@@ -215,21 +219,44 @@ class Trainer:
             save_16bit_model(os.path.join(a.save, tag), torch.bfloat16 if a.params_dtype == "fp32" else
                              DTYPES[a.params_dtype])
 
-    def load(self, path):
+    def _check_save_dir(self):
+        """--save writable and with room for a checkpoint, before the first iteration (rank 0 checks)."""
+        a, s = self.args, self.state
+        local = sum(math.prod(getattr(p, "ds_shape", p.shape)) for p in self.model.parameters())
+        counts = [local] if s.layout.world_size == 1 else [None] * s.layout.world_size
+        if s.layout.world_size > 1:
+            dist.all_gather_object(counts, local)
+        one = checkpoint_bytes(sum(counts) // s.dp_size, DTYPES[a.params_dtype].itemsize)
+        planned = 1 + (max(0, a.train_iters - self.progress.iteration) // a.save_interval if a.save_interval else 0)
+        outcome = [None]
+        if s.rank == 0:
+            try:
+                check_save_dir(a.save, one, planned, a.keep_last_k)
+            except ckpt.CheckpointError as e:
+                outcome = [str(e)]
+        if s.layout.world_size > 1:
+            dist.broadcast_object_list(outcome, src=0)
+        if outcome[0] is not None:
+            raise ckpt.CheckpointError(outcome[0])
+
+    def load(self, path) -> bool:
+        """Resume from --load; False when it holds no checkpoint (a fresh start)."""
         a = self.args
         client = load_any_checkpoint(path, self.state, self.model, self.optimizer,
                                      load_optimizer=not (a.no_load_optim or a.finetune),
-                                     universal=a.universal_checkpoint, check=lambda directory: check_checkpoint_compat(
+                                     universal=a.universal_checkpoint, verify=a.verify_checkpoint, log=self._log,
+                                     check=lambda directory: check_checkpoint_compat(
                                          directory, a, self.config.vocab_size, self.config.padded_vocab_size))
         if client is None:
-            self._log(f"no checkpoint under --load {path} (no 'latest' file); starting from scratch")
-            return
+            self._log(f"no checkpoint under --load {path}; starting from scratch")
+            return False
         if a.finetune or client.get("weights_only"):  # weights only (an import): fresh optimizer, iteration 0
-            return
+            return True
         self.progress = TrainState(**client["train_state"])
         self.schedule.load_state_dict(client["lr_scheduler"])
         if not a.no_load_rng and client.get("rng_state") is not None:
             set_rng_state(client["rng_state"])
+        return True
 
     # ---- the loop --------------------------------------------------------------------
     def train(self) -> int:

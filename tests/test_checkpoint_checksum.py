@@ -6,7 +6,7 @@ import pytest
 
 from megatron_zero.checkpoint.checksum import Checksum, algorithm_of, file_checksum
 from megatron_zero.checkpoint.errors import CheckpointError
-from megatron_zero.checkpoint.manifest import verify_checksums
+from megatron_zero.checkpoint.tensor_io import verify_file
 
 
 def test_crc32c_standard_check_value_and_incremental(tmp_path):
@@ -24,11 +24,11 @@ def test_crc32c_standard_check_value_and_incremental(tmp_path):
 def test_older_crc32_manifests_verify_and_damage_is_named(tmp_path):
     path = tmp_path / "a.pt"
     path.write_bytes(b"x" * 1000)
-    manifest = {"files": {"a.pt": {"size": 1000, "checksum": f"crc32:{zlib.crc32(b'x' * 1000):08x}"}}}
-    verify_checksums(str(tmp_path), manifest, ["a.pt"])
+    recorded = f"crc32:{zlib.crc32(b'x' * 1000):08x}"
+    verify_file(str(path), recorded)
     path.write_bytes(b"x" * 999 + b"y")
     with pytest.raises(CheckpointError, match="a.pt fails its checksum"):
-        verify_checksums(str(tmp_path), manifest, ["a.pt"])
+        verify_file(str(path), recorded)
 
 
 def test_unknown_algorithm_is_one_sentence():

@@ -95,7 +95,7 @@ def test_load_refuses_a_flipped_byte_naming_the_file(tmp_path):
         ckpt.load("a.pt")
 
 
-def test_load_refuses_a_truncated_or_missing_file_naming_it(tmp_path):
+def test_load_refuses_a_truncated_or_missing_file_naming_it(tmp_path, capsys):
     save_dir = _single_save(tmp_path)
     path = os.path.join(save_dir, "global_step1", "b.pt")
     with open(path, "r+b") as f:
@@ -105,9 +105,9 @@ def test_load_refuses_a_truncated_or_missing_file_naming_it(tmp_path):
     os.remove(path)
     with pytest.raises(CheckpointError, match=r"b\.pt listed in its manifest is missing"):
         open_checkpoint(save_dir)
-    with pytest.raises(CheckpointError, match=r"global_step1.*has no manifest\.json"):
-        os.remove(os.path.join(save_dir, "global_step1", "manifest.json"))
-        open_checkpoint(save_dir)
+    os.remove(os.path.join(save_dir, "global_step1", "manifest.json"))  # as DeepSpeed writes: read, with a warning
+    assert open_checkpoint(save_dir).load("a.pt")["step"] == 1
+    assert "global_step1 has no manifest.json" in capsys.readouterr().err
     with pytest.raises(CheckpointError, match=r"latest does not exist"):
         open_checkpoint(str(tmp_path))
 

@@ -136,7 +136,7 @@ def check_resume(baseline, results):
 
 
 def test_universal_files(baseline):
-    from megatron_zero.checkpoint.universal_source import load_any
+    from megatron_zero.checkpoint.tensor_io import load_file as load_any
     zero = os.path.join(baseline["universal"], "zero")
     we = load_any(os.path.join(zero, "tied_modules.embed.word_embeddings.weight", "fp32.pt"))
     assert we["param"].shape == (100, 32) and we["vocab_tensor"] is True and we["cat_dim"] == 0

@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_zero.checkpoint.errors import CheckpointError  # noqa: E402
 from megatron_zero.checkpoint.hf import ARCHITECTURES  # noqa: E402
 from megatron_zero.checkpoint.hf.exporter import DTYPES, export_hf  # noqa: E402
+from megatron_zero.checkpoint.reader import add_verify_flag  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -29,10 +30,11 @@ def main(argv=None) -> int:
     p.add_argument("--num-attention-heads", type=int, default=None,
                    help="needed only when the checkpoint's args do not record it")
     p.add_argument("--progress", action="store_true", help="a progress line on stderr")
+    add_verify_flag(p)
     a = p.parse_args(argv)
     try:
         out = export_hf(a.checkpoint_dir, a.output_dir, a.dtype, a.max_shard_size, a.architecture,
-                        a.num_attention_heads, a.tag, a.progress)
+                        a.num_attention_heads, a.tag, a.progress, verify=a.verify_checkpoint)
     except (CheckpointError, ValueError, KeyError) as e:
         print(f"convert_to_hf.py: error: {e}", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_zero.checkpoint.errors import CheckpointError  # noqa: E402
+from megatron_zero.checkpoint.reader import add_verify_flag  # noqa: E402
 from megatron_zero.checkpoint.universal_convert import convert_to_universal  # noqa: E402
 
 
@@ -32,6 +33,7 @@ def parse_arguments(argv=None):
                    help="keep TP rank 0's copy of TP-replicated parameters that differ across TP ranks")
     p.add_argument("--inject_missing_state", action="store_true", help="accepted for compatibility")
     p.add_argument("--quiet", action="store_true", help="no progress line")
+    add_verify_flag(p)
     return p.parse_args(argv)
 
 
@@ -40,7 +42,7 @@ def main(argv=None) -> int:
     try:
         s = convert_to_universal(args.input_folder, args.output_folder, merge_workers=args.num_merge_workers,
                                  extract_workers=args.num_extract_workers, strict=args.strict,
-                                 progress=not args.quiet)
+                                 progress=not args.quiet, verify=args.verify_checkpoint)
     except CheckpointError as e:
         print(f"ds_to_universal.py: error: {e}", file=sys.stderr)
         return 2

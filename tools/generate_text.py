@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 
-from megatron_zero.checkpoint import CheckpointError
+from megatron_zero.checkpoint import CheckpointError, add_verify_flag
 from megatron_zero.checkpoint.consolidate import get_fp32_state_dict, load_consolidated, resolve_checkpoint_dir
 from megatron_zero.checkpoint.saved_config import saved_args, saved_config
 from megatron_zero.data import DataError, build_tokenizer
@@ -22,14 +22,14 @@ from megatron_zero.model.sharding import shard_state_dict
 CONSOLIDATED = ("pytorch_model.bin", "model.safetensors", "model.safetensors.index.json")
 
 
-def load_model(path: str, num_heads=None):
+def load_model(path: str, num_heads=None, verify: bool = True):
     """(reference model with the checkpoint's weights, the arguments it was trained with)."""
     consolidated = os.path.isfile(path) or any(os.path.isfile(os.path.join(path, c)) for c in CONSOLIDATED)
     if consolidated:
         sd, args = load_consolidated(path), {}
     else:
         directory = resolve_checkpoint_dir(path)
-        sd, args = get_fp32_state_dict(directory), saved_args(directory)
+        sd, args = get_fp32_state_dict(directory, verify=verify), saved_args(directory, verify)
     config = saved_config(list(sd), lambda n: sd[n].shape, args, num_heads, where=path)
     config.make_vocab_size_divisible_by = int(args.get("make_vocab_size_divisible_by", 128))
     model = reference_model(config)
@@ -52,9 +52,10 @@ def main(argv=None) -> int:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
+    add_verify_flag(p)
     a = p.parse_args(argv)
     try:
-        model, config, args = load_model(a.load, a.num_attention_heads)
+        model, config, args = load_model(a.load, a.num_attention_heads, a.verify_checkpoint)
         tokenizer = build_tokenizer(a.tokenizer_type or args.get("tokenizer_type", "GPTSentencePieceTokenizer"),
                                     a.tokenizer_model or args.get("tokenizer_model"),
                                     a.vocab_file or args.get("vocab_file"), a.merge_file or args.get("merge_file"),

@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_zero.checkpoint.consolidate import consolidate_fp32  # noqa: E402
 from megatron_zero.checkpoint.errors import CheckpointError  # noqa: E402
+from megatron_zero.checkpoint.reader import add_verify_flag  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -33,10 +34,11 @@ def main(argv=None) -> int:
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
                    help="cast each parameter to this type as it is written (bf16/fp16: the 16-bit model)")
+    add_verify_flag(p)
     a = p.parse_args(argv)
     try:
         out = consolidate_fp32(a.checkpoint_dir, a.output_dir, a.safe_serialization, a.max_shard_size, a.tag,
-                               progress=not a.quiet, dtype=DTYPES[a.dtype])
+                               progress=not a.quiet, dtype=DTYPES[a.dtype], verify=a.verify_checkpoint)
     except (CheckpointError, ValueError) as e:
         print(f"zero_to_fp32.py: error: {e}", file=sys.stderr)
         return 2

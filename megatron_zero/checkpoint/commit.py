@@ -102,11 +102,16 @@ def prune(save_dir: str, keep_last_k: int) -> List[str]:
     return doomed
 
 
+def stale_dirs(save_dir: str) -> List[str]:
+    """Leftovers of crashed saves (`<tag>.tmp-*`, `<tag>.old-*`)."""
+    return [os.path.join(save_dir, n) for n in sorted(os.listdir(save_dir))
+            if _TMP.match(n) and os.path.isdir(os.path.join(save_dir, n))]
+
+
 def remove_stale(save_dir: str, keep_tmp: Optional[str]) -> None:
-    """Remove leftovers of crashed saves (`<tag>.tmp-*`, `<tag>.old-*`) other than `keep_tmp`."""
-    for name in os.listdir(save_dir):
-        path = os.path.join(save_dir, name)
-        if _TMP.match(name) and os.path.isdir(path) and path != keep_tmp:
+    """Remove leftovers of crashed saves other than `keep_tmp`."""
+    for path in stale_dirs(save_dir):
+        if path != keep_tmp:
             shutil.rmtree(path, ignore_errors=True)
 
 

@@ -28,10 +28,11 @@ import torch
 from safetensors.torch import load_file
 
 from .errors import CheckpointError
+from .reader import open_directory
 from .torch_zip_writer import TensorBytesWriter, TorchZipWriter, cpu_contiguous
 from .universal_convert import Progress, batches
 from .universal_load import find_universal_dir
-from .universal_source import SourceCheckpoint, load_any
+from .universal_source import SourceCheckpoint
 
 DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
                torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
@@ -61,22 +62,25 @@ def resolve_checkpoint_dir(path: str, tag: str = None) -> str:
     return path
 
 
-def fp32_source(checkpoint_dir: str, progress: bool = False) -> Tuple[List[str], Iterator[Tuple[str, torch.Tensor]]]:
-    """(every parameter's name, an iterator of (name, full fp32 tensor) one at a time)."""
+def fp32_source(checkpoint_dir: str, progress: bool = False,
+                verify: bool = True) -> Tuple[List[str], Iterator[Tuple[str, torch.Tensor]]]:
+    """(every parameter's name, an iterator of (name, full fp32 tensor) one at a time), each file verified
+    against the checkpoint's manifest as it is read (verify=False: unverified)."""
     universal = find_universal_dir(checkpoint_dir)
     if universal is not None:
+        files = open_directory(universal, verify)
         zero = os.path.join(universal, "zero")
         names = sorted(d for d in os.listdir(zero) if os.path.isdir(os.path.join(zero, d)))
 
         def from_universal():
             bar = Progress("zero_to_fp32", len(names), progress)
             for name in names:
-                t = load_any(os.path.join(zero, name, "fp32.pt"))["param"]
+                t = files.load(f"zero/{name}/fp32.pt")["param"]
                 bar.update(1, t.numel() * t.element_size())
                 yield name, t
             bar.close()
         return names, from_universal()
-    src = SourceCheckpoint(checkpoint_dir)
+    src = SourceCheckpoint(checkpoint_dir, verify=verify)
 
     def from_zero():
         bar = Progress("zero_to_fp32", len(src.params), progress)
@@ -93,14 +97,14 @@ def fp32_source(checkpoint_dir: str, progress: bool = False) -> Tuple[List[str],
     return [n for n, _ in src.params], from_zero()
 
 
-def iter_fp32(checkpoint_dir: str, progress: bool = False) -> Iterator[Tuple[str, torch.Tensor]]:
+def iter_fp32(checkpoint_dir: str, progress: bool = False, verify: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
     """(name, full fp32 tensor) for every parameter, one at a time (views of the mapped files where possible)."""
-    return fp32_source(checkpoint_dir, progress)[1]
+    return fp32_source(checkpoint_dir, progress, verify)[1]
 
 
-def get_fp32_state_dict(checkpoint_dir: str, tag: str = None) -> Dict[str, torch.Tensor]:
+def get_fp32_state_dict(checkpoint_dir: str, tag: str = None, verify: bool = True) -> Dict[str, torch.Tensor]:
     """The whole consolidated state dict in memory (tensors copied out of the mapped files)."""
-    return {n: t.clone() for n, t in iter_fp32(resolve_checkpoint_dir(checkpoint_dir, tag))}
+    return {n: t.clone() for n, t in iter_fp32(resolve_checkpoint_dir(checkpoint_dir, tag), verify=verify)}
 
 
 def load_consolidated(path: str) -> Dict[str, torch.Tensor]:
@@ -169,12 +173,12 @@ class SafetensorsStream:
 
 def consolidate_fp32(checkpoint_dir: str, output_dir: str, safe_serialization: bool = False,
                      max_shard_size="5GB", tag: str = None, progress: bool = True,
-                     dtype: torch.dtype = torch.float32) -> dict:
-    """Write the consolidated weights (fp32, or cast one parameter at a time to `dtype`); returns
-    {'files', 'params', 'bytes'}."""
+                     dtype: torch.dtype = torch.float32, verify: bool = True) -> dict:
+    """Write the consolidated weights (fp32, or cast one parameter at a time to `dtype`), each file verified
+    as it is read (verify=False: unverified); returns {'files', 'params', 'bytes'}."""
     directory = resolve_checkpoint_dir(checkpoint_dir, tag)
     os.makedirs(output_dir, exist_ok=True)
-    names, tensors = fp32_source(directory, progress)
+    names, tensors = fp32_source(directory, progress, verify)
     if dtype != torch.float32:
         tensors = ((name, t.to(dtype)) for name, t in tensors)
     # the tensors are views of read-only mapped files or fresh copies: their bytes are copied file-to-file

@@ -3,8 +3,8 @@
     client_state = load_checkpoint(load_dir, state, model, optimizer, load_optimizer=True)
 
 Returns None when load_dir holds no `latest` (a fresh start, as Megatron does). The client
-state comes back with `rng_state` resolved to this rank's (DP-indexed list in the file) and
-`args` as a dict.
+state comes back with `rng_state` resolved to this rank's (rank_rng_state: the DP-indexed list
+in the file, DP rank 0's entry where the saving run had fewer DP ranks) and `args` as a dict.
 """
 from __future__ import annotations
 
@@ -79,6 +79,14 @@ def _load_layers(ckpt: Checkpoint, model, tp_rank: int):
     model.load_state_dict(sd, strict=True)
 
 
+def rank_rng_state(saved, dp_rank: int) -> Optional[dict]:
+    """This DP rank's RNG state from a model-states file's `rng_state`: Megatron's per-DP-rank list
+    (DP rank 0's where the saving run had fewer DP ranks: every replica was seeded alike), or one dict."""
+    if isinstance(saved, (list, tuple)):
+        return (saved[dp_rank] if dp_rank < len(saved) else saved[0]) if saved else None
+    return saved if isinstance(saved, dict) else None
+
+
 def _weights_only(osd: dict) -> dict:
     """An optimizer state with the fp32 masters but fresh moments and step (--no-load-optim)."""
     sd = dict(osd)
@@ -123,9 +131,7 @@ def load_checkpoint(load_dir: str, state: ParallelState, model, optimizer, load_
             raise CheckpointError(f"the checkpoint file {ckpt.path(opt_name)} does not fit this optimizer: {e}") from e
     client = {k: v for k, v in states.items() if k not in ENGINE_KEYS}
     client["lr_scheduler"] = states.get("lr_scheduler")
-    rng = client.get("rng_state")
-    if isinstance(rng, list):
-        client["rng_state"] = rng[dp] if dp < len(rng) else None
+    client["rng_state"] = rank_rng_state(client.get("rng_state"), dp)
     if isinstance(client.get("args"), argparse.Namespace):
         client["args"] = vars(client["args"])
     return client

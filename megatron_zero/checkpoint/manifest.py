@@ -2,18 +2,17 @@
 
 Each rank records the files it wrote in a part file `.part-rank<r>.json` inside the
 temporary directory; rank 0 merges the parts into `manifest.json` just before the
-directory is renamed into place. Load checks that every listed file exists with its
-size, and the checksum of each file the rank actually reads.
+directory is renamed into place. Readers check that every listed file exists with its
+size, and the checksum of each file they read (reader.py, as the file is read).
 """
 from __future__ import annotations
 
 import glob
 import json
 import os
-from typing import Dict, Iterable, Optional
+from typing import Dict, Optional
 
 from .errors import CheckpointError
-from .checksum import algorithm_of, file_checksum
 
 MANIFEST = "manifest.json"
 FORMAT = "megatron_zero-manifest-1"
@@ -51,19 +50,23 @@ def merge_parts(tmp_dir: str, world_size: int, meta: dict) -> dict:
         with open(path) as f:
             for name, info in json.load(f)["files"].items():
                 files[name] = dict(info, rank=r)
-    manifest = dict(meta, format=FORMAT, files=files)
-    _write_json_atomic(os.path.join(tmp_dir, MANIFEST), manifest)
+    manifest = write_manifest(tmp_dir, files, meta)
     for p in glob.glob(os.path.join(tmp_dir, ".part-rank*.json")):
         os.remove(p)
     return manifest
 
 
-def read_manifest(ckpt_dir: str, required: bool = True) -> Optional[dict]:
+def write_manifest(directory: str, files: Dict[str, dict], meta: dict) -> dict:
+    """Write `directory`/manifest.json (fsynced) listing `files` ({relative name: {'size', 'checksum'}})."""
+    manifest = dict(meta, format=FORMAT, files=files)
+    _write_json_atomic(os.path.join(directory, MANIFEST), manifest)
+    return manifest
+
+
+def read_manifest(ckpt_dir: str) -> Optional[dict]:
+    """The manifest of `ckpt_dir`, or None when it has none (a checkpoint DeepSpeed wrote)."""
     path = os.path.join(ckpt_dir, MANIFEST)
     if not os.path.exists(path):
-        if required:
-            raise CheckpointError(f"the checkpoint {ckpt_dir} has no {MANIFEST}, so it is incomplete or was not "
-                                  "written by megatron_zero; pass verify=False to load it unverified")
         return None
     try:
         with open(path) as f:
@@ -85,16 +88,3 @@ def verify_sizes(ckpt_dir: str, manifest: dict) -> None:
         if size != info["size"]:
             raise CheckpointError(f"the checkpoint file {path} is {size} bytes but its manifest records "
                                   f"{info['size']}: it is truncated or damaged")
-
-
-def verify_checksums(ckpt_dir: str, manifest: dict, names: Iterable[str]) -> None:
-    """The files this rank reads match their recorded checksums."""
-    for name in names:
-        path = os.path.join(ckpt_dir, name)
-        info = manifest["files"].get(name)
-        if info is None:
-            raise CheckpointError(f"the checkpoint file {path} is not listed in the manifest of {ckpt_dir}")
-        got = file_checksum(path, algorithm_of(info["checksum"], path))
-        if got != info["checksum"]:
-            raise CheckpointError(f"the checkpoint file {path} fails its checksum ({got}, manifest records "
-                                  f"{info['checksum']}): it is damaged")

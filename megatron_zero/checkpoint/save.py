@@ -21,7 +21,9 @@ from .deepspeed_layout import (CHECKPOINT_VERSION, DS_VERSION, assign_layers_to_
                                layer_state_dicts, model_states_name, optim_states_name, universal_checkpoint_info)
 from .writer import CopyFile, get_writer
 
-ZERO_TO_FP32 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zero_to_fp32.py")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+ZERO_TO_FP32 = os.path.join(_HERE, "zero_to_fp32.py")
+SAFE_PICKLE = os.path.join(_HERE, "safe_pickle.py")  # zero_to_fp32.py imports it from beside itself
 
 
 def ds_config(optimizer) -> dict:
@@ -73,6 +75,7 @@ def build_plan(iteration: int, state: ParallelState, model, optimizer, client: d
         plan += [(layer_file_name(i, tp), sd) for i, sd in layers.items() if owner[i] == dp_rank]
     if state.rank == 0:
         plan.append(("zero_to_fp32.py", CopyFile(ZERO_TO_FP32, executable=True)))
+        plan.append(("safe_pickle.py", CopyFile(SAFE_PICKLE)))
     return plan
 
 

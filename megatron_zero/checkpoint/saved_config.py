@@ -18,14 +18,16 @@ from ..model.layers import block_layer_index
 from ..model.params import (POSITION_EMBEDDINGS, UNTIED_POSITION_EMBEDDINGS, UNTIED_WORD_EMBEDDINGS,
                             WORD_EMBEDDINGS)
 from .errors import CheckpointError
-from .universal_source import MODEL_FILE, load_any
+from .reader import open_directory
+from .universal_source import MODEL_FILE
 
 
-def saved_args(directory: str) -> dict:
+def saved_args(directory: str, verify: bool = True) -> dict:
+    """The training arguments a checkpoint directory records (its first model-states file, verified), or {}."""
     heads = [f for f in sorted(os.listdir(directory)) if MODEL_FILE.match(f)]
     if not heads:
         return {}
-    args = load_any(os.path.join(directory, heads[0]), mmap=True).get("args") or {}
+    args = open_directory(directory, verify).load(heads[0]).get("args") or {}
     return args if isinstance(args, dict) else vars(args)
 
 

@@ -19,16 +19,19 @@ largest single tensor saved, not by the state;
 from __future__ import annotations
 
 import collections
+import io
 import os
+import pickle
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.serialization
 
-from .checksum import Checksum
+from .checksum import Checksum, algorithm_of
 from .errors import CheckpointError, crash_point
+from .safe_pickle import RefusedGlobal, safe_load
 
 CHUNK_BYTES = 8 << 20
 
@@ -97,11 +100,19 @@ class _ChecksumWriter:
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self.checksum, self.size, self.rank = Checksum(), 0, rank
         self.pool = ThreadPoolExecutor(max_workers=1)
+        self.error: Optional[OSError] = None  # torch.save turns our exceptions into 'unexpected pos'
+
+    def write(self, data) -> int:
+        try:
+            return self._write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
 
     def _update(self, chunk):
         self.checksum.update(chunk)
 
-    def write(self, data) -> int:
+    def _write(self, data) -> int:
         mv = memoryview(data).cast("B")
         pending = None
         for off in range(0, len(mv), CHUNK_BYTES):
@@ -152,18 +163,69 @@ def save_file(obj: Any, path: str, fsync: bool = True, rank: int = 0) -> Tuple[i
     try:
         with _no_torch_crc():
             torch.save(obj, writer)
-    finally:
         writer.close(fsync=fsync)
+    except (OSError, RuntimeError) as e:
+        try:
+            writer.close(fsync=False)
+        except OSError:
+            pass
+        err = writer.error or e
+        if not isinstance(err, OSError):
+            raise
+        raise OSError(err.errno, err.strerror, path) from e
     return writer.size, str(writer.checksum)
 
 
-def load_file(path: str, mmap: bool = True) -> Any:
-    """torch.load a checkpoint file onto the CPU, memory-mapped where possible."""
+def _read_checksummed(path: str, keep: bool, algorithm: str) -> Tuple[str, Optional[bytearray]]:
+    """One pass over the file: its checksum, and with keep=True its bytes."""
+    checksum, size = Checksum(algorithm), os.path.getsize(path)
+    data = bytearray(size) if keep else bytearray(min(size, CHUNK_BYTES) or 1)
+    view, pos = memoryview(data), 0
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            chunk = view[pos:pos + CHUNK_BYTES] if keep else view
+            n = f.readinto(chunk)
+            if not n:
+                break
+            checksum.update(chunk[:n])
+            pos += n if keep else 0
+    if keep and pos != size:
+        raise OSError(f"read {pos} bytes of {size}")
+    return str(checksum), data if keep else None
+
+
+def verify_file(path: str, checksum: str, keep: bool = False) -> Optional[bytearray]:
+    """Refuse `path` unless its checksum is `checksum`; with keep=True return the bytes read."""
+    got, data = _read_checksummed(path, keep, algorithm_of(checksum, path))
+    if got != checksum:
+        raise CheckpointError(f"the checkpoint file {path} fails its checksum ({got}, manifest records "
+                              f"{checksum}): it is damaged")
+    return data
+
+
+def load_file(path: str, mmap: bool = True, checksum: Optional[str] = None) -> Any:
+    """Safely load a checkpoint file onto the CPU (weights only + safe_pickle's allow-list).
+
+    With `checksum` (the manifest's), the file is verified as it is read: mmap=False reads it
+    once, checksumming each chunk, and unpickles those bytes; mmap=True checksums it in one
+    sequential read that leaves its pages in the page cache, where the mapping then finds them.
+    A legacy (non-zip) file, which cannot be mapped, is read without mapping."""
     if not os.path.exists(path):
         raise CheckpointError(f"the checkpoint file {path} is missing")
     try:
-        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=False)
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        data = verify_file(path, checksum, keep=not mmap) if checksum is not None else None
+        try:
+            return safe_load(io.BytesIO(data) if data is not None else path, mmap=mmap and data is None,
+                             where=f"the checkpoint file {path}")
+        except RuntimeError as e:
+            if mmap and data is None and "mmap" in str(e):
+                return safe_load(path, mmap=False, where=f"the checkpoint file {path}")
+            raise
+    except RefusedGlobal as e:
+        raise CheckpointError(str(e)) from None
+    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as e:
+        if isinstance(e, CheckpointError):
+            raise
         raise CheckpointError(f"the checkpoint file {path} cannot be read ({str(e).splitlines()[0]})") from e
 
 

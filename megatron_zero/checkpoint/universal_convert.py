@@ -8,6 +8,7 @@ writes
     <out>/zero/<param>/step.pt                        the optimizer step
     <out>/zero/optimizer_state.pt                     the unsharded optimizer state (param_groups, loss scaler…)
     <out>/mp_rank_*_model_states.pt                   copied from the source
+    <out>/manifest.json                               every file above with its size and checksum
     <parent of out>/latest_universal                  the output's name
 
 One pass, no intermediate files: each task maps one pipeline stage's optimizer files
@@ -31,9 +32,11 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .errors import CheckpointError
+from .checksum import file_checksum
+from .manifest import write_manifest
 from .tensor_io import save_file
 from .universal_info import STATE_KEYS, SUB_PARAMS_KEY
-from .universal_source import SourceCheckpoint, StageReader, load_any
+from .universal_source import SourceCheckpoint, StageReader
 
 BATCH_ELEMENTS = 4 << 20  # per task: bounds the mapped pages a worker touches before it unmaps them
 _SRC: Optional[SourceCheckpoint] = None  # inherited by forked workers
@@ -79,29 +82,37 @@ def universal_record(full: torch.Tensor, rule) -> dict:
     return record
 
 
-def _write_param(reader: StageReader, zero_dir: str, name: str) -> int:
-    directory = os.path.join(zero_dir, name)
-    os.makedirs(directory, exist_ok=True)
-    nbytes = 0
+def _save(obj, root: str, name: str) -> Dict[str, dict]:
+    """save_file into root/name; its manifest entry {name: {'size', 'checksum'}}."""
+    size, checksum = save_file(obj, os.path.join(root, name), fsync=False)
+    return {name: {"size": size, "checksum": checksum}}
+
+
+def _write_param(reader: StageReader, out: str, name: str) -> Dict[str, dict]:
+    os.makedirs(os.path.join(out, "zero", name), exist_ok=True)
+    files = {}
     for key in STATE_KEYS:
         full, rule = reader.assemble(name, key)
-        nbytes += save_file(universal_record(full, rule), os.path.join(directory, f"{key}.pt"), fsync=False)[0]
+        files.update(_save(universal_record(full, rule), out, f"zero/{name}/{key}.pt"))
         del full
     step = reader.step(name)
     if step is not None:
-        nbytes += save_file(step, os.path.join(directory, "step.pt"), fsync=False)[0]
-    return nbytes
+        files.update(_save(step, out, f"zero/{name}/step.pt"))
+    return files
 
 
-def _convert_batch(pp: int, names: List[str], zero_dir: str, threads: int) -> Tuple[int, int, List[str]]:
+def _convert_batch(pp: int, names: List[str], out: str, threads: int) -> Tuple[int, Dict[str, dict], List[str]]:
     torch.set_num_threads(1)
+    files = {}
     with _SRC.stage(pp) as reader:
         if threads > 1 and len(names) > 1:
             with ThreadPoolExecutor(threads) as pool:
-                nbytes = sum(pool.map(lambda n: _write_param(reader, zero_dir, n), names))
+                for f in pool.map(lambda n: _write_param(reader, out, n), names):
+                    files.update(f)
         else:
-            nbytes = sum(_write_param(reader, zero_dir, n) for n in names)
-        return len(names), nbytes, list(reader.mismatched)
+            for n in names:
+                files.update(_write_param(reader, out, n))
+        return len(names), files, list(reader.mismatched)
 
 
 def param_numels(src: SourceCheckpoint) -> Dict[str, int]:
@@ -135,7 +146,7 @@ def batches(src: SourceCheckpoint) -> List[Tuple[int, List[str]]]:
 
 
 def _optimizer_state(src: SourceCheckpoint) -> dict:
-    osd = load_any(os.path.join(src.directory, src.zero_files[(0, 0)]), mmap=False)["optimizer_state_dict"]
+    osd = src.files.load(src.zero_files[(0, 0)], mmap=False)["optimizer_state_dict"]
     if src.zero_stage == 3:
         base = osd.get("optimizer_state_dict", {})
         out = {k: v for k, v in osd.items() if k not in ("fp32_flat_groups", "optimizer_state_dict")}
@@ -147,48 +158,63 @@ def _optimizer_state(src: SourceCheckpoint) -> dict:
     return out
 
 
+def _copy_into(src: SourceCheckpoint, name: str, out: str) -> Dict[str, dict]:
+    """Copy a source file; its manifest entry is the source's (so a bad copy is caught when read)."""
+    dst = os.path.join(out, name)
+    shutil.copyfile(src.files.path(name), dst)
+    if src.files.manifest is not None:
+        src.files.require(name)
+        info = src.files.manifest["files"][name]
+        return {name: {"size": info["size"], "checksum": info["checksum"]}}
+    return {name: {"size": os.path.getsize(dst), "checksum": file_checksum(dst)}}
+
+
 def convert_to_universal(input_folder: str, output_folder: str, merge_workers: int = 2, extract_workers: int = 1,
-                         strict: bool = True, progress: bool = True) -> dict:
-    """Convert; returns {'params', 'bytes', 'seconds', 'layout', 'zero_stage', 'mismatched'}."""
+                         strict: bool = True, progress: bool = True, verify: bool = True) -> dict:
+    """Convert; returns {'params', 'bytes', 'seconds', 'layout', 'zero_stage', 'mismatched'}.
+
+    Every source file read is verified against the source's manifest (verify=False: not); the
+    output gets a manifest of its own, listing every file it holds."""
     global _SRC
     start = time.monotonic()
-    src = SourceCheckpoint(input_folder, strict=strict)
+    src = SourceCheckpoint(input_folder, strict=strict, verify=verify)
     output_folder = os.path.normpath(output_folder)
     if os.path.exists(output_folder):
         raise CheckpointError(f"the output folder {output_folder} already exists; choose a new one or remove it")
     tmp = f"{output_folder}.tmp-{uuid.uuid4().hex[:8]}"
-    zero_dir = os.path.join(tmp, "zero")
-    os.makedirs(zero_dir)
+    os.makedirs(os.path.join(tmp, "zero"))
     tasks = batches(src)
     bar = Progress("ds_to_universal", len(src.params), progress)
-    mismatched, total_bytes = [], 0
+    mismatched, files = [], {}
     _SRC = src
     try:
+        def collect(results):
+            for n, written, bad in results:
+                bar.update(n, sum(f["size"] for f in written.values()))
+                files.update(written)
+                mismatched.extend(bad)
+
         if merge_workers > 1 and len(tasks) > 1:
+            src.files.verify(sorted(src.zero_files.values()))  # once here, not once per forked task
             with ProcessPoolExecutor(min(merge_workers, len(tasks)), mp_context=mp.get_context("fork")) as pool:
-                futures = [pool.submit(_convert_batch, pp, names, zero_dir, extract_workers) for pp, names in tasks]
-                for f in futures:
-                    n, nbytes, bad = f.result()
-                    bar.update(n, nbytes)
-                    total_bytes += nbytes
-                    mismatched += bad
+                futures = [pool.submit(_convert_batch, pp, names, tmp, extract_workers) for pp, names in tasks]
+                collect(f.result() for f in futures)
         else:
-            for pp, names in tasks:
-                n, nbytes, bad = _convert_batch(pp, names, zero_dir, extract_workers)
-                bar.update(n, nbytes)
-                total_bytes += nbytes
-                mismatched += bad
+            collect(_convert_batch(pp, names, tmp, extract_workers) for pp, names in tasks)
         bar.close()
+        total_bytes = sum(f["size"] for f in files.values())
         if mismatched and strict:
             raise CheckpointError(f"TP-replicated parameters differ across TP ranks in {input_folder}: "
                                   f"{', '.join(mismatched)}; pass --no_strict to take TP rank 0's copy")
         for name in mismatched:
             print(f"warning: {name}; TP rank 0's copy was kept", file=sys.stderr)
-        save_file(_optimizer_state(src), os.path.join(zero_dir, "optimizer_state.pt"), fsync=False)
+        files.update(_save(_optimizer_state(src), tmp, "zero/optimizer_state.pt"))
         copied = sorted(src.model_files.values()) or sorted(
             f for f in os.listdir(input_folder) if f.endswith("_model_states.pt") and not f.startswith("layer_"))
         for f in copied:
-            shutil.copyfile(os.path.join(input_folder, f), os.path.join(tmp, f))
+            files.update(_copy_into(src, f, tmp))
+        write_manifest(tmp, files, {"universal": True, "source": os.path.abspath(input_folder),
+                                    "iteration": src.iteration})
         os.rename(tmp, output_folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

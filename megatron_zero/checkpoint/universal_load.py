@@ -10,8 +10,10 @@ take this TP rank's slice on the dimension its layer type gives (model/params.py
 narrow to this rank's ZeRO fragment. The split dimension recorded in the file must agree.
 A reshaped load reads the source's optimizer files memory-mapped, so each rank touches only
 the fragments of the parameters its stage holds. The client state (iteration, scheduler,
-consumed samples, args) is returned; its RNG state is kept only when the source had the
-same TP x PP (an RNG stream of another TP rank would mean nothing here).
+consumed samples, args) is returned. RNG states: when the source had the same TP x PP, this
+rank gets the state saved by its own DP rank, or DP rank 0's where the source had fewer DP
+ranks (every DP replica of a model-parallel rank is seeded alike); at another TP x PP it keeps
+its seeded state (an RNG stream of another TP or PP rank would mean nothing here).
 """
 from __future__ import annotations
 
@@ -24,8 +26,10 @@ from ..model.params import param_spec
 from ..model.sharding import shard_tensor
 from ..zero.universal_state import set_state_from_params
 from .errors import CheckpointError
+from .load import rank_rng_state
+from .reader import open_directory
 from .universal_info import STATE_KEYS, SUB_PARAMS_KEY
-from .universal_source import SourceCheckpoint, load_any
+from .universal_source import SourceCheckpoint
 
 LATEST_UNIVERSAL = "latest_universal"
 
@@ -50,29 +54,30 @@ def is_universal_checkpoint(path: str) -> bool:
 
 
 class UniversalFiles:
-    """Full tensors from `<dir>/zero/<name>/<key>.pt`."""
+    """Full tensors from `<dir>/zero/<name>/<key>.pt`, each verified as it is read."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, verify: bool = True):
         self.directory = directory
+        self.files = open_directory(directory, verify)
 
     def full(self, name: str, key: str):
-        path = os.path.join(self.directory, "zero", name, f"{key}.pt")
-        if not os.path.exists(path):
+        rel = f"zero/{name}/{key}.pt"
+        if not self.files.has(rel):
             raise CheckpointError(f"the universal checkpoint {self.directory} has no {key} for parameter {name} "
-                                  f"({path} is missing): it was written for another model")
-        record = load_any(path)
+                                  f"({self.files.path(rel)} is missing): it was written for another model")
+        record = self.files.load(rel)
         return record["param"], record.get("cat_dim"), int(record.get(SUB_PARAMS_KEY, 1))
 
     def step(self, name: str) -> int:
-        path = os.path.join(self.directory, "zero", name, "step.pt")
-        return int(float(load_any(path, mmap=False))) if os.path.exists(path) else 0
+        rel = f"zero/{name}/step.pt"
+        return int(float(self.files.load(rel, mmap=False))) if self.files.has(rel) else 0
 
     def optimizer_state(self) -> dict:
-        return load_any(os.path.join(self.directory, "zero", "optimizer_state.pt"), mmap=False)
+        return self.files.load("zero/optimizer_state.pt", mmap=False)
 
     def model_states(self, mp_rank: int) -> Optional[dict]:
-        path = os.path.join(self.directory, f"mp_rank_{mp_rank:02d}_model_states.pt")
-        return load_any(path, mmap=False) if os.path.exists(path) else None
+        rel = f"mp_rank_{mp_rank:02d}_model_states.pt"
+        return self.files.load(rel, mmap=False) if self.files.has(rel) else None
 
     def close(self):
         pass
@@ -81,8 +86,8 @@ class UniversalFiles:
 class ReshapedFiles:
     """Full tensors assembled on the fly from a plain ZeRO checkpoint's optimizer files."""
 
-    def __init__(self, directory: str):
-        self.src = SourceCheckpoint(directory)
+    def __init__(self, directory: str, verify: bool = True):
+        self.src = SourceCheckpoint(directory, verify=verify)
         self.directory = directory
         self.stage_of = dict(self.src.params)
         self.readers = {}
@@ -105,12 +110,12 @@ class ReshapedFiles:
         return int(float(s)) if s is not None else 0
 
     def optimizer_state(self) -> dict:
-        sd = load_any(os.path.join(self.directory, self.src.zero_files[(0, 0)]), mmap=True)["optimizer_state_dict"]
+        sd = self.src.files.load(self.src.zero_files[(0, 0)])["optimizer_state_dict"]
         return {"loss_scaler": sd.get("loss_scaler")}
 
     def model_states(self, mp_rank: int) -> Optional[dict]:
         name = self.src.model_files.get(mp_rank)
-        return load_any(os.path.join(self.directory, name), mmap=False) if name else None
+        return self.src.files.load(name, mmap=False) if name else None
 
     def close(self):
         for r in self.readers.values():
@@ -170,19 +175,21 @@ def load_from(files, state, model, optimizer, load_optimizer: bool = True) -> di
     finally:
         files.close()
     client = {k: v for k, v in head.items() if k not in ("module", "param_shapes", "optimizer")}
-    if tuple(_source_tp_pp(head)) != (state.tp_size, state.pp_size):
-        client["rng_state"] = None
+    same_tp_pp = tuple(_source_tp_pp(head)) == (state.tp_size, state.pp_size)
+    client["rng_state"] = rank_rng_state(client.get("rng_state"), state.dp_rank) if same_tp_pp else None
     return client
 
 
-def load_universal_checkpoint(path: str, state, model, optimizer, load_optimizer: bool = True) -> dict:
+def load_universal_checkpoint(path: str, state, model, optimizer, load_optimizer: bool = True,
+                              verify: bool = True) -> dict:
     directory = find_universal_dir(path)
     if directory is None:
         raise CheckpointError(f"{path} is not a universal checkpoint: it has neither zero/optimizer_state.pt nor "
                               f"a {LATEST_UNIVERSAL} file; convert it with tools/ds_to_universal.py")
-    return load_from(UniversalFiles(directory), state, model, optimizer, load_optimizer)
+    return load_from(UniversalFiles(directory, verify), state, model, optimizer, load_optimizer)
 
 
-def load_reshaped_checkpoint(ckpt_dir: str, state, model, optimizer, load_optimizer: bool = True) -> dict:
+def load_reshaped_checkpoint(ckpt_dir: str, state, model, optimizer, load_optimizer: bool = True,
+                             verify: bool = True) -> dict:
     """Resume a plain ZeRO checkpoint (any TP/PP/DP/stage) directly into this layout."""
-    return load_from(ReshapedFiles(ckpt_dir), state, model, optimizer, load_optimizer)
+    return load_from(ReshapedFiles(ckpt_dir, verify), state, model, optimizer, load_optimizer)

@@ -5,17 +5,15 @@
     with src.stage(pp) as reader:                   # that stage's TP x DP optimizer files, memory-mapped
         full = reader.assemble(name, "fp32")        # the universal (full, unpadded) tensor
 
-Files are opened with torch.load(mmap=True), so only the bytes of the fragments asked for
-are read from disk; a stage's files are unmapped when its `with` block ends. The layout
-comes from the file names and the model-state keys (`checkpoint_parallel_dimensions`,
-`layer_*` files, `args`). Classes pickled by DeepSpeed load without deepspeed installed.
+Files are read through reader.py (checksums verified as read, safe unpickling; DeepSpeed's
+classes load as stand-ins without deepspeed installed) and memory-mapped; a stage's files are
+unmapped when its `with` block ends. The layout comes from the file names and the model-state
+keys (`checkpoint_parallel_dimensions`, `layer_*` files, `args`).
 """
 from __future__ import annotations
 
 import os
-import pickle
 import re
-import types
 from collections import OrderedDict
 from typing import Dict, List, Optional, Tuple
 
@@ -25,51 +23,13 @@ from ..topology import Layout
 from ..zero.partition import zero3_group_offsets
 from .errors import CheckpointError
 from ..model.sharding import merge_sub_params
+from .reader import open_directory
 from .universal_info import SUB_PARAMS_PATTERNS, UNIVERSAL_CHECKPOINT_INFO, MergeRule, merge_rule
 
 ZERO_FILE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 MODEL_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 ZERO3_MODEL_FILE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
-
-
-class _Stub:
-    """Stands in for a class of a package that is not installed (e.g. DeepSpeed's fragment_address)."""
-
-    def __new__(cls, *args, **kwargs):
-        return object.__new__(cls)
-
-    def __init__(self, *args, **kwargs):
-        self.args = args
-
-    def __setstate__(self, state):
-        if isinstance(state, tuple) and len(state) == 2:  # (dict, slots)
-            state = {**(state[0] or {}), **(state[1] or {})}
-        if isinstance(state, dict):
-            self.__dict__.update(state)
-
-
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module, name):
-        try:
-            return super().find_class(module, name)
-        except (ImportError, AttributeError):
-            return type(name, (_Stub,), {"__module__": module})
-
-
-tolerant_pickle = types.ModuleType("tolerant_pickle")
-tolerant_pickle.Unpickler = _Unpickler
-tolerant_pickle.load = lambda f, **kw: _Unpickler(f, **kw).load()
-
-
-def load_any(path: str, mmap: bool = True):
-    """torch.load onto the CPU, memory-mapped, tolerating classes of packages not installed here."""
-    try:
-        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=False, pickle_module=tolerant_pickle)
-    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as e:
-        if mmap and "mmap" in str(e):  # a legacy (non-zip) file cannot be mapped
-            return load_any(path, mmap=False)
-        raise CheckpointError(f"the checkpoint file {path} cannot be read ({str(e).splitlines()[0]})") from e
 
 
 def _with_swiglu_patterns(info: dict, args) -> dict:
@@ -93,9 +53,8 @@ def _numel(shape) -> int:
 
 
 class SourceCheckpoint:
-    def __init__(self, directory: str, strict: bool = True):
-        if not os.path.isdir(directory):
-            raise CheckpointError(f"the checkpoint directory {directory} does not exist")
+    def __init__(self, directory: str, strict: bool = True, verify: bool = True):
+        self.files = open_directory(directory, verify)
         self.directory, self.strict = directory, strict
         files = sorted(os.listdir(directory))
         self.zero_files: Dict[Tuple[int, int], str] = {}
@@ -126,7 +85,7 @@ class SourceCheckpoint:
         self.param_shapes: Dict[int, List["OrderedDict[str, torch.Size]"]] = {}
         head = None
         for mp in mps:
-            sd = load_any(os.path.join(directory, shape_files[mp]))
+            sd = self.files.load(shape_files[mp])
             self.param_shapes[mp] = [OrderedDict((n, torch.Size(s)) for n, s in g.items()) for g in sd["param_shapes"]]
             if head is None:
                 head = {k: v for k, v in sd.items() if k not in ("module", "optimizer", "param_shapes")}
@@ -162,7 +121,7 @@ class SourceCheckpoint:
         return tp, pp
 
     def _zero_stage(self) -> int:
-        sd = load_any(os.path.join(self.directory, self.zero_files[(0, 0)]))
+        sd = self.files.load(self.zero_files[(0, 0)])
         return int(sd["optimizer_state_dict"].get("zero_stage", 1))
 
     @property
@@ -189,7 +148,7 @@ class StageReader:
         self.opt = {}  # (tp, dp) -> optimizer_state_dict
         for t, mp in enumerate(self.mps):
             for d in range(lay.dp):
-                self.opt[(t, d)] = load_any(os.path.join(src.directory, src.zero_files[(mp, d)]))["optimizer_state_dict"]
+                self.opt[(t, d)] = src.files.load(src.zero_files[(mp, d)])["optimizer_state_dict"]
         self.group_of = [{n: g for g, shapes in enumerate(src.param_shapes[mp]) for n in shapes} for mp in self.mps]
         self.mismatched: List[str] = []
         self._z3 = {}

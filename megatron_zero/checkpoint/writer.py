@@ -5,7 +5,10 @@
                 async_save=False, keep_last_k=None)
     writer.wait()      # async: block until this rank's files are written (rank 0: and committed)
 
-Synchronous: write, fsync, record a manifest part, barrier, rank 0 commits, barrier.
+Synchronous: write, fsync, record a manifest part, exchange outcomes, rank 0 commits, exchange
+outcomes. A failed write or commit on any rank (a full disk, any I/O error) stops the save on
+every rank with one sentence (the file, the bytes the checkpoint needs, the bytes free); rank 0
+removes the partial temporary directory; earlier checkpoints and `latest` are never touched.
 Asynchronous: the call returns at once, copying nothing: a background thread writes the
 files straight from the live tensors (one chunk in flight, as a synchronous save), then the
 part; rank 0's thread waits for every rank's part to appear in the shared directory, then
@@ -14,7 +17,8 @@ commits. The state must not change while it is being read, so its owner waits on
 optimizer, whose next step() calls it first): the save overlaps the next forward and backward,
 and the step waits only for what is left. Extra host memory: none beyond the writer's chunk.
 No collective runs in the background thread, so it never races the training loop's
-collectives. The next save, and `wait()`, block until the previous one is done; errors surface there.
+collectives. The next save, and `wait()`, block until the previous one is done; errors surface
+there (a failed background write removes the partial directory the same way).
 """
 from __future__ import annotations
 
@@ -23,8 +27,9 @@ import os
 import shutil
 import threading
 import time
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
+import torch
 import torch.distributed as dist
 
 from .commit import commit, new_save_id, tmp_dir
@@ -45,6 +50,45 @@ def _rank_world():
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def plan_bytes(plan: Sequence[Tuple[str, Any]]) -> int:
+    """About how many bytes this rank's files take (tensor bytes and copied files; pickles add little)."""
+    total = 0
+
+    def count(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    for _, obj in plan:
+        if isinstance(obj, CopyFile):
+            total += os.path.getsize(obj.src)
+        else:
+            map_tensors(obj, count)
+    return total
+
+
+def _failure(save_dir: str, tag: str, err: BaseException, needed: int) -> str:
+    """One sentence for a save that failed with `err` (an OSError names its file)."""
+    where = getattr(err, "filename", None) or save_dir
+    what = getattr(err, "strerror", None) or str(err).splitlines()[0]
+    try:
+        free = shutil.disk_usage(save_dir).free
+        room = f"; the checkpoint needs about {needed} bytes and {free} bytes are free"
+    except OSError:
+        room = ""
+    return (f"saving checkpoint {tag} into {save_dir} failed writing {where}: {what}{room}; the partial "
+            "checkpoint was removed, earlier checkpoints and `latest` are intact")
+
+
+def _all_outcomes(outcome: Optional[str], world: int) -> List[Optional[str]]:
+    """Every rank's outcome (None: fine, else its sentence); a collective that replaces a barrier."""
+    if world == 1:
+        return [outcome]
+    out = [None] * world
+    dist.all_gather_object(out, outcome)
+    return out
 
 
 def _write_files(directory: str, plan: Sequence[Tuple[str, Any]], rank: int) -> dict:
@@ -82,17 +126,10 @@ class CheckpointWriter:
         if world > 1:
             dist.broadcast_object_list(ids, src=0)
         tmp = tmp_dir(save_dir, tag, ids[0])
-        os.makedirs(tmp, exist_ok=True)
         meta = dict(meta or {}, iteration=iteration, world_size=world)
         args = (save_dir, tag, tmp, rank, world, meta, iteration, save_latest, keep_last_k)
         if not async_save:
-            write_part(tmp, rank, _write_files(tmp, plan, rank))
-            if world > 1:
-                dist.barrier()
-            if rank == 0:
-                commit(save_dir, tag, tmp, world, meta, iteration, save_latest, keep_last_k)
-            if world > 1:
-                dist.barrier()
+            self._save_sync(save_dir, tag, tmp, plan, rank, world, meta, iteration, save_latest, keep_last_k)
             return
         # the containers are copied now (the caller may change them); the tensors stay the live ones
         plan = [(n, o if isinstance(o, CopyFile) else map_tensors(o, lambda t: t)) for n, o in plan]
@@ -102,13 +139,40 @@ class CheckpointWriter:
                                         name="megatron_zero-async-save", daemon=True)
         self._thread.start()
 
+    def _save_sync(self, save_dir, tag, tmp, plan, rank, world, meta, iteration, save_latest, keep_last_k):
+        needed = [plan_bytes(plan)]
+        if world > 1:
+            needed = _all_outcomes(needed[0], world)
+        for step in ("write", "commit"):
+            outcome = None
+            try:
+                if step == "write":
+                    os.makedirs(tmp, exist_ok=True)
+                    write_part(tmp, rank, _write_files(tmp, plan, rank))
+                elif rank == 0:
+                    commit(save_dir, tag, tmp, world, meta, iteration, save_latest, keep_last_k)
+            except OSError as e:
+                outcome = _failure(save_dir, tag, e, sum(needed))
+            failed = [o for o in _all_outcomes(outcome, world) if o is not None]
+            if failed:
+                if rank == 0:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                if world > 1:
+                    dist.barrier()  # the partial directory is gone on return, on every rank
+                raise CheckpointError(failed[0])
+
     def _background(self, plan, save_dir, tag, tmp, rank, world, meta, iteration, save_latest, keep_last_k):
         try:
             try:
+                os.makedirs(tmp, exist_ok=True)
                 files = _write_files(tmp, plan, rank)
+                write_part(tmp, rank, files)
+            except OSError as e:
+                if rank == 0:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                raise CheckpointError(_failure(save_dir, tag, e, plan_bytes(plan))) from e
             finally:
                 self._state_read.set()
-            write_part(tmp, rank, files)
             if rank != 0:
                 return
             deadline = time.monotonic() + self.commit_timeout
@@ -117,7 +181,11 @@ class CheckpointWriter:
                     raise CheckpointError(f"not every rank finished writing {tmp} within {self.commit_timeout:.0f} s; "
                                           "the checkpoint was not committed")
                 time.sleep(0.02)
-            commit(save_dir, tag, tmp, world, meta, iteration, save_latest, keep_last_k)
+            try:
+                commit(save_dir, tag, tmp, world, meta, iteration, save_latest, keep_last_k)
+            except OSError as e:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise CheckpointError(_failure(save_dir, tag, e, plan_bytes(plan))) from e
         except BaseException as e:  # surfaced by wait()
             self._error = e
 
@@ -136,7 +204,8 @@ class CheckpointWriter:
             self._thread = None
         if self._error is not None:
             err, self._error = self._error, None
-            raise CheckpointError(f"the asynchronous checkpoint save failed: {err}") from err
+            raise CheckpointError(str(err) if isinstance(err, CheckpointError) else
+                                  f"the asynchronous checkpoint save failed: {err}") from err
 
 
 _WRITER: Optional[CheckpointWriter] = None

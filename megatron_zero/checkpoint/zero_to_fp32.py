@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Consolidate a ZeRO 1/2/3 checkpoint (DeepSpeed layout, any TP x PP x DP) into one fp32 state dict.
 
-Copied into every checkpoint megatron_zero writes; needs only torch (no deepspeed, no megatron_zero):
+Copied into every checkpoint megatron_zero writes, with safe_pickle.py beside it; needs only torch
+(no deepspeed, no megatron_zero):
 
     python zero_to_fp32.py <checkpoint_dir> <output.pt> [--tag global_step100]
 
@@ -10,20 +11,28 @@ model-parallel rank the fp32 masters are reassembled from the DP partitions in t
 `param_shapes`; then pipeline stages are merged by name and TP pieces joined as the checkpoint's
 `universal_checkpoint_info` says (replicated: taken once; row-parallel: dim 1; others: dim 0, the
 two halves of a SwiGLU [gate; up] each joined on their own; the vocabulary trimmed to
-`original_vocab_size`). Shards are memory-mapped, not read whole.
+`original_vocab_size`). Shards are memory-mapped, not read whole, and unpickled safely (weights
+only, plus safe_pickle.py's allow-list): a file referring to any other global is refused with a
+sentence, and nothing in it runs.
 """
 import argparse
 import glob
 import math
 import os
 import re
+import sys
 from collections import OrderedDict
 
 import torch
 
+try:  # beside this script in a checkpoint (or in megatron_zero/checkpoint/)
+    from safe_pickle import RefusedGlobal, safe_load
+except ImportError:
+    from megatron_zero.checkpoint.safe_pickle import RefusedGlobal, safe_load
+
 
 def _load(path):
-    return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    return safe_load(path, mmap=True, where=f"the checkpoint file {path}")
 
 
 def _resolve(checkpoint_dir, tag=None):
@@ -127,10 +136,15 @@ def main():
     parser.add_argument("output_file")
     parser.add_argument("--tag", default=None)
     a = parser.parse_args()
-    sd = get_fp32_state_dict_from_zero_checkpoint(a.checkpoint_dir, a.tag)
+    try:
+        sd = get_fp32_state_dict_from_zero_checkpoint(a.checkpoint_dir, a.tag)
+    except (RefusedGlobal, FileNotFoundError, ValueError) as e:
+        print(f"zero_to_fp32.py: error: {e}", file=sys.stderr)
+        return 2
     torch.save(sd, a.output_file)
     print(f"saved {len(sd)} fp32 tensors ({sum(t.numel() for t in sd.values())} elements) to {a.output_file}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -21,45 +21,45 @@ import torch
 
 from ..consolidate import fp32_source, resolve_checkpoint_dir, write_safetensors_shards
 from ..errors import CheckpointError
+from ..reader import open_directory
 from ..saved_config import saved_args, saved_config
 from ..universal_load import find_universal_dir
-from ..universal_source import load_any
 from . import for_config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def shape_reader(directory: str):
+def shape_reader(directory: str, verify: bool = True):
     """(every parameter name, shape_of(name) -> full shape): a universal checkpoint's files are mapped one by
     one as asked; a ZeRO checkpoint's shapes come from one pass assembling each parameter."""
     universal = find_universal_dir(directory)
     if universal is not None:
-        zero = os.path.join(universal, "zero")
+        zero, files = os.path.join(universal, "zero"), open_directory(universal, verify)
         names = [n for n in os.listdir(zero) if os.path.isdir(os.path.join(zero, n))]
-        return names, lambda n: tuple(load_any(os.path.join(zero, n, "fp32.pt"), mmap=True)["param"].shape)
-    shapes = {n: tuple(t.shape) for n, t in fp32_source(directory)[1]}
+        return names, lambda n: tuple(files.load(f"zero/{n}/fp32.pt")["param"].shape)
+    shapes = {n: tuple(t.shape) for n, t in fp32_source(directory, verify=verify)[1]}
     return list(shapes), shapes.__getitem__
 
 
-def _head(directory: str) -> dict:
+def _head(directory: str, verify: bool = True) -> dict:
     files = [f for f in sorted(os.listdir(directory)) if f.startswith("mp_rank_") and f.endswith("_model_states.pt")]
-    return load_any(os.path.join(directory, files[0]), mmap=True) if files else {}
+    return open_directory(directory, verify).load(files[0]) if files else {}
 
 
 def export_hf(checkpoint_dir: str, output_dir: str, dtype: str = "fp32", max_shard_size="5GB",
               architecture: Optional[str] = None, num_heads: Optional[int] = None, tag: Optional[str] = None,
-              progress: bool = False) -> dict:
+              progress: bool = False, verify: bool = True) -> dict:
     """Convert; returns {'architecture', 'config', 'files', 'params', 'bytes'}."""
     if dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype} is unknown; choose one of {', '.join(DTYPES)}")
     directory = resolve_checkpoint_dir(checkpoint_dir, tag)
     if not os.path.isdir(directory):
         raise CheckpointError(f"the checkpoint directory {directory} does not exist")
-    config = saved_config(*shape_reader(directory), saved_args(directory), num_heads, where=directory)
-    head = _head(directory)
+    config = saved_config(*shape_reader(directory, verify), saved_args(directory, verify), num_heads, where=directory)
+    head = _head(directory, verify)
     module = for_config(config, architecture or head.get("hf_architecture"))
     mappings = {m.ours: m for m in module.tensor_mappings(config)}
-    names, tensors = fp32_source(directory, progress)
+    names, tensors = fp32_source(directory, progress, verify)
     unmapped = [n for n in names if n not in mappings]
     if unmapped or len(names) != len(mappings):
         raise CheckpointError(f"{directory} holds {len(names)} parameters, a {module.HF_ARCHITECTURE} of its config "

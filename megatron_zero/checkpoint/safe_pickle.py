@@ -1,0 +1,103 @@
+"""Checkpoints are data, never code: torch.load with weights_only=True and an allow-list of exactly the
+non-tensor types our and DeepSpeed's checkpoints hold.
+
+    obj = safe_load(path_or_file, mmap=True)      # raises RefusedGlobal naming the global it refused
+
+What the allow-list holds, and why (nothing in it runs code on load: each is a plain container,
+a value type, or a stand-in class with no behaviour):
+
+| global in the pickle                                   | written by                           | loads as       |
+|--------------------------------------------------------|--------------------------------------|----------------|
+| argparse.Namespace                                     | Megatron(-DeepSpeed) `args`, ours    | itself         |
+| types.SimpleNamespace                                  | our fragment_address                 | itself         |
+| numpy.(_)core.multiarray._reconstruct, ndarray, dtype  | `np_rng_state` (numpy 1 and 2 names) | numpy arrays   |
+| numeric dtype classes (numpy 2's numpy.dtypes.*)       | the same                             | numpy dtypes   |
+| deepspeed.utils.tensor_fragment.fragment_address       | DeepSpeed's ZeRO-1/2 optimizer files | a stand-in     |
+| deepspeed.runtime.fp16.loss_scaler.(Dynamic)LossScaler | DeepSpeed's optimizer files          | a stand-in     |
+| deepspeed.runtime.zero.config.ZeroStageEnum            | DeepSpeed's optimizer files          | int            |
+
+The DeepSpeed names map to stand-ins defined here, so DeepSpeed's checkpoints load whether or not
+deepspeed is installed, and none of DeepSpeed's code runs. Anything else (os.system, builtins.eval,
+a class of some package) is refused before it is looked up.
+
+This module imports only the standard library, torch and (lazily) numpy: the zero_to_fp32.py script
+copied into every checkpoint imports it from next to itself.
+"""
+from __future__ import annotations
+
+import argparse
+import pickle
+import re
+import threading
+import types
+
+import torch
+
+
+class RefusedGlobal(pickle.UnpicklingError):
+    """The file refers to a global that is not on the allow-list (its name is `self.name`)."""
+
+    def __init__(self, name: str, where: str):
+        self.name = name
+        super().__init__(f"{where} refers to the global {name}, which is not a type checkpoints hold; refused "
+                         "without loading it (checkpoints are data, never code)")
+
+
+class _Attributes:
+    """A stand-in for a DeepSpeed class whose instances are plain attribute bags (no behaviour)."""
+
+    def __init__(self, *args, **kwargs):
+        self.__dict__.update(kwargs)
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self.__dict__})"
+
+
+class fragment_address(_Attributes):  # noqa: N801 (DeepSpeed's name)
+    """DeepSpeed's dataclass fragment_address(numel, start)."""
+
+
+class LossScaler(_Attributes):
+    """DeepSpeed's static loss scaler object (cur_scale, ...)."""
+
+
+class DynamicLossScaler(_Attributes):
+    """DeepSpeed's dynamic loss scaler object (cur_scale, cur_iter, scale_window, ...)."""
+
+
+def _zero_stage(value) -> int:
+    """DeepSpeed's ZeroStageEnum(value) as the int it is."""
+    return int(value)
+
+
+def _allowed() -> list:
+    import numpy as np
+    reconstruct = np._core.multiarray._reconstruct if hasattr(np, "_core") else np.core.multiarray._reconstruct
+    return [
+        argparse.Namespace, types.SimpleNamespace,
+        (reconstruct, "numpy.core.multiarray._reconstruct"), (reconstruct, "numpy._core.multiarray._reconstruct"),
+        (np.ndarray, "numpy.ndarray"), (np.dtype, "numpy.dtype"),
+    ] + [  # the classes of numeric dtype instances (numpy 2), which the dtype's state is set on
+        (type(np.dtype(c)), f"numpy.dtypes.{type(np.dtype(c)).__name__}") for c in "?bBhHiIlLqQefdFD"
+    ] + [
+        (fragment_address, "deepspeed.utils.tensor_fragment.fragment_address"),
+        (LossScaler, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
+        (DynamicLossScaler, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
+        (_zero_stage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
+    ]
+
+
+_LOCK = threading.Lock()  # safe_globals() swaps a process-wide set: one load at a time inside it
+_GLOBAL = re.compile(r"GLOBAL (\S+)|unrecognized function (\S+)|but got (<[^>]+>)")
+
+
+def safe_load(f, mmap: bool = False, where: str = "the checkpoint file"):
+    """torch.load(f) onto the CPU, weights only plus the allow-list; a refused global raises RefusedGlobal."""
+    try:
+        with _LOCK, torch.serialization.safe_globals(_allowed()):
+            return torch.load(f, map_location="cpu", mmap=mmap, weights_only=True)
+    except pickle.UnpicklingError as e:
+        m = _GLOBAL.search(str(e))
+        if m is None:
+            raise
+        raise RefusedGlobal(next(g for g in m.groups() if g), where) from None
