@@ -26,6 +26,7 @@ from typing import Optional
 
 from ...model.params import param_names, param_spec
 from ..errors import CheckpointError
+from ..manifest import write_manifest
 from ..tensor_io import save_file
 from ..universal_info import SUB_PARAMS_KEY
 from . import for_hf_config
@@ -68,7 +69,12 @@ def import_hf(input_dir: str, output_dir: str, tp: int = 1, pp: int = 1) -> dict
         raise CheckpointError(f"{input_dir} holds tensors a {module.HF_ARCHITECTURE} of this config.json does not "
                               f"have ({', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''})")
     tmp = f"{output_dir}.tmp-{uuid.uuid4().hex[:8]}"
-    total = 0
+    total, files = 0, {}
+
+    def write(obj, rel):  # every file in the manifest, so readers verify the import like any checkpoint
+        size, checksum = save_file(obj, os.path.join(tmp, rel), fsync=False)
+        files[rel] = {"size": size, "checksum": checksum}
+        return size
     try:
         for name in names:
             full = mappings[name].to_ours([hf.get(h) for h in mappings[name].hf]).float()
@@ -83,7 +89,7 @@ def import_hf(input_dir: str, output_dir: str, tp: int = 1, pp: int = 1) -> dict
                 record[SUB_PARAMS_KEY] = spec.sub_params
             record["param"] = full.contiguous()
             os.makedirs(os.path.join(tmp, "zero", name))
-            total += save_file(record, os.path.join(tmp, "zero", name, "fp32.pt"), fsync=False)[0]
+            total += write(record, f"zero/{name}/fp32.pt")
             del full, record
         tokenizer_dir = None
         if os.path.isfile(os.path.join(input_dir, "tokenizer.json")):
@@ -96,10 +102,10 @@ def import_hf(input_dir: str, output_dir: str, tp: int = 1, pp: int = 1) -> dict
         args = {k: v for k, v in vars(config).items() if k != "params_dtype"}
         args.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                     tokenizer_type="HuggingFaceTokenizer" if tokenizer_dir else None, tokenizer_model=tokenizer_dir)
-        save_file({}, os.path.join(tmp, "zero", "optimizer_state.pt"), fsync=False)
-        save_file({"args": args, "iteration": 0, "weights_only": True, "hf_architecture": module.HF_ARCHITECTURE,
-                   "hf_config": hf.config, "megatron_flags": flags},
-                  os.path.join(tmp, "mp_rank_00_model_states.pt"), fsync=False)
+        write({}, "zero/optimizer_state.pt")
+        write({"args": args, "iteration": 0, "weights_only": True, "hf_architecture": module.HF_ARCHITECTURE,
+               "hf_config": hf.config, "megatron_flags": flags}, "mp_rank_00_model_states.pt")
+        write_manifest(tmp, files, {"universal": True, "source": os.path.abspath(input_dir), "iteration": 0})
         with open(os.path.join(tmp, FLAGS_FILE), "w") as f:
             f.write(shlex.join(flags) + "\n")
         os.rename(tmp, output_dir)
