@@ -25,8 +25,7 @@ import re
 from typing import Optional
 
 from .errors import CheckpointError
-from .manifest import read_manifest
-from .reader import Checkpoint
+from .reader import open_directory
 
 MODEL_SETTINGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
                   "max_position_embeddings", "make_vocab_size_divisible_by", "layernorm_epsilon",
@@ -39,14 +38,14 @@ ARCHITECTURE = {"swiglu": False, "normalization": "layernorm", "untie_embeddings
 HEAD_FILE = re.compile(r"^(?:(?:bf16_|fp16_)?zero_pp_rank_\d+_)?mp_rank_00_model_states\.pt$")
 
 
-def read_head(directory: str) -> dict:
+def read_head(directory: str, verify: bool = True) -> dict:
     """The first model-states file of a checkpoint (or universal checkpoint) directory, checksum-verified
-    where the directory has a manifest."""
+    where the directory has a manifest (verify=False: not)."""
     names = sorted(n for n in os.listdir(directory) if HEAD_FILE.match(n))
     if not names:
         raise CheckpointError(f"the checkpoint {directory} has no mp_rank_00 model-states file, so the model it "
                               "holds cannot be checked")
-    head = Checkpoint(directory, read_manifest(directory, required=False)).load(names[0])
+    head = open_directory(directory, verify).load(names[0])
     return head if isinstance(head, dict) else {}
 
 
@@ -103,7 +102,7 @@ def check_checkpoint_compat(directory: str, args, vocab_size: int, padded_at) ->
     """Refuse, in one sentence naming each difference, a checkpoint holding another model than the flags'.
 
     padded_at(tp) is this run's padded vocabulary at tensor-parallel size tp."""
-    diffs = disagreements(read_head(directory), args, vocab_size, padded_at)
+    diffs = disagreements(read_head(directory, getattr(args, "verify_checkpoint", True)), args, vocab_size, padded_at)
     if diffs:
         raise CheckpointError(f"the checkpoint {directory} holds another model than these flags describe "
                               f"({'; '.join(diffs)}); give the checkpoint's settings, or start without --load")
