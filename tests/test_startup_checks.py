@@ -81,7 +81,7 @@ def test_checkpoint_model_settings_are_checked_on_resume(tmp_path):
     err = one_line_error(pretrain(tmp_path, data, load=tmp_path / "ckpt", **{
         "num-attention-heads": 2, "hidden-size": 64, "seq-length": 8, "layernorm-epsilon": 1e-6, "train-iters": 3}))
     for words in ("--num-attention-heads 4 in the checkpoint vs 2 here", "--hidden-size 32 in the checkpoint vs 64",
-                  "--seq-length 16 in the checkpoint vs 8", "--layernorm-epsilon 1e-05 in the checkpoint vs 1e-06",
+                  "--max-position-embeddings 16 in the checkpoint vs 8", "--layernorm-epsilon 1e-05 in the checkpoint vs 1e-06",
                   "--ffn-hidden-size 128 in the checkpoint vs 256"):
         assert words in err, (words, err)
     err = one_line_error(pretrain(tmp_path, data, load=tmp_path / "ckpt", **{

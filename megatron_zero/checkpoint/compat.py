@@ -8,14 +8,14 @@ different model (another head count, layer-norm epsilon or sequence length gives
 normal-looking losses).
 
     refused when they differ     num_layers, hidden_size, num_attention_heads, ffn_hidden_size,
-                                 seq_length, max_position_embeddings, make_vocab_size_divisible_by,
+                                 max_position_embeddings, make_vocab_size_divisible_by,
                                  layernorm_epsilon, the vocabulary size, and the architecture
                                  switches (normalization, position embedding type, rotary base and
                                  percent, swiglu, query groups, untied output, linear biases); a
                                  switch a checkpoint of an earlier version or of Megatron(-DeepSpeed)
                                  does not record is taken at its GPT-2 value
-    free to change on resume     parallel sizes and ZeRO stage (reshaped on load), batch sizes,
-                                 lr and its schedule, precision, dropout, init std, seed, data,
+    free to change on resume     seq_length (up to max_position_embeddings, as in Megatron), parallel
+                                 sizes and ZeRO stage (reshaped on load), batch sizes, lr and its schedule, precision, dropout, init std, seed, data,
                                  iteration counts, logging and checkpoint flags
 """
 from __future__ import annotations
@@ -27,9 +27,9 @@ from typing import Optional
 from .errors import CheckpointError
 from .reader import open_directory
 
-MODEL_SETTINGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
-                  "max_position_embeddings", "make_vocab_size_divisible_by", "layernorm_epsilon",
-                  "num_query_groups", "rotary_base", "rotary_percent")
+MODEL_SETTINGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
+                  "make_vocab_size_divisible_by", "layernorm_epsilon", "num_query_groups", "rotary_base",
+                  "rotary_percent")
 # Megatron-LM / Megatron-DeepSpeed architecture switches, with the GPT-2 value: what a checkpoint that
 # does not record one holds, and what this run has when it has no flag of that name.
 ARCHITECTURE = {"swiglu": False, "normalization": "layernorm", "untie_embeddings_and_output_weights": False,
