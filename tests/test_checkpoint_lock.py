@@ -4,6 +4,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -50,6 +51,24 @@ def test_stale_locks_are_taken_over_with_a_line(tmp_path):
     (save / LOCK_NAME).write_text("")  # a holder that died between creating and writing it
     acquire(str(save), log=lines.append).release()
     assert "an unreadable lock" in lines[2]
+
+
+def test_a_zombie_holder_is_stale(tmp_path):
+    """An orphaned worker that has exited but is not yet reaped still answers kill(pid, 0) with its own
+    start time: the lock is still stale."""
+    save = tmp_path / "ckpt"
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.monotonic() + 30
+        while open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        write_lock(save, pid=proc.pid, process_start=process_start(proc.pid))
+        lines = []
+        acquire(str(save), log=lines.append).release()
+        assert len(lines) == 1 and f"pid {proc.pid}" in lines[0]
+    finally:
+        proc.wait()
 
 
 def test_a_holder_on_another_host_is_not_second_guessed(tmp_path):

@@ -30,23 +30,33 @@ from .errors import CheckpointError
 LOCK_NAME = ".megatron_zero.lock"
 
 
-def process_start(pid: int) -> Optional[str]:
-    """Field 22 of /proc/<pid>/stat (start time in clock ticks since boot); None without such a process."""
+def _stat_fields(pid: int) -> Optional[list]:
+    """The fields of /proc/<pid>/stat after the command name (field 3, the state, first); None without one."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
+            return f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
 
 
+def process_start(pid: int) -> Optional[str]:
+    """Field 22 of /proc/<pid>/stat (start time in clock ticks since boot); None without such a process."""
+    fields = _stat_fields(pid)
+    return fields[19] if fields is not None and len(fields) > 19 else None
+
+
 def _running(holder: dict) -> bool:
-    """Whether the holder (on this host) is still the process that took the lock."""
+    """Whether the holder (on this host) is still the process that took the lock. A zombie (it has exited
+    and waits for its parent to reap it, as orphaned workers may for a while) is not running."""
     try:
         os.kill(int(holder["pid"]), 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         pass
+    fields = _stat_fields(int(holder["pid"]))
+    if fields is not None and fields[0] in ("Z", "X"):
+        return False
     recorded, now = holder.get("process_start"), process_start(int(holder["pid"]))
     return recorded is None or now is None or recorded == now
 
