@@ -36,13 +36,14 @@ def rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def measured(fn):
-    """(seconds, peak extra RSS bytes) of fn()."""
-    base, peak, stop = rss(), [0], threading.Event()
+def measured(fn, probe=lambda: (rss(),)):
+    """(seconds, then the peak extra of each reading of probe()) of fn(); readings sampled every 2 ms."""
+    base, stop = probe(), threading.Event()
+    peak = list(base)
 
     def sample():
         while not stop.is_set():
-            peak[0] = max(peak[0], rss())
+            peak[:] = map(max, peak, probe())
             time.sleep(0.002)
 
     t = threading.Thread(target=sample, daemon=True)
@@ -52,7 +53,8 @@ def measured(fn):
     dt = time.perf_counter() - start
     stop.set()
     t.join()
-    return dt, max(0, max(peak[0], rss()) - base)
+    peak[:] = map(max, peak, probe())
+    return (dt, *(max(0, p - b) for p, b in zip(peak, base)))
 
 
 def dir_bytes(path):

@@ -17,15 +17,13 @@ import platform
 import shutil
 import sys
 import tempfile
-import threading
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench_checkpoint_save import batch, config, dir_bytes  # noqa: E402
+from bench_checkpoint_save import batch, config, dir_bytes, measured  # noqa: E402
 from megatron_zero.testing.multirank import run_ranks  # noqa: E402
 
 
@@ -40,24 +38,6 @@ def memory() -> tuple:
     return fields["RssAnon"], fields["VmRSS"]
 
 
-def measured(fn):
-    """(seconds, peak extra anonymous RSS, peak extra total RSS) of fn(), sampled every 2 ms."""
-    base, peak, stop = memory(), list(memory()), threading.Event()
-
-    def sample():
-        while not stop.is_set():
-            now = memory()
-            peak[0], peak[1] = max(peak[0], now[0]), max(peak[1], now[1])
-            time.sleep(0.002)
-
-    t = threading.Thread(target=sample, daemon=True)
-    t.start()
-    start = time.perf_counter()
-    fn()
-    dt = time.perf_counter() - start
-    stop.set()
-    t.join()
-    return dt, max(0, peak[0] - base[0]), max(0, peak[1] - base[1])
 
 
 def deepspeed_engine(cfg, tokens, labels):
@@ -92,7 +72,7 @@ def ours(a, root):
     opt.step()
     save_checkpoint(os.path.join(root, "ours"), 1, state, model, opt, {"iteration": 1})
     dist.barrier()
-    out = measured(lambda: save_16bit_model(os.path.join(root, "ours", "global_step1"), torch.bfloat16))
+    out = measured(lambda: save_16bit_model(os.path.join(root, "ours", "global_step1"), torch.bfloat16), memory)
     dist.barrier()
     return out + (dir_bytes(os.path.join(root, "ours", "global_step1", "model_16bit")),)
 
@@ -102,7 +82,7 @@ def deepspeed_run(a, root):
     tokens, labels = batch(cfg)
     engine = deepspeed_engine(cfg, tokens, labels)
     dist.barrier()
-    out = measured(lambda: engine.save_16bit_model(os.path.join(root, "ds"), "pytorch_model.bin"))
+    out = measured(lambda: engine.save_16bit_model(os.path.join(root, "ds"), "pytorch_model.bin"), memory)
     dist.barrier()
     return out + (dir_bytes(os.path.join(root, "ds")),)
 
