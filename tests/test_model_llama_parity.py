@@ -13,11 +13,10 @@ import torch.distributed as dist
 from megatron_zero.model import reference_model
 from megatron_zero.model.params import param_spec
 from megatron_zero.model.sharding import gather_state_dicts, gather_tensor
-from megatron_zero.pipeline.gpt_stage import (activation_shape, build_gpt_stage, make_forward_step,
-                                              sync_tied_embedding_grads)
+from megatron_zero.pipeline.gpt_stage import activation_shape, build_gpt_stage
 from megatron_zero.pipeline.p2p import P2P
-from megatron_zero.pipeline.schedule import broadcast_loss, forward_backward
 from megatron_zero.testing import run_ranks
+from megatron_zero.testing.train_step import pipeline_train_step
 from megatron_zero.testing.tiny_gpt import tiny_llama_config
 from megatron_zero.topology import build_parallel_state
 from megatron_zero.zero import ZeroOptimizer
@@ -83,14 +82,9 @@ def train_layout(tp, pp, stage, groups, dtype):
         tokens, labels = batch(step)
         mine = slice(state.dp_rank * per_rank, (state.dp_rank + 1) * per_rank)
         micro = [{"tokens": tokens[mine][j:j + 1], "labels": labels[mine][j:j + 1]} for j in range(per_rank)]
-        out = forward_backward(make_forward_step(model, micro, state), per_rank, p2p, state.pp_rank, state.pp_size,
-                               backward_loss=opt.backward)
-        sync_tied_embedding_grads(model, state)
-        updated, norm = opt.step()
-        assert updated
+        loss, norm = pipeline_train_step(model, opt, state, p2p, micro)
+        losses.append(loss)
         norms.append(norm)
-        losses.append(broadcast_loss(out, state.is_last_stage, state.layout.pp_group(state.rank)[-1],
-                                     state.pp_group, state.dp_group))
     weights = {n: p.detach().float().clone() for n, p in model.named_parameters()} if stage < 3 else {}
     return state.layout.coords(state.rank), losses, norms, weights
 

@@ -6,11 +6,10 @@ import torch
 
 from megatron_zero.model.gpt import reference_model
 from megatron_zero.model.sharding import gather_state_dicts
-from megatron_zero.pipeline.gpt_stage import (activation_shape, build_gpt_stage, make_forward_step,
-                                              sync_tied_embedding_grads)
+from megatron_zero.pipeline.gpt_stage import activation_shape, build_gpt_stage
 from megatron_zero.pipeline.p2p import P2P
-from megatron_zero.pipeline.schedule import broadcast_loss, forward_backward
 from megatron_zero.testing import run_ranks
+from megatron_zero.testing.train_step import pipeline_train_step
 from megatron_zero.testing.tiny_gpt import tiny_gpt_config
 from megatron_zero.topology import build_parallel_state
 from megatron_zero.zero import ZeroOptimizer
@@ -57,14 +56,9 @@ def zero_run(stage):
         tokens, labels = batch(step)
         micro = [{"tokens": tokens[j * MB * DP + r * MB:][:MB], "labels": labels[j * MB * DP + r * MB:][:MB]}
                  for j in range(M)]
-        out = forward_backward(make_forward_step(model, micro, state), M, p2p, state.pp_rank, state.pp_size,
-                               backward_loss=opt.backward)
-        sync_tied_embedding_grads(model, state)
-        updated, norm = opt.step()
-        assert updated
+        loss, norm = pipeline_train_step(model, opt, state, p2p, micro)
+        losses.append(loss)
         norms.append(norm)
-        losses.append(broadcast_loss(out, state.is_last_stage, state.layout.pp_group(state.rank)[-1],
-                                     state.pp_group, state.dp_group))
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     return state.layout.coords(state.rank), losses, weights, norms
 

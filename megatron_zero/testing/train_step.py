@@ -1,0 +1,16 @@
+"""One training step of a GPT pipeline stage the way training.py takes it, for parity tests: the 1F1B
+schedule over the given micro-batches, the tied-embedding sum, the ZeRO step, the loss from the last stage."""
+from ..pipeline.gpt_stage import make_forward_step, sync_tied_embedding_grads
+from ..pipeline.schedule import broadcast_loss, forward_backward
+
+
+def pipeline_train_step(model, optimizer, state, p2p, micro):
+    """-> (loss on every rank, the step's global gradient norm); the step must not be skipped."""
+    out = forward_backward(make_forward_step(model, micro, state), len(micro), p2p, state.pp_rank, state.pp_size,
+                           backward_loss=optimizer.backward)
+    sync_tied_embedding_grads(model, state)
+    updated, norm = optimizer.step()
+    assert updated
+    loss = broadcast_loss(out, state.is_last_stage, state.layout.pp_group(state.rank)[-1], state.pp_group,
+                          state.dp_group)
+    return loss, norm
