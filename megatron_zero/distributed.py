@@ -175,6 +175,27 @@ def another_rank_failed() -> bool:
         return False
 
 
+def shutdown_distributed() -> None:
+    """Destroy every process group while the interpreter is whole, after the caller dropped its references.
+
+    A gloo worker thread releases each finished collective's tensors after the caller's wait returned;
+    releasing a tensor that Python once held takes the GIL. If that happens while the interpreter is
+    finalizing, the thread is unwound through C++ and the process aborts ("terminate called without an
+    active exception"), a race seen on about one exit in ten. Freeing the groups here (the garbage
+    collector finds the subgroup handles that reference cycles in the model keep alive) joins those
+    threads first; the C++ destructor waits for their queues with the GIL released.
+    """
+    import gc
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    gc.collect()
+    dist.destroy_process_group()
+    gc.collect()
+
+
 def is_peer_failure(err: BaseException) -> bool:
     """A collective broken because another rank went away (gloo/NCCL connection errors, a timeout)."""
     import torch.distributed as dist

@@ -28,7 +28,7 @@ from .checkpoint.universal_load import load_reshaped_checkpoint, load_universal_
 from .data import DataError, GlobalBatchSampler, build_tokenizer, build_train_valid_test_datasets, collate_gpt
 from .device import DeviceError, backend_for, select_device, to_device, use_device
 from .distributed import (LaunchError, another_rank_failed, init_distributed, is_peer_failure, read_launch_env,
-                          report_failure, stop_with_launcher)
+                          report_failure, shutdown_distributed, stop_with_launcher)
 from .exit_signal import ExitPolicy
 from .logger import format_eval_line
 from .throughput import gpt_flops_per_iteration
@@ -308,7 +308,7 @@ def pretrain(argv=None) -> int:
     """Train as the flags say. Exit code 0 when done (or stopped by a signal, saved); 2 on bad input: one
     sentence from the rank that found it, the other ranks quiet (also 2); 1 when a rank lost contact with
     another that said nothing."""
-    lock = None
+    lock = trainer = state = None
     try:
         launch = read_launch_env()
         if launch.source != "single":
@@ -337,9 +337,9 @@ def pretrain(argv=None) -> int:
     finally:
         if lock is not None:
             lock.release()
+        trainer = state = None  # their process groups are freed in shutdown_distributed
     if code and dist.is_initialized() and dist.get_world_size() > 1:
         sys.stdout.flush()
         os._exit(code)  # peers may be gone: tearing the process group down would only wait on them
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    shutdown_distributed()
     return code

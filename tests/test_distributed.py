@@ -37,3 +37,37 @@ def test_bad_integer_is_named():
 def test_slurm_without_nodelist_explains():
     with pytest.raises(LaunchError, match="SLURM_JOB_NODELIST"):
         read_launch_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"})
+
+
+def _threads() -> int:
+    import os
+    return len(os.listdir("/proc/self/task"))
+
+
+def _groups_torn_down_with_their_threads():
+    import torch
+    import torch.distributed as dist
+
+    from megatron_zero.distributed import shutdown_distributed
+    from megatron_zero.topology import build_parallel_state
+
+    with_default_group = _threads()
+    state = build_parallel_state(tp=2)
+    holder = {"state": state}
+    holder["self"] = holder  # a reference cycle keeps the subgroups alive, as the model's modules do
+    for name in ("tp", "dp", "pp", "mp", "embedding"):
+        dist.all_reduce(torch.ones(4), group=state.groups[name])
+    assert _threads() > with_default_group
+    del state, holder
+    shutdown_distributed()
+    return dist.is_initialized(), with_default_group, _threads()
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="counts threads in /proc")
+def test_shutdown_joins_every_gloo_thread_before_exit():
+    """A gloo thread still alive at interpreter exit can abort the process (SIGABRT) while it frees a tensor."""
+    from megatron_zero.testing.multirank import run_ranks
+
+    for initialised, before, after in run_ranks(_groups_torn_down_with_their_threads, 2):
+        assert not initialised
+        assert after < before, (before, after)  # the default group's threads are gone too

@@ -17,8 +17,9 @@ import torch.distributed as dist
 
 from megatron_zero import ops
 from megatron_zero.device import HOST, backend_for
+from megatron_zero.distributed import shutdown_distributed
 from megatron_zero.testing.multirank import free_port
-from test_training_e2e import losses_from_log, model_flags, torchrun
+from megatron_zero.testing.launch import losses_from_log, model_flags, torchrun
 
 pytestmark = pytest.mark.gpu
 FORCED = os.environ.get("MEGATRON_ZERO_TEST_DEVICE")
@@ -40,7 +41,7 @@ def device():
         dist.init_process_group(backend_for(dev), init_method=f"tcp://127.0.0.1:{free_port()}",
                                 rank=0, world_size=1)
     yield dev
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_zero.distributed import LaunchError, init_distributed
+from megatron_zero.distributed import LaunchError, init_distributed, shutdown_distributed
 from megatron_zero.topology import GROUP_KINDS, TopologyError, build_parallel_state
 
 
@@ -36,7 +36,8 @@ def main(argv=None):
     print(f"rank {rank}: pp={pp} dp={dp} tp={tp} mp_rank={lay.mp_rank(rank)} "
           f"tp_group={lay.tp_group(rank)} dp_group={lay.dp_group(rank)} pp_group={lay.pp_group(rank)} ok",
           flush=True)
-    dist.destroy_process_group()
+    state = None
+    shutdown_distributed()
     return 0
 
 

@@ -71,8 +71,8 @@ def _worker(rank, world_size, port, fn, args, kwargs, results, threads, env, sta
     except BaseException:  # report everything, including SystemExit and KeyboardInterrupt
         results.put((rank, "error", traceback.format_exc()))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        from ..distributed import shutdown_distributed
+        shutdown_distributed()
 
 
 def _kill(procs):
