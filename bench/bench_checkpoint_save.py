@@ -20,41 +20,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from megatron_zero.testing.host_memory import measured  # noqa: E402
 from megatron_zero.testing.multirank import run_ranks  # noqa: E402
-
-
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def measured(fn, probe=lambda: (rss(),)):
-    """(seconds, then the peak extra of each reading of probe()) of fn(); readings sampled every 2 ms."""
-    base, stop = probe(), threading.Event()
-    peak = list(base)
-
-    def sample():
-        while not stop.is_set():
-            peak[:] = map(max, peak, probe())
-            time.sleep(0.002)
-
-    t = threading.Thread(target=sample, daemon=True)
-    t.start()
-    start = time.perf_counter()
-    fn()
-    dt = time.perf_counter() - start
-    stop.set()
-    t.join()
-    peak[:] = map(max, peak, probe())
-    return (dt, *(max(0, p - b) for p, b in zip(peak, base)))
 
 
 def dir_bytes(path):

@@ -23,21 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench_checkpoint_save import batch, config, dir_bytes, measured  # noqa: E402
+from bench_checkpoint_save import batch, config, dir_bytes  # noqa: E402
+from megatron_zero.testing.host_memory import anon_and_rss as memory, measured  # noqa: E402
 from megatron_zero.testing.multirank import run_ranks  # noqa: E402
-
-
-def memory() -> tuple:
-    """(anonymous RSS, total RSS) in bytes: total also counts mapped file pages (the checkpoint we read)."""
-    fields = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("RssAnon:", "VmRSS:")):
-                key, value = line.split(":")
-                fields[key] = int(value.split()[0]) * 1024
-    return fields["RssAnon"], fields["VmRSS"]
-
-
 
 
 def deepspeed_engine(cfg, tokens, labels):

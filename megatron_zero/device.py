@@ -7,11 +7,15 @@ The device is chosen once (training.pretrain) and passed down as a `torch.device
 everything a step touches is created on it. This module is the only place that asks
 what kind of device it is: host staging buffers are pinned (page-locked) when the
 device is a GPU, so host<->device copies can be `non_blocking`; on the CPU the same
-calls are plain allocations and copies, and `synchronize` does nothing.
+calls are plain allocations and copies, and `synchronize` does nothing. Copies that should
+overlap compute run on a side stream (`copy_stream`, `on_stream`, `record_event`, `wait_event`):
+a `torch.cuda.Stream` on a GPU; on the CPU the stream is None, its context does nothing and the
+copies are done when issued.
 """
 from __future__ import annotations
 
-from typing import Any, Dict
+from contextlib import contextmanager
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -62,3 +66,34 @@ def synchronize(device: torch.device) -> None:
     """Wait for the copies queued on `device` (host buffers written by non_blocking copies)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def copy_stream(device: torch.device) -> Optional["torch.cuda.Stream"]:
+    """A side stream for host<->device copies on `device` (None on the CPU: copies are synchronous)."""
+    return torch.cuda.Stream(device) if device.type == "cuda" else None
+
+
+@contextmanager
+def on_stream(stream, device: torch.device):
+    """Queue work on `stream` after what `device`'s current stream has queued so far (nothing on the CPU)."""
+    if stream is None:
+        yield
+        return
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        yield
+
+
+def record_event(stream):
+    """An event marking the work queued on `stream` so far (None on the CPU: it is done already)."""
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def wait_event(event) -> None:
+    """Block the host until `event`'s work is done."""
+    if event is not None:
+        event.synchronize()

@@ -91,11 +91,12 @@ _LOCK = threading.Lock()  # safe_globals() swaps a process-wide set: one load at
 _GLOBAL = re.compile(r"GLOBAL (\S+)|unrecognized function (\S+)|but got (<[^>]+>)")
 
 
-def safe_load(f, mmap: bool = False, where: str = "the checkpoint file"):
-    """torch.load(f) onto the CPU, weights only plus the allow-list; a refused global raises RefusedGlobal."""
+def safe_load(f, mmap: bool = False, where: str = "the checkpoint file", map_location=None):
+    """torch.load(f) onto `map_location` (default the CPU), weights only plus the allow-list; a refused
+    global raises RefusedGlobal."""
     try:
         with _LOCK, torch.serialization.safe_globals(_allowed()):
-            return torch.load(f, map_location="cpu", mmap=mmap, weights_only=True)
+            return torch.load(f, map_location=map_location or torch.device("cpu"), mmap=mmap, weights_only=True)
     except pickle.UnpicklingError as e:
         m = _GLOBAL.search(str(e))
         if m is None:

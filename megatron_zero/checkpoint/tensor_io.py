@@ -1,20 +1,18 @@
 """Write and read one checkpoint file: torch.save format, streamed, checksummed, fsynced.
 
-`save_file` writes with `torch.save`'s zip format (so torch.load and DeepSpeed's tools
-read it) but through a file object of our own that computes a checksum (checksum.py:
-hardware CRC-32C) and writes each tensor's bytes straight from the tensor's memory, in
-chunks: no second copy of the state is built in host RAM. torch's own per-record CRC is
-switched off (our checksum covers the whole file, and torch.load does not check it).
-Each chunk's write-back to disk is started at once (sync_file_range), so the disk works
-while the next chunk is checksummed and the final fsync has little left to wait for.
+`save_file` writes torch.save's zip format (so torch.load and DeepSpeed's tools read it)
+through TorchZipWriter.write_object: each tensor's bytes go straight from the tensor's memory
+to the file, in chunks, with no second copy of the state in host RAM, and a view of a big flat
+buffer writes only its own bytes (torch.save would write the whole buffer). Tensors on a GPU
+pass through the bounded host staging buffer (staging.py, 256 MiB by default, pinned), chunk
+by chunk, so the host memory a save needs is that buffer whatever the model's size (plus the
+pickled structure, a few KiB, and for a non-contiguous tensor a contiguous copy on its device).
+The file object here checksums (checksum.py: hardware CRC-32C) each chunk on a helper thread
+(the GIL is released) while this thread writes it, and starts the chunk's write-back to disk
+at once (sync_file_range), so the disk works while the next chunk is prepared and the final
+fsync has little left to wait for.
 
-Views: torch.save writes a tensor's *whole storage*, so saving a slice of a big flat
-buffer would write the whole buffer. `tight_tensors` re-points every contiguous view at
-exactly its own bytes without copying (torch.from_dlpack over the same memory, on the
-CPU or a GPU alike); device tensors stay on the device, and torch.save copies them to the
-host one storage at a time, so host memory during a save from a GPU is bounded by the
-largest single tensor saved, not by the state;
-`clone_tensors_for_torch_save` is DeepSpeed's copying equivalent, for users' own saves.
+`clone_tensors_for_torch_save` is DeepSpeed's copying helper, for users' own torch.save calls.
 """
 from __future__ import annotations
 
@@ -23,17 +21,15 @@ import io
 import os
 import pickle
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from typing import Any, Optional, Tuple
 
 import torch
-import torch.serialization
 
 from .checksum import Checksum, algorithm_of
 from .errors import CheckpointError, crash_point
 from .safe_pickle import RefusedGlobal, safe_load
-
-CHUNK_BYTES = 8 << 20
+from .staging import CHUNK_BYTES, HostStaging
+from .torch_zip_writer import TensorBytesWriter, TorchZipWriter
 
 
 def map_tensors(item, fn, memo=None):
@@ -50,22 +46,6 @@ def map_tensors(item, fn, memo=None):
     if type(item) in (list, tuple):  # not subclasses: torch.Size and named tuples stay what they are
         return type(item)(map_tensors(v, fn, memo) for v in item)
     return item
-
-
-def _tight(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    nbytes = t.numel() * t.element_size()
-    if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == nbytes:
-        return t
-    if not t.is_contiguous() or nbytes == 0:
-        return t.clone()
-    raw = torch.from_dlpack(t.reshape(-1).view(torch.uint8))  # shares t's memory, owns exactly its bytes
-    return raw.view(t.dtype).view(t.shape)
-
-
-def tight_tensors(item: Any) -> Any:
-    """The same structure with every tensor detached, on its device, and owning exactly its bytes (no copy)."""
-    return map_tensors(item, _tight, {})
 
 
 def clone_tensors_for_torch_save(item: Any, device: torch.device = torch.device("cpu")) -> Any:
@@ -89,91 +69,71 @@ def _sync_file_range():
 _START_WRITEBACK = _sync_file_range()
 
 
-class _ChecksumWriter:
-    """The file object torch.save writes into: os.write in bounded chunks, the checksum alongside.
+class _ChecksumWriter(TensorBytesWriter):
+    """The byte sink of a checkpoint file: os.write in bounded chunks, the checksum alongside.
 
-    A big write (a tensor) is cut into chunks; a helper thread checksums chunk i (the GIL is
-    released) while this thread writes it, and write() returns only when both are done, so no
-    buffer torch hands us is used after the call."""
+    A chunk is checksummed on a helper thread while this thread writes it; write() returns
+    only when both are done, so no buffer handed to it (a staging slot) is used after the call."""
 
-    def __init__(self, path: str, rank: int):
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self.checksum, self.size, self.rank = Checksum(), 0, rank
+    def __init__(self, fd: int, rank: int, fsync: bool, staging: Optional[HostStaging] = None):
+        super().__init__(fd, staging=staging)
+        self.checksum, self.rank, self.fsync = Checksum(), rank, fsync
         self.pool = ThreadPoolExecutor(max_workers=1)
-        self.error: Optional[OSError] = None  # torch.save turns our exceptions into 'unexpected pos'
 
-    def write(self, data) -> int:
-        try:
-            return self._write(data)
-        except OSError as e:
-            self.error = self.error or e
-            raise
+    @property
+    def size(self) -> int:
+        return self.pos
 
-    def _update(self, chunk):
-        self.checksum.update(chunk)
+    def write(self, data) -> None:
+        self._write(data)
 
     def _write(self, data) -> int:
         mv = memoryview(data).cast("B")
-        pending = None
         for off in range(0, len(mv), CHUNK_BYTES):
             chunk = mv[off:off + CHUNK_BYTES]
-            if len(mv) > CHUNK_BYTES:
-                pending = self.pool.submit(self._update, chunk)  # one worker: chunks checksummed in order
-            else:
-                self._update(chunk)
+            pending = self.pool.submit(self.checksum.update, chunk) if len(chunk) > (1 << 16) else None
+            if pending is None:
+                self.checksum.update(chunk)
             done = 0
             while done < len(chunk):
                 done += os.write(self.fd, chunk[done:])
-            if _START_WRITEBACK is not None:  # the disk starts on this chunk at once
-                _START_WRITEBACK(self.fd, self.size, len(chunk))
-            self.size += len(chunk)
-            if self.size > (1 << 16):
+            if _START_WRITEBACK is not None and len(chunk) > (1 << 16):  # the disk starts on this chunk at once
+                _START_WRITEBACK(self.fd, self.pos, len(chunk))
+            self.pos += len(chunk)
+            if self.pos > (1 << 16):
                 crash_point("mid_file", self.rank)
-        if pending is not None:
-            pending.result()
+            if pending is not None:
+                pending.result()
         return len(mv)
 
-    def flush(self):
-        pass
-
-    def close(self, fsync: bool = True):
+    def finish(self) -> None:
         self.pool.shutdown(wait=True)
-        if fsync:
+        if self.fsync:
             os.fsync(self.fd)
-        os.close(self.fd)
 
 
-@contextmanager
-def _no_torch_crc():
-    if not hasattr(torch.serialization, "set_crc32_options"):  # a torch before the switch: it computes CRCs
-        yield
-        return
-    before = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)
+def save_file(obj: Any, path: str, fsync: bool = True, rank: int = 0,
+              staging: Optional[HostStaging] = None) -> Tuple[int, str]:
+    """Write `obj` to `path` in torch.save's format (tensors streamed, see above); return (size, checksum string)."""
+    sink = None
+
+    def make_sink(fd: int) -> _ChecksumWriter:
+        nonlocal sink
+        sink = _ChecksumWriter(fd, rank, fsync, staging)
+        return sink
+
     try:
-        yield
-    finally:
-        torch.serialization.set_crc32_options(before)
-
-
-def save_file(obj: Any, path: str, fsync: bool = True, rank: int = 0) -> Tuple[int, str]:
-    """torch.save `obj` to `path` (tensors streamed from their memory); return (size, checksum string)."""
-    obj = tight_tensors(obj)
-    writer = _ChecksumWriter(path, rank)
+        zw = TorchZipWriter(path, out=make_sink)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, path) from e
     try:
-        with _no_torch_crc():
-            torch.save(obj, writer)
-        writer.close(fsync=fsync)
-    except (OSError, RuntimeError) as e:
-        try:
-            writer.close(fsync=False)
-        except OSError:
-            pass
-        err = writer.error or e
-        if not isinstance(err, OSError):
-            raise
-        raise OSError(err.errno, err.strerror, path) from e
-    return writer.size, str(writer.checksum)
+        zw.write_object(obj)
+        size = zw.close()
+    except OSError as e:
+        sink.pool.shutdown(wait=True)
+        zw.abort()
+        raise OSError(e.errno, e.strerror, path) from e
+    return size, str(sink.checksum)
 
 
 def _read_checksummed(path: str, keep: bool, algorithm: str) -> Tuple[str, Optional[bytearray]]:
@@ -203,8 +163,13 @@ def verify_file(path: str, checksum: str, keep: bool = False) -> Optional[bytear
     return data
 
 
-def load_file(path: str, mmap: bool = True, checksum: Optional[str] = None) -> Any:
-    """Safely load a checkpoint file onto the CPU (weights only + safe_pickle's allow-list).
+def load_file(path: str, mmap: bool = True, checksum: Optional[str] = None,
+              device: Optional[torch.device] = None) -> Any:
+    """Safely load a checkpoint file (weights only + safe_pickle's allow-list), its tensors onto `device`
+    (default the CPU).
+
+    With mmap=True each storage is mapped from the file and, for another device, copied there one
+    storage at a time, so the host holds no copy of the file's tensors (only the page cache's pages).
 
     With `checksum` (the manifest's), the file is verified as it is read: mmap=False reads it
     once, checksumming each chunk, and unpickles those bytes; mmap=True checksums it in one
@@ -216,10 +181,10 @@ def load_file(path: str, mmap: bool = True, checksum: Optional[str] = None) -> A
         data = verify_file(path, checksum, keep=not mmap) if checksum is not None else None
         try:
             return safe_load(io.BytesIO(data) if data is not None else path, mmap=mmap and data is None,
-                             where=f"the checkpoint file {path}")
+                             where=f"the checkpoint file {path}", map_location=device)
         except RuntimeError as e:
             if mmap and data is None and "mmap" in str(e):
-                return safe_load(path, mmap=False, where=f"the checkpoint file {path}")
+                return safe_load(path, mmap=False, where=f"the checkpoint file {path}", map_location=device)
             raise
     except RefusedGlobal as e:
         raise CheckpointError(str(e)) from None

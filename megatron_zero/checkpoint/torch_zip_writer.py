@@ -1,14 +1,25 @@
-"""Stream a flat {name: tensor} state dict into torch.save's zip format, one tensor at a time.
+"""Stream tensors into torch.save's zip format, one tensor at a time, from any device.
 
     with TorchZipWriter("pytorch_model.bin") as w:
         for name, t in tensors:          # each tensor's bytes are written at once, then it can go
             w.add(name, t)
     torch.load("pytorch_model.bin", weights_only=True, mmap=True)   # {name: tensor}, as torch.save wrote it
 
+    with TorchZipWriter(path) as w:      # or any picklable object holding tensors (an optimizer state)
+        w.write_object(obj)
+
 torch.save pickles the whole object first and so needs every tensor at hand; here each tensor
 becomes its storage record `archive/data/<k>` as soon as it is added, and `archive/data.pkl`
 (which refers to storages by key through persistent ids) is pickled at the end from the
 recorded names, dtypes and shapes. Peak memory is one tensor, not the state dict.
+`write_object` pickles an arbitrary object the same way torch.save does, each tensor met
+(wherever it sits in the object) becoming a storage record of exactly its own bytes: a view
+of a big flat buffer writes only the view, where torch.save writes the whole storage.
+A tensor's bytes go to the file through a `HostStaging` (staging.py): a host tensor from its
+own memory, a device tensor through the bounded host buffer, chunk by chunk, so saving from a
+GPU needs at most that buffer of host memory, not a host copy of the largest tensor. The
+storages are recorded with location 'cpu' (a file saved from a GPU loads on a machine without
+one; loaders pass their device as map_location).
 
 The layout is miniz's (torch's writer): stored records, local headers padded with an 'FB'
 extra field so every record's data starts on a 64-byte boundary (torch.load(mmap=True) maps
@@ -30,9 +41,11 @@ import pickle
 import struct
 import sys
 import zlib
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+
+from .staging import HostStaging, default_staging
 
 ALIGN = 64
 CHUNK = 8 << 20
@@ -79,10 +92,21 @@ class _Tensor:
 
 
 class _Pickler(pickle.Pickler):
+    """torch.save's pickling: storages by persistent id; with `on_tensor`, every tensor reduced by it."""
+
+    def __init__(self, f, on_tensor: Optional[Callable[[torch.Tensor], _Tensor]] = None):
+        super().__init__(f, protocol=2)
+        self.on_tensor = on_tensor
+
     def persistent_id(self, obj):
         if isinstance(obj, _Storage):
             return ("storage", _storage_type(obj.dtype), obj.key, "cpu", obj.numel)
         return None
+
+    def reducer_override(self, obj):
+        if self.on_tensor is not None and torch.is_tensor(obj):
+            return self.on_tensor(obj).__reduce_ex__(2)
+        return NotImplemented
 
 
 class _Mappings:
@@ -131,11 +155,12 @@ class _Mappings:
 
 
 class TensorBytesWriter:
-    """Appends tensors' raw bytes to an open file descriptor: from memory, or with copy_files=True,
-    file-to-file (copy_file_range) for views of memory-mapped files."""
+    """Appends tensors' raw bytes to an open file descriptor: from memory (a device tensor through
+    `staging`), or with copy_files=True, file-to-file (copy_file_range) for views of memory-mapped files."""
 
-    def __init__(self, fd: int, copy_files: bool = False):
+    def __init__(self, fd: int, copy_files: bool = False, staging: Optional[HostStaging] = None):
         self.fd, self.copy_files, self.pos = fd, copy_files, os.lseek(fd, 0, os.SEEK_CUR)
+        self.staging = staging or default_staging()
         self._sources: Dict[str, int] = {}
         self._maps = _Mappings()
 
@@ -172,11 +197,17 @@ class TensorBytesWriter:
         return True
 
     def write_tensor(self, t: torch.Tensor) -> int:
-        """Write a contiguous CPU tensor's bytes; returns their count."""
+        """Write a tensor's bytes (C order, from any device); returns their count."""
         nbytes = t.numel() * t.element_size()
-        if nbytes and not (self.copy_files and hasattr(os, "copy_file_range") and self._copy_from_file(t, nbytes)):
-            self.write(t.reshape(-1).view(torch.uint8).numpy())
+        if nbytes and not (self.copy_files and t.device.type == "cpu" and t.is_contiguous()
+                           and hasattr(os, "copy_file_range") and self._copy_from_file(t, nbytes)):
+            for view in self.staging.chunks(t):
+                self.write(view)
         return nbytes
+
+    def finish(self) -> None:
+        """Called once all bytes are written, before the file is closed."""
+        self.close_sources()
 
     def close_sources(self) -> None:
         for fd in self._sources.values():
@@ -190,12 +221,17 @@ def cpu_contiguous(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class TorchZipWriter:
-    def __init__(self, path: str, archive: str = "archive", force_zip64: bool = False, copy_files: bool = False):
+    """`out` makes the byte sink for the open file (default: a TensorBytesWriter with `copy_files`)."""
+
+    def __init__(self, path: str, archive: str = "archive", force_zip64: bool = False, copy_files: bool = False,
+                 out: Optional[Callable[[int], TensorBytesWriter]] = None):
         self.path, self.archive, self.force_zip64 = path, archive, force_zip64
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self.out = TensorBytesWriter(self.fd, copy_files)
+        self.out = out(self.fd) if out is not None else TensorBytesWriter(self.fd, copy_files)
         self.central: List[bytes] = []
         self.entries: Dict[str, _Tensor] = {}
+        self.storages = 0
+        self.pickled: Optional[bytes] = None  # write_object's data.pkl
 
     @property
     def pos(self) -> int:
@@ -232,26 +268,49 @@ class TorchZipWriter:
         self._write(data)
         self._finish(raw, offset, zip64, len(data), zlib.crc32(data))
 
+    def _storage(self, t: torch.Tensor) -> _Tensor:
+        """Write `t`'s bytes now as the next storage record; the placeholder data.pkl refers to it by."""
+        storage = _Storage(str(self.storages), t.dtype, t.numel())
+        _storage_type(t.dtype)  # refuse an unsupported dtype before writing
+        self.storages += 1
+        nbytes = t.numel() * t.element_size()
+        raw, offset, zip64 = self._header(f"data/{storage.key}", nbytes)
+        self.out.write_tensor(t)
+        self._finish(raw, offset, zip64, nbytes, 0)
+        return _Tensor(storage, tuple(t.shape))
+
     def add(self, name: str, tensor: torch.Tensor) -> int:
         """Write `tensor`'s bytes now as the next storage record; returns their size."""
         if name in self.entries:
             raise ValueError(f"{name} was already written")
-        t = cpu_contiguous(tensor)
-        nbytes = t.numel() * t.element_size()
-        storage = _Storage(str(len(self.entries)), t.dtype, t.numel())
-        raw, offset, zip64 = self._header(f"data/{storage.key}", nbytes)
-        self.out.write_tensor(t)
-        self._finish(raw, offset, zip64, nbytes, 0)
-        self.entries[name] = _Tensor(storage, tuple(t.shape))
-        return nbytes
+        self.entries[name] = self._storage(tensor.detach())
+        return tensor.numel() * tensor.element_size()
+
+    def write_object(self, obj) -> None:
+        """Write every tensor in `obj` (one record per distinct tensor, shared ones once); obj becomes data.pkl."""
+        if self.entries or self.pickled is not None:
+            raise ValueError("write_object writes a file's whole content: call it once, without add()")
+        written: Dict[tuple, _Tensor] = {}
+
+        def on_tensor(t: torch.Tensor) -> _Tensor:
+            key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()), t.device)
+            if key not in written:
+                written[key] = self._storage(t.detach())
+            return written[key]
+
+        buf = io.BytesIO()
+        _Pickler(buf, on_tensor).dump(obj)
+        self.pickled = buf.getvalue()
 
     def close(self) -> int:
         """Write data.pkl, the small records and the central directory; returns the file size."""
         if self.fd is None:
             return self.pos
-        buf = io.BytesIO()
-        _Pickler(buf, protocol=2).dump(dict(self.entries))
-        self._record("data.pkl", buf.getvalue())
+        if self.pickled is None:
+            buf = io.BytesIO()
+            _Pickler(buf).dump(dict(self.entries))
+            self.pickled = buf.getvalue()
+        self._record("data.pkl", self.pickled)
         self._record(".format_version", b"1")
         self._record(".storage_alignment", str(ALIGN).encode())
         self._record("byteorder", sys.byteorder.encode())
@@ -267,9 +326,9 @@ class TorchZipWriter:
             self._write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, _U32, _U32, 0))
         else:
             self._write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, n, n, size, start, 0))
+        self.out.finish()
         os.close(self.fd)
         self.fd = None
-        self.out.close_sources()
         return self.pos
 
     def abort(self) -> None:
