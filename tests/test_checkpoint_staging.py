@@ -16,18 +16,19 @@ from megatron_zero.checkpoint.staging import HostStaging
 from megatron_zero.checkpoint.tensor_io import load_file, save_file
 from megatron_zero.device import HOST
 from megatron_zero.testing.host_memory import anon_and_rss, measured
+from test_gpu_training import device as gpu_device  # noqa: F401 (the gpu tier's fixture, as gpu_device)
 
 MIB = 1 << 20
 
 
-def _nested_state(device=HOST):
+def _nested_state(dev=HOST):
     g = torch.Generator().manual_seed(0)
-    flat = torch.randn(300_000, generator=g).to(device)
-    shared = torch.arange(7.0, device=device)
+    flat = torch.randn(300_000, generator=g).to(dev)
+    shared = torch.arange(7.0, device=dev)
     return {"views": [flat[:1000].view(10, 100), flat[5000:9000]], "shared": shared, "again": shared,
-            "bf16": torch.randn(33, 5, generator=g).to(device, torch.bfloat16),
-            "strided": torch.randn(8, 6, generator=g).to(device).t(), "scalar": torch.tensor(3.5, device=device),
-            "ints": torch.arange(10, dtype=torch.int64, device=device), "empty": torch.zeros(0, device=device),
+            "bf16": torch.randn(33, 5, generator=g).to(dev, torch.bfloat16),
+            "strided": torch.randn(8, 6, generator=g).to(dev).t(), "scalar": torch.tensor(3.5, device=dev),
+            "ints": torch.arange(10, dtype=torch.int64, device=dev), "empty": torch.zeros(0, device=dev),
             "meta": {"step": 4, "name": "x", "tuple": (1, 2.0), "lr": [0.1, None]}}
 
 
@@ -100,3 +101,78 @@ def test_save_from_gpu_goes_through_pinned_slots_and_loads_onto_the_gpu(tmp_path
     loaded = load_file(path, device=dev)
     assert loaded["big"].device == dev and all(v.device == dev for v in loaded["views"])
     assert torch.equal(loaded["big"], state["big"]) and torch.equal(loaded["views"][1], state["views"][1])
+
+
+def _build(state, hidden, vocab):
+    from megatron_zero.model.config import GPTConfig
+    from megatron_zero.pipeline.gpt_stage import build_gpt_stage
+    from megatron_zero.zero import ZeroOptimizer
+    config = GPTConfig(vocab_size=vocab, hidden_size=hidden, num_layers=2, num_attention_heads=4, seq_length=16,
+                       max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0)
+    model = build_gpt_stage(config, state)
+    return config, model, ZeroOptimizer(list(model.named_parameters()), dp_group=state.dp_group, stage=2, lr=1e-2)
+
+
+def _load_memory(save_dir):
+    """(anonymous growth, total RSS growth, optimizer-file bytes, state bytes, every tensor equal)."""
+    import torch.distributed as dist
+    from megatron_zero.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_zero.topology import build_parallel_state
+    from test_checkpoint_layout import _train_step
+    state = build_parallel_state(1, 1)
+    config, model, opt = _build(state, 512, 16000)
+    _train_step(state, config, model, opt)
+    save_checkpoint(save_dir, 1, state, model, opt, {"iteration": 1})
+    _, model2, opt2 = _build(state, 512, 16000)
+    _train_step(state, config, model2, opt2)  # a run's state exists before it resumes
+    _, anon, total = measured(lambda: load_checkpoint(save_dir, state, model2, opt2), anon_and_rss)
+    sd, sd2 = opt.state_dict(), opt2.state_dict()
+    same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
+    same = same and all(torch.equal(a, b) for a, b in zip(sd["single_partition_of_fp32_groups"],
+                                                          sd2["single_partition_of_fp32_groups"]))
+    opt_file = [f for f in os.listdir(os.path.join(save_dir, "global_step1")) if "optim_states" in f][0]
+    state_bytes = sum(t.numel() * 4 for t in model.state_dict().values()) + opt2.optimizer.state_bytes()
+    dist.barrier()
+    return anon, total, os.path.getsize(os.path.join(save_dir, "global_step1", opt_file)), state_bytes, same
+
+
+def test_load_copies_each_file_into_the_state_without_a_host_copy(tmp_path):
+    """Resume a ZeRO-2 state of about 220 MiB (weights, masters, moments; its optimizer file 166 MiB)
+    into a run whose state exists: anonymous host memory grows by at most 16 MiB (measured: 0.1 MiB;
+    the files are memory-mapped and copied tensor by tensor into the state), total RSS, which counts
+    the mapped file pages, by less than the state (measured: the optimizer file's 166 MiB, page
+    cache the kernel can drop). Reading a file into memory would cost its size in anonymous memory."""
+    from megatron_zero.testing.multirank import run_ranks
+    anon, total, opt_file, state_bytes, same = run_ranks(_load_memory, 1, str(tmp_path / "ckpt"), timeout=300)[0]
+    assert same
+    assert opt_file > 64 * MIB
+    assert anon <= 16 * MIB, f"anonymous host memory grew by {anon >> 20} MiB during the load"
+    assert total < state_bytes, f"RSS grew by {total >> 20} MiB, the state is {state_bytes >> 20} MiB"
+
+
+@pytest.mark.gpu
+def test_load_puts_every_file_straight_onto_the_gpu(builtin_corpus, tmp_path, gpu_device, monkeypatch):  # noqa: F811
+    """Save from a trainer on the GPU, resume another: every tensor the layer and optimizer files
+    give is on the GPU as torch.load returns it (map_location), and the weights come back equal."""
+    import megatron_zero.checkpoint.reader as reader
+    from test_gpu_training import _args, _params, _save, _train, _trainer
+    device = gpu_device
+    if device.type != "cuda":
+        pytest.skip("the placement is about a CUDA device")
+    gpu = _trainer(_args(builtin_corpus, tmp_path), device)
+    _train(gpu, 2)
+    _save(gpu, tmp_path / "a")
+    seen, real = {}, reader.load_file
+
+    def spy(path, **kw):
+        obj = real(path, **kw)
+        found = []
+        from megatron_zero.checkpoint.tensor_io import map_tensors
+        map_tensors(obj, lambda t: found.append(t.device))
+        seen[os.path.basename(path)] = found
+        return obj
+    monkeypatch.setattr(reader, "load_file", spy)
+    back = _trainer(_args(builtin_corpus, tmp_path, load=tmp_path / "a"), device)
+    heavy = {n: d for n, d in seen.items() if "layer_" in n or "optim_states" in n}
+    assert heavy and all(d.type == "cuda" for ds in heavy.values() for d in ds), heavy
+    assert all(torch.equal(x, y) for x, y in zip(_params(gpu).values(), _params(back).values()))

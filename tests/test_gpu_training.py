@@ -186,8 +186,9 @@ def _rss():
 
 
 def test_save_from_gpu_keeps_host_memory_bounded(tmp_path, device):
-    """Save 8 x 64 MiB device tensors (some as views of one flat buffer): host RSS may grow by
-    one tensor (torch.save stages one storage at a time) plus 256 MiB, never by the state (512 MiB)."""
+    """Save 8 x 64 MiB device tensors (some as views of one flat buffer): host RSS may grow by the
+    256 MiB staging buffer the bytes pass through chunk by chunk (checkpoint/staging.py) plus 32 MiB,
+    never by the state (512 MiB)."""
     from megatron_zero.checkpoint.tensor_io import load_file, save_file
     if device.type != "cuda":
         pytest.skip("on the CPU the tensors already are host memory; the bound is about device tensors")
@@ -208,7 +209,7 @@ def test_save_from_gpu_keeps_host_memory_bounded(tmp_path, device):
     done.set()
     sampler.join()
     grown = peak[0] - before
-    assert grown <= n * 4 + (256 << 20), f"host RSS grew by {grown >> 20} MiB"
+    assert grown <= (256 << 20) + (32 << 20), f"host RSS grew by {grown >> 20} MiB"
     loaded = load_file(str(tmp_path / "state.pt"))
     assert all(torch.equal(loaded[k], v.cpu()) for k, v in state.items())
     assert os.path.getsize(tmp_path / "state.pt") < 8 * n * 4 + (1 << 20)  # views saved as their own bytes

@@ -2,6 +2,11 @@
 
     client_state = load_checkpoint(load_dir, state, model, optimizer, load_optimizer=True)
 
+Each file is loaded straight onto the device its tensors go to (map_location): the layer files
+onto the model's device, the optimizer file onto where the optimizer keeps its state (the
+device, or the host under ZeRO-Offload), one file at a time, memory-mapped, so the host holds
+no copy of the model (a GPU holds one file's tensors beside the state while it is copied in).
+
 Returns None when load_dir holds no `latest` (a fresh start, as Megatron does). The client
 state comes back with `rng_state` resolved to this rank's (rank_rng_state: the DP-indexed list
 in the file, DP rank 0's entry where the saving run had fewer DP ranks) and `args` as a dict.
@@ -15,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from ..device import HOST
 from ..topology import ParallelState
 from .commit import LATEST
 from .deepspeed_layout import EMBED_PREFIX, layer_file_name, model_states_name, optim_states_name, param_shapes
@@ -58,7 +64,7 @@ def _check_shapes(saved_groups, model, optimizer, path: str):
                               f"parameters differ: {shown}); build the model with the checkpoint's arguments")
 
 
-def _load_layers(ckpt: Checkpoint, model, tp_rank: int):
+def _load_layers(ckpt: Checkpoint, model, tp_rank: int, device: torch.device):
     indices = list(model.layer_indices)
     if hasattr(model, "tied_modules") and 1 not in indices:
         indices = [1] + indices  # a last stage's copy of the tied embedding comes from layer_01
@@ -68,7 +74,7 @@ def _load_layers(ckpt: Checkpoint, model, tp_rank: int):
         if not ckpt.has(name):
             continue  # layers without parameters have no file; a missing real one is caught below
         prefix = EMBED_PREFIX if i == 1 and hasattr(model, "tied_modules") else f"{i}."
-        for k, v in ckpt.load(name).items():
+        for k, v in ckpt.load(name, device=device).items():
             sd[prefix + k] = v
     missing = [k for k in model.state_dict() if k not in sd]
     if missing:
@@ -97,8 +103,16 @@ def _weights_only(osd: dict) -> dict:
     return sd
 
 
+def state_devices(model, optimizer, device: Optional[torch.device] = None):
+    """(where the model's tensors go, where the optimizer's state goes): `device` (default: the model's)
+    and, under ZeRO-Offload, the host for the optimizer."""
+    device = device if device is not None else next(model.parameters()).device
+    return device, HOST if optimizer.offload != "none" else device
+
+
 def load_checkpoint(load_dir: str, state: ParallelState, model, optimizer, load_optimizer: bool = True,
-                    universal: bool = False, tag: Optional[str] = None, verify: bool = True) -> Optional[dict]:
+                    universal: bool = False, tag: Optional[str] = None, verify: bool = True,
+                    device: Optional[torch.device] = None) -> Optional[dict]:
     if universal:  # universal_load.py (the reshape path) owns that format
         from .universal_load import load_universal_checkpoint
         return load_universal_checkpoint(load_dir, state, model, optimizer, load_optimizer=load_optimizer)
@@ -112,11 +126,12 @@ def load_checkpoint(load_dir: str, state: ParallelState, model, optimizer, load_
         why = (f"it was saved at ZeRO-{'3' if stage < 3 else '1/2'}, this run is ZeRO-{stage}" if ckpt.has(other)
                else f"needed by model-parallel rank {mp}")
         ckpt.require(ms_name, why)
-    states = ckpt.load(ms_name)
+    model_device, optimizer_device = state_devices(model, optimizer, device)
+    states = ckpt.load(ms_name)  # the client state: on the host
     _check_layout(ckpt, states, ms_name, state, need_same_dp=load_optimizer or stage == 3)
     _check_shapes(states["param_shapes"], model, optimizer, ckpt.path(ms_name))
     if stage < 3:
-        _load_layers(ckpt, model, state.tp_rank)
+        _load_layers(ckpt, model, state.tp_rank, model_device)
     bf16 = optimizer.dtype == torch.bfloat16
     opt_name = optim_states_name(dp, mp, bf16)
     if not ckpt.has(opt_name) and ckpt.has(optim_states_name(dp, mp, not bf16)):
@@ -124,7 +139,7 @@ def load_checkpoint(load_dir: str, state: ParallelState, model, optimizer, load_
     if load_optimizer or stage == 3 or ckpt.meta.get("layout", {}).get("dp", states.get("dp_world_size")) == \
             state.dp_size:
         ckpt.require(opt_name, f"the ZeRO state of DP rank {dp}, model-parallel rank {mp}")
-        osd = ckpt.load(opt_name)["optimizer_state_dict"]
+        osd = ckpt.load(opt_name, device=optimizer_device)["optimizer_state_dict"]
         try:
             optimizer.load_state_dict(osd if load_optimizer else _weights_only(osd))
         except ValueError as e:

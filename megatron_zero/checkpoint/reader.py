@@ -72,9 +72,10 @@ class Checkpoint:
                                   f"{self.directory}")
         return info["checksum"]
 
-    def load(self, name: str, mmap: bool = True) -> Any:
-        """The unpickled file `name`; with a manifest, its checksum is verified as it is read."""
-        obj = load_file(self.path(name), mmap=mmap, checksum=self._checksum(name))
+    def load(self, name: str, mmap: bool = True, device=None) -> Any:
+        """The unpickled file `name`, its tensors on `device` (default the CPU); with a manifest, its
+        checksum is verified as it is read."""
+        obj = load_file(self.path(name), mmap=mmap, checksum=self._checksum(name), device=device)
         self._verified.add(name)
         return obj
 

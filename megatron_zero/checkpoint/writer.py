@@ -15,7 +15,9 @@ part; rank 0's thread waits for every rank's part to appear in the shared direct
 commits. The state must not change while it is being read, so its owner waits on
 `wait_until_state_read()` before mutating it (save_checkpoint registers that with the
 optimizer, whose next step() calls it first): the save overlaps the next forward and backward,
-and the step waits only for what is left. Extra host memory: none beyond the writer's chunk.
+and the step waits only for what is left. Extra host memory, sync or async: host tensors are
+written from their own memory; device tensors pass through the bounded staging buffer
+(staging.py, 256 MiB by default), so a save needs at most that buffer whatever the state's size.
 No collective runs in the background thread, so it never races the training loop's
 collectives. The next save, and `wait()`, block until the previous one is done; errors surface
 there (a failed background write removes the partial directory the same way).

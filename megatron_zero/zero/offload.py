@@ -4,10 +4,15 @@ One flat fp32 master per param group (this rank's partition). ``offload``:
   'none'  masters and moments beside the model on ``device``, stepped by the multi-tensor
           AdamW (one CUDA launch per group on a GPU; torch.optim.AdamW's math elsewhere);
   'cpu'   in host memory (pinned when ``device`` is a GPU), stepped by the C++ CPU Adam
-          (megatron_zero.ops.cpu_adam) when it is available, else torch's fused CPU AdamW;
-          gradients come down into pinned host buffers with non-blocking copies (one wait
-          before the step), and the updated masters go back up in ``write_weights``; with
-          the device being the CPU these copies do not happen (the gradients are used in place);
+          (megatron_zero.ops.cpu_adam.adamw_step_, PyTorch's same math where it is not built)
+          in chunks of OFFLOAD_CHUNK_NUMEL elements, pipelined as DeepSpeed's ZeRO-Offload
+          does: every chunk's gradient is queued to come down into pinned host buffers on a
+          side copy stream (device.copy_stream) at once, and the CPU steps chunk i as soon
+          as its copy has landed while the copy engine brings the following ones, so the
+          device->host traffic overlaps the CPU's Adam instead of preceding it; the updated
+          masters go back up in the stage's ``write_weights`` (non-blocking copies from pinned
+          memory, queued on the compute stream). With the device being the CPU there is no
+          copy and no stream (the gradients are used in place), the same loop otherwise;
   'nvme'  in files under ``nvme_path`` (master, exp_avg, exp_avg_sq per group), paged
           into memory for the step and for ``state()`` (so checkpoints can save them),
           and dropped from memory afterwards.
@@ -21,18 +26,12 @@ from typing import Dict, List
 import numpy as np
 import torch
 
-from ..device import HOST, host_empty, synchronize
+from ..device import HOST, copy_stream, host_empty, on_stream, record_event, wait_event
+from ..ops.cpu_adam import CPUAdamW, adamw_step_
 from ..ops.fused_adam import MultiTensorAdamW
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
-
-
-def _cpu_adam_class():
-    try:  # the fused-kernels issue's C++ Adam, once it is committed
-        from megatron_zero.ops import cpu_adam  # type: ignore
-    except ImportError:
-        return None
-    return getattr(cpu_adam, "CPUAdamW", None) or getattr(cpu_adam, "DeepSpeedCPUAdam", None)
+OFFLOAD_CHUNK_NUMEL = 1 << 23  # 32 MiB of fp32 per pipelined chunk
 
 
 class FlatAdamW:
@@ -49,14 +48,10 @@ class FlatAdamW:
         # host buffers the device's gradients are copied into (offload from a GPU only)
         self.grad_staging = [host_empty(n, torch.float32, device) if self.home != device else None
                              for n in self.numels]
+        self.stream = copy_stream(device) if self.home != device else None
+        self.chunk_numel = OFFLOAD_CHUNK_NUMEL
         groups = [dict(h, params=[p]) for h, p in zip(hparams, self.params)]
-        cpu_adam = _cpu_adam_class() if offload in ("cpu", "nvme") else None
-        if cpu_adam is not None:
-            self.opt = cpu_adam(groups)
-        elif offload in ("cpu", "nvme"):
-            self.opt = torch.optim.AdamW(groups, fused=True)
-        else:
-            self.opt = MultiTensorAdamW(groups)
+        self.opt = CPUAdamW(groups) if offload in ("cpu", "nvme") else MultiTensorAdamW(groups)
         self.steps = [0 for _ in masters]
         self.paths = None
         if offload == "nvme":
@@ -123,14 +118,45 @@ class FlatAdamW:
     # ---- stepping --------------------------------------------------------------
     def step(self, grads: List[torch.Tensor]):
         """One AdamW step of every group's master with its fp32 gradient partition (paged in)."""
-        for p, g, staging in zip(self.params, grads, self.grad_staging):
-            p.grad = g if staging is None else staging.copy_(g, non_blocking=True)
-        if self.home != self.device:
-            synchronize(self.device)  # the non-blocking copies above have landed
-        self.opt.step()
-        for i, p in enumerate(self.params):
-            p.grad = None
-            self.steps[i] += 1
+        if self.offload == "none":
+            for p, g in zip(self.params, grads):
+                p.grad = g
+            self.opt.step()
+            for p in self.params:
+                p.grad = None
+        else:
+            self._step_offloaded(grads)
+        self.steps = [s + 1 for s in self.steps]
+
+    def _chunks(self, numel: int):
+        return [(o, min(self.chunk_numel, numel - o)) for o in range(0, numel, self.chunk_numel)]
+
+    def _step_offloaded(self, grads: List[torch.Tensor]):
+        """Queue every gradient chunk's copy down on the side stream, then step each chunk on the
+        CPU as soon as its copy has landed (the CPU works while the copy engine brings the next)."""
+        landed = []
+        with on_stream(self.stream, self.device):  # after the work that produced the gradients
+            for g, staging in zip(grads, self.grad_staging):
+                if staging is None:  # the device is the CPU: the gradient is used in place
+                    landed.append((g, [None] * len(self._chunks(g.numel()))))
+                    continue
+                events = []
+                for o, n in self._chunks(g.numel()):
+                    staging[o:o + n].copy_(g[o:o + n], non_blocking=True)
+                    events.append(record_event(self.stream))
+                landed.append((staging, events))
+        for p, group, (host_grad, events) in zip(self.params, self.opt.param_groups, landed):
+            st = self.opt.state[p]
+            if not st:  # torch.optim.AdamW's state keys, as CPUAdamW.step makes them
+                st.update(step=torch.zeros((), device=HOST), exp_avg=torch.zeros_like(p.data),
+                          exp_avg_sq=torch.zeros_like(p.data))
+            st["step"] += 1
+            beta1, beta2 = group["betas"]
+            for (o, n), event in zip(self._chunks(p.numel()), events):
+                wait_event(event)
+                adamw_step_(p.data[o:o + n], host_grad[o:o + n], st["exp_avg"][o:o + n], st["exp_avg_sq"][o:o + n],
+                            step=int(st["step"].item()), lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                            weight_decay=group["weight_decay"], fused=self.opt.fused)
 
     # ---- checkpoint views --------------------------------------------------------
     def state(self, g: int) -> Dict[str, torch.Tensor]:
@@ -148,9 +174,11 @@ class FlatAdamW:
         p.data.copy_(master)
         step = int(float(state["step"]))
         self.steps[g] = step
-        if step > 0:
+        if step > 0:  # into the moments already held, where there are some: a load allocates nothing twice
+            held = self.opt.state.get(p, {})
             self.opt.state[p] = {"step": torch.tensor(float(step), device=HOST),
-                                 **{k: state[k].detach().to(p.device, torch.float32, copy=True).reshape(-1)
+                                 **{k: held[k].copy_(state[k].reshape(-1)) if k in held else
+                                    state[k].detach().to(p.device, torch.float32, copy=True).reshape(-1)
                                     for k in STATE_KEYS}}
         else:
             self.opt.state.pop(p, None)

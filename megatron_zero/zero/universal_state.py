@@ -22,7 +22,8 @@ def set_state_from_params(opt, local: Callable[[str], Dict[str, torch.Tensor]], 
         for gi, group in enumerate(opt.named_groups):
             name_of = {id(p): n for n, p in group}
             size = masters[gi].numel()
-            bufs = {k: torch.zeros(size, dtype=torch.float32) for k in KEYS}
+            bufs = {k: torch.zeros(size, dtype=torch.float32, device=masters[gi].device) for k in KEYS}  # where
+            # the state lives: each parameter's fragment is copied there as it is read, none held on the host
             for p, in_param, in_part, numel in opt.impl.owned_ranges(gi):
                 tensors = local(name_of[id(p)])
                 for k in KEYS:
