@@ -21,7 +21,7 @@ import io
 import os
 import pickle
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Tuple, Union
 
 import torch
 
@@ -69,15 +69,48 @@ def _sync_file_range():
 _START_WRITEBACK = _sync_file_range()
 
 
+class DeferredFsync:
+    """fsync files on a helper thread while the caller writes the next one (the kernel flushes one file
+    while the next is written); `wait()` returns when every file is on disk and raises the first error.
+    Each file is fsynced through a dup of the descriptor it was written with, so a write-back error
+    is reported to us whenever it happened."""
+
+    def __init__(self):
+        self.pool = ThreadPoolExecutor(max_workers=1)
+        self.pending = []
+
+    @staticmethod
+    def _sync(fd: int) -> None:
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def add(self, fd: int, path: str) -> None:
+        self.pending.append((path, self.pool.submit(self._sync, os.dup(fd))))
+
+    def wait(self) -> None:
+        try:
+            for path, done in self.pending:
+                try:
+                    done.result()
+                except OSError as e:
+                    raise OSError(e.errno, e.strerror, path) from e
+        finally:
+            self.pending = []
+            self.pool.shutdown(wait=True)
+
+
 class _ChecksumWriter(TensorBytesWriter):
     """The byte sink of a checkpoint file: os.write in bounded chunks, the checksum alongside.
 
     A chunk is checksummed on a helper thread while this thread writes it; write() returns
     only when both are done, so no buffer handed to it (a staging slot) is used after the call."""
 
-    def __init__(self, fd: int, rank: int, fsync: bool, staging: Optional[HostStaging] = None):
+    def __init__(self, fd: int, path: str, rank: int, fsync: Union[bool, DeferredFsync],
+                 staging: Optional[HostStaging] = None):
         super().__init__(fd, staging=staging)
-        self.checksum, self.rank, self.fsync = Checksum(), rank, fsync
+        self.checksum, self.path, self.rank, self.fsync = Checksum(), path, rank, fsync
         self.pool = ThreadPoolExecutor(max_workers=1)
 
     @property
@@ -108,18 +141,21 @@ class _ChecksumWriter(TensorBytesWriter):
 
     def finish(self) -> None:
         self.pool.shutdown(wait=True)
-        if self.fsync:
+        if isinstance(self.fsync, DeferredFsync):
+            self.fsync.add(self.fd, self.path)
+        elif self.fsync:
             os.fsync(self.fd)
 
 
-def save_file(obj: Any, path: str, fsync: bool = True, rank: int = 0,
+def save_file(obj: Any, path: str, fsync: Union[bool, DeferredFsync] = True, rank: int = 0,
               staging: Optional[HostStaging] = None) -> Tuple[int, str]:
-    """Write `obj` to `path` in torch.save's format (tensors streamed, see above); return (size, checksum string)."""
+    """Write `obj` to `path` in torch.save's format (tensors streamed, see above); return (size, checksum
+    string). fsync: True fsyncs before returning; a DeferredFsync fsyncs on its thread (its wait())."""
     sink = None
 
     def make_sink(fd: int) -> _ChecksumWriter:
         nonlocal sink
-        sink = _ChecksumWriter(fd, rank, fsync, staging)
+        sink = _ChecksumWriter(fd, path, rank, fsync, staging)
         return sink
 
     try:

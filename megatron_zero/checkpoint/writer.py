@@ -5,12 +5,14 @@
                 async_save=False, keep_last_k=None)
     writer.wait()      # async: block until this rank's files are written (rank 0: and committed)
 
-Synchronous: write, fsync, record a manifest part, exchange outcomes, rank 0 commits, exchange
-outcomes. A failed write or commit on any rank (a full disk, any I/O error) stops the save on
-every rank with one sentence (the file, the bytes the checkpoint needs, the bytes free); rank 0
+Synchronous: write (each file fsynced on a helper thread while the next is written; all on
+disk before the part), record a manifest part, exchange outcomes, rank 0 commits, exchange
+outcomes (the two collectives of a save that succeeds, besides the id's broadcast). A failed
+write or commit on any rank (a full disk, any I/O error) stops the save on every rank with one
+sentence (the file, the bytes the checkpoint needs, the bytes free); rank 0
 removes the partial temporary directory; earlier checkpoints and `latest` are never touched.
 Asynchronous: the call returns at once, copying nothing: a background thread writes the
-files straight from the live tensors (one chunk in flight, as a synchronous save), then the
+files straight from the live tensors (as a synchronous save does), then the
 part; rank 0's thread waits for every rank's part to appear in the shared directory, then
 commits. The state must not change while it is being read, so its owner waits on
 `wait_until_state_read()` before mutating it (save_checkpoint registers that with the
@@ -38,7 +40,7 @@ from .commit import commit, new_save_id, tmp_dir
 from .errors import CheckpointError
 from .manifest import parts_present, write_part
 from .checksum import file_checksum
-from .tensor_io import map_tensors, save_file
+from .tensor_io import DeferredFsync, map_tensors, save_file
 
 
 class CopyFile:
@@ -71,10 +73,14 @@ def plan_bytes(plan: Sequence[Tuple[str, Any]]) -> int:
     return total
 
 
-def _failure(save_dir: str, tag: str, err: BaseException, needed: int) -> str:
-    """One sentence for a save that failed with `err` (an OSError names its file)."""
-    where = getattr(err, "filename", None) or save_dir
-    what = getattr(err, "strerror", None) or str(err).splitlines()[0]
+def _what_failed(err: BaseException, save_dir: str) -> Tuple[str, str]:
+    """(the file, what went wrong) of a failed write (an OSError names its file)."""
+    return (getattr(err, "filename", None) or save_dir, getattr(err, "strerror", None) or str(err).splitlines()[0])
+
+
+def _failure(save_dir: str, tag: str, failed: Tuple[str, str], needed: int) -> str:
+    """One sentence for a save that failed writing `failed` = (file, what)."""
+    where, what = failed
     try:
         free = shutil.disk_usage(save_dir).free
         room = f"; the checkpoint needs about {needed} bytes and {free} bytes are free"
@@ -84,8 +90,8 @@ def _failure(save_dir: str, tag: str, err: BaseException, needed: int) -> str:
             "checkpoint was removed, earlier checkpoints and `latest` are intact")
 
 
-def _all_outcomes(outcome: Optional[str], world: int) -> List[Optional[str]]:
-    """Every rank's outcome (None: fine, else its sentence); a collective that replaces a barrier."""
+def _all_outcomes(outcome: Any, world: int) -> List[Any]:
+    """Every rank's outcome (None: fine, else (file, what failed)); a collective that replaces a barrier."""
     if world == 1:
         return [outcome]
     out = [None] * world
@@ -94,19 +100,24 @@ def _all_outcomes(outcome: Optional[str], world: int) -> List[Optional[str]]:
 
 
 def _write_files(directory: str, plan: Sequence[Tuple[str, Any]], rank: int) -> dict:
-    files = {}
-    for name, obj in plan:
-        path = os.path.join(directory, name)
-        if isinstance(obj, CopyFile):
-            shutil.copyfile(obj.src, path)
-            if obj.executable:
-                os.chmod(path, 0o755)
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-            files[name] = {"size": os.path.getsize(path), "checksum": file_checksum(path)}
-        else:
-            size, checksum = save_file(obj, path, rank=rank)
-            files[name] = {"size": size, "checksum": checksum}
+    """Write this rank's files; each is fsynced on a helper thread while the next is written, and all
+    are on disk when this returns."""
+    files, synced = {}, DeferredFsync()
+    try:
+        for name, obj in plan:
+            path = os.path.join(directory, name)
+            if isinstance(obj, CopyFile):
+                shutil.copyfile(obj.src, path)
+                if obj.executable:
+                    os.chmod(path, 0o755)
+                with open(path, "rb") as f:
+                    synced.add(f.fileno(), path)
+                files[name] = {"size": os.path.getsize(path), "checksum": file_checksum(path)}
+            else:
+                size, checksum = save_file(obj, path, fsync=synced, rank=rank)
+                files[name] = {"size": size, "checksum": checksum}
+    finally:
+        synced.wait()
     return files
 
 
@@ -142,9 +153,6 @@ class CheckpointWriter:
         self._thread.start()
 
     def _save_sync(self, save_dir, tag, tmp, plan, rank, world, meta, iteration, save_latest, keep_last_k):
-        needed = [plan_bytes(plan)]
-        if world > 1:
-            needed = _all_outcomes(needed[0], world)
         for step in ("write", "commit"):
             outcome = None
             try:
@@ -154,14 +162,15 @@ class CheckpointWriter:
                 elif rank == 0:
                     commit(save_dir, tag, tmp, world, meta, iteration, save_latest, keep_last_k)
             except OSError as e:
-                outcome = _failure(save_dir, tag, e, sum(needed))
+                outcome = _what_failed(e, save_dir)
             failed = [o for o in _all_outcomes(outcome, world) if o is not None]
-            if failed:
+            if failed:  # the bytes every rank needed, for the sentence (only on failure: no collective otherwise)
+                sentence = _failure(save_dir, tag, failed[0], sum(_all_outcomes(plan_bytes(plan), world)))
                 if rank == 0:
                     shutil.rmtree(tmp, ignore_errors=True)
                 if world > 1:
                     dist.barrier()  # the partial directory is gone on return, on every rank
-                raise CheckpointError(failed[0])
+                raise CheckpointError(sentence)
 
     def _background(self, plan, save_dir, tag, tmp, rank, world, meta, iteration, save_latest, keep_last_k):
         try:
@@ -172,7 +181,7 @@ class CheckpointWriter:
             except OSError as e:
                 if rank == 0:
                     shutil.rmtree(tmp, ignore_errors=True)
-                raise CheckpointError(_failure(save_dir, tag, e, plan_bytes(plan))) from e
+                raise CheckpointError(_failure(save_dir, tag, _what_failed(e, save_dir), plan_bytes(plan))) from e
             finally:
                 self._state_read.set()
             if rank != 0:
@@ -187,7 +196,7 @@ class CheckpointWriter:
                 commit(save_dir, tag, tmp, world, meta, iteration, save_latest, keep_last_k)
             except OSError as e:
                 shutil.rmtree(tmp, ignore_errors=True)
-                raise CheckpointError(_failure(save_dir, tag, e, plan_bytes(plan))) from e
+                raise CheckpointError(_failure(save_dir, tag, _what_failed(e, save_dir), plan_bytes(plan))) from e
         except BaseException as e:  # surfaced by wait()
             self._error = e
 
