@@ -1,10 +1,11 @@
 """Checkpoint save speed and memory: ours vs DeepSpeed's save_checkpoint vs torch.save vs the disk (dd).
 
-    .venv/bin/python bench/bench_checkpoint_save.py [--layers 10 --hidden 768 --vocab 32000 --reps 3]
+    .venv/bin/python bench/bench_checkpoint_save.py [--layers 10 --hidden 768 --vocab 32000 --reps 3 --no-torch-save]
 
 A ~100M-parameter GPT, fp32, ZeRO-2 on 2 gloo CPU ranks, after one training step; the same ranks
 hold our model+ZeroOptimizer and a DeepSpeed engine of the same model, and the reps of every method
-are interleaved with a dd of the disk, so the disk's drift hits all alike. Each rank
+are interleaved with a dd of the disk, so the disk's drift hits all alike (ours and DeepSpeed's
+alternate which runs first; --no-torch-save leaves out the slow torch.save row). Each rank
 reports its save time, the bytes it wrote and its peak extra RSS during the save (RSS sampled
 every 2 ms, minus RSS before); an async save's rows are the call's blocking part and the time
 until the background writer has read the whole state (what the next optimizer step waits for at
@@ -97,7 +98,11 @@ def all_saves(a, root):
            "deepspeed": [], "dd": []}
     for rep in range(a.reps):
         d = os.path.join(root, f"ours{rep}")
-        timed_save(out, "ours", d, lambda: save_checkpoint(d, 10, state, model, opt, {"iteration": 10}), rank)
+
+        def ours():
+            timed_save(out, "ours", d, lambda: save_checkpoint(d, 10, state, model, opt, {"iteration": 10}), rank)
+        if engine is None or rep % 2 == 0:  # ours and DeepSpeed's alternate which goes first
+            ours()
         da = os.path.join(root, f"async{rep}")
         timed_save(out, "ours_async_block", da, lambda: save_checkpoint(da, 10, state, model, opt, {"iteration": 10},
                                                                          async_save=True), rank,
@@ -108,19 +113,19 @@ def all_saves(a, root):
             save_checkpoint(dr, 10, state, model, opt, {"iteration": 10}, async_save=True)
             get_writer().wait_until_state_read()
         timed_save(out, "ours_async_read", dr, save_until_state_read, rank, after=finalize_async_saves)
-        # torch.save of exactly the objects this rank's plan holds, each to its file, then fsync
-        dt_ = os.path.join(root, f"torch{rep}")
-        os.makedirs(dt_, exist_ok=True)
-        plan = [(n, o) for n, o in build_plan(10, state, model, opt, _client({"iteration": 10}, state, 10))
-                if not isinstance(o, CopyFile)]
+        if not a.no_torch_save:  # torch.save of exactly the objects this rank's plan holds, each to its file, then fsync
+            dt_ = os.path.join(root, f"torch{rep}")
+            os.makedirs(dt_, exist_ok=True)
+            plan = [(n, o) for n, o in build_plan(10, state, model, opt, _client({"iteration": 10}, state, 10))
+                    if not isinstance(o, CopyFile)]
 
-        def torch_save():
-            for n, o in plan:
-                torch.save(o, os.path.join(dt_, n))
-            fsync_tree(dt_, {n for n, _ in plan})
+            def torch_save():
+                for n, o in plan:
+                    torch.save(o, os.path.join(dt_, n))
+                fsync_tree(dt_, {n for n, _ in plan})
 
-        timed_save(out, "torch", dt_, torch_save, rank)
-        plan.clear()
+            timed_save(out, "torch", dt_, torch_save, rank)
+            plan.clear()
         if engine is not None:
             dd_ = os.path.join(root, f"ds{rep}")
 
@@ -131,6 +136,8 @@ def all_saves(a, root):
                 fsync_tree(dd_, mine)
 
             timed_save(out, "deepspeed", dd_, ds_save, rank)
+            if rep % 2 == 1:
+                ours()
         if rank == 0:
             out["dd"].append(dd_speed(root))
         dist.barrier()
@@ -166,11 +173,12 @@ def row(name, per_rank, state, disk):
     reps = len(per_rank[0])
     times = [max(per_rank[r][i][0] for r in range(len(per_rank))) for i in range(reps)]
     t = statistics.median(times)
+    spread = f"{min(times):.2f}-{max(times):.2f}"
     nbytes = per_rank[0][0][2]
     extra = max(max(x[1] for x in per_rank[r]) / state[r] for r in range(len(per_rank)))
     rate = nbytes / t if nbytes else float("nan")
     speed = "— | —" if "async" in name else f"{rate / 2**20:.0f} | {rate / disk:.2f}"  # async: nothing written yet
-    print(f"| {name} | {t:.2f} | {nbytes / 2**20:.0f} | {speed} | {extra:.3f} |")
+    print(f"| {name} | {t:.2f} | {spread} | {nbytes / 2**20:.0f} | {speed} | {extra:.3f} |")
 
 
 def main():
@@ -179,6 +187,7 @@ def main():
     p.add_argument("--hidden", type=int, default=768)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--no-torch-save", action="store_true", help="leave out the torch.save row (slow: ~6 s a rep)")
     p.add_argument("--dir", default=None, help="where to write (default: a temp dir under the repo's disk)")
     a = p.parse_args()
     root = tempfile.mkdtemp(prefix="bench-ckpt-", dir=a.dir or os.path.dirname(os.path.abspath(__file__)))
@@ -199,12 +208,13 @@ def main():
         state = [o["state_bytes"] for o in res]
         print(f"disk (dd 2 GiB, conv=fsync, median of {len(res[0]['dd'])} between the reps): "
               f"{disk / 2**20:.0f} MiB/s; state per rank: {', '.join(f'{s / 2**20:.0f} MiB' for s in state)}")
-        print("| save | seconds | MiB written | MiB/s | / disk | peak extra RSS / state |")
-        print("|---|---|---|---|---|---|")
+        print("| save | seconds (median) | min-max | MiB written | MiB/s | / disk | peak extra RSS / state |")
+        print("|---|---|---|---|---|---|---|")
         row("megatron_zero save_checkpoint", [o["ours"] for o in res], state, disk)
         row("megatron_zero async (blocking part)", [o["ours_async_block"] for o in res], state, disk)
         row("megatron_zero async (until the state is read)", [o["ours_async_read"] for o in res], state, disk)
-        row("torch.save of the same objects + fsync", [o["torch"] for o in res], state, disk)
+        if not a.no_torch_save:
+            row("torch.save of the same objects + fsync", [o["torch"] for o in res], state, disk)
         if a.deepspeed:
             row("DeepSpeed 0.19 save_checkpoint + fsync", [o["deepspeed"] for o in res], state, disk)
     finally:
