@@ -5,7 +5,8 @@
 A ~100M-parameter GPT, fp32, ZeRO-2 on 2 gloo CPU ranks, after one training step; the same ranks
 hold our model+ZeroOptimizer and a DeepSpeed engine of the same model, and the reps of every method
 are interleaved with a dd of the disk, so the disk's drift hits all alike (ours and DeepSpeed's
-alternate which runs first; --no-torch-save leaves out the slow torch.save row). Each rank
+alternate which runs first; --no-torch-save leaves out the slow torch.save row; --phases times
+the phases of our synchronous save instead: writing the bytes, fsync, outcome collectives, commit). Each rank
 reports its save time, the bytes it wrote and its peak extra RSS during the save (RSS sampled
 every 2 ms, minus RSS before); an async save's rows are the call's blocking part and the time
 until the background writer has read the whole state (what the next optimizer step waits for at
@@ -21,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -144,6 +146,54 @@ def all_saves(a, root):
     return out
 
 
+def phases(a, root):
+    """Our sync save only, with its phases timed per rank: writing the files' bytes, fsync (on the
+    helper thread, overlapped), the outcome collectives (mostly waiting for the slower rank), the commit."""
+    import collections
+
+    import megatron_zero.checkpoint.tensor_io as tio
+    import megatron_zero.checkpoint.writer as writer
+    from megatron_zero.checkpoint import save_checkpoint
+    from megatron_zero.model.gpt import GPTModel
+    from megatron_zero.topology import build_parallel_state
+    from megatron_zero.zero import ZeroOptimizer
+
+    state, cfg = build_parallel_state(1, 1), config(a)
+    model = GPTModel(cfg)
+    opt = ZeroOptimizer(list(model.named_parameters()), dp_group=state.dp_group, stage=2, lr=1e-4)
+    tokens, labels = batch(cfg)
+    opt.backward(model(tokens, labels=labels))
+    opt.step()
+    spent = collections.defaultdict(float)
+
+    def timed(owner, name, key):
+        fn = getattr(owner, name)
+
+        def wrapper(*args, **kw):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                spent[key] += time.perf_counter() - start
+        setattr(owner, name, staticmethod(wrapper) if isinstance(vars(owner).get(name), staticmethod) else wrapper)
+
+    for owner, name, key in ((tio._ChecksumWriter, "_write", "write bytes"), (tio.DeferredFsync, "_sync", "fsync"),
+                             (writer, "_all_outcomes", "outcomes"), (writer, "commit", "commit")):
+        timed(owner, name, key)
+    out = []
+    for rep in range(a.reps):
+        d = os.path.join(root, f"phases{rep}")
+        spent.clear()
+        dist.barrier()
+        start = time.perf_counter()
+        save_checkpoint(d, 10, state, model, opt, {"iteration": 10})
+        out.append(dict(spent, total=time.perf_counter() - start))
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(d, ignore_errors=True)
+    return out
+
+
 def deepspeed_engine(cfg, tokens, labels):
     import deepspeed
     from megatron_zero.model.gpt import GPTModel
@@ -188,6 +238,7 @@ def main():
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--no-torch-save", action="store_true", help="leave out the torch.save row (slow: ~6 s a rep)")
+    p.add_argument("--phases", action="store_true", help="time the phases of our sync save instead")
     p.add_argument("--dir", default=None, help="where to write (default: a temp dir under the repo's disk)")
     a = p.parse_args()
     root = tempfile.mkdtemp(prefix="bench-ckpt-", dir=a.dir or os.path.dirname(os.path.abspath(__file__)))
@@ -197,6 +248,16 @@ def main():
         print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
               f"python {platform.python_version()}; GPT {a.layers} layers, hidden {a.hidden}, vocab {a.vocab}: "
               f"{params / 1e6:.1f}M params, fp32, ZeRO-2, DP 2 (gloo), {a.reps} reps, median")
+        if a.phases:
+            res = run_ranks(phases, 2, a, root, timeout=3600)
+            keys = ["total", "write bytes", "fsync", "outcomes", "commit"]
+            print("| rank | " + " | ".join(f"{k} s (median, min-max)" for k in keys) + " |")
+            print("|---" * (len(keys) + 1) + "|")
+            for rank, reps in enumerate(res):
+                cells = [[r.get(k, 0.0) for r in reps] for k in keys]
+                print(f"| {rank} | " + " | ".join(f"{statistics.median(c):.2f} ({min(c):.2f}-{max(c):.2f})"
+                                                 for c in cells) + " |")
+            return
         try:
             import deepspeed  # noqa: F401
             a.deepspeed = True
