@@ -151,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false")
     g.add_argument("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false")
     g.add_argument("--no-persist-layer-norm", dest="persist_layer_norm", action="store_false")
+    g.add_argument("--no-rope-fusion", dest="rope_fusion", action="store_false")
     g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion",
                    action="store_false")
 

@@ -66,8 +66,8 @@ def param_groups(model, weight_decay: float):
 
 def fusion_flags(args) -> dict:
     """Megatron's --no-*-fusion flags as megatron_zero.ops switches."""
-    return {name: getattr(args, name) for name in ("masked_softmax_fusion", "bias_gelu_fusion",
-                                                   "persist_layer_norm", "gradient_accumulation_fusion")}
+    return {name: getattr(args, name) for name in ("masked_softmax_fusion", "bias_gelu_fusion", "persist_layer_norm",
+                                                   "rope_fusion", "gradient_accumulation_fusion")}
 
 
 def load_any_checkpoint(path, state, model, optimizer, load_optimizer=True, universal=False, verify=True, log=print,

@@ -134,7 +134,7 @@ def test_cpu_tensors_use_fallback_even_when_fusion_is_on():
 def test_available_kernels_reports_every_kernel():
     report = ops.available_kernels()
     assert set(report) == {"cpu_adam", "layer_norm", "scaled_upper_triang_masked_softmax",
-                           "bias_gelu", "multi_tensor_adam"}
+                           "bias_gelu", "multi_tensor_adam", "rms_norm", "rope"}
     for name, status in report.items():
         assert status is True or (isinstance(status, str) and status), name
     if not torch.cuda.is_available():

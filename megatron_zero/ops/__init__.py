@@ -2,7 +2,6 @@
 
 Which kernels this installation has: `available_kernels()`. Switches that turn
 a fusion off (Megatron's --no-*-fusion flags): `set_fusion_flags(...)`.
-RMSNorm and RoPE have no compiled kernel yet; their PyTorch code is their only implementation.
 """
 from .bias_gelu import bias_gelu
 from .cpu_adam import CPUAdamW, adamw_step_
