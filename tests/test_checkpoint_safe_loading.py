@@ -17,8 +17,8 @@ from megatron_zero.checkpoint.hf.exporter import export_hf
 from megatron_zero.checkpoint.safe_pickle import RefusedGlobal, safe_load
 from megatron_zero.checkpoint.checksum import file_checksum
 from megatron_zero.checkpoint.universal_convert import convert_to_universal
+from megatron_zero.testing.checkpoint_stage import build_stage, random_train_step
 from megatron_zero.testing.multirank import run_ranks
-from test_checkpoint_layout import _setup, _train_step
 
 
 class Payload:
@@ -47,7 +47,7 @@ def _readers(save_dir, tmp):
     tag_dir = os.path.join(save_dir, "global_step1")
 
     def load(zero):
-        state, _, model, opt = _setup(1, 1, zero)
+        state, _, model, opt = build_stage(1, 1, zero)
         load_any_checkpoint(save_dir, state, model, opt, log=lambda line: None)
 
     return {"same-layout load": lambda: load(1), "reshaped load": lambda: load(3),
@@ -58,8 +58,8 @@ def _readers(save_dir, tmp):
 
 
 def _refusals(save_dir, tmp):
-    state, config, model, opt = _setup(1, 1, 1)
-    _train_step(state, config, model, opt)
+    state, config, model, opt = build_stage(1, 1, 1)
+    random_train_step(state, config, model, opt)
     save_checkpoint(save_dir, 1, state, model, opt, {"iteration": 1})
     marker = os.path.join(tmp, "payload_ran")
     path = _plant(os.path.join(save_dir, "global_step1"), "mp_rank_00_model_states.pt", marker)

@@ -11,7 +11,7 @@ import torch
 from megatron_zero.checkpoint.consolidate import consolidate_fp32, get_fp32_state_dict
 from megatron_zero.checkpoint.universal_convert import convert_to_universal
 from megatron_zero.testing import run_ranks
-from test_universal_checkpoint import full_weights, train
+from megatron_zero.testing.layout_train import full_weights, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
