@@ -132,7 +132,7 @@ class Trainer:
             quantized_weights=args.zero_quantized_weights, quantized_gradients=args.zero_quantized_gradients,
             hpz_group=build_hpz_group(state.layout, state.rank, args.zero_hpz_partition_size)
             if args.zero_hpz_partition_size > 1 else None, device=self.device)
-        self.schedule = build_lr_schedule(args)
+        self.lr_schedule = build_lr_schedule(args)
         self.progress = TrainState()
         self.p2p = P2P(state.prev_rank, state.next_rank,
                        activation_shape(args.micro_batch_size, self.config, state.tp_size), DTYPES[args.params_dtype],
@@ -183,7 +183,7 @@ class Trainer:
                                       before_last_backward=self.optimizer.arm_grad_reduce)
         with timers("embedding-grads-all-reduce", 2):
             sync_tied_embedding_grads(self.model, s)
-        lr = self.schedule.lr()
+        lr = self.lr_schedule.lr()
         with timers("optimizer", 1):
             updated, grad_norm = self.optimizer.step(lr=lr)
         with timers("loss-broadcast", 2):
@@ -207,7 +207,7 @@ class Trainer:
     # ---- checkpoints -----------------------------------------------------------------
     def client_state(self) -> dict:
         return {"args": args_to_dict(self.args), "iteration": self.progress.iteration,
-                "train_state": asdict(self.progress), "lr_scheduler": self.schedule.state_dict(),
+                "train_state": asdict(self.progress), "lr_scheduler": self.lr_schedule.state_dict(),
                 "rng_state": get_rng_state(), "consumed_train_samples": self.progress.consumed_train_samples}
 
     def save(self):
@@ -253,7 +253,7 @@ class Trainer:
         if a.finetune or client.get("weights_only"):  # weights only (an import): fresh optimizer, iteration 0
             return True
         self.progress = TrainState(**client["train_state"])
-        self.schedule.load_state_dict(client["lr_scheduler"])
+        self.lr_schedule.load_state_dict(client["lr_scheduler"])
         if not a.no_load_rng and client.get("rng_state") is not None:
             set_rng_state(client["rng_state"])
         return True
@@ -272,7 +272,7 @@ class Trainer:
             loss, lr, updated, grad_norm = self.train_step(micro)
             p.iteration += 1
             p.consumed_train_samples += a.global_batch_size
-            self.schedule.step()
+            self.lr_schedule.step()
             if not updated:
                 p.skipped_iterations += 1
             if loss != loss:

@@ -74,7 +74,7 @@ def _train(trainer, iters):
         micro = trainer._micro_batches(trainer.train_ds, trainer.progress.consumed_train_samples)
         losses.append(trainer.train_step(micro)[0])
         trainer.progress.consumed_train_samples += trainer.args.global_batch_size
-        trainer.schedule.step()
+        trainer.lr_schedule.step()
     return losses
 
 

@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..model.layers import EMBEDDING_INDEX
+from ..model.layer_indices import EMBEDDING_INDEX
 from ..model.params import (BLOCK_PARAMS, LM_HEAD_SUFFIX, SWIGLU_SUFFIXES, block_suffixes, position_embeddings_name,
                             word_embeddings_name)
 from .universal_info import SUB_PARAMS_PATTERNS

@@ -22,7 +22,7 @@ from .deepspeed_layout import (CHECKPOINT_VERSION, DS_VERSION, assign_layers_to_
 from .writer import CopyFile, get_writer
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-ZERO_TO_FP32 = os.path.join(_HERE, "zero_to_fp32.py")
+ZERO_TO_FP32 = os.path.join(_HERE, "standalone_zero_to_fp32.py")  # copied as zero_to_fp32.py
 SAFE_PICKLE = os.path.join(_HERE, "safe_pickle.py")  # zero_to_fp32.py imports it from beside itself
 
 

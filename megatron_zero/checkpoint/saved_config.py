@@ -14,7 +14,7 @@ from dataclasses import fields
 from typing import Callable, Optional, Sequence
 
 from ..model.config import GPTConfig
-from ..model.layers import block_layer_index
+from ..model.layer_indices import block_layer_index
 from ..model.params import (POSITION_EMBEDDINGS, UNTIED_POSITION_EMBEDDINGS, UNTIED_WORD_EMBEDDINGS,
                             WORD_EMBEDDINGS)
 from .errors import CheckpointError

@@ -23,7 +23,6 @@ from ..model.params import (BLOCK_PARAMS, LM_HEAD_SUFFIX, POSITION_EMBEDDINGS, U
 
 UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"
 VOCAB_PATTERNS = "vocabulary_parameter_patterns"
-PIPELINE_REPLICATED_PATTERNS = "pipeline_replicated_parameter_patterns"
 TP_REPLICATED_PATTERNS = "tp_replicated_parameter_patterns"
 ROW_PARALLEL_PATTERNS = "parameter_with_row_parallelism_patterns"
 TO_AVERAGE_PATTERNS = "parameter_to_average_patterns"
@@ -77,7 +76,3 @@ def pattern_rule(name: str, info: Optional[dict]) -> MergeRule:
 
 def merge_rule(name: str, info: Optional[dict]) -> MergeRule:
     return gpt_rule(name, info) or pattern_rule(name, info)
-
-
-def is_pipeline_replicated(name: str, info: Optional[dict]) -> bool:
-    return _matches((info or {}).get(PIPELINE_REPLICATED_PATTERNS), name)

@@ -49,10 +49,6 @@ def find_universal_dir(path: str) -> Optional[str]:
     return None
 
 
-def is_universal_checkpoint(path: str) -> bool:
-    return find_universal_dir(path) is not None
-
-
 class UniversalFiles:
     """Full tensors from `<dir>/zero/<name>/<key>.pt`, each verified as it is read."""
 
