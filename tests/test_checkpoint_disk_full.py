@@ -9,7 +9,8 @@ import subprocess
 import pytest
 import torch
 
-from megatron_zero.checkpoint.commit import LATEST, read_latest
+from megatron_zero.checkpoint.commit import read_latest
+from megatron_zero.checkpoint.format import LATEST
 from megatron_zero.checkpoint.errors import CheckpointError
 from megatron_zero.checkpoint.reader import open_checkpoint
 from megatron_zero.checkpoint.writer import CheckpointWriter

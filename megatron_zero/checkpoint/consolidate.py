@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 from .errors import CheckpointError
+from .format import LATEST
 from .reader import open_directory
 from .torch_zip_writer import TensorBytesWriter, TorchZipWriter, cpu_contiguous
 from .universal_convert import Progress, batches
@@ -53,9 +54,9 @@ def resolve_checkpoint_dir(path: str, tag: str = None) -> str:
     if tag:
         return os.path.join(path, tag)
     universal = find_universal_dir(path)
-    if universal is not None and not os.path.isfile(os.path.join(path, "latest")):
+    if universal is not None and not os.path.isfile(os.path.join(path, LATEST)):
         return universal
-    latest = os.path.join(path, "latest")
+    latest = os.path.join(path, LATEST)
     if os.path.isfile(latest):
         with open(latest) as f:
             return os.path.join(path, f.read().strip())

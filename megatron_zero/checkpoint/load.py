@@ -16,9 +16,9 @@ from typing import Optional
 import torch
 
 from ..topology import ParallelState
-from .commit import LATEST
-from .deepspeed_layout import EMBED_PREFIX, layer_file_name, model_states_name, optim_states_name, param_shapes
+from .deepspeed_layout import EMBED_PREFIX, param_shapes
 from .errors import CheckpointError
+from .format import LATEST, layer_file_name, model_states_name, optim_states_name
 from .reader import Checkpoint, open_checkpoint
 
 ENGINE_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",

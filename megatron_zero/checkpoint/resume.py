@@ -16,12 +16,12 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from .commit import LATEST, committed_tags, read_latest
+from .commit import committed_tags, read_latest
 from .errors import CheckpointError
+from .format import LATEST, LATEST_UNIVERSAL, MODEL_FILE, ZERO3_MODEL_FILE
 from .manifest import MANIFEST
 from .reader import open_directory
-from .universal_load import LATEST_UNIVERSAL, find_universal_dir
-from .universal_source import MODEL_FILE, ZERO3_MODEL_FILE
+from .universal_load import find_universal_dir
 
 
 @dataclass

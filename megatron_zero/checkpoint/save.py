@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from ..topology import ParallelState
-from .deepspeed_layout import (CHECKPOINT_VERSION, DS_VERSION, assign_layers_to_dp, engine_state, layer_file_name,
-                               layer_state_dicts, model_states_name, optim_states_name, universal_checkpoint_info)
+from .deepspeed_layout import assign_layers_to_dp, engine_state, layer_state_dicts, universal_checkpoint_info
+from .format import CHECKPOINT_VERSION, DS_VERSION, layer_file_name, model_states_name, optim_states_name
 from .writer import CopyFile, get_writer
 
 _HERE = os.path.dirname(os.path.abspath(__file__))

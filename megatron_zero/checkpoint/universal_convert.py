@@ -33,6 +33,7 @@ import torch
 
 from .errors import CheckpointError
 from .checksum import file_checksum
+from .format import LATEST_UNIVERSAL
 from .manifest import write_manifest
 from .tensor_io import save_file
 from .universal_info import STATE_KEYS, SUB_PARAMS_KEY
@@ -222,7 +223,7 @@ def convert_to_universal(input_folder: str, output_folder: str, merge_workers: i
     finally:
         _SRC = None
     root, name = os.path.split(output_folder)
-    with open(os.path.join(root or ".", "latest_universal"), "w") as f:
+    with open(os.path.join(root or ".", LATEST_UNIVERSAL), "w") as f:
         f.write(name)
     return {"params": len(src.params), "bytes": total_bytes, "seconds": time.monotonic() - start,
             "layout": str(src.layout), "zero_stage": src.zero_stage, "mismatched": mismatched}

@@ -21,7 +21,6 @@ from typing import Optional
 from ..model.params import (BLOCK_PARAMS, LM_HEAD_SUFFIX, POSITION_EMBEDDINGS, UNTIED_POSITION_EMBEDDINGS,
                             UNTIED_WORD_EMBEDDINGS, WORD_EMBEDDINGS)
 
-UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"
 VOCAB_PATTERNS = "vocabulary_parameter_patterns"
 TP_REPLICATED_PATTERNS = "tp_replicated_parameter_patterns"
 ROW_PARALLEL_PATTERNS = "parameter_with_row_parallelism_patterns"
