@@ -21,10 +21,8 @@ from .arguments import ArgumentError, args_to_dict, parse_args
 from .checkpoint.compat import check_checkpoint_compat
 from .checkpoint.lock import hold_save_lock
 from .checkpoint.preflight import check_save_dir, checkpoint_bytes
-from .checkpoint.reader import open_directory
-from .checkpoint.resume import find_resume_point, refuse_fresh_start_over
+from .checkpoint.resume import refuse_fresh_start_over, resume_checkpoint
 from .checkpoint.save_16bit import save_16bit_model
-from .checkpoint.universal_load import load_reshaped_checkpoint, load_universal_checkpoint
 from .data import DataError, GlobalBatchSampler, build_tokenizer, build_train_valid_test_datasets, collate_gpt
 from .device import DeviceError, backend_for, select_device, to_device, use_device
 from .distributed import (LaunchError, another_rank_failed, init_distributed, is_peer_failure, read_launch_env,
@@ -68,31 +66,6 @@ def fusion_flags(args) -> dict:
     """Megatron's --no-*-fusion flags as megatron_zero.ops switches."""
     return {name: getattr(args, name) for name in ("masked_softmax_fusion", "bias_gelu_fusion",
                                                    "persist_layer_norm", "gradient_accumulation_fusion")}
-
-
-def load_any_checkpoint(path, state, model, optimizer, load_optimizer=True, universal=False, verify=True, log=print,
-                        check=None):
-    """Resume from what `path` names (checkpoint/resume.py): a universal checkpoint, a checkpoint saved
-    on this layout, or, saved on another TP/PP/DP or ZeRO stage, the same reshaped while loading.
-    `check(directory)` sees the chosen checkpoint directory before anything is loaded from it.
-    None when `path` holds no checkpoint."""
-    point = find_resume_point(path, universal, verify)
-    if point is None:
-        return None
-    if point.note:
-        log(point.note)
-    if check:
-        check(point.directory)
-    if point.universal:
-        return load_universal_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify)
-    meta = open_directory(point.directory, verify).meta
-    saved = meta.get("layout")
-    here = {"tp": state.tp_size, "pp": state.pp_size, "dp": state.dp_size}
-    same_stage_family = (meta.get("zero_stage", optimizer.stage) == 3) == (optimizer.stage == 3)
-    if saved is not None and (saved != here or not same_stage_family):
-        return load_reshaped_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify)
-    root, tag = os.path.split(point.directory)
-    return ckpt.load_checkpoint(root, state, model, optimizer, load_optimizer=load_optimizer, tag=tag, verify=verify)
 
 
 class Trainer:
@@ -242,11 +215,11 @@ class Trainer:
     def load(self, path) -> bool:
         """Resume from --load; False when it holds no checkpoint (a fresh start)."""
         a = self.args
-        client = load_any_checkpoint(path, self.state, self.model, self.optimizer,
-                                     load_optimizer=not (a.no_load_optim or a.finetune),
-                                     universal=a.universal_checkpoint, verify=a.verify_checkpoint, log=self._log,
-                                     check=lambda directory: check_checkpoint_compat(
-                                         directory, a, self.config.vocab_size, self.config.padded_vocab_size))
+        client = resume_checkpoint(path, self.state, self.model, self.optimizer,
+                                   load_optimizer=not (a.no_load_optim or a.finetune),
+                                   universal=a.universal_checkpoint, verify=a.verify_checkpoint, log=self._log,
+                                   check=lambda directory: check_checkpoint_compat(
+                                       directory, a, self.config.vocab_size, self.config.padded_vocab_size))
         if client is None:
             self._log(f"no checkpoint under --load {path}; starting from scratch")
             return False

@@ -66,11 +66,11 @@ def _unflip(path, pos, old):
 
 def _paths(save_dir, tag_dir, universal_dir, work):
     """name -> a function running that read path once (raising CheckpointError on a damaged file)."""
-    from megatron_zero.training import load_any_checkpoint
+    from megatron_zero.checkpoint.resume import resume_checkpoint
 
     def load(zero, path, universal=False):
         state, _, model, opt = build_stage(1, 1, zero)
-        load_any_checkpoint(path, state, model, opt, universal=universal, log=lambda line: None)
+        resume_checkpoint(path, state, model, opt, universal=universal, log=lambda line: None)
         return {k: v.detach().clone() for k, v in model.state_dict().items()} if zero < 3 else None
 
     def convert():

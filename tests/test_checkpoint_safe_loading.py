@@ -43,12 +43,12 @@ def _plant(tag_dir, name, marker):
 
 
 def _readers(save_dir, tmp):
-    from megatron_zero.training import load_any_checkpoint
+    from megatron_zero.checkpoint.resume import resume_checkpoint
     tag_dir = os.path.join(save_dir, "global_step1")
 
     def load(zero):
         state, _, model, opt = build_stage(1, 1, zero)
-        load_any_checkpoint(save_dir, state, model, opt, log=lambda line: None)
+        resume_checkpoint(save_dir, state, model, opt, log=lambda line: None)
 
     return {"same-layout load": lambda: load(1), "reshaped load": lambda: load(3),
             "universal conversion": lambda: convert_to_universal(tag_dir, os.path.join(tmp, "u"), merge_workers=1,
