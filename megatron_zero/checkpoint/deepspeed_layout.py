@@ -21,8 +21,8 @@ import torch
 from ..model.layer_indices import EMBEDDING_INDEX
 from ..model.params import (BLOCK_PARAMS, LM_HEAD_SUFFIX, SWIGLU_SUFFIXES, block_suffixes, position_embeddings_name,
                             word_embeddings_name)
-from .format import DS_VERSION, UNIVERSAL_CHECKPOINT_VERSION
-from .universal_info import SUB_PARAMS_PATTERNS
+from .format import (DS_VERSION, PIPELINE_REPLICATED_PATTERNS, ROW_PARALLEL_PATTERNS, SUB_PARAMS_PATTERNS,
+                     TO_AVERAGE_PATTERNS, TP_REPLICATED_PATTERNS, UNIVERSAL_CHECKPOINT_VERSION, VOCAB_PATTERNS)
 
 EMBED_PREFIX = "tied_modules.embed."
 
@@ -77,11 +77,11 @@ def universal_checkpoint_info(config, padded_vocab_size: int) -> dict:
         "universal_checkpoint_version": UNIVERSAL_CHECKPOINT_VERSION,
         "original_vocab_size": int(config.vocab_size),
         "padded_vocab_size": int(padded_vocab_size),
-        "vocabulary_parameter_patterns": [re.escape(word)] + ([] if tied else [pat(LM_HEAD_SUFFIX)]),
-        "pipeline_replicated_parameter_patterns": [re.escape(n) for n in (word, positions) if n and tied],
-        "tp_replicated_parameter_patterns": replicated,
-        "parameter_with_row_parallelism_patterns": [pat(s) for s in suffixes if BLOCK_PARAMS[s][0] == 1],
-        "parameter_to_average_patterns": [],
+        VOCAB_PATTERNS: [re.escape(word)] + ([] if tied else [pat(LM_HEAD_SUFFIX)]),
+        PIPELINE_REPLICATED_PATTERNS: [re.escape(n) for n in (word, positions) if n and tied],
+        TP_REPLICATED_PATTERNS: replicated,
+        ROW_PARALLEL_PATTERNS: [pat(s) for s in suffixes if BLOCK_PARAMS[s][0] == 1],
+        TO_AVERAGE_PATTERNS: [],
         **({SUB_PARAMS_PATTERNS: [pat(s) for s in suffixes if s in SWIGLU_SUFFIXES]} if config.swiglu else {}),
     }
 

@@ -18,6 +18,16 @@ DS_VERSION = "0.19.8"              # `ds_version`: the DeepSpeed release whose l
 CHECKPOINT_VERSION = 3.0           # Megatron's `checkpoint_version`
 UNIVERSAL_CHECKPOINT_VERSION = 0.2  # `universal_checkpoint_info.universal_checkpoint_version`
 UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"
+# its pattern lists (regexes over parameter names), Megatron-DeepSpeed's keys
+VOCAB_PATTERNS = "vocabulary_parameter_patterns"
+PIPELINE_REPLICATED_PATTERNS = "pipeline_replicated_parameter_patterns"
+TP_REPLICATED_PATTERNS = "tp_replicated_parameter_patterns"
+ROW_PARALLEL_PATTERNS = "parameter_with_row_parallelism_patterns"
+TO_AVERAGE_PATTERNS = "parameter_to_average_patterns"
+SUB_PARAMS_PATTERNS = "parameter_with_2_sub_params_cat_dim_0"
+# a universal checkpoint's zero/<name>/<key>.pt files, and the sub-parameter count DeepSpeed records in them
+STATE_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
+SUB_PARAMS_KEY = "param_n_sub_params"
 
 LATEST = "latest"
 LATEST_ITERATION = "latest_checkpointed_iteration.txt"

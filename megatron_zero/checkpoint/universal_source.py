@@ -22,9 +22,10 @@ from ..topology import Layout
 from ..zero.partition import zero3_group_offsets
 from ..model.sharding import merge_sub_params
 from .errors import CheckpointError
-from .format import LAYER_FILE, MODEL_FILE, UNIVERSAL_CHECKPOINT_INFO, ZERO3_MODEL_FILE, ZERO_FILE, header_tp_pp
+from .format import (LAYER_FILE, MODEL_FILE, SUB_PARAMS_PATTERNS, UNIVERSAL_CHECKPOINT_INFO, ZERO3_MODEL_FILE, ZERO_FILE,
+                     header_tp_pp)
 from .reader import open_directory
-from .universal_info import SUB_PARAMS_PATTERNS, MergeRule, merge_rule
+from .universal_info import MergeRule, merge_rule
 
 
 

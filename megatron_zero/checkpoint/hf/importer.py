@@ -26,10 +26,9 @@ from typing import Optional
 
 from ...model.params import param_names, param_spec
 from ..errors import CheckpointError
-from ..format import model_states_name
+from ..format import SUB_PARAMS_KEY, model_states_name
 from ..manifest import write_manifest
 from ..tensor_io import save_file
-from ..universal_info import SUB_PARAMS_KEY
 from . import for_hf_config
 from .reader import HFModelDir
 
