@@ -19,10 +19,10 @@ import torch.distributed as dist
 from . import checkpoint as ckpt
 from .arguments import ArgumentError, args_to_dict, parse_args
 from .checkpoint.compat import check_checkpoint_compat
-from .checkpoint.lock import hold_save_lock
+from .checkpoint.storage.lock import hold_save_lock
 from .checkpoint.preflight import check_save_dir, checkpoint_bytes
 from .checkpoint.resume import refuse_fresh_start_over, resume_checkpoint
-from .checkpoint.save_16bit import save_16bit_model
+from .checkpoint.export.save_16bit import save_16bit_model
 from .data import DataError, GlobalBatchSampler, build_tokenizer, build_train_valid_test_datasets, collate_gpt
 from .device import DeviceError, backend_for, select_device, to_device, use_device
 from .distributed import (LaunchError, another_rank_failed, init_distributed, is_peer_failure, read_launch_env,

@@ -16,9 +16,9 @@ import sys
 import torch
 
 from megatron_zero.checkpoint import CheckpointError, save_checkpoint
-from megatron_zero.checkpoint.consolidate import get_fp32_state_dict
-from megatron_zero.checkpoint.hf.exporter import export_hf
-from megatron_zero.checkpoint.universal_convert import convert_to_universal
+from megatron_zero.checkpoint.export.consolidate import get_fp32_state_dict
+from megatron_zero.checkpoint.export.hf.exporter import export_hf
+from megatron_zero.checkpoint.reshape.universal_convert import convert_to_universal
 from megatron_zero.testing.checkpoint_stage import build_stage, random_train_step
 from megatron_zero.testing.multirank import run_ranks
 from conftest import ROOT

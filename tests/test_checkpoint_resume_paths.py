@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_zero.checkpoint.tensor_io import load_file
-from megatron_zero.checkpoint.universal_convert import convert_to_universal
+from megatron_zero.checkpoint.storage.tensor_io import load_file
+from megatron_zero.checkpoint.reshape.universal_convert import convert_to_universal
 from megatron_zero.testing.multirank import run_ranks
 from megatron_zero.testing.trainer_losses import resume_flags, train_losses
 

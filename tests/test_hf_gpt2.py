@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from megatron_zero.checkpoint.errors import CheckpointError
-from megatron_zero.checkpoint.hf import gpt2
-from megatron_zero.checkpoint.hf.exporter import export_hf
-from megatron_zero.checkpoint.hf.importer import import_hf
+from megatron_zero.checkpoint.export.hf import gpt2
+from megatron_zero.checkpoint.export.hf.exporter import export_hf
+from megatron_zero.checkpoint.export.hf.importer import import_hf
 from megatron_zero.testing import run_ranks
 from megatron_zero.testing.hf_parity import SEQ, VOCAB, first_loss, hf_tensors, our_logits, tokens
 
@@ -177,8 +177,8 @@ def test_import_trains_and_generates_with_hf_tokenizer(tmp_path):
 
 BOUNDED = r"""
 import sys, torch, transformers
-from megatron_zero.checkpoint.hf.exporter import export_hf
-from megatron_zero.checkpoint.hf.importer import import_hf
+from megatron_zero.checkpoint.export.hf.exporter import export_hf
+from megatron_zero.checkpoint.export.hf.importer import import_hf
 def hwm():
     return int([l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1]) * 1024
 def rss():

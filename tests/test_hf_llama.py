@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 from megatron_zero.checkpoint import save_checkpoint
 from megatron_zero.checkpoint.errors import CheckpointError
-from megatron_zero.checkpoint.hf import for_hf_config, llama
-from megatron_zero.checkpoint.hf.exporter import export_hf
-from megatron_zero.checkpoint.hf.importer import import_hf
+from megatron_zero.checkpoint.export.hf import for_hf_config, llama
+from megatron_zero.checkpoint.export.hf.exporter import export_hf
+from megatron_zero.checkpoint.export.hf.importer import import_hf
 from megatron_zero.model.config import ARCHITECTURE_FIELDS
 from megatron_zero.pipeline.gpt_stage import build_gpt_stage
 from megatron_zero.testing import run_ranks

@@ -11,7 +11,7 @@ import time
 
 from conftest import ROOT
 
-from megatron_zero.checkpoint.lock import LOCK_NAME
+from megatron_zero.checkpoint.storage.lock import LOCK_NAME
 from megatron_zero.testing.launch import PRETRAIN, byte_data, pretrain, tiny_flags
 from megatron_zero.testing.multirank import free_port
 

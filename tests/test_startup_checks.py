@@ -8,7 +8,7 @@ import pytest
 from megatron_zero.arguments import parse_args
 from megatron_zero.checkpoint.compat import check_checkpoint_compat, disagreements
 from megatron_zero.checkpoint.errors import CheckpointError
-from megatron_zero.checkpoint.universal_convert import convert_to_universal
+from megatron_zero.checkpoint.reshape.universal_convert import convert_to_universal
 from megatron_zero.data import DataError, token_range
 from megatron_zero.data.indexed_dataset import IndexedDataset
 from megatron_zero.testing.launch import byte_data, pretrain, tiny_flags

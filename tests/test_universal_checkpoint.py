@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from megatron_zero.checkpoint.universal_convert import convert_to_universal
+from megatron_zero.checkpoint.reshape.universal_convert import convert_to_universal
 from megatron_zero.testing import run_ranks
 from megatron_zero.testing.layout_train import ITERS, SAVE_AT, config, full_weights, train
 
@@ -57,7 +57,7 @@ def check_resume(baseline, results):
 
 
 def test_universal_files(baseline):
-    from megatron_zero.checkpoint.tensor_io import load_file as load_any
+    from megatron_zero.checkpoint.storage.tensor_io import load_file as load_any
     zero = os.path.join(baseline["universal"], "zero")
     we = load_any(os.path.join(zero, "tied_modules.embed.word_embeddings.weight", "fp32.pt"))
     assert we["param"].shape == (100, 32) and we["vocab_tensor"] is True and we["cat_dim"] == 0
@@ -73,7 +73,7 @@ def test_universal_files(baseline):
 
 def baseline_weight_at_save(baseline, name):
     """The word embedding at iteration 10, rebuilt from the universal file's source: the plain checkpoint."""
-    from megatron_zero.checkpoint.universal_source import SourceCheckpoint
+    from megatron_zero.checkpoint.reshape.universal_source import SourceCheckpoint
     src = SourceCheckpoint(baseline["src"])
     with src.stage(0) as reader:
         return reader.assemble(name, "fp32")[0].clone()

@@ -26,7 +26,7 @@ from typing import Optional
 
 from .errors import CheckpointError
 from .format import UNIVERSAL_CHECKPOINT_INFO, header_args
-from .reader import open_directory
+from .storage.reader import open_directory
 
 MODEL_SETTINGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
                   "make_vocab_size_divisible_by", "layernorm_epsilon", "num_query_groups", "rotary_base",

@@ -19,13 +19,13 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from .commit import committed_tags, read_latest
+from .storage.commit import committed_tags, read_latest
 from .errors import CheckpointError
 from .format import LATEST, LATEST_UNIVERSAL, MODEL_FILE, ZERO3_MODEL_FILE
 from .load import load_checkpoint
-from .manifest import MANIFEST
-from .reader import open_directory
-from .universal_load import find_universal_dir, load_reshaped_checkpoint, load_universal_checkpoint
+from .storage.manifest import MANIFEST
+from .storage.reader import open_directory
+from .reshape.universal_load import find_universal_dir, load_reshaped_checkpoint, load_universal_checkpoint
 
 
 @dataclass

@@ -19,7 +19,7 @@ from ..model.params import (POSITION_EMBEDDINGS, UNTIED_POSITION_EMBEDDINGS, UNT
                             WORD_EMBEDDINGS)
 from .errors import CheckpointError
 from .format import MODEL_FILE, header_args
-from .reader import open_directory
+from .storage.reader import open_directory
 
 
 def saved_args(directory: str, verify: bool = True) -> dict:

@@ -5,8 +5,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..checkpoint.consolidate import get_fp32_state_dict
-from ..checkpoint.universal_load import load_universal_checkpoint
+from ..checkpoint.export.consolidate import get_fp32_state_dict
+from ..checkpoint.reshape.universal_load import load_universal_checkpoint
 from ..model.gpt import reference_model
 from ..model.sharding import shard_state_dict
 from ..pipeline.gpt_stage import activation_shape, build_gpt_stage, make_forward_step

@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import save_checkpoint
-from ..checkpoint.universal_load import load_reshaped_checkpoint, load_universal_checkpoint
+from ..checkpoint.reshape.universal_load import load_reshaped_checkpoint, load_universal_checkpoint
 from ..model.sharding import gather_state_dicts
 from ..pipeline.gpt_stage import activation_shape, build_gpt_stage, make_forward_step, sync_tied_embedding_grads
 from ..pipeline.p2p import P2P

@@ -18,8 +18,8 @@ import shutil
 import uuid
 from typing import List, Optional
 
-from .errors import CheckpointError, crash_point
-from .format import LATEST, LATEST_ITERATION
+from ..errors import CheckpointError, crash_point
+from ..format import LATEST, LATEST_ITERATION
 from .manifest import MANIFEST, merge_parts
 from .tensor_io import fsync_dir
 

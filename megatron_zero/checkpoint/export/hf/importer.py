@@ -24,11 +24,11 @@ import time
 import uuid
 from typing import Optional
 
-from ...model.params import param_names, param_spec
-from ..errors import CheckpointError
-from ..format import SUB_PARAMS_KEY, model_states_name
-from ..manifest import write_manifest
-from ..tensor_io import save_file
+from ....model.params import param_names, param_spec
+from ...errors import CheckpointError
+from ...format import SUB_PARAMS_KEY, model_states_name
+from ...storage.manifest import write_manifest
+from ...storage.tensor_io import save_file
 from . import for_hf_config
 from .reader import HFModelDir
 

@@ -22,13 +22,13 @@ from typing import Dict, Optional
 
 import torch
 
-from ..model.params import param_spec
-from ..model.sharding import shard_tensor
-from ..zero.universal_state import set_state_from_params
-from .errors import CheckpointError
-from .format import LATEST_UNIVERSAL, STATE_KEYS, SUB_PARAMS_KEY, header_tp_pp
-from .load import rank_rng_state
-from .reader import open_directory
+from ...model.params import param_spec
+from ...model.sharding import shard_tensor
+from ...zero.universal_state import set_state_from_params
+from ..errors import CheckpointError
+from ..format import LATEST_UNIVERSAL, STATE_KEYS, SUB_PARAMS_KEY, header_tp_pp
+from ..load import rank_rng_state
+from ..storage.reader import open_directory
 from .universal_source import SourceCheckpoint
 
 

@@ -26,10 +26,10 @@ from collections import OrderedDict
 
 import torch
 
-try:  # beside this script in a checkpoint (or in megatron_zero/checkpoint/)
+try:  # beside this script in a checkpoint (else imported from the package)
     from safe_pickle import RefusedGlobal, safe_load
 except ImportError:
-    from megatron_zero.checkpoint.safe_pickle import RefusedGlobal, safe_load
+    from megatron_zero.checkpoint.storage.safe_pickle import RefusedGlobal, safe_load
 
 
 def _load(path):

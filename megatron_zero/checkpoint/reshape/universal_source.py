@@ -18,13 +18,13 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..topology import Layout
-from ..zero.partition import zero3_group_offsets
-from ..model.sharding import merge_sub_params
-from .errors import CheckpointError
-from .format import (LAYER_FILE, MODEL_FILE, SUB_PARAMS_PATTERNS, UNIVERSAL_CHECKPOINT_INFO, ZERO3_MODEL_FILE, ZERO_FILE,
+from ...topology import Layout
+from ...zero.partition import zero3_group_offsets
+from ...model.sharding import merge_sub_params
+from ..errors import CheckpointError
+from ..format import (LAYER_FILE, MODEL_FILE, SUB_PARAMS_PATTERNS, UNIVERSAL_CHECKPOINT_INFO, ZERO3_MODEL_FILE, ZERO_FILE,
                      header_tp_pp)
-from .reader import open_directory
+from ..storage.reader import open_directory
 from .universal_info import MergeRule, merge_rule
 
 

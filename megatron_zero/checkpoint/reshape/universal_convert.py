@@ -31,11 +31,11 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .errors import CheckpointError
-from .checksum import file_checksum
-from .format import LATEST_UNIVERSAL, STATE_KEYS, SUB_PARAMS_KEY
-from .manifest import write_manifest
-from .tensor_io import save_file
+from ..errors import CheckpointError
+from ..storage.checksum import file_checksum
+from ..format import LATEST_UNIVERSAL, STATE_KEYS, SUB_PARAMS_KEY
+from ..storage.manifest import write_manifest
+from ..storage.tensor_io import save_file
 from .universal_source import SourceCheckpoint, StageReader
 
 BATCH_ELEMENTS = 4 << 20  # per task: bounds the mapped pages a worker touches before it unmaps them

@@ -20,11 +20,11 @@ from typing import Optional
 import torch
 
 from ..consolidate import fp32_source, resolve_checkpoint_dir, write_safetensors_shards
-from ..errors import CheckpointError
-from ..format import MODEL_FILE
-from ..reader import open_directory
-from ..saved_config import saved_args, saved_config
-from ..universal_load import find_universal_dir
+from ...errors import CheckpointError
+from ...format import MODEL_FILE
+from ...storage.reader import open_directory
+from ...saved_config import saved_args, saved_config
+from ...reshape.universal_load import find_universal_dir
 from . import for_config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
