@@ -13,7 +13,7 @@ from typing import List, Optional
 
 import torch
 
-from .checkpoint.reader import add_verify_flag
+from .checkpoint.storage.reader import add_verify_flag
 from .deepspeed_config import DeepSpeedConfigError, apply_deepspeed_config
 from .model.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, default_ffn_hidden_size
 

@@ -19,12 +19,10 @@ import torch.distributed as dist
 from . import checkpoint as ckpt
 from .arguments import ArgumentError, args_to_dict, parse_args
 from .checkpoint.compat import check_checkpoint_compat
-from .checkpoint.lock import hold_save_lock
+from .checkpoint.storage.lock import hold_save_lock
 from .checkpoint.preflight import check_save_dir, checkpoint_bytes
-from .checkpoint.reader import open_directory
-from .checkpoint.resume import find_resume_point, refuse_fresh_start_over
-from .checkpoint.save_16bit import save_16bit_model
-from .checkpoint.universal_load import load_reshaped_checkpoint, load_universal_checkpoint
+from .checkpoint.resume import refuse_fresh_start_over, resume_checkpoint
+from .checkpoint.export.save_16bit import save_16bit_model
 from .data import DataError, GlobalBatchSampler, build_tokenizer, build_train_valid_test_datasets, collate_gpt
 from .device import DeviceError, backend_for, select_device, to_device, use_device
 from .distributed import (LaunchError, another_rank_failed, init_distributed, is_peer_failure, read_launch_env,
@@ -70,31 +68,6 @@ def fusion_flags(args) -> dict:
                                                    "rope_fusion", "gradient_accumulation_fusion")}
 
 
-def load_any_checkpoint(path, state, model, optimizer, load_optimizer=True, universal=False, verify=True, log=print,
-                        check=None):
-    """Resume from what `path` names (checkpoint/resume.py): a universal checkpoint, a checkpoint saved
-    on this layout, or, saved on another TP/PP/DP or ZeRO stage, the same reshaped while loading.
-    `check(directory)` sees the chosen checkpoint directory before anything is loaded from it.
-    None when `path` holds no checkpoint."""
-    point = find_resume_point(path, universal, verify)
-    if point is None:
-        return None
-    if point.note:
-        log(point.note)
-    if check:
-        check(point.directory)
-    if point.universal:
-        return load_universal_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify)
-    meta = open_directory(point.directory, verify).meta
-    saved = meta.get("layout")
-    here = {"tp": state.tp_size, "pp": state.pp_size, "dp": state.dp_size}
-    same_stage_family = (meta.get("zero_stage", optimizer.stage) == 3) == (optimizer.stage == 3)
-    if saved is not None and (saved != here or not same_stage_family):
-        return load_reshaped_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify)
-    root, tag = os.path.split(point.directory)
-    return ckpt.load_checkpoint(root, state, model, optimizer, load_optimizer=load_optimizer, tag=tag, verify=verify)
-
-
 class Trainer:
     def __init__(self, args, state, device: Optional[torch.device] = None):
         """`device`: where this rank trains; None chooses from --device and LOCAL_RANK (select_device)."""
@@ -132,7 +105,7 @@ class Trainer:
             quantized_weights=args.zero_quantized_weights, quantized_gradients=args.zero_quantized_gradients,
             hpz_group=build_hpz_group(state.layout, state.rank, args.zero_hpz_partition_size)
             if args.zero_hpz_partition_size > 1 else None, device=self.device)
-        self.schedule = build_lr_schedule(args)
+        self.lr_schedule = build_lr_schedule(args)
         self.progress = TrainState()
         self.p2p = P2P(state.prev_rank, state.next_rank,
                        activation_shape(args.micro_batch_size, self.config, state.tp_size), DTYPES[args.params_dtype],
@@ -183,7 +156,7 @@ class Trainer:
                                       before_last_backward=self.optimizer.arm_grad_reduce)
         with timers("embedding-grads-all-reduce", 2):
             sync_tied_embedding_grads(self.model, s)
-        lr = self.schedule.lr()
+        lr = self.lr_schedule.lr()
         with timers("optimizer", 1):
             updated, grad_norm = self.optimizer.step(lr=lr)
         with timers("loss-broadcast", 2):
@@ -207,7 +180,7 @@ class Trainer:
     # ---- checkpoints -----------------------------------------------------------------
     def client_state(self) -> dict:
         return {"args": args_to_dict(self.args), "iteration": self.progress.iteration,
-                "train_state": asdict(self.progress), "lr_scheduler": self.schedule.state_dict(),
+                "train_state": asdict(self.progress), "lr_scheduler": self.lr_schedule.state_dict(),
                 "rng_state": get_rng_state(), "consumed_train_samples": self.progress.consumed_train_samples}
 
     def save(self):
@@ -242,18 +215,18 @@ class Trainer:
     def load(self, path) -> bool:
         """Resume from --load; False when it holds no checkpoint (a fresh start)."""
         a = self.args
-        client = load_any_checkpoint(path, self.state, self.model, self.optimizer,
-                                     load_optimizer=not (a.no_load_optim or a.finetune),
-                                     universal=a.universal_checkpoint, verify=a.verify_checkpoint, log=self._log,
-                                     check=lambda directory: check_checkpoint_compat(
-                                         directory, a, self.config.vocab_size, self.config.padded_vocab_size))
+        client = resume_checkpoint(path, self.state, self.model, self.optimizer,
+                                   load_optimizer=not (a.no_load_optim or a.finetune),
+                                   universal=a.universal_checkpoint, verify=a.verify_checkpoint, log=self._log,
+                                   check=lambda directory: check_checkpoint_compat(
+                                       directory, a, self.config.vocab_size, self.config.padded_vocab_size))
         if client is None:
             self._log(f"no checkpoint under --load {path}; starting from scratch")
             return False
         if a.finetune or client.get("weights_only"):  # weights only (an import): fresh optimizer, iteration 0
             return True
         self.progress = TrainState(**client["train_state"])
-        self.schedule.load_state_dict(client["lr_scheduler"])
+        self.lr_schedule.load_state_dict(client["lr_scheduler"])
         if not a.no_load_rng and client.get("rng_state") is not None:
             set_rng_state(client["rng_state"])
         return True
@@ -272,7 +245,7 @@ class Trainer:
             loss, lr, updated, grad_norm = self.train_step(micro)
             p.iteration += 1
             p.consumed_train_samples += a.global_batch_size
-            self.schedule.step()
+            self.lr_schedule.step()
             if not updated:
                 p.skipped_iterations += 1
             if loss != loss:

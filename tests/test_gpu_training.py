@@ -74,7 +74,7 @@ def _train(trainer, iters):
         micro = trainer._micro_batches(trainer.train_ds, trainer.progress.consumed_train_samples)
         losses.append(trainer.train_step(micro)[0])
         trainer.progress.consumed_train_samples += trainer.args.global_batch_size
-        trainer.schedule.step()
+        trainer.lr_schedule.step()
     return losses
 
 
@@ -211,7 +211,7 @@ def _rss():
 def test_save_from_gpu_keeps_host_memory_bounded(tmp_path, device):
     """Save 8 x 64 MiB device tensors (some as views of one flat buffer): host RSS may grow by
     one tensor (torch.save stages one storage at a time) plus 256 MiB, never by the state (512 MiB)."""
-    from megatron_zero.checkpoint.tensor_io import load_file, save_file
+    from megatron_zero.checkpoint.storage.tensor_io import load_file, save_file
     if device.type != "cuda":
         pytest.skip("on the CPU the tensors already are host memory; the bound is about device tensors")
     n = 16 << 20  # 64 MiB of fp32

@@ -31,9 +31,6 @@ def test_layer_norm_fallback_values_and_gradients():
     torch.testing.assert_close(got, want)
     for a, e in zip(got_g, want_g):
         torch.testing.assert_close(a, e)
-    module = ops.LayerNorm(37, eps=1e-5, fused=False).double()
-    assert set(module.state_dict()) == {"weight", "bias"}
-    torch.testing.assert_close(module(x), _layer_norm_by_hand(x, module.weight, module.bias, 1e-5))
 
 
 def _causal_softmax_by_hand(x, scale):

@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 
 from ..topology import ParallelState
-from .deepspeed_layout import (CHECKPOINT_VERSION, DS_VERSION, assign_layers_to_dp, engine_state, layer_file_name,
-                               layer_state_dicts, model_states_name, optim_states_name, universal_checkpoint_info)
-from .writer import CopyFile, get_writer
+from .deepspeed_layout import assign_layers_to_dp, engine_state, layer_state_dicts, universal_checkpoint_info
+from .format import CHECKPOINT_VERSION, DS_VERSION, layer_file_name, model_states_name, optim_states_name
+from .storage.writer import CopyFile, get_writer
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-ZERO_TO_FP32 = os.path.join(_HERE, "zero_to_fp32.py")
-SAFE_PICKLE = os.path.join(_HERE, "safe_pickle.py")  # zero_to_fp32.py imports it from beside itself
+ZERO_TO_FP32 = os.path.join(_HERE, "export", "standalone_zero_to_fp32.py")  # copied as zero_to_fp32.py
+SAFE_PICKLE = os.path.join(_HERE, "storage", "safe_pickle.py")  # zero_to_fp32.py imports it from beside itself
 
 
 def ds_config(optimizer) -> dict:
@@ -102,5 +102,5 @@ def save_checkpoint(save_dir: str, iteration: int, state: ParallelState, model, 
 
 def finalize_async_saves() -> None:
     """Wait for this rank's pending async save (rank 0: until it is committed). Call before exiting."""
-    from .writer import wait_for_pending_save
+    from .storage.writer import wait_for_pending_save
     wait_for_pending_save()

@@ -4,7 +4,7 @@
     model = GPTModel(config, tp_group)                        # whole model, TP-sharded
     stage = GPTModel(config, tp_group, layer_indices=range(a, b))   # one pipeline stage
 
-Layers carry Megatron-DeepSpeed's global indices (see layers.py), so parameter
+Layers carry Megatron-DeepSpeed's global indices (see layer_indices.py), so parameter
 names are the same whatever the layout. `tp_group=None` is TP=1 with no
 communication: that is the single-process reference path for parity tests.
 """
@@ -18,7 +18,7 @@ from ..tensor_parallel import vocab_parallel_cross_entropy
 from ..tensor_parallel.utils import tp_rank_in, tp_world_size
 from .config import GPTConfig
 from .init import initialize_parameters
-from .layers import EMBEDDING_INDEX, holds_embedding, is_block_index, layer_kind, lm_head_index, num_pipeline_layers
+from .layer_indices import EMBEDDING_INDEX, holds_embedding, is_block_index, layer_kind, lm_head_index, num_pipeline_layers
 from .recompute import run_layers
 from .transformer import Embedding, LMHead, ParallelTransformerLayer, build_norm
 

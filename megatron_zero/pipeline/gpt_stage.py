@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..device import HOST
 from ..model.gpt import GPTModel
-from ..model.layers import EMBEDDING_INDEX, block_layer_index, final_norm_index, lm_head_index
+from ..model.layer_indices import EMBEDDING_INDEX, block_layer_index, final_norm_index, lm_head_index
 from ..model.params import layer_param_names, param_spec
 from ..topology import ParallelState
 from .partition import stage_layer_ranges

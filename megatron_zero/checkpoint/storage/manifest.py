@@ -12,7 +12,7 @@ import json
 import os
 from typing import Dict, Optional
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 MANIFEST = "manifest.json"
 FORMAT = "megatron_zero-manifest-1"

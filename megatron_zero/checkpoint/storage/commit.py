@@ -18,12 +18,11 @@ import shutil
 import uuid
 from typing import List, Optional
 
-from .errors import CheckpointError, crash_point
+from ..errors import CheckpointError, crash_point
+from ..format import LATEST, LATEST_ITERATION
 from .manifest import MANIFEST, merge_parts
 from .tensor_io import fsync_dir
 
-LATEST = "latest"
-LATEST_ITERATION = "latest_checkpointed_iteration.txt"
 _TMP = re.compile(r"^(?P<tag>.+)\.(tmp|old)-[0-9a-f]+$")
 
 

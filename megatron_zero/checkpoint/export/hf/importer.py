@@ -24,11 +24,11 @@ import time
 import uuid
 from typing import Optional
 
-from ...model.params import param_names, param_spec
-from ..errors import CheckpointError
-from ..manifest import write_manifest
-from ..tensor_io import save_file
-from ..universal_info import SUB_PARAMS_KEY
+from ....model.params import param_names, param_spec
+from ...errors import CheckpointError
+from ...format import SUB_PARAMS_KEY, model_states_name
+from ...storage.manifest import write_manifest
+from ...storage.tensor_io import save_file
 from . import for_hf_config
 from .reader import HFModelDir
 
@@ -104,7 +104,7 @@ def import_hf(input_dir: str, output_dir: str, tp: int = 1, pp: int = 1) -> dict
                     tokenizer_type="HuggingFaceTokenizer" if tokenizer_dir else None, tokenizer_model=tokenizer_dir)
         write({}, "zero/optimizer_state.pt")
         write({"args": args, "iteration": 0, "weights_only": True, "hf_architecture": module.HF_ARCHITECTURE,
-               "hf_config": hf.config, "megatron_flags": flags}, "mp_rank_00_model_states.pt")
+               "hf_config": hf.config, "megatron_flags": flags}, model_states_name(0, 1))
         write_manifest(tmp, files, {"universal": True, "source": os.path.abspath(input_dir), "iteration": 0})
         with open(os.path.join(tmp, FLAGS_FILE), "w") as f:
             f.write(shlex.join(flags) + "\n")

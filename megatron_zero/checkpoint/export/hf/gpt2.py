@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import List
 
-from ...model.config import GPTConfig
-from ...model.layers import block_layer_index, final_norm_index
-from ...model.params import POSITION_EMBEDDINGS, WORD_EMBEDDINGS
-from ..errors import CheckpointError
+from ....model.config import GPTConfig
+from ....model.layer_indices import block_layer_index, final_norm_index
+from ....model.params import POSITION_EMBEDDINGS, WORD_EMBEDDINGS
+from ...errors import CheckpointError
 from .mapping import TensorMapping, base_flags, same, transposed
 
 HF_ARCHITECTURE = "GPT2LMHeadModel"

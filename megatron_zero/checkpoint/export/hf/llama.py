@@ -14,10 +14,10 @@ from typing import List
 
 import torch
 
-from ...model.config import GPTConfig
-from ...model.layers import block_layer_index, final_norm_index
-from ...model.params import lm_head_name, word_embeddings_name
-from ..errors import CheckpointError
+from ....model.config import GPTConfig
+from ....model.layer_indices import block_layer_index, final_norm_index
+from ....model.params import lm_head_name, word_embeddings_name
+from ...errors import CheckpointError
 from .mapping import TensorMapping, base_flags, same
 
 HF_ARCHITECTURE = "LlamaForCausalLM"

@@ -22,16 +22,15 @@ from typing import Dict, Optional
 
 import torch
 
-from ..model.params import param_spec
-from ..model.sharding import shard_tensor
-from ..zero.universal_state import set_state_from_params
-from .errors import CheckpointError
-from .load import rank_rng_state
-from .reader import open_directory
-from .universal_info import STATE_KEYS, SUB_PARAMS_KEY
+from ...model.params import param_spec
+from ...model.sharding import shard_tensor
+from ...zero.universal_state import set_state_from_params
+from ..errors import CheckpointError
+from ..format import LATEST_UNIVERSAL, STATE_KEYS, SUB_PARAMS_KEY, header_tp_pp
+from ..load import rank_rng_state
+from ..storage.reader import open_directory
 from .universal_source import SourceCheckpoint
 
-LATEST_UNIVERSAL = "latest_universal"
 
 
 def find_universal_dir(path: str) -> Optional[str]:
@@ -47,10 +46,6 @@ def find_universal_dir(path: str) -> Optional[str]:
             return candidate
         raise CheckpointError(f"{latest} names {tag!r} but {candidate}/zero/optimizer_state.pt does not exist")
     return None
-
-
-def is_universal_checkpoint(path: str) -> bool:
-    return find_universal_dir(path) is not None
 
 
 class UniversalFiles:
@@ -127,15 +122,6 @@ class ReshapedFiles:
                                   f"{', '.join(mismatched)}")
 
 
-def _source_tp_pp(head: dict):
-    dims = head.get("checkpoint_parallel_dimensions")
-    if isinstance(dims, dict):
-        return dims.get("tp_degree"), dims.get("pp_degree")
-    args = head.get("args")
-    args = vars(args) if args is not None and not isinstance(args, dict) else (args or {})
-    return args.get("tensor_model_parallel_size"), args.get("pipeline_model_parallel_size")
-
-
 def _local_tensors(files, name: str, config, tp: int, tp_rank: int, keys=STATE_KEYS) -> Dict[str, torch.Tensor]:
     spec = param_spec(name, config)
     out = {}
@@ -175,7 +161,7 @@ def load_from(files, state, model, optimizer, load_optimizer: bool = True) -> di
     finally:
         files.close()
     client = {k: v for k, v in head.items() if k not in ("module", "param_shapes", "optimizer")}
-    same_tp_pp = tuple(_source_tp_pp(head)) == (state.tp_size, state.pp_size)
+    same_tp_pp = header_tp_pp(head) == (state.tp_size, state.pp_size)
     client["rng_state"] = rank_rng_state(client.get("rng_state"), state.dp_rank) if same_tp_pp else None
     return client
 

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from .consolidate import SafetensorsStream
-from .universal_convert import param_numels
-from .universal_source import SourceCheckpoint
+from ..reshape.universal_convert import param_numels
+from ..reshape.universal_source import SourceCheckpoint
 
 DIRNAME = "model_16bit"
 INDEX = "model.safetensors.index.json"

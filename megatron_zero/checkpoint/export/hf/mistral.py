@@ -8,7 +8,7 @@ window is carried into an export's config.json unchanged.
 from __future__ import annotations
 
 
-from ...model.config import GPTConfig
+from ....model.config import GPTConfig
 from . import llama
 
 HF_ARCHITECTURE = "MistralForCausalLM"

@@ -13,7 +13,7 @@ import zlib
 
 import crc32c as _crc32c
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 WRITE_ALGORITHM = "crc32c"
 _UPDATE = {

@@ -18,7 +18,7 @@ from typing import Dict, Iterable, List
 import torch
 from safetensors import safe_open
 
-from ..errors import CheckpointError
+from ...errors import CheckpointError
 
 BIN_REMAP_BYTES = 256 << 20  # a .bin's mapping is dropped (and made afresh) after this much has been read
 WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json",

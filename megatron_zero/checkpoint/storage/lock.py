@@ -25,7 +25,7 @@ import os
 import socket
 from typing import Optional
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 LOCK_NAME = ".megatron_zero.lock"
 

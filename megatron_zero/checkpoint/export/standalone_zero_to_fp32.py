@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Consolidate a ZeRO 1/2/3 checkpoint (DeepSpeed layout, any TP x PP x DP) into one fp32 state dict.
 
-Copied into every checkpoint megatron_zero writes, with safe_pickle.py beside it; needs only torch
-(no deepspeed, no megatron_zero):
+The standalone script copied, as `zero_to_fp32.py` (the name DeepSpeed users expect), into every
+checkpoint megatron_zero writes, with safe_pickle.py beside it; needs only torch (no deepspeed, no
+megatron_zero). The full tool, with safetensors output and --dtype, is tools/zero_to_fp32.py.
 
     python zero_to_fp32.py <checkpoint_dir> <output.pt> [--tag global_step100]
 
@@ -25,10 +26,10 @@ from collections import OrderedDict
 
 import torch
 
-try:  # beside this script in a checkpoint (or in megatron_zero/checkpoint/)
+try:  # beside this script in a checkpoint (else imported from the package)
     from safe_pickle import RefusedGlobal, safe_load
 except ImportError:
-    from megatron_zero.checkpoint.safe_pickle import RefusedGlobal, safe_load
+    from megatron_zero.checkpoint.storage.safe_pickle import RefusedGlobal, safe_load
 
 
 def _load(path):

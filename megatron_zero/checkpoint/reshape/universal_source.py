@@ -13,23 +13,20 @@ keys (`checkpoint_parallel_dimensions`, `layer_*` files, `args`).
 from __future__ import annotations
 
 import os
-import re
 from collections import OrderedDict
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..topology import Layout
-from ..zero.partition import zero3_group_offsets
-from .errors import CheckpointError
-from ..model.sharding import merge_sub_params
-from .reader import open_directory
-from .universal_info import SUB_PARAMS_PATTERNS, UNIVERSAL_CHECKPOINT_INFO, MergeRule, merge_rule
+from ...topology import Layout
+from ...zero.partition import zero3_group_offsets
+from ...model.sharding import merge_sub_params
+from ..errors import CheckpointError
+from ..format import (LAYER_FILE, MODEL_FILE, SUB_PARAMS_PATTERNS, UNIVERSAL_CHECKPOINT_INFO, ZERO3_MODEL_FILE, ZERO_FILE,
+                     header_tp_pp)
+from ..storage.reader import open_directory
+from .universal_info import MergeRule, merge_rule
 
-ZERO_FILE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-MODEL_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
-ZERO3_MODEL_FILE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
-LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
 
 
 def _with_swiglu_patterns(info: dict, args) -> dict:
@@ -104,17 +101,11 @@ class SourceCheckpoint:
                         self.params.append((name, pp))
 
     def _tp_pp(self, head: dict, mp_size: int) -> Tuple[int, int]:
-        dims = head.get("checkpoint_parallel_dimensions")
-        if isinstance(dims, dict) and dims.get("tp_degree") and dims.get("pp_degree"):
-            tp, pp = int(dims["tp_degree"]), int(dims["pp_degree"])
-        elif self.layer_files:
+        tp, pp = header_tp_pp(head)
+        if not (tp and pp) and self.layer_files:  # the layer files name their TP ranks
             tp = len({LAYER_FILE.match(f).group(2) for f in self.layer_files})
-            pp = mp_size // tp
-        else:
-            args = head.get("args")
-            args = vars(args) if not isinstance(args, dict) and args is not None else (args or {})
-            tp = int(args.get("tensor_model_parallel_size", mp_size))
-            pp = mp_size // tp
+        tp = tp or mp_size
+        pp = pp or mp_size // tp
         if tp * pp != mp_size:
             raise CheckpointError(f"{self.directory}: TP {tp} x PP {pp} does not match its {mp_size} model-parallel "
                                   "ranks of ZeRO files")

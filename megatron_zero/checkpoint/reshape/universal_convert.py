@@ -31,11 +31,11 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .errors import CheckpointError
-from .checksum import file_checksum
-from .manifest import write_manifest
-from .tensor_io import save_file
-from .universal_info import STATE_KEYS, SUB_PARAMS_KEY
+from ..errors import CheckpointError
+from ..storage.checksum import file_checksum
+from ..format import LATEST_UNIVERSAL, STATE_KEYS, SUB_PARAMS_KEY
+from ..storage.manifest import write_manifest
+from ..storage.tensor_io import save_file
 from .universal_source import SourceCheckpoint, StageReader
 
 BATCH_ELEMENTS = 4 << 20  # per task: bounds the mapped pages a worker touches before it unmaps them
@@ -222,7 +222,7 @@ def convert_to_universal(input_folder: str, output_folder: str, merge_workers: i
     finally:
         _SRC = None
     root, name = os.path.split(output_folder)
-    with open(os.path.join(root or ".", "latest_universal"), "w") as f:
+    with open(os.path.join(root or ".", LATEST_UNIVERSAL), "w") as f:
         f.write(name)
     return {"params": len(src.params), "bytes": total_bytes, "seconds": time.monotonic() - start,
             "layout": str(src.layout), "zero_stage": src.zero_stage, "mismatched": mismatched}

@@ -27,12 +27,13 @@ from typing import Dict, Iterator, List, Tuple
 import torch
 from safetensors.torch import load_file
 
-from .errors import CheckpointError
-from .reader import open_directory
-from .torch_zip_writer import TensorBytesWriter, TorchZipWriter, cpu_contiguous
-from .universal_convert import Progress, batches
-from .universal_load import find_universal_dir
-from .universal_source import SourceCheckpoint
+from ..errors import CheckpointError
+from ..format import LATEST
+from ..storage.reader import open_directory
+from ..storage.torch_zip_writer import TensorBytesWriter, TorchZipWriter, cpu_contiguous
+from ..reshape.universal_convert import Progress, batches
+from ..reshape.universal_load import find_universal_dir
+from ..reshape.universal_source import SourceCheckpoint
 
 DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
                torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
@@ -53,9 +54,9 @@ def resolve_checkpoint_dir(path: str, tag: str = None) -> str:
     if tag:
         return os.path.join(path, tag)
     universal = find_universal_dir(path)
-    if universal is not None and not os.path.isfile(os.path.join(path, "latest")):
+    if universal is not None and not os.path.isfile(os.path.join(path, LATEST)):
         return universal
-    latest = os.path.join(path, "latest")
+    latest = os.path.join(path, LATEST)
     if os.path.isfile(latest):
         with open(latest) as f:
             return os.path.join(path, f.read().strip())

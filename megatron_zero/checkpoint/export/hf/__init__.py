@@ -27,8 +27,8 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Optional
 
-from ...model.config import GPTConfig
-from ..errors import CheckpointError
+from ....model.config import GPTConfig
+from ...errors import CheckpointError
 from . import gpt2, llama, mistral
 from .mapping import TensorMapping
 

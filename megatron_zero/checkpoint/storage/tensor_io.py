@@ -30,7 +30,7 @@ import torch
 import torch.serialization
 
 from .checksum import Checksum, algorithm_of
-from .errors import CheckpointError, crash_point
+from ..errors import CheckpointError, crash_point
 from .safe_pickle import RefusedGlobal, safe_load
 
 CHUNK_BYTES = 8 << 20

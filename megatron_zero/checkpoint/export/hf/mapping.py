@@ -12,7 +12,7 @@ from typing import Callable, List, Tuple
 
 import torch
 
-from ...model.config import GPTConfig
+from ....model.config import GPTConfig
 
 Tensors = List[torch.Tensor]
 

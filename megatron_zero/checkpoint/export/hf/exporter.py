@@ -20,10 +20,11 @@ from typing import Optional
 import torch
 
 from ..consolidate import fp32_source, resolve_checkpoint_dir, write_safetensors_shards
-from ..errors import CheckpointError
-from ..reader import open_directory
-from ..saved_config import saved_args, saved_config
-from ..universal_load import find_universal_dir
+from ...errors import CheckpointError
+from ...format import MODEL_FILE
+from ...storage.reader import open_directory
+from ...saved_config import saved_args, saved_config
+from ...reshape.universal_load import find_universal_dir
 from . import for_config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -42,7 +43,7 @@ def shape_reader(directory: str, verify: bool = True):
 
 
 def _head(directory: str, verify: bool = True) -> dict:
-    files = [f for f in sorted(os.listdir(directory)) if f.startswith("mp_rank_") and f.endswith("_model_states.pt")]
+    files = [f for f in sorted(os.listdir(directory)) if MODEL_FILE.match(f)]
     return open_directory(directory, verify).load(files[0]) if files else {}
 
 

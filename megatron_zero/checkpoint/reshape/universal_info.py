@@ -18,18 +18,9 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from ..model.params import (BLOCK_PARAMS, LM_HEAD_SUFFIX, POSITION_EMBEDDINGS, UNTIED_POSITION_EMBEDDINGS,
+from ...model.params import (BLOCK_PARAMS, LM_HEAD_SUFFIX, POSITION_EMBEDDINGS, UNTIED_POSITION_EMBEDDINGS,
                             UNTIED_WORD_EMBEDDINGS, WORD_EMBEDDINGS)
-
-UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"
-VOCAB_PATTERNS = "vocabulary_parameter_patterns"
-PIPELINE_REPLICATED_PATTERNS = "pipeline_replicated_parameter_patterns"
-TP_REPLICATED_PATTERNS = "tp_replicated_parameter_patterns"
-ROW_PARALLEL_PATTERNS = "parameter_with_row_parallelism_patterns"
-TO_AVERAGE_PATTERNS = "parameter_to_average_patterns"
-SUB_PARAMS_PATTERNS = "parameter_with_2_sub_params_cat_dim_0"
-SUB_PARAMS_KEY = "param_n_sub_params"  # in a universal file: DeepSpeed's name for the sub-parameter count
-STATE_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
+from ..format import ROW_PARALLEL_PATTERNS, SUB_PARAMS_PATTERNS, TO_AVERAGE_PATTERNS, TP_REPLICATED_PATTERNS, VOCAB_PATTERNS
 _LM_HEAD = re.compile(r"\d+\." + re.escape(LM_HEAD_SUFFIX) + "$")
 
 
@@ -77,7 +68,3 @@ def pattern_rule(name: str, info: Optional[dict]) -> MergeRule:
 
 def merge_rule(name: str, info: Optional[dict]) -> MergeRule:
     return gpt_rule(name, info) or pattern_rule(name, info)
-
-
-def is_pipeline_replicated(name: str, info: Optional[dict]) -> bool:
-    return _matches((info or {}).get(PIPELINE_REPLICATED_PATTERNS), name)

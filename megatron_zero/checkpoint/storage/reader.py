@@ -18,7 +18,7 @@ import sys
 from typing import Any, Optional
 
 from .commit import read_latest
-from .errors import CheckpointError
+from ..errors import CheckpointError
 from .manifest import MANIFEST, read_manifest, verify_sizes
 from .tensor_io import load_file, verify_file
 

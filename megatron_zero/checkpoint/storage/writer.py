@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .commit import commit, new_save_id, tmp_dir
-from .errors import CheckpointError
+from ..errors import CheckpointError
 from .manifest import parts_present, write_part
 from .checksum import file_checksum
 from .tensor_io import map_tensors, save_file
