@@ -19,7 +19,7 @@ from megatron_zero.pipeline.gpt_stage import (activation_shape, build_gpt_stage,
 from megatron_zero.pipeline.p2p import P2P
 from megatron_zero.pipeline.schedule import broadcast_loss, forward_backward
 from megatron_zero.testing import run_ranks
-from megatron_zero.testing.tiny_gpt import tiny_gpt_config
+from megatron_zero.testing.tiny_gpt import tiny_gpt_config, without_key_bias
 from megatron_zero.topology import build_parallel_state
 from megatron_zero.training import param_groups
 from megatron_zero.zero import ZeroOptimizer
@@ -97,17 +97,6 @@ def rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
-def without_key_bias(name, t):
-    """Drop the key entries of the QKV bias: softmax is shift-invariant, so their gradient is exactly
-    zero in exact arithmetic and Adam (m / (sqrt(v) + eps)) turns each layout's roundoff (~1e-10)
-    into updates of size ~lr * 1e-2. They cannot change the loss, which is compared exactly above."""
-    if not name.endswith("query_key_value.bias"):
-        return t
-    c = config()
-    per_head = t.view(c.num_attention_heads, 3, c.head_dim)
-    return torch.cat([per_head[:, 0], per_head[:, 2]], dim=1).reshape(-1)
-
-
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
     root = tmp_path_factory.mktemp("universal")
@@ -131,7 +120,7 @@ def check_resume(baseline, results):
     got = full_weights(results)
     assert set(got) == set(baseline["weights"])
     for name, w in baseline["weights"].items():
-        a, b = without_key_bias(name, got[name]), without_key_bias(name, w)
+        a, b = without_key_bias(name, got[name], config()), without_key_bias(name, w, config())
         assert rel(a, b) <= 1e-5, (name, rel(a, b))
 
 
