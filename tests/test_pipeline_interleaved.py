@@ -21,13 +21,11 @@ from megatron_zero.pipeline.interleaved_schedule import (chunk_of, forward_backw
 from megatron_zero.pipeline.partition import virtual_stage_layer_ranges
 from megatron_zero.pipeline.schedule import ScheduleStats, broadcast_loss
 from megatron_zero.testing import run_ranks
+from megatron_zero.testing.toy_pipeline import H, MB, toy_batches, toy_layers, toy_reference
 from megatron_zero.testing.train_step import pipeline_train_step
 from megatron_zero.testing.tiny_gpt import tiny_gpt_config, without_key_bias
 from megatron_zero.topology import build_parallel_state
 from megatron_zero.zero import ZeroOptimizer
-
-H, MB = 8, 3
-
 
 # ---- the order ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("pp,v,m", [(2, 2, 4), (4, 2, 8), (3, 3, 6)])
@@ -53,28 +51,6 @@ def test_layers_of_virtual_stages():
 
 
 # ---- the toy pipeline ---------------------------------------------------------------------------
-def toy_layers(n):
-    torch.manual_seed(0)
-    return [torch.nn.Linear(H, H) for _ in range(n)]
-
-
-def toy_batches(m):
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randn(MB, H, generator=g), torch.randn(MB, H, generator=g)) for _ in range(m)]
-
-
-def toy_reference(stages, m):
-    layers = toy_layers(stages)
-    total = 0.0
-    for x, target in toy_batches(m):
-        for layer in layers:
-            x = torch.tanh(layer(x))
-        loss = torch.nn.functional.mse_loss(x, target) / m
-        loss.backward()
-        total += loss.item()
-    return total, [layer.weight.grad.clone() for layer in layers]
-
-
 def toy_interleaved(v, m, forward_only):
     state = build_parallel_state(tp=1, pp=dist.get_world_size())
     r, pp = state.pp_rank, state.pp_size
