@@ -187,3 +187,77 @@ def test_gpt_interleaved_matches_reference(tp, dp, stage, overrides, overlap):
     for name in first:  # the tied embedding's two copies stayed identical
         if name.startswith("tied_modules."):
             assert torch.equal(first[name], last[name]), name
+
+
+# ---- flags ----------------------------------------------------------------------------------------
+GOOD = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3", "--train-iters", "10",
+        "--pipeline-model-parallel-size", "2"]
+
+
+def validated(argv, world):
+    from megatron_zero.arguments import ArgumentError, build_parser, validate_args
+    try:
+        return validate_args(build_parser().parse_args(argv), world)
+    except ArgumentError as err:
+        return str(err)
+
+
+def test_flag_gives_chunks_per_rank():
+    assert validated(GOOD + ["--num-layers-per-virtual-pipeline-stage", "2"], 2).virtual_pipeline_model_parallel_size == 2
+    assert validated(GOOD + ["--num-layers-per-virtual-pipeline-stage", "4"], 2).virtual_pipeline_model_parallel_size == 1
+    assert validated(GOOD, 2).virtual_pipeline_model_parallel_size == 1
+
+
+@pytest.mark.parametrize("extra,world,words", [
+    (["--pipeline-model-parallel-size", "1"], 1, ["--pipeline-model-parallel-size of at least 2, not 1"]),
+    (["--num-layers-per-virtual-pipeline-stage", "3"], 2, ["--num-layers 8", "x --num-layers-per-virtual"]),
+    (["--global-batch-size", "6"], 2, ["3 micro-batches", "not divisible by --pipeline-model-parallel-size 2"]),
+    (["--pipeline-partition", "3,5"], 2, ["--pipeline-partition"]),
+])
+def test_bad_combinations_are_one_sentence(extra, world, words):
+    argv = GOOD + ["--num-layers-per-virtual-pipeline-stage", "2"] + extra
+    err = validated(argv, world)
+    assert isinstance(err, str) and "\n" not in err, err
+    for word in words:
+        assert word in err, err
+
+
+# ---- pretrain_gpt.py: save interleaved, resume elsewhere and back ----------------------------------
+def test_pretrain_saves_and_resumes_across_layouts(builtin_corpus, tmp_path):
+    """Interleaved PP2 x v2 trains 8 iterations, saving at 3, 6 and 8. From its checkpoints: plain PP4
+    (reshaped), then interleaved PP2 x DP2 from PP4's (reshaped), the same layout, and plain PP2 from
+    tools/ds_to_universal.py's conversion each continue its losses to relative 1e-5."""
+    import os
+    import subprocess
+    import sys
+
+    from megatron_zero.testing.launch import ROOT, losses_from_log, model_flags, torchrun
+
+    data, tok = builtin_corpus
+
+    def run(nproc, start, pp, interleaved, **extra):
+        flags = {"num-layers": 4, "train-iters": 8, "pipeline-model-parallel-size": pp,
+                 "num-layers-per-virtual-pipeline-stage": 1 if interleaved else None,
+                 "data-cache-path": tmp_path / "cache", **extra}
+        out = torchrun(nproc, model_flags(data, tok, **flags), timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        losses = losses_from_log(out.stdout)
+        assert len(losses) == 8 - start, out.stdout[-2000:]
+        return losses
+
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    whole = run(2, 0, 2, True, save=a, **{"save-interval": 3})
+
+    def continues(losses, start):
+        assert losses == pytest.approx(whole[start:], rel=1e-5)
+
+    continues(run(4, 3, 4, False, load=os.path.join(a, "global_step3"), save=b, **{"save-interval": 4}), 3)
+    continues(run(4, 4, 2, True, load=os.path.join(b, "global_step4")), 4)
+    continues(run(2, 6, 2, True, load=os.path.join(a, "global_step6")), 6)
+    universal = os.path.join(a, "global_step6_universal")
+    conv = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "ds_to_universal.py"), "--input_folder",
+                           os.path.join(a, "global_step6"), "--output_folder", universal],
+                          capture_output=True, text=True, timeout=120)
+    assert conv.returncode == 0, conv.stderr
+    continues(run(2, 6, 2, False, load=universal, **{"universal-checkpoint": True}), 6)
