@@ -29,7 +29,7 @@ from ..model.layers import EMBEDDING_INDEX, block_layer_index, final_norm_index,
 from ..model.params import layer_param_names, param_spec
 from ..topology import ParallelState
 from .p2p import P2P
-from .partition import stage_layer_ranges, virtual_stage_layer_ranges
+from .partition import PartitionError, stage_layer_ranges, virtual_stage_layer_ranges
 
 
 def build_gpt_stage(config, state: ParallelState, partition_method: str = "uniform",
@@ -38,6 +38,9 @@ def build_gpt_stage(config, state: ParallelState, partition_method: str = "unifo
     """This rank's stage (its `virtual_stages` model chunks), its parameters created on `device` (the
     initial values are drawn on the host)."""
     if virtual_stages > 1:
+        if explicit_partition is not None or partition_method != "uniform":
+            raise PartitionError("an interleaved pipeline splits the layers uniformly into virtual stages; it "
+                                 "takes no explicit or parameter-balanced partition")
         chunks = virtual_stage_layer_ranges(config.num_layers, state.pp_size, virtual_stages)[state.pp_rank]
     else:
         chunks = [stage_layer_ranges(config.num_layers, state.pp_size, method=partition_method,
