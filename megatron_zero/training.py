@@ -36,8 +36,8 @@ from .lr_schedule import build_lr_schedule
 from .model.config import GPTConfig, architecture_kwargs
 from .ops import kernel_report, set_fusion_flags
 from .checkpoint.save import saved_layout
-from .pipeline.gpt_stage import (activation_shape, build_gpt_stage, make_forward_step, stage_p2p,
-                                 sync_tied_embedding_grads)
+from .pipeline.gpt_stage import (activation_shape, build_gpt_stage, grad_reduce_arming, make_forward_step,
+                                 stage_p2p, sync_tied_embedding_grads)
 from .pipeline.interleaved_schedule import schedule_for
 from .pipeline.schedule import broadcast_loss
 from .rng_state import get_rng_state, set_rng_state
@@ -182,7 +182,7 @@ class Trainer:
             step = timers.timed(make_forward_step(self.model, micro, s), "forward-compute", 2)
             losses = self.forward_backward(step, len(micro), self.train_p2p, s.pp_rank, s.pp_size,
                                            backward_loss=self.optimizer.backward,
-                                           before_last_backward=self.optimizer.arm_grad_reduce)
+                                           before_last_backward=grad_reduce_arming(self.model, self.optimizer))
         with timers("embedding-grads-all-reduce", 2):
             sync_tied_embedding_grads(self.model, s)
         lr = self.schedule.lr()

@@ -140,6 +140,9 @@ def gpt_interleaved(tp, pp, stage, overrides, overlap, v=2):
                         overlap_grad_reduce=overlap, **HP)
     p2p = stage_p2p(state, activation_shape(GPT_MB, cfg, tp), torch.float32, virtual_stages=v)
     r, dp, losses, norms = state.dp_rank, state.dp_size, [], []
+    armed, arm = [], opt.impl.arm if overlap else None
+    if overlap:  # record which parameters each chunk's last backward arms
+        opt.impl.arm = lambda params=None: (armed.append(None if params is None else len(params)), arm(params))
     for step in range(STEPS):
         tokens, labels = batch(step, dp)
         micro = [{"tokens": tokens[j * GPT_MB * dp + r * GPT_MB:][:GPT_MB],
@@ -147,7 +150,8 @@ def gpt_interleaved(tp, pp, stage, overrides, overlap, v=2):
         loss, norm = pipeline_train_step(model, opt, state, p2p, micro)
         losses.append(loss)
         norms.append(float(norm))
-    return state.layout.coords(state.rank), losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return state.layout.coords(state.rank), losses, norms, weights, armed
 
 
 def gathered(results):
@@ -168,9 +172,11 @@ def test_gpt_interleaved_matches_reference(tp, dp, stage, overrides, overlap):
     ref_losses, ref_norms, ref_weights = gpt_reference(dp)
     cfg = tiny_gpt_config()
     results = run_ranks(gpt_interleaved, tp * 2 * dp, tp, 2, stage, overrides, overlap, timeout=300)
-    for _, losses, norms, _ in results:
+    for _, losses, norms, _, armed in results:
         assert losses == pytest.approx(ref_losses, rel=1e-5)
         assert norms == pytest.approx(ref_norms, rel=1e-5)
+        if overlap:  # each step armed each of the 2 chunks' own parameters, once
+            assert len(armed) == 2 * STEPS and all(n for n in armed), armed
     weights = gathered(results)
     assert set(weights) == set(ref_weights)
     if tp == 1:

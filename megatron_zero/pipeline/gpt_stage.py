@@ -97,6 +97,18 @@ def make_forward_step(model: GPTModel, micro_batches: List[dict], state: Paralle
     return forward_step
 
 
+def grad_reduce_arming(model: GPTModel, optimizer) -> Callable:
+    """The schedules' `before_last_backward`: plain 1F1B calls it with no chunk (every gradient is ready
+    after that backward), the interleaved schedule with the chunk whose last backward comes next (that
+    chunk's parameters are; the tied embedding's are reduced at the step anyway)."""
+    def arm(chunk=None):
+        if chunk is None:
+            return optimizer.arm_grad_reduce()
+        modules = [model._modules[str(i)] for i in model.chunks[chunk] if str(i) in model._modules]
+        optimizer.arm_grad_reduce([p for module in modules for p in module.parameters()])
+    return arm
+
+
 def stage_p2p(state: ParallelState, shape, dtype, device: torch.device = HOST, virtual_stages: int = 1) -> P2P:
     """This stage's transfers: to its neighbours, or, interleaved, around the ring of pipeline ranks."""
     if virtual_stages == 1:

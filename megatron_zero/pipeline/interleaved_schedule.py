@@ -14,9 +14,9 @@ rules for who sends and receives, so every rank's batches pair up with its neigh
 
 `forward_step(i, x, chunk)` runs chunk `chunk` on micro-batch i (x: the received activation, None on
 the first rank's chunk 0) and returns its output, or on the last rank's last chunk the loss / M.
-`backward_loss(loss)` starts that chunk's backward (the optimizer's). `before_last_backward()` runs
-just before the rank's last backward (micro-batch M - 1 on chunk 0): with --overlap-grad-reduce,
-chunk 0's gradients are reduced during it, the other chunks' (complete by then) at the step.
+`backward_loss(loss)` starts that chunk's backward (the optimizer's). `before_last_backward(chunk)`
+runs just before each chunk's last backward (micro-batch M - 1): Megatron's per-chunk grad-sync
+switch, with --overlap-grad-reduce each chunk's gradients are reduced during that backward.
 """
 from __future__ import annotations
 
@@ -92,8 +92,8 @@ def forward_backward_interleaved(forward_step: Callable, num_micro_batches: int,
         if virtual_last(chunk) and not grads[chunk]:
             grads[chunk].append(None)
         x, y, grad_y = inputs[chunk].pop(0), outputs[chunk].pop(0), grads[chunk].pop(0)
-        if k == total - 1 and before_last_backward is not None:
-            before_last_backward()
+        if micro_batch_of(k, pp, v) == m - 1 and before_last_backward is not None:
+            before_last_backward(chunk)
         if virtual_last(chunk):
             backward_loss(y)
         else:
