@@ -231,7 +231,7 @@ def test_bad_combinations_are_one_sentence(extra, world, words):
 
 # ---- pretrain_gpt.py: save interleaved, resume elsewhere and back ----------------------------------
 def test_pretrain_saves_and_resumes_across_layouts(builtin_corpus, tmp_path):
-    """Interleaved PP2 x v2 trains 8 iterations, saving at 3, 6 and 8. From its checkpoints: plain PP4
+    """Interleaved PP2 x v2 (with --overlap-grad-reduce) trains 8 iterations, saving at 3, 6 and 8. From its checkpoints: plain PP4
     (reshaped), then interleaved PP2 from PP4's (reshaped), the same layout, and plain PP2 from
     tools/ds_to_universal.py's conversion each continue its losses to relative 1e-5."""
     import os
@@ -253,7 +253,7 @@ def test_pretrain_saves_and_resumes_across_layouts(builtin_corpus, tmp_path):
         return losses
 
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    whole = run(2, 0, 2, True, save=a, **{"save-interval": 3})
+    whole = run(2, 0, 2, True, save=a, **{"save-interval": 3, "overlap-grad-reduce": True})
 
     def continues(losses, start):
         assert losses == pytest.approx(whole[start:], rel=1e-5)
