@@ -33,9 +33,10 @@ from .throughput import gpt_flops_per_iteration
 from .lr_schedule import build_lr_schedule
 from .model.config import GPTConfig, architecture_kwargs
 from .ops import kernel_report, set_fusion_flags
-from .pipeline.gpt_stage import activation_shape, build_gpt_stage, make_forward_step, sync_tied_embedding_grads
-from .pipeline.p2p import P2P
-from .pipeline.schedule import broadcast_loss, forward_backward
+from .pipeline.gpt_stage import (activation_shape, build_gpt_stage, grad_reduce_arming, make_forward_step,
+                                 stage_p2p, sync_tied_embedding_grads)
+from .pipeline.interleaved_schedule import schedule_for
+from .pipeline.schedule import broadcast_loss
 from .rng_state import get_rng_state, set_rng_state
 from .tensor_parallel.random import model_parallel_seed
 from .timers import TimedCalls
@@ -88,7 +89,8 @@ class Trainer:
             recompute_num_layers=args.recompute_num_layers, attention_backend=args.attention_backend,
             sequence_parallel=args.sequence_parallel)
         self.model = build_gpt_stage(self.config, state, args.pipeline_partition_method, args.pipeline_partition,
-                                     device=self.device)
+                                     device=self.device, virtual_stages=args.virtual_pipeline_model_parallel_size)
+        self.forward_backward = schedule_for(args.virtual_pipeline_model_parallel_size)
         loss_scaler = {"dynamic": args.loss_scale is None, "static_scale": args.loss_scale or 1.0,
                        "initial_scale_power": int(math.log2(args.initial_loss_scale)),
                        "scale_window": args.loss_scale_window, "min_scale": args.min_loss_scale,
@@ -107,9 +109,8 @@ class Trainer:
             if args.zero_hpz_partition_size > 1 else None, device=self.device)
         self.lr_schedule = build_lr_schedule(args)
         self.progress = TrainState()
-        self.p2p = P2P(state.prev_rank, state.next_rank,
-                       activation_shape(args.micro_batch_size, self.config, state.tp_size), DTYPES[args.params_dtype],
-                       self.device)
+        self.p2p = stage_p2p(state, activation_shape(args.micro_batch_size, self.config, state.tp_size),
+                             DTYPES[args.params_dtype], self.device, args.virtual_pipeline_model_parallel_size)
         writer_rank = state.layout.rank(state.pp_size - 1, 0, 0)
         self.is_writer = state.rank == writer_rank
         flops = gpt_flops_per_iteration(args.global_batch_size, args.seq_length, args.num_layers, args.hidden_size,
@@ -151,9 +152,9 @@ class Trainer:
         self.model.train()
         with timers("forward-backward", 1):
             step = timers.timed(make_forward_step(self.model, micro, s), "forward-compute", 2)
-            losses = forward_backward(step, len(micro), self.train_p2p, s.pp_rank, s.pp_size,
-                                      backward_loss=self.optimizer.backward,
-                                      before_last_backward=self.optimizer.arm_grad_reduce)
+            losses = self.forward_backward(step, len(micro), self.train_p2p, s.pp_rank, s.pp_size,
+                                           backward_loss=self.optimizer.backward,
+                                           before_last_backward=grad_reduce_arming(self.model, self.optimizer))
         with timers("embedding-grads-all-reduce", 2):
             sync_tied_embedding_grads(self.model, s)
         lr = self.lr_schedule.lr()
@@ -171,8 +172,8 @@ class Trainer:
         total = 0.0
         for k in range(a.eval_iters):
             micro = self._micro_batches(self.valid_ds, k * a.global_batch_size)
-            losses = forward_backward(make_forward_step(self.model, micro, s), len(micro), self.p2p, s.pp_rank,
-                                      s.pp_size, forward_only=True)
+            losses = self.forward_backward(make_forward_step(self.model, micro, s), len(micro), self.p2p,
+                                           s.pp_rank, s.pp_size, forward_only=True)
             total += broadcast_loss(losses, s.is_last_stage, s.layout.pp_group(s.rank)[-1], s.pp_group,
                                     s.dp_group, self.device)
         return total / max(1, a.eval_iters)

@@ -12,21 +12,11 @@ import torch
 from megatron_zero.checkpoint.reshape.universal_convert import convert_to_universal
 from megatron_zero.testing import run_ranks
 from megatron_zero.testing.layout_train import ITERS, SAVE_AT, config, full_weights, train
+from megatron_zero.testing.tiny_gpt import without_key_bias
 
 
 def rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
-
-
-def without_key_bias(name, t):
-    """Drop the key entries of the QKV bias: softmax is shift-invariant, so their gradient is exactly
-    zero in exact arithmetic and Adam (m / (sqrt(v) + eps)) turns each layout's roundoff (~1e-10)
-    into updates of size ~lr * 1e-2. They cannot change the loss, which is compared exactly above."""
-    if not name.endswith("query_key_value.bias"):
-        return t
-    c = config()
-    per_head = t.view(c.num_attention_heads, 3, c.head_dim)
-    return torch.cat([per_head[:, 0], per_head[:, 2]], dim=1).reshape(-1)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +42,7 @@ def check_resume(baseline, results):
     got = full_weights(results)
     assert set(got) == set(baseline["weights"])
     for name, w in baseline["weights"].items():
-        a, b = without_key_bias(name, got[name]), without_key_bias(name, w)
+        a, b = without_key_bias(name, got[name], config()), without_key_bias(name, w, config())
         assert rel(a, b) <= 1e-5, (name, rel(a, b))
 
 

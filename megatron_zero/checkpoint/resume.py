@@ -23,6 +23,7 @@ from .storage.commit import committed_tags, read_latest
 from .errors import CheckpointError
 from .format import LATEST, LATEST_UNIVERSAL, MODEL_FILE, ZERO3_MODEL_FILE
 from .load import load_checkpoint
+from .save import saved_layout
 from .storage.manifest import MANIFEST
 from .storage.reader import open_directory
 from .reshape.universal_load import find_universal_dir, load_reshaped_checkpoint, load_universal_checkpoint
@@ -99,7 +100,7 @@ def resume_checkpoint(path: str, state, model, optimizer, load_optimizer: bool =
         return load_universal_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify)
     meta = open_directory(point.directory, verify).meta
     saved = meta.get("layout")
-    here = {"tp": state.tp_size, "pp": state.pp_size, "dp": state.dp_size}
+    here = saved_layout(state, model)  # an interleaved pipeline holds other layers: reshaped
     same_stage_family = (meta.get("zero_stage", optimizer.stage) == 3) == (optimizer.stage == 3)
     if saved is not None and (saved != here or not same_stage_family):
         return load_reshaped_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify)

@@ -79,6 +79,14 @@ def build_plan(iteration: int, state: ParallelState, model, optimizer, client: d
     return plan
 
 
+def saved_layout(state: ParallelState, model) -> dict:
+    """The layout a checkpoint records (and a resume compares): TP, PP, DP, and the model chunks per
+    pipeline rank ("vp") of an interleaved pipeline."""
+    layout = state.layout
+    vp = len(getattr(model, "chunks", [None]))
+    return {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, **({"vp": vp} if vp > 1 else {})}
+
+
 def save_checkpoint(save_dir: str, iteration: int, state: ParallelState, model, optimizer, client_state: dict,
                     async_save: bool = False, keep_last_k: Optional[int] = None, tag: Optional[str] = None,
                     save_latest: bool = True) -> str:
@@ -89,8 +97,7 @@ def save_checkpoint(save_dir: str, iteration: int, state: ParallelState, model, 
     writer.wait()  # the previous async save must be done before its buffers/state are reused
     client = _client(client_state, state, iteration)
     plan = build_plan(iteration, state, model, optimizer, client)
-    layout = state.layout
-    meta = {"layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp}, "zero_stage": optimizer.stage,
+    meta = {"layout": saved_layout(state, model), "zero_stage": optimizer.stage,
             "model": {"num_layers": model.config.num_layers, "hidden_size": model.config.hidden_size,
                       "vocab_size": model.config.vocab_size}}
     writer.save(save_dir, tag, plan, iteration=iteration, meta=meta, async_save=async_save,
