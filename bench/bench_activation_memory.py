@@ -34,7 +34,7 @@ import torch  # noqa: E402
 
 from megatron_zero.model.config import GPTConfig  # noqa: E402
 from megatron_zero.model.gpt import GPTModel  # noqa: E402
-from megatron_zero.model.layers import block_layer_index  # noqa: E402
+from megatron_zero.model.layer_indices import block_layer_index  # noqa: E402
 from megatron_zero.tensor_parallel import model_parallel_seed  # noqa: E402
 from megatron_zero.testing import run_ranks  # noqa: E402
 from megatron_zero.topology import build_parallel_state  # noqa: E402

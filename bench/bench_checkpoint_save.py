@@ -58,7 +58,7 @@ def batch(cfg):
 
 
 def state_bytes(model, opt_sd):
-    from megatron_zero.checkpoint.tensor_io import map_tensors
+    from megatron_zero.checkpoint.storage.tensor_io import map_tensors
     seen = []
     map_tensors({"m": model.state_dict(), "o": opt_sd}, lambda t: seen.append(t.numel() * t.element_size()))
     return sum(seen)
@@ -81,7 +81,7 @@ def all_saves(a, root):
     disk's drift hits all alike."""
     from megatron_zero.checkpoint import finalize_async_saves, save_checkpoint
     from megatron_zero.checkpoint.save import _client, build_plan
-    from megatron_zero.checkpoint.writer import CopyFile, get_writer
+    from megatron_zero.checkpoint.storage.writer import CopyFile, get_writer
     from megatron_zero.model.gpt import GPTModel
     from megatron_zero.topology import build_parallel_state
     from megatron_zero.zero import ZeroOptimizer
@@ -151,8 +151,8 @@ def phases(a, root):
     helper thread, overlapped), the outcome collectives (mostly waiting for the slower rank), the commit."""
     import collections
 
-    import megatron_zero.checkpoint.tensor_io as tio
-    import megatron_zero.checkpoint.writer as writer
+    import megatron_zero.checkpoint.storage.tensor_io as tio
+    import megatron_zero.checkpoint.storage.writer as writer
     from megatron_zero.checkpoint import save_checkpoint
     from megatron_zero.model.gpt import GPTModel
     from megatron_zero.topology import build_parallel_state

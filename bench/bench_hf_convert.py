@@ -55,9 +55,9 @@ CASES = {
     "transformers from_pretrained": ("", "m = transformers.{cls}.from_pretrained({src!r})"),
     "transformers save_pretrained": ("m = transformers.{cls}.from_pretrained({src!r})",
                                      "m.save_pretrained({out!r}, max_shard_size='2GB')"),
-    "ours convert_from_hf": ("from megatron_zero.checkpoint.hf.importer import import_hf",
+    "ours convert_from_hf": ("from megatron_zero.checkpoint.export.hf.importer import import_hf",
                              "import_hf({src!r}, {ckpt!r})"),
-    "ours convert_to_hf": ("from megatron_zero.checkpoint.hf.exporter import export_hf",
+    "ours convert_to_hf": ("from megatron_zero.checkpoint.export.hf.exporter import export_hf",
                            "export_hf({ckpt!r}, {back!r}, max_shard_size='2GB')"),
 }
 

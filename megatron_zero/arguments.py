@@ -13,7 +13,7 @@ from typing import List, Optional
 
 import torch
 
-from .checkpoint.reader import add_verify_flag
+from .checkpoint.storage.reader import add_verify_flag
 from .deepspeed_config import DeepSpeedConfigError, apply_deepspeed_config
 from .model.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, default_ffn_hidden_size
 
@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pipeline-partition-method", choices=["uniform", "parameters"], default="uniform")
     g.add_argument("--pipeline-partition", type=str, default=None,
                    help="explicit transformer layers per pipeline stage, e.g. 3,5")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="interleaved 1F1B: each pipeline rank holds --num-layers / (PP x N) model chunks of N "
+                        "layers (virtual stages); the micro-batches per step must be a multiple of PP")
     g.add_argument("--micro-batch-size", type=int, default=None)
     g.add_argument("--global-batch-size", type=int, default=None)
     g.add_argument("--zero-stage", type=int, default=1, choices=[0, 1, 2, 3])
@@ -151,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false")
     g.add_argument("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false")
     g.add_argument("--no-persist-layer-norm", dest="persist_layer_norm", action="store_false")
+    g.add_argument("--no-rope-fusion", dest="rope_fusion", action="store_false")
     g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion",
                    action="store_false")
 
@@ -263,6 +267,7 @@ def validate_args(args, world_size: int):
                  f"--pipeline-partition {args.pipeline_partition} must list {pp} positive layer counts "
                  f"(one per stage of --pipeline-model-parallel-size) summing to --num-layers {args.num_layers}")
         args.pipeline_partition = counts
+    _validate_virtual_pipeline(args, pp)
     _validate_memory_flags(args, tp)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
@@ -379,6 +384,29 @@ def _check_overlap(args):
     _require(not args.overlap_param_gather or stage >= 1,
              "--overlap-param-gather needs --use-distributed-optimizer (ZeRO-1) or --zero-stage 2 or 3: "
              "with --zero-stage 0 there are no parameters to gather")
+
+
+def _validate_virtual_pipeline(args, pp: int):
+    """--num-layers-per-virtual-pipeline-stage N -> args.virtual_pipeline_model_parallel_size, Megatron's rules."""
+    n, layers = args.num_layers_per_virtual_pipeline_stage, args.num_layers
+    args.virtual_pipeline_model_parallel_size = 1
+    if n is None:
+        return
+    _require(pp > 1, "--num-layers-per-virtual-pipeline-stage interleaves pipeline stages and needs "
+                     f"--pipeline-model-parallel-size of at least 2, not {pp}")
+    _require(n >= 1 and layers % (pp * n) == 0,
+             f"--num-layers {layers} is not divisible by --pipeline-model-parallel-size {pp} x "
+             f"--num-layers-per-virtual-pipeline-stage {n}; each pipeline rank holds chunks of N layers")
+    _require(args.pipeline_partition is None and args.pipeline_partition_method == "uniform",
+             "--pipeline-partition and --pipeline-partition-method parameters cannot be combined with "
+             "--num-layers-per-virtual-pipeline-stage, whose virtual stages hold N layers each")
+    args.virtual_pipeline_model_parallel_size = v = layers // (pp * n)
+    m = args.num_micro_batches
+    _require(v == 1 or m % pp == 0,
+             f"{m} micro-batches per step (--global-batch-size {args.global_batch_size} / (--micro-batch-size "
+             f"{args.micro_batch_size} x DP {args.data_parallel_size})) is not divisible by "
+             f"--pipeline-model-parallel-size {pp}, which the interleaved schedule of "
+             "--num-layers-per-virtual-pipeline-stage needs")
 
 
 def _validate_memory_flags(args, tp: int):

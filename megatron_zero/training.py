@@ -19,12 +19,10 @@ import torch.distributed as dist
 from . import checkpoint as ckpt
 from .arguments import ArgumentError, args_to_dict, parse_args
 from .checkpoint.compat import check_checkpoint_compat
-from .checkpoint.lock import hold_save_lock
+from .checkpoint.storage.lock import hold_save_lock
 from .checkpoint.preflight import check_save_dir, checkpoint_bytes
-from .checkpoint.reader import open_directory
-from .checkpoint.resume import find_resume_point, refuse_fresh_start_over
-from .checkpoint.save_16bit import save_16bit_model
-from .checkpoint.universal_load import load_reshaped_checkpoint, load_universal_checkpoint
+from .checkpoint.resume import refuse_fresh_start_over, resume_checkpoint
+from .checkpoint.export.save_16bit import save_16bit_model
 from .data import DataError, GlobalBatchSampler, build_tokenizer, build_train_valid_test_datasets, collate_gpt
 from .device import DeviceError, backend_for, select_device, to_device, use_device
 from .distributed import (LaunchError, another_rank_failed, init_distributed, is_peer_failure, read_launch_env,
@@ -35,9 +33,10 @@ from .throughput import gpt_flops_per_iteration
 from .lr_schedule import build_lr_schedule
 from .model.config import GPTConfig, architecture_kwargs
 from .ops import kernel_report, set_fusion_flags
-from .pipeline.gpt_stage import activation_shape, build_gpt_stage, make_forward_step, sync_tied_embedding_grads
-from .pipeline.p2p import P2P
-from .pipeline.schedule import broadcast_loss, forward_backward
+from .pipeline.gpt_stage import (activation_shape, build_gpt_stage, grad_reduce_arming, make_forward_step,
+                                 stage_p2p, sync_tied_embedding_grads)
+from .pipeline.interleaved_schedule import schedule_for
+from .pipeline.schedule import broadcast_loss
 from .rng_state import get_rng_state, set_rng_state
 from .tensor_parallel.random import model_parallel_seed
 from .timers import TimedCalls
@@ -66,33 +65,8 @@ def param_groups(model, weight_decay: float):
 
 def fusion_flags(args) -> dict:
     """Megatron's --no-*-fusion flags as megatron_zero.ops switches."""
-    return {name: getattr(args, name) for name in ("masked_softmax_fusion", "bias_gelu_fusion",
-                                                   "persist_layer_norm", "gradient_accumulation_fusion")}
-
-
-def load_any_checkpoint(path, state, model, optimizer, load_optimizer=True, universal=False, verify=True, log=print,
-                        check=None):
-    """Resume from what `path` names (checkpoint/resume.py): a universal checkpoint, a checkpoint saved
-    on this layout, or, saved on another TP/PP/DP or ZeRO stage, the same reshaped while loading.
-    `check(directory)` sees the chosen checkpoint directory before anything is loaded from it.
-    None when `path` holds no checkpoint."""
-    point = find_resume_point(path, universal, verify)
-    if point is None:
-        return None
-    if point.note:
-        log(point.note)
-    if check:
-        check(point.directory)
-    if point.universal:
-        return load_universal_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify)
-    meta = open_directory(point.directory, verify).meta
-    saved = meta.get("layout")
-    here = {"tp": state.tp_size, "pp": state.pp_size, "dp": state.dp_size}
-    same_stage_family = (meta.get("zero_stage", optimizer.stage) == 3) == (optimizer.stage == 3)
-    if saved is not None and (saved != here or not same_stage_family):
-        return load_reshaped_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify)
-    root, tag = os.path.split(point.directory)
-    return ckpt.load_checkpoint(root, state, model, optimizer, load_optimizer=load_optimizer, tag=tag, verify=verify)
+    return {name: getattr(args, name) for name in ("masked_softmax_fusion", "bias_gelu_fusion", "persist_layer_norm",
+                                                   "rope_fusion", "gradient_accumulation_fusion")}
 
 
 class Trainer:
@@ -115,7 +89,8 @@ class Trainer:
             recompute_num_layers=args.recompute_num_layers, attention_backend=args.attention_backend,
             sequence_parallel=args.sequence_parallel)
         self.model = build_gpt_stage(self.config, state, args.pipeline_partition_method, args.pipeline_partition,
-                                     device=self.device)
+                                     device=self.device, virtual_stages=args.virtual_pipeline_model_parallel_size)
+        self.forward_backward = schedule_for(args.virtual_pipeline_model_parallel_size)
         loss_scaler = {"dynamic": args.loss_scale is None, "static_scale": args.loss_scale or 1.0,
                        "initial_scale_power": int(math.log2(args.initial_loss_scale)),
                        "scale_window": args.loss_scale_window, "min_scale": args.min_loss_scale,
@@ -132,11 +107,10 @@ class Trainer:
             quantized_weights=args.zero_quantized_weights, quantized_gradients=args.zero_quantized_gradients,
             hpz_group=build_hpz_group(state.layout, state.rank, args.zero_hpz_partition_size)
             if args.zero_hpz_partition_size > 1 else None, device=self.device)
-        self.schedule = build_lr_schedule(args)
+        self.lr_schedule = build_lr_schedule(args)
         self.progress = TrainState()
-        self.p2p = P2P(state.prev_rank, state.next_rank,
-                       activation_shape(args.micro_batch_size, self.config, state.tp_size), DTYPES[args.params_dtype],
-                       self.device)
+        self.p2p = stage_p2p(state, activation_shape(args.micro_batch_size, self.config, state.tp_size),
+                             DTYPES[args.params_dtype], self.device, args.virtual_pipeline_model_parallel_size)
         writer_rank = state.layout.rank(state.pp_size - 1, 0, 0)
         self.is_writer = state.rank == writer_rank
         flops = gpt_flops_per_iteration(args.global_batch_size, args.seq_length, args.num_layers, args.hidden_size,
@@ -178,12 +152,12 @@ class Trainer:
         self.model.train()
         with timers("forward-backward", 1):
             step = timers.timed(make_forward_step(self.model, micro, s), "forward-compute", 2)
-            losses = forward_backward(step, len(micro), self.train_p2p, s.pp_rank, s.pp_size,
-                                      backward_loss=self.optimizer.backward,
-                                      before_last_backward=self.optimizer.arm_grad_reduce)
+            losses = self.forward_backward(step, len(micro), self.train_p2p, s.pp_rank, s.pp_size,
+                                           backward_loss=self.optimizer.backward,
+                                           before_last_backward=grad_reduce_arming(self.model, self.optimizer))
         with timers("embedding-grads-all-reduce", 2):
             sync_tied_embedding_grads(self.model, s)
-        lr = self.schedule.lr()
+        lr = self.lr_schedule.lr()
         with timers("optimizer", 1):
             updated, grad_norm = self.optimizer.step(lr=lr)
         with timers("loss-broadcast", 2):
@@ -198,8 +172,8 @@ class Trainer:
         total = 0.0
         for k in range(a.eval_iters):
             micro = self._micro_batches(self.valid_ds, k * a.global_batch_size)
-            losses = forward_backward(make_forward_step(self.model, micro, s), len(micro), self.p2p, s.pp_rank,
-                                      s.pp_size, forward_only=True)
+            losses = self.forward_backward(make_forward_step(self.model, micro, s), len(micro), self.p2p,
+                                           s.pp_rank, s.pp_size, forward_only=True)
             total += broadcast_loss(losses, s.is_last_stage, s.layout.pp_group(s.rank)[-1], s.pp_group,
                                     s.dp_group, self.device)
         return total / max(1, a.eval_iters)
@@ -207,7 +181,7 @@ class Trainer:
     # ---- checkpoints -----------------------------------------------------------------
     def client_state(self) -> dict:
         return {"args": args_to_dict(self.args), "iteration": self.progress.iteration,
-                "train_state": asdict(self.progress), "lr_scheduler": self.schedule.state_dict(),
+                "train_state": asdict(self.progress), "lr_scheduler": self.lr_schedule.state_dict(),
                 "rng_state": get_rng_state(), "consumed_train_samples": self.progress.consumed_train_samples}
 
     def save(self):
@@ -242,18 +216,18 @@ class Trainer:
     def load(self, path) -> bool:
         """Resume from --load; False when it holds no checkpoint (a fresh start)."""
         a = self.args
-        client = load_any_checkpoint(path, self.state, self.model, self.optimizer,
-                                     load_optimizer=not (a.no_load_optim or a.finetune),
-                                     universal=a.universal_checkpoint, verify=a.verify_checkpoint, log=self._log,
-                                     check=lambda directory: check_checkpoint_compat(
-                                         directory, a, self.config.vocab_size, self.config.padded_vocab_size))
+        client = resume_checkpoint(path, self.state, self.model, self.optimizer,
+                                   load_optimizer=not (a.no_load_optim or a.finetune),
+                                   universal=a.universal_checkpoint, verify=a.verify_checkpoint, log=self._log,
+                                   check=lambda directory: check_checkpoint_compat(
+                                       directory, a, self.config.vocab_size, self.config.padded_vocab_size))
         if client is None:
             self._log(f"no checkpoint under --load {path}; starting from scratch")
             return False
         if a.finetune or client.get("weights_only"):  # weights only (an import): fresh optimizer, iteration 0
             return True
         self.progress = TrainState(**client["train_state"])
-        self.schedule.load_state_dict(client["lr_scheduler"])
+        self.lr_schedule.load_state_dict(client["lr_scheduler"])
         if not a.no_load_rng and client.get("rng_state") is not None:
             set_rng_state(client["rng_state"])
         return True
@@ -272,7 +246,7 @@ class Trainer:
             loss, lr, updated, grad_norm = self.train_step(micro)
             p.iteration += 1
             p.consumed_train_samples += a.global_batch_size
-            self.schedule.step()
+            self.lr_schedule.step()
             if not updated:
                 p.skipped_iterations += 1
             if loss != loss:

@@ -4,31 +4,7 @@ import json
 import pytest
 
 from megatron_zero.arguments import parse_args
-
-BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-        "--micro-batch-size", "2", "--global-batch-size", "16", "--lr", "1e-3", "--train-iters", "10"]
-
-
-def with_flags(base, **changes):
-    argv = list(base)
-    for key, value in changes.items():
-        flag = "--" + key.replace("_", "-")
-        if flag in argv:
-            i = argv.index(flag)
-            argv[i + 1] = str(value)
-        else:
-            argv += [flag] + ([] if value is True else [str(value)])
-    return argv
-
-
-def refused(argv, world_size, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        parse_args(argv, world_size=world_size)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    assert err.count("\n") == 1, err  # one line
-    return err
+from megatron_zero.testing.flag_checks import BASE, refused, with_flags
 
 
 def test_good_args_derive_dp_and_accumulation():
@@ -97,11 +73,12 @@ def test_no_fusion_flags_reach_the_ops_switches():
     from megatron_zero.ops import get_fusion_flags, set_fusion_flags
     from megatron_zero.training import fusion_flags
 
-    args = parse_args(BASE + ["--no-masked-softmax-fusion", "--no-bias-gelu-fusion"], world_size=1)
+    args = parse_args(BASE + ["--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-rope-fusion"], world_size=1)
     old = set_fusion_flags(**fusion_flags(args))
     try:
         flags = get_fusion_flags()
         assert not flags.masked_softmax_fusion and not flags.bias_gelu_fusion and flags.persist_layer_norm
+        assert not flags.rope_fusion
     finally:
         set_fusion_flags(**{k: getattr(old, k) for k in fusion_flags(args)})
 

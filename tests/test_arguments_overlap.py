@@ -5,7 +5,7 @@ import json
 import pytest
 
 from megatron_zero.arguments import parse_args
-from test_arguments import BASE, refused, with_flags
+from megatron_zero.testing.flag_checks import BASE, refused, with_flags
 
 
 def test_overlap_flags_reach_the_args():

@@ -4,9 +4,9 @@ import time
 
 import torch
 
-from megatron_zero.checkpoint import writer as writer_module
-from megatron_zero.checkpoint.reader import open_checkpoint
-from megatron_zero.checkpoint.writer import CheckpointWriter
+from megatron_zero.checkpoint.storage import writer as writer_module
+from megatron_zero.checkpoint.storage.reader import open_checkpoint
+from megatron_zero.checkpoint.storage.writer import CheckpointWriter
 from megatron_zero.zero.optimizer import ZeroOptimizer
 
 

@@ -4,9 +4,9 @@ import zlib
 import crc32c
 import pytest
 
-from megatron_zero.checkpoint.checksum import Checksum, algorithm_of, file_checksum
+from megatron_zero.checkpoint.storage.checksum import Checksum, algorithm_of, file_checksum
 from megatron_zero.checkpoint.errors import CheckpointError
-from megatron_zero.checkpoint.tensor_io import verify_file
+from megatron_zero.checkpoint.storage.tensor_io import verify_file
 
 
 def test_crc32c_standard_check_value_and_incremental(tmp_path):

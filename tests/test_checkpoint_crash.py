@@ -4,10 +4,10 @@ import os
 import pytest
 import torch
 
-from megatron_zero.checkpoint.commit import read_latest
+from megatron_zero.checkpoint.storage.commit import read_latest
 from megatron_zero.checkpoint.errors import CRASH_ENV, CRASH_RANK_ENV
-from megatron_zero.checkpoint.reader import open_checkpoint
-from megatron_zero.checkpoint.writer import CheckpointWriter
+from megatron_zero.checkpoint.storage.reader import open_checkpoint
+from megatron_zero.checkpoint.storage.writer import CheckpointWriter
 from megatron_zero.testing.multirank import RankFailure, run_ranks
 
 

@@ -9,10 +9,11 @@ import subprocess
 import pytest
 import torch
 
-from megatron_zero.checkpoint.commit import LATEST, read_latest
+from megatron_zero.checkpoint.storage.commit import read_latest
+from megatron_zero.checkpoint.format import LATEST
 from megatron_zero.checkpoint.errors import CheckpointError
-from megatron_zero.checkpoint.reader import open_checkpoint
-from megatron_zero.checkpoint.writer import CheckpointWriter
+from megatron_zero.checkpoint.storage.reader import open_checkpoint
+from megatron_zero.checkpoint.storage.writer import CheckpointWriter
 from megatron_zero.testing.multirank import run_ranks
 
 KIB = 1024
@@ -26,7 +27,7 @@ def _saves(save_dir, inject):
     """Save 100 KiB per rank, then 2 MiB per rank (too much), then 100 KiB again; outcomes per save."""
     rank = torch.distributed.get_rank()
     if inject:  # no tmpfs: the 2 MiB files hit ENOSPC once past 1 MiB, as on a disk that size
-        import megatron_zero.checkpoint.tensor_io as tio
+        import megatron_zero.checkpoint.storage.tensor_io as tio
         real = tio._ChecksumWriter._write
 
         def full(self, data):
@@ -45,6 +46,7 @@ def _saves(save_dir, inject):
             out.append(str(e))
         if step == 2:
             out.append(sorted(os.listdir(save_dir)))
+            torch.distributed.barrier()  # every rank has listed before rank 0 plants step 3's stale directory
     return out
 
 

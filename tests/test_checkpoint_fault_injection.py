@@ -16,12 +16,12 @@ import sys
 import torch
 
 from megatron_zero.checkpoint import CheckpointError, save_checkpoint
-from megatron_zero.checkpoint.consolidate import get_fp32_state_dict
-from megatron_zero.checkpoint.hf.exporter import export_hf
-from megatron_zero.checkpoint.universal_convert import convert_to_universal
+from megatron_zero.checkpoint.export.consolidate import get_fp32_state_dict
+from megatron_zero.checkpoint.export.hf.exporter import export_hf
+from megatron_zero.checkpoint.reshape.universal_convert import convert_to_universal
+from megatron_zero.testing.checkpoint_stage import build_stage, random_train_step
 from megatron_zero.testing.multirank import run_ranks
 from conftest import ROOT
-from test_checkpoint_layout import _setup, _train_step
 
 SEED, FLIPS_PER_PATH = 15, 10
 OPTIM_AND_SHAPES = ("mp_rank_*_model_states.pt", "*optim_states.pt")
@@ -66,11 +66,11 @@ def _unflip(path, pos, old):
 
 def _paths(save_dir, tag_dir, universal_dir, work):
     """name -> a function running that read path once (raising CheckpointError on a damaged file)."""
-    from megatron_zero.training import load_any_checkpoint
+    from megatron_zero.checkpoint.resume import resume_checkpoint
 
     def load(zero, path, universal=False):
-        state, _, model, opt = _setup(1, 1, zero)
-        load_any_checkpoint(path, state, model, opt, universal=universal, log=lambda line: None)
+        state, _, model, opt = build_stage(1, 1, zero)
+        resume_checkpoint(path, state, model, opt, universal=universal, log=lambda line: None)
         return {k: v.detach().clone() for k, v in model.state_dict().items()} if zero < 3 else None
 
     def convert():
@@ -91,8 +91,8 @@ def _paths(save_dir, tag_dir, universal_dir, work):
 
 
 def _save_tiny(save_dir):
-    state, config, model, opt = _setup(1, 1, 1)
-    _train_step(state, config, model, opt)
+    state, config, model, opt = build_stage(1, 1, 1)
+    random_train_step(state, config, model, opt)
     save_checkpoint(save_dir, 1, state, model, opt, {"iteration": 1})
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 

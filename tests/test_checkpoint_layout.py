@@ -9,45 +9,16 @@ import torch.distributed as dist
 
 from megatron_zero.checkpoint import load_checkpoint, save_checkpoint
 from megatron_zero.checkpoint.deepspeed_layout import universal_checkpoint_info
-from megatron_zero.model.config import GPTConfig
 from megatron_zero.model.sharding import gather_state_dicts
-from megatron_zero.pipeline.gpt_stage import build_gpt_stage, make_forward_step, sync_tied_embedding_grads
-from megatron_zero.pipeline.p2p import P2P
-from megatron_zero.pipeline.schedule import forward_backward
+from megatron_zero.testing.checkpoint_stage import build_stage, random_train_step
 from megatron_zero.testing.multirank import RankFailure, run_ranks
 from megatron_zero.testing.tiny_gpt import tiny_gpt_config, tiny_llama_config
-from megatron_zero.topology import build_parallel_state
-from megatron_zero.zero import ZeroOptimizer
-
-CONFIG = dict(vocab_size=100, hidden_size=32, num_layers=2, num_attention_heads=4, seq_length=16,
-              max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=8)
-
-
-def _setup(tp, pp, zero, hidden=32):
-    state = build_parallel_state(tp, pp)
-    config = GPTConfig(**dict(CONFIG, hidden_size=hidden))
-    model = build_gpt_stage(config, state)
-    opt = ZeroOptimizer(list(model.named_parameters()), dp_group=state.dp_group, stage=zero, lr=1e-2,
-                        mp_group=state.mp_group, tp_rank=state.tp_rank, module=model)
-    return state, config, model, opt
-
-
-def _train_step(state, config, model, opt):
-    g = torch.Generator().manual_seed(1 + state.dp_rank)
-    micro = [{"tokens": torch.randint(0, 100, (2, 16), generator=g), "labels": torch.randint(0, 100, (2, 16),
-                                                                                               generator=g)}]
-    p2p = P2P(state.prev_rank, state.next_rank, (2, 16, config.hidden_size), torch.float32)
-    forward_backward(make_forward_step(model, micro, state), 1, p2p, state.pp_rank, state.pp_size,
-                     backward_loss=opt.backward)
-    opt.impl.finish_backward()
-    sync_tied_embedding_grads(model, state)
-    opt.step()
 
 
 def _save_full_weights(save_dir, tp, pp, zero):
     """Train one step, save, and return on rank 0 the fp32 model (TP>1 or PP>1: gathered, full form)."""
-    state, config, model, opt = _setup(tp, pp, zero)
-    _train_step(state, config, model, opt)
+    state, config, model, opt = build_stage(tp, pp, zero)
+    random_train_step(state, config, model, opt)
     save_checkpoint(save_dir, 1, state, model, opt, {"args": {"tensor_model_parallel_size": tp}, "iteration": 1})
     ctx = opt.impl.gathered() if zero == 3 else torch.no_grad()
     with ctx:
@@ -97,7 +68,7 @@ def test_our_zero_to_fp32_consolidates_tp2_pp2_dp2(tmp_path):
 
 
 def _resume_on(save_dir, tp, pp, zero, hidden, drop=None):
-    state, config, model, opt = _setup(tp, pp, zero, hidden)
+    state, config, model, opt = build_stage(tp, pp, zero, hidden)
     if drop and dist.get_rank() == 0:  # without the manifest too, so load's own file check speaks
         os.remove(os.path.join(save_dir, "global_step1", drop))
         os.remove(os.path.join(save_dir, "global_step1", "manifest.json"))

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from megatron_zero.checkpoint.errors import CheckpointError
-from megatron_zero.checkpoint.lock import LOCK_NAME, acquire, process_start
+from megatron_zero.checkpoint.storage.lock import LOCK_NAME, acquire, process_start
 
 
 def write_lock(save, **holder):

@@ -7,10 +7,10 @@ import torch.distributed as dist
 from megatron_zero.checkpoint import load_checkpoint, save_checkpoint
 from megatron_zero.model.config import GPTConfig
 from megatron_zero.pipeline.gpt_stage import build_gpt_stage
+from megatron_zero.testing.checkpoint_stage import CONFIG, random_train_step
 from megatron_zero.testing.multirank import run_ranks
 from megatron_zero.topology import build_parallel_state
 from megatron_zero.zero import ZeroOptimizer
-from test_checkpoint_layout import CONFIG, _train_step
 
 
 def _build(state, nvme):
@@ -32,7 +32,7 @@ def _roundtrip(save_dir, nvme_root):
     state = build_parallel_state(1, 1)
     r = dist.get_rank()
     config, model, opt = _build(state, os.path.join(nvme_root, f"a{r}"))
-    _train_step(state, config, model, opt)
+    random_train_step(state, config, model, opt)
     save_checkpoint(save_dir, 1, state, model, opt, {"iteration": 1})
     saved = _flat_opt_state(opt)
     _, model2, opt2 = _build(state, os.path.join(nvme_root, f"b{r}"))
@@ -40,8 +40,8 @@ def _roundtrip(save_dir, nvme_root):
     loaded = _flat_opt_state(opt2)
     assert all(torch.equal(a, b) for a, b in zip(saved, loaded)) and any(a.abs().sum() > 0 for a in saved)
     # one more step on both: identical weights afterwards
-    _train_step(state, config, model, opt)
-    _train_step(state, config, model2, opt2)
+    random_train_step(state, config, model, opt)
+    random_train_step(state, config, model2, opt2)
     return all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters()))
 
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_zero.checkpoint.tensor_io import load_file
-from megatron_zero.checkpoint.universal_convert import convert_to_universal
+from megatron_zero.checkpoint.storage.tensor_io import load_file
+from megatron_zero.checkpoint.reshape.universal_convert import convert_to_universal
 from megatron_zero.testing.multirank import run_ranks
-from test_checkpoint_resume import _flags, _train
+from megatron_zero.testing.trainer_losses import resume_flags, train_losses
 
 
 def _start(argv):
@@ -40,7 +40,7 @@ def _start(argv):
 
 
 def _argv(corpus, tmp_path, **extra):
-    return _flags(corpus, tmp_path, 1, 1, 1, **{"train-iters": 4, "hidden-dropout": 0.0, "attention-dropout": 0.0,
+    return resume_flags(corpus, tmp_path, 1, 1, 1, **{"train-iters": 4, "hidden-dropout": 0.0, "attention-dropout": 0.0,
                                                 **extra})
 
 
@@ -49,7 +49,7 @@ def dp2_run(builtin_corpus, tmp_path_factory):
     """DP2 losses of 4 iterations, saved at 2 and 4."""
     tmp = tmp_path_factory.mktemp("dp2")
     save = str(tmp / "ckpt")
-    losses = run_ranks(_train, 2, _argv(builtin_corpus, tmp, save=save, **{"save-interval": 2}), 1, 1,
+    losses = run_ranks(train_losses, 2, _argv(builtin_corpus, tmp, save=save, **{"save-interval": 2}), 1, 1,
                        timeout=300)[0]
     return save, losses
 
@@ -64,7 +64,7 @@ def test_dp2_checkpoint_resumes_on_one_rank_plain_and_universal(builtin_corpus, 
                         (str(tmp_path / "u"), {"universal-checkpoint": True})):
         start = run_ranks(_start, 1, _argv(builtin_corpus, tmp_path, load=load, **extra), timeout=300)[0]
         assert start[0] == 2 and torch.equal(start[2], saved_rng[0]["torch_rng_state"])
-        resumed = run_ranks(_train, 1, _argv(builtin_corpus, tmp_path, load=load, **extra), 1, 1, timeout=300)[0]
+        resumed = run_ranks(train_losses, 1, _argv(builtin_corpus, tmp_path, load=load, **extra), 1, 1, timeout=300)[0]
         assert len(resumed) == 2
         assert resumed == pytest.approx(whole[2:], rel=1e-6), (load, resumed, whole)
 

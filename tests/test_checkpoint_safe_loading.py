@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from megatron_zero.checkpoint import CheckpointError, save_checkpoint
-from megatron_zero.checkpoint.consolidate import get_fp32_state_dict
-from megatron_zero.checkpoint.hf.exporter import export_hf
-from megatron_zero.checkpoint.safe_pickle import RefusedGlobal, safe_load
-from megatron_zero.checkpoint.checksum import file_checksum
-from megatron_zero.checkpoint.universal_convert import convert_to_universal
+from megatron_zero.checkpoint.export.consolidate import get_fp32_state_dict
+from megatron_zero.checkpoint.export.hf.exporter import export_hf
+from megatron_zero.checkpoint.storage.safe_pickle import RefusedGlobal, safe_load
+from megatron_zero.checkpoint.storage.checksum import file_checksum
+from megatron_zero.checkpoint.reshape.universal_convert import convert_to_universal
+from megatron_zero.testing.checkpoint_stage import build_stage, random_train_step
 from megatron_zero.testing.multirank import run_ranks
-from test_checkpoint_layout import _setup, _train_step
 
 
 class Payload:
@@ -43,12 +43,12 @@ def _plant(tag_dir, name, marker):
 
 
 def _readers(save_dir, tmp):
-    from megatron_zero.training import load_any_checkpoint
+    from megatron_zero.checkpoint.resume import resume_checkpoint
     tag_dir = os.path.join(save_dir, "global_step1")
 
     def load(zero):
-        state, _, model, opt = _setup(1, 1, zero)
-        load_any_checkpoint(save_dir, state, model, opt, log=lambda line: None)
+        state, _, model, opt = build_stage(1, 1, zero)
+        resume_checkpoint(save_dir, state, model, opt, log=lambda line: None)
 
     return {"same-layout load": lambda: load(1), "reshaped load": lambda: load(3),
             "universal conversion": lambda: convert_to_universal(tag_dir, os.path.join(tmp, "u"), merge_workers=1,
@@ -58,8 +58,8 @@ def _readers(save_dir, tmp):
 
 
 def _refusals(save_dir, tmp):
-    state, config, model, opt = _setup(1, 1, 1)
-    _train_step(state, config, model, opt)
+    state, config, model, opt = build_stage(1, 1, 1)
+    random_train_step(state, config, model, opt)
     save_checkpoint(save_dir, 1, state, model, opt, {"iteration": 1})
     marker = os.path.join(tmp, "payload_ran")
     path = _plant(os.path.join(save_dir, "global_step1"), "mp_rank_00_model_states.pt", marker)

@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-from megatron_zero.checkpoint.staging import HostStaging
-from megatron_zero.checkpoint.tensor_io import load_file, save_file
+from megatron_zero.checkpoint.storage.staging import HostStaging
+from megatron_zero.checkpoint.storage.tensor_io import load_file, save_file
 from megatron_zero.device import HOST
 from megatron_zero.testing.host_memory import anon_and_rss, measured
 from test_gpu_training import device as gpu_device  # noqa: F401 (the gpu tier's fixture, as gpu_device)
@@ -103,28 +103,16 @@ def test_save_from_gpu_goes_through_pinned_slots_and_loads_onto_the_gpu(tmp_path
     assert torch.equal(loaded["big"], state["big"]) and torch.equal(loaded["views"][1], state["views"][1])
 
 
-def _build(state, hidden, vocab):
-    from megatron_zero.model.config import GPTConfig
-    from megatron_zero.pipeline.gpt_stage import build_gpt_stage
-    from megatron_zero.zero import ZeroOptimizer
-    config = GPTConfig(vocab_size=vocab, hidden_size=hidden, num_layers=2, num_attention_heads=4, seq_length=16,
-                       max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0)
-    model = build_gpt_stage(config, state)
-    return config, model, ZeroOptimizer(list(model.named_parameters()), dp_group=state.dp_group, stage=2, lr=1e-2)
-
-
 def _load_memory(save_dir):
     """(anonymous growth, total RSS growth, optimizer-file bytes, state bytes, every tensor equal)."""
     import torch.distributed as dist
     from megatron_zero.checkpoint import load_checkpoint, save_checkpoint
-    from megatron_zero.topology import build_parallel_state
-    from test_checkpoint_layout import _train_step
-    state = build_parallel_state(1, 1)
-    config, model, opt = _build(state, 512, 16000)
-    _train_step(state, config, model, opt)
+    from megatron_zero.testing.checkpoint_stage import build_stage, random_train_step
+    state, config, model, opt = build_stage(1, 1, 2, hidden=768)
+    random_train_step(state, config, model, opt)
     save_checkpoint(save_dir, 1, state, model, opt, {"iteration": 1})
-    _, model2, opt2 = _build(state, 512, 16000)
-    _train_step(state, config, model2, opt2)  # a run's state exists before it resumes
+    _, _, model2, opt2 = build_stage(1, 1, 2, hidden=768)
+    random_train_step(state, config, model2, opt2)  # a run's state exists before it resumes
     _, anon, total = measured(lambda: load_checkpoint(save_dir, state, model2, opt2), anon_and_rss)
     sd, sd2 = opt.state_dict(), opt2.state_dict()
     same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
@@ -137,10 +125,10 @@ def _load_memory(save_dir):
 
 
 def test_load_copies_each_file_into_the_state_without_a_host_copy(tmp_path):
-    """Resume a ZeRO-2 state of about 220 MiB (weights, masters, moments; its optimizer file 166 MiB)
+    """Resume a ZeRO-2 state of about 220 MiB (weights, masters, moments; its optimizer file about 165 MiB)
     into a run whose state exists: anonymous host memory grows by at most 16 MiB (measured: 0.1 MiB;
     the files are memory-mapped and copied tensor by tensor into the state), total RSS, which counts
-    the mapped file pages, by less than the state (measured: the optimizer file's 166 MiB, page
+    the mapped file pages, by less than the state (measured: about the optimizer file, page
     cache the kernel can drop). Reading a file into memory would cost its size in anonymous memory."""
     from megatron_zero.testing.multirank import run_ranks
     anon, total, opt_file, state_bytes, same = run_ranks(_load_memory, 1, str(tmp_path / "ckpt"), timeout=300)[0]
@@ -154,7 +142,7 @@ def test_load_copies_each_file_into_the_state_without_a_host_copy(tmp_path):
 def test_load_puts_every_file_straight_onto_the_gpu(builtin_corpus, tmp_path, gpu_device, monkeypatch):  # noqa: F811
     """Save from a trainer on the GPU, resume another: every tensor the layer and optimizer files
     give is on the GPU as torch.load returns it (map_location), and the weights come back equal."""
-    import megatron_zero.checkpoint.reader as reader
+    import megatron_zero.checkpoint.storage.reader as reader
     from test_gpu_training import _args, _params, _save, _train, _trainer
     device = gpu_device
     if device.type != "cuda":
@@ -167,7 +155,7 @@ def test_load_puts_every_file_straight_onto_the_gpu(builtin_corpus, tmp_path, gp
     def spy(path, **kw):
         obj = real(path, **kw)
         found = []
-        from megatron_zero.checkpoint.tensor_io import map_tensors
+        from megatron_zero.checkpoint.storage.tensor_io import map_tensors
         map_tensors(obj, lambda t: found.append(t.device))
         seen[os.path.basename(path)] = found
         return obj

@@ -4,11 +4,12 @@ import os
 import pytest
 import torch
 
-from megatron_zero.checkpoint.commit import LATEST, LATEST_ITERATION, committed_tags, read_latest
+from megatron_zero.checkpoint.storage.commit import committed_tags, read_latest
 from megatron_zero.checkpoint.errors import CheckpointError
-from megatron_zero.checkpoint.reader import open_checkpoint
-from megatron_zero.checkpoint.tensor_io import clone_tensors_for_torch_save, load_file, save_file
-from megatron_zero.checkpoint.writer import CheckpointWriter
+from megatron_zero.checkpoint.format import LATEST, LATEST_ITERATION
+from megatron_zero.checkpoint.storage.reader import open_checkpoint
+from megatron_zero.checkpoint.storage.tensor_io import clone_tensors_for_torch_save, load_file, save_file
+from megatron_zero.checkpoint.storage.writer import CheckpointWriter
 from megatron_zero.testing.multirank import run_ranks
 
 

@@ -8,10 +8,10 @@ import sys
 import pytest
 import torch
 
-from megatron_zero.checkpoint.consolidate import consolidate_fp32, get_fp32_state_dict
-from megatron_zero.checkpoint.universal_convert import convert_to_universal
+from megatron_zero.checkpoint.export.consolidate import consolidate_fp32, get_fp32_state_dict
+from megatron_zero.checkpoint.reshape.universal_convert import convert_to_universal
 from megatron_zero.testing import run_ranks
-from test_universal_checkpoint import full_weights, train
+from megatron_zero.testing.layout_train import full_weights, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -104,7 +104,7 @@ def _zip_checks(path):
 
 @pytest.mark.parametrize("zip64", [False, True], ids=["zip", "zip64"])
 def test_torch_zip_writer(tmp_path, zip64):
-    from megatron_zero.checkpoint.torch_zip_writer import TorchZipWriter
+    from megatron_zero.checkpoint.storage.torch_zip_writer import TorchZipWriter
     g = torch.Generator().manual_seed(0)
     sd = {"w": torch.randn(5, 7, generator=g), "b16": torch.randn(3, generator=g).bfloat16(),
           "ids": torch.arange(6).view(2, 3), "scalar": torch.tensor(2.5), "empty": torch.empty(0, 4),
@@ -126,7 +126,7 @@ def test_torch_zip_writer(tmp_path, zip64):
 
 def test_torch_zip_writer_copies_mapped_files(tmp_path):
     """Views of memory-mapped files are copied file-to-file; files mapped in turn at reused addresses stay apart."""
-    from megatron_zero.checkpoint.torch_zip_writer import TorchZipWriter
+    from megatron_zero.checkpoint.storage.torch_zip_writer import TorchZipWriter
     want = {}
     with TorchZipWriter(str(tmp_path / "out.bin"), copy_files=True) as w:
         for k in range(3):  # same-sized files, each unmapped before the next is mapped
@@ -143,7 +143,7 @@ def test_torch_zip_writer_copies_mapped_files(tmp_path):
 
 BOUNDED = r"""
 import sys, torch
-from megatron_zero.checkpoint.torch_zip_writer import TorchZipWriter
+from megatron_zero.checkpoint.storage.torch_zip_writer import TorchZipWriter
 def hwm():
     return int([l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1]) * 1024
 def rss():
@@ -171,7 +171,7 @@ def test_streamed_bin_memory_is_one_tensor(tmp_path):
 
 @pytest.mark.parametrize("reserve_for", ["all", "none"], ids=["header-in-reserved-room", "header-moved"])
 def test_safetensors_stream(tmp_path, reserve_for):
-    from megatron_zero.checkpoint.consolidate import SafetensorsStream
+    from megatron_zero.checkpoint.export.consolidate import SafetensorsStream
     sd = {f"layer.{i}.weight": torch.randn(3, i + 1, 2) for i in range(6)}
     sd["bias"] = torch.arange(5.0).bfloat16()
     path = str(tmp_path / "x.safetensors")
@@ -189,7 +189,7 @@ def read_safetensors_any(path):
 
 
 def test_torch_zip_writer_removes_partial_file(tmp_path):
-    from megatron_zero.checkpoint.torch_zip_writer import TorchZipWriter
+    from megatron_zero.checkpoint.storage.torch_zip_writer import TorchZipWriter
     path = tmp_path / "x.bin"
     with pytest.raises(ValueError, match="already written"):
         with TorchZipWriter(str(path)) as w:
@@ -200,6 +200,6 @@ def test_torch_zip_writer_removes_partial_file(tmp_path):
 
 def test_storage_type_table_matches_torch():
     """The public storage-class table torch_zip_writer pickles by equals torch's own (private) mapping."""
-    from megatron_zero.checkpoint.torch_zip_writer import STORAGE_TYPES
+    from megatron_zero.checkpoint.storage.torch_zip_writer import STORAGE_TYPES
     for dtype, name in STORAGE_TYPES.items():
         assert torch.storage.TypedStorage(dtype=dtype, device="cpu", _internal=True)._pickle_storage_type() == name

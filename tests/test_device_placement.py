@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from megatron_zero.testing.multirank import run_ranks
-from test_training_e2e import model_flags
+from megatron_zero.testing.launch import model_flags
 
 FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.arange, torch.tensor, torch.as_tensor,
              torch.randn, torch.rand, torch.randint, torch.randperm, torch.empty_strided, torch.linspace,

@@ -74,7 +74,7 @@ def _train(trainer, iters):
         micro = trainer._micro_batches(trainer.train_ds, trainer.progress.consumed_train_samples)
         losses.append(trainer.train_step(micro)[0])
         trainer.progress.consumed_train_samples += trainer.args.global_batch_size
-        trainer.schedule.step()
+        trainer.lr_schedule.step()
     return losses
 
 
@@ -100,10 +100,11 @@ def test_fp32_step_on_gpu_matches_cpu(builtin_corpus, tmp_path, device):
 
 
 def _count_kernel_calls(monkeypatch):
-    from megatron_zero.ops import bias_gelu, layer_norm, softmax
-    calls = {"layer_norm": 0, "softmax": 0, "bias_gelu": 0}
+    from megatron_zero.ops import bias_gelu, layer_norm, rms_norm, rope, softmax
+    calls = {"layer_norm": 0, "softmax": 0, "bias_gelu": 0, "rms_norm": 0, "rope": 0}
     for key, cls in (("layer_norm", layer_norm._FusedLayerNorm), ("softmax", softmax._FusedCausalSoftmax),
-                     ("bias_gelu", bias_gelu._FusedBiasGelu)):
+                     ("bias_gelu", bias_gelu._FusedBiasGelu), ("rms_norm", rms_norm._FusedRMSNorm),
+                     ("rope", rope._FusedRope)):
         def counted(*a, _apply=cls.apply, _key=key):
             calls[_key] += 1
             return _apply(*a)
@@ -114,10 +115,32 @@ def _count_kernel_calls(monkeypatch):
 def test_fused_kernels_run_in_training_and_match_fallback(builtin_corpus, tmp_path, device, kernels, monkeypatch):
     calls = _count_kernel_calls(monkeypatch)
     fused = _train(_trainer(_args(builtin_corpus, tmp_path), device), 3)
-    assert all(n > 0 for n in calls.values()), calls
+    gpt2 = ("layer_norm", "softmax", "bias_gelu")
+    assert all(calls[k] > 0 for k in gpt2), calls
     flags = {f"no-{k.replace('_', '-')}": True for k in _unfused()}
     plain = _train(_trainer(_args(builtin_corpus, tmp_path, **flags), device), 3)
     assert all(abs(x - y) <= 1e-4 * abs(y) for x, y in zip(fused, plain)), (fused, plain)
+
+
+LLAMA = {"normalization": "RMSNorm", "position-embedding-type": "rope", "swiglu": True, "disable-bias-linear": True,
+         "attention-backend": "unfused"}
+
+
+def test_llama_kernels_run_in_training_and_match_fallback(builtin_corpus, tmp_path, device, kernels, monkeypatch):
+    calls = _count_kernel_calls(monkeypatch)
+    fused = _train(_trainer(_args(builtin_corpus, tmp_path, **LLAMA), device), 3)
+    assert calls["rms_norm"] > 0 and calls["rope"] > 0 and calls["layer_norm"] == 0, calls
+    plain = _train(_trainer(_args(builtin_corpus, tmp_path, **LLAMA, **{"no-persist-layer-norm": True,
+                                                                        "no-rope-fusion": True}), device), 3)
+    assert all(abs(x - y) <= 1e-4 * abs(y) for x, y in zip(fused, plain)), (fused, plain)
+
+
+@pytest.mark.parametrize("flag,kernel", [("no-persist-layer-norm", "rms_norm"), ("no-rope-fusion", "rope")])
+def test_llama_fusion_flags_turn_their_kernel_off(builtin_corpus, tmp_path, device, kernels, monkeypatch, flag, kernel):
+    calls = _count_kernel_calls(monkeypatch)
+    _train(_trainer(_args(builtin_corpus, tmp_path, **LLAMA, **{flag: True}), device), 1)
+    other = {"rms_norm": "rope", "rope": "rms_norm"}[kernel]
+    assert calls[kernel] == 0 and calls[other] > 0, calls
 
 
 @pytest.mark.parametrize("flag,kernel", [("no-masked-softmax-fusion", "softmax"),
@@ -126,7 +149,7 @@ def test_fused_kernels_run_in_training_and_match_fallback(builtin_corpus, tmp_pa
 def test_each_fusion_flag_turns_its_kernel_off(builtin_corpus, tmp_path, device, kernels, monkeypatch, flag, kernel):
     calls = _count_kernel_calls(monkeypatch)
     _train(_trainer(_args(builtin_corpus, tmp_path, **{flag: True}), device), 1)
-    assert calls[kernel] == 0 and all(n > 0 for k, n in calls.items() if k != kernel), calls
+    assert calls[kernel] == 0 and all(calls[k] > 0 for k in ("layer_norm", "softmax", "bias_gelu") if k != kernel), calls
 
 
 def test_multi_tensor_adam_steps_the_zero_partition(builtin_corpus, tmp_path, device, kernels, monkeypatch):
@@ -187,9 +210,9 @@ def _rss():
 
 def test_save_from_gpu_keeps_host_memory_bounded(tmp_path, device):
     """Save 8 x 64 MiB device tensors (some as views of one flat buffer): host RSS may grow by the
-    256 MiB staging buffer the bytes pass through chunk by chunk (checkpoint/staging.py) plus 32 MiB,
+    256 MiB staging buffer the bytes pass through chunk by chunk (checkpoint/storage/staging.py) plus 32 MiB,
     never by the state (512 MiB)."""
-    from megatron_zero.checkpoint.tensor_io import load_file, save_file
+    from megatron_zero.checkpoint.storage.tensor_io import load_file, save_file
     if device.type != "cuda":
         pytest.skip("on the CPU the tensors already are host memory; the bound is about device tensors")
     n = 16 << 20  # 64 MiB of fp32

@@ -7,11 +7,11 @@ import sys
 import pytest
 import torch
 
-from megatron_zero.checkpoint.consolidate import get_fp32_state_dict
+from megatron_zero.checkpoint.export.consolidate import get_fp32_state_dict
 from megatron_zero.model.gpt import reference_model
 from megatron_zero.model.sharding import shard_state_dict
 from megatron_zero.testing import run_ranks
-from test_universal_checkpoint import config, train
+from megatron_zero.testing.layout_train import config, train
 
 try:
     import transformers

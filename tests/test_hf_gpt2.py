@@ -14,28 +14,17 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from megatron_zero.checkpoint.consolidate import get_fp32_state_dict
 from megatron_zero.checkpoint.errors import CheckpointError
-from megatron_zero.checkpoint.hf import gpt2
-from megatron_zero.checkpoint.hf.exporter import export_hf
-from megatron_zero.checkpoint.hf.importer import import_hf
-from megatron_zero.checkpoint.universal_load import load_universal_checkpoint
-from megatron_zero.model.gpt import reference_model
-from megatron_zero.model.sharding import shard_state_dict
-from megatron_zero.pipeline.gpt_stage import activation_shape, build_gpt_stage, make_forward_step
-from megatron_zero.pipeline.p2p import P2P
-from megatron_zero.pipeline.schedule import broadcast_loss, forward_backward
+from megatron_zero.checkpoint.export.hf import gpt2
+from megatron_zero.checkpoint.export.hf.exporter import export_hf
+from megatron_zero.checkpoint.export.hf.importer import import_hf
 from megatron_zero.testing import run_ranks
-from megatron_zero.topology import build_parallel_state
-from megatron_zero.training import param_groups
-from megatron_zero.zero import ZeroOptimizer
+from megatron_zero.testing.hf_parity import SEQ, VOCAB, first_loss, hf_tensors, our_logits, tokens
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VOCAB, SEQ = 100, 8
 
 
 def hf_model(seed=0, **overrides):
@@ -54,26 +43,6 @@ def save_hf(tmp_path, name="hf", **kwargs):
     path = str(tmp_path / name)
     hf_model().save_pretrained(path, **kwargs)
     return path
-
-
-def tokens(batch=3):
-    return torch.randint(0, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(1))
-
-
-def our_logits(ckpt, config, toks):
-    model = reference_model(config)
-    model.load_state_dict(shard_state_dict(get_fp32_state_dict(ckpt), config, 1, 0))
-    model.eval()
-    with torch.no_grad():
-        return model(toks)[..., :config.vocab_size]
-
-
-def hf_tensors(path):
-    files = [f for f in sorted(os.listdir(path)) if f.endswith(".safetensors")]
-    out = {}
-    for f in files:
-        out.update(safetensors_torch.load_file(os.path.join(path, f)))
-    return out
 
 
 def test_import_matches_hf_logits(tmp_path):
@@ -121,27 +90,6 @@ def test_half_precision_round_trip(tmp_path, dtype):
     assert all(got[k].dtype == torch_dtype and torch.equal(got[k], want[k]) for k in got)
     assert json.load(open(tmp_path / "back" / "config.json"))["torch_dtype"] == {"bf16": "bfloat16",
                                                                                   "fp16": "float16"}[dtype]
-
-
-def first_loss(tp, pp, ckpt, config):
-    """Load the import at this layout (weights only), run one training step; return the loss before it."""
-    state = build_parallel_state(tp=tp, pp=pp)
-    model = build_gpt_stage(config, state)
-    opt = ZeroOptimizer(param_groups(model, 0.0), dp_group=state.dp_group, stage=1, lr=1e-3,
-                        mp_group=state.mp_group, tp_rank=state.tp_rank, module=model)
-    client = load_universal_checkpoint(ckpt, state, model, opt)
-    assert client["iteration"] == 0 and client["weights_only"]
-    toks = tokens(4)
-    micro = [{"tokens": toks[:, :-1][i:i + 2], "labels": toks[:, 1:][i:i + 2]} for i in (0, 2)]
-    p2p = P2P(state.prev_rank, state.next_rank, activation_shape(2, config), torch.float32)
-    out = forward_backward(make_forward_step(model, micro, state), 2, p2p, state.pp_rank, pp,
-                           backward_loss=opt.backward)
-    opt.impl.finish_backward()
-    assert opt.step(lr=1e-3)[0]
-    loss = broadcast_loss(out, state.is_last_stage, state.layout.pp_group(state.rank)[-1],
-                          state.pp_group, state.dp_group)
-    dist.barrier()
-    return loss
 
 
 def test_first_loss_at_tp2_pp2_equals_hf_loss(tmp_path):
@@ -229,8 +177,8 @@ def test_import_trains_and_generates_with_hf_tokenizer(tmp_path):
 
 BOUNDED = r"""
 import sys, torch, transformers
-from megatron_zero.checkpoint.hf.exporter import export_hf
-from megatron_zero.checkpoint.hf.importer import import_hf
+from megatron_zero.checkpoint.export.hf.exporter import export_hf
+from megatron_zero.checkpoint.export.hf.importer import import_hf
 def hwm():
     return int([l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1]) * 1024
 def rss():

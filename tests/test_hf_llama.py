@@ -16,16 +16,16 @@ import torch.distributed as dist
 
 from megatron_zero.checkpoint import save_checkpoint
 from megatron_zero.checkpoint.errors import CheckpointError
-from megatron_zero.checkpoint.hf import for_hf_config, llama
-from megatron_zero.checkpoint.hf.exporter import export_hf
-from megatron_zero.checkpoint.hf.importer import import_hf
+from megatron_zero.checkpoint.export.hf import for_hf_config, llama
+from megatron_zero.checkpoint.export.hf.exporter import export_hf
+from megatron_zero.checkpoint.export.hf.importer import import_hf
 from megatron_zero.model.config import ARCHITECTURE_FIELDS
 from megatron_zero.pipeline.gpt_stage import build_gpt_stage
 from megatron_zero.testing import run_ranks
+from megatron_zero.testing.hf_parity import SEQ, VOCAB, first_loss, hf_tensors, our_logits, tokens
 from megatron_zero.testing.tiny_gpt import tiny_llama_config
 from megatron_zero.topology import build_parallel_state
 from megatron_zero.zero import ZeroOptimizer
-from test_hf_gpt2 import SEQ, VOCAB, first_loss, hf_tensors, our_logits, tokens
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,9 +10,9 @@ import sys
 import time
 
 from conftest import ROOT
-from test_startup_checks import PRETRAIN, byte_data, pretrain, tiny_flags
 
-from megatron_zero.checkpoint.lock import LOCK_NAME
+from megatron_zero.checkpoint.storage.lock import LOCK_NAME
+from megatron_zero.testing.launch import PRETRAIN, byte_data, pretrain, tiny_flags
 from megatron_zero.testing.multirank import free_port
 
 WRAPPER = os.path.join(ROOT, "scripts", "pretrain_torchrun.sh")

@@ -5,7 +5,7 @@ import torch
 from megatron_zero.model import (GPTConfig, GPTModel, block_layer_index, final_norm_index, gather_state_dicts,
                                  lm_head_index, num_pipeline_layers, pad_vocab, param_names, param_spec,
                                  reference_model, shard_state_dict, unpad_vocab)
-from megatron_zero.model.layers import layer_kind
+from megatron_zero.model.layer_indices import layer_kind
 
 WORD = "tied_modules.embed.word_embeddings.weight"
 

@@ -47,6 +47,23 @@ def test_layer_norm_kernel(cuda, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_kernel(cuda, dtype):
+    x = torch.randn(4, 33, 1027, device=cuda, dtype=dtype)
+    w = 1 + 0.1 * torch.randn(1027, device=cuda, dtype=dtype)
+    _compare(_fwd_bwd(lambda *t: ops.rms_norm(*t, 1e-6, fused=True), x, w),
+             _fwd_bwd(lambda *t: ops.rms_norm(*t, 1e-6, fused=False), x, w), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rotary_dim", [64, 32])  # the whole head, and --rotary-percent 0.5
+def test_rope_kernel(cuda, dtype, rotary_dim):
+    cos, sin = ops.rotary_tables(37, rotary_dim, 10000.0, cuda)
+    q = torch.randn(2, 37, 6, 64, device=cuda, dtype=dtype).transpose(1, 2)  # [b, heads, s, hd], not contiguous
+    _compare(_fwd_bwd(lambda t: ops.apply_rotary_pos_emb(t, cos, sin, fused=True), q),
+             _fwd_bwd(lambda t: ops.apply_rotary_pos_emb(t, cos, sin, fused=False), q), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seq", [1, 37, 512])
 def test_causal_softmax_kernel(cuda, dtype, seq):
     x = torch.randn(6, seq, seq, device=cuda, dtype=dtype)

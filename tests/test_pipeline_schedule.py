@@ -6,31 +6,8 @@ import torch.distributed as dist
 from megatron_zero.pipeline.p2p import P2P
 from megatron_zero.pipeline.schedule import ScheduleStats, broadcast_loss, forward_backward
 from megatron_zero.testing import run_ranks
+from megatron_zero.testing.toy_pipeline import H, MB, toy_batches, toy_layers, toy_reference
 from megatron_zero.topology import build_parallel_state
-
-H, MB = 8, 3
-
-
-def toy_layers(n):
-    torch.manual_seed(0)
-    return [torch.nn.Linear(H, H) for _ in range(n)]
-
-
-def toy_batches(m):
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randn(MB, H, generator=g), torch.randn(MB, H, generator=g)) for _ in range(m)]
-
-
-def reference(pp, m):
-    layers = toy_layers(pp)
-    total = 0.0
-    for x, target in toy_batches(m):
-        for layer in layers:
-            x = torch.tanh(layer(x))
-        loss = torch.nn.functional.mse_loss(x, target) / m
-        loss.backward()
-        total += loss.item()
-    return total, [layer.weight.grad.clone() for layer in layers]
 
 
 def pipelined(m):
@@ -53,7 +30,7 @@ def pipelined(m):
 
 @pytest.mark.parametrize("pp,m", [(2, 4), (4, 6), (4, 4), (3, 2)])
 def test_1f1b_matches_single_process(pp, m):
-    ref_loss, ref_grads = reference(pp, m)
+    ref_loss, ref_grads = toy_reference(pp, m)
     results = run_ranks(pipelined, pp, m, timeout=120)
     for stage, (loss, grad, in_flight) in enumerate(results):
         assert loss == pytest.approx(ref_loss, rel=1e-6)  # every rank reports the loss

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from megatron_zero.arguments import parse_args
-from megatron_zero.checkpoint.consolidate import load_consolidated
-from megatron_zero.checkpoint.save_16bit import DIRNAME, INDEX, save_16bit_model, shard_names, split_by_bytes
+from megatron_zero.checkpoint.export.consolidate import load_consolidated
+from megatron_zero.checkpoint.export.save_16bit import DIRNAME, INDEX, save_16bit_model, shard_names, split_by_bytes
 from megatron_zero.testing import run_ranks
 from megatron_zero.testing.launch import model_flags
-from test_universal_checkpoint import full_weights, train
+from megatron_zero.testing.layout_train import full_weights, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

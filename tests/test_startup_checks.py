@@ -1,54 +1,17 @@
 """Checks before the first iteration: the data's token ids against the vocabulary, and a checkpoint's model
 settings against the flags (each difference named; settings that may change on resume are not refused)."""
 import argparse
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from conftest import ROOT
 
 from megatron_zero.arguments import parse_args
 from megatron_zero.checkpoint.compat import check_checkpoint_compat, disagreements
 from megatron_zero.checkpoint.errors import CheckpointError
-from megatron_zero.checkpoint.universal_convert import convert_to_universal
+from megatron_zero.checkpoint.reshape.universal_convert import convert_to_universal
 from megatron_zero.data import DataError, token_range
-from megatron_zero.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
-from megatron_zero.testing.multirank import free_port
-
-PRETRAIN = os.path.join(ROOT, "pretrain_gpt.py")
-
-
-def byte_data(prefix, top=255, docs=40, seed=0):
-    rng = np.random.default_rng(seed)
-    builder = IndexedDatasetBuilder(str(prefix), dtype=np.uint16)
-    for d in range(docs):
-        tokens = list(rng.integers(0, 256, size=60)) + [256]
-        if d == docs // 2:
-            tokens[3] = top
-        builder.add_document(tokens)
-    builder.finalize()
-    return str(prefix)
-
-
-def tiny_flags(tmp_path, data, **changes):
-    """pretrain_gpt.py flags of a 2-layer byte-level GPT on `data`, saving under tmp_path/ckpt."""
-    flags = {"num-layers": 2, "hidden-size": 32, "num-attention-heads": 4, "seq-length": 16, "micro-batch-size": 2,
-             "global-batch-size": 4, "lr": 1e-3, "train-iters": 2, "tokenizer-type": "ByteTokenizer",
-             "data-path": data, "split": "100,0,0", "eval-iters": 0, "log-interval": 1,
-             "save": tmp_path / "ckpt", "data-cache-path": tmp_path / "cache"}
-    flags.update(changes)
-    argv = []
-    for k, v in flags.items():
-        argv += [f"--{k}"] + ([] if v is True else [str(v)])
-    return argv
-
-
-def pretrain(tmp_path, data, **changes):
-    env = {**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, PRETRAIN] + tiny_flags(tmp_path, data, **changes), capture_output=True,
-                          text=True, timeout=180, env=env)
+from megatron_zero.data.indexed_dataset import IndexedDataset
+from megatron_zero.testing.launch import byte_data, pretrain, tiny_flags
 
 
 def one_line_error(run):

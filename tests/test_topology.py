@@ -1,15 +1,8 @@
 """Topology as pure functions: every factorisation of 1, 2, 4 and 8 ranks."""
-import itertools
-
 import pytest
 
+from megatron_zero.testing.layouts import factorisations
 from megatron_zero.topology import GROUP_KINDS, Layout, TopologyError
-
-
-def factorisations(world):
-    for tp, pp in itertools.product(range(1, world + 1), repeat=2):
-        if world % (tp * pp) == 0:
-            yield Layout(tp=tp, pp=pp, dp=world // (tp * pp))
 
 
 ALL_LAYOUTS = [lay for w in (1, 2, 4, 8) for lay in factorisations(w)]

@@ -4,8 +4,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_zero.testing import run_ranks
+from megatron_zero.testing.layouts import factorisations
 from megatron_zero.topology import GROUP_KINDS, build_parallel_state
-from test_topology import factorisations
 
 
 def check_all_layouts(world):

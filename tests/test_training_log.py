@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_zero.arguments import parse_args
-from megatron_zero.checkpoint.consolidate import get_fp32_state_dict, load_consolidated
+from megatron_zero.checkpoint.export.consolidate import get_fp32_state_dict, load_consolidated
 from megatron_zero.model.gpt import reference_model
 from megatron_zero.pipeline.gpt_stage import build_gpt_stage
 from megatron_zero.testing import run_ranks

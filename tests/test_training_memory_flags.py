@@ -7,7 +7,7 @@ loss matches the uninterrupted run to relative 1e-5 (the flags change rounding o
 import pytest
 
 from megatron_zero.testing.multirank import run_ranks
-from test_checkpoint_resume import _flags, _train
+from megatron_zero.testing.trainer_losses import resume_flags, train_losses
 
 MEMORY_FLAGS = {"sequence-parallel": True, "recompute-granularity": "full", "recompute-method": "uniform",
                 "recompute-num-layers": 1, "attention-backend": "flash"}
@@ -15,9 +15,9 @@ MEMORY_FLAGS = {"sequence-parallel": True, "recompute-granularity": "full", "rec
 
 def test_checkpoint_resumes_with_and_without_the_flags(builtin_corpus, tmp_path):
     def run(extra):
-        flags = _flags(builtin_corpus, tmp_path, 2, 2, 1, **{"train-iters": 6, "global-batch-size": 4,
+        flags = resume_flags(builtin_corpus, tmp_path, 2, 2, 1, **{"train-iters": 6, "global-batch-size": 4,
                                                               "hidden-dropout": 0.0, "attention-dropout": 0.0, **extra})
-        return run_ranks(_train, 4, flags, 2, 2, timeout=600)[0]
+        return run_ranks(train_losses, 4, flags, 2, 2, timeout=600)[0]
 
     whole = run({"attention-backend": "unfused"})
     save = str(tmp_path / "ckpt")

@@ -8,104 +8,15 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from megatron_zero.checkpoint.universal_convert import convert_to_universal
-from megatron_zero.checkpoint import save_checkpoint
-from megatron_zero.checkpoint.universal_load import load_reshaped_checkpoint, load_universal_checkpoint
-from megatron_zero.model.sharding import gather_state_dicts
-from megatron_zero.pipeline.gpt_stage import (activation_shape, build_gpt_stage, make_forward_step,
-                                              sync_tied_embedding_grads)
-from megatron_zero.pipeline.p2p import P2P
-from megatron_zero.pipeline.schedule import broadcast_loss, forward_backward
+from megatron_zero.checkpoint.reshape.universal_convert import convert_to_universal
 from megatron_zero.testing import run_ranks
-from megatron_zero.testing.tiny_gpt import tiny_gpt_config
-from megatron_zero.topology import build_parallel_state
-from megatron_zero.training import param_groups
-from megatron_zero.zero import ZeroOptimizer
-
-GBS, ITERS, SAVE_AT, LR = 8, 20, 10, 1e-2
-
-
-def config():
-    return tiny_gpt_config()
-
-
-def global_batch(it):
-    g = torch.Generator().manual_seed(1000 + it)
-    start = torch.randint(0, 100, (GBS, 1), generator=g)
-    tokens = (start * 7 + 3 * torch.arange(9)) % 100  # a learnable sequence per sample
-    return tokens[:, :-1], tokens[:, 1:].contiguous()
-
-
-def train(tp, pp, stage, mb, save_dir=None, load=None, load_kind="universal", iters=ITERS, save_at=SAVE_AT,
-          cfg=None):
-    """Train to `iters` (from `load` if given); return coords, per-iteration losses, TP-form weights."""
-    state = build_parallel_state(tp=tp, pp=pp)
-    cfg = cfg or config()
-    model = build_gpt_stage(cfg, state)
-    opt = ZeroOptimizer(param_groups(model, 0.01), dp_group=state.dp_group, stage=stage, lr=LR,
-                        weight_decay=0.01, mp_group=state.mp_group, tp_rank=state.tp_rank, module=model)
-    p2p = P2P(state.prev_rank, state.next_rank, activation_shape(mb, cfg), torch.float32)
-    start = 0
-    if load is not None:
-        loader = load_universal_checkpoint if load_kind == "universal" else load_reshaped_checkpoint
-        client = loader(load, state, model, opt)
-        start = client["iteration"]
-        assert client["consumed_train_samples"] == start * GBS
-    dp, r = state.dp_size, state.dp_rank
-    m = GBS // (mb * dp)  # gradient accumulation steps, recomputed for this layout
-    losses = {}
-    for it in range(start, iters):
-        tokens, labels = global_batch(it)
-        micro = [{"tokens": tokens[j * mb * dp + r * mb:][:mb], "labels": labels[j * mb * dp + r * mb:][:mb]}
-                 for j in range(m)]
-        out = forward_backward(make_forward_step(model, micro, state), m, p2p, state.pp_rank, pp,
-                               backward_loss=opt.backward)
-        opt.impl.finish_backward()
-        sync_tied_embedding_grads(model, state)
-        updated, _ = opt.step(lr=LR)
-        assert updated
-        losses[it] = broadcast_loss(out, state.is_last_stage, state.layout.pp_group(state.rank)[-1],
-                                    state.pp_group, state.dp_group)
-        if save_dir is not None and it + 1 == save_at:
-            save_checkpoint(save_dir, it + 1, state, model, opt,
-                            {"iteration": it + 1, "consumed_train_samples": (it + 1) * GBS,
-                             "args": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                                      "global_batch_size": GBS, "micro_batch_size": mb},
-                             "lr_scheduler": {"num_steps": it + 1}})
-    if stage == 3:
-        with opt.impl.gathered():
-            weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    else:
-        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    dist.barrier()
-    return state.layout.coords(state.rank), losses, weights
-
-
-def full_weights(results, cfg=None):
-    """Gather every stage's TP-form weights (DP rank 0) into one full-form state dict."""
-    full = {}
-    stages = sorted({c[0] for c, _, _ in results})
-    for pp in stages:
-        shards = [w for (p, d, t), _, w in sorted(results, key=lambda x: x[0][2]) if p == pp and d == 0]
-        full.update(gather_state_dicts(shards, cfg or config()))
-    return full
+from megatron_zero.testing.layout_train import ITERS, SAVE_AT, config, full_weights, train
+from megatron_zero.testing.tiny_gpt import without_key_bias
 
 
 def rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
-
-
-def without_key_bias(name, t):
-    """Drop the key entries of the QKV bias: softmax is shift-invariant, so their gradient is exactly
-    zero in exact arithmetic and Adam (m / (sqrt(v) + eps)) turns each layout's roundoff (~1e-10)
-    into updates of size ~lr * 1e-2. They cannot change the loss, which is compared exactly above."""
-    if not name.endswith("query_key_value.bias"):
-        return t
-    c = config()
-    per_head = t.view(c.num_attention_heads, 3, c.head_dim)
-    return torch.cat([per_head[:, 0], per_head[:, 2]], dim=1).reshape(-1)
 
 
 @pytest.fixture(scope="module")
@@ -131,12 +42,12 @@ def check_resume(baseline, results):
     got = full_weights(results)
     assert set(got) == set(baseline["weights"])
     for name, w in baseline["weights"].items():
-        a, b = without_key_bias(name, got[name]), without_key_bias(name, w)
+        a, b = without_key_bias(name, got[name], config()), without_key_bias(name, w, config())
         assert rel(a, b) <= 1e-5, (name, rel(a, b))
 
 
 def test_universal_files(baseline):
-    from megatron_zero.checkpoint.tensor_io import load_file as load_any
+    from megatron_zero.checkpoint.storage.tensor_io import load_file as load_any
     zero = os.path.join(baseline["universal"], "zero")
     we = load_any(os.path.join(zero, "tied_modules.embed.word_embeddings.weight", "fp32.pt"))
     assert we["param"].shape == (100, 32) and we["vocab_tensor"] is True and we["cat_dim"] == 0
@@ -152,7 +63,7 @@ def test_universal_files(baseline):
 
 def baseline_weight_at_save(baseline, name):
     """The word embedding at iteration 10, rebuilt from the universal file's source: the plain checkpoint."""
-    from megatron_zero.checkpoint.universal_source import SourceCheckpoint
+    from megatron_zero.checkpoint.reshape.universal_source import SourceCheckpoint
     src = SourceCheckpoint(baseline["src"])
     with src.stage(0) as reader:
         return reader.assemble(name, "fp32")[0].clone()

@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 
-from megatron_zero.checkpoint.universal_convert import convert_to_universal
-from megatron_zero.checkpoint.tensor_io import load_file as load_any
+from megatron_zero.checkpoint.reshape.universal_convert import convert_to_universal
+from megatron_zero.checkpoint.storage.tensor_io import load_file as load_any
 from megatron_zero.testing import run_ranks
-from test_universal_checkpoint import train
+from megatron_zero.testing.layout_train import train
 
 try:
     import deepspeed  # noqa: F401

@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_zero.checkpoint.universal_convert import convert_to_universal
-from megatron_zero.checkpoint.tensor_io import load_file as load_any
-from megatron_zero.checkpoint.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+from megatron_zero.checkpoint.reshape.universal_convert import convert_to_universal
+from megatron_zero.checkpoint.storage.tensor_io import load_file as load_any
+from megatron_zero.checkpoint.export.standalone_zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from megatron_zero.testing import run_ranks
 from megatron_zero.testing.tiny_gpt import tiny_llama_config
-from test_universal_checkpoint import full_weights, train
+from megatron_zero.testing.layout_train import full_weights, train
 
 ITERS, SAVE_AT, WORLD = 5, 3, 8
 # (tp, pp, zero stage); DP = 8 / (tp * pp); micro-batch 1

@@ -8,7 +8,7 @@ from megatron_zero.model.gpt import GPTModel, reference_model
 from megatron_zero.testing import run_ranks
 from megatron_zero.testing.tiny_gpt import tiny_gpt_config
 from megatron_zero.zero import ZeroOptimizer
-from test_zero_helpers import ZERO3_PERSIST, full_masters, rel
+from megatron_zero.testing.toy_zero import ZERO3_PERSIST, full_masters, rel
 
 STEPS, GLOBAL = 20, 8
 HP = dict(lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

@@ -4,7 +4,7 @@ stage 3, gathered with one all-gather per layer."""
 import torch.distributed as dist
 
 from megatron_zero.testing import run_ranks
-from test_zero_helpers import HP, ZERO3_PERSIST, ToyGPT, batch, zero_run
+from megatron_zero.testing.toy_zero import HP, ZERO3_PERSIST, ToyGPT, batch, zero_run
 
 
 def memory_runs():

@@ -98,7 +98,7 @@ def test_pretrain_with_overlap_flags_logs_the_same_losses(builtin_corpus, tmp_pa
     """The flags reach the optimizer through pretrain_gpt.py (PP2 x DP2, ZeRO-2, tied embedding), and a
     checkpoint saved while the updated weights are being gathered holds them: its layer files equal the
     blocking run's."""
-    from test_training_e2e import losses_from_log, model_flags, torchrun
+    from megatron_zero.testing.launch import losses_from_log, model_flags, torchrun
 
     data, tok = builtin_corpus
     runs = {}

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from megatron_zero.testing import run_ranks
 from megatron_zero.zero import LossScaler, ZeroOptimizer
-from test_zero_helpers import GLOBAL_BATCH, HP, ZERO3_PERSIST, ToyGPT, batch, reference, zero_run
+from megatron_zero.testing.toy_zero import GLOBAL_BATCH, HP, ZERO3_PERSIST, ToyGPT, batch, reference, zero_run
 
 BF16_TOLERANCE = 0.03  # relative, per step: bf16 weights/activations against the fp32 reference
 

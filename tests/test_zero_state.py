@@ -11,7 +11,7 @@ import torch.distributed as dist
 from megatron_zero.testing import run_ranks
 from megatron_zero.zero import ZeroOptimizer, param_slice_mappings, partition_group, zero3_group_offsets
 from megatron_zero.zero.partition import fragment_address, zero3_param_partition
-from test_zero_helpers import GLOBAL_BATCH, HP, ZERO3_PERSIST, ToyGPT, batch, full_masters
+from megatron_zero.testing.toy_zero import GLOBAL_BATCH, HP, ZERO3_PERSIST, ToyGPT, batch, full_masters
 
 
 def test_partition_bookkeeping_offline():

@@ -4,7 +4,7 @@ parameter in a unit gathered per unit) on DP 4."""
 import pytest
 
 from megatron_zero.testing import run_ranks
-from test_zero_helpers import reference, rel, zero_run
+from megatron_zero.testing.toy_zero import reference, rel, zero_run
 
 STAGES = (0, 1, 2, 3)
 

@@ -114,7 +114,7 @@ def test_pretrain_reads_the_zeropp_keys(builtin_corpus, tmp_path):
     by less than the tolerance above."""
     import json
 
-    from test_training_e2e import losses_from_log, model_flags, torchrun
+    from megatron_zero.testing.launch import losses_from_log, model_flags, torchrun
 
     data, tok = builtin_corpus
     runs = {}

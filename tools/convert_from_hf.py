@@ -19,7 +19,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_zero.checkpoint.errors import CheckpointError  # noqa: E402
-from megatron_zero.checkpoint.hf.importer import import_hf  # noqa: E402
+from megatron_zero.checkpoint.export.hf.importer import import_hf  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -13,9 +13,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_zero.checkpoint.errors import CheckpointError  # noqa: E402
-from megatron_zero.checkpoint.hf import ARCHITECTURES  # noqa: E402
-from megatron_zero.checkpoint.hf.exporter import DTYPES, export_hf  # noqa: E402
-from megatron_zero.checkpoint.reader import add_verify_flag  # noqa: E402
+from megatron_zero.checkpoint.export.hf import ARCHITECTURES  # noqa: E402
+from megatron_zero.checkpoint.export.hf.exporter import DTYPES, export_hf  # noqa: E402
+from megatron_zero.checkpoint.storage.reader import add_verify_flag  # noqa: E402
 
 
 def main(argv=None) -> int:

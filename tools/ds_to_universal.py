@@ -17,8 +17,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_zero.checkpoint.errors import CheckpointError  # noqa: E402
-from megatron_zero.checkpoint.reader import add_verify_flag  # noqa: E402
-from megatron_zero.checkpoint.universal_convert import convert_to_universal  # noqa: E402
+from megatron_zero.checkpoint.storage.reader import add_verify_flag  # noqa: E402
+from megatron_zero.checkpoint.reshape.universal_convert import convert_to_universal  # noqa: E402
 
 
 def parse_arguments(argv=None):

@@ -12,7 +12,7 @@ import os
 import sys
 
 from megatron_zero.checkpoint import CheckpointError, add_verify_flag
-from megatron_zero.checkpoint.consolidate import get_fp32_state_dict, load_consolidated, resolve_checkpoint_dir
+from megatron_zero.checkpoint.export.consolidate import get_fp32_state_dict, load_consolidated, resolve_checkpoint_dir
 from megatron_zero.checkpoint.saved_config import saved_args, saved_config
 from megatron_zero.data import DataError, build_tokenizer
 from megatron_zero.generation import generate

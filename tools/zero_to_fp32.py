@@ -15,9 +15,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_zero.checkpoint.consolidate import consolidate_fp32  # noqa: E402
+from megatron_zero.checkpoint.export.consolidate import consolidate_fp32  # noqa: E402
 from megatron_zero.checkpoint.errors import CheckpointError  # noqa: E402
-from megatron_zero.checkpoint.reader import add_verify_flag  # noqa: E402
+from megatron_zero.checkpoint.storage.reader import add_verify_flag  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -65,6 +65,53 @@ std::vector<torch::Tensor> layer_norm_bwd(torch::Tensor dy, torch::Tensor x, tor
   return {dx, dgamma, dbeta};
 }
 
+std::vector<torch::Tensor> rms_norm_fwd(torch::Tensor x, torch::Tensor gamma, double eps) {
+  check_cuda(x, "x");
+  const int64_t cols = x.size(-1), rows = x.numel() / cols;
+  TORCH_CHECK(gamma.numel() == cols, "rms_norm: weight size");
+  auto y = torch::empty_like(x);
+  auto invrms = x.new_empty({rows}, x.options().dtype(torch::kFloat32));
+  check(mz_cuda::rms_norm_fwd(dtype_of(x), x.data_ptr(), gamma.data_ptr(), y.data_ptr(),
+                              invrms.data_ptr<float>(), rows, cols, float(eps), stream()),
+        "rms_norm_fwd");
+  return {y, invrms};
+}
+
+std::vector<torch::Tensor> rms_norm_bwd(torch::Tensor dy, torch::Tensor x, torch::Tensor invrms,
+                                        torch::Tensor gamma) {
+  check_cuda(dy, "dy");
+  check_cuda(x, "x");
+  const int64_t cols = x.size(-1), rows = x.numel() / cols;
+  auto dx = torch::empty_like(x);
+  auto dgamma = torch::empty_like(gamma);
+  auto ws = torch::empty({mz_cuda::rms_norm_bwd_workspace_floats(cols)},
+                         x.options().dtype(torch::kFloat32));
+  check(mz_cuda::rms_norm_bwd(dtype_of(x), dy.data_ptr(), x.data_ptr(),
+                              invrms.contiguous().data_ptr<float>(), gamma.data_ptr(),
+                              dx.data_ptr(), dgamma.data_ptr(), ws.data_ptr<float>(), rows, cols,
+                              stream()),
+        "rms_norm_bwd");
+  return {dx, dgamma};
+}
+
+torch::Tensor rope_apply(torch::Tensor t, torch::Tensor cos_t, torch::Tensor sin_t, bool inverse) {
+  check_cuda(t, "t");
+  check_cuda(cos_t, "cos");
+  check_cuda(sin_t, "sin");
+  TORCH_CHECK(t.dim() >= 2 && cos_t.dim() == 2 && cos_t.sizes() == sin_t.sizes() &&
+                  cos_t.scalar_type() == torch::kFloat32 && sin_t.scalar_type() == torch::kFloat32,
+              "rope: t must be [..., seq, dim] and cos/sin fp32 [seq, rot]");
+  const int64_t seq = t.size(-2), dim = t.size(-1), rot = cos_t.size(1);
+  TORCH_CHECK(cos_t.size(0) == seq && rot <= dim && rot % 2 == 0, "rope: table shape ",
+              cos_t.sizes(), " does not fit t ", t.sizes());
+  auto out = torch::empty_like(t);
+  check(mz_cuda::rope_apply(dtype_of(t), t.data_ptr(), cos_t.data_ptr<float>(),
+                            sin_t.data_ptr<float>(), out.data_ptr(), t.numel() / dim, dim, rot,
+                            seq, inverse, stream()),
+        "rope_apply");
+  return out;
+}
+
 torch::Tensor causal_softmax_fwd(torch::Tensor x, double scale) {
   check_cuda(x, "x");
   TORCH_CHECK(x.dim() == 3 && x.size(1) == x.size(2), "causal softmax: x must be [b, sq, sq]");
@@ -150,9 +197,13 @@ void multi_tensor_adamw(std::vector<torch::Tensor> params, std::vector<torch::Te
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.doc() = "Fused CUDA kernels: LayerNorm, causal softmax, bias+GeLU, multi-tensor AdamW";
+  mod.doc() =
+      "Fused CUDA kernels: LayerNorm, RMSNorm, RoPE, causal softmax, bias+GeLU, multi-tensor AdamW";
   mod.def("layer_norm_fwd", &layer_norm_fwd);
   mod.def("layer_norm_bwd", &layer_norm_bwd);
+  mod.def("rms_norm_fwd", &rms_norm_fwd);
+  mod.def("rms_norm_bwd", &rms_norm_bwd);
+  mod.def("rope_apply", &rope_apply);
   mod.def("causal_softmax_fwd", &causal_softmax_fwd);
   mod.def("causal_softmax_bwd", &causal_softmax_bwd);
   mod.def("bias_gelu_fwd", &bias_gelu_fwd);

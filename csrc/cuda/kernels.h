@@ -23,6 +23,24 @@ cudaError_t layer_norm_bwd(DType dt, const void* dy, const void* x, const float*
                            void* dbeta, float* workspace, int64_t rows, int64_t cols,
                            cudaStream_t stream);
 
+// RMSNorm over rows of length `cols`: y = gamma * T(x / rms(x)); x, y, gamma
+// in `dt`; invrms (1/rms per row) is fp32 [rows].
+cudaError_t rms_norm_fwd(DType dt, const void* x, const void* gamma, void* y, float* invrms,
+                         int64_t rows, int64_t cols, float eps, cudaStream_t stream);
+// dgamma is summed in a fixed order through `workspace` (fp32, of
+// rms_norm_bwd_workspace_floats(cols) elements): deterministic.
+int64_t rms_norm_bwd_workspace_floats(int64_t cols);
+cudaError_t rms_norm_bwd(DType dt, const void* dy, const void* x, const float* invrms,
+                         const void* gamma, void* dx, void* dgamma, float* workspace, int64_t rows,
+                         int64_t cols, cudaStream_t stream);
+
+// Rotary embedding of the first `rot` features of each row of t [rows, dim],
+// row r at position r % seq, with fp32 cos/sin tables [seq, rot]; `inverse`
+// rotates the other way (the backward pass).
+cudaError_t rope_apply(DType dt, const void* t, const float* cos_t, const float* sin_t, void* out,
+                       int64_t rows, int64_t dim, int64_t rot, int64_t seq, bool inverse,
+                       cudaStream_t stream);
+
 // softmax(scale * x) over the last dim of x [batches, seq, seq] with key > query
 // masked out (probability 0); accumulation in fp32.
 cudaError_t causal_softmax_fwd(DType dt, const void* x, void* y, int64_t batches, int64_t seq,

@@ -6,9 +6,9 @@
 """
 from .errors import CheckpointError
 from .load import load_checkpoint
-from .reader import add_verify_flag, open_checkpoint
+from .storage.reader import add_verify_flag, open_checkpoint
 from .save import finalize_async_saves, save_checkpoint
-from .tensor_io import clone_tensors_for_torch_save
+from .storage.tensor_io import clone_tensors_for_torch_save
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "finalize_async_saves", "open_checkpoint",
            "add_verify_flag", "clone_tensors_for_torch_save"]

@@ -25,7 +25,8 @@ import re
 from typing import Optional
 
 from .errors import CheckpointError
-from .reader import open_directory
+from .format import UNIVERSAL_CHECKPOINT_INFO, header_args
+from .storage.reader import open_directory
 
 MODEL_SETTINGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
                   "make_vocab_size_divisible_by", "layernorm_epsilon", "num_query_groups", "rotary_base",
@@ -49,12 +50,6 @@ def read_head(directory: str, verify: bool = True) -> dict:
     return head if isinstance(head, dict) else {}
 
 
-def _as_dict(args) -> dict:
-    if args is None:
-        return {}
-    return args if isinstance(args, dict) else dict(vars(args))
-
-
 def _same(a, b) -> bool:
     if isinstance(a, str) and isinstance(b, str):
         return a.lower() == b.lower()
@@ -65,7 +60,7 @@ def _same(a, b) -> bool:
 
 def _recorded_vocab(head: dict, saved: dict, padded_at) -> Optional[tuple]:
     """(the checkpoint's vocabulary, ours) in comparable terms, or None if it records none."""
-    info = head.get("universal_checkpoint_info")
+    info = head.get(UNIVERSAL_CHECKPOINT_INFO)
     if isinstance(info, dict) and info.get("original_vocab_size") is not None:
         return int(info["original_vocab_size"]), None
     if saved.get("padded_vocab_size") is not None:  # Megatron: padded at the source's TP
@@ -75,7 +70,7 @@ def _recorded_vocab(head: dict, saved: dict, padded_at) -> Optional[tuple]:
 
 def disagreements(head: dict, args, vocab_size: int, padded_at) -> list:
     """'name checkpoint-value vs here-value' for every model setting that differs."""
-    saved = _as_dict(head.get("args"))
+    saved = header_args(head)
     ours = dict(vars(args))
     if "position_embedding_type" in ours:  # Megatron-DeepSpeed's spelling of the same switch
         ours["add_position_embedding"] = ours["position_embedding_type"] == "learned_absolute"

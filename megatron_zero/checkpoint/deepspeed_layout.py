@@ -1,4 +1,4 @@
-"""DeepSpeed / Megatron-DeepSpeed file names, and what goes in each file, for our GPT.
+"""What goes in each DeepSpeed / Megatron-DeepSpeed file, for our GPT (the names: format.py).
 
 Files of one checkpoint (the pipeline engine's layout, for every PP size):
   layer_{idx:02d}-model_{tp:02d}-model_states.pt   a layer's weights, local names (ZeRO 0-2);
@@ -18,29 +18,13 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..model.layers import EMBEDDING_INDEX
+from ..model.layer_indices import EMBEDDING_INDEX
 from ..model.params import (BLOCK_PARAMS, LM_HEAD_SUFFIX, SWIGLU_SUFFIXES, block_suffixes, position_embeddings_name,
                             word_embeddings_name)
-from .universal_info import SUB_PARAMS_PATTERNS
+from .format import (DS_VERSION, PIPELINE_REPLICATED_PATTERNS, ROW_PARALLEL_PATTERNS, SUB_PARAMS_PATTERNS,
+                     TO_AVERAGE_PATTERNS, TP_REPLICATED_PATTERNS, UNIVERSAL_CHECKPOINT_VERSION, VOCAB_PATTERNS)
 
-DS_VERSION = "0.19.8"
-CHECKPOINT_VERSION = 3.0
-UNIVERSAL_CHECKPOINT_VERSION = 0.2
 EMBED_PREFIX = "tied_modules.embed."
-
-
-def model_states_name(mp_rank: int, zero_stage: int, dp_rank: int = 0) -> str:
-    if zero_stage == 3:
-        return f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_model_states.pt"
-    return f"mp_rank_{mp_rank:02d}_model_states.pt"
-
-
-def optim_states_name(dp_rank: int, mp_rank: int, bf16: bool = False) -> str:
-    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
-
-
-def layer_file_name(layer_index: int, tp_rank: int) -> str:
-    return f"layer_{layer_index:02d}-model_{tp_rank:02d}-model_states.pt"
 
 
 def layer_of(name: str) -> Tuple[int, str]:
@@ -93,11 +77,11 @@ def universal_checkpoint_info(config, padded_vocab_size: int) -> dict:
         "universal_checkpoint_version": UNIVERSAL_CHECKPOINT_VERSION,
         "original_vocab_size": int(config.vocab_size),
         "padded_vocab_size": int(padded_vocab_size),
-        "vocabulary_parameter_patterns": [re.escape(word)] + ([] if tied else [pat(LM_HEAD_SUFFIX)]),
-        "pipeline_replicated_parameter_patterns": [re.escape(n) for n in (word, positions) if n and tied],
-        "tp_replicated_parameter_patterns": replicated,
-        "parameter_with_row_parallelism_patterns": [pat(s) for s in suffixes if BLOCK_PARAMS[s][0] == 1],
-        "parameter_to_average_patterns": [],
+        VOCAB_PATTERNS: [re.escape(word)] + ([] if tied else [pat(LM_HEAD_SUFFIX)]),
+        PIPELINE_REPLICATED_PATTERNS: [re.escape(n) for n in (word, positions) if n and tied],
+        TP_REPLICATED_PATTERNS: replicated,
+        ROW_PARALLEL_PATTERNS: [pat(s) for s in suffixes if BLOCK_PARAMS[s][0] == 1],
+        TO_AVERAGE_PATTERNS: [],
         **({SUB_PARAMS_PATTERNS: [pat(s) for s in suffixes if s in SWIGLU_SUFFIXES]} if config.swiglu else {}),
     }
 

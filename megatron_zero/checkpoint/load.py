@@ -22,10 +22,10 @@ import torch
 
 from ..device import HOST
 from ..topology import ParallelState
-from .commit import LATEST
-from .deepspeed_layout import EMBED_PREFIX, layer_file_name, model_states_name, optim_states_name, param_shapes
+from .deepspeed_layout import EMBED_PREFIX, param_shapes
 from .errors import CheckpointError
-from .reader import Checkpoint, open_checkpoint
+from .format import LATEST, layer_file_name, model_states_name, optim_states_name
+from .storage.reader import Checkpoint, open_checkpoint
 
 ENGINE_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
                "frozen_param_fragments", "data_sampler", "random_ltd", "skipped_steps", "global_steps",
@@ -114,7 +114,7 @@ def load_checkpoint(load_dir: str, state: ParallelState, model, optimizer, load_
                     universal: bool = False, tag: Optional[str] = None, verify: bool = True,
                     device: Optional[torch.device] = None) -> Optional[dict]:
     if universal:  # universal_load.py (the reshape path) owns that format
-        from .universal_load import load_universal_checkpoint
+        from .reshape.universal_load import load_universal_checkpoint
         return load_universal_checkpoint(load_dir, state, model, optimizer, load_optimizer=load_optimizer)
     if tag is None and not os.path.exists(os.path.join(load_dir, LATEST)):
         return None

@@ -15,7 +15,7 @@ import shutil
 import sys
 from typing import Optional
 
-from .commit import remove_stale, stale_dirs
+from .storage.commit import remove_stale, stale_dirs
 from .errors import CheckpointError
 
 

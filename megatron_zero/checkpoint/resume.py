@@ -1,5 +1,6 @@
-"""Which checkpoint a run resumes from, and the refusal to start from scratch over saved work.
+"""Which checkpoint a run resumes from, loading it, and the refusal to start from scratch over saved work.
 
+    client = resume_checkpoint(load_dir, state, model, optimizer)   # the decision below, then the loading
     point = find_resume_point(load_dir)   # ResumePoint(directory, universal, note) or None (nothing saved)
     refuse_fresh_start_over(save_dir)     # a fresh start while --save holds checkpoints: one sentence
 
@@ -9,6 +10,8 @@
     but with committed checkpoints: the newest whose every file verifies (said in `note`);
   - one checkpoint's own directory (`<save>/global_step6`), ZeRO or universal;
   - a directory with `latest_universal`, or asked for with universal=True: the universal checkpoint.
+A ZeRO checkpoint saved at this TP x PP x DP and ZeRO stage family loads as saved (load.py); saved at
+another, it is reshaped while loading (universal_load.py), as a universal checkpoint always is.
 """
 from __future__ import annotations
 
@@ -16,12 +19,14 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from .commit import LATEST, committed_tags, read_latest
+from .storage.commit import committed_tags, read_latest
 from .errors import CheckpointError
-from .manifest import MANIFEST
-from .reader import open_directory
-from .universal_load import LATEST_UNIVERSAL, find_universal_dir
-from .universal_source import MODEL_FILE, ZERO3_MODEL_FILE
+from .format import LATEST, LATEST_UNIVERSAL, MODEL_FILE, ZERO3_MODEL_FILE
+from .load import load_checkpoint
+from .save import saved_layout
+from .storage.manifest import MANIFEST
+from .storage.reader import open_directory
+from .reshape.universal_load import find_universal_dir, load_reshaped_checkpoint, load_universal_checkpoint
 
 
 @dataclass
@@ -75,6 +80,32 @@ def find_resume_point(load_dir: str, universal: bool = False, verify: bool = Tru
         return ResumePoint(os.path.normpath(load_dir))
     tags = committed_tags(load_dir)
     return _newest_verified(load_dir, tags, verify) if tags else None
+
+
+def resume_checkpoint(path: str, state, model, optimizer, load_optimizer: bool = True, universal: bool = False,
+                      verify: bool = True, log=print, check=None) -> Optional[dict]:
+    """Load what `--load path` names (find_resume_point), the one call a run resumes through: a universal
+    checkpoint, a checkpoint saved on this layout, or, saved on another TP/PP/DP or ZeRO stage, the same
+    reshaped while loading.
+    `check(directory)` sees the chosen checkpoint directory before anything is loaded from it.
+    -> the client state, or None when `path` holds no checkpoint."""
+    point = find_resume_point(path, universal, verify)
+    if point is None:
+        return None
+    if point.note:
+        log(point.note)
+    if check:
+        check(point.directory)
+    if point.universal:
+        return load_universal_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify)
+    meta = open_directory(point.directory, verify).meta
+    saved = meta.get("layout")
+    here = saved_layout(state, model)  # an interleaved pipeline holds other layers: reshaped
+    same_stage_family = (meta.get("zero_stage", optimizer.stage) == 3) == (optimizer.stage == 3)
+    if saved is not None and (saved != here or not same_stage_family):
+        return load_reshaped_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify)
+    root, tag = os.path.split(point.directory)
+    return load_checkpoint(root, state, model, optimizer, load_optimizer=load_optimizer, tag=tag, verify=verify)
 
 
 def refuse_fresh_start_over(save_dir: str) -> None:

@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 
 from ..topology import ParallelState
-from .deepspeed_layout import (CHECKPOINT_VERSION, DS_VERSION, assign_layers_to_dp, engine_state, layer_file_name,
-                               layer_state_dicts, model_states_name, optim_states_name, universal_checkpoint_info)
-from .writer import CopyFile, get_writer
+from .deepspeed_layout import assign_layers_to_dp, engine_state, layer_state_dicts, universal_checkpoint_info
+from .format import CHECKPOINT_VERSION, DS_VERSION, layer_file_name, model_states_name, optim_states_name
+from .storage.writer import CopyFile, get_writer
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-ZERO_TO_FP32 = os.path.join(_HERE, "zero_to_fp32.py")
-SAFE_PICKLE = os.path.join(_HERE, "safe_pickle.py")  # zero_to_fp32.py imports it from beside itself
+ZERO_TO_FP32 = os.path.join(_HERE, "export", "standalone_zero_to_fp32.py")  # copied as zero_to_fp32.py
+SAFE_PICKLE = os.path.join(_HERE, "storage", "safe_pickle.py")  # zero_to_fp32.py imports it from beside itself
 
 
 def ds_config(optimizer) -> dict:
@@ -79,6 +79,14 @@ def build_plan(iteration: int, state: ParallelState, model, optimizer, client: d
     return plan
 
 
+def saved_layout(state: ParallelState, model) -> dict:
+    """The layout a checkpoint records (and a resume compares): TP, PP, DP, and the model chunks per
+    pipeline rank ("vp") of an interleaved pipeline."""
+    layout = state.layout
+    vp = len(getattr(model, "chunks", [None]))
+    return {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, **({"vp": vp} if vp > 1 else {})}
+
+
 def save_checkpoint(save_dir: str, iteration: int, state: ParallelState, model, optimizer, client_state: dict,
                     async_save: bool = False, keep_last_k: Optional[int] = None, tag: Optional[str] = None,
                     save_latest: bool = True) -> str:
@@ -89,8 +97,7 @@ def save_checkpoint(save_dir: str, iteration: int, state: ParallelState, model, 
     writer.wait()  # the previous async save must be done before its buffers/state are reused
     client = _client(client_state, state, iteration)
     plan = build_plan(iteration, state, model, optimizer, client)
-    layout = state.layout
-    meta = {"layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp}, "zero_stage": optimizer.stage,
+    meta = {"layout": saved_layout(state, model), "zero_stage": optimizer.stage,
             "model": {"num_layers": model.config.num_layers, "hidden_size": model.config.hidden_size,
                       "vocab_size": model.config.vocab_size}}
     writer.save(save_dir, tag, plan, iteration=iteration, meta=meta, async_save=async_save,
@@ -102,5 +109,5 @@ def save_checkpoint(save_dir: str, iteration: int, state: ParallelState, model, 
 
 def finalize_async_saves() -> None:
     """Wait for this rank's pending async save (rank 0: until it is committed). Call before exiting."""
-    from .writer import wait_for_pending_save
+    from .storage.writer import wait_for_pending_save
     wait_for_pending_save()

@@ -14,12 +14,12 @@ from dataclasses import fields
 from typing import Callable, Optional, Sequence
 
 from ..model.config import GPTConfig
-from ..model.layers import block_layer_index
+from ..model.layer_indices import block_layer_index
 from ..model.params import (POSITION_EMBEDDINGS, UNTIED_POSITION_EMBEDDINGS, UNTIED_WORD_EMBEDDINGS,
                             WORD_EMBEDDINGS)
 from .errors import CheckpointError
-from .reader import open_directory
-from .universal_source import MODEL_FILE
+from .format import MODEL_FILE, header_args
+from .storage.reader import open_directory
 
 
 def saved_args(directory: str, verify: bool = True) -> dict:
@@ -27,8 +27,7 @@ def saved_args(directory: str, verify: bool = True) -> dict:
     heads = [f for f in sorted(os.listdir(directory)) if MODEL_FILE.match(f)]
     if not heads:
         return {}
-    args = open_directory(directory, verify).load(heads[0]).get("args") or {}
-    return args if isinstance(args, dict) else vars(args)
+    return header_args(open_directory(directory, verify).load(heads[0]))
 
 
 def config_from_args(args: dict, vocab_size: int) -> GPTConfig:

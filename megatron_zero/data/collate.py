@@ -15,9 +15,3 @@ def collate_gpt(samples: Sequence[np.ndarray]) -> Dict[str, "torch.Tensor"]:
 
     text = torch.from_numpy(np.stack([np.asarray(s, dtype=np.int64) for s in samples]))
     return {"tokens": text[:, :-1].contiguous(), "labels": text[:, 1:].contiguous()}
-
-
-def micro_batches(dataset, sampler):
-    """Collated micro-batches for one rank, in the sampler's order."""
-    for indices in sampler:
-        yield collate_gpt([dataset[i] for i in indices])

@@ -1,7 +1,7 @@
 """The GPT model: config, layer indexing, parameter catalogue, TP sharding, the model itself."""
 from .config import GPTConfig
 from .gpt import GPTModel, reference_model
-from .layers import block_layer_index, final_norm_index, lm_head_index, num_pipeline_layers
+from .layer_indices import block_layer_index, final_norm_index, lm_head_index, num_pipeline_layers
 from .params import param_names, param_spec
 from .sharding import gather_state_dicts, pad_vocab, shard_state_dict, unpad_vocab
 

@@ -3,8 +3,10 @@
     model = GPTModel(config)                                  # whole model, TP=1: the reference
     model = GPTModel(config, tp_group)                        # whole model, TP-sharded
     stage = GPTModel(config, tp_group, layer_indices=range(a, b))   # one pipeline stage
+    stage = GPTModel(config, tp_group, layer_indices=[*range(a, b), *range(c, d)])  # interleaved: two
+                                                              # model chunks, run by forward(x, chunk=k)
 
-Layers carry Megatron-DeepSpeed's global indices (see layers.py), so parameter
+Layers carry Megatron-DeepSpeed's global indices (see layer_indices.py), so parameter
 names are the same whatever the layout. `tp_group=None` is TP=1 with no
 communication: that is the single-process reference path for parity tests.
 """
@@ -18,7 +20,7 @@ from ..tensor_parallel import vocab_parallel_cross_entropy
 from ..tensor_parallel.utils import tp_rank_in, tp_world_size
 from .config import GPTConfig
 from .init import initialize_parameters
-from .layers import EMBEDDING_INDEX, holds_embedding, is_block_index, layer_kind, lm_head_index, num_pipeline_layers
+from .layer_indices import EMBEDDING_INDEX, holds_embedding, is_block_index, layer_kind, lm_head_index, num_pipeline_layers
 from .recompute import run_layers
 from .transformer import Embedding, LMHead, ParallelTransformerLayer, build_norm
 
@@ -32,10 +34,11 @@ class GPTModel(nn.Module):
         config.check_tp(self.tp)
         all_layers = range(num_pipeline_layers(L))
         self.layer_indices = list(all_layers if layer_indices is None else layer_indices)
-        if not self.layer_indices or self.layer_indices != list(range(self.layer_indices[0], self.layer_indices[-1] + 1)) \
+        if not self.layer_indices or self.layer_indices != sorted(set(self.layer_indices)) \
                 or self.layer_indices[0] < 0 or self.layer_indices[-1] >= len(all_layers):
-            raise ValueError(f"layer_indices must be a non-empty contiguous range within 0..{len(all_layers) - 1}, "
+            raise ValueError(f"layer_indices must be non-empty, increasing and within 0..{len(all_layers) - 1}, "
                              f"got {self.layer_indices}")
+        self.chunks = _contiguous_runs(self.layer_indices)  # the model chunks of an interleaved stage
         self.tied = not config.untie_embeddings_and_output_weights
         if self.tied and holds_embedding(self.layer_indices, L):
             self.tied_modules = nn.ModuleDict({"embed": Embedding(config, tp_group)})
@@ -61,21 +64,23 @@ class GPTModel(nn.Module):
             return self.embedding.lm_logits(hidden)
         return self._modules[str(lm_head_index(self.config.num_layers))](hidden)
 
+    def chunk_blocks(self, chunk: int):
+        """The transformer layers of model chunk `chunk`, in order (run together: model/recompute.py)."""
+        L = self.config.num_layers
+        return [self._modules[str(i)] for i in self.chunks[chunk] if is_block_index(i, L)]
+
     @property
     def blocks(self):
-        """This stage's transformer layers, in order (run together: model/recompute.py)."""
-        return [self._modules[str(i)] for i in self.block_indices]
+        """This stage's transformer layers, in order."""
+        return [b for c in range(len(self.chunks)) for b in self.chunk_blocks(c)]
 
-    @property
-    def block_indices(self):
-        return [i for i in self.layer_indices if is_block_index(i, self.config.num_layers)]
-
-    def forward(self, inputs, labels=None, loss_mask=None):
-        """Tokens [b, s] (first stage) or hidden [b, s, h] in; hidden, logits, or the mean loss out."""
+    def forward(self, inputs, labels=None, loss_mask=None, chunk: int = 0):
+        """Tokens [b, s] (first stage) or hidden [b, s, h] in; hidden, logits, or the mean loss out.
+        `chunk`: which model chunk of an interleaved stage runs (0 for a plain stage)."""
         x = inputs
         L = self.config.num_layers
-        first_block = next(iter(self.block_indices), None)
-        for i in self.layer_indices:
+        blocks_done = False
+        for i in self.chunks[chunk]:
             if i == EMBEDDING_INDEX:
                 x = self.embedding(x)
             elif i == lm_head_index(L):
@@ -83,8 +88,9 @@ class GPTModel(nn.Module):
                 return logits if labels is None else self.loss(logits, labels, loss_mask)
             elif layer_kind(i, L) == "final_norm":
                 x = self._modules[str(i)](x)
-            elif i == first_block:  # the stage's first block runs them all
-                x = run_layers(self.blocks, x, self.config)
+            elif is_block_index(i, L) and not blocks_done:  # the chunk's first block runs them all
+                x = run_layers(self.chunk_blocks(chunk), x, self.config)
+                blocks_done = True
         return x  # (layer 0, the input cast, has nothing to do in this layout)
 
     def loss(self, logits, labels, loss_mask=None):
@@ -94,6 +100,16 @@ class GPTModel(nn.Module):
             return losses.mean()
         loss_mask = loss_mask.to(losses.dtype)
         return (losses * loss_mask).sum() / loss_mask.sum()
+
+
+def _contiguous_runs(indices):
+    runs = [[indices[0]]]
+    for i in indices[1:]:
+        if i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
 
 
 def reference_model(config: GPTConfig) -> GPTModel:

@@ -39,10 +39,6 @@ def full_init_tensor(name: str, config: GPTConfig) -> torch.Tensor:
     return torch.randn(spec.full_shape, generator=gen, device=HOST) * std
 
 
-def full_init_state_dict(config: GPTConfig, names) -> dict:
-    return {name: full_init_tensor(name, config) for name in names}
-
-
 @torch.no_grad()
 def initialize_parameters(model: torch.nn.Module, config: GPTConfig, tp: int, tp_rank: int) -> None:
     """Fill every parameter of `model` with its TP rank's slice of the full initial weights."""

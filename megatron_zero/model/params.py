@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from .config import GPTConfig
-from .layers import (EMBEDDING_INDEX, final_norm_index, is_block_index, lm_head_index, num_pipeline_layers)
+from .layer_indices import (EMBEDDING_INDEX, final_norm_index, is_block_index, lm_head_index, num_pipeline_layers)
 
 WORD_EMBEDDINGS = "tied_modules.embed.word_embeddings.weight"
 POSITION_EMBEDDINGS = "tied_modules.embed.position_embeddings.weight"

@@ -2,20 +2,19 @@
 
 Which kernels this installation has: `available_kernels()`. Switches that turn
 a fusion off (Megatron's --no-*-fusion flags): `set_fusion_flags(...)`.
-RMSNorm and RoPE have no compiled kernel yet; their PyTorch code is their only implementation.
 """
 from .bias_gelu import bias_gelu
 from .cpu_adam import CPUAdamW, adamw_step_
 from .fused_adam import MultiTensorAdamW, multi_tensor_adamw_
 from .fusion_flags import FusionFlags, get_fusion_flags, set_fusion_flags
-from .layer_norm import LayerNorm, layer_norm
+from .layer_norm import layer_norm
 from .registry import available_kernels, kernel_report
 from .rms_norm import rms_norm
 from .rope import apply_rotary_pos_emb, rotary_tables
 from .softmax import scaled_upper_triang_masked_softmax
 
 __all__ = [
-    "CPUAdamW", "FusionFlags", "LayerNorm", "MultiTensorAdamW", "adamw_step_", "apply_rotary_pos_emb",
+    "CPUAdamW", "FusionFlags", "MultiTensorAdamW", "adamw_step_", "apply_rotary_pos_emb",
     "available_kernels", "bias_gelu", "get_fusion_flags", "kernel_report", "layer_norm", "multi_tensor_adamw_",
     "rms_norm", "rotary_tables", "scaled_upper_triang_masked_softmax", "set_fusion_flags",
 ]

@@ -5,7 +5,8 @@ arguments.py maps the command line onto these once at start-up:
     --no-masked-softmax-fusion        -> masked_softmax_fusion = False
     --no-bias-gelu-fusion             -> bias_gelu_fusion = False
     --no-gradient-accumulation-fusion -> gradient_accumulation_fusion = False
-    --no-persist-layer-norm           -> persist_layer_norm = False
+    --no-persist-layer-norm           -> persist_layer_norm = False (LayerNorm and RMSNorm)
+    --no-rope-fusion                  -> rope_fusion = False
 
 A switch that is on only *allows* the fused kernel: an op still falls back to
 PyTorch when the kernel was not built or the tensors are not on its device.
@@ -26,6 +27,7 @@ class FusionFlags:
     # here, so this and layer_norm_fusion together decide whether it is used.
     persist_layer_norm: bool = True
     layer_norm_fusion: bool = True
+    rope_fusion: bool = True
     cpu_adam_fusion: bool = True
     multi_tensor_adam_fusion: bool = True
 

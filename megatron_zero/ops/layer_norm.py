@@ -52,13 +52,3 @@ def layer_norm(x, weight, bias, eps=1e-5, fused=None):
         return _FusedLayerNorm.apply(x, weight, bias, eps)
     return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
 
-
-class LayerNorm(torch.nn.LayerNorm):
-    """nn.LayerNorm (same parameters and state_dict) that uses the fused kernel."""
-
-    def __init__(self, hidden_size, eps=1e-5, fused=None, **kw):
-        super().__init__(hidden_size, eps=eps, **kw)
-        self.fused = fused
-
-    def forward(self, x):
-        return layer_norm(x, self.weight, self.bias, self.eps, self.fused)

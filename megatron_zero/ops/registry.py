@@ -10,8 +10,8 @@ import warnings
 # extension module -> the kernels it provides
 EXTENSIONS = {
     "megatron_zero._C_cpu_adam": ("cpu_adam",),
-    "megatron_zero._C_cuda": ("layer_norm", "scaled_upper_triang_masked_softmax", "bias_gelu",
-                              "multi_tensor_adam"),
+    "megatron_zero._C_cuda": ("layer_norm", "rms_norm", "rope", "scaled_upper_triang_masked_softmax",
+                              "bias_gelu", "multi_tensor_adam"),
 }
 
 _loaded = {}  # module name -> module or the reason it is missing (str)

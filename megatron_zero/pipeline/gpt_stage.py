@@ -9,6 +9,11 @@ An untied model (--untie-embeddings-and-output-weights) has no shared tensor: th
 lives on the first stage, the output head on the last, and none of this applies.
 The last stage's copies are marked `shared` so the gradient norm counts them once, and
 both copies `zero_defer_reduce` so ZeRO-2 reduces them only after that sum.
+
+Interleaved (virtual_stages v > 1): the rank's one GPTModel holds its v model chunks
+(partition.virtual_stage_layer_ranges), so parameter names, checkpoints and the ZeRO optimizer
+see all of them as one stage; `forward_step(i, x, chunk)` runs one chunk, and the stages pass
+activations around a ring (stage_p2p), the last rank's chunk k feeding the first rank's chunk k + 1.
 """
 from __future__ import annotations
 
@@ -20,21 +25,29 @@ import torch.distributed as dist
 
 from ..device import HOST
 from ..model.gpt import GPTModel
-from ..model.layers import EMBEDDING_INDEX, block_layer_index, final_norm_index, lm_head_index
+from ..model.layer_indices import EMBEDDING_INDEX, block_layer_index, final_norm_index, lm_head_index
 from ..model.params import layer_param_names, param_spec
 from ..topology import ParallelState
-from .partition import stage_layer_ranges
+from .p2p import P2P
+from .partition import PartitionError, stage_layer_ranges, virtual_stage_layer_ranges
 
 
 def build_gpt_stage(config, state: ParallelState, partition_method: str = "uniform",
-                    explicit_partition: Optional[Sequence[int]] = None, device: torch.device = HOST) -> GPTModel:
-    """This rank's stage, its parameters created on `device` (the initial values are drawn on the host)."""
-    ranges = stage_layer_ranges(config.num_layers, state.pp_size, method=partition_method,
-                                explicit=explicit_partition, **_param_weights(config))
-    start, end = ranges[state.pp_rank]
+                    explicit_partition: Optional[Sequence[int]] = None, device: torch.device = HOST,
+                    virtual_stages: int = 1) -> GPTModel:
+    """This rank's stage (its `virtual_stages` model chunks), its parameters created on `device` (the
+    initial values are drawn on the host)."""
+    if virtual_stages > 1:
+        if explicit_partition is not None or partition_method != "uniform":
+            raise PartitionError("an interleaved pipeline splits the layers uniformly into virtual stages; it "
+                                 "takes no explicit or parameter-balanced partition")
+        chunks = virtual_stage_layer_ranges(config.num_layers, state.pp_size, virtual_stages)[state.pp_rank]
+    else:
+        chunks = [stage_layer_ranges(config.num_layers, state.pp_size, method=partition_method,
+                                     explicit=explicit_partition, **_param_weights(config))[state.pp_rank]]
     tp_group = state.tp_group if state.tp_size > 1 else None
     with device:  # the default device for the modules' own tensors
-        model = GPTModel(config, tp_group, layer_indices=range(start, end))
+        model = GPTModel(config, tp_group, layer_indices=[i for start, end in chunks for i in range(start, end)])
     if state.pp_size > 1 and hasattr(model, "tied_modules"):
         for param in model.tied_modules.parameters():
             param.zero_defer_reduce = True  # ZeRO-2 reduces it after sync_tied_embedding_grads
@@ -70,17 +83,38 @@ def sync_tied_embedding_grads(model: GPTModel, state: ParallelState):
 
 
 def make_forward_step(model: GPTModel, micro_batches: List[dict], state: ParallelState) -> Callable:
-    """forward_step(i, x) for the schedule: tokens in on the first stage, loss / M out on the last."""
-    m = len(micro_batches)
+    """forward_step(i, x, chunk=0) for the schedules: tokens in on the first stage's first chunk, loss / M
+    out of the last stage's last chunk."""
+    m, last_chunk = len(micro_batches), len(model.chunks) - 1
 
-    def forward_step(i, x):
+    def forward_step(i, x, chunk=0):
         batch = micro_batches[i]
-        inputs = batch["tokens"] if state.is_first_stage else x
-        if state.is_last_stage:
-            return model(inputs, labels=batch["labels"], loss_mask=batch.get("loss_mask")) / m
-        return model(inputs)
+        inputs = batch["tokens"] if state.is_first_stage and chunk == 0 else x
+        if state.is_last_stage and chunk == last_chunk:
+            return model(inputs, labels=batch["labels"], loss_mask=batch.get("loss_mask"), chunk=chunk) / m
+        return model(inputs, chunk=chunk)
 
     return forward_step
+
+
+def grad_reduce_arming(model: GPTModel, optimizer) -> Callable:
+    """The schedules' `before_last_backward`: plain 1F1B calls it with no chunk (every gradient is ready
+    after that backward), the interleaved schedule with the chunk whose last backward comes next (that
+    chunk's parameters are; the tied embedding's are reduced at the step anyway)."""
+    def arm(chunk=None):
+        if chunk is None:
+            return optimizer.arm_grad_reduce()
+        modules = [model._modules[str(i)] for i in model.chunks[chunk] if str(i) in model._modules]
+        optimizer.arm_grad_reduce([p for module in modules for p in module.parameters()])
+    return arm
+
+
+def stage_p2p(state: ParallelState, shape, dtype, device: torch.device = HOST, virtual_stages: int = 1) -> P2P:
+    """This stage's transfers: to its neighbours, or, interleaved, around the ring of pipeline ranks."""
+    if virtual_stages == 1:
+        return P2P(state.prev_rank, state.next_rank, shape, dtype, device)
+    ring, r = state.layout.pp_group(state.rank), state.pp_rank
+    return P2P(ring[r - 1], ring[(r + 1) % len(ring)], shape, dtype, device)
 
 
 def activation_shape(micro_batch_size: int, config, tp: int = 1) -> tuple:

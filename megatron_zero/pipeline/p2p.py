@@ -3,7 +3,9 @@
 Shapes are fixed for a run ([micro_batch, seq, hidden]), so the receiver
 allocates from a known shape and dtype; pairs of transfers are batched with
 `batch_isend_irecv` so a send and a receive in opposite directions never
-deadlock (gloo and NCCL alike).
+deadlock (gloo and NCCL alike). `communicate` is the interleaved schedule's one
+exchange with both neighbours; its fixed order (activations before gradients) keeps a
+ring of two stages, where prev and next are the same rank, matched.
 """
 from __future__ import annotations
 
@@ -54,3 +56,18 @@ class P2P:
     def send_backward_recv_forward(self, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         x = self._exchange(grad, self.prev_rank, self.prev_rank)
         return x.requires_grad_() if x is not None else None
+
+    def communicate(self, send_next: Optional[torch.Tensor] = None, recv_prev: bool = False,
+                    send_prev: Optional[torch.Tensor] = None, recv_next: bool = False):
+        """Send to / receive from both neighbours in one batch. -> (from prev, from next), None where not asked."""
+        from_prev = self._empty() if recv_prev else None
+        from_next = self._empty() if recv_next else None
+        ops = [dist.P2POp(op, t, peer) for op, t, peer in (
+            (dist.isend, None if send_next is None else send_next.detach().contiguous(), self.next_rank),
+            (dist.irecv, from_prev, self.prev_rank),
+            (dist.isend, None if send_prev is None else send_prev.detach().contiguous(), self.prev_rank),
+            (dist.irecv, from_next, self.next_rank)) if t is not None]
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+        return (from_prev.requires_grad_() if from_prev is not None else None), from_next

@@ -9,6 +9,11 @@ Methods: "uniform" (blocks as even as possible, the extra ones on the first
 stages, as DeepSpeed's partition_uniform does), "parameters" (balance parameter
 counts, embedding counted on the first stage and final norm on the last), or an
 explicit list of block counts per stage.
+
+Interleaved (virtual) pipeline, Megatron's --num-layers-per-virtual-pipeline-stage N: the blocks
+are split uniformly into pp x v virtual stages of N blocks; rank r holds the v model chunks
+r, pp + r, 2 pp + r, ... (virtual_stage_layer_ranges), so the embedding is on chunk 0 of the
+first rank and the final norm and head on the last chunk of the last rank.
 """
 from __future__ import annotations
 
@@ -81,6 +86,16 @@ def stage_layer_ranges(num_blocks: int, pp: int, **kwargs) -> List[Tuple[int, in
         ranges.append((start, end))
         first_block += count
     return ranges
+
+
+def virtual_stage_layer_ranges(num_blocks: int, pp: int, vp: int) -> List[List[Tuple[int, int]]]:
+    """Per rank, the [start, end) global layer ranges of its vp model chunks: chunk k of rank r is
+    virtual stage k * pp + r of a uniform split into pp * vp stages."""
+    if num_blocks % (pp * vp):
+        raise PartitionError(f"{num_blocks} transformer layers do not split evenly into {pp} pipeline stages x "
+                             f"{vp} virtual stages")
+    ranges = stage_layer_ranges(num_blocks, pp * vp)
+    return [[ranges[k * pp + r] for k in range(vp)] for r in range(pp)]
 
 
 def parse_partition_flag(text: Optional[str]) -> Optional[List[int]]:

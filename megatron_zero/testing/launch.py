@@ -1,4 +1,5 @@
-"""Launching pretrain_gpt.py from tests: Megatron flags from a dict, torchrun on a free port, losses from a log.
+"""Launching pretrain_gpt.py from tests: Megatron flags from a dict, torchrun on a free port, losses from a log;
+a tiny byte-level GPT on a byte corpus written here, launched as one process (the startup and fault tests).
 
 For a source checkout (pretrain_gpt.py next to the package), which is where the tests run.
 """
@@ -25,6 +26,11 @@ def model_flags(data, tok, **extra) -> List[str]:
              "tokenizer-model": tok, "split": "98,2,0", "hidden-dropout": 0.0, "attention-dropout": 0.0,
              "seed": 7}
     flags.update(extra)
+    return flags_argv(flags)
+
+
+def flags_argv(flags) -> List[str]:
+    """{"flag-name": value} -> argv; True is a switch, None and False leave the flag out."""
     argv = []
     for k, v in flags.items():
         if v is True:
@@ -32,6 +38,40 @@ def model_flags(data, tok, **extra) -> List[str]:
         elif v is not None and v is not False:
             argv += [f"--{k}", str(v)]
     return argv
+
+
+def byte_data(prefix, top=255, docs=40, seed=0) -> str:
+    """An indexed dataset of `docs` random byte documents ending in 256 (EOD); one document holds `top`."""
+    import numpy as np
+
+    from ..data.indexed_dataset import IndexedDatasetBuilder
+
+    rng = np.random.default_rng(seed)
+    builder = IndexedDatasetBuilder(str(prefix), dtype=np.uint16)
+    for d in range(docs):
+        tokens = list(rng.integers(0, 256, size=60)) + [256]
+        if d == docs // 2:
+            tokens[3] = top
+        builder.add_document(tokens)
+    builder.finalize()
+    return str(prefix)
+
+
+def tiny_flags(tmp_path, data, **changes) -> List[str]:
+    """pretrain_gpt.py flags of a 2-layer byte-level GPT on `data`, saving under tmp_path/ckpt."""
+    flags = {"num-layers": 2, "hidden-size": 32, "num-attention-heads": 4, "seq-length": 16, "micro-batch-size": 2,
+             "global-batch-size": 4, "lr": 1e-3, "train-iters": 2, "tokenizer-type": "ByteTokenizer",
+             "data-path": data, "split": "100,0,0", "eval-iters": 0, "log-interval": 1,
+             "save": tmp_path / "ckpt", "data-cache-path": tmp_path / "cache"}
+    flags.update(changes)
+    return flags_argv(flags)
+
+
+def pretrain(tmp_path, data, **changes) -> subprocess.CompletedProcess:
+    """pretrain_gpt.py with tiny_flags on one process (a free port, one thread)."""
+    env = {**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, PRETRAIN] + tiny_flags(tmp_path, data, **changes), capture_output=True,
+                          text=True, timeout=180, env=env)
 
 
 def torchrun(nproc, argv, timeout=300) -> subprocess.CompletedProcess:

@@ -19,3 +19,14 @@ def tiny_llama_config(num_layers: int = 4, num_query_groups: int = 2, **override
     fields = dict(LLAMA_ARCHITECTURE, num_query_groups=num_query_groups, ffn_hidden_size=48, hidden_size=64)
     fields.update(overrides)
     return tiny_gpt_config(num_layers, **fields)
+
+
+def without_key_bias(name: str, t, config: GPTConfig):
+    """`t` without the key entries of a QKV bias (other tensors as they are), for comparing weights after
+    Adam steps: softmax is shift-invariant, so their gradient is exactly zero in exact arithmetic and Adam
+    (m / (sqrt(v) + eps)) turns each layout's roundoff (~1e-10) into updates of size ~lr * 1e-2. They
+    cannot change the loss."""
+    if not name.endswith("query_key_value.bias"):
+        return t
+    per_head = t.view(config.num_attention_heads, 3, config.head_dim)
+    return per_head[:, 0::2].reshape(-1)

@@ -2,9 +2,8 @@
 from .loss_scaler import LossScaler, LossScalerConfig
 from .optimizer import ZeroOptimizer
 from .partition import (GroupPartition, fragment_address, group_paddings, param_slice_mappings,
-                        partition_group, partition_groups, zero3_group_numel, zero3_group_offsets,
-                        zero3_param_partition, zero3_param_shard_bounds)
+                        partition_group, partition_groups, zero3_group_offsets, zero3_param_partition)
 
 __all__ = ["ZeroOptimizer", "LossScaler", "LossScalerConfig", "GroupPartition", "fragment_address",
            "group_paddings", "param_slice_mappings", "partition_group", "partition_groups",
-           "zero3_group_numel", "zero3_group_offsets", "zero3_param_partition", "zero3_param_shard_bounds"]
+           "zero3_group_offsets", "zero3_param_partition"]

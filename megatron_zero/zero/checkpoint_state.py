@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import torch
 
-DS_VERSION = "0.19.8"
-
 
 def _base_state(opt) -> dict:
     state, groups = {}, []
@@ -30,6 +28,8 @@ def _base_state(opt) -> dict:
 
 
 def state_dict(opt) -> dict:
+    from ..checkpoint.format import DS_VERSION  # here: the checkpoint package imports zero at import time
+
     with opt.optimizer.paged() as masters:
         base = _base_state(opt)
         common = {"loss_scaler": opt.loss_scaler.state_dict(),

@@ -115,11 +115,11 @@ class ZeroOptimizer:
         """Call fn() at the start of the next step(), before any saved state changes (an async save reading it)."""
         self._before_step.append(fn)
 
-    def arm_grad_reduce(self):
-        """Called before the global batch's last backward: with overlap_grad_reduce, stage 0/1
-        reduce each gradient as soon as that backward has produced it."""
+    def arm_grad_reduce(self, params=None):
+        """Called before the global batch's last backward (of `params`; None: of every parameter): with
+        overlap_grad_reduce, stage 0/1 reduce each gradient as soon as that backward has produced it."""
         if hasattr(self.impl, "arm"):
-            self.impl.arm()
+            self.impl.arm(params)
 
     def wait_params(self):
         """With overlap_param_gather, wait for the weights the last step is still gathering."""

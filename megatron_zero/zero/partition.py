@@ -18,7 +18,7 @@ import math
 import types
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 NCCL_START_ALIGNMENT_FACTOR = 2
 
@@ -119,13 +119,6 @@ def zero3_param_partition(numel: int, dp: int) -> Tuple[int, int]:
     return per_rank, per_rank * dp - numel
 
 
-def zero3_param_shard_bounds(numel: int, dp: int, rank: int) -> Tuple[int, int]:
-    """[start, end) of the real (unpadded) elements of a parameter that ``rank`` holds."""
-    _check_rank(rank, dp)
-    per_rank, _ = zero3_param_partition(numel, dp)
-    return min(numel, rank * per_rank), min(numel, (rank + 1) * per_rank)
-
-
 def zero3_group_offsets(named_numels: Sequence[Tuple[str, int]], dp: int) -> "OrderedDict[str, Tuple[int, int]]":
     """name -> (offset, per-rank numel) of each parameter's chunk inside every rank's flat group."""
     out, off = OrderedDict(), 0
@@ -136,20 +129,7 @@ def zero3_group_offsets(named_numels: Sequence[Tuple[str, int]], dp: int) -> "Or
     return out
 
 
-def zero3_group_numel(named_numels: Sequence[Tuple[str, int]], dp: int) -> int:
-    return sum(zero3_param_partition(int(n), dp)[0] for _, n in named_numels)
-
-
 def _check_rank(rank: int, dp: int):
     if not 0 <= rank < dp:
         raise ValueError(f"data-parallel rank {rank} lies outside 0..{dp - 1}")
 
-
-def as_named_numels(named_params) -> List[Tuple[str, int]]:
-    """[(name, numel)] from [(name, tensor)] (or pass through [(name, int)])."""
-    return [(n, p if isinstance(p, int) else p.numel()) for n, p in named_params]
-
-
-def fragments_by_name(mappings: List[Dict[str, fragment_address]]) -> Dict[str, Tuple[int, fragment_address]]:
-    """Flatten per-group mappings into name -> (group index, fragment)."""
-    return {name: (g, frag) for g, m in enumerate(mappings) for name, frag in m.items()}

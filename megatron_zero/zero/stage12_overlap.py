@@ -9,8 +9,9 @@ rank's fp32 gradient partition, so results are added in launch order, as the blo
 adds them (same sums, same order: bit-identical at DP 2, where a sum has one rounding).
 
 - Stage 0/1 accumulate micro-batches in ``.grad``; the hooks act only once armed
-  (``arm()``, which the schedule calls before the last micro-batch's backward), so each
-  gradient is reduced once per global batch, as soon as its last accumulation is done.
+  (``arm()``, which the schedule calls before the last micro-batch's backward; the interleaved
+  schedule arms each model chunk's parameters, ``arm(params)``, before that chunk's last backward),
+  so each gradient is reduced once per global batch, as soon as its last accumulation is done.
 - Stage 2 drops gradients as it reduces them, so it reduces during every micro-batch's
   backward, as the blocking stage 2 does, now without waiting.
 - Parameters marked ``zero_defer_reduce`` (the pipeline-tied embedding) are not hooked; they,
@@ -51,6 +52,7 @@ class Stage12Overlap(Stage12):
                          accumulate_main_grads=not (overlap_grad_reduce and stage < 2))
         self.overlap_grad_reduce = overlap_grad_reduce
         self.armed = stage == 2
+        self._armed_params: Set[int] = set()
         self._in_flight = deque()
         if overlap_grad_reduce and stage < 2:
             self.grad_parts = [torch.zeros(p.partition_size, device=self.device) for p in self.parts]
@@ -65,12 +67,16 @@ class Stage12Overlap(Stage12):
             self._gather_hooks(module, entry_points)
 
     # ---- gradients -----------------------------------------------------------------------
-    def arm(self):
-        """The next backward is the global batch's last: reduce each gradient when it is ready."""
-        self.armed = True
+    def arm(self, params=None):
+        """The next backward is the global batch's last (for `params`; None: for all): reduce each of
+        their gradients when it is ready."""
+        if params is None:
+            self.armed = True
+        else:
+            self._armed_params.update(id(p) for p in params)
 
     def _grad_ready(self, p):
-        if self.armed:
+        if self.armed or id(p) in self._armed_params:
             super()._grad_ready(p)
 
     def _flush(self):
@@ -116,6 +122,7 @@ class Stage12Overlap(Stage12):
     def zero_grad(self):
         super().zero_grad()
         self.armed = self.stage == 2
+        self._armed_params.clear()
 
     def grad_bytes(self) -> int:
         held = sum(sum(t.numel() * 4 for t in rows) + (out.numel() * 4 if self.dp > 1 else 0)

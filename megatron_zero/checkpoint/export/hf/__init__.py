@@ -1,0 +1,65 @@
+"""Hugging Face architectures we import and export: a registry of one module per architecture.
+
+An architecture module (see gpt2.py) provides
+
+    HF_ARCHITECTURE            the transformers class name in config.json's "architectures"
+    MODEL_TYPE                 config.json's "model_type"
+    SKIPPED_HF                 regexes of HF tensor names that are not parameters (buffers, tied copies)
+    PRESERVED_HF               config.json keys our config does not hold, carried from an import to its export
+    config_from_hf(hf) -> GPTConfig              refuses (CheckpointError) what our model cannot compute
+    hf_config(config) -> dict                    config.json for an export
+    flags(config) -> list[str]                   the Megatron flags that build this model
+    matches(config) -> bool                      whether an export of `config` is this architecture
+    tensor_mappings(config) -> list[TensorMapping]   one per parameter of ours, in our model order
+
+Tensors are in our full form (model/sharding.py): unsharded, the unpadded vocabulary, the fused QKV in
+Megatron's grouped layout (per query group: its q heads, then k, then v), the fused SwiGLU weight as
+[gate; up]. Adding an architecture is one module and one line in ARCHITECTURES; put more specific
+architectures before less specific ones (export takes the first whose `matches` is true).
+Errors are CheckpointError, one sentence naming the file or value. Helpers for mappings: mapping.py
+(`same`, `transposed`, `base_flags`). The streaming around them: reader.py (HF files, one tensor at a
+time), importer.py (-> a weights-only universal checkpoint), exporter.py (-> safetensors shards).
+Export builds the config from the checkpoint's recorded args (saved_config.py), so an architecture's
+config fields must be GPTConfig fields named like their flags' dests.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Optional
+
+from ....model.config import GPTConfig
+from ...errors import CheckpointError
+from . import gpt2, llama, mistral
+from .mapping import TensorMapping
+
+ARCHITECTURES = {m.HF_ARCHITECTURE: m for m in (llama, mistral, gpt2)}
+
+
+def for_hf_config(hf: dict, where: str = "config.json") -> ModuleType:
+    """The module for a Hugging Face config.json (by "architectures", else by "model_type")."""
+    names = list(hf.get("architectures") or [])
+    for name in names:
+        if name in ARCHITECTURES:
+            return ARCHITECTURES[name]
+    for module in ARCHITECTURES.values():
+        if hf.get("model_type") == module.MODEL_TYPE and not names:
+            return module
+    raise CheckpointError(f"{where} is a {', '.join(names) or hf.get('model_type', 'unknown model')}; "
+                          f"supported: {', '.join(ARCHITECTURES)}")
+
+
+def for_config(config: GPTConfig, name: Optional[str] = None) -> ModuleType:
+    """The module an export of `config` uses: `name` if given, else the first that matches."""
+    if name is not None:
+        if name not in ARCHITECTURES:
+            raise CheckpointError(f"--architecture {name} is unknown; choose one of {', '.join(ARCHITECTURES)}")
+        if not ARCHITECTURES[name].matches(config):
+            raise CheckpointError(f"--architecture {name} cannot hold this checkpoint's model")
+        return ARCHITECTURES[name]
+    for module in ARCHITECTURES.values():
+        if module.matches(config):
+            return module
+    raise CheckpointError(f"no Hugging Face architecture holds this model; supported: {', '.join(ARCHITECTURES)}")
+
+
+__all__ = ["ARCHITECTURES", "TensorMapping", "for_config", "for_hf_config"]

@@ -1,0 +1,70 @@
+"""How each parameter is merged into (and split from) its universal form.
+
+A parameter is either split across TP ranks on one dimension (`cat_dim`), or
+replicated across TP ranks (no `cat_dim`: DeepSpeed writes none for those), and may
+hold the vocabulary on dim 0 (padded rows are cut to `original_vocab_size`).
+
+For every name our GPT has, the rule comes from its layer type (model/params.py),
+whatever the source TP is: row-parallel weights are cat_dim 1 even from a TP=1 source
+(DeepSpeed would mark them 0 there, and a TP=2 target would then slice the wrong
+dimension). For any other name, DeepSpeed's pattern lists in the checkpoint's
+`universal_checkpoint_info` decide, exactly as deepspeed.checkpoint.ds_to_universal does.
+A tensor of two sub-parameters (SwiGLU's [gate; up], DeepSpeed's
+`parameter_with_2_sub_params_cat_dim_0`) is merged block by block: [gate_0..gate_n; up_0..up_n].
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+from ...model.params import (BLOCK_PARAMS, LM_HEAD_SUFFIX, POSITION_EMBEDDINGS, UNTIED_POSITION_EMBEDDINGS,
+                            UNTIED_WORD_EMBEDDINGS, WORD_EMBEDDINGS)
+from ..format import ROW_PARALLEL_PATTERNS, SUB_PARAMS_PATTERNS, TO_AVERAGE_PATTERNS, TP_REPLICATED_PATTERNS, VOCAB_PATTERNS
+_LM_HEAD = re.compile(r"\d+\." + re.escape(LM_HEAD_SUFFIX) + "$")
+
+
+@dataclass(frozen=True)
+class MergeRule:
+    cat_dim: Optional[int]   # None: replicated across TP ranks
+    vocab: bool = False      # dim 0 is the (padded) vocabulary
+    average: bool = False    # DeepSpeed's parameter_to_average_patterns
+    sub_params: int = 1      # >1: cat_dim holds this many equal blocks, each concatenated over TP on its own
+
+
+def gpt_rule(name: str, info: Optional[dict]) -> Optional[MergeRule]:
+    """The rule for one of our GPT's parameter names, or None for a name our GPT does not have.
+
+    Whether dense_h_to_4h holds SwiGLU's [gate; up] (two sub-parameters, each split across TP)
+    is a property of the model, recorded in the checkpoint's pattern list SUB_PARAMS_PATTERNS."""
+    if name in (WORD_EMBEDDINGS, UNTIED_WORD_EMBEDDINGS) or _LM_HEAD.match(name):
+        return MergeRule(0, vocab=True)
+    if name in (POSITION_EMBEDDINGS, UNTIED_POSITION_EMBEDDINGS):
+        return MergeRule(None)
+    index, _, suffix = name.partition(".")
+    if index.isdigit():
+        if suffix in BLOCK_PARAMS:
+            sub_params = 2 if _matches((info or {}).get(SUB_PARAMS_PATTERNS), name) else 1
+            return MergeRule(BLOCK_PARAMS[suffix][0], sub_params=sub_params)
+        if suffix in ("weight", "bias"):
+            return MergeRule(None)  # the final norm
+    return None
+
+
+def _matches(patterns, name: str) -> bool:
+    return any(re.match(p, name) for p in patterns or ())
+
+
+def pattern_rule(name: str, info: Optional[dict]) -> MergeRule:
+    """DeepSpeed's rule for a name from the checkpoint's pattern lists."""
+    info = info or {}
+    vocab = _matches(info.get(VOCAB_PATTERNS), name)
+    if _matches(info.get(TP_REPLICATED_PATTERNS), name):
+        return MergeRule(None, vocab)
+    if _matches(info.get(TO_AVERAGE_PATTERNS), name):
+        return MergeRule(None, vocab, average=True)
+    return MergeRule(1 if _matches(info.get(ROW_PARALLEL_PATTERNS), name) else 0, vocab)
+
+
+def merge_rule(name: str, info: Optional[dict]) -> MergeRule:
+    return gpt_rule(name, info) or pattern_rule(name, info)

@@ -1,0 +1,252 @@
+"""Read a ZeRO-1/2/3 checkpoint (ours or DeepSpeed's) at any TP x PP x DP, without a process group.
+
+    src = SourceCheckpoint("<save>/global_step10")
+    src.layout, src.zero_stage, src.params          # [(name, pp stage)], each parameter once
+    with src.stage(pp) as reader:                   # that stage's TP x DP optimizer files, memory-mapped
+        full = reader.assemble(name, "fp32")        # the universal (full, unpadded) tensor
+
+Files are read through reader.py (checksums verified as read, safe unpickling; DeepSpeed's
+classes load as stand-ins without deepspeed installed) and memory-mapped; a stage's files are
+unmapped when its `with` block ends. The layout comes from the file names and the model-state
+keys (`checkpoint_parallel_dimensions`, `layer_*` files, `args`).
+"""
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from ...topology import Layout
+from ...zero.partition import zero3_group_offsets
+from ...model.sharding import merge_sub_params
+from ..errors import CheckpointError
+from ..format import (LAYER_FILE, MODEL_FILE, SUB_PARAMS_PATTERNS, UNIVERSAL_CHECKPOINT_INFO, ZERO3_MODEL_FILE, ZERO_FILE,
+                     header_tp_pp)
+from ..storage.reader import open_directory
+from .universal_info import MergeRule, merge_rule
+
+
+
+def _with_swiglu_patterns(info: dict, args) -> dict:
+    """The checkpoint's pattern lists, plus SwiGLU's sub-parameter patterns when its args say --swiglu
+    but its info predates that list (Megatron-DeepSpeed before it recorded them)."""
+    args = vars(args) if args is not None and not isinstance(args, dict) else (args or {})
+    if not args.get("swiglu") or SUB_PARAMS_PATTERNS in info:
+        return info
+    return {**info, SUB_PARAMS_PATTERNS: [r"\d+\.mlp\.dense_h_to_4h\.weight$", r"\d+\.mlp\.dense_h_to_4h\.bias$"]}
+
+
+def _indexed(state, g):
+    return state[g] if isinstance(state, (list, tuple)) or g in state else state[str(g)]
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+class SourceCheckpoint:
+    def __init__(self, directory: str, strict: bool = True, verify: bool = True):
+        self.files = open_directory(directory, verify)
+        self.directory, self.strict = directory, strict
+        files = sorted(os.listdir(directory))
+        self.zero_files: Dict[Tuple[int, int], str] = {}
+        for f in files:
+            m = ZERO_FILE.match(f)
+            if m:
+                self.zero_files[(int(m.group(2)), int(m.group(1)))] = f  # (mp, dp) -> name
+        if not self.zero_files:
+            raise CheckpointError(f"{directory} holds no ZeRO optimizer files (zero_pp_rank_*_mp_rank_*_optim_states.pt)"
+                                  "; it is not a ZeRO checkpoint")
+        mps = sorted({mp for mp, _ in self.zero_files})
+        dps = sorted({dp for _, dp in self.zero_files})
+        if mps != list(range(len(mps))) or dps != list(range(len(dps))) or len(self.zero_files) != len(mps) * len(dps):
+            raise CheckpointError(f"the ZeRO files in {directory} do not form a complete grid of model-parallel "
+                                  f"ranks {mps} x data-parallel ranks {dps}; some are missing")
+        self.model_files = {int(m.group(1)): f for f in files for m in [MODEL_FILE.match(f)] if m}
+        zero3_models = {}
+        for f in files:
+            m = ZERO3_MODEL_FILE.match(f)
+            if m and int(m.group(1)) == 0:
+                zero3_models[int(m.group(2))] = f
+        self.layer_files = [f for f in files if LAYER_FILE.match(f)]
+        shape_files = {mp: self.model_files.get(mp) or zero3_models.get(mp) for mp in mps}
+        missing = [mp for mp, f in shape_files.items() if f is None]
+        if missing:
+            raise CheckpointError(f"{directory} has no model-states file for model-parallel rank(s) {missing} "
+                                  "(mp_rank_XX_model_states.pt), so the parameter shapes are unknown")
+        self.param_shapes: Dict[int, List["OrderedDict[str, torch.Size]"]] = {}
+        head = None
+        for mp in mps:
+            sd = self.files.load(shape_files[mp])
+            self.param_shapes[mp] = [OrderedDict((n, torch.Size(s)) for n, s in g.items()) for g in sd["param_shapes"]]
+            if head is None:
+                head = {k: v for k, v in sd.items() if k not in ("module", "optimizer", "param_shapes")}
+            del sd
+        self.head = head
+        self.info = _with_swiglu_patterns(head.get(UNIVERSAL_CHECKPOINT_INFO) or {}, head.get("args"))
+        self.layout = Layout(*self._tp_pp(head, len(mps)), dp=len(dps))
+        self.zero_stage = self._zero_stage()
+        self.params: List[Tuple[str, int]] = []
+        seen = set()
+        for pp in range(self.layout.pp):
+            for g in self.param_shapes[pp * self.layout.tp]:
+                for name in g:
+                    if name not in seen:
+                        seen.add(name)
+                        self.params.append((name, pp))
+
+    def _tp_pp(self, head: dict, mp_size: int) -> Tuple[int, int]:
+        tp, pp = header_tp_pp(head)
+        if not (tp and pp) and self.layer_files:  # the layer files name their TP ranks
+            tp = len({LAYER_FILE.match(f).group(2) for f in self.layer_files})
+        tp = tp or mp_size
+        pp = pp or mp_size // tp
+        if tp * pp != mp_size:
+            raise CheckpointError(f"{self.directory}: TP {tp} x PP {pp} does not match its {mp_size} model-parallel "
+                                  "ranks of ZeRO files")
+        return tp, pp
+
+    def _zero_stage(self) -> int:
+        sd = self.files.load(self.zero_files[(0, 0)])
+        return int(sd["optimizer_state_dict"].get("zero_stage", 1))
+
+    @property
+    def iteration(self) -> int:
+        return int(self.head.get("iteration", self.head.get("global_steps", 0)) or 0)
+
+    def original_vocab_size(self, name: str) -> Optional[int]:
+        return self.info.get("original_vocab_size")
+
+    def rule(self, name: str) -> MergeRule:
+        return merge_rule(name, self.info)
+
+    def stage(self, pp: int, threads: int = 1) -> "StageReader":
+        return StageReader(self, pp, threads)
+
+
+class StageReader:
+    """One pipeline stage's optimizer files (TP x DP), memory-mapped; assembles full tensors from them."""
+
+    def __init__(self, src: SourceCheckpoint, pp: int, threads: int = 1):
+        self.src, self.pp, self.threads = src, pp, threads
+        lay = src.layout
+        self.mps = [pp * lay.tp + t for t in range(lay.tp)]
+        self.opt = {}  # (tp, dp) -> optimizer_state_dict
+        for t, mp in enumerate(self.mps):
+            for d in range(lay.dp):
+                self.opt[(t, d)] = src.files.load(src.zero_files[(mp, d)])["optimizer_state_dict"]
+        self.group_of = [{n: g for g, shapes in enumerate(src.param_shapes[mp]) for n in shapes} for mp in self.mps]
+        self.mismatched: List[str] = []
+        self._z3 = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        self.opt.clear()
+        self._z3.clear()
+
+    def names(self) -> List[str]:
+        return [n for n, pp in self.src.params if pp == self.pp]
+
+    def local_shape(self, name: str, tp: int) -> torch.Size:
+        mp = self.mps[tp]
+        return self.src.param_shapes[mp][self.group_of[tp][name]][name]
+
+    def _flat(self, osd: dict, g: int, key: str) -> torch.Tensor:
+        if self.src.zero_stage == 3:
+            if key == "fp32":
+                return osd["fp32_flat_groups"][g]
+            return _indexed(osd["optimizer_state_dict"]["state"], g)[key]
+        if key == "fp32":
+            return osd["single_partition_of_fp32_groups"][g]
+        return _indexed(osd["base_optimizer_state"]["state"], g)[key]
+
+    def _fragments(self, name: str, tp: int, d: int) -> Tuple[int, int]:
+        """(start, numel) of `name` in DP rank d's flat group."""
+        g = self.group_of[tp][name]
+        if self.src.zero_stage == 3:
+            key = (tp, g)
+            if key not in self._z3:
+                shapes = self.src.param_shapes[self.mps[tp]][g]
+                self._z3[key] = zero3_group_offsets([(n, _numel(s)) for n, s in shapes.items()], self.src.layout.dp)
+            off, per = self._z3[key][name]
+            numel = _numel(self.local_shape(name, tp))
+            return off, max(0, min(per, numel - d * per))
+        frag = self.opt[(tp, d)]["param_slice_mappings"][g].get(name)
+        return (0, 0) if frag is None else (int(frag.start), int(frag.numel))
+
+    def tp_slice(self, name: str, key: str, tp: int) -> torch.Tensor:
+        """TP rank tp's piece of `name` (its local shape), gathered from every DP rank's fragment."""
+        g = self.group_of[tp][name]
+        shape = self.local_shape(name, tp)
+        pieces = []
+        for d in range(self.src.layout.dp):
+            start, n = self._fragments(name, tp, d)
+            if n:
+                pieces.append(self._flat(self.opt[(tp, d)], g, key).narrow(0, start, n))
+        total = sum(p.numel() for p in pieces)
+        if total != _numel(shape):
+            raise CheckpointError(f"the fragments of {name} ({key}) on TP rank {tp}, stage {self.pp} hold {total} "
+                                  f"elements over {self.src.layout.dp} DP ranks, but its shape {tuple(shape)} has "
+                                  f"{_numel(shape)}: the optimizer files of {self.src.directory} are inconsistent")
+        if len(pieces) == 1:
+            return pieces[0].view(shape)  # a view of the mapped file: nothing copied yet
+        flat = torch.empty(total, dtype=torch.float32)
+        pos = 0
+        for p in pieces:
+            flat.narrow(0, pos, p.numel()).copy_(p)
+            pos += p.numel()
+        return flat.view(shape)
+
+    def assemble(self, name: str, key: str) -> Tuple[torch.Tensor, MergeRule]:
+        """The universal tensor of `name` for state `key` (fp32, exp_avg, exp_avg_sq) and its merge rule."""
+        rule = self.src.rule(name)
+        tp = self.src.layout.tp
+        if rule.cat_dim is None:
+            full = self.tp_slice(name, key, 0)
+            if rule.average and tp > 1:
+                full = sum(self.tp_slice(name, key, t).float() for t in range(tp)) / tp
+            elif key == "fp32" and tp > 1:
+                for t in range(1, tp):
+                    if not torch.equal(full, self.tp_slice(name, key, t)):
+                        self.mismatched.append(f"{name} (TP rank {t} differs from TP rank 0)")
+                        break
+        elif tp == 1:
+            full = self.tp_slice(name, key, 0)
+        elif rule.sub_params > 1:
+            full = merge_sub_params([self.tp_slice(name, key, t) for t in range(tp)], rule.cat_dim, rule.sub_params)
+        else:
+            shapes = [self.local_shape(name, t) for t in range(tp)]
+            dim = rule.cat_dim
+            if any(len(s) <= dim for s in shapes):
+                raise CheckpointError(f"{name} has shape {tuple(shapes[0])} but its merge rule concatenates TP "
+                                      f"slices on dim {dim}")
+            out_shape = list(shapes[0])
+            out_shape[dim] = sum(s[dim] for s in shapes)
+            full = torch.empty(out_shape, dtype=torch.float32)
+            pos = 0
+            for t, s in enumerate(shapes):
+                full.narrow(dim, pos, s[dim]).copy_(self.tp_slice(name, key, t))
+                pos += s[dim]
+        if rule.vocab:
+            vocab = self.src.original_vocab_size(name)
+            if vocab is None:
+                raise CheckpointError(f"{name} is a vocabulary tensor but universal_checkpoint_info in "
+                                      f"{self.src.directory} records no original_vocab_size")
+            full = full.narrow(0, 0, int(vocab))
+        return full, rule
+
+    def step(self, name: str):
+        g = self.group_of[0][name]
+        osd = self.opt[(0, 0)]
+        state = osd["optimizer_state_dict"]["state"] if self.src.zero_stage == 3 else osd["base_optimizer_state"]["state"]
+        return _indexed(state, g).get("step")

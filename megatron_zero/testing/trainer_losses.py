@@ -1,0 +1,38 @@
+"""The real Trainer run in-process on gloo ranks, recording the loss of every iteration, and the flags of the
+small GPT the resume tests train with it (dropout on, so RNG state must survive a resume)."""
+import torch.distributed as dist
+
+from .launch import model_flags
+
+
+def train_losses(argv, tp, pp):
+    """Train with Megatron flags `argv` at TP x PP on this rank's group; -> the loss of every iteration run."""
+    from ..arguments import parse_args
+    from ..topology import build_parallel_state
+    from ..training import Trainer
+
+    args = parse_args(argv, world_size=dist.get_world_size())
+    trainer = Trainer(args, build_parallel_state(tp, pp))
+    losses = []
+    step = trainer.train_step
+
+    def recording_step(micro):
+        out = step(micro)
+        losses.append(float(out[0]))
+        return out
+
+    trainer.train_step = recording_step
+    trainer.train()
+    return losses
+
+
+def resume_flags(corpus, tmp_path, tp, pp, zero, **extra):
+    """A 2-layer GPT on `corpus` (prefix, tokenizer) for 20 iterations with dropout 0.1; `extra` adds flags."""
+    data, tok = corpus
+    flags = {"tensor-model-parallel-size": tp, "pipeline-model-parallel-size": pp, "zero-stage": zero,
+             "num-layers": 2, "hidden-size": 32, "num-attention-heads": 4, "seq-length": 32,
+             "micro-batch-size": 1, "global-batch-size": 8, "train-iters": 20, "eval-iters": 0,
+             "hidden-dropout": 0.1, "attention-dropout": 0.1, "data-cache-path": tmp_path / "cache",
+             "log-interval": 100}
+    flags.update(extra)
+    return model_flags(data, tok, **flags)
