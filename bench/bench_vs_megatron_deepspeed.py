@@ -20,6 +20,7 @@ share the machine's noise; the table gives the median over reps, the spread (min
 ratio of the medians. The loss after the last iteration shows both trained (different initial weights).
 """
 import argparse
+import glob
 import json
 import os
 import platform
@@ -82,7 +83,12 @@ def mds_cmd(layout, data, iters, mds_dir, mds_python, workdir):
 def run(cmd, cwd, nproc, ext_dir, timeout):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "LOCAL_SIZE": str(nproc),
            "TORCH_EXTENSIONS_DIR": ext_dir, "PYTHONPATH": ROOT if cwd == ROOT else ""}
-    p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    try:
+        p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    finally:  # DeepSpeed's shm comm op leaves its buffers in /dev/shm, named by the launch's port
+        port = cmd[cmd.index("--master_port") + 1]
+        for leftover in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+            os.unlink(leftover)
     out = p.stdout + p.stderr
     if p.returncode != 0:
         sys.exit(f"bench: {' '.join(cmd[:6])} ... failed (exit {p.returncode}):\n{out[-3000:]}")
