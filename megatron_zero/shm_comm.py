@@ -1,10 +1,11 @@
 """All-reduce through the host's shared memory, for gloo groups whose ranks all run on one host.
 
-gloo moves a tensor between processes on one host through TCP loopback: a 1 MiB all-reduce of two
-ranks takes about 4 ms on the 2-core benchmark machine, and tensor parallelism does four of them per
-layer and micro-batch. Here the ranks of a group map one file in /dev/shm instead, holding two sets
-(even and odd rounds) of one SLOT_BYTES slot per rank, and each rank reads wake-ups from its own FIFO.
-Both are unlinked as soon as every rank has opened them, so nothing is left behind, even by a crash.
+gloo moves a tensor between processes on one host through TCP loopback and its own threads: a 1 MiB
+all-reduce of two ranks costs about 3x the wall and CPU time of this path on the 2-core benchmark
+machine (bench/bench_shm_all_reduce.py), and tensor parallelism does four per layer and micro-batch.
+Here the ranks of a group map one file in /dev/shm instead, holding two sets (even and odd rounds)
+of one SLOT_BYTES slot per rank, and each rank reads wake-ups from its own FIFO. Both are unlinked as
+soon as every rank has opened them, so nothing is left behind, even by a crash.
 Round k of a group (one chunk of one all-reduce):
 
     copy my chunk into my slot of set k % 2; write one byte to every other rank's FIFO
@@ -78,11 +79,14 @@ class SharedMemoryAllReduce:
         self.round += 1
         return self.slots[self.round % 2]
 
-    def _arrive_and_wait(self):
-        """Tell every other rank my slot is written; return once every other rank has written its own."""
+    def _wake_peers(self):
+        """Tell every other rank my slot of this round is written."""
         for r, fd in enumerate(self._fifos):
             if r != self.rank:
                 os.write(fd, self._wake)
+
+    def _wait_for_peers(self):
+        """Return once every other rank has written its slot of this round."""
         fd, missing = self._fifos[self.rank], self.size - 1
         while missing:
             if not select.select([fd], [], [], WAIT_TIMEOUT_S)[0]:
@@ -99,22 +103,50 @@ class SharedMemoryAllReduce:
             slots = self._next_round()
             views = [slots[r, :chunk.numel() * mine.element_size()].view(mine.dtype) for r in range(self.size)]
             views[self.rank].copy_(chunk)
-            self._arrive_and_wait()
+            self._wake_peers()
+            self._wait_for_peers()
             yield begin, chunk.numel(), views
 
     def all_reduce(self, x: torch.Tensor, op) -> None:
         flat = x.view(-1)
-        combine = torch.add if op == dist.ReduceOp.SUM else torch.maximum
         for begin, n, parts in self._rounds(flat):
-            out = flat[begin:begin + n]
-            combine(parts[0], parts[1], out=out)
-            for p in parts[2:]:
-                combine(out, p, out=out)
+            _combine(flat[begin:begin + n], parts, op)
+
+    def start_all_reduce(self, x: torch.Tensor) -> "_Pending":
+        """The first half of a SUM all-reduce of `x` (at most one slot): publish my part and return;
+        the handle's wait() waits for the others and sums. Nothing else may use the group in between."""
+        if x.numel() * x.element_size() > SLOT_BYTES:
+            return _Pending(lambda: self.all_reduce(x, dist.ReduceOp.SUM))
+        flat = x.view(-1)
+        slots = self._next_round()
+        parts = [slots[r, :flat.numel() * x.element_size()].view(x.dtype) for r in range(self.size)]
+        parts[self.rank].copy_(flat)
+        self._wake_peers()
+
+        def finish():
+            self._wait_for_peers()
+            _combine(flat, parts, dist.ReduceOp.SUM)
+        return _Pending(finish)
 
     def all_gather(self, outs: List[torch.Tensor], mine: torch.Tensor) -> None:
         for begin, n, parts in self._rounds(mine):
             for out, part in zip(outs, parts):
                 out[begin:begin + n].copy_(part)
+
+
+def _combine(out: torch.Tensor, parts: List[torch.Tensor], op) -> None:
+    """out = parts[0] op parts[1] op ... in rank order (SUM or MAX)."""
+    combine = torch.add if op == dist.ReduceOp.SUM else torch.maximum
+    combine(parts[0], parts[1], out=out)
+    for p in parts[2:]:
+        combine(out, p, out=out)
+
+
+class _Pending:
+    """A started all-reduce; wait() completes it (torch.distributed's Work has the same method)."""
+
+    def __init__(self, finish):
+        self.wait = finish
 
 
 def _for_group(group):
@@ -139,6 +171,17 @@ def all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
         if shm is not None:
             return shm.all_reduce(x, op)
     dist.all_reduce(x, op=op, group=group)
+
+
+def all_reduce_async(x: torch.Tensor, group):
+    """Start an in-place SUM all-reduce of `x` over `group`; returns a handle whose wait() completes it.
+    Until then `x` must not be touched and the group not used again (through shared memory: my part
+    is published at once, the wait for the others and the sum happen in wait(); else gloo's async op)."""
+    if _in_host_memory(x):
+        shm = _for_group(group)
+        if shm is not None:
+            return shm.start_all_reduce(x)
+    return dist.all_reduce(x, group=group, async_op=True)
 
 
 def all_gather(outs: List[torch.Tensor], mine: torch.Tensor, group) -> None:

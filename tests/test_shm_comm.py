@@ -25,6 +25,11 @@ def collectives_fn(world, slot_bytes, enabled):
         x = rank_tensor(r, n, dtype, seed)
         shm_comm.all_reduce(x, group)
         out[f"sum{seed}"] = x
+    for seed, n in ((5, 200), (6, 3000)):  # split-phase; 3000 floats exceed a 1 KiB slot: the chunked path
+        x = rank_tensor(r, n, seed=seed)
+        handle = shm_comm.all_reduce_async(x, group)
+        handle.wait()
+        out[f"async{seed}"] = x
     x = rank_tensor(r, 777, seed=7)
     shm_comm.all_reduce(x, group, dist.ReduceOp.MAX)
     out["max"] = x
@@ -52,6 +57,11 @@ def test_collectives_exact(world, slot_bytes, enabled):
             else:  # gloo's own reduction order
                 torch.testing.assert_close(res[f"sum{seed}"], expected, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6,
                                            atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+    for seed, n in ((5, 200), (6, 3000)):
+        expected = sum(rank_tensor(q, n, seed=seed) for q in range(world))
+        for res in results:
+            torch.testing.assert_close(res[f"async{seed}"], expected, rtol=0 if enabled else 1e-6,
+                                       atol=0 if enabled else 1e-6)
     expected_max = torch.stack([rank_tensor(q, 777, seed=7) for q in range(world)]).max(0).values
     for res in results:
         assert torch.equal(res["max"], expected_max)
