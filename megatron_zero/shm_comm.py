@@ -1,8 +1,8 @@
 """All-reduce through the host's shared memory, for gloo groups whose ranks all run on one host.
 
 gloo moves a tensor between processes on one host through TCP loopback and its own threads: a 1 MiB
-all-reduce of two ranks costs about 3x the wall and CPU time of this path on the 2-core benchmark
-machine (bench/bench_shm_all_reduce.py), and tensor parallelism does four per layer and micro-batch.
+all-reduce of two ranks took 2.7 ms against this path's 0.24 ms on the 2-core benchmark machine
+(bench/bench_shm_all_reduce.py), and tensor parallelism does four per layer and micro-batch.
 Here the ranks of a group map one file in /dev/shm instead, holding two sets (even and odd rounds)
 of one SLOT_BYTES slot per rank, and each rank reads wake-ups from its own FIFO. Both are unlinked as
 soon as every rank has opened them, so nothing is left behind, even by a crash.
