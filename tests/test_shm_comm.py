@@ -7,7 +7,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_zero import shm_comm
+from megatron_zero.arguments import parse_args
 from megatron_zero.testing import run_ranks
+from test_arguments import BASE
 
 
 def rank_tensor(rank, n, dtype=torch.float32, seed=0):
@@ -69,3 +71,8 @@ def test_collectives_exact(world, slot_bytes, enabled):
             assert torch.equal(part, rank_tensor(q, 1500, seed=8))
         assert res["shm"] is enabled
         assert res["left"] == []
+
+
+def test_flag_switches_it_off():
+    assert parse_args(BASE, world_size=1).shared_memory_all_reduce is True
+    assert parse_args(BASE + ["--no-shared-memory-all-reduce"], world_size=1).shared_memory_all_reduce is False
