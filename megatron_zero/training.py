@@ -38,6 +38,7 @@ from .pipeline.gpt_stage import (activation_shape, build_gpt_stage, grad_reduce_
 from .pipeline.interleaved_schedule import schedule_for
 from .pipeline.schedule import broadcast_loss
 from .rng_state import get_rng_state, set_rng_state
+from .shm_comm import set_shared_memory_comm
 from .tensor_parallel.random import model_parallel_seed
 from .timers import TimedCalls
 from .topology import build_hpz_group, build_parallel_state
@@ -75,6 +76,7 @@ class Trainer:
         self.args, self.state = args, state
         self.device = device if device is not None else select_device(args.device, read_launch_env().local_rank)
         set_fusion_flags(**fusion_flags(args))
+        set_shared_memory_comm(args.shared_memory_all_reduce)
         model_parallel_seed(args.seed, state.tp_rank, state.pp_rank)
         self.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file,
                                          args.merge_file, args.vocab_size)

@@ -21,9 +21,10 @@ from torch import nn
 from ..ops import rotary_tables
 from ..tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                all_gather_last_dim_from_tensor_parallel_region,
-                               copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
+                               gather_from_sequence_parallel_region,
                                get_rng_tracker, scatter_to_sequence_parallel_region)
 from ..tensor_parallel.layers import sequence_parallel_param, sum_sequence_parallel_grad
+from ..tensor_parallel.linear_async import linear_with_async_grad_all_reduce
 from ..tensor_parallel.utils import divide, set_tensor_model_parallel_attributes, tp_rank_in, tp_world_size
 from . import functional
 from .attention_core import attention_core
@@ -115,8 +116,8 @@ class Embedding(nn.Module):
         """This TP rank's slice of the vocabulary logits [b, s, V_padded / tp] (whole sequence)."""
         if self.sequence_parallel:
             hidden = gather_from_sequence_parallel_region(hidden, self.tp_group)
-        else:
-            hidden = copy_to_tensor_model_parallel_region(hidden, self.tp_group)
+        elif tp_world_size(self.tp_group) > 1:
+            return linear_with_async_grad_all_reduce(hidden, self.word_embeddings.weight, None, self.tp_group)
         return F.linear(hidden, self.word_embeddings.weight)
 
 

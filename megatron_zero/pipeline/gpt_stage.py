@@ -21,8 +21,8 @@ import math
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
+from .. import shm_comm
 from ..device import HOST
 from ..model.gpt import GPTModel
 from ..model.layer_indices import EMBEDDING_INDEX, block_layer_index, final_norm_index, lm_head_index
@@ -75,7 +75,7 @@ def sync_tied_embedding_grads(model: GPTModel, state: ParallelState):
             param.grad = torch.zeros_like(param)
         grads.append(param.grad)
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=state.embedding_group)
+    shm_comm.all_reduce(flat, state.embedding_group)
     offset = 0
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))

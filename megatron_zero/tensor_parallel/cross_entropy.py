@@ -1,7 +1,7 @@
 """Cross-entropy over logits whose vocabulary dimension is split across TP ranks.
 
-Numerically stable without gathering the logits: three all-reduces over the TP
-group (max of the logits, the target's logit, the sum of exp(logit - max)).
+Numerically stable without gathering the logits: two all-reduces over the TP
+group (max of the logits; the target's logit and the sum of exp(logit - max) stacked in one).
 Columns whose global index is >= `vocab_size` (vocabulary padding) are set to
 -inf first, so they never count in the loss and their gradient is exactly zero.
 """
@@ -10,12 +10,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .. import shm_comm
 from .utils import tp_rank_in, tp_world_size
 
 
 def _all_reduce(x, group, op=dist.ReduceOp.SUM):
     if tp_world_size(group) > 1:
-        dist.all_reduce(x, op=op, group=group)
+        shm_comm.all_reduce(x, group, op)
     return x
 
 
@@ -36,10 +37,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         outside = (target < start) | (target >= start + local)
         local_target = (target - start).masked_fill(outside, 0)
         predicted = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        predicted = _all_reduce(predicted, group)
-
         exp_logits = logits.exp()
-        sum_exp = _all_reduce(exp_logits.sum(dim=-1), group)
+        predicted, sum_exp = _all_reduce(torch.stack([predicted, exp_logits.sum(dim=-1)]), group).unbind(0)
         loss = sum_exp.log() - predicted
 
         softmax = exp_logits.div_(sum_exp.unsqueeze(-1))

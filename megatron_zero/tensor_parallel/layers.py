@@ -23,6 +23,7 @@ from torch import nn
 from .mappings import (copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
                        gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
                        reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_model_parallel_region)
+from .linear_async import linear_with_async_grad_all_reduce
 from .utils import divide, set_tensor_model_parallel_attributes, tp_rank_in, tp_world_size
 
 
@@ -59,12 +60,13 @@ class ColumnParallelLinear(nn.Module):
         self.bias = set_tensor_model_parallel_attributes(_param(local, dtype=params_dtype), True, 0) if bias else None
 
     def forward(self, x):
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.tp_group)
-        else:
-            x = copy_to_tensor_model_parallel_region(x, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
-        y = F.linear(x, self.weight, bias)
+        if self.sequence_parallel:
+            y = F.linear(gather_from_sequence_parallel_region(x, self.tp_group), self.weight, bias)
+        elif tp_world_size(self.tp_group) > 1:
+            y = linear_with_async_grad_all_reduce(x, self.weight, bias, self.tp_group)
+        else:
+            y = F.linear(x, self.weight, bias)
         if self.gather_output:
             y = gather_from_tensor_model_parallel_region(y, self.tp_group)
         return (y, self.bias) if self.skip_bias_add else y

@@ -23,12 +23,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .. import shm_comm
 from .utils import split_along_dim, tp_rank_in, tp_world_size
 
 
 def _all_reduce(x, group):
     x = x.clone()
-    dist.all_reduce(x, group=group)
+    shm_comm.all_reduce(x, group)
     return x
 
 

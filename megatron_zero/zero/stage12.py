@@ -27,6 +27,7 @@ from typing import List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .. import shm_comm
 from ..ops.fusion_flags import get_fusion_flags
 from .partition import GroupPartition, partition_group
 
@@ -174,7 +175,7 @@ class Stage12:
                 if p.grad is not None:  # without fusion: every parameter; with it: the deferred ones
                     flat[off:off + n].copy_(p.grad.detach().reshape(-1))
             if self.reduce_dp > 1:
-                dist.all_reduce(flat, group=self.dp_group)
+                shm_comm.all_reduce(flat, self.dp_group)
             self.peak_grad_numel = max(self.peak_grad_numel, part.padded_numel)
             lo, hi = part.bounds(self.rank)
             out.append(flat[lo:hi].clone())
@@ -195,7 +196,7 @@ class Stage12:
             lo, hi = part.bounds(self.rank)
             mine = m.detach().to(flat.device, self.dtype, non_blocking=True)  # offloaded masters come up
             if self.dp > 1:
-                dist.all_gather(list(flat.chunk(self.dp)), mine, group=self.dp_group)
+                shm_comm.all_gather(list(flat.chunk(self.dp)), mine, self.dp_group)
             else:
                 flat[lo:hi].copy_(mine)
 

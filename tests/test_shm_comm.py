@@ -1,0 +1,78 @@
+"""The shared-memory all-reduce / all-gather (megatron_zero/shm_comm.py) against the exact results, chunked
+rounds included, with nothing left in /dev/shm; and the gloo fallback when it is switched off."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_zero import shm_comm
+from megatron_zero.arguments import parse_args
+from megatron_zero.testing import run_ranks
+from test_arguments import BASE
+
+
+def rank_tensor(rank, n, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    return torch.randn(n, generator=g).to(dtype)
+
+
+def collectives_fn(world, slot_bytes, enabled):
+    shm_comm.SLOT_BYTES = slot_bytes  # before the group's first all-reduce sets it up
+    shm_comm.set_shared_memory_comm(enabled)
+    group = dist.new_group(list(range(world)))
+    r = dist.get_rank()
+    out = {}
+    for seed, (n, dtype) in enumerate([(1000, torch.float32), (5000, torch.float32), (300, torch.bfloat16)]):
+        x = rank_tensor(r, n, dtype, seed)
+        shm_comm.all_reduce(x, group)
+        out[f"sum{seed}"] = x
+    for seed, n in ((5, 200), (6, 3000)):  # split-phase; 3000 floats exceed a 1 KiB slot: the chunked path
+        x = rank_tensor(r, n, seed=seed)
+        handle = shm_comm.all_reduce_async(x, group)
+        handle.wait()
+        out[f"async{seed}"] = x
+    x = rank_tensor(r, 777, seed=7)
+    shm_comm.all_reduce(x, group, dist.ReduceOp.MAX)
+    out["max"] = x
+    parts = [torch.empty(1500) for _ in range(world)]
+    shm_comm.all_gather(parts, rank_tensor(r, 1500, seed=8), group)
+    out["gather"] = parts
+    out["shm"] = shm_comm._by_group[group] is not None
+    dist.barrier()
+    out["left"] = [f for f in os.listdir(shm_comm.SHM_DIR) if f.startswith("megatron_zero_allreduce_")]
+    return out
+
+
+@pytest.mark.parametrize("world,slot_bytes,enabled", [(2, 1024, True), (3, 4 << 20, True), (2, 1024, False)])
+def test_collectives_exact(world, slot_bytes, enabled):
+    """Sums in rank order (bit-identical on every rank), maxima and gathers; 1 KiB slots make a
+    5000-float all-reduce take 20 rounds, alternating the two slot sets."""
+    results = run_ranks(collectives_fn, world, world, slot_bytes, enabled, timeout=120)
+    for seed, (n, dtype) in enumerate([(1000, torch.float32), (5000, torch.float32), (300, torch.bfloat16)]):
+        expected = rank_tensor(0, n, dtype, seed)
+        for q in range(1, world):
+            expected = expected + rank_tensor(q, n, dtype, seed)
+        for res in results:
+            if enabled:
+                assert torch.equal(res[f"sum{seed}"], expected)
+            else:  # gloo's own reduction order
+                torch.testing.assert_close(res[f"sum{seed}"], expected, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6,
+                                           atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+    for seed, n in ((5, 200), (6, 3000)):
+        expected = sum(rank_tensor(q, n, seed=seed) for q in range(world))
+        for res in results:
+            torch.testing.assert_close(res[f"async{seed}"], expected, rtol=0 if enabled else 1e-6,
+                                       atol=0 if enabled else 1e-6)
+    expected_max = torch.stack([rank_tensor(q, 777, seed=7) for q in range(world)]).max(0).values
+    for res in results:
+        assert torch.equal(res["max"], expected_max)
+        for q, part in enumerate(res["gather"]):
+            assert torch.equal(part, rank_tensor(q, 1500, seed=8))
+        assert res["shm"] is enabled
+        assert res["left"] == []
+
+
+def test_flag_switches_it_off():
+    assert parse_args(BASE, world_size=1).shared_memory_all_reduce is True
+    assert parse_args(BASE + ["--no-shared-memory-all-reduce"], world_size=1).shared_memory_all_reduce is False
