@@ -189,6 +189,9 @@ def shutdown_distributed() -> None:
 
     import torch.distributed as dist
 
+    from .shm_comm import release_groups
+
+    release_groups()  # its table of groups would keep them alive
     if not dist.is_initialized():
         return
     gc.collect()

@@ -15,7 +15,7 @@ Round k of a group (one chunk of one all-reduce):
 A rank that has arrived at round k-1 has finished reading round k-2, so set k % 2 is free when round
 k starts; the pipe's write and read are the memory barriers. `all_gather` (1-D, equal sizes: the ZeRO
 weight gather) runs the same rounds, each rank copying every slot out. For tensors outside host memory, for ops
-other than SUM and MAX, for groups spread over hosts or not on gloo, and after
+other than SUM and MAX, for one-rank groups, for groups spread over hosts or not on gloo, and after
 `set_shared_memory_comm(False)` (--no-shared-memory-all-reduce), `all_reduce` is torch.distributed's.
 The choice is made once per group, collectively, at its first all-reduce; callers use `all_reduce`
 where every rank of the group calls it in the same order (the tensor-parallel mappings, ZeRO's
@@ -73,6 +73,13 @@ class SharedMemoryAllReduce:
         if rank == 0:
             os.unlink(data_path)
         self.slots = torch.frombuffer(self._map, dtype=torch.uint8).view(2, size, SLOT_BYTES)
+
+    def close(self) -> None:
+        del self.slots
+        self._map.close()
+        for fd in self._fifos:
+            os.close(fd)
+        self._fifos = []
 
     def _next_round(self) -> torch.Tensor:
         """The slot set of the next round, [size, SLOT_BYTES]."""
@@ -149,12 +156,21 @@ class _Pending:
         self.wait = finish
 
 
+def release_groups() -> None:
+    """Forget every group's shared memory (unmap it, close the FIFOs) and the group handles with it, so
+    torch.distributed's teardown can free the groups (distributed.shutdown_distributed calls this)."""
+    for shm in _by_group.values():
+        if shm is not None:
+            shm.close()
+    _by_group.clear()
+
+
 def _for_group(group):
     if group not in _by_group:
         here = (socket.gethostname(), _enabled and os.path.isdir(SHM_DIR) and dist.get_backend(group) == "gloo")
         everyone = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, here, group=group)
-        same_host = len({h for h, _ in everyone}) == 1 and all(ok for _, ok in everyone)
+        same_host = len(everyone) > 1 and len({h for h, _ in everyone}) == 1 and all(ok for _, ok in everyone)
         _by_group[group] = (SharedMemoryAllReduce(group, len(everyone), dist.get_rank(group))
                             if same_host else None)
     return _by_group[group]

@@ -48,6 +48,7 @@ def _groups_torn_down_with_their_threads():
     import torch
     import torch.distributed as dist
 
+    from megatron_zero import shm_comm
     from megatron_zero.distributed import shutdown_distributed
     from megatron_zero.topology import build_parallel_state
 
@@ -57,6 +58,7 @@ def _groups_torn_down_with_their_threads():
     holder["self"] = holder  # a reference cycle keeps the subgroups alive, as the model's modules do
     for name in ("tp", "dp", "pp", "mp", "embedding"):
         dist.all_reduce(torch.ones(4), group=state.groups[name])
+        shm_comm.all_reduce(torch.ones(4), state.groups[name])  # its table of groups holds them too
     assert _threads() > with_default_group
     del state, holder
     shutdown_distributed()
