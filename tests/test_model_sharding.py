@@ -84,8 +84,10 @@ def test_layer_indices_and_names():
     middle = GPTModel(c, layer_indices=range(3, 4))
     assert [n for n, _ in middle.named_parameters()] == param_names(c, range(3, 4))
     assert all(n.startswith("3.") for n in param_names(c, range(3, 4)))
-    with pytest.raises(ValueError, match="contiguous"):
-        GPTModel(c, layer_indices=[1, 3])
+    assert GPTModel(c, layer_indices=[1, 3]).chunks == [[1], [3]]  # runs apart: interleaved model chunks
+    for bad in ([3, 1], [2, 2], [], [9]):
+        with pytest.raises(ValueError, match="increasing and within"):
+            GPTModel(c, layer_indices=bad)
 
 
 def test_same_seed_same_weights_other_seed_other_weights():
