@@ -1,13 +1,18 @@
 """Training throughput and MFU on one GPU: megatron_zero's step against a plain PyTorch loop, same run.
 
     python bench/bench_gpu.py [--sizes 350M,1.3B] [--seq 2048] [--micro-batch 4] [--steps 10]
-                              [--warmup 3] [--peak-tflops N] [--device cuda] [--tiny]
+                              [--warmup 3] [--peak-tflops N] [--device cuda] [--tiny] [--no-offload]
 
 The model is megatron_zero's GPTModel (GPT-2 layout, vocab 50304, dropout 0):
   350M: 24 layers, hidden 1024, 16 heads;   1.3B: 24 layers, hidden 2048, 16 heads;  seq 2048.
   ours:     bf16 weights, the fused kernels on (LayerNorm, causal softmax, bias-GeLU), ZeRO-1 on one
             rank (fp32 masters, fp32 main-grad accumulation, the multi-tensor AdamW), one step =
             forward + backward + ZeroOptimizer.step;
+  offload:  ours with --cpu-optimizer (ZeRO-Offload: fp32 masters and moments in pinned host memory,
+            the C++ CPU Adam, gradients down and new bf16 weights up on a copy stream, each chunk's
+            upload overlapping the CPU's step of the next: zero/offload.py's step + copy);
+  offl-old: the same, the weights going up only after the whole CPU step (in write_weights, as
+            before step + copy): offload / offl-old is what the overlap gains;
   baseline: the same GPTModel in fp32 under torch.autocast(bf16), fusions off (the PyTorch ops),
             torch.optim.AdamW(fused=True): the plain PyTorch mixed-precision loop.
 Same random tokens, same AdamW hyper-parameters. tokens/s = micro-batch * seq / median step time;
@@ -51,10 +56,12 @@ def build(size, seq, device, dtype):
         return GPTModel(cfg), cfg
 
 
-def ours_step(size, seq, device):
+def ours_step(size, seq, device, offload="none", step_plus_copy=True):
     model, cfg = build(size, seq, device, torch.bfloat16)
     opt = ZeroOptimizer(list(model.named_parameters()), stage=1, dtype="bf16", lr=1e-4, weight_decay=0.01,
-                        clip_grad=1.0, device=device)
+                        clip_grad=1.0, device=device, offload=offload)
+    if not step_plus_copy:  # write_weights brings the fp32 masters up after the whole CPU step
+        opt.optimizer.weight_slices = None
 
     def step(tokens, labels):
         set_fusion_flags(masked_softmax_fusion=True, bias_gelu_fusion=True, persist_layer_norm=True)
@@ -99,6 +106,7 @@ def main():
     ap.add_argument("--peak-tflops", type=float, default=None)
     ap.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model, seq 128 (script check)")
+    ap.add_argument("--no-offload", action="store_true", help="leave out the --cpu-optimizer rows")
     a = ap.parse_args()
     device = select_device(a.device)
     sizes, seq = (["tiny"], 128) if a.tiny else (a.sizes.split(","), a.seq)
@@ -110,7 +118,11 @@ def main():
     gen = torch.Generator().manual_seed(0)
     for size in sizes:
         results = {}
-        for side, make in (("baseline", baseline_step), ("ours", ours_step)):
+        sides = [("baseline", baseline_step), ("ours", ours_step)]
+        if not a.no_offload:
+            sides += [("offload", lambda *x: ours_step(*x, offload="cpu")),
+                      ("offl-old", lambda *x: ours_step(*x, offload="cpu", step_plus_copy=False))]
+        for side, make in sides:
             step, cfg = make(size, seq, device)
             text = torch.randint(0, cfg.vocab_size, (a.micro_batch, seq + 1), generator=gen).to(device)
             tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()

@@ -8,7 +8,8 @@ everything a step touches is created on it. This module is the only place that a
 what kind of device it is: host staging buffers are pinned (page-locked) when the
 device is a GPU, so host<->device copies can be `non_blocking`; on the CPU the same
 calls are plain allocations and copies, and `synchronize` does nothing. Copies that should
-overlap compute run on a side stream (`copy_stream`, `on_stream`, `record_event`, `wait_event`):
+overlap compute run on a side stream (`copy_stream`, `on_stream`, `record_event`, `wait_event`,
+`join_stream`):
 a `torch.cuda.Stream` on a GPU; on the CPU the stream is None, its context does nothing and the
 copies are done when issued.
 """
@@ -97,3 +98,10 @@ def wait_event(event) -> None:
     """Block the host until `event`'s work is done."""
     if event is not None:
         event.synchronize()
+
+
+def join_stream(stream, device: torch.device) -> None:
+    """Make `device`'s current stream wait for the work queued on `stream` so far, without blocking
+    the host (nothing on the CPU)."""
+    if stream is not None:
+        torch.cuda.current_stream(device).wait_stream(stream)

@@ -85,8 +85,10 @@ class ZeroOptimizer:
         self.dp_rank = self.impl.rank
         tag = f"dp{dist.get_rank(dp_group) if dp_group is not None else 0}" + (
             f"_rank{dist.get_rank()}" if dist.is_initialized() else "")
+        # offloaded from a GPU: each stepped chunk goes up straight into the stage's weight buffers
+        uploads = self.impl.weight_slices() if offload != "none" and self.device != HOST else None
         self.optimizer = FlatAdamW(self.impl.initial_masters, hparams, offload, nvme_path, tag=tag,
-                                   device=self.device)
+                                   device=self.device, weight_slices=uploads)
         del self.impl.initial_masters
         self.offload = offload
         self.loss_scaler = LossScaler(loss_scaler, enabled=self.dtype == torch.float16)
@@ -148,9 +150,10 @@ class ZeroOptimizer:
         if lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-        with self.optimizer.paged() as masters:
+        self.wait_params()  # the step writes this rank's weights, which the last gathers read
+        with self.optimizer.paged():
             self.optimizer.step(grads)
-            self.impl.write_weights(masters)
+            self.impl.write_weights(self.optimizer.weights())
         self.loss_scaler.update(False)
         self.zero_grad()
         return True, norm

@@ -18,7 +18,8 @@ gradient outlives its micro-batch. Off: ``.grad`` accumulates in the model dtype
 into a fresh fp32 flat buffer at the step. In fp32 both give bit-identical sums.
 
 After the step, each rank writes its updated master into its slice of the flat buffer
-and the slices are all-gathered.
+(an offloaded optimizer uploads it there itself, ``weight_slices``) and the slices are
+all-gathered in place.
 """
 from __future__ import annotations
 
@@ -190,15 +191,19 @@ class Stage12:
         self._bucket, self._bucket_numel = [], 0
 
     # ---- weights -------------------------------------------------------------------
+    def weight_slices(self) -> List[torch.Tensor]:
+        """Per group: this rank's slice of the flat buffer, where its updated weights go (an offloaded
+        optimizer uploads them straight there)."""
+        return [flat[slice(*part.bounds(self.rank))] for flat, part in zip(self.flat, self.parts)]
+
     def write_weights(self, masters: List[torch.Tensor]):
-        """Copy each updated master into this rank's slice and all-gather the flat buffers."""
-        for flat, part, m in zip(self.flat, self.parts, masters):
-            lo, hi = part.bounds(self.rank)
-            mine = m.detach().to(flat.device, self.dtype, non_blocking=True)  # offloaded masters come up
+        """Copy each updated master into this rank's slice (unless it is that slice already) and
+        all-gather the flat buffers, the slice being the all-gather's input (in place)."""
+        for flat, mine, m in zip(self.flat, self.weight_slices(), masters):
+            if m.data_ptr() != mine.data_ptr():
+                mine.copy_(m.detach())  # a cast to the model dtype; masters held on the host come up
             if self.dp > 1:
                 shm_comm.all_gather(list(flat.chunk(self.dp)), mine, self.dp_group)
-            else:
-                flat[lo:hi].copy_(mine)
 
     def grad_bytes(self) -> int:
         held = sum(p.grad.numel() * p.grad.element_size() for ps in self.groups for p in ps if p.grad is not None)

@@ -178,9 +178,10 @@ class Stage12Overlap(Stage12):
             return super().write_weights(masters)
         for gi, (flat, part, m) in enumerate(zip(self.flat, self.parts, masters)):
             size = part.partition_size
-            mine = m.detach().to(self.dtype, copy=True)  # the masters may be paged out after the step
             rows = flat.view(self.dp, size)
-            rows[self.rank].copy_(mine)
+            mine = rows[self.rank]  # the gathers' input: kept until the next step (ZeroOptimizer.step waits first)
+            if m.data_ptr() != mine.data_ptr():
+                mine.copy_(m.detach())
             for k, a in enumerate(range(0, size, self.chunk)):
                 b = min(size, a + self.chunk)
                 self._gathers[(gi, k)] = dist.all_gather([rows[r, a:b] for r in range(self.dp)], mine[a:b],

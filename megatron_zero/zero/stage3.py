@@ -1,7 +1,8 @@
 """ZeRO stage 3: parameters partitioned too, gathered per layer around its forward and backward.
 
 Each parameter is cut into dp chunks of ceil(numel/dp) (DeepSpeed's layout, see partition.py);
-a rank keeps only its chunk (``p.ds_shard``, model dtype) and ``p.data`` is empty between uses.
+a rank keeps only its chunk (``p.ds_shard``, model dtype, a view of the group's flat shard buffer laid
+out as the fp32 master) and ``p.data`` is empty between uses.
 The model is split into *units* (its children, ModuleList/Sequential expanded): a forward
 pre-hook all-gathers the unit's parameters, in one coalesced all-gather (stage3_gather.py), and
 starts an async gather of the unit that came next in the last step's order (prefetch); a
@@ -64,12 +65,13 @@ class Stage3(GatherMixin):
         self.bucket_size = int(bucket_size)
         self.groups = [[p for _, p in g] for g in groups]
         self.offsets = [zero3_group_offsets([(n, p.numel()) for n, p in g], self.dp) for g in groups]
-        self.initial_masters, self.grad_parts, self._storage = [], [], {}
+        self.initial_masters, self.grad_parts, self._storage, self.shards = [], [], {}, []
         self.peak_param_numel = self.gather_calls = 0
         self.comm_bytes = {"all_gather": 0, "reduce_scatter": 0}  # sent by this rank
         for gi, (g, offs) in enumerate(zip(groups, self.offsets)):
             total = sum(per for _, per in offs.values())
             master = torch.zeros(total, device=device)
+            shards = torch.empty(total, dtype=dtype, device=device)  # every p.ds_shard is a view of it
             for name, p in g:
                 off, per = offs[name]
                 padded = torch.zeros(per * self.dp, device=device)
@@ -77,10 +79,12 @@ class Stage3(GatherMixin):
                 chunk = padded[self.rank * per:(self.rank + 1) * per]
                 master[off:off + per].copy_(chunk)
                 p.ds_numel, p.ds_shape, p.ds_per, p.ds_where = p.numel(), p.shape, per, (gi, off)
-                p.ds_shard = chunk.to(dtype).clone()
+                p.ds_shard = shards[off:off + per]
+                p.ds_shard.copy_(chunk)
                 p.ds_rc, p.ds_inflight, p.ds_persistent = 0, None, False
                 p.data = torch.empty(0, dtype=dtype, device=device)
             self.initial_masters.append(master)
+            self.shards.append(shards)
             self.grad_parts.append(torch.zeros(total, device=device))
         managed = {id(p) for g in self.groups for p in g}
         self.units = list(layers) if layers is not None else _units(module)
@@ -235,11 +239,15 @@ class Stage3(GatherMixin):
             for p in ps:
                 p.grad = None
 
+    def weight_slices(self):
+        """Per group: the flat buffer of this rank's shards (the masters' layout, model dtype), where the
+        updated weights go (an offloaded optimizer uploads them straight there)."""
+        return self.shards
+
     def write_weights(self, masters):
-        for g, m in zip(self.groups, masters):
-            for p in g:
-                _, off = p.ds_where
-                p.ds_shard.copy_(m.data[off:off + p.ds_per])
+        for shards, m in zip(self.shards, masters):
+            if m.data_ptr() != shards.data_ptr():
+                shards.copy_(m.detach())  # a cast to the model dtype; masters held on the host come up
         self._refresh_persistent()
 
     def slice_mappings(self, names):

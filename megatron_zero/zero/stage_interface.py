@@ -25,8 +25,13 @@ class ZeroStage(Protocol):
     def grad_partitions(self) -> List[torch.Tensor]:
         """Per group: this rank's flat gradient partition (reduced, not yet unscaled)."""
 
+    def weight_slices(self) -> List[torch.Tensor]:
+        """Per group: the device tensor (model dtype, partition-sized) holding this rank's weights, which
+        write_weights publishes from; an offloaded optimizer uploads its stepped masters into it."""
+
     def write_weights(self, masters: List[torch.Tensor]) -> None:
-        """Publish the updated fp32 partitions as the model's (16-bit) weights."""
+        """Publish the updated partitions (fp32 masters, or weight_slices() already written) as the
+        model's (16-bit) weights."""
 
     def zero_grad(self) -> None:
         """Drop gradients and reset the reduction state for the next step."""
