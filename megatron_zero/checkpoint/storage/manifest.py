@@ -1,9 +1,10 @@
 """The manifest: every file of a checkpoint with its size and checksum, written last.
 
 Each rank records the files it wrote in a part file `.part-rank<r>.json` inside the
-temporary directory; rank 0 merges the parts into `manifest.json` just before the
-directory is renamed into place. Readers check that every listed file exists with its
-size, and the checksum of each file they read (reader.py, as the file is read).
+temporary directory (or, failing, why in `.failed-rank<r>.json`, for an async save's rank 0);
+rank 0 merges the parts into `manifest.json` just before the directory is renamed into place.
+Readers check that every listed file exists with its size, and the checksum of each file they
+read (reader.py, as the file is read).
 """
 from __future__ import annotations
 
@@ -38,6 +39,39 @@ def write_part(tmp_dir: str, rank: int, files: Dict[str, dict]) -> None:
 
 def parts_present(tmp_dir: str, world_size: int) -> bool:
     return all(os.path.exists(part_path(tmp_dir, r)) for r in range(world_size))
+
+
+def failure_path(tmp_dir: str, rank: int) -> str:
+    return os.path.join(tmp_dir, f".failed-rank{rank:05d}.json")
+
+
+def write_failure(tmp_dir: str, rank: int, info: dict) -> None:
+    """Record that this rank could not write its files (an async save's rank 0 polls for it): the
+    file's presence is the signal, `info` ({'file', 'what', 'needed'}) its reason where the disk still
+    takes it. Best effort, and never creates tmp_dir (rank 0 may have removed it already)."""
+    path = failure_path(tmp_dir, rank)
+    try:
+        _write_json_atomic(path, info)
+    except OSError:
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o644))  # a name needs no data blocks
+        except OSError:
+            pass
+
+
+def failed_ranks(tmp_dir: str, world_size: int) -> Dict[int, Optional[dict]]:
+    """{rank: its recorded reason, or None where it could not record one} of the ranks that failed."""
+    out = {}
+    for r in range(world_size):
+        path = failure_path(tmp_dir, r)
+        if os.path.exists(path):
+            try:
+                with open(path) as f:
+                    info = json.load(f)
+                out[r] = info if isinstance(info, dict) and {"file", "what", "needed"} <= info.keys() else None
+            except (OSError, ValueError):
+                out[r] = None
+    return out
 
 
 def merge_parts(tmp_dir: str, world_size: int, meta: dict) -> dict:

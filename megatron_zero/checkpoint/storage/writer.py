@@ -14,7 +14,9 @@ removes the partial temporary directory; earlier checkpoints and `latest` are ne
 Asynchronous: the call returns at once, copying nothing: a background thread writes the
 files straight from the live tensors (as a synchronous save does), then the
 part; rank 0's thread waits for every rank's part to appear in the shared directory, then
-commits. The state must not change while it is being read, so its owner waits on
+commits. A rank whose write fails leaves a failure marker there instead (manifest.write_failure),
+so rank 0 stops at once with that rank's sentence (its file, rank and reason), removes the partial
+directory and commits nothing, rather than waiting for the commit timeout. The state must not change while it is being read, so its owner waits on
 `wait_until_state_read()` before mutating it (save_checkpoint registers that with the
 optimizer, whose next step() calls it first): the save overlaps the next forward and backward,
 and the step waits only for what is left. Extra host memory, sync or async: host tensors are
@@ -38,7 +40,7 @@ import torch.distributed as dist
 
 from .commit import commit, new_save_id, tmp_dir
 from ..errors import CheckpointError
-from .manifest import parts_present, write_part
+from .manifest import failed_ranks, parts_present, write_failure, write_part
 from .checksum import file_checksum
 from .tensor_io import DeferredFsync, map_tensors, save_file
 
@@ -78,15 +80,17 @@ def _what_failed(err: BaseException, save_dir: str) -> Tuple[str, str]:
     return (getattr(err, "filename", None) or save_dir, getattr(err, "strerror", None) or str(err).splitlines()[0])
 
 
-def _failure(save_dir: str, tag: str, failed: Tuple[str, str], needed: int) -> str:
-    """One sentence for a save that failed writing `failed` = (file, what)."""
+def _failure(save_dir: str, tag: str, failed: Tuple[str, str], needed: int, rank: Optional[int] = None) -> str:
+    """One sentence for a save that failed writing `failed` = (file, what); `needed`: the bytes of the
+    whole checkpoint, or, with `rank` named (an async save, no collective), of that rank's files."""
     where, what = failed
+    whose, on = ("the checkpoint needs", "") if rank is None else (f"rank {rank}'s files need", f" on rank {rank}")
     try:
         free = shutil.disk_usage(save_dir).free
-        room = f"; the checkpoint needs about {needed} bytes and {free} bytes are free"
+        room = f"; {whose} about {needed} bytes and {free} bytes are free"
     except OSError:
         room = ""
-    return (f"saving checkpoint {tag} into {save_dir} failed writing {where}: {what}{room}; the partial "
+    return (f"saving checkpoint {tag} into {save_dir} failed{on} writing {where}: {what}{room}; the partial "
             "checkpoint was removed, earlier checkpoints and `latest` are intact")
 
 
@@ -178,27 +182,41 @@ class CheckpointWriter:
                 os.makedirs(tmp, exist_ok=True)
                 files = _write_files(tmp, plan, rank)
                 write_part(tmp, rank, files)
-            except OSError as e:
+            except Exception as e:  # a full disk, any I/O error, a tensor that cannot be read
+                failed = _what_failed(e, save_dir)
                 if rank == 0:
                     shutil.rmtree(tmp, ignore_errors=True)
-                raise CheckpointError(_failure(save_dir, tag, _what_failed(e, save_dir), plan_bytes(plan))) from e
+                else:  # rank 0 is polling for the parts: tell it now, not at its commit timeout
+                    write_failure(tmp, rank, {"file": failed[0], "what": failed[1], "needed": plan_bytes(plan)})
+                raise CheckpointError(_failure(save_dir, tag, failed, plan_bytes(plan), rank)) from e
             finally:
                 self._state_read.set()
             if rank != 0:
                 return
-            deadline = time.monotonic() + self.commit_timeout
-            while not parts_present(tmp, world):
-                if time.monotonic() > deadline:
-                    raise CheckpointError(f"not every rank finished writing {tmp} within {self.commit_timeout:.0f} s; "
-                                          "the checkpoint was not committed")
-                time.sleep(0.02)
+            self._wait_for_parts(save_dir, tag, tmp, world)
             try:
                 commit(save_dir, tag, tmp, world, meta, iteration, save_latest, keep_last_k)
             except OSError as e:
                 shutil.rmtree(tmp, ignore_errors=True)
-                raise CheckpointError(_failure(save_dir, tag, _what_failed(e, save_dir), plan_bytes(plan))) from e
+                raise CheckpointError(_failure(save_dir, tag, _what_failed(e, save_dir), plan_bytes(plan), rank)) from e
         except BaseException as e:  # surfaced by wait()
             self._error = e
+
+    def _wait_for_parts(self, save_dir, tag, tmp, world):
+        """Rank 0 of an async save: wait until every rank's part is there; a rank's failure marker (or
+        the commit timeout) ends the save uncommitted, the partial directory removed."""
+        deadline = time.monotonic() + self.commit_timeout
+        while not parts_present(tmp, world):
+            failed = failed_ranks(tmp, world)
+            if failed:
+                r, info = min(failed.items())
+                info = info or {"file": f"its files in {tmp}", "what": "it could not record why", "needed": 0}
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise CheckpointError(_failure(save_dir, tag, (info["file"], info["what"]), int(info["needed"]), r))
+            if time.monotonic() > deadline:
+                raise CheckpointError(f"not every rank finished writing {tmp} within {self.commit_timeout:.0f} s; "
+                                      "the checkpoint was not committed")
+            time.sleep(0.02)
 
     @property
     def pending(self) -> bool:
