@@ -22,8 +22,8 @@ Gradient memory: the ``.grad`` tensors not yet reduced + the partition + at most
 
 Parameters (``overlap_param_gather``, stage 1/2): after the step each group's updated
 partition is all-gathered in chunks of about ``bucket_size / dp`` elements of every rank's
-partition, async. A forward pre-hook on each unit (the model's children, containers expanded,
-and the ``lm_logits`` entry point) waits only for the chunks its parameters lie in, so the
+partition, async. A forward pre-hook on each unit (units.model_units: the model's children, containers
+expanded, and the ``lm_logits`` entry point) waits only for the chunks its parameters lie in, so the
 gathers finish behind the forward of the units before. ``wait_params()`` waits for all
 (before a checkpoint is written or the weights are read).
 """
@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from ..device import HOST
 from .stage12 import Stage12
-from .stage3 import _units
+from .units import model_units
 
 MAX_IN_FLIGHT = 2
 
@@ -143,7 +143,7 @@ class Stage12Overlap(Stage12):
 
     def _gather_hooks(self, module, entry_points):
         where = {id(p): (gi, pi) for gi, ps in enumerate(self.groups) for pi, p in enumerate(ps)}
-        for unit in _units(module):
+        for unit in model_units(module):
             needs = set()
             for p in unit.parameters():
                 if id(p) in where:

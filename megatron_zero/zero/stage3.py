@@ -3,7 +3,7 @@
 Each parameter is cut into dp chunks of ceil(numel/dp) (DeepSpeed's layout, see partition.py);
 a rank keeps only its chunk (``p.ds_shard``, model dtype, a view of the group's flat shard buffer laid
 out as the fp32 master) and ``p.data`` is empty between uses.
-The model is split into *units* (its children, ModuleList/Sequential expanded): a forward
+The model is split into *units* (units.model_units: its children, containers expanded): a forward
 pre-hook all-gathers the unit's parameters, in one coalesced all-gather (stage3_gather.py), and
 starts an async gather of the unit that came next in the last step's order (prefetch); a
 forward hook releases them. The unit's outputs pass
@@ -21,14 +21,13 @@ prefetched one.
 """
 from __future__ import annotations
 
-from typing import List
-
 import torch
 import torch.distributed as dist
 
 from ..device import HOST
 from .partition import zero3_group_offsets
 from .stage3_gather import GatherMixin
+from .units import model_units
 
 
 class _PreBackward(torch.autograd.Function):
@@ -41,16 +40,6 @@ class _PreBackward(torch.autograd.Function):
     def backward(ctx, *grads):
         ctx.owner._pre_backward(ctx.unit)
         return (None, None) + grads
-
-
-def _units(module: torch.nn.Module) -> List[torch.nn.Module]:
-    out = []
-    for child in module.children():
-        if isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)):
-            out.extend(_units(child))
-        else:
-            out.append(child)
-    return out
 
 
 class Stage3(GatherMixin):
@@ -87,7 +76,7 @@ class Stage3(GatherMixin):
             self.shards.append(shards)
             self.grad_parts.append(torch.zeros(total, device=device))
         managed = {id(p) for g in self.groups for p in g}
-        self.units = list(layers) if layers is not None else _units(module)
+        self.units = list(layers) if layers is not None else model_units(module)
         in_unit = {id(p) for u in self.units for p in u.parameters()}
         self.persistence_threshold = int(persistence_threshold)
         self.persistent = [p for g in self.groups for p in g
