@@ -167,6 +167,7 @@ def test_write_weights_gets_device_tensors_and_copies_nothing_from_the_host():
     dev = _cuda()
     model = ToyGPT().to(dev)
     opt = ZeroOptimizer(list(model.named_parameters()), stage=2, dtype="bf16", offload="cpu", device=dev, **HP)
+    opt.optimizer.chunk_numel = 300  # several chunks: both slots in use
     assert all(s.is_pinned() for s in opt.optimizer.grad_staging)
     seen, host_copies = [], []
 
