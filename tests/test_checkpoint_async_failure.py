@@ -31,32 +31,39 @@ def _saves(save_dir):
     writer.save(save_dir, "global_step1", _plan(rank), iteration=1, async_save=True)
     writer.wait()
     torch.distributed.barrier()
-    if rank == 1:  # this rank's disk is full from now on
-        def full(self, data):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        tio._ChecksumWriter._write = full
-    start = time.monotonic()
-    writer.save(save_dir, "global_step2", _plan(rank), iteration=2, async_save=True)
-    try:
-        writer.wait()
-        sentence = None
-    except CheckpointError as e:
-        sentence = str(e)
-    elapsed = time.monotonic() - start
-    torch.distributed.barrier()
-    return sentence, elapsed, sorted(os.listdir(save_dir))
+    real = tio._ChecksumWriter._write
+    out = []
+    for tag, error in (("global_step2", OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))), ("global_step3", RuntimeError())):
+        if rank == 1:  # this rank's disk is full (then: an error that names no file and says nothing)
+            def fail(self, data, error=error):
+                raise error
+            tio._ChecksumWriter._write = fail
+        start = time.monotonic()
+        writer.save(save_dir, tag, _plan(rank), iteration=int(tag[-1]), async_save=True)
+        try:
+            writer.wait()
+            sentence = None
+        except CheckpointError as e:
+            sentence = str(e)
+        out.append((sentence, time.monotonic() - start))
+        tio._ChecksumWriter._write = real
+        torch.distributed.barrier()
+    return out, sorted(os.listdir(save_dir))
 
 
 def test_a_failed_write_on_rank_1_fails_the_async_save_on_rank_0_promptly(tmp_path):
     save_dir = str(tmp_path)
-    (s0, t0, listing), (s1, _, _) = run_ranks(_saves, 2, save_dir, timeout=120)
-    pattern = (rf"saving checkpoint global_step2 into {re.escape(save_dir)} failed on rank 1 writing "
-               rf"{re.escape(save_dir)}/global_step2\.tmp-[0-9a-f]+/rank1\.pt: No space left on device; "
-               r"rank 1's files need about \d+ bytes and \d+ bytes are free; the partial checkpoint was "
-               r"removed, earlier checkpoints and `latest` are intact")
-    assert s0 is not None and re.fullmatch(pattern, s0), s0
-    assert s1 is not None and re.fullmatch(pattern, s1), s1  # rank 1 says the same
-    assert t0 < PROMPT_S, f"rank 0 took {t0:.1f} s to see rank 1's failure"
+    (out0, listing), (out1, _) = run_ranks(_saves, 2, save_dir, timeout=120)
+    tail = (r"; rank 1's files need about \d+ bytes and \d+ bytes are free; the partial checkpoint was "
+            r"removed, earlier checkpoints and `latest` are intact")
+    patterns = [rf"saving checkpoint global_step2 into {re.escape(save_dir)} failed on rank 1 writing "
+                rf"{re.escape(save_dir)}/global_step2\.tmp-[0-9a-f]+/rank1\.pt: No space left on device" + tail,
+                rf"saving checkpoint global_step3 into {re.escape(save_dir)} failed on rank 1 writing "
+                rf"{re.escape(save_dir)}: RuntimeError" + tail]
+    for pattern, (s0, t0), (s1, _) in zip(patterns, out0, out1):
+        assert s0 is not None and re.fullmatch(pattern, s0), s0
+        assert s1 is not None and re.fullmatch(pattern, s1), s1  # rank 1 says the same
+        assert t0 < PROMPT_S, f"rank 0 took {t0:.1f} s to see rank 1's failure"
     assert listing == ["global_step1", LATEST, "latest_checkpointed_iteration.txt"]
     assert read_latest(save_dir) == "global_step1"
 

@@ -76,8 +76,10 @@ def plan_bytes(plan: Sequence[Tuple[str, Any]]) -> int:
 
 
 def _what_failed(err: BaseException, save_dir: str) -> Tuple[str, str]:
-    """(the file, what went wrong) of a failed write (an OSError names its file)."""
-    return (getattr(err, "filename", None) or save_dir, getattr(err, "strerror", None) or str(err).splitlines()[0])
+    """(the file, what went wrong) of a failed write (an OSError names its file; other errors: the save
+    directory)."""
+    what = getattr(err, "strerror", None) or (str(err).splitlines() or [type(err).__name__])[0]
+    return getattr(err, "filename", None) or save_dir, what
 
 
 def _failure(save_dir: str, tag: str, failed: Tuple[str, str], needed: int, rank: Optional[int] = None) -> str:
