@@ -268,7 +268,7 @@ def main():
     longest = {}
     for name in names:
         best, miss = summary({n: r[0] for n, r in rows[name].items()})
-        longest[name] = best
+        longest[name] = (best, miss is None)
         flags = " ".join(CONFIGS[name][2]) or "(plain)"
         at = rows[name][best] if best else None
         miss_text = f"{miss}: {describe(rows[name][miss])}" if miss else f"none up to {a.max_length}"
@@ -276,9 +276,9 @@ def main():
               f"{f'{at[2]:.1f}' if at else ''} |")
     print()
     for ours, mds in PAIRS:
-        if longest.get(ours) and longest.get(mds):
-            print(f"longest length {ours} / {mds}: {longest[ours]} / {longest[mds]} = "
-                  f"{longest[ours] / longest[mds]:.2f}")
+        (o, o_capped), (m, m_capped) = longest.get(ours, (None, 0)), longest.get(mds, (None, 0))
+        if o and m and not m_capped:  # a capped numerator (no miss up to --max-length) is a lower bound
+            print(f"longest length {ours} / {mds}: {o} / {m} = {'>= ' if o_capped else ''}{o / m:.2f}")
 
 
 if __name__ == "__main__":
