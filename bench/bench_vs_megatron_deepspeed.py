@@ -41,8 +41,8 @@ MODEL = {"num-layers": 4, "hidden-size": 256, "num-attention-heads": 8, "seq-len
          "eval-iters": 0, "eval-interval": 10 ** 6, "split": "100,0,0",
          "tokenizer-type": "GPTSentencePieceTokenizer"}
 TOKENS_PER_ITER = 16 * 256
-LAYOUTS = {"dp2": (1, 1, 2), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "tp2pp2": (2, 2, 1)}  # tp, pp, dp
-LABELS = {"dp2": "DP2 ZeRO-1", "tp2": "TP2", "pp2": "PP2", "tp2pp2": "TP2 x PP2"}
+LAYOUTS = {"dp2": (1, 1, 2), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "tp2pp2": (2, 2, 1), "tp1": (1, 1, 1)}  # tp, pp, dp
+LABELS = {"dp2": "DP2 ZeRO-1", "tp2": "TP2", "pp2": "PP2", "tp2pp2": "TP2 x PP2", "tp1": "one rank"}
 # Megatron-DeepSpeed's flags for this CPU (PEERS.md): no fused CUDA kernels, gloo, RMSNorm
 MDS_CPU_FLAGS = ["--distributed-backend", "gloo", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
                  "--no-bias-dropout-fusion", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm"]
@@ -57,38 +57,49 @@ def flags(d: dict) -> list:
     return out
 
 
-def ours_cmd(layout, data, iters):
+def ours_cmd(layout, data, iters, model=MODEL, extra=()):
     tp, pp, dp = LAYOUTS[layout]
-    argv = flags({**MODEL, **data, "train-iters": iters, "tensor-model-parallel-size": tp,
+    argv = flags({**model, **data, "train-iters": iters, "tensor-model-parallel-size": tp,
                   "pipeline-model-parallel-size": pp, "zero-stage": 1 if dp > 1 else 0,
-                  "normalization": "RMSNorm"})
+                  "normalization": "RMSNorm"}) + list(extra)
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(tp * pp * dp),
             "--master_port", str(free_port()), os.path.join(ROOT, "pretrain_gpt.py")] + argv, ROOT
 
 
-def mds_cmd(layout, data, iters, mds_dir, mds_python, workdir):
+def mds_cmd(layout, data, iters, mds_dir, mds_python, workdir, model=MODEL, extra=()):
     tp, pp, dp = LAYOUTS[layout]
     cfg = os.path.join(workdir, f"ds_{layout}.json")
     with open(cfg, "w") as f:
-        json.dump({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0,
+        json.dump({"train_batch_size": model["global-batch-size"],
+                   "train_micro_batch_size_per_gpu": model["micro-batch-size"], "gradient_clipping": 1.0,
                    "zero_optimization": {"stage": 1 if dp > 1 else 0}, "steps_per_print": 10 ** 9,
                    "wall_clock_breakdown": False}, f)
-    argv = flags({**MODEL, **data, "train-iters": iters, "tensor-model-parallel-size": tp,
-                  "pipeline-model-parallel-size": pp, "normalization": "rmsnorm"})
+    argv = flags({**model, **data, "train-iters": iters, "tensor-model-parallel-size": tp,
+                  "pipeline-model-parallel-size": pp, "normalization": "rmsnorm"}) + list(extra)
     argv += MDS_CPU_FLAGS + ["--deepspeed", "--deepspeed_config", cfg] + (["--no-pipeline-parallel"] if pp == 1 else [])
     return [mds_python, "-m", "torch.distributed.run", "--nproc_per_node", str(tp * pp * dp),
             "--master_port", str(free_port()), os.path.join(mds_dir, "pretrain_gpt.py")] + argv, mds_dir
 
 
+def launch_env(cwd, nproc, ext_dir):
+    """The environment of a launch from `cwd` (ROOT: ours) with `nproc` ranks."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "LOCAL_SIZE": str(nproc),
+            "TORCH_EXTENSIONS_DIR": ext_dir, "PYTHONPATH": ROOT if cwd == ROOT else ""}
+
+
+def remove_shm_buffers(cmd):
+    """DeepSpeed's shm comm op leaves its buffers in /dev/shm, named by the launch's port: delete them."""
+    port = cmd[cmd.index("--master_port") + 1]
+    for leftover in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+        os.unlink(leftover)
+
+
 def run(cmd, cwd, nproc, ext_dir, timeout):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "LOCAL_SIZE": str(nproc),
-           "TORCH_EXTENSIONS_DIR": ext_dir, "PYTHONPATH": ROOT if cwd == ROOT else ""}
     try:
-        p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    finally:  # DeepSpeed's shm comm op leaves its buffers in /dev/shm, named by the launch's port
-        port = cmd[cmd.index("--master_port") + 1]
-        for leftover in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
-            os.unlink(leftover)
+        p = subprocess.run(cmd, cwd=cwd, env=launch_env(cwd, nproc, ext_dir), capture_output=True, text=True,
+                           timeout=timeout)
+    finally:
+        remove_shm_buffers(cmd)
     out = p.stdout + p.stderr
     if p.returncode != 0:
         sys.exit(f"bench: {' '.join(cmd[:6])} ... failed (exit {p.returncode}):\n{out[-3000:]}")
@@ -128,26 +139,37 @@ def machine():
     return f"{model}, {os.cpu_count()} cores, torch {torch.__version__}, python {platform.python_version()}"
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def mds_arguments(description):
+    """An argument parser with the flags that locate Megatron-DeepSpeed (--mds-dir, --mds-python, its extensions)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--mds-dir", required=True, help="Megatron-DeepSpeed source tree (set up by "
                                                      "bench/peers/setup_megatron_deepspeed.sh)")
     ap.add_argument("--mds-python", required=True, help="the python of Megatron-DeepSpeed's venv")
     ap.add_argument("--torch-extensions-dir", default=os.environ.get("TORCH_EXTENSIONS_DIR",
                                                                      "/work/mds_torch_extensions"))
+    return ap
+
+
+def check_mds(a):
+    """Exit with one sentence unless --mds-dir and --mds-python point at a set-up Megatron-DeepSpeed."""
+    if not os.path.isfile(os.path.join(a.mds_dir, "pretrain_gpt.py")) or not os.access(a.mds_python, os.X_OK):
+        sys.exit("bench: --mds-dir must hold Megatron-DeepSpeed's pretrain_gpt.py and --mds-python be its venv's "
+                 "python; run bench/peers/setup_megatron_deepspeed.sh first")
+
+
+def main():
+    ap = mds_arguments(__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--iters", type=int, default=12, help="timed iterations per launch")
     ap.add_argument("--warmup", type=int, default=2, help="untimed iterations at the start of each launch")
-    ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    ap.add_argument("--layouts", default="dp2,tp2,pp2,tp2pp2")
     ap.add_argument("--timeout", type=int, default=600)
     a = ap.parse_args()
     layouts = [x for x in a.layouts.split(",") if x]
     for x in layouts:
         if x not in LAYOUTS:
             sys.exit(f"bench: --layouts: unknown layout {x!r}; choose from {', '.join(LAYOUTS)}")
-    if not os.path.isfile(os.path.join(a.mds_dir, "pretrain_gpt.py")) or not os.access(a.mds_python, os.X_OK):
-        sys.exit("bench: --mds-dir must hold Megatron-DeepSpeed's pretrain_gpt.py and --mds-python be its venv's "
-                 "python; run bench/peers/setup_megatron_deepspeed.sh first")
+    check_mds(a)
     print(f"machine: {machine()}; reps {a.reps} (interleaved), {a.warmup} warm-up + {a.iters} timed iterations "
           f"per launch, {TOKENS_PER_ITER} tokens per iteration")
     rows = []
