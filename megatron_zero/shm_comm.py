@@ -9,7 +9,7 @@ soon as every rank has opened them, so nothing is left behind, even by a crash.
 Round k of a group (one chunk of one all-reduce):
 
     copy my chunk into my slot of set k % 2; write one byte to every other rank's FIFO
-    read one byte per other rank from my FIFO (polled for SPIN_S, then blocking in the kernel)
+    read one byte per other rank from my FIFO (blocking in the kernel: no spinning on a busy CPU)
     reduce the set's slots in rank order into my tensor (every rank gets the same bits)
 
 A rank that has arrived at round k-1 has finished reading round k-2, so set k % 2 is free when round
@@ -19,8 +19,10 @@ other than SUM and MAX, for one-rank groups, for groups spread over hosts or not
 `set_shared_memory_comm(False)` (--no-shared-memory-all-reduce), `all_reduce` is torch.distributed's.
 A wait gives up after the process group's timeout (`set_timeout`: --distributed-timeout-minutes, set by
 distributed.init_distributed) with a DistBackendError naming the group, as torch.distributed's own would.
-Waiting polls first: on a loaded 2-core machine a rank that blocks at once gives its core away and, once
-woken, queues behind the other processes, while its peer is usually only microseconds away.
+Waiting blocks at once. Polling first (DeepSpeed's shm op spins) measured slower on the loaded 2-core
+machine (bench/bench_shm_all_reduce.py, load 16): a poller that shares a core with the rank it waits for
+holds that core until its time slice ends; with a 200 us poll a 1 MiB pipeline swap took 2.1 ms against
+0.27-0.45 ms without, and a 1 MiB all-reduce 0.42 ms against 0.26 ms.
 The choice is made once per group, collectively, at its first all-reduce; callers use `all_reduce`
 where every rank of the group calls it in the same order (the tensor-parallel mappings, ZeRO's
 blocking gradient all-reduce and weight all-gather), never from a background thread.
@@ -31,7 +33,6 @@ import mmap
 import os
 import select
 import socket
-import time
 import uuid
 from typing import List
 
@@ -40,10 +41,8 @@ import torch.distributed as dist
 
 SLOT_BYTES = 4 << 20
 SHM_DIR = "/dev/shm"
-SPIN_S = 0.0002  # how long a wait polls its FIFOs before blocking on them
 
 _timeout_s = 600.0  # the process group's timeout (set_timeout)
-
 _enabled = True
 _by_group = {}  # process group -> SharedMemoryAllReduce, or None where gloo's own is used
 _resources = []  # other users' shared memory (pipeline/shm_p2p.py), closed with the groups
@@ -66,15 +65,8 @@ def group_name(group) -> str:
 
 
 def wait_readable(fds: List[int], what: str) -> List[int]:
-    """The FIFOs of `fds` with wake-ups to read: polled for SPIN_S, then waited for in the kernel up to
-    the timeout; past it a DistBackendError saying `what` (who did not arrive)."""
-    spin_until = time.perf_counter() + SPIN_S
-    while True:
-        ready = select.select(fds, [], [], 0)[0]
-        if ready:
-            return ready
-        if time.perf_counter() >= spin_until:
-            break
+    """The FIFOs of `fds` with wake-ups to read, waited for in the kernel up to the timeout; past it a
+    DistBackendError saying `what` (who did not arrive)."""
     ready = select.select(fds, [], [], _timeout_s)[0]
     if not ready:
         raise dist.DistBackendError(f"{what} did not arrive within {_timeout_s:.0f} s "

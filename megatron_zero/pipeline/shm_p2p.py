@@ -10,8 +10,8 @@ one pair under one tag do, so the ring of two stages (prev and next the same ran
 fixed order. The FIFO reads and writes are the memory barriers between the copies.
 
 `exchange` runs one batch of sends and receives (p2p.py's batch_isend_irecv) together: it moves every chunk
-it can and, where none can move, waits for any FIFO it needs (shm_comm.wait_readable: polled, then
-blocking up to the process group's timeout), so two stages sending to each other never deadlock.
+it can and, where none can move, waits for any FIFO it needs (shm_comm.wait_readable: blocking in the
+kernel up to the process group's timeout), so two stages sending to each other never deadlock.
 `connect` sets the channels up collectively over the pipeline group, only where every rank of it runs on
 this host, on gloo, with shared memory on (--no-shared-memory-all-reduce turns it off) and host tensors;
 elsewhere it returns None and p2p.py uses torch.distributed. The files and FIFOs are unlinked once both
@@ -114,7 +114,7 @@ def connect(group, neighbours: Iterable[Optional[int]], message_bytes: int,
             host_tensors: bool) -> Optional[SharedMemoryP2P]:
     """Collective over the pipeline `group`: channels to and from each neighbour (global ranks, None for
     none; every neighbour has this rank as its neighbour too), slots of up to shm_comm.SLOT_BYTES."""
-    if not shm_comm.same_host_gloo(group, host_tensors):
+    if dist.get_world_size(group) < 2 or not shm_comm.same_host_gloo(group, host_tensors):
         return None
     me = dist.get_rank()
     peers = sorted({n for n in neighbours if n is not None and n != me})
