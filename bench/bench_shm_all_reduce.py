@@ -5,8 +5,11 @@
 Both run on the same 2-rank gloo group (run_ranks, one thread per rank), fp32 SUM of 4 KiB (a
 cross-entropy statistic), 1 MiB (one tensor-parallel activation of the throughput benchmark:
 micro-batch 4 x seq 256 x hidden 256) and 16 MiB (ZeRO's gradient all-reduce of that 4.3M-parameter
-model); per size the two are interleaved `--reps` times. Reported: median wall ms per call (rank 0)
-with the min-max over reps, and the CPU ms per call of rank 0's process (gloo's threads included).
+model); per size the two are interleaved `--reps` times. With 2 ranks, also the pipeline's exchange
+(megatron_zero/pipeline/p2p.py, torch.distributed against shm_p2p.py): one call sends 1 MiB each way,
+rank 0's send_forward_recv_backward against rank 1's send_backward_recv_forward. Reported: median wall
+ms per call (rank 0) with the min-max over reps, and the CPU ms per call of rank 0's process (gloo's
+threads included).
 """
 import argparse
 import os
@@ -20,9 +23,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megatron_zero import shm_comm  # noqa: E402
+from megatron_zero.pipeline.p2p import P2P  # noqa: E402
 from megatron_zero.testing.multirank import run_ranks  # noqa: E402
 
 SIZES = {"4 KiB": 1 << 10, "1 MiB": 1 << 18, "16 MiB": 1 << 22}
+P2P_ROW = "p2p 1 MiB each way"
 
 
 def timed(fn, x, calls):
@@ -38,13 +43,26 @@ def timed(fn, x, calls):
 def worker(reps, calls):
     group = dist.new_group(list(range(dist.get_world_size())))
     sides = {"gloo": lambda x: dist.all_reduce(x, group=group), "shm": lambda x: shm_comm.all_reduce(x, group)}
+    rows = [(label, n, sides) for label, n in SIZES.items()]
+    if dist.get_world_size() == 2:
+        rows.append((P2P_ROW, SIZES["1 MiB"], p2p_sides(group)))
     out = {}
-    for label, n in SIZES.items():
+    for label, n, fns in rows:
         x = torch.randn(n)
         for rep in range(reps):
             for side in (("gloo", "shm") if rep % 2 == 0 else ("shm", "gloo")):
-                out.setdefault((label, side), []).append(timed(sides[side], x, calls))
+                out.setdefault((label, side), []).append(timed(fns[side], x, calls))
     return out
+
+
+def p2p_sides(group):
+    """One 1 MiB activation / gradient swap between two pipeline stages, through gloo or shared memory."""
+    first = dist.get_rank() == 0
+    sides = {}
+    for side, shm_group in (("gloo", None), ("shm", group)):
+        p2p = P2P(None if first else 0, 1 if first else None, (SIZES["1 MiB"],), torch.float32, group=shm_group)
+        sides[side] = p2p.send_forward_recv_backward if first else p2p.send_backward_recv_forward
+    return sides
 
 
 def main():
@@ -58,7 +76,7 @@ def main():
           f"{a.calls} calls")
     print("| size | gloo ms (min-max) | shm ms (min-max) | gloo / shm | CPU ms gloo / shm |")
     print("|---|---|---|---|---|")
-    for label in SIZES:
+    for label in [*SIZES, P2P_ROW] if a.ranks == 2 else SIZES:
         g, s = ([w for w, _ in res[(label, side)]] for side in ("gloo", "shm"))
         gc, sc = (statistics.median(c for _, c in res[(label, side)]) for side in ("gloo", "shm"))
         print(f"| {label} | {statistics.median(g):.3f} ({min(g):.3f}-{max(g):.3f}) | {statistics.median(s):.3f} "

@@ -120,8 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None,
                    help="default: nccl on CUDA, gloo on the CPU")
     g.add_argument("--no-shared-memory-all-reduce", dest="shared_memory_all_reduce", action="store_false",
-                   help="tensor-parallel all-reduces of host tensors through gloo even where all ranks of the "
-                        "group share one host (default there: through shared memory, megatron_zero/shm_comm.py)")
+                   help="all-reduces and pipeline sends of host tensors through gloo even where all ranks of the "
+                        "group share one host (default there: through shared memory, megatron_zero/shm_comm.py, "
+                        "megatron_zero/pipeline/shm_p2p.py)")
     g.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="where each rank trains: cuda:LOCAL_RANK when CUDA is present (auto), or forced")
     g.add_argument("--no-cuda", dest="device", action="store_const", const="cpu",

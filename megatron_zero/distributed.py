@@ -98,7 +98,10 @@ def init_distributed(backend: Optional[str] = None, timeout_minutes: float = 10.
     import torch
     import torch.distributed as dist
 
+    from .shm_comm import set_timeout
+
     launch = read_launch_env(environ)
+    set_timeout(timeout_minutes * 60)  # the shared-memory collectives wait as long as gloo's
     if dist.is_initialized():
         return launch
     backend = backend or default_backend()

@@ -17,6 +17,12 @@ k starts; the pipe's write and read are the memory barriers. `all_gather` (1-D, 
 weight gather) runs the same rounds, each rank copying every slot out. For tensors outside host memory, for ops
 other than SUM and MAX, for one-rank groups, for groups spread over hosts or not on gloo, and after
 `set_shared_memory_comm(False)` (--no-shared-memory-all-reduce), `all_reduce` is torch.distributed's.
+A wait gives up after the process group's timeout (`set_timeout`: --distributed-timeout-minutes, set by
+distributed.init_distributed) with a DistBackendError naming the group, as torch.distributed's own would.
+Waiting blocks at once. Polling first (DeepSpeed's shm op spins) measured slower on the loaded 2-core
+machine (bench/bench_shm_all_reduce.py, load 16): a poller that shares a core with the rank it waits for
+holds that core until its time slice ends; with a 200 us poll a 1 MiB pipeline swap took 2.1 ms against
+0.27-0.45 ms without, and a 1 MiB all-reduce 0.42 ms against 0.26 ms.
 The choice is made once per group, collectively, at its first all-reduce; callers use `all_reduce`
 where every rank of the group calls it in the same order (the tensor-parallel mappings, ZeRO's
 blocking gradient all-reduce and weight all-gather), never from a background thread.
@@ -35,10 +41,11 @@ import torch.distributed as dist
 
 SLOT_BYTES = 4 << 20
 SHM_DIR = "/dev/shm"
-WAIT_TIMEOUT_S = 600.0
 
+_timeout_s = 600.0  # the process group's timeout (set_timeout)
 _enabled = True
 _by_group = {}  # process group -> SharedMemoryAllReduce, or None where gloo's own is used
+_resources = []  # other users' shared memory (pipeline/shm_p2p.py), closed with the groups
 
 
 def set_shared_memory_comm(enabled: bool) -> None:
@@ -47,24 +54,70 @@ def set_shared_memory_comm(enabled: bool) -> None:
     _enabled = enabled
 
 
+def set_timeout(seconds: float) -> None:
+    """How long a wait for the other ranks may take before it fails (--distributed-timeout-minutes)."""
+    global _timeout_s
+    _timeout_s = seconds
+
+
+def group_name(group) -> str:
+    return f"the process group of global ranks {dist.get_process_group_ranks(group)}"
+
+
+def wait_readable(fds: List[int], what: str) -> List[int]:
+    """The FIFOs of `fds` with wake-ups to read, waited for in the kernel up to the timeout; past it a
+    DistBackendError saying `what` (who did not arrive)."""
+    ready = select.select(fds, [], [], _timeout_s)[0]
+    if not ready:
+        raise dist.DistBackendError(f"{what} did not arrive within {_timeout_s:.0f} s "
+                                    f"(--distributed-timeout-minutes)")
+    return ready
+
+
+def create_shared_file(path: str, nbytes: int) -> None:
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.ftruncate(fd, nbytes)
+    os.close(fd)
+
+
+def map_shared_file(path: str, nbytes: int) -> mmap.mmap:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+
+
+def same_host_gloo(group, usable: bool = True) -> bool:
+    """Collective over `group`: whether its ranks (two or more) all run on this host, on gloo, with
+    shared memory enabled, /dev/shm present and `usable` true on every one."""
+    here = (socket.gethostname(),
+            usable and _enabled and os.path.isdir(SHM_DIR) and dist.get_backend(group) == "gloo")
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, here, group=group)
+    return len(everyone) > 1 and len({h for h, _ in everyone}) == 1 and all(ok for _, ok in everyone)
+
+
+def register(resource) -> None:
+    """Have release_groups close `resource` (anything else holding mapped memory, FIFOs and a group)."""
+    _resources.append(resource)
+
+
 class SharedMemoryAllReduce:
     """One group's mapped slots and wake-up FIFOs (see the module docstring)."""
 
     def __init__(self, group, size: int, rank: int):
         self.size, self.rank, self.round = size, rank, 0
+        self.name = group_name(group)
         prefix = [os.path.join(SHM_DIR, f"megatron_zero_allreduce_{uuid.uuid4().hex}") if rank == 0 else None]
         dist.broadcast_object_list(prefix, src=dist.get_global_rank(group, 0), group=group)
         data_path, fifo = prefix[0], [f"{prefix[0]}.{r}" for r in range(size)]
         total = 2 * size * SLOT_BYTES
         if rank == 0:
-            fd = os.open(data_path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            os.ftruncate(fd, total)
-            os.close(fd)
+            create_shared_file(data_path, total)
         os.mkfifo(fifo[rank], 0o600)
         dist.barrier(group=group)
-        fd = os.open(data_path, os.O_RDWR)
-        self._map = mmap.mmap(fd, total)
-        os.close(fd)
+        self._map = map_shared_file(data_path, total)
         # O_RDWR: opening a FIFO so never blocks waiting for the other end
         self._fifos = [os.open(path, os.O_RDWR) for path in fifo]
         self._wake = bytes([1])
@@ -96,9 +149,7 @@ class SharedMemoryAllReduce:
         """Return once every other rank has written its slot of this round."""
         fd, missing = self._fifos[self.rank], self.size - 1
         while missing:
-            if not select.select([fd], [], [], WAIT_TIMEOUT_S)[0]:
-                raise RuntimeError(f"shared-memory all-reduce: a rank of the group did not arrive within "
-                                   f"{WAIT_TIMEOUT_S:.0f} s")
+            wait_readable([fd], f"shared-memory collective round {self.round}: a rank of {self.name}")
             missing -= len(os.read(fd, missing))
 
     def _rounds(self, mine: torch.Tensor):
@@ -157,22 +208,22 @@ class _Pending:
 
 
 def release_groups() -> None:
-    """Forget every group's shared memory (unmap it, close the FIFOs) and the group handles with it, so
-    torch.distributed's teardown can free the groups (distributed.shutdown_distributed calls this)."""
+    """Forget every group's shared memory (unmap it, close the FIFOs; the registered resources' too) and
+    the group handles with it, so torch.distributed's teardown can free the groups
+    (distributed.shutdown_distributed calls this)."""
     for shm in _by_group.values():
         if shm is not None:
             shm.close()
     _by_group.clear()
+    for resource in _resources:
+        resource.close()
+    _resources.clear()
 
 
 def _for_group(group):
     if group not in _by_group:
-        here = (socket.gethostname(), _enabled and os.path.isdir(SHM_DIR) and dist.get_backend(group) == "gloo")
-        everyone = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, here, group=group)
-        same_host = len(everyone) > 1 and len({h for h, _ in everyone}) == 1 and all(ok for _, ok in everyone)
-        _by_group[group] = (SharedMemoryAllReduce(group, len(everyone), dist.get_rank(group))
-                            if same_host else None)
+        _by_group[group] = (SharedMemoryAllReduce(group, dist.get_world_size(group), dist.get_rank(group))
+                            if same_host_gloo(group) else None)
     return _by_group[group]
 
 

@@ -76,3 +76,24 @@ def test_collectives_exact(world, slot_bytes, enabled):
 def test_flag_switches_it_off():
     assert parse_args(BASE, world_size=1).shared_memory_all_reduce is True
     assert parse_args(BASE + ["--no-shared-memory-all-reduce"], world_size=1).shared_memory_all_reduce is False
+
+
+def silent_rank_fn():
+    shm_comm.set_timeout(1.0)
+    group = dist.new_group([0, 1])
+    shm_comm.all_reduce(torch.ones(4), group)  # sets the group up
+    error = None
+    if dist.get_rank() == 0:  # rank 1 skips the second all-reduce
+        try:
+            shm_comm.all_reduce(torch.ones(4), group)
+        except dist.DistBackendError as e:
+            error = str(e)
+    dist.barrier()
+    return error
+
+
+def test_missing_rank_is_reported_after_the_timeout():
+    """As torch.distributed's own collectives do: a DistBackendError after the group's timeout, naming it."""
+    error = run_ranks(silent_rank_fn, 2, timeout=60)[0]
+    assert error is not None
+    assert "a rank of the process group of global ranks [0, 1] did not arrive within 1 s" in error

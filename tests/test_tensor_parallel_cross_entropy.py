@@ -56,3 +56,16 @@ def test_single_process_path_and_unpadded_vocab():
     torch.testing.assert_close(vocab_parallel_cross_entropy(logits, target), ref, rtol=1e-6, atol=1e-6)
     masked = vocab_parallel_cross_entropy(logits, target, None, vocab_size=VOCAB)
     assert (masked < ref).all()  # removing padded columns removes probability mass from the denominator
+
+
+def test_input_untouched_and_second_backward_refused():
+    """The forward works on its own copy (the logits are unchanged); the backward reuses the saved
+    softmax in place, so a second backward through the same graph is an error, not a wrong gradient."""
+    logits, target, _ = inputs(1.0)
+    logits.requires_grad_()
+    before = logits.detach().clone()
+    loss = vocab_parallel_cross_entropy(logits, target).sum()
+    assert torch.equal(logits.detach(), before)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="runs once"):
+        loss.backward()

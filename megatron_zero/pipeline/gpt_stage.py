@@ -110,11 +110,12 @@ def grad_reduce_arming(model: GPTModel, optimizer) -> Callable:
 
 
 def stage_p2p(state: ParallelState, shape, dtype, device: torch.device = HOST, virtual_stages: int = 1) -> P2P:
-    """This stage's transfers: to its neighbours, or, interleaved, around the ring of pipeline ranks."""
+    """This stage's transfers: to its neighbours, or, interleaved, around the ring of pipeline ranks (a
+    collective over the pipeline group: it sets up shared memory where that applies)."""
     if virtual_stages == 1:
-        return P2P(state.prev_rank, state.next_rank, shape, dtype, device)
+        return P2P(state.prev_rank, state.next_rank, shape, dtype, device, state.pp_group)
     ring, r = state.layout.pp_group(state.rank), state.pp_rank
-    return P2P(ring[r - 1], ring[(r + 1) % len(ring)], shape, dtype, device)
+    return P2P(ring[r - 1], ring[(r + 1) % len(ring)], shape, dtype, device, state.pp_group)
 
 
 def activation_shape(micro_batch_size: int, config, tp: int = 1) -> tuple:

@@ -23,6 +23,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
+from .. import shm_comm
 from ..device import HOST
 
 from .p2p import P2P
@@ -123,11 +124,14 @@ def forward_backward(forward_step: Callable, num_micro_batches: int, p2p: Option
 def broadcast_loss(losses: List[torch.Tensor], is_last: bool, last_stage_rank: int, pp_group,
                    dp_group=None, device: torch.device = HOST) -> float:
     """The global batch's mean loss on every rank: summed on the last stage, sent along the
-    pipeline, and averaged over the data-parallel replicas."""
+    pipeline (a sum in which the other stages add exact zeros: a broadcast, through shared memory
+    where shm_comm applies), and averaged over the data-parallel replicas."""
     value = torch.stack(losses).sum().reshape(1).float() if (is_last and losses) else torch.zeros(1, device=device)
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        dist.broadcast(value, src=last_stage_rank, group=pp_group)
+        if dist.get_rank() != last_stage_rank:
+            value.zero_()
+        shm_comm.all_reduce(value, pp_group)
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
-        dist.all_reduce(value, group=dp_group)
+        shm_comm.all_reduce(value, dp_group)
         value /= dist.get_world_size(dp_group)
     return value.item()

@@ -32,23 +32,28 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             logits = logits.masked_fill(padded, float("-inf"))
 
         logits_max = _all_reduce(logits.max(dim=-1).values, group, dist.ReduceOp.MAX)
-        logits = logits - logits_max.unsqueeze(-1)
+        logits = logits - logits_max.unsqueeze(-1)  # this function's own tensor from here on
 
         outside = (target < start) | (target >= start + local)
         local_target = (target - start).masked_fill(outside, 0)
         predicted = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        exp_logits = logits.exp()
+        exp_logits = logits.exp_()
         predicted, sum_exp = _all_reduce(torch.stack([predicted, exp_logits.sum(dim=-1)]), group).unbind(0)
         loss = sum_exp.log() - predicted
 
         softmax = exp_logits.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, outside, local_target)
+        ctx.backward_done = False
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
+        if ctx.backward_done:
+            raise RuntimeError("vocab_parallel_cross_entropy: its backward turns the saved softmax into the "
+                               "gradient in place, so it runs once (no retain_graph through the loss)")
+        ctx.backward_done = True
         softmax, outside, local_target = ctx.saved_tensors
-        grad = softmax.clone()
+        grad = softmax  # in place, as Megatron's: saves a copy of the logits' size
         hit = (~outside).to(grad.dtype).unsqueeze(-1)
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit)
         grad.mul_(grad_loss.unsqueeze(-1))
