@@ -3,7 +3,8 @@
 Markers (registered in pyproject.toml): `multirank` is set here on every test of a module that spawns
 ranks (it binds `run_ranks` or defines a `torchrun` launcher), so `-m "not multirank"` runs the
 single-process tests alone; `gpu` tests are skipped, with the reason, where torch sees no CUDA device;
-`slurm` tests skip themselves when no cluster can be set up (tests/test_slurm.py).
+`slurm` tests skip themselves when no cluster can be set up (tests/test_slurm.py); `slow` tests
+(scripts/test.sh leaves them out unless given --all or -m) each name the default-run test that covers their claim.
 """
 import os
 import subprocess

@@ -78,22 +78,22 @@ def _resume_on(save_dir, tp, pp, zero, hidden, drop=None):
 
 def _saved(tmp_path):
     save_dir = str(tmp_path / "ckpt")
-    run_ranks(_save_full_weights, 4, save_dir, 2, 1, 1, timeout=120)
+    run_ranks(_save_full_weights, 2, save_dir, 2, 1, 1, timeout=120)  # TP2, two ranks: the cheapest TP layout
     return save_dir
 
 
 def test_mismatches_are_refused_with_a_sentence(tmp_path):
     save_dir = _saved(tmp_path)
-    with pytest.raises(RankFailure, match=r"CheckpointError: the checkpoint .* was saved with TP=2 x PP=1 x DP=2 "
-                                          r"but this run is TP=1 x PP=1 x DP=4"):
-        run_ranks(_resume_on, 4, save_dir, 1, 1, 1, 32, timeout=120)
+    with pytest.raises(RankFailure, match=r"CheckpointError: the checkpoint .* was saved with TP=2 x PP=1 x DP=1 "
+                                          r"but this run is TP=1 x PP=1 x DP=2"):
+        run_ranks(_resume_on, 2, save_dir, 1, 1, 1, 32, timeout=120)
     with pytest.raises(RankFailure, match=r"holds a model of another shape \(\d+ parameters differ: "
                                           r"tied_modules.embed.word_embeddings.weight \[56, 32\] in the checkpoint "
                                           r"vs \[56, 48\] here"):
-        run_ranks(_resume_on, 4, save_dir, 2, 1, 1, 48, timeout=120)
+        run_ranks(_resume_on, 2, save_dir, 2, 1, 1, 48, timeout=120)
     with pytest.raises(RankFailure, match=r"CheckpointError: the checkpoint file \S+layer_03-model_01-model_states"
                                           r"\.pt is missing \(it holds 3\.input_layernorm\.weight"):
-        run_ranks(_resume_on, 4, save_dir, 2, 1, 1, 32, "layer_03-model_01-model_states.pt", timeout=120)
+        run_ranks(_resume_on, 2, save_dir, 2, 1, 1, 32, "layer_03-model_01-model_states.pt", timeout=120)
 
 
 def test_universal_info_describes_our_parameters():

@@ -1,15 +1,19 @@
 import os
 import signal
 
+import pytest
+
 from megatron_zero.exit_signal import ExitPolicy
 from megatron_zero.throughput import gpt_flops_per_iteration
 
 
-def test_signal_sets_exit_reason():
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_signal_sets_exit_reason(sig):
+    """SIGTERM (scancel, the time limit) and SIGUSR1 (#SBATCH --signal=USR1@300) both ask to save and stop."""
     policy = ExitPolicy(handle_signals=True)
     try:
         assert policy.should_exit(1) is None
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), sig)
         assert policy.should_exit(2) == "exit signal received"
     finally:
         policy.restore()

@@ -5,7 +5,11 @@ scripts/torchrun_node.sh) train TP2 x PP2 on 4 CPU ranks; the job must end COMPL
 0:0 and a checkpoint. SIGUSR1 sent to the job's steps (scancel --signal=USR1, what #SBATCH
 --signal=USR1@300 sends before the time limit) must make it save and end COMPLETED, 0:0.
 Skipped, with the set-up script's reason, where no cluster can be installed or started (not root,
-no apt-get, no network).
+no apt-get, no network). On a fresh machine the set-up apt-installs SLURM and munge (up to 5 min), so
+the tier is `slow`: the default run covers its claims with tests/test_slurm_sbatch_script.py (both
+launch modes' command lines), tests/test_two_nodes.py (scripts/torchrun_node.sh's rendezvous training),
+tests/test_training_e2e.py::test_sigterm_saves_and_exits_zero_then_resumes (a signal to one rank: all
+save, exit 0, resume) and tests/test_exit_and_throughput.py::test_signal_sets_exit_reason (SIGUSR1 too).
 """
 import os
 import re
@@ -18,7 +22,7 @@ from megatron_zero.testing.multirank import free_port
 from megatron_zero.testing.launch import model_flags
 from conftest import ROOT
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]  # covered by default-run tests: see above
 SBATCH = os.path.join(ROOT, "scripts", "pretrain_slurm.sbatch")
 
 

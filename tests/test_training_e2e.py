@@ -44,10 +44,12 @@ def test_four_ranks_train_and_log_tensorboard(builtin_corpus, tmp_path):
     assert gen.stdout.startswith("The import statement") and len(gen.stdout.split()) > 3
 
 
+# the last two are slow: the first shows the script's way out (exit 2, one line), and
+# tests/test_arguments.py::test_inconsistencies_are_one_sentence checks every one of these sentences in process
 @pytest.mark.parametrize("flags,words", [
     ({"global-batch-size": 7}, ["--global-batch-size 7", "--micro-batch-size 2"]),
-    ({"num-attention-heads": 3}, ["--hidden-size 64", "--num-attention-heads 3"]),
-    ({"fp16": True, "bf16": True}, ["--fp16", "--bf16"]),
+    pytest.param({"num-attention-heads": 3}, ["--hidden-size 64", "--num-attention-heads 3"], marks=pytest.mark.slow),
+    pytest.param({"fp16": True, "bf16": True}, ["--fp16", "--bf16"], marks=pytest.mark.slow),
 ])
 def test_bad_flags_are_one_sentence_without_traceback(builtin_corpus, flags, words):
     data, tok = builtin_corpus

@@ -2,7 +2,8 @@
 a TP2xPP2xDP2 ZeRO-1 run saved at iteration 3 resumes at TP1 (DP8), TP4 (groups < TP), PP4, DP4 and
 ZeRO-3, both through tools/ds_to_universal.py's conversion and through a direct reshaped load, with
 the loss at every iteration within relative 1e-5 of the uninterrupted run and the final weights
-within 1e-5. All ten resumes share one 8-rank run.
+within 1e-5. The default run resumes five of the ten (DEFAULT below) in one 8-rank run; the other five,
+marked `slow`, share another.
 """
 import os
 
@@ -21,6 +22,12 @@ ITERS, SAVE_AT, WORLD = 5, 3, 8
 # (tp, pp, zero stage); DP = 8 / (tp * pp); micro-batch 1
 RESUMES = [(1, 1, 1), (4, 1, 1), (1, 4, 1), (2, 1, 1), (2, 1, 3)]
 KINDS = ("universal", "reshaped")
+# (kind, tp, pp, stage) resumed in the default run; the other five are `slow`, each covered here by the same
+# layout on the other kind or the same kind on a like change: both kinds split TP to 4 (groups < TP),
+# universal also merges to TP1 and resumes ZeRO-3 at TP2 x DP4, reshaped also moves PP2 to PP4
+DEFAULT = {("universal", 1, 1, 1), ("universal", 4, 1, 1), ("universal", 2, 1, 3), ("reshaped", 4, 1, 1),
+           ("reshaped", 1, 4, 1)}
+CASES = [(kind, *layout) for kind in KINDS for layout in RESUMES]
 
 
 def config():
@@ -31,11 +38,10 @@ def baseline_run(save_dir):
     return train(2, 2, 1, 1, save_dir, iters=ITERS, save_at=SAVE_AT, cfg=config())
 
 
-def resume_everywhere(sources):
+def resume_everywhere(sources, cases):
     out = {}
-    for kind in KINDS:
-        for tp, pp, stage in RESUMES:
-            out[(kind, tp, pp, stage)] = train(tp, pp, stage, 1, None, sources[kind], kind, iters=ITERS, cfg=config())
+    for kind, tp, pp, stage in cases:
+        out[(kind, tp, pp, stage)] = train(tp, pp, stage, 1, None, sources[kind], kind, iters=ITERS, cfg=config())
     dist.barrier()
     return out
 
@@ -53,10 +59,19 @@ def baseline(tmp_path_factory):
     return {"losses": losses, "weights": full_weights(results, config()), "src": src, "universal": out}
 
 
+def resume_cases(baseline, cases):
+    return run_ranks(resume_everywhere, WORLD, {"universal": baseline["universal"], "reshaped": baseline["src"]},
+                     cases, timeout=600)
+
+
 @pytest.fixture(scope="module")
 def resumed(baseline):
-    return run_ranks(resume_everywhere, WORLD, {"universal": baseline["universal"], "reshaped": baseline["src"]},
-                     timeout=600)
+    return resume_cases(baseline, [c for c in CASES if c in DEFAULT])
+
+
+@pytest.fixture(scope="module")
+def resumed_slow(baseline):
+    return resume_cases(baseline, [c for c in CASES if c not in DEFAULT])
 
 
 def test_universal_files(baseline):
@@ -78,9 +93,15 @@ def test_universal_files(baseline):
         assert torch.equal(t, load_any(os.path.join(zero, name, "fp32.pt"))["param"]), name
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("tp,pp,stage", RESUMES, ids=["tp1-dp8", "tp4-dp2", "pp4-dp2", "tp2-dp4", "tp2-dp4-zero3"])
-def test_resume_matches_uninterrupted_run(baseline, resumed, kind, tp, pp, stage):
+NAMES = {(1, 1, 1): "tp1-dp8", (4, 1, 1): "tp4-dp2", (1, 4, 1): "pp4-dp2", (2, 1, 1): "tp2-dp4",
+         (2, 1, 3): "tp2-dp4-zero3"}
+
+
+@pytest.mark.parametrize("kind,tp,pp,stage", [
+    pytest.param(*case, marks=() if case in DEFAULT else pytest.mark.slow, id=f"{NAMES[case[1:]]}-{case[0]}")
+    for case in CASES])  # slow ones: the same kind or layout is resumed in DEFAULT (see above)
+def test_resume_matches_uninterrupted_run(request, baseline, kind, tp, pp, stage):
+    resumed = request.getfixturevalue("resumed" if (kind, tp, pp, stage) in DEFAULT else "resumed_slow")
     results = [rank_results[(kind, tp, pp, stage)] for rank_results in resumed]
     want = baseline["losses"]
     for _, losses, _ in results:
