@@ -130,3 +130,29 @@ def test_deepspeed_classes_load_as_plain_stand_ins(tmp_path):
     with pytest.raises(RefusedGlobal, match=r"refers to the global subprocess.Popen, which is not a type checkpoints "
                                             r"hold; refused without loading it"):
         safe_load(str(tmp_path / "evil.pt"))
+
+
+def test_torch_2_4_allow_list_loads_the_same_and_is_restored(tmp_path, monkeypatch):
+    """torch 2.4/2.5 take no (object, "module.name") pairs: the renamed stand-ins used there load DeepSpeed's
+    names and numpy 1's `numpy.core` name for the rng state as the pairs do, refuse the rest, and leave
+    torch's allow-list as it was. Forced here so the fallback runs on whichever torch the tests have."""
+    import numpy as np
+    from megatron_zero.checkpoint.storage import safe_pickle
+    reconstruct = np._core.multiarray._reconstruct if hasattr(np, "_core") else np.core.multiarray._reconstruct
+    monkeypatch.setitem(NAMES, reconstruct, "numpy.core.multiarray._reconstruct")
+    rng = np.random.RandomState(7).get_state()
+    obj = {"frag": FragmentAddress(numel=3, start=5), "scaler": DynamicLossScaler(cur_scale=2.0 ** 16),
+           "rng": rng, "args": types.SimpleNamespace(lr=0.5), "t": torch.arange(4.0)}
+    torch.save(obj, tmp_path / "ds.pt", pickle_module=PICKLE)
+    torch.save({"x": Evil(a=1)}, tmp_path / "evil.pt", pickle_module=PICKLE)
+    before = set(torch.serialization.get_safe_globals())
+    paths = [False] + [True] * safe_pickle._torch_takes_named_pairs()  # pairs only where this torch has them
+    for pairs in paths:
+        monkeypatch.setattr(safe_pickle, "_torch_takes_named_pairs", lambda pairs=pairs: pairs)
+        got = safe_load(str(tmp_path / "ds.pt"))
+        assert (got["frag"].numel, got["frag"].start, got["scaler"].cur_scale, got["args"].lr) == (3, 5, 2.0 ** 16, 0.5)
+        assert got["rng"][0] == rng[0] and np.array_equal(got["rng"][1], rng[1]) and got["rng"][2:] == rng[2:]
+        assert torch.equal(got["t"], torch.arange(4.0))
+        with pytest.raises(RefusedGlobal, match=r"refers to the global subprocess.Popen, which is not a type"):
+            safe_load(str(tmp_path / "evil.pt"))
+        assert set(torch.serialization.get_safe_globals()) == before

@@ -22,13 +22,17 @@ def load(module_name: str):
     if module_name not in _loaded:
         try:
             _loaded[module_name] = importlib.import_module(module_name)
-        except ImportError as e:
+        except ModuleNotFoundError as e:
             import torch
             if module_name.endswith("_C_cuda") and torch.version.cuda is None:
                 _loaded[module_name] = f"not built: torch {torch.__version__} is a CPU-only build"
             else:
                 _loaded[module_name] = (f"not built ({e}): the install compiled no csrc/ kernels; a plain `pip install .` "
                                         "builds without torch, `pip install --no-build-isolation .` builds them")
+        except ImportError as e:  # built, but the loader refuses it: most often compiled against another torch
+            import torch
+            _loaded[module_name] = (f"built but not loadable with torch {torch.__version__} ({e}): rebuild it against "
+                                    "this torch with `pip install --no-build-isolation .`")
     mod = _loaded[module_name]
     return None if isinstance(mod, str) else mod
 

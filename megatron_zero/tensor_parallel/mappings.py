@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .. import shm_comm
+from ..reduce_scatter import reduce_scatter
 from .utils import split_along_dim, tp_rank_in, tp_world_size
 
 
@@ -49,7 +50,7 @@ def _gather(x, group, dim=-1):
 def _reduce_scatter(x, group, dim):
     parts = [p.contiguous() for p in x.chunk(tp_world_size(group), dim=dim)]
     out = torch.empty_like(parts[0])
-    dist.reduce_scatter(out, parts, group=group)
+    reduce_scatter(out, parts, group=group)
     return out
 
 

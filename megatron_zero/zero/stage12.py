@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from .. import shm_comm
 from ..ops.fusion_flags import get_fusion_flags
+from ..reduce_scatter import reduce_scatter
 from .partition import GroupPartition, partition_group
 
 
@@ -116,7 +117,7 @@ class Stage12:
         flat_in, mine = self._pack_bucket()
         out = torch.empty(flat_in[0].numel(), device=self.device)
         if self.dp > 1:
-            dist.reduce_scatter(out, flat_in, group=self.dp_group)
+            reduce_scatter(out, flat_in, group=self.dp_group)
         else:
             out.copy_(flat_in[0])
         self._add_to_partitions(out, mine)

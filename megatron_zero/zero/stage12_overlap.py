@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ..device import HOST
+from ..reduce_scatter import reduce_scatter
 from .stage12 import Stage12
 from .units import model_units
 
@@ -87,7 +88,7 @@ class Stage12Overlap(Stage12):
         flat_in, mine = self._pack_bucket()
         if self.dp > 1:
             out = torch.empty(flat_in[0].numel(), device=self.device)
-            work = dist.reduce_scatter(out, flat_in, group=self.dp_group, async_op=True)
+            work = reduce_scatter(out, flat_in, group=self.dp_group, async_op=True)
         else:
             out = flat_in[0]
             work = dist.all_reduce(out, group=self.dp_group, async_op=True) if self.reduce_dp > 1 else None

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..device import HOST
+from ..reduce_scatter import reduce_scatter
 from .partition import zero3_group_offsets
 from .stage3_gather import GatherMixin
 from .units import model_units
@@ -193,7 +194,7 @@ class Stage3(GatherMixin):
         """Sum over DP of row ``rank`` of every rank's ``flat`` [dp, n] (fp32)."""
         out = torch.empty(flat.size(1), device=self.device)
         self.comm_bytes["reduce_scatter"] += flat[0].numel() * 4 * (self.dp - 1)
-        dist.reduce_scatter(out, list(flat.unbind(0)), group=self.dp_group)
+        reduce_scatter(out, flat.unbind(0), group=self.dp_group)
         return out
 
     def finish_backward(self):

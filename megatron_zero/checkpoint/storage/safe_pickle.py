@@ -20,12 +20,22 @@ The DeepSpeed names map to stand-ins defined here, so DeepSpeed's checkpoints lo
 deepspeed is installed, and none of DeepSpeed's code runs. Anything else (os.system, builtins.eval,
 a class of some package) is refused before it is looked up.
 
+Torch 2.6 and later take the allow-list as (object, "module.name") pairs in
+torch.serialization.safe_globals(); torch 2.4 and 2.5 look a global up only by its object's own
+`__module__` and name, so there each pair becomes a renamed stand-in (`_named`: a subclass or a
+wrapper function carrying the name in the file), added for the one load and removed again, together
+with `_codecs.encode`, which protocol 2 pickles bytes with (the numpy rng state's array) and which torch
+allows by default only from 2.5.
+
 This module imports only the standard library, torch and (lazily) numpy: the zero_to_fp32.py script
 copied into every checkpoint imports it from next to itself.
 """
 from __future__ import annotations
 
+import _codecs
 import argparse
+import contextlib
+import functools
 import pickle
 import re
 import threading
@@ -87,6 +97,47 @@ def _allowed() -> list:
     ]
 
 
+def _named(obj, path: str):
+    """`obj` as torch 2.4/2.5's allow-list finds it under `path`: itself when its own name is `path`,
+    else a subclass (for a class) or a wrapper (for a function) whose module and name are `path`'s."""
+    module, name = path.rsplit(".", 1)
+    if (obj.__module__, obj.__qualname__) == (module, name):
+        return obj
+    if isinstance(obj, type):
+        return type(name, (obj,), {"__module__": module, "__qualname__": name})
+
+    @functools.wraps(obj)
+    def renamed(*args):
+        return obj(*args)
+    renamed.__module__, renamed.__name__, renamed.__qualname__ = module, name, name
+    return renamed
+
+
+def _torch_takes_named_pairs() -> bool:
+    """torch.serialization.safe_globals() with (object, "module.name") pairs: torch 2.6 and later."""
+    major, minor = (int(p) for p in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 6)
+
+
+@contextlib.contextmanager
+def _renamed_safe_globals(entries: list):
+    """torch 2.4/2.5: add the entries as renamed stand-ins for one load, then restore the list."""
+    before = list(torch.serialization.get_safe_globals())  # torch 2.4 returns the live list
+    named = [_named(*e) if isinstance(e, tuple) else e for e in entries]
+    torch.serialization.add_safe_globals(named + [_codecs.encode])
+    try:
+        yield
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(before)
+
+
+def _safe_globals(entries: list):
+    if _torch_takes_named_pairs():
+        return torch.serialization.safe_globals(entries)
+    return _renamed_safe_globals(entries)
+
+
 _LOCK = threading.Lock()  # safe_globals() swaps a process-wide set: one load at a time inside it
 _GLOBAL = re.compile(r"GLOBAL (\S+)|unrecognized function (\S+)|but got (<[^>]+>)")
 
@@ -95,7 +146,7 @@ def safe_load(f, mmap: bool = False, where: str = "the checkpoint file", map_loc
     """torch.load(f) onto `map_location` (default the CPU), weights only plus the allow-list; a refused
     global raises RefusedGlobal."""
     try:
-        with _LOCK, torch.serialization.safe_globals(_allowed()):
+        with _LOCK, _safe_globals(_allowed()):
             return torch.load(f, map_location=map_location or torch.device("cpu"), mmap=mmap, weights_only=True)
     except pickle.UnpicklingError as e:
         m = _GLOBAL.search(str(e))
