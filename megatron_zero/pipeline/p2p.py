@@ -30,7 +30,7 @@ class P2P:
         self.shape, self.dtype, self.device = tuple(shape), dtype, device
         self._shm = None
         if group is not None:
-            nbytes = math.prod(self.shape) * torch.empty((), dtype=dtype).element_size()
+            nbytes = math.prod(self.shape) * dtype.itemsize
             self._shm = shm_p2p.connect(group, (prev_rank, next_rank), nbytes,
                                         host_tensors=torch.device(device) == HOST)
 
