@@ -1,8 +1,9 @@
 """The csrc/ kernels as setuptools extensions, for setup.py.
 
 get_extensions() lists what this machine can try to build: the C++ CPU Adam
-(csrc/cpu) whenever torch is importable, and the CUDA kernels (csrc/cuda) only
-when torch is a CUDA build and a CUDA toolkit is found. build_ext_class builds
+(csrc/cpu) and the fused fp32 CPU kernels (csrc/cpu_ops) whenever torch is
+importable, and the CUDA kernels (csrc/cuda) only when torch is a CUDA build and
+a CUDA toolkit is found. build_ext_class builds
 each one, and when one fails it prints one clear sentence and carries on, so
 `pip install -e .` always succeeds and megatron_zero.ops uses PyTorch instead.
 """
@@ -34,6 +35,17 @@ def _cpu_adam(cpp_ext):
     )
 
 
+def _cpu_ops(cpp_ext):
+    # Fused fp32 CPU kernels (bias-GeLU, causal softmax, RMSNorm). Their loops carry
+    # target_clones, so one .so has AVX-512, AVX2 and baseline versions, picked at load.
+    return cpp_ext(
+        "megatron_zero._C_cpu_ops",
+        sources=_rel("cpu_ops/*.cpp"),
+        extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"],
+        extra_link_args=["-fopenmp"],
+    )
+
+
 def _cuda_kernels(cuda_ext):
     return cuda_ext(
         "megatron_zero._C_cuda",
@@ -49,7 +61,7 @@ def get_extensions():
     except ImportError:
         _say("torch is not installed, so no kernels are built; megatron_zero.ops will use PyTorch.")
         return []
-    exts = [_cpu_adam(cpp_extension.CppExtension)]
+    exts = [_cpu_adam(cpp_extension.CppExtension), _cpu_ops(cpp_extension.CppExtension)]
     if torch.version.cuda and cpp_extension.CUDA_HOME:
         exts.append(_cuda_kernels(cpp_extension.CUDAExtension))
     else:

@@ -120,18 +120,21 @@ def test_fusion_flags_switch_and_override():
         ops.set_fusion_flags(no_such_fusion=True)
 
 
-def test_cpu_tensors_use_fallback_even_when_fusion_is_on():
-    x = torch.randn(2, 5, 5)
+def test_cpu_tensors_without_a_cpu_kernel_use_fallback_even_when_fusion_is_on():
+    x = torch.randn(2, 5, 5, dtype=torch.float64)  # the CPU kernels are fp32 only
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         y = ops.scaled_upper_triang_masked_softmax(x, 1.0, fused=True)
+    assert y.grad_fn is None or "Fused" not in type(y.grad_fn).__name__
     assert math.isclose(y[0, 2].sum().item(), 1.0, rel_tol=1e-6)
 
 
 def test_available_kernels_reports_every_kernel():
     report = ops.available_kernels()
     assert set(report) == {"cpu_adam", "layer_norm", "scaled_upper_triang_masked_softmax",
-                           "bias_gelu", "multi_tensor_adam", "rms_norm", "rope"}
+                           "bias_gelu", "multi_tensor_adam", "rms_norm", "rope",
+                           "cpu_bias_gelu", "cpu_scaled_upper_triang_masked_softmax", "cpu_rms_norm",
+                           "cpu_cross_entropy_exp"}
     for name, status in report.items():
         assert status is True or (isinstance(status, str) and status), name
     if not torch.cuda.is_available():

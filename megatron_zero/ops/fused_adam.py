@@ -1,12 +1,13 @@
 """Multi-tensor AdamW: every parameter of a group updated by one CUDA launch.
 
-Fallback: the same per-tensor math as torch.optim.AdamW (cpu_adam's reference).
+On the CPU, fp32 tensors are stepped one by one by the C++ kernel of cpu_adam (one pass
+over each tensor). Fallback: the same per-tensor math as torch.optim.AdamW (cpu_adam's reference).
 All tensors are updated in place; `step` counts this update (1 on the first).
 `MultiTensorAdamW` is the torch.optim.Optimizer face the on-device ZeRO step uses.
 """
 import torch
 
-from .cpu_adam import AdamWBase, adamw_reference_
+from .cpu_adam import AdamWBase, adamw_reference_, adamw_step_, cpu_kernel_fits
 from .fusion_flags import use_fused
 from .registry import load, warn_fallback_once
 
@@ -33,6 +34,11 @@ def multi_tensor_adamw_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1
             return load(_EXT).multi_tensor_adamw(list(params), list(grads), list(exp_avgs),
                                                  list(exp_avg_sqs), int(step), lr, beta1,
                                                  beta2, eps, weight_decay)
+    if all(cpu_kernel_fits(*ts) for ts in zip(*lists)):  # the C++ step, or its reference where not built
+        for p, g, m, v in zip(*lists):
+            adamw_step_(p, g, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                        weight_decay=weight_decay, fused=fused)
+        return
     for p, g, m, v in zip(*lists):
         adamw_reference_(p, g, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                          weight_decay=weight_decay)

@@ -10,6 +10,8 @@ import warnings
 # extension module -> the kernels it provides
 EXTENSIONS = {
     "megatron_zero._C_cpu_adam": ("cpu_adam",),
+    "megatron_zero._C_cpu_ops": ("cpu_bias_gelu", "cpu_scaled_upper_triang_masked_softmax", "cpu_rms_norm",
+                                  "cpu_cross_entropy_exp"),
     "megatron_zero._C_cuda": ("layer_norm", "rms_norm", "rope", "scaled_upper_triang_masked_softmax",
                               "bias_gelu", "multi_tensor_adam"),
 }
@@ -63,6 +65,31 @@ def kernel_report() -> str:
     parts = [f"kernels in use: {', '.join(built) or 'none'}"]
     parts += [f"{', '.join(ks)}: {why}; PyTorch fallback" for why, ks in reasons.items()]
     return " | ".join(parts)
+
+
+CUDA_EXT = "megatron_zero._C_cuda"
+CPU_OPS_EXT = "megatron_zero._C_cpu_ops"
+
+
+def extension_for(kernel: str, x, cuda_dtypes: tuple) -> "object | None":
+    """The built extension that runs `kernel` on x's device and dtype, or None (use PyTorch).
+
+    CUDA tensors of `cuda_dtypes` get megatron_zero._C_cuda; fp32 CPU tensors get
+    megatron_zero._C_cpu_ops where it has the kernel. A kernel that applies but was not
+    built warns once and returns None.
+    """
+    import torch
+    if x.is_cuda:
+        name = CUDA_EXT if x.dtype in cuda_dtypes else None
+    else:
+        has = f"cpu_{kernel}" in EXTENSIONS[CPU_OPS_EXT]
+        name = CPU_OPS_EXT if has and x.device.type == "cpu" and x.dtype == torch.float32 else None
+    if name is None:
+        return None
+    ext = load(name)
+    if ext is None:
+        warn_fallback_once(kernel, f"{name} is not built")
+    return ext
 
 
 _warned = set()

@@ -1,50 +1,48 @@
 """RMSNorm over the last dimension: weight * x / sqrt(mean(x^2) + eps): the fused CUDA kernel or PyTorch.
 
 Computed in fp32 and cast back to x's dtype before the weight is applied (Megatron's and
-Hugging Face Llama's order), in both implementations. The kernel keeps 1/rms per row from the
-forward pass for the backward pass and sums dweight deterministically. It is used on CUDA when
-the LayerNorm fusion switches allow it (Megatron's --no-persist-layer-norm turns both norms'
-kernels off) and x and weight share a dtype.
+Hugging Face Llama's order), in both implementations. The kernels keep 1/rms per row from the
+forward pass for the backward pass and sum dweight deterministically. They are used (CUDA; fp32
+on the CPU) when the LayerNorm fusion switches allow it (Megatron's --no-persist-layer-norm turns
+both norms' kernels off) and x and weight share a dtype.
 """
 import torch
 
 from .fusion_flags import get_fusion_flags
-from .registry import load, warn_fallback_once
+from .registry import extension_for
 
-_EXT = "megatron_zero._C_cuda"
+_CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class _FusedRMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps):
+    def forward(ctx, x, weight, eps, ext):
         x2 = x.contiguous().view(-1, x.shape[-1])
-        y, invrms = load(_EXT).rms_norm_fwd(x2, weight.contiguous(), eps)
+        y, invrms = ext.rms_norm_fwd(x2, weight.contiguous(), eps)
         ctx.save_for_backward(x2, weight, invrms)
+        ctx.ext = ext
         return y.view_as(x)
 
     @staticmethod
     def backward(ctx, dy):
         x2, weight, invrms = ctx.saved_tensors
-        dx, dweight = load(_EXT).rms_norm_bwd(dy.contiguous().view_as(x2), x2, invrms, weight.contiguous())
-        return dx.view(dy.shape), dweight, None
+        dx, dweight = ctx.ext.rms_norm_bwd(dy.contiguous().view_as(x2), x2, invrms, weight.contiguous())
+        return dx.view(dy.shape), dweight, None, None
 
 
-def _fused_ok(x, weight, fused) -> bool:
+def _extension(x, weight, fused):
     flags = get_fusion_flags()
     wanted = fused if fused is not None else flags.layer_norm_fusion and flags.persist_layer_norm
-    if not (wanted and x.is_cuda and x.dtype == weight.dtype
-            and x.dtype in (torch.float32, torch.float16, torch.bfloat16)):
-        return False
-    if load(_EXT) is None:
-        warn_fallback_once("rms_norm", "megatron_zero._C_cuda is not built")
-        return False
-    return True
+    if not (wanted and x.dtype == weight.dtype and x.shape[-1] == weight.numel()):
+        return None
+    return extension_for("rms_norm", x, _CUDA_DTYPES)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, fused=None) -> torch.Tensor:
     """RMSNorm of x over its last dimension, with an affine weight (no bias)."""
-    if _fused_ok(x, weight, fused):
-        return _FusedRMSNorm.apply(x, weight, eps)
+    ext = _extension(x, weight, fused)
+    if ext is not None:
+        return _FusedRMSNorm.apply(x, weight, eps, ext)
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype)

@@ -2,28 +2,29 @@
 
 softmax(scale * x) over the last dimension of x [batches, sq, sk], where
 key j > query i is masked out (probability 0), computed in fp32 and returned
-in x's dtype. The fused CUDA kernel never builds the mask; the fallback does.
+in x's dtype. The fused kernels (CUDA; fp32 on the CPU) never build the mask and
+read only the kept part of each row; the fallback builds the mask.
 """
 import torch
 
 from .fusion_flags import use_fused
-from .registry import load, warn_fallback_once
+from .registry import extension_for
 
-_EXT = "megatron_zero._C_cuda"
+_CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class _FusedCausalSoftmax(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, scale):
-        y = load(_EXT).causal_softmax_fwd(x.contiguous(), scale)
+    def forward(ctx, x, scale, ext):
+        y = ext.causal_softmax_fwd(x.contiguous(), scale)
         ctx.save_for_backward(y)
-        ctx.scale = scale
+        ctx.scale, ctx.ext = scale, ext
         return y
 
     @staticmethod
     def backward(ctx, dy):
         (y,) = ctx.saved_tensors
-        return load(_EXT).causal_softmax_bwd(dy.contiguous(), y, ctx.scale), None
+        return ctx.ext.causal_softmax_bwd(dy.contiguous(), y, ctx.scale), None, None
 
 
 def causal_softmax_reference(x, scale):
@@ -38,10 +39,8 @@ def scaled_upper_triang_masked_softmax(x, scale=1.0, fused=None):
     if x.dim() != 3 or x.shape[-1] != x.shape[-2]:
         raise ValueError(f"scaled_upper_triang_masked_softmax expects [batches, sq, sq], "
                          f"got shape {tuple(x.shape)}")
-    if (use_fused("masked_softmax_fusion", fused) and x.is_cuda
-            and x.dtype in (torch.float32, torch.float16, torch.bfloat16)):
-        if load(_EXT) is not None:
-            return _FusedCausalSoftmax.apply(x, float(scale))
-        warn_fallback_once("scaled_upper_triang_masked_softmax",
-                           "megatron_zero._C_cuda is not built")
+    if use_fused("masked_softmax_fusion", fused) and scale > 0:
+        ext = extension_for("scaled_upper_triang_masked_softmax", x, _CUDA_DTYPES)
+        if ext is not None:
+            return _FusedCausalSoftmax.apply(x, float(scale), ext)
     return causal_softmax_reference(x, scale)

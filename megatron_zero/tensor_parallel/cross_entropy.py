@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .. import shm_comm
+from ..ops.exp_rows import exp_shifted_rows
 from .utils import tp_rank_in, tp_world_size
 
 
@@ -31,32 +32,32 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             padded = torch.arange(start, start + local, device=logits.device) >= vocab_size
             logits = logits.masked_fill(padded, float("-inf"))
 
-        logits_max = _all_reduce(logits.max(dim=-1).values, group, dist.ReduceOp.MAX)
-        logits = logits - logits_max.unsqueeze(-1)  # this function's own tensor from here on
+        logits_max = _all_reduce(logits.amax(dim=-1), group, dist.ReduceOp.MAX)
 
         outside = (target < start) | (target >= start + local)
         local_target = (target - start).masked_fill(outside, 0)
-        predicted = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        exp_logits = logits.exp_()
-        predicted, sum_exp = _all_reduce(torch.stack([predicted, exp_logits.sum(dim=-1)]), group).unbind(0)
+        predicted = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) - logits_max
+        predicted = predicted.masked_fill(outside, 0.0)
+        exp_logits, sum_exp = exp_shifted_rows(logits, logits_max)  # a new tensor, this function's own
+        predicted, sum_exp = _all_reduce(torch.stack([predicted, sum_exp]), group).unbind(0)
         loss = sum_exp.log() - predicted
 
-        softmax = exp_logits.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, outside, local_target)
+        ctx.save_for_backward(exp_logits, sum_exp, outside, local_target)
         ctx.backward_done = False
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         if ctx.backward_done:
-            raise RuntimeError("vocab_parallel_cross_entropy: its backward turns the saved softmax into the "
+            raise RuntimeError("vocab_parallel_cross_entropy: its backward turns the saved exponentials into the "
                                "gradient in place, so it runs once (no retain_graph through the loss)")
         ctx.backward_done = True
-        softmax, outside, local_target = ctx.saved_tensors
-        grad = softmax  # in place, as Megatron's: saves a copy of the logits' size
-        hit = (~outside).to(grad.dtype).unsqueeze(-1)
-        grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit)
-        grad.mul_(grad_loss.unsqueeze(-1))
+        exp_logits, sum_exp, outside, local_target = ctx.saved_tensors
+        # (softmax - one_hot(target)) * grad_loss, in place as Megatron's (saves a copy of the logits' size);
+        # the softmax's division by sum_exp rides in the same pass as the scaling
+        grad = exp_logits.mul_((grad_loss / sum_exp).unsqueeze(-1))
+        hit = (~outside).to(grad.dtype)
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -(hit * grad_loss).unsqueeze(-1))
         return grad.to(ctx.input_dtype), None, None, None
 
 

@@ -30,15 +30,20 @@ def counts_in_norm(param: torch.Tensor, tp_rank: int) -> bool:
 
 
 def local_sums(grads: List[torch.Tensor], counted: List[List[Tuple[int, int]]]) -> torch.Tensor:
-    """[sum of squares over counted fragments, number of non-finite elements anywhere] (fp64)."""
+    """[sum of squares over counted fragments, number of tensors with a non-finite element] (fp64).
+
+    A non-finite element of a counted fragment makes the sum of squares non-finite, so only a
+    tensor with uncounted elements needs its own test: its fp64 sum, which finite fp32/16-bit
+    values cannot overflow. Both are single passes that never materialise an fp64 copy.
+    """
     device = grads[0].device if grads else HOST
     sq = torch.zeros((), dtype=torch.float64, device=device)
     bad = torch.zeros((), dtype=torch.float64, device=device)
     for g, frags in zip(grads, counted):
         for start, numel in frags:
-            piece = g.narrow(0, start, numel)
-            sq += piece.double().pow(2).sum()
-        bad += (~torch.isfinite(g)).sum().double()
+            sq += torch.linalg.vector_norm(g.narrow(0, start, numel), dtype=torch.float64).square()
+        if sum(numel for _, numel in frags) != g.numel():
+            bad += (~torch.isfinite(g.sum(dtype=torch.float64))).double()
     return torch.stack([sq, bad])
 
 
