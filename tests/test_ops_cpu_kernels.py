@@ -4,6 +4,7 @@ Tolerances: fp32, rtol 1e-5 with atol 1e-6 on values and 1e-5 on gradients (the 
 is within 2 ulp of expf, sums run in another order, and a bias gradient sums rows that cancel);
 the RMSNorm weight gradient is bit-identical for any thread count.
 """
+import dataclasses
 import sys
 
 import pytest
@@ -124,3 +125,35 @@ def test_cross_entropy_exponentials_match_fallback():
     x[1, 2, 3] = float("nan")
     e, sums = exp_shifted_rows(x, x.amax(dim=-1))
     assert torch.isnan(sums[1, 2]) and torch.isfinite(sums[0]).all()  # a NaN logit is not hidden
+
+
+@pytest.mark.parametrize("s,block", [(64, 16), (50, 16), (7, 64)])  # whole blocks, a short last block, one block
+def test_query_blocked_attention_matches_flash(s, block, monkeypatch):
+    from megatron_zero.model import attention_core as core
+    monkeypatch.setattr(core, "QUERY_BLOCK", block)
+    torch.manual_seed(6)
+    q, k, v = (torch.randn(2, 3, s, 8, requires_grad=True) for _ in range(3))
+    for backend in ("fused", "auto"):
+        out = core.attention_core(q, k, v, backend, 0.0, True)
+        assert type(out.grad_fn).__name__ == "_BlockCausalAttentionBackward"
+        flash = core.attention_core(q, k, v, "flash", 0.0, True)
+        torch.testing.assert_close(out, flash, **TOL)
+        g = torch.randn_like(out)
+        for a, e in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(flash, (q, k, v), g)):
+            torch.testing.assert_close(a, e, **GRAD_TOL)
+
+
+def test_auto_uses_flash_for_long_sequences_and_without_the_fusion(monkeypatch):
+    from megatron_zero.model import attention_core as core
+    monkeypatch.setattr(core, "BLOCKED_MAX_SEQ", 16)
+
+    def blocked(s):
+        q = torch.randn(1, 2, s, 8, requires_grad=True)
+        return "Block" in type(core.attention_core(q, q, q, "auto", 0.0, True).grad_fn).__name__
+
+    assert blocked(16) and not blocked(17)
+    old = ops.set_fusion_flags(masked_softmax_fusion=False)
+    try:
+        assert not blocked(16)
+    finally:
+        ops.set_fusion_flags(**dataclasses.asdict(old))

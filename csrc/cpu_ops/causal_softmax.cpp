@@ -1,6 +1,7 @@
-// The causal attention softmax over [batches, s, s] fp32 scores: row i keeps keys
-// 0..i, softmax(scale * x) over them, zeros after (Megatron's
-// scaled_upper_triang_masked_softmax). Only the kept part of a row is read.
+// The causal attention softmax over [batches, sq, sk] fp32 scores: query row i keeps
+// keys 0..diag+i, softmax(scale * x) over them, zeros after; diag = 0 with sq == sk is
+// Megatron's scaled_upper_triang_masked_softmax, diag > 0 a block of queries that
+// starts diag positions into the keys. Only the kept part of a row is read.
 #include "cpu_ops.h"
 #include "vec_math.h"
 
@@ -34,36 +35,37 @@ MZ_CLONES void softmax_bwd_row(const float* dy, const float* y, float* dx, int64
   for (int64_t j = keep; j < s; ++j) dx[j] = 0.0f;
 }
 
-void check_square(const torch::Tensor& x, const char* what) {
+void check_scores(const torch::Tensor& x, int64_t diag, const char* what) {
   mz::check_rows(x, what);
-  TORCH_CHECK(x.dim() == 3 && x.size(1) == x.size(2), what, " must be [batches, s, s], got ", x.sizes());
+  TORCH_CHECK(x.dim() == 3 && diag >= 0 && x.size(2) == x.size(1) + diag, what,
+              " must be [batches, sq, sq + diag] with diag >= 0, got ", x.sizes(), " and diag ", diag);
 }
 
 }  // namespace
 
-torch::Tensor causal_softmax_fwd(const torch::Tensor& x, double scale) {
-  check_square(x, "causal_softmax_fwd: x");
+torch::Tensor causal_softmax_fwd(const torch::Tensor& x, double scale, int64_t diag) {
+  check_scores(x, diag, "causal_softmax_fwd: x");
   TORCH_CHECK(scale > 0, "causal_softmax_fwd: scale must be positive, got ", scale);
-  const int64_t s = x.size(1), rows = x.size(0) * s;
+  const int64_t sq = x.size(1), s = x.size(2), rows = x.size(0) * sq;
   auto y = torch::empty_like(x);
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, rows, mz::grain(s), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) softmax_row(xp + r * s, yp + r * s, r % s + 1, s, float(scale));
+    for (int64_t r = r0; r < r1; ++r) softmax_row(xp + r * s, yp + r * s, diag + r % sq + 1, s, float(scale));
   });
   return y;
 }
 
-torch::Tensor causal_softmax_bwd(const torch::Tensor& dy, const torch::Tensor& y, double scale) {
-  check_square(y, "causal_softmax_bwd: y");
+torch::Tensor causal_softmax_bwd(const torch::Tensor& dy, const torch::Tensor& y, double scale, int64_t diag) {
+  check_scores(y, diag, "causal_softmax_bwd: y");
   mz::check_same(dy, y, "causal_softmax_bwd: dy");
-  const int64_t s = y.size(1), rows = y.size(0) * s;
+  const int64_t sq = y.size(1), s = y.size(2), rows = y.size(0) * sq;
   auto dx = torch::empty_like(y);
   const float *gp = dy.data_ptr<float>(), *yp = y.data_ptr<float>();
   float* dp = dx.data_ptr<float>();
   at::parallel_for(0, rows, mz::grain(s), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
-      softmax_bwd_row(gp + r * s, yp + r * s, dp + r * s, r % s + 1, s, float(scale));
+      softmax_bwd_row(gp + r * s, yp + r * s, dp + r * s, diag + r % sq + 1, s, float(scale));
   });
   return dx;
 }

@@ -36,8 +36,8 @@ inline int64_t grain(int64_t row) { return std::max<int64_t>(1, 32768 / std::max
 
 torch::Tensor bias_gelu_fwd(const torch::Tensor& y, const torch::Tensor& bias);
 torch::Tensor bias_gelu_bwd(const torch::Tensor& dout, const torch::Tensor& y, const torch::Tensor& bias);
-torch::Tensor causal_softmax_fwd(const torch::Tensor& x, double scale);
-torch::Tensor causal_softmax_bwd(const torch::Tensor& dy, const torch::Tensor& y, double scale);
+torch::Tensor causal_softmax_fwd(const torch::Tensor& x, double scale, int64_t diag);
+torch::Tensor causal_softmax_bwd(const torch::Tensor& dy, const torch::Tensor& y, double scale, int64_t diag);
 std::vector<torch::Tensor> exp_shifted_rows(const torch::Tensor& x, const torch::Tensor& shift);
 std::vector<torch::Tensor> rms_norm_fwd(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 std::vector<torch::Tensor> rms_norm_bwd(const torch::Tensor& dy, const torch::Tensor& x,

@@ -3,13 +3,18 @@
     unfused  q @ k^T, the causal softmax of megatron_zero.ops (its CUDA kernel only where
              --no-masked-softmax-fusion does not forbid it and it is built), dropout, @ v:
              the path this model always had; it builds the [b, heads, s, s] matrix
-    fused    the same with the fused causal-softmax CUDA kernel asked for even where
+    fused    the same with the fused causal-softmax kernel asked for even where
              --no-masked-softmax-fusion is given; ops falls back to PyTorch where the kernel
-             is not built (warning once) or the tensors are not on CUDA (on a CPU this is the
-             unfused computation)
+             is not built (warning once). On the CPU in fp32 without dropout it runs by query
+             blocks that skip the keys they cannot see (block_causal_attention.py: 5/8 of
+             the s x s work at 4 blocks)
     flash    torch.nn.functional.scaled_dot_product_attention restricted to the kernels that
              never build the s x s matrix (flash; memory-efficient): O(s) activation memory
-    auto     scaled_dot_product_attention with torch's kernel choice, where it applies (below)
+    auto     scaled_dot_product_attention with torch's kernel choice, where it applies (below);
+             on the CPU in fp32 without dropout and with s <= BLOCKED_MAX_SEQ, `fused`'s query
+             blocks (where the kernel is built and --no-masked-softmax-fusion is not given),
+             which measured faster than the CPU flash kernel there (BENCHMARKS.md) while their
+             saved probabilities stay small (5 MiB a layer at b 4, 8 heads, s 256)
 
 Attention dropout works on TP-sharded heads, so every backend draws its mask inside the
 RNG tracker's fork (a per-TP-rank stream that recomputation restores; model/recompute.py).
@@ -31,10 +36,15 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..ops.fusion_flags import use_fused
+from ..ops.registry import CPU_OPS_EXT, extension_for, load
 from ..tensor_parallel import get_rng_tracker
 from . import functional
+from .block_causal_attention import block_causal_attention
 
 NO_SXS_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+BLOCKED_MAX_SEQ = 256  # `auto` on the CPU: query blocks up to this length, flash beyond (a tie at 512)
+QUERY_BLOCK = 64
 
 
 def sdpa_has_dropout_kernel(device: torch.device) -> bool:
@@ -65,10 +75,23 @@ def _sdpa(q, k, v, dropout_p, kernels=None):
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
 
 
+def _blocked_kernel(q, backend: str, dropout_p: float):
+    """The CPU kernel module when this call runs by query blocks (see the module docstring), else None."""
+    if dropout_p > 0 or backend not in ("fused", "auto") or q.device.type != "cpu" or q.dtype != torch.float32:
+        return None
+    if backend == "fused":  # asked for: warns once when the kernel is not built
+        return extension_for("scaled_upper_triang_masked_softmax", q, ())
+    short = q.shape[-2] <= BLOCKED_MAX_SEQ and use_fused("masked_softmax_fusion", None)
+    return load(CPU_OPS_EXT) if short else None
+
+
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, dropout_p: float,
                    training: bool) -> torch.Tensor:
     """Causal attention of q, k, v [b, heads, s, head_dim] -> context [b, heads, s, head_dim]."""
     p = dropout_p if training else 0.0
+    ext = _blocked_kernel(q, backend, p)
+    if ext is not None:
+        return block_causal_attention(q, k, v, 1.0 / math.sqrt(q.shape[-1]), QUERY_BLOCK, ext)
     which = resolve_backend(backend, p > 0, q.device)
     if which == "sdpa":
         return _sdpa(q, k, v, p)
