@@ -1,6 +1,6 @@
 """The attention core, softmax(q k^T / sqrt(d), causal) -> dropout -> @ v, by one of four backends.
 
-    unfused  q @ k^T, the causal softmax of megatron_zero.ops (its CUDA kernel only where
+    unfused  q @ k^T, the causal softmax of megatron_zero.ops (its kernel, CUDA or fp32 CPU, only where
              --no-masked-softmax-fusion does not forbid it and it is built), dropout, @ v:
              the path this model always had; it builds the [b, heads, s, s] matrix
     fused    the same with the fused causal-softmax kernel asked for even where
