@@ -80,7 +80,7 @@ def _blocked_kernel(q, backend: str, dropout_p: float):
     if dropout_p > 0 or backend not in ("fused", "auto") or q.device.type != "cpu" or q.dtype != torch.float32:
         return None
     if backend == "fused":  # asked for: warns once when the kernel is not built
-        return extension_for("scaled_upper_triang_masked_softmax", q, ())
+        return extension_for("scaled_upper_triang_masked_softmax", q)
     short = q.shape[-2] <= BLOCKED_MAX_SEQ and use_fused("masked_softmax_fusion", None)
     return load(CPU_OPS_EXT) if short else None
 

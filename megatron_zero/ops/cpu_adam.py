@@ -29,7 +29,7 @@ def adamw_reference_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2
         low_out.copy_(param.view_as(low_out))
 
 
-def cpu_kernel_fits(*tensors):
+def _kernel_fits(*tensors):
     return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
                for t in tensors)
 
@@ -44,7 +44,7 @@ def adamw_step_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1=0.9, beta2=
     step = int(step)
     if step < 1:
         raise ValueError(f"adamw_step_: step must be >= 1 (this update's count), got {step}")
-    if use_fused("cpu_adam_fusion", fused) and cpu_kernel_fits(param, grad, exp_avg, exp_avg_sq):
+    if use_fused("cpu_adam_fusion", fused) and _kernel_fits(param, grad, exp_avg, exp_avg_sq):
         ext = load(_EXT)
         if ext is not None:
             ext.adam_step(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps,

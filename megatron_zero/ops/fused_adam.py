@@ -7,7 +7,7 @@ All tensors are updated in place; `step` counts this update (1 on the first).
 """
 import torch
 
-from .cpu_adam import AdamWBase, adamw_reference_, adamw_step_, cpu_kernel_fits
+from .cpu_adam import AdamWBase, adamw_step_
 from .fusion_flags import use_fused
 from .registry import load, warn_fallback_once
 
@@ -34,14 +34,9 @@ def multi_tensor_adamw_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1
             return load(_EXT).multi_tensor_adamw(list(params), list(grads), list(exp_avgs),
                                                  list(exp_avg_sqs), int(step), lr, beta1,
                                                  beta2, eps, weight_decay)
-    if all(cpu_kernel_fits(*ts) for ts in zip(*lists)):  # the C++ step, or its reference where not built
-        for p, g, m, v in zip(*lists):
-            adamw_step_(p, g, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                        weight_decay=weight_decay, fused=fused)
-        return
-    for p, g, m, v in zip(*lists):
-        adamw_reference_(p, g, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                         weight_decay=weight_decay)
+    for p, g, m, v in zip(*lists):  # cpu_adam's C++ step where it fits, its reference elsewhere
+        adamw_step_(p, g, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                    weight_decay=weight_decay, fused=fused)
 
 
 class MultiTensorAdamW(AdamWBase):

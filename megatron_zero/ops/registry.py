@@ -71,19 +71,20 @@ CUDA_EXT = "megatron_zero._C_cuda"
 CPU_OPS_EXT = "megatron_zero._C_cpu_ops"
 
 
-def extension_for(kernel: str, x, cuda_dtypes: tuple) -> "object | None":
+def extension_for(kernel: str, x) -> "object | None":
     """The built extension that runs `kernel` on x's device and dtype, or None (use PyTorch).
 
-    CUDA tensors of `cuda_dtypes` get megatron_zero._C_cuda; fp32 CPU tensors get
-    megatron_zero._C_cpu_ops where it has the kernel. A kernel that applies but was not
-    built warns once and returns None.
+    CUDA tensors (fp32, fp16, bf16) get megatron_zero._C_cuda and fp32 CPU tensors
+    megatron_zero._C_cpu_ops, each where its EXTENSIONS entry lists the kernel. A kernel
+    that applies but was not built warns once and returns None.
     """
     import torch
     if x.is_cuda:
-        name = CUDA_EXT if x.dtype in cuda_dtypes else None
+        fits = kernel in EXTENSIONS[CUDA_EXT] and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        name = CUDA_EXT if fits else None
     else:
-        has = f"cpu_{kernel}" in EXTENSIONS[CPU_OPS_EXT]
-        name = CPU_OPS_EXT if has and x.device.type == "cpu" and x.dtype == torch.float32 else None
+        fits = f"cpu_{kernel}" in EXTENSIONS[CPU_OPS_EXT] and x.device.type == "cpu" and x.dtype == torch.float32
+        name = CPU_OPS_EXT if fits else None
     if name is None:
         return None
     ext = load(name)

@@ -11,8 +11,6 @@ import torch
 from .fusion_flags import get_fusion_flags
 from .registry import extension_for
 
-_CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
 
 class _FusedRMSNorm(torch.autograd.Function):
     @staticmethod
@@ -35,7 +33,7 @@ def _extension(x, weight, fused):
     wanted = fused if fused is not None else flags.layer_norm_fusion and flags.persist_layer_norm
     if not (wanted and x.dtype == weight.dtype and x.shape[-1] == weight.numel()):
         return None
-    return extension_for("rms_norm", x, _CUDA_DTYPES)
+    return extension_for("rms_norm", x)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, fused=None) -> torch.Tensor:

@@ -10,8 +10,6 @@ import torch
 from .fusion_flags import use_fused
 from .registry import extension_for
 
-_CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
 
 class _FusedCausalSoftmax(torch.autograd.Function):
     @staticmethod
@@ -40,7 +38,7 @@ def scaled_upper_triang_masked_softmax(x, scale=1.0, fused=None):
         raise ValueError(f"scaled_upper_triang_masked_softmax expects [batches, sq, sq], "
                          f"got shape {tuple(x.shape)}")
     if use_fused("masked_softmax_fusion", fused) and scale > 0:
-        ext = extension_for("scaled_upper_triang_masked_softmax", x, _CUDA_DTYPES)
+        ext = extension_for("scaled_upper_triang_masked_softmax", x)
         if ext is not None:
             return _FusedCausalSoftmax.apply(x, float(scale), ext)
     return causal_softmax_reference(x, scale)
