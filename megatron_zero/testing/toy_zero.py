@@ -45,6 +45,14 @@ class ToyGPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.reshape(-1))
 
 
+def toy_path_length(layers=2, hidden=HIDDEN, vocab=VOCAB, tokens=GLOBAL_BATCH * SEQ) -> int:
+    """Terms summed along one step's forward and backward (megatron_zero/testing/tolerances.py): per
+    block the LayerNorm (h) and the MLP (h, 4h); the final LayerNorm (h), the head (h), the
+    cross-entropy (vocab), the mean over tokens; the backward retraces it, the weight gradient sums tokens."""
+    forward = layers * 6 * hidden + 2 * hidden + vocab + tokens
+    return 2 * forward + tokens
+
+
 def batch(step, global_batch=GLOBAL_BATCH):
     g = torch.Generator().manual_seed(1000 + step)
     start = torch.randint(0, VOCAB, (global_batch, 1), generator=g)  # a learnable sequence: x' = 5x + 3
@@ -52,10 +60,14 @@ def batch(step, global_batch=GLOBAL_BATCH):
     return data[:, :-1], data[:, 1:]
 
 
-def reference(steps=20, clip=0.0, layers=2):
-    """Losses and final weights of torch.optim.AdamW on the whole global batch in one process."""
+def reference(steps=20, clip=0.0, layers=2, with_bounds=False):
+    """Losses and final weights of torch.optim.AdamW on the whole global batch in one process (and, with
+    `with_bounds`, each weight's AdamWeightBound for fp32 runs in another order)."""
+    from .tolerances import AdamWeightBound, model_rtol
+
     model = ToyGPT(layers)
     opt = torch.optim.AdamW(model.parameters(), **HP)
+    bound = AdamWeightBound(model_rtol(toy_path_length(layers)), HP["lr"], HP["betas"], HP["eps"])
     losses = []
     for s in range(steps):
         tokens, labels = batch(s)
@@ -64,9 +76,11 @@ def reference(steps=20, clip=0.0, layers=2):
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
+        bound.step({n: p.grad for n, p in model.named_parameters()}, dict(model.named_parameters()))
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return (losses, weights, bound.bounds()) if with_bounds else (losses, weights)
 
 
 def zero_run(stage, steps=20, clip=0.0, dtype="fp32", layers=2, bucket_size=600, **kw):
