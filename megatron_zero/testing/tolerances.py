@@ -50,6 +50,12 @@ def model_rtol(n: int) -> float:
     return math.sqrt(2) * LAMBDA * math.sqrt(n) * EPS32 / 2
 
 
+def global_norm_rtol(grad_rtol: float, count: int) -> float:
+    """The global gradient norm: the gradients' own normwise tolerance (| ||a|| - ||b|| | <= ||a - b||)
+    plus the sum of `count` squares (no cancellation: model_rtol), halved by the square root."""
+    return grad_rtol + model_rtol(count) / 2
+
+
 def gpt_path_length(config, tokens: int, backward: bool = True) -> int:
     """Terms summed along the longest dependency path of one forward (and backward) of a GPT/Llama
     stack on `tokens` tokens: per layer the norm (h), QKV (h), scores (head dim), softmax and context
