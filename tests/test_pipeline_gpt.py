@@ -1,8 +1,10 @@
 """GPT over pipeline stages (with TP and DP) against the single-process reference, fp32, dropout 0.
 
 Each case runs several SGD steps of one global batch split into micro-batches
-(gradient accumulation inside the 1F1B schedule); the loss of every step and
-every gathered gradient must match the reference to relative 1e-5.
+(gradient accumulation inside the 1F1B schedule); the loss of every step to model_rtol of one
+step's path (megatron_zero/testing/tolerances.py, ~1.9e-5 for 64 tokens), and each element of every
+gathered gradient within that times (|its value| + its tensor's largest), the size of the terms its
+roundoff comes from (SGD passes a gradient difference on as lr times it: no amplification).
 """
 import pytest
 import torch
@@ -16,6 +18,7 @@ from megatron_zero.pipeline.p2p import P2P
 from megatron_zero.pipeline.schedule import broadcast_loss, forward_backward
 from megatron_zero.testing import run_ranks
 from megatron_zero.testing.tiny_gpt import tiny_gpt_config
+from megatron_zero.testing.tolerances import assert_close_scaled, assert_losses_close, gpt_path_length, model_rtol
 from megatron_zero.topology import build_parallel_state
 
 STEPS, LR, MB = 3, 0.5, 2
@@ -87,15 +90,16 @@ def test_pipeline_matches_reference(tp, pp, dp, m, explicit, sequence_parallel):
     ref_losses, ref_grads = reference_run(m, dp)
     results = run_ranks(pipelined_run, tp * pp * dp, tp, pp, m, explicit, {"sequence_parallel": sequence_parallel},
                         timeout=240)
+    rtol = model_rtol(gpt_path_length(config(), m * MB * dp * 8))
     for _, losses, _, _ in results:
-        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        assert_losses_close(losses, ref_losses, rtol, "loss")
     seen = set()
     for stage in range(pp):
         for d in range(dp):
             shards = [res[2] for res in results if res[0][0] == stage and res[0][1] == d]
             full = gather_state_dicts(shards, config())
             for name, grad in full.items():
-                torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+                assert_close_scaled(grad, ref_grads[name], rtol, name)
                 seen.add(name)
     assert seen == set(ref_grads)
     # The tied embedding copies on the first and last stage stay bit-identical.
