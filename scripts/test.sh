@@ -3,6 +3,11 @@
 #   bash scripts/test.sh                 the default run: every test not marked `slow`
 #   bash scripts/test.sh --all           everything, the slow tier included
 #   bash scripts/test.sh -m slow         the slow tier alone (any -m of yours replaces the default's)
+#   ATEN_CPU_CAPABILITY=avx2 bash scripts/test.sh -m isa
+#                                        the fp32 parity subset (marker `isa`: a representative test of each
+#                                        tolerance in megatron_zero/testing/tolerances.py) under another vector
+#                                        ISA (default, avx2, avx512); fp32 results change with the ISA, the
+#                                        tolerances must not. .ci/run does this for default and avx2.
 # Fails when a test fails and when no test ran (pytest's exit code 5).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

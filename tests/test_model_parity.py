@@ -62,6 +62,7 @@ def rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("case", sorted(CONFIGS))
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_tp_matches_reference(tp, case):

@@ -80,6 +80,7 @@ def llama_sp_fn(groups):
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("groups", [2, 1])  # 1: fewer KV groups than TP ranks (gathered and replicated)
 def test_sequence_parallel_llama_matches_reference_at_tp2(groups):
     """RMSNorm, RoPE on the gathered sequence, SwiGLU, grouped-query attention and the untied head under

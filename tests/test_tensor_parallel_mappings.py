@@ -101,6 +101,7 @@ def dense(params):
     return y.detach(), {k: p.grad for k, p in params.items()}
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_parallel_layers_match_dense(tp):
     f = full_weights()

@@ -10,6 +10,8 @@ from megatron_zero.testing.toy_zero import HP, ToyGPT, batch, reference, toy_pat
 from megatron_zero.testing.tolerances import (EPS32, adam_bound_of_update, assert_losses_close, assert_within,
                                               model_rtol, reduction_atol)
 
+pytestmark = pytest.mark.isa
+
 STEPS, CLIP = 10, 0.3
 
 
