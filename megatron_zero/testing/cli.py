@@ -14,7 +14,7 @@ import os
 import re
 import subprocess
 import sys
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from .launch import PRETRAIN, ROOT, flags_argv
 from .multirank import free_port
@@ -39,6 +39,24 @@ TINY = {"num-layers": 2, "hidden-size": 32, "num-attention-heads": 4, "seq-lengt
 
 def layout_flags(tp: int = 1, pp: int = 1, zero: int = 1) -> dict:
     return {"tensor-model-parallel-size": tp, "pipeline-model-parallel-size": pp, "zero-stage": zero}
+
+
+def text_data(prefix: str, docs: int = 60, chars: int = 200) -> str:
+    """An indexed dataset of ByteTokenizer ids (UTF-8 bytes, 256 ends a document): `docs` documents of
+    `chars` bytes of Python's argparse.py source, text a tiny model learns from in a few steps."""
+    import argparse
+
+    import numpy as np
+
+    from ..data.indexed_dataset import IndexedDatasetBuilder
+
+    with open(argparse.__file__, "rb") as f:
+        text = f.read(docs * chars)
+    builder = IndexedDatasetBuilder(str(prefix), dtype=np.uint16)
+    for d in range(docs):
+        builder.add_document(list(text[d * chars:(d + 1) * chars]) + [256])
+    builder.finalize()
+    return str(prefix)
 
 
 def cli_flags(data: str, cache: str, architecture: Optional[str] = "gpt2", *changes: dict) -> List[str]:
@@ -79,6 +97,53 @@ def logged_losses(run: subprocess.CompletedProcess) -> Dict[int, float]:
     return {int(it): float(loss) for it, loss in found}
 
 
+class CliResume:
+    """One uninterrupted run through pretrain_gpt.py that saves at `save_at` on the way to `iters`, and runs
+    resumed from that checkpoint: as saved, reshaped while loading at another layout, or converted by
+    tools/ds_to_universal.py and loaded with --universal-checkpoint.
+
+    `flags(*changes)` gives pretrain_gpt.py's argv with each dict of changes applied (cli_flags' order);
+    every run gets `layout` and then the run's own layout changes."""
+
+    def __init__(self, root: str, flags: Callable[..., List[str]], layout: dict, nproc: int = 2,
+                 iters: int = 6, save_at: int = 3):
+        self.root, self.flags, self.layout, self.nproc = root, flags, layout, nproc
+        self.iters, self.save_at = iters, save_at
+        self.save = os.path.join(root, "ckpt")
+        self.checkpoint = os.path.join(self.save, f"global_step{save_at}")
+        self._universal = None
+        run = self._run({"save": self.save, "save-interval": save_at})
+        self.losses = logged_losses(run)
+        assert sorted(self.losses) == list(range(1, iters + 1)), run.stdout[-2000:]
+
+    def _run(self, *changes) -> subprocess.CompletedProcess:
+        return pretrain_cli(self.nproc, self.flags({"train-iters": self.iters}, self.layout, *changes))
+
+    @property
+    def universal(self) -> str:
+        """The checkpoint converted by tools/ds_to_universal.py (once)."""
+        if self._universal is None:
+            out = os.path.join(self.root, f"global_step{self.save_at}_universal")
+            tool("ds_to_universal.py", "--input_folder", self.checkpoint, "--output_folder", out,
+                 "--num_merge_workers", 1, "--quiet")
+            self._universal = out
+        return self._universal
+
+    def resume(self, how: str = "as saved", layout: Optional[dict] = None) -> Dict[int, float]:
+        """The losses of a run resumed `how` ("as saved", "reshaped", "universal") at `layout` (changes to
+        the saved one)."""
+        load = {"load": self.universal, "universal-checkpoint": True} if how == "universal" else \
+            {"load": self.checkpoint}
+        return logged_losses(self._run(load, layout or {}))
+
+    def assert_matches(self, resumed: Dict[int, float], rel: float) -> None:
+        """Every iteration after the checkpoint's, within `rel` of the uninterrupted run (0: bit-identical)."""
+        assert sorted(resumed) == list(range(self.save_at + 1, self.iters + 1)), resumed
+        for it, loss in resumed.items():
+            want = self.losses[it]
+            assert abs(loss - want) <= rel * abs(want), (it, loss, want, self.losses)
+
+
 def imported_flags(checkpoint: str) -> List[str]:
     """The model flags tools/convert_from_hf.py wrote beside its import (megatron_flags.txt)."""
     import shlex
@@ -87,3 +152,20 @@ def imported_flags(checkpoint: str) -> List[str]:
 
     with open(os.path.join(checkpoint, FLAGS_FILE)) as f:
         return shlex.split(f.read())
+
+
+def save_tiny_hf(path: str, kind: str = "llama", seed: int = 0, **overrides) -> str:
+    """A random LlamaForCausalLM / MistralForCausalLM of TINY's sizes and ByteTokenizer's 257 ids, built from a
+    transformers config (nothing downloaded) and saved to `path` with save_pretrained."""
+    import torch
+    import transformers
+
+    config_class, model_class = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                                 "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[kind]
+    fields = dict(vocab_size=257, hidden_size=TINY["hidden-size"], intermediate_size=64,
+                  num_hidden_layers=TINY["num-layers"], num_attention_heads=TINY["num-attention-heads"],
+                  num_key_value_heads=2, max_position_embeddings=TINY["seq-length"], rms_norm_eps=1e-6,
+                  rope_theta=10000.0, bos_token_id=256, eos_token_id=256, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model_class(config_class(**{**fields, **overrides})).save_pretrained(path)
+    return path
