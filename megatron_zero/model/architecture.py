@@ -65,8 +65,9 @@ def model_settings(args, fill_sizes: bool = True) -> dict:
     out["normalization"] = _normalization(out["normalization"])
     if args.get("use_rotary_position_embeddings"):
         out["position_embedding_type"] = "rope"
-    if args.get("position_embedding_type") is not None:  # the type decides (Megatron-LM, ours); Megatron-
-        out["add_position_embedding"] = out["position_embedding_type"] == "learned_absolute"  # DS: its switch
+    # where the type is recorded (ours, Megatron-LM) it decides; Megatron-DeepSpeed's own switch stands otherwise
+    if args.get("position_embedding_type") is not None:
+        out["add_position_embedding"] = out["position_embedding_type"] == "learned_absolute"
     if out["layernorm_epsilon"] is None:
         out["layernorm_epsilon"] = args.get("norm_epsilon")
     heads = args.get("num_attention_heads")
