@@ -350,6 +350,7 @@ def _validate_architecture(args, tp: int):
     if args.num_query_groups is None:
         args.num_query_groups = 1 if args.group_query_attention else heads
     groups = args.num_query_groups
+    args.group_query_attention = groups != heads  # recorded as Megatron-LM reads it (model/architecture.py)
     _require(groups >= 1 and heads % groups == 0,
              f"--num-attention-heads {heads} is not divisible by --num-query-groups {groups}")
     _require((groups % tp if groups >= tp else tp % groups) == 0,

@@ -71,7 +71,7 @@ def test_megatron_deepspeed_architecture_switches_are_compared():
                  tensor_model_parallel_size=2, add_bias_linear=True)
     diffs = disagreements({"args": argparse.Namespace(**saved)}, args, 257, lambda tp: 256 * tp)
     assert diffs == ["swiglu True in the checkpoint vs False here",
-                     "normalization rmsnorm in the checkpoint vs layernorm here"]
+                     "normalization RMSNorm in the checkpoint vs LayerNorm here"]
     diffs = disagreements({"args": dict(saved, swiglu=False, normalization="LayerNorm", padded_vocab_size=384)},
                           args, 257, lambda tp: 256 * tp)
     assert diffs == ["padded vocabulary size 384 in the checkpoint vs 512 here (from the tokenizer)"]

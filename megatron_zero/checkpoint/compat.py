@@ -11,9 +11,11 @@ normal-looking losses).
                                  max_position_embeddings, make_vocab_size_divisible_by,
                                  layernorm_epsilon, the vocabulary size, and the architecture
                                  switches (normalization, position embedding type, rotary base and
-                                 percent, swiglu, query groups, untied output, linear biases); a
-                                 switch a checkpoint of an earlier version or of Megatron(-DeepSpeed)
-                                 does not record is taken at its GPT-2 value
+                                 percent, swiglu, query groups, untied output, linear biases); both
+                                 the checkpoint's args and this run's flags are read by
+                                 model/architecture.py's model_settings, which takes each writer's
+                                 spelling and fills what a writer leaves implied (a switch an earlier
+                                 version or Megatron(-DeepSpeed) does not record: its GPT-2 value)
     free to change on resume     seq_length (up to max_position_embeddings, as in Megatron), parallel
                                  sizes and ZeRO stage (reshaped on load), batch sizes, lr and its schedule, precision, dropout, init std, seed, data,
                                  iteration counts, logging and checkpoint flags
@@ -24,18 +26,11 @@ import os
 import re
 from typing import Optional
 
+from ..model.architecture import SIZES, SWITCHES, model_settings
 from .errors import CheckpointError
 from .format import UNIVERSAL_CHECKPOINT_INFO, header_args
 from .storage.reader import open_directory
 
-MODEL_SETTINGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
-                  "make_vocab_size_divisible_by", "layernorm_epsilon", "num_query_groups", "rotary_base",
-                  "rotary_percent")
-# Megatron-LM / Megatron-DeepSpeed architecture switches, with the GPT-2 value: what a checkpoint that
-# does not record one holds, and what this run has when it has no flag of that name.
-ARCHITECTURE = {"swiglu": False, "normalization": "layernorm", "untie_embeddings_and_output_weights": False,
-                "add_bias_linear": True, "apply_residual_connection_post_layernorm": False,
-                "position_embedding_type": "learned_absolute", "add_position_embedding": True}
 HEAD_FILE = re.compile(r"^(?:(?:bf16_|fp16_)?zero_pp_rank_\d+_)?mp_rank_00_model_states\.pt$")
 
 
@@ -71,18 +66,14 @@ def _recorded_vocab(head: dict, saved: dict, padded_at) -> Optional[tuple]:
 def disagreements(head: dict, args, vocab_size: int, padded_at) -> list:
     """'name checkpoint-value vs here-value' for every model setting that differs."""
     saved = header_args(head)
-    ours = dict(vars(args))
-    if "position_embedding_type" in ours:  # Megatron-DeepSpeed's spelling of the same switch
-        ours["add_position_embedding"] = ours["position_embedding_type"] == "learned_absolute"
+    there, here = model_settings(saved), model_settings(args)  # both sides by the same rules
     out = []
-    for key in MODEL_SETTINGS:
-        if saved.get(key) is not None and ours.get(key) is not None and not _same(saved[key], ours[key]):
-            out.append(f"--{key.replace('_', '-')} {saved[key]} in the checkpoint vs {ours[key]} here")
-    for key, gpt2 in ARCHITECTURE.items():
-        here = ours.get(key, gpt2)
-        there = saved[key] if saved.get(key) is not None else gpt2
-        if not _same(there, here):
-            out.append(f"{key} {there} in the checkpoint vs {here} here")
+    for key in SIZES:
+        if there[key] is not None and here[key] is not None and not _same(there[key], here[key]):
+            out.append(f"--{key.replace('_', '-')} {there[key]} in the checkpoint vs {here[key]} here")
+    for key in SWITCHES:
+        if not _same(there[key], here[key]):
+            out.append(f"{key} {there[key]} in the checkpoint vs {here[key]} here")
     vocab = _recorded_vocab(head, saved, padded_at)
     if vocab is not None:
         recorded, mine = vocab

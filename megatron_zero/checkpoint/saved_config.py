@@ -3,7 +3,8 @@
     args = saved_args(checkpoint_dir)                    # the args in mp_rank_*_model_states.pt, or {}
     config = saved_config(names, shape_of, args)         # shape_of(name): a full (unsharded) shape
 
-Our trainer and importer record every model flag; other writers (DeepSpeed, tests) may record none,
+The args are read in any writer's spelling (model/architecture.py's model_settings, as the resume check
+reads them). Our trainer and importer record every model flag; other writers (DeepSpeed, tests) may record none,
 so sizes the args lack are read from the full shapes of a GPT-2 (an architecture that needs more must
 record its args), and the head count, which no shape shows, must come from the args or `num_heads`.
 """
@@ -13,6 +14,7 @@ import os
 from dataclasses import fields
 from typing import Callable, Optional, Sequence
 
+from ..model.architecture import model_settings
 from ..model.config import GPTConfig
 from ..model.layer_indices import block_layer_index
 from ..model.params import (POSITION_EMBEDDINGS, UNTIED_POSITION_EMBEDDINGS, UNTIED_WORD_EMBEDDINGS,
@@ -40,7 +42,7 @@ def saved_config(names: Sequence[str], shape_of: Callable[[str], Sequence[int]],
                  num_heads: Optional[int] = None, where: str = "the checkpoint") -> GPTConfig:
     """Recorded args first; the sizes they lack from the shapes; the vocabulary always from the shapes.
     `names`: every parameter; `shape_of(name)`: a parameter's full shape (asked for at most three)."""
-    recorded = {k: v for k, v in args.items() if v is not None}
+    recorded = {k: v for k, v in {**args, **model_settings(args, fill_sizes=False)}.items() if v is not None}
     if num_heads:
         recorded["num_attention_heads"] = int(num_heads)
     if not recorded.get("num_attention_heads"):
@@ -51,7 +53,7 @@ def saved_config(names: Sequence[str], shape_of: Callable[[str], Sequence[int]],
         raise CheckpointError(f"{where} holds no {WORD_EMBEDDINGS}; it is not a checkpoint of our GPT")
     vocab, hidden = shape_of(word)
     first = f"{block_layer_index(0)}."
-    sizes = {"hidden_size": hidden, "untie_embeddings_and_output_weights": untied,
+    sizes = {"hidden_size": hidden,
              "num_layers": sum(1 for k in names if k.endswith(".self_attention.query_key_value.weight"))}
     if "ffn_hidden_size" not in recorded:  # SwiGLU's rows are [gate; up]
         rows = shape_of(first + "mlp.dense_h_to_4h.weight")[0]
@@ -68,4 +70,4 @@ def saved_config(names: Sequence[str], shape_of: Callable[[str], Sequence[int]],
                               "embedding to read it from (a RoPE model); pass the training run's args")
     if "seq_length" not in recorded:
         sizes["seq_length"] = recorded.get("max_position_embeddings", sizes.get("max_position_embeddings"))
-    return config_from_args({**sizes, **recorded}, vocab)
+    return config_from_args({**sizes, **recorded, "untie_embeddings_and_output_weights": untied}, vocab)

@@ -142,6 +142,9 @@ ARCHITECTURE_FIELDS = ("normalization", "position_embedding_type", "rotary_base"
 
 
 def architecture_kwargs(args: dict) -> dict:
-    """The architecture fields of GPTConfig from a training run's arguments (parsed, or saved in a checkpoint);
-    a checkpoint from before these flags existed gives none, i.e. GPT-2."""
-    return {k: args[k] for k in ARCHITECTURE_FIELDS if args.get(k) is not None}
+    """The architecture fields of GPTConfig from a training run's arguments (parsed, or saved in a checkpoint,
+    in any writer's spelling: model/architecture.py); a checkpoint from before these flags existed gives GPT-2."""
+    from .architecture import model_settings  # it reads this module's defaults
+
+    settings = model_settings(args)
+    return {k: settings[k] for k in ARCHITECTURE_FIELDS if settings.get(k) is not None}

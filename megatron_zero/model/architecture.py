@@ -1,0 +1,80 @@
+"""The model a set of training arguments describes, in one spelling, whoever wrote the arguments.
+
+    settings = model_settings(args)                  # parsed flags, or the args a checkpoint records
+
+Three writers record arguments: this trainer and its Hugging Face importer, Megatron-LM and
+Megatron-DeepSpeed. They spell some settings differently and leave some implied; every reader of
+recorded args (the resume check, the saved-config readers) and the run's own flags go through
+`model_settings`, so both sides of a comparison are derived by the same rules:
+
+    setting                   recorded as                                   implied when absent
+    position_embedding_type   position_embedding_type (ours, Megatron-LM);  learned_absolute
+                              use_rotary_position_embeddings (legacy, -DS)
+    add_position_embedding    position_embedding_type decides where it is   True (GPT-2)
+                              recorded; else Megatron-DeepSpeed's own switch
+    normalization             LayerNorm / RMSNorm in any case (-DS: rmsnorm) LayerNorm
+    num_query_groups          num_query_groups; Megatron-DeepSpeed's        num_attention_heads
+                              num_key_value_heads; Megatron-LM's default 1
+                              without group_query_attention means none
+    layernorm_epsilon         layernorm_epsilon; Megatron-LM's norm_epsilon -
+    ffn_hidden_size           ffn_hidden_size                               4h, or 2/3 of it with SwiGLU
+    max_position_embeddings   max_position_embeddings                       seq_length
+    the other switches        swiglu, untie_embeddings_and_output_weights,  their GPT-2 values (SWITCHES)
+                              add_bias_linear, apply_residual_connection_
+                              post_layernorm
+
+`fill_sizes=False` leaves the three sizes None when unrecorded (a reader that can take them from
+tensor shapes prefers those); the switches always get a value.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from .config import NORMALIZATIONS, default_ffn_hidden_size
+
+# the GPT-2 value of every architecture switch: what a checkpoint that does not record one holds
+SWITCHES = {"swiglu": False, "normalization": "LayerNorm", "untie_embeddings_and_output_weights": False,
+            "add_bias_linear": True, "apply_residual_connection_post_layernorm": False,
+            "position_embedding_type": "learned_absolute", "add_position_embedding": True}
+# sizes and numbers of the model (compared where both sides have one)
+SIZES = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
+         "make_vocab_size_divisible_by", "layernorm_epsilon", "num_query_groups", "rotary_base", "rotary_percent")
+
+
+def _normalization(value) -> str:
+    by_lower = {n.lower(): n for n in NORMALIZATIONS}
+    return by_lower.get(str(value).lower(), value)
+
+
+def _query_groups(args: dict, heads: Optional[int]) -> Optional[int]:
+    groups = args.get("num_query_groups")
+    if groups is None:
+        groups = args.get("num_key_value_heads")
+    if groups is not None and args.get("group_query_attention") is False and groups == 1:
+        groups = None  # Megatron-LM's default, which it ignores without --group-query-attention
+    return heads if groups is None else int(groups)
+
+
+def model_settings(args, fill_sizes: bool = True) -> dict:
+    """Every setting of SWITCHES and SIZES that `args` (a dict or Namespace) records or implies; None for a
+    size it neither records nor implies."""
+    args = dict(args) if isinstance(args, dict) else dict(vars(args))
+    out = {key: args.get(key) for key in SIZES}
+    for key, gpt2 in SWITCHES.items():
+        out[key] = gpt2 if args.get(key) is None else args[key]
+    out["normalization"] = _normalization(out["normalization"])
+    if args.get("use_rotary_position_embeddings"):
+        out["position_embedding_type"] = "rope"
+    # where the type is recorded (ours, Megatron-LM) it decides; Megatron-DeepSpeed's own switch stands otherwise
+    if args.get("position_embedding_type") is not None:
+        out["add_position_embedding"] = out["position_embedding_type"] == "learned_absolute"
+    if out["layernorm_epsilon"] is None:
+        out["layernorm_epsilon"] = args.get("norm_epsilon")
+    heads = args.get("num_attention_heads")
+    out["num_query_groups"] = _query_groups(args, heads if fill_sizes else None)
+    if fill_sizes:
+        if out["ffn_hidden_size"] is None and args.get("hidden_size") is not None:
+            out["ffn_hidden_size"] = default_ffn_hidden_size(args["hidden_size"], bool(out["swiglu"]))
+        if out["max_position_embeddings"] is None:
+            out["max_position_embeddings"] = args.get("seq_length")
+    return out
