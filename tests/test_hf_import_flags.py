@@ -3,10 +3,7 @@ parsed by pretrain_gpt.py's own parser, every model setting (sizes, architecture
 init std) equals what the HF config says, so nothing is left at a Megatron default that differs from it (HF
 Llama trains without dropout, our defaults are 0.1). Tiny random models are built with transformers here."""
 import json
-import os
 import shlex
-import subprocess
-import sys
 from dataclasses import fields
 
 import pytest
@@ -15,7 +12,7 @@ import torch
 from megatron_zero.arguments import parse_args
 from megatron_zero.checkpoint.export.hf import for_hf_config
 from megatron_zero.model.config import ARCHITECTURE_FIELDS, GPTConfig, architecture_kwargs
-from megatron_zero.testing.launch import ROOT
+from tools import convert_from_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -36,15 +33,14 @@ MODELS = {
 
 
 @pytest.mark.parametrize("kind", sorted(MODELS))
-def test_printed_flags_build_the_hf_model(tmp_path, kind):
+def test_printed_flags_build_the_hf_model(tmp_path, kind, capsys):
     torch.manual_seed(0)
     src, ckpt = tmp_path / kind, tmp_path / "ckpt"
     MODELS[kind]().save_pretrained(src)
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_from_hf.py"), "--input-dir", str(src),
-                          "--output-dir", str(ckpt), "--tensor-model-parallel-size", "2"],
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr
-    printed = shlex.split(run.stdout.strip().splitlines()[-1])
+    capsys.readouterr()
+    assert convert_from_hf.main(["--input-dir", str(src), "--output-dir", str(ckpt),
+                                 "--tensor-model-parallel-size", "2"]) == 0  # the tool's main, in this process
+    printed = shlex.split(capsys.readouterr().out.strip().splitlines()[-1])
     assert printed == shlex.split(open(ckpt / "megatron_flags.txt").read())
     args = parse_args(printed + ["--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
                                  "--lr", "1e-4", "--tokenizer-type", "ByteTokenizer"],
