@@ -246,9 +246,12 @@ class Trainer:
         a, s, p = self.args, self.state, self.progress
         policy = ExitPolicy(a.exit_signal_handler, a.exit_duration_in_mins, a.exit_interval, device=self.device)
         if p.iteration >= a.train_iters:  # a resume of a finished run: say so, and leave the checkpoint alone
+            limit = (f"--train-iters {a.train_iters}; raise --train-iters above {p.iteration}"
+                     if a.train_samples is None else
+                     f"--train-samples {a.train_samples} ({a.train_iters} iterations); raise --train-samples above "
+                     f"{p.consumed_train_samples}")
             self._log(f"nothing to train: the checkpoint loaded from --load {a.load} is at iteration {p.iteration}, "
-                      f"at or past --train-iters {a.train_iters}; raise --train-iters above {p.iteration} to "
-                      "train on")
+                      f"at or past {limit} to train on")
             policy.restore()
             self.log.close()
             return 0

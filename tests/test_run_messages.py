@@ -80,4 +80,8 @@ def test_resuming_at_or_past_train_iters_says_there_is_nothing_to_train(tmp_path
             "--train-iters 2; raise --train-iters above 3 to train on").format(ckpt=ckpt)
     assert want in out.splitlines(), out
     assert " iteration " not in out.split(want)[1] and not SAVED.search(out), out  # no step, no save
+    out = _ok(pretrain(tmp_path, data, load=ckpt, **{"train-iters": None, "train-samples": 12}))
+    assert ("nothing to train: the checkpoint loaded from --load {ckpt} is at iteration 3, at or past "
+            "--train-samples 12 (3 iterations); raise --train-samples above 12 to train on").format(ckpt=ckpt) \
+        in out.splitlines(), out
     assert {f: os.stat(ckpt / "global_step3" / f).st_mtime_ns for f in os.listdir(ckpt / "global_step3")} == before
