@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import time
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -21,6 +22,7 @@ from .arguments import ArgumentError, args_to_dict, parse_args
 from .checkpoint.compat import check_checkpoint_compat
 from .checkpoint.storage.lock import hold_save_lock
 from .checkpoint.preflight import check_save_dir, checkpoint_bytes
+from .checkpoint.report import async_started_line, checkpoint_size, saved_line
 from .checkpoint.resume import refuse_fresh_start_over, resume_checkpoint
 from .checkpoint.export.save_16bit import save_16bit_model
 from .data import DataError, GlobalBatchSampler, build_tokenizer, build_train_valid_test_datasets, collate_gpt
@@ -42,7 +44,7 @@ from .shm_comm import set_shared_memory_comm
 from .tensor_parallel.random import model_parallel_seed
 from .timers import TimedCalls
 from .topology import build_hpz_group, build_parallel_state
-from .training_log import TrainingLog
+from .training_log import TrainingLog, architecture_name
 from .zero import ZeroOptimizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -188,8 +190,13 @@ class Trainer:
 
     def save(self):
         a = self.args
+        start = time.monotonic()
         tag = ckpt.save_checkpoint(a.save, self.progress.iteration, self.state, self.model, self.optimizer,
                                    self.client_state(), async_save=a.async_save, keep_last_k=a.keep_last_k)
+        seconds, directory = time.monotonic() - start, os.path.join(a.save, tag)
+        if self.is_writer:  # a synchronous save is committed on return: its manifest lists every file
+            self._log(async_started_line(directory, seconds) if a.async_save else
+                      saved_line(directory, seconds, checkpoint_size(directory)))
         if a.save_16bit_model:  # from the committed files, so an async save is waited for first
             ckpt.finalize_async_saves()
             save_16bit_model(os.path.join(a.save, tag), torch.bfloat16 if a.params_dtype == "fp32" else
@@ -238,7 +245,18 @@ class Trainer:
     def train(self) -> int:
         a, s, p = self.args, self.state, self.progress
         policy = ExitPolicy(a.exit_signal_handler, a.exit_duration_in_mins, a.exit_interval, device=self.device)
-        self._log(f"training {self.config.num_layers}-layer GPT on {s.layout} from iteration {p.iteration}"
+        if p.iteration >= a.train_iters:  # a resume of a finished run: say so, and leave the checkpoint alone
+            limit = (f"--train-iters {a.train_iters}; raise --train-iters above {p.iteration}"
+                     if a.train_samples is None else
+                     f"--train-samples {a.train_samples} ({a.train_iters} iterations); raise --train-samples above "
+                     f"{p.consumed_train_samples}")
+            self._log(f"nothing to train: the checkpoint loaded from --load {a.load} is at iteration {p.iteration}, "
+                      f"at or past {limit} to train on")
+            policy.restore()
+            self.log.close()
+            return 0
+        self._log(f"training a {self.config.num_layers}-layer {architecture_name(self.config)} model on {s.layout}, "
+                  f"ZeRO-{a.zero_stage}, {a.params_dtype}, from iteration {p.iteration}"
                   f" ({p.consumed_train_samples} samples consumed), {a.num_micro_batches} micro-batches per step")
         self._log(kernel_report())
         self.log.start()

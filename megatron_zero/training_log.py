@@ -18,6 +18,22 @@ from .throughput import mfu, peak_tflops, tflops_per_rank
 from .timers import Timers
 
 
+def architecture_name(config) -> str:
+    """What the start-up line calls the model: GPT-2 (the default switches), Llama (RMSNorm, RoPE and SwiGLU;
+    grouped-query attention and the rest as they are), else GPT with the switches that differ from GPT-2."""
+    llama = config.normalization == "RMSNorm" and config.position_embedding_type == "rope" and config.swiglu
+    gqa = config.num_query_groups != config.num_attention_heads
+    switches = [config.normalization != "LayerNorm" and config.normalization,
+                config.position_embedding_type == "rope" and "RoPE", config.swiglu and "SwiGLU",
+                gqa and f"{config.num_query_groups} query groups",
+                config.untie_embeddings_and_output_weights and "untied output layer",
+                not config.add_bias_linear and "no linear biases"]
+    if llama:
+        return "Llama" + (f" ({config.num_query_groups} query groups)" if gqa else "")
+    switches = [w for w in switches if w]
+    return f"GPT ({', '.join(switches)})" if switches else "GPT-2"
+
+
 class TrainingLog:
     def __init__(self, args, world_size: int, flops_per_iteration: float, device, is_writer: bool, print_fn):
         self.args, self.world_size, self.device, self.is_writer, self.print = args, world_size, device, is_writer, print_fn

@@ -4,20 +4,52 @@
 # torchrun answers SIGTERM by killing its workers after 30 s and exiting 1 with a traceback. Here the
 # workers get it: with --exit-signal-handler they stop after the current iteration, save and exit 0,
 # and then so does torchrun. A worker that exits 2 has printed its one sentence (bad input): torchrun's
-# ChildFailedError traceback is left out then and the job exits 2; any other failure keeps torchrun's
-# report. Used by pretrain_local.sh and pretrain_slurm.sbatch (LAUNCHER=torchrun).
+# report of the workers' ends (its "closing signal SIGTERM" / "failed (exitcode: 2)" lines and the
+# ChildFailedError traceback) is left out then and the job exits 2; any other failure keeps all of it.
+# OMP_NUM_THREADS defaults to 1 here (what torchrun sets, without its four-line warning about it).
+# Used by pretrain_local.sh, torchrun_node.sh and pretrain_slurm.sbatch (LAUNCHER=torchrun).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 "${PYTHON:-$root/.venv/bin/python}" -c '
+import logging
 import sys
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
+
+
+class HoldBack(logging.Filter):
+    """Holds the records of how the workers ended until it is known whether a worker refused bad input."""
+
+    def __init__(self):
+        super().__init__()
+        self.held, self.release = [], False
+
+    def filter(self, record):
+        if not self.release:
+            self.held.append(record)
+        return self.release
+
+    def flush(self):
+        self.release = True
+        for record in self.held:
+            logging.getLogger(record.name).handle(record)
+
+
+ends = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+hold = HoldBack()
+ends.addFilter(hold)
 try:
     run(parse_args(sys.argv[1:]))
 except ChildFailedError as failed:
     if all(f.exitcode != 2 for f in failed.failures.values()):
+        hold.flush()
         raise
     sys.exit(2)
+except BaseException:
+    hold.flush()
+    raise
+hold.flush()
 ' "$@" &
 launcher=$!
 forward() {

@@ -23,6 +23,7 @@ from .storage.commit import committed_tags, read_latest
 from .errors import CheckpointError
 from .format import LATEST, LATEST_UNIVERSAL, MODEL_FILE, ZERO3_MODEL_FILE
 from .load import load_checkpoint
+from .report import loaded_line
 from .save import saved_layout
 from .storage.manifest import MANIFEST
 from .storage.reader import open_directory
@@ -96,16 +97,23 @@ def resume_checkpoint(path: str, state, model, optimizer, load_optimizer: bool =
         log(point.note)
     if check:
         check(point.directory)
+    this_layout = f"{state.layout}, ZeRO-{optimizer.stage}"
     if point.universal:
-        return load_universal_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify)
+        client = load_universal_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify)
+        log(loaded_line(point.directory, "universal", client, this_layout))
+        return client
     meta = open_directory(point.directory, verify).meta
     saved = meta.get("layout")
     here = saved_layout(state, model)  # an interleaved pipeline holds other layers: reshaped
     same_stage_family = (meta.get("zero_stage", optimizer.stage) == 3) == (optimizer.stage == 3)
     if saved is not None and (saved != here or not same_stage_family):
-        return load_reshaped_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify)
+        client = load_reshaped_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify)
+        log(loaded_line(point.directory, "plain", client, this_layout))
+        return client
     root, tag = os.path.split(point.directory)
-    return load_checkpoint(root, state, model, optimizer, load_optimizer=load_optimizer, tag=tag, verify=verify)
+    client = load_checkpoint(root, state, model, optimizer, load_optimizer=load_optimizer, tag=tag, verify=verify)
+    log(loaded_line(point.directory, "plain", client))
+    return client
 
 
 def refuse_fresh_start_over(save_dir: str) -> None:

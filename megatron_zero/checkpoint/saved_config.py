@@ -20,13 +20,13 @@ from ..model.layer_indices import block_layer_index
 from ..model.params import (POSITION_EMBEDDINGS, UNTIED_POSITION_EMBEDDINGS, UNTIED_WORD_EMBEDDINGS,
                             WORD_EMBEDDINGS)
 from .errors import CheckpointError
-from .format import MODEL_FILE, header_args
+from .format import MODEL_FILE, ZERO3_MODEL_FILE, header_args
 from .storage.reader import open_directory
 
 
 def saved_args(directory: str, verify: bool = True) -> dict:
     """The training arguments a checkpoint directory records (its first model-states file, verified), or {}."""
-    heads = [f for f in sorted(os.listdir(directory)) if MODEL_FILE.match(f)]
+    heads = [f for f in sorted(os.listdir(directory)) if MODEL_FILE.match(f) or ZERO3_MODEL_FILE.match(f)]
     if not heads:
         return {}
     return header_args(open_directory(directory, verify).load(heads[0]))

@@ -3,9 +3,17 @@
 
 The standalone script copied, as `zero_to_fp32.py` (the name DeepSpeed users expect), into every
 checkpoint megatron_zero writes, with safe_pickle.py beside it; needs only torch (no deepspeed, no
-megatron_zero). The full tool, with safetensors output and --dtype, is tools/zero_to_fp32.py.
+megatron_zero; the `safetensors` package only for --safe_serialization). It takes DeepSpeed's command line
+(tools/zero_to_fp32.py, the package's tool, takes the same and streams larger models):
 
-    python zero_to_fp32.py <checkpoint_dir> <output.pt> [--tag global_step100] [--no-verify-checkpoint]
+    python zero_to_fp32.py <checkpoint_dir> <output_dir> [-t global_step100] [--safe_serialization]
+                           [--max_shard_size 5GB] [--dtype fp32|bf16|fp16] [--quiet] [--no-verify-checkpoint]
+    python zero_to_fp32.py <checkpoint_dir> <output.pt>      (DeepSpeed's older form: one file)
+
+An output directory gets Hugging Face's names: pytorch_model.bin or model.safetensors, or shards of at most
+--max_shard_size (`pytorch_model-00001-of-00002.bin`, `model-00001-of-00002.safetensors`) with
+`pytorch_model.bin.index.json` / `model.safetensors.index.json`. An output ending in .pt, .pth, .bin or
+.safetensors is one file (safetensors with --safe_serialization). --dtype casts the floating-point tensors.
 
 <checkpoint_dir> is the save directory (its `latest` names the tag) or a tag directory. For each
 model-parallel rank the fp32 masters are reassembled from the DP partitions in the order of
@@ -206,21 +214,99 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None, verify=Tr
     return out
 
 
-def main():
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
+FILE_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
+UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text):
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(text).upper())
+    if not m:
+        raise ValueError(f"--max_shard_size {text!r} must be a number of bytes or like 500MB / 5GB")
+    return int(float(m.group(1)) * UNITS[m.group(2) or "B"])
+
+
+def _save(tensors, path, safe):
+    if safe:
+        from safetensors.torch import save_file
+        save_file({k: t.contiguous() for k, t in tensors.items()}, path, metadata={"format": "pt"})
+    else:
+        torch.save(tensors, path)
+
+
+def write_state_dict(sd, output, safe=False, max_shard_size=None):
+    """Write `sd` as one file (output ends in a file suffix) or into the directory `output` with Hugging Face's
+    names, sharded at max_shard_size (default 5GB); returns the files written."""
+    if output.endswith(FILE_SUFFIXES) and not os.path.isdir(output):
+        if max_shard_size is not None:
+            raise ValueError(f"--max_shard_size shards into an output directory, but {output} names one file; "
+                             "give a directory instead")
+        _save(sd, output, safe)
+        return [output]
+    limit = parse_size("5GB" if max_shard_size is None else max_shard_size)
+    shards, size = [[]], 0
+    for name, t in sd.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    os.makedirs(output, exist_ok=True)
+    stem, ext = ("model", ".safetensors") if safe else ("pytorch_model", ".bin")
+    names = [f"{stem}{ext}"] if len(shards) == 1 else \
+        [f"{stem}-{k + 1:05d}-of-{len(shards):05d}{ext}" for k in range(len(shards))]
+    for file, members in zip(names, shards):
+        _save(OrderedDict((m, sd[m]) for m in members), os.path.join(output, file), safe)
+    if len(shards) == 1:
+        return names
+    index = f"{stem}{ext}.index.json"
+    with open(os.path.join(output, index), "w") as f:
+        json.dump({"metadata": {"total_size": sum(t.numel() * t.element_size() for t in sd.values())},
+                   "weight_map": {m: file for file, members in zip(names, shards) for m in members}}, f, indent=2)
+    return names + [index]
+
+
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
-    parser.add_argument("checkpoint_dir")
-    parser.add_argument("output_file")
-    parser.add_argument("--tag", default=None)
+    parser.add_argument("checkpoint_dir", help="the save directory (its `latest` names the tag) or a tag directory")
+    parser.add_argument("output_dir", help="a directory for the consolidated files (Hugging Face's names), or a "
+                        "file name ending in .pt, .pth, .bin or .safetensors")
+    parser.add_argument("-t", "--tag", default=None, help="checkpoint tag, e.g. global_step100 (default: `latest`)")
+    parser.add_argument("--safe_serialization", action="store_true",
+                        help="write safetensors (needs the safetensors package) instead of torch.save's format")
+    parser.add_argument("--max_shard_size", default=None,
+                        help="largest file in an output directory, e.g. 500MB (default 5GB)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+                        help="cast the floating-point tensors to this type (bf16 / fp16: a 16-bit model)")
+    parser.add_argument("--exclude_frozen_parameters", action="store_true",
+                        help="DeepSpeed's flag; megatron_zero checkpoints hold no frozen parameters to exclude")
+    parser.add_argument("--quiet", action="store_true", help="print nothing when it succeeds")
     parser.add_argument(NO_VERIFY, dest="verify", action="store_false",
                         help="read the files without checking them against the checkpoint's manifest")
-    a = parser.parse_args()
+    a = parser.parse_args(argv)
+    if a.safe_serialization:
+        try:
+            import safetensors.torch  # noqa: F401
+        except ImportError:
+            print("zero_to_fp32.py: error: --safe_serialization needs the safetensors package, which is not "
+                  "installed (pip install safetensors); or leave the flag out for torch.save's format",
+                  file=sys.stderr)
+            return 2
     try:
+        if a.max_shard_size is not None:
+            parse_size(a.max_shard_size)
         sd = get_fp32_state_dict_from_zero_checkpoint(a.checkpoint_dir, a.tag, verify=a.verify)
+        dtype = DTYPES[a.dtype]
+        sd = OrderedDict((k, t.to(dtype) if t.is_floating_point() else t) for k, t in sd.items())
+        files = write_state_dict(sd, a.output_dir, a.safe_serialization, a.max_shard_size)
     except (RefusedGlobal, FileNotFoundError, ValueError) as e:
         print(f"zero_to_fp32.py: error: {e}", file=sys.stderr)
         return 2
-    torch.save(sd, a.output_file)
-    print(f"saved {len(sd)} fp32 tensors ({sum(t.numel() for t in sd.values())} elements) to {a.output_file}")
+    if not a.quiet:
+        where = a.output_dir if files == [a.output_dir] else f"{a.output_dir}: {', '.join(files)}"
+        print(f"saved {len(sd)} {a.dtype} tensors ({sum(t.numel() for t in sd.values())} elements) to {where}")
     return 0
 
 

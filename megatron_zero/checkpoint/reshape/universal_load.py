@@ -71,8 +71,11 @@ class UniversalFiles:
         return self.files.load("zero/optimizer_state.pt", mmap=False)
 
     def model_states(self, mp_rank: int) -> Optional[dict]:
-        rel = f"mp_rank_{mp_rank:02d}_model_states.pt"
-        return self.files.load(rel, mmap=False) if self.files.has(rel) else None
+        for rel in (f"mp_rank_{mp_rank:02d}_model_states.pt",  # converted from ZeRO 0-2, or a ZeRO-3 source:
+                    f"zero_pp_rank_0_mp_rank_{mp_rank:02d}_model_states.pt"):
+            if self.files.has(rel):
+                return self.files.load(rel, mmap=False)
+        return None
 
     def close(self):
         pass

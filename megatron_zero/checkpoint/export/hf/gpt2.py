@@ -38,6 +38,8 @@ def config_from_hf(hf: dict) -> GPTConfig:
                      num_attention_heads=hf["n_head"], seq_length=n_positions, max_position_embeddings=n_positions,
                      ffn_hidden_size=hf.get("n_inner") or 4 * hf["n_embd"],
                      layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+                     hidden_dropout=float(hf.get("resid_pdrop", 0.1)),  # ours also drops out the embedding's output
+                     attention_dropout=float(hf.get("attn_pdrop", 0.1)),
                      init_method_std=hf.get("initializer_range", 0.02))
 
 

@@ -56,6 +56,7 @@ def config_from_hf(hf: dict, what: str = "Llama") -> GPTConfig:
                      num_attention_heads=heads, num_query_groups=hf.get("num_key_value_heads") or heads,
                      seq_length=positions, max_position_embeddings=positions,
                      ffn_hidden_size=hf["intermediate_size"], layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
+                     hidden_dropout=0.0, attention_dropout=float(hf.get("attention_dropout", 0.0)),  # no hidden one
                      init_method_std=hf.get("initializer_range", 0.02), normalization="RMSNorm",
                      position_embedding_type="rope", rotary_base=theta, swiglu=True,
                      untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),

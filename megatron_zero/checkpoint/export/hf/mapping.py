@@ -36,8 +36,10 @@ def transposed(name: str, hf_name: str) -> TensorMapping:
 
 
 def base_flags(config: GPTConfig) -> List[str]:
-    """The Megatron flags every architecture implies: the sizes."""
+    """The Megatron flags every architecture implies: the sizes, and the settings whose Megatron default may
+    differ from the Hugging Face config (dropout: ours defaults to 0.1, Llama trains with 0.0; init std)."""
     return ["--num-layers", str(config.num_layers), "--hidden-size", str(config.hidden_size),
             "--num-attention-heads", str(config.num_attention_heads), "--ffn-hidden-size", str(config.ffn_hidden_size),
             "--seq-length", str(config.seq_length), "--max-position-embeddings", str(config.max_position_embeddings),
-            "--layernorm-epsilon", repr(config.layernorm_epsilon)]
+            "--layernorm-epsilon", repr(config.layernorm_epsilon), "--hidden-dropout", repr(config.hidden_dropout),
+            "--attention-dropout", repr(config.attention_dropout), "--init-method-std", repr(config.init_method_std)]
