@@ -36,7 +36,7 @@ from .ops import kernel_report, set_fusion_flags
 from .pipeline.gpt_stage import (activation_shape, build_gpt_stage, grad_reduce_arming, make_forward_step,
                                  stage_p2p, sync_tied_embedding_grads)
 from .pipeline.interleaved_schedule import schedule_for
-from .pipeline.schedule import broadcast_loss
+from .pipeline.schedule import broadcast_loss, reduce_loss
 from .rng_state import get_rng_state, set_rng_state
 from .shm_comm import set_shared_memory_comm
 from .tensor_parallel.random import model_parallel_seed
@@ -149,7 +149,9 @@ class Trainer:
                 for idx in sampler.global_batch(start)]
 
     # ---- one iteration ---------------------------------------------------------------
-    def train_step(self, micro):
+    def train_step(self, micro, votes=()):
+        """One global batch -> (mean loss as a device tensor, lr, updated, grad norm); `votes` ride in the
+        step's norm all-reduce (ExitPolicy.votes), their sums left in optimizer.summed_votes."""
         s, timers = self.state, self.log.timers
         self.model.train()
         with timers("forward-backward", 1):
@@ -161,9 +163,9 @@ class Trainer:
             sync_tied_embedding_grads(self.model, s)
         lr = self.lr_schedule.lr()
         with timers("optimizer", 1):
-            updated, grad_norm = self.optimizer.step(lr=lr)
+            updated, grad_norm = self.optimizer.step(lr=lr, votes=votes)
         with timers("loss-broadcast", 2):
-            loss = broadcast_loss(losses, s.is_last_stage, s.layout.pp_group(s.rank)[-1], s.pp_group, s.dp_group,
+            loss = reduce_loss(losses, s.is_last_stage, s.layout.pp_group(s.rank)[-1], s.pp_group, s.dp_group,
                                   self.device)
         return loss, lr, updated, grad_norm
 
@@ -188,6 +190,7 @@ class Trainer:
 
     def save(self):
         a = self.args
+        self.log.flush(self.progress)  # the saved nan count includes every iteration run
         tag = ckpt.save_checkpoint(a.save, self.progress.iteration, self.state, self.model, self.optimizer,
                                    self.client_state(), async_save=a.async_save, keep_last_k=a.keep_last_k)
         if a.save_16bit_model:  # from the committed files, so an async save is waited for first
@@ -245,14 +248,12 @@ class Trainer:
         saved_at = None
         while p.iteration < a.train_iters:
             micro = self._micro_batches(self.train_ds, p.consumed_train_samples)
-            loss, lr, updated, grad_norm = self.train_step(micro)
+            loss, lr, updated, grad_norm = self.train_step(micro, policy.votes())
             p.iteration += 1
             p.consumed_train_samples += a.global_batch_size
             self.lr_schedule.step()
             if not updated:
                 p.skipped_iterations += 1
-            if loss != loss:
-                p.nan_iterations += 1
             self.log.iteration(p, loss, lr, grad_norm, self.optimizer.loss_scale, updated,
                                self.optimizer.params_norm)
             if a.eval_iters and self.valid_ds is not None and p.iteration % a.eval_interval == 0:
@@ -264,10 +265,11 @@ class Trainer:
             if a.save and a.save_interval and p.iteration % a.save_interval == 0:
                 self.save()
                 saved_at = p.iteration
-            reason = policy.should_exit(p.iteration)
+            reason = policy.should_exit(p.iteration, self.optimizer.summed_votes)
             if reason:
                 self._log(f"exiting after iteration {p.iteration}: {reason}")
                 break
+        self.log.flush(p)  # the losses of the iterations since the last log line
         if a.save and saved_at != p.iteration:
             self.save()
         ckpt.finalize_async_saves()
