@@ -94,7 +94,7 @@ def main():
             b, o = statistics.median(times["baseline"]), statistics.median(times["ours"])
             rows.append((name, b, o, o / b, times))
             print(f"  {name}: baseline {times['baseline']} ours {times['ours']}", flush=True)
-    print(f"\n| configuration | baseline ms/iter | ours ms/iter | ours / baseline |\n|---|---|---|---|")
+    print("\n| configuration | baseline ms/iter | ours ms/iter | ours / baseline |\n|---|---|---|---|")
     for name, b, o, ratio, _ in rows:
         print(f"| {name} | {b:.1f} | {o:.1f} | {ratio:.3f} |")
     print(f"load after: {os.getloadavg()[0]:.1f}")

@@ -26,7 +26,7 @@ from .checkpoint.export.save_16bit import save_16bit_model
 from .data import DataError, GlobalBatchSampler, build_tokenizer, build_train_valid_test_datasets, collate_gpt
 from .device import DeviceError, backend_for, select_device, to_device, use_device
 from .distributed import (LaunchError, another_rank_failed, init_distributed, is_peer_failure, read_launch_env,
-                          report_failure, shutdown_distributed, stop_with_launcher)
+                          record_peer_loss, report_failure, shutdown_distributed, stop_with_launcher)
 from .exit_signal import ExitPolicy
 from .logger import format_eval_line
 from .throughput import gpt_flops_per_iteration
@@ -293,8 +293,9 @@ def pretrain(argv=None) -> int:
             stop_with_launcher()
         args = parse_args(argv, world_size=launch.world_size, report=launch.rank == 0)
         device = select_device(args.device, launch.local_rank)
+        backend = backend_for(device, args.distributed_backend)
         use_device(device)
-        init_distributed(args.distributed_backend or backend_for(device), args.distributed_timeout_minutes)
+        init_distributed(backend, args.distributed_timeout_minutes)
         lock = hold_save_lock(args.save) if args.save else None
         state = build_parallel_state(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
         trainer = Trainer(args, state, device)
@@ -309,8 +310,10 @@ def pretrain(argv=None) -> int:
         if another_rank_failed():
             code = 2  # that rank has said why
         else:
-            print(f"pretrain_gpt.py: error: rank {dist.get_rank()} lost contact with another rank "
-                  f"({str(err).splitlines()[0][:200]}); that rank's log says why", file=sys.stderr, flush=True)
+            lost = (f"rank {dist.get_rank()} lost contact with another rank ({str(err).splitlines()[0][:200]}); "
+                    "that rank's log says why")
+            print(f"pretrain_gpt.py: error: {lost}", file=sys.stderr, flush=True)
+            record_peer_loss(lost)  # the launcher names the rank that failed first, not this one
             code = 1
     finally:
         if lock is not None:

@@ -5,10 +5,12 @@
 # workers get it: with --exit-signal-handler they stop after the current iteration, save and exit 0,
 # and then so does torchrun. A worker that exits 2 has printed its one sentence (bad input): torchrun's
 # ChildFailedError traceback is left out then and the job exits 2; any other failure keeps torchrun's
-# report. Used by pretrain_local.sh and pretrain_slurm.sbatch (LAUNCHER=torchrun).
+# report, preceded by one line naming the rank that failed first (megatron_zero.distributed.first_failure:
+# a rank that only lost contact with it is not the cause). Used by pretrain_local.sh and
+# pretrain_slurm.sbatch (LAUNCHER=torchrun).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-"${PYTHON:-$root/.venv/bin/python}" -c '
+PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "${PYTHON:-$root/.venv/bin/python}" -c '
 import sys
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
@@ -16,6 +18,8 @@ try:
     run(parse_args(sys.argv[1:]))
 except ChildFailedError as failed:
     if all(f.exitcode != 2 for f in failed.failures.values()):
+        from megatron_zero.distributed import first_failure
+        print(f"pretrain_torchrun: {first_failure(failed.failures)}", file=sys.stderr, flush=True)
         raise
     sys.exit(2)
 ' "$@" &
