@@ -250,9 +250,10 @@ def _lost_contact(failure) -> bool:
 
 def first_failure(failures: Dict[int, object]) -> str:
     """One line naming the rank that failed first, from torchrun's {global rank: ProcessFailure}: the earliest
-    failure that is not a lost contact (record_peer_loss), else the earliest; ties go to the lowest rank."""
+    failure that is not a lost contact (record_peer_loss), else the earliest; among failures of the same
+    second, the one torchrun lists first (observed first: the others are ranks it stopped after it)."""
     causes = {rank: f for rank, f in failures.items() if not _lost_contact(f)} or failures
-    rank, failure = min(causes.items(), key=lambda item: (item[1].timestamp, item[0]))
+    rank, failure = min(causes.items(), key=lambda item: item[1].timestamp)
     how = f"killed by signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
     after = len(failures) - 1
     return (f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) failed first: {how}"

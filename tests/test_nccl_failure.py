@@ -83,6 +83,10 @@ def test_first_failure_is_the_cause_not_the_rank_that_lost_contact(tmp_path):
     assert lost.timestamp < killed.timestamp
     line = distributed.first_failure({0: lost, 1: killed})
     assert line == "rank 1 (local rank 1, pid 101) failed first: killed by signal SIGKILL; 1 other rank failed after it"
+    # in the same second, the one torchrun observed first (listed first; it stopped the others after it)
+    stopped = ProcessFailure(local_rank=0, pid=100, exitcode=-signal.SIGTERM, error_file=str(tmp_path / "none"))
+    stopped.timestamp = killed.timestamp
+    assert distributed.first_failure({1: killed, 0: stopped}).startswith("rank 1 (local rank 1, pid 101) failed first")
     # with no cause among them (every rank only lost contact), the earliest is named
     assert distributed.first_failure({0: lost}).startswith("rank 0 (local rank 0, pid 100) failed first: exit code 1")
 
