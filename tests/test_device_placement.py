@@ -19,7 +19,8 @@ asserts that no call went unplaced, that placed calls were seen at all (the mode
 looking at nothing), and, after the two steps, that the parameters, ZeRO flat buffers, gradient
 partitions, fp32 masters and Adam moments are on the trainer's device (host memory only for
 the masters of --cpu-optimizer). Layouts: PP2 (p2p buffers, tied-embedding sync), DP2 ZeRO-3
-(gathers, saved-tensor hooks), DP2 ZeRO-2 with --cpu-optimizer; dropout on (the RNG tracker).
+(gathers, saved-tensor hooks), DP2 ZeRO-2 with --cpu-optimizer, TP2 with --sequence-parallel (the
+tensor-parallel mappings and cross-entropy); dropout on (the RNG tracker).
 
 The second iteration is a logged one with --timing-log-level 2 --log-params-norm (the timers' gather,
 the parameter norm's all-reduce over host masters with --cpu-optimizer). The same mode tells host
@@ -65,19 +66,20 @@ def _two_iterations(argv, tp, pp):
     return tracker.placed, tracker.unplaced, where, expected, tracker.host_in_collective, masters_on_host
 
 
-@pytest.mark.parametrize("layout", ["pp2", "dp2_zero3", "dp2_zero2_cpu_optimizer"])
+@pytest.mark.parametrize("layout", ["pp2", "dp2_zero3", "dp2_zero2_cpu_optimizer", "tp2_sequence_parallel"])
 def test_trainer_makes_every_tensor_on_its_device(builtin_corpus, tmp_path, layout):
     data, tok = builtin_corpus
-    flags = {"pipeline-model-parallel-size": 2 if layout == "pp2" else 1,
-             "zero-stage": {"pp2": 1, "dp2_zero3": 3, "dp2_zero2_cpu_optimizer": 2}[layout],
+    tp, pp = (2 if layout.startswith("tp2") else 1), (2 if layout == "pp2" else 1)
+    flags = {"pipeline-model-parallel-size": pp, "tensor-model-parallel-size": tp,
+             "sequence-parallel": layout.startswith("tp2"),
+             "zero-stage": {"pp2": 1, "dp2_zero3": 3, "dp2_zero2_cpu_optimizer": 2, "tp2_sequence_parallel": 1}[layout],
              "cpu-optimizer": layout.endswith("cpu_optimizer"), "device": "cpu",
              "num-layers": 2, "hidden-size": 32, "num-attention-heads": 4, "seq-length": 32,
              "micro-batch-size": 1, "global-batch-size": 4, "train-iters": 2, "eval-iters": 0,
              "log-interval": 2, "timing-log-level": 2, "log-params-norm": True,
              "hidden-dropout": 0.1, "attention-dropout": 0.1,
              "zero-param-persistence-threshold": 0, "data-cache-path": tmp_path / "cache"}
-    pp = 2 if layout == "pp2" else 1
-    results = run_ranks(_two_iterations, 2, model_flags(data, tok, **flags), 1, pp, timeout=300)
+    results = run_ranks(_two_iterations, 2, model_flags(data, tok, **flags), tp, pp, timeout=300)
     for rank, (placed, unplaced, where, expected, host_in_collective, masters_on_host) in enumerate(results):
         assert not unplaced, f"rank {rank}: factory calls without a device: {unplaced}"
         assert placed > 10, f"rank {rank}: only {placed} factory calls seen; the recorder is not looking"
