@@ -9,24 +9,30 @@ synchronous, what is left to see is the collectives and kernel launches saved, s
 
 The baseline is `git archive <commit>` of this repository unpacked into a temporary directory, with this
 tree's compiled kernels (megatron_zero/*.so) copied in, so both sides use the same kernels. Each
-configuration is a 2-rank torchrun launch (gloo, OMP_NUM_THREADS=1) of a byte-level GPT on random
-byte documents, --train-iters ITERS at --log-interval ITERS/4; a launch's time per iteration is the
-median of its log lines after the first (each line averages its interval). Launches alternate between
-the two trees (order reversed every round) so both share the machine's noise; the table shows the
-median over rounds and ours / baseline (below 1: faster).
+configuration is a 2-rank torchrun launch (gloo, OMP_NUM_THREADS=1) of this script as the worker, with
+that tree first on the path: it builds the Trainer from pretrain_gpt.py's flags (a byte-level GPT on
+random byte documents, --train-iters ITERS at --log-interval ITERS/4) and stamps the start of every
+step, so an iteration is everything from one step's start to the next (step, log line, exit check).
+Per iteration: wall time (the slower rank) and CPU time (both ranks' processes, gloo's threads
+included: it moves much less than wall time when other jobs load the machine); a launch's value is
+the median over its iterations after the first 3. Launches alternate between the two trees (order
+reversed every round) so both share the machine's noise; the table shows the median over rounds and
+ours / baseline (below 1: faster).
 """
 import argparse
+import json
 import os
 import platform
-import re
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+if sys.argv[1:2] != ["--worker"]:  # a worker imports megatron_zero from the tree on its PYTHONPATH
+    sys.path.insert(0, ROOT)
 
 from megatron_zero.testing.launch import byte_data, flags_argv  # noqa: E402
 from megatron_zero.testing.multirank import free_port  # noqa: E402
@@ -54,22 +60,56 @@ def baseline_tree(commit: str, where: str) -> str:
     return tree
 
 
-def run(tree: str, flags: dict, data: str, cache: str, iters: int) -> float:
-    """Median ms per iteration over the log lines after the first, of one 2-rank launch from `tree`."""
+def run(tree: str, flags: dict, data: str, cache: str, iters: int):
+    """(wall ms, CPU ms) per iteration, medians, of one 2-rank launch of the worker from `tree`."""
     argv = flags_argv({**flags, "tokenizer-type": "ByteTokenizer", "data-path": data, "split": "100,0,0",
                        "lr": 1e-4, "train-iters": iters, "log-interval": iters // 4, "eval-iters": 0,
                        "data-cache-path": cache})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(free_port()), os.path.join(tree, "pretrain_gpt.py")] + argv
+           str(free_port()), os.path.abspath(__file__), "--worker"] + argv
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": tree}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tree, timeout=1200)
-    times = [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", out.stdout)]
-    if out.returncode != 0 or len(times) < 2:
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tree, timeout=1800)
+    stamps = [json.loads(line[len("STAMPS "):]) for line in out.stdout.splitlines() if line.startswith("STAMPS ")]
+    if out.returncode != 0 or len(stamps) != 2:
         raise SystemExit(f"{tree}: exit {out.returncode}\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
-    return statistics.median(times[1:])
+    wall = [max(s["wall"][i + 1] - s["wall"][i] for s in stamps) for i in range(3, iters - 1)]
+    cpu = [sum(s["cpu"][i + 1] - s["cpu"][i] for s in stamps) for i in range(3, iters - 1)]
+    return statistics.median(wall) * 1e3, statistics.median(cpu) * 1e3
+
+
+def worker(argv):
+    """One rank: train as pretrain_gpt.py would, stamping (wall, process CPU) at each step's start."""
+    import torch.distributed as dist
+
+    from megatron_zero.arguments import parse_args
+    from megatron_zero.distributed import init_distributed
+    from megatron_zero.topology import build_parallel_state
+    from megatron_zero.training import Trainer
+
+    init_distributed("gloo")
+    args = parse_args(argv, world_size=dist.get_world_size())
+    trainer = Trainer(args, build_parallel_state(args.tensor_model_parallel_size,
+                                                 args.pipeline_model_parallel_size))
+    stamps = {"wall": [], "cpu": []}
+    step = trainer.train_step
+
+    def stamped(*a, **k):
+        stamps["wall"].append(time.perf_counter())
+        stamps["cpu"].append(time.process_time())
+        return step(*a, **k)
+
+    trainer.train_step = stamped
+    trainer.train()
+    stamps["wall"].append(time.perf_counter())
+    stamps["cpu"].append(time.process_time())
+    print("STAMPS " + json.dumps(stamps), flush=True)
+    trainer = None
+    dist.destroy_process_group()
 
 
 def main():
+    if sys.argv[1:2] == ["--worker"]:
+        return worker(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", default="d5c60dd", help="commit to compare with")
     parser.add_argument("--rounds", type=int, default=3)
@@ -91,12 +131,13 @@ def main():
                 for side in order:
                     times[side].append(run(sides[side], CONFIGS[name], data, os.path.join(tmp, f"cache_{side}"),
                                            args.iters))
-            b, o = statistics.median(times["baseline"]), statistics.median(times["ours"])
-            rows.append((name, b, o, o / b, times))
-            print(f"  {name}: baseline {times['baseline']} ours {times['ours']}", flush=True)
-    print("\n| configuration | baseline ms/iter | ours ms/iter | ours / baseline |\n|---|---|---|---|")
-    for name, b, o, ratio, _ in rows:
-        print(f"| {name} | {b:.1f} | {o:.1f} | {ratio:.3f} |")
+            med = {side: [statistics.median(v[k] for v in times[side]) for k in (0, 1)] for side in sides}
+            rows.append((name, med["baseline"], med["ours"]))
+            print(f"  {name}: (wall ms, CPU ms) baseline {times['baseline']} ours {times['ours']}", flush=True)
+    print("\n| configuration | wall ms/iter baseline | ours | ours / baseline | CPU ms/iter baseline | ours | "
+          "ours / baseline |\n|---|---|---|---|---|---|---|")
+    for name, (bw, bc), (ow, oc) in rows:
+        print(f"| {name} | {bw:.1f} | {ow:.1f} | {ow / bw:.3f} | {bc:.1f} | {oc:.1f} | {oc / bc:.3f} |")
     print(f"load after: {os.getloadavg()[0]:.1f}")
 
 
