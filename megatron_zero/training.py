@@ -166,7 +166,7 @@ class Trainer:
             updated, grad_norm = self.optimizer.step(lr=lr, votes=votes)
         with timers("loss-broadcast", 2):
             loss = reduce_loss(losses, s.is_last_stage, s.layout.pp_group(s.rank)[-1], s.pp_group, s.dp_group,
-                                  self.device)
+                               self.device)
         return loss, lr, updated, grad_norm
 
     @torch.no_grad()
