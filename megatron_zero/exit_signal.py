@@ -57,8 +57,8 @@ class ExitPolicy:
     def should_exit(self, iteration: int, summed_votes: Optional[Sequence[float]] = None) -> Optional[str]:
         """The reason to stop after this iteration (the same on every rank), or None.
 
-        `summed_votes`: `votes()` taken during this iteration, summed over every rank (the optimizer
-        step's ZeroOptimizer.summed_votes); None: take and all-reduce them here (a collective)."""
+        `summed_votes`: `votes()` taken at this iteration's optimizer step, summed over every rank
+        (ZeroOptimizer.summed_votes); None: take and all-reduce them here (a collective)."""
         if summed_votes is None:
             summed_votes = self._all_reduce(self.votes())
         if summed_votes and summed_votes[0] > 0:

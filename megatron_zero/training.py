@@ -149,9 +149,10 @@ class Trainer:
                 for idx in sampler.global_batch(start)]
 
     # ---- one iteration ---------------------------------------------------------------
-    def train_step(self, micro, votes=()):
-        """One global batch -> (mean loss as a device tensor, lr, updated, grad norm); `votes` ride in the
-        step's norm all-reduce (ExitPolicy.votes), their sums left in optimizer.summed_votes."""
+    def train_step(self, micro, votes=tuple):
+        """One global batch -> (mean loss as a device tensor, lr, updated, grad norm). `votes()`, taken just
+        before the optimizer step (ExitPolicy.votes: a signal received during this iteration's forward and
+        backward counts), rides in the step's norm all-reduce; the sums are left in optimizer.summed_votes."""
         s, timers = self.state, self.log.timers
         self.model.train()
         with timers("forward-backward", 1):
@@ -163,7 +164,7 @@ class Trainer:
             sync_tied_embedding_grads(self.model, s)
         lr = self.lr_schedule.lr()
         with timers("optimizer", 1):
-            updated, grad_norm = self.optimizer.step(lr=lr, votes=votes)
+            updated, grad_norm = self.optimizer.step(lr=lr, votes=votes())
         with timers("loss-broadcast", 2):
             loss = reduce_loss(losses, s.is_last_stage, s.layout.pp_group(s.rank)[-1], s.pp_group, s.dp_group,
                                self.device)
@@ -248,7 +249,7 @@ class Trainer:
         saved_at = None
         while p.iteration < a.train_iters:
             micro = self._micro_batches(self.train_ds, p.consumed_train_samples)
-            loss, lr, updated, grad_norm = self.train_step(micro, policy.votes())
+            loss, lr, updated, grad_norm = self.train_step(micro, policy.votes)
             p.iteration += 1
             p.consumed_train_samples += a.global_batch_size
             self.lr_schedule.step()
