@@ -40,8 +40,14 @@ def select_device(choice: str = "auto", local_rank: int = 0) -> torch.device:
     return torch.device("cuda", local_rank % torch.cuda.device_count())
 
 
-def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
+def backend_for(device: torch.device, requested: Optional[str] = None) -> str:
+    """The process-group backend for `device`: nccl with CUDA, gloo with the CPU; `requested`
+    (--distributed-backend) when it can move the device's tensors, else a DeviceError."""
+    if requested == "gloo" and device.type == "cuda":
+        raise DeviceError(f"--distributed-backend gloo cannot run the collectives of a rank training on {device} "
+                          "(the ZeRO and tensor-parallel collectives need NCCL for CUDA tensors); leave "
+                          "--distributed-backend out to get nccl, or train with --device cpu")
+    return requested or ("nccl" if device.type == "cuda" else "gloo")
 
 
 def use_device(device: torch.device) -> None:

@@ -5,6 +5,12 @@ SLURM (srun, one task per GPU) sets SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID an
 SLURM_NODELIST/SLURM_JOB_NODELIST; the master address is the first host of the
 node list. The backend is nccl where CUDA is present, else gloo.
 
+On NCCL a dead peer raises nothing: the others wait in their collective. Before the process group is
+made, `nccl_environment` turns on PyTorch's NCCL watchdog teardown (TORCH_NCCL_ASYNC_ERROR_HANDLING=1:
+a collective that fails or outlives --distributed-timeout-minutes aborts the communicators and ends
+the process, so the launcher sees it) with the watchdog's heartbeat monitor given the same time
+(TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC); values the user exported are kept.
+
 Two guards for a job of many processes:
 - `stop_with_launcher`: a worker gets SIGTERM when its launcher (torchrun's agent, the
   SLURM step) dies, through Linux's parent-death signal (prctl PR_SET_PDEATHSIG);
@@ -15,6 +21,10 @@ Two guards for a job of many processes:
   it stays quiet. A rank that then loses contact with the failed one (`is_peer_failure`)
   finds the report (`another_rank_failed`) and exits quietly instead of printing the
   backend's connection traceback.
+- Which rank died first: a rank that only lost contact says so in torchrun's error file for it
+  (`record_peer_loss`), so the launch script (scripts/pretrain_torchrun.sh) can name, with
+  `first_failure`, the rank whose failure was a cause (killed by a signal, or failed on its own)
+  rather than the first one torchrun happened to observe.
 """
 from __future__ import annotations
 
@@ -25,7 +35,7 @@ import re
 import signal
 import sys
 from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, Optional
 
 DEFAULT_PORT = 29500
 
@@ -92,9 +102,16 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def nccl_environment(timeout_minutes: float) -> Dict[str, str]:
+    """PyTorch's NCCL settings for a job whose collectives may wait `timeout_minutes` (module docstring)."""
+    return {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+            "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(max(60, int(timeout_minutes * 60)))}
+
+
 def init_distributed(backend: Optional[str] = None, timeout_minutes: float = 10.0,
                      environ: Optional[dict] = None) -> LaunchEnv:
-    """Initialise the default process group from the launch environment (idempotent)."""
+    """Initialise the default process group from the launch environment (idempotent); on NCCL with
+    nccl_environment's settings in os.environ first (ProcessGroupNCCL reads them when it is made)."""
     import torch
     import torch.distributed as dist
 
@@ -106,6 +123,8 @@ def init_distributed(backend: Optional[str] = None, timeout_minutes: float = 10.
         return launch
     backend = backend or default_backend()
     if backend == "nccl":
+        for name, value in nccl_environment(timeout_minutes).items():
+            os.environ.setdefault(name, value)
         torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
     dist.init_process_group(
         backend=backend,
@@ -209,3 +228,33 @@ def is_peer_failure(err: BaseException) -> bool:
     text = str(err)
     return isinstance(err, dist.DistError) or (isinstance(err, RuntimeError) and any(
         s in text for s in ("Connection closed by peer", "Connection reset by peer", "gloo/transport", "NCCL")))
+
+
+class PeerLostError(RuntimeError):
+    """This rank's collective broke because another rank went away: a consequence, not a cause."""
+
+
+def record_peer_loss(message: str) -> None:
+    """Write `message` as a PeerLostError into torchrun's error file for this worker (when there is one)."""
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    ErrorHandler().record_exception(PeerLostError(message))
+
+
+def _lost_contact(failure) -> bool:
+    message = failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
+    return message.startswith(PeerLostError.__name__)
+
+
+def first_failure(failures: Dict[int, object]) -> str:
+    """One line naming the rank that failed first, from torchrun's {global rank: ProcessFailure}: the earliest
+    failure that is not a lost contact (record_peer_loss), else the earliest; among failures of the same
+    second, the one torchrun lists first (observed first: the others are ranks it stopped after it)."""
+    causes = {rank: f for rank, f in failures.items() if not _lost_contact(f)} or failures
+    rank, failure = min(causes.items(), key=lambda item: item[1].timestamp)
+    how = f"killed by signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+    after = len(failures) - 1
+    return (f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) failed first: {how}"
+            + (f"; {after} other rank{'s' if after > 1 else ''} failed after it" if after else ""))

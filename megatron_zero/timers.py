@@ -29,7 +29,7 @@ backward-compute; what is left of it at the end counts in optimizer.
 from __future__ import annotations
 
 import time
-from typing import Dict, List
+from typing import Dict
 
 import torch
 import torch.distributed as dist
@@ -147,23 +147,25 @@ class Timers:
         names = sorted(mine)
         if not names:
             return "", {}
-        local = torch.tensor([mine[n] / max(1, normalizer) for n in names], dtype=torch.float64)
+        # on the device: the default group is NCCL's on a GPU, which gathers device tensors only
+        local = torch.tensor([mine[n] / max(1, normalizer) for n in names], dtype=torch.float64, device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            gathered: List[torch.Tensor] = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-            dist.all_gather(gathered, local)
-            table = torch.stack(gathered)  # [ranks, timers]
+            flat = torch.empty(dist.get_world_size() * len(names), dtype=torch.float64, device=self.device)
+            dist.all_gather_into_tensor(flat, local)
+            table = flat.view(-1, len(names))  # [ranks, timers]
         else:
             table = local.unsqueeze(0)
+        table = table.tolist()  # one read back to the host for the whole table
         header = {"max": "max time across ranks (ms):", "minmax": "(min, max) time across ranks (ms):",
                   "all": "times across ranks (ms):"}[self.log_option]
         lines = [header]
         for i, name in enumerate(names):
-            col = table[:, i]
+            col = [row[i] for row in table]
             if self.log_option == "max":
-                value = f"{col.max().item():.2f}"
+                value = f"{max(col):.2f}"
             elif self.log_option == "minmax":
-                value = f"({col.min().item():.2f}, {col.max().item():.2f})"
+                value = f"({min(col):.2f}, {max(col):.2f})"
             else:
-                value = ", ".join(f"{v:.2f}" for v in col.tolist())
+                value = ", ".join(f"{v:.2f}" for v in col)
             lines.append(f"    {name} {'.' * max(1, 40 - len(name))}: {value}")
-        return "\n".join(lines), {n: table[:, i].max().item() for i, n in enumerate(names)}
+        return "\n".join(lines), {n: max(row[i] for row in table) for i, n in enumerate(names)}

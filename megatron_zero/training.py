@@ -28,7 +28,7 @@ from .checkpoint.export.save_16bit import save_16bit_model
 from .data import DataError, GlobalBatchSampler, build_tokenizer, build_train_valid_test_datasets, collate_gpt
 from .device import DeviceError, backend_for, select_device, to_device, use_device
 from .distributed import (LaunchError, another_rank_failed, init_distributed, is_peer_failure, read_launch_env,
-                          report_failure, shutdown_distributed, stop_with_launcher)
+                          record_peer_loss, report_failure, shutdown_distributed, stop_with_launcher)
 from .exit_signal import ExitPolicy
 from .logger import format_eval_line
 from .throughput import gpt_flops_per_iteration
@@ -38,7 +38,7 @@ from .ops import kernel_report, set_fusion_flags
 from .pipeline.gpt_stage import (activation_shape, build_gpt_stage, grad_reduce_arming, make_forward_step,
                                  stage_p2p, sync_tied_embedding_grads)
 from .pipeline.interleaved_schedule import schedule_for
-from .pipeline.schedule import broadcast_loss
+from .pipeline.schedule import broadcast_loss, reduce_loss
 from .rng_state import get_rng_state, set_rng_state
 from .shm_comm import set_shared_memory_comm
 from .tensor_parallel.random import model_parallel_seed
@@ -151,7 +151,10 @@ class Trainer:
                 for idx in sampler.global_batch(start)]
 
     # ---- one iteration ---------------------------------------------------------------
-    def train_step(self, micro):
+    def train_step(self, micro, votes=tuple):
+        """One global batch -> (mean loss as a device tensor, lr, updated, grad norm). `votes()`, taken just
+        before the optimizer step (ExitPolicy.votes: a signal received during this iteration's forward and
+        backward counts), rides in the step's norm all-reduce; the sums are left in optimizer.summed_votes."""
         s, timers = self.state, self.log.timers
         self.model.train()
         with timers("forward-backward", 1):
@@ -163,10 +166,10 @@ class Trainer:
             sync_tied_embedding_grads(self.model, s)
         lr = self.lr_schedule.lr()
         with timers("optimizer", 1):
-            updated, grad_norm = self.optimizer.step(lr=lr)
+            updated, grad_norm = self.optimizer.step(lr=lr, votes=votes())
         with timers("loss-broadcast", 2):
-            loss = broadcast_loss(losses, s.is_last_stage, s.layout.pp_group(s.rank)[-1], s.pp_group, s.dp_group,
-                                  self.device)
+            loss = reduce_loss(losses, s.is_last_stage, s.layout.pp_group(s.rank)[-1], s.pp_group, s.dp_group,
+                               self.device)
         return loss, lr, updated, grad_norm
 
     @torch.no_grad()
@@ -190,6 +193,7 @@ class Trainer:
 
     def save(self):
         a = self.args
+        self.log.flush(self.progress)  # the saved nan count includes every iteration run
         start = time.monotonic()
         tag = ckpt.save_checkpoint(a.save, self.progress.iteration, self.state, self.model, self.optimizer,
                                    self.client_state(), async_save=a.async_save, keep_last_k=a.keep_last_k)
@@ -263,14 +267,12 @@ class Trainer:
         saved_at = None
         while p.iteration < a.train_iters:
             micro = self._micro_batches(self.train_ds, p.consumed_train_samples)
-            loss, lr, updated, grad_norm = self.train_step(micro)
+            loss, lr, updated, grad_norm = self.train_step(micro, policy.votes)
             p.iteration += 1
             p.consumed_train_samples += a.global_batch_size
             self.lr_schedule.step()
             if not updated:
                 p.skipped_iterations += 1
-            if loss != loss:
-                p.nan_iterations += 1
             self.log.iteration(p, loss, lr, grad_norm, self.optimizer.loss_scale, updated,
                                self.optimizer.params_norm)
             if a.eval_iters and self.valid_ds is not None and p.iteration % a.eval_interval == 0:
@@ -282,10 +284,11 @@ class Trainer:
             if a.save and a.save_interval and p.iteration % a.save_interval == 0:
                 self.save()
                 saved_at = p.iteration
-            reason = policy.should_exit(p.iteration)
+            reason = policy.should_exit(p.iteration, self.optimizer.summed_votes)
             if reason:
                 self._log(f"exiting after iteration {p.iteration}: {reason}")
                 break
+        self.log.flush(p)  # the losses of the iterations since the last log line
         if a.save and saved_at != p.iteration:
             self.save()
         ckpt.finalize_async_saves()
@@ -309,8 +312,9 @@ def pretrain(argv=None) -> int:
             stop_with_launcher()
         args = parse_args(argv, world_size=launch.world_size, report=launch.rank == 0)
         device = select_device(args.device, launch.local_rank)
+        backend = backend_for(device, args.distributed_backend)
         use_device(device)
-        init_distributed(args.distributed_backend or backend_for(device), args.distributed_timeout_minutes)
+        init_distributed(backend, args.distributed_timeout_minutes)
         lock = hold_save_lock(args.save) if args.save else None
         state = build_parallel_state(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
         trainer = Trainer(args, state, device)
@@ -325,8 +329,10 @@ def pretrain(argv=None) -> int:
         if another_rank_failed():
             code = 2  # that rank has said why
         else:
-            print(f"pretrain_gpt.py: error: rank {dist.get_rank()} lost contact with another rank "
-                  f"({str(err).splitlines()[0][:200]}); that rank's log says why", file=sys.stderr, flush=True)
+            lost = (f"rank {dist.get_rank()} lost contact with another rank ({str(err).splitlines()[0][:200]}); "
+                    "that rank's log says why")
+            print(f"pretrain_gpt.py: error: {lost}", file=sys.stderr, flush=True)
+            record_peer_loss(lost)  # the launcher names the rank that failed first, not this one
             code = 1
     finally:
         if lock is not None:

@@ -1,7 +1,10 @@
 """What the training loop reports, and when: the log line, TensorBoard / wandb scalars, the timers.
 
-Every iteration: the loss, learning rate, loss scale, grad norm and batch size go to the scalar
-writers (each also "vs samples"), and the loss joins the running average. Every --log-interval:
+Every iteration: the learning rate, loss scale, grad norm and batch size go to the scalar writers
+(each also "vs samples"); the loss stays on the device (reading it would wait for the step's queued
+work). Every --log-interval (and at `flush`, before a checkpoint) the interval's losses come to the host
+in one read: each goes to the writers under its own iteration, the finite ones of updated iterations
+join the average, and the non-finite ones count as nan iterations. Every --log-interval also:
 the averaged line (logger.format_train_line), `iteration-time`, `throughput` (model TFLOP/s per rank,
 Megatron's formula), `world-size` (--log-world-size-to-tensorboard), `params-norm` (--log-params-norm,
 a collective over the model-parallel and data-parallel groups), the memory tags
@@ -12,6 +15,8 @@ from __future__ import annotations
 
 import math
 import time
+
+import torch
 
 from .logger import ScalarLog, format_train_line, memory_scalars
 from .throughput import mfu, peak_tflops, tflops_per_rank
@@ -42,29 +47,29 @@ class TrainingLog:
         self.flops = flops_per_iteration
         self.peak = peak_tflops(device, args.params_dtype, args.peak_tflops)
         self._loss_sum, self._loss_count, self._iters = 0.0, 0, 0
+        self._pending = []  # (iteration, consumed samples, loss on the device, updated) not yet read
         self._last = time.monotonic()
 
     def start(self):
         """The clock for the first interval starts here (after loading and building the data)."""
         self._last = time.monotonic()
 
-    def iteration(self, progress, loss: float, lr: float, grad_norm, loss_scale: float, updated: bool,
+    def iteration(self, progress, loss: torch.Tensor, lr: float, grad_norm, loss_scale: float, updated: bool,
                   params_norm_fn):
-        """Record one finished iteration; every --log-interval print the line (params_norm_fn: a collective)."""
+        """Record one finished iteration (`loss`: a one-element tensor, read at the next log line); every
+        --log-interval print the line (params_norm_fn: a collective)."""
         a, p, w = self.args, progress, self.scalars
         it, samples = p.iteration, p.consumed_train_samples
-        w.scalar("lm loss", loss, it, samples)
+        self._pending.append((it, samples, loss.detach().reshape(1), updated))
         w.scalar("learning-rate", lr, it, samples)
         if grad_norm is not None:
             w.scalar("grad-norm", grad_norm, it, samples)
         w.scalar("loss-scale", loss_scale, it, samples)
         w.scalar("batch-size", a.global_batch_size, it, samples)
         self._iters += 1
-        if updated and math.isfinite(loss):
-            self._loss_sum += loss
-            self._loss_count += 1
         if it % a.log_interval != 0 and it != a.train_iters:
             return
+        self.flush(p)
         elapsed = (time.monotonic() - self._last) / self._iters
         tflops = tflops_per_rank(self.flops, elapsed, self.world_size)
         params_norm = params_norm_fn() if a.log_params_norm else None
@@ -87,6 +92,21 @@ class TrainingLog:
             self.print(timing)
         self._loss_sum, self._loss_count, self._iters = 0.0, 0, 0
         self._last = time.monotonic()
+
+    def flush(self, progress) -> None:
+        """Read the losses recorded since the last flush (one host read): write each, add the finite ones
+        of updated iterations to the average, count the non-finite ones in progress.nan_iterations."""
+        if not self._pending:
+            return
+        values = torch.cat([loss for _, _, loss, _ in self._pending]).tolist()
+        for (it, samples, _, updated), loss in zip(self._pending, values):
+            self.scalars.scalar("lm loss", loss, it, samples)
+            if loss != loss:
+                progress.nan_iterations += 1
+            if updated and math.isfinite(loss):
+                self._loss_sum += loss
+                self._loss_count += 1
+        self._pending = []
 
     def _timing_block(self, iteration: int) -> str:
         """The timers' text (collective); backward-compute is what forward-backward leaves after forward and p2p."""

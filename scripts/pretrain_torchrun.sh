@@ -5,13 +5,15 @@
 # workers get it: with --exit-signal-handler they stop after the current iteration, save and exit 0,
 # and then so does torchrun. A worker that exits 2 has printed its one sentence (bad input): torchrun's
 # report of the workers' ends (its "closing signal SIGTERM" / "failed (exitcode: 2)" lines and the
-# ChildFailedError traceback) is left out then and the job exits 2; any other failure keeps all of it.
+# ChildFailedError traceback) is left out then and the job exits 2; any other failure keeps all of it,
+# preceded by one line naming the rank that failed first (megatron_zero.distributed.first_failure: a rank
+# that only lost contact with it is not the cause).
 # OMP_NUM_THREADS defaults to 1 here (what torchrun sets, without its four-line warning about it).
 # Used by pretrain_local.sh, torchrun_node.sh and pretrain_slurm.sbatch (LAUNCHER=torchrun).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-"${PYTHON:-$root/.venv/bin/python}" -c '
+PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "${PYTHON:-$root/.venv/bin/python}" -c '
 import logging
 import sys
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -43,6 +45,8 @@ try:
     run(parse_args(sys.argv[1:]))
 except ChildFailedError as failed:
     if all(f.exitcode != 2 for f in failed.failures.values()):
+        from megatron_zero.distributed import first_failure
+        print(f"pretrain_torchrun: {first_failure(failed.failures)}", file=sys.stderr, flush=True)
         hold.flush()
         raise
     sys.exit(2)

@@ -19,40 +19,23 @@ asserts that no call went unplaced, that placed calls were seen at all (the mode
 looking at nothing), and, after the two steps, that the parameters, ZeRO flat buffers, gradient
 partitions, fp32 masters and Adam moments are on the trainer's device (host memory only for
 the masters of --cpu-optimizer). Layouts: PP2 (p2p buffers, tied-embedding sync), DP2 ZeRO-3
-(gathers, saved-tensor hooks), DP2 ZeRO-2 with --cpu-optimizer; dropout on (the RNG tracker).
-"""
-import sys
+(gathers, saved-tensor hooks), DP2 ZeRO-2 with --cpu-optimizer, TP2 with --sequence-parallel (the
+tensor-parallel mappings and cross-entropy); dropout on (the RNG tracker).
 
+The second iteration is a logged one with --timing-log-level 2 --log-params-norm (the timers' gather,
+the parameter norm's all-reduce over host masters with --cpu-optimizer). The same mode tells host
+tensors from device tensors (testing/placement.py: a factory given device.HOST, pinned or given no
+device makes a host tensor, and ops on host tensors only make host tensors), and every collective and
+point-to-point call is watched: a host tensor handed to one is what NCCL refuses ("no GPU device"),
+so the test asserts none was.
+"""
 import pytest
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
 
-from megatron_zero.testing.multirank import run_ranks
 from megatron_zero.testing.launch import model_flags
-
-FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.arange, torch.tensor, torch.as_tensor,
-             torch.randn, torch.rand, torch.randint, torch.randperm, torch.empty_strided, torch.linspace,
-             torch.eye, torch.scalar_tensor}
-
-
-class FactoryRecorder(TorchFunctionMode):
-    """Counts factory calls from megatron_zero code; keeps 'file:line' of those without a device."""
-
-    def __init__(self):
-        super().__init__()
-        self.placed, self.unplaced = 0, []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in FACTORIES:
-            caller = sys._getframe(1)
-            if caller.f_globals.get("__name__", "").startswith("megatron_zero"):
-                if kwargs.get("device") is None:
-                    self.unplaced.append(f"{caller.f_code.co_filename}:{caller.f_lineno} {func.__name__}")
-                else:
-                    self.placed += 1
-        return func(*args, **kwargs)
+from megatron_zero.testing.multirank import run_ranks
+from megatron_zero.testing.placement import PlacementTracker, watch_collectives
 
 
 def _two_iterations(argv, tp, pp):
@@ -60,12 +43,12 @@ def _two_iterations(argv, tp, pp):
     from megatron_zero.topology import build_parallel_state
     from megatron_zero.training import Trainer
 
-    device = torch.device("cpu")
+    device = torch.device("cpu")  # not device.HOST: the tracker tells the two apart by identity
     args = parse_args(argv, world_size=dist.get_world_size())
-    recorder = FactoryRecorder()
-    with recorder:
+    tracker = PlacementTracker()
+    with tracker, watch_collectives(tracker):
         trainer = Trainer(args, build_parallel_state(tp, pp), device)
-        trainer.train()  # --train-iters 2
+        trainer.train()  # --train-iters 2, the second logged
     opt = trainer.optimizer
     home = torch.device("cpu") if opt.offload != "none" else device
     where = {
@@ -79,22 +62,28 @@ def _two_iterations(argv, tp, pp):
     else:
         where["shards"] = {p.ds_shard.device for g in opt.impl.groups for p in g}
     expected = {name: {home if name in ("masters", "moments") else device} for name in where}
-    return recorder.placed, recorder.unplaced, where, expected
+    masters_on_host = all(tracker.is_host(p) for p in opt.optimizer.params)
+    return tracker.placed, tracker.unplaced, where, expected, tracker.host_in_collective, masters_on_host
 
 
-@pytest.mark.parametrize("layout", ["pp2", "dp2_zero3", "dp2_zero2_cpu_optimizer"])
+@pytest.mark.parametrize("layout", ["pp2", "dp2_zero3", "dp2_zero2_cpu_optimizer", "tp2_sequence_parallel"])
 def test_trainer_makes_every_tensor_on_its_device(builtin_corpus, tmp_path, layout):
     data, tok = builtin_corpus
-    flags = {"pipeline-model-parallel-size": 2 if layout == "pp2" else 1,
-             "zero-stage": {"pp2": 1, "dp2_zero3": 3, "dp2_zero2_cpu_optimizer": 2}[layout],
+    tp, pp = (2 if layout.startswith("tp2") else 1), (2 if layout == "pp2" else 1)
+    flags = {"pipeline-model-parallel-size": pp, "tensor-model-parallel-size": tp,
+             "sequence-parallel": layout.startswith("tp2"),
+             "zero-stage": {"pp2": 1, "dp2_zero3": 3, "dp2_zero2_cpu_optimizer": 2, "tp2_sequence_parallel": 1}[layout],
              "cpu-optimizer": layout.endswith("cpu_optimizer"), "device": "cpu",
              "num-layers": 2, "hidden-size": 32, "num-attention-heads": 4, "seq-length": 32,
              "micro-batch-size": 1, "global-batch-size": 4, "train-iters": 2, "eval-iters": 0,
-             "log-interval": 100, "hidden-dropout": 0.1, "attention-dropout": 0.1,
+             "log-interval": 2, "timing-log-level": 2, "log-params-norm": True,
+             "hidden-dropout": 0.1, "attention-dropout": 0.1,
              "zero-param-persistence-threshold": 0, "data-cache-path": tmp_path / "cache"}
-    pp = 2 if layout == "pp2" else 1
-    results = run_ranks(_two_iterations, 2, model_flags(data, tok, **flags), 1, pp, timeout=300)
-    for rank, (placed, unplaced, where, expected) in enumerate(results):
+    results = run_ranks(_two_iterations, 2, model_flags(data, tok, **flags), tp, pp, timeout=300)
+    for rank, (placed, unplaced, where, expected, host_in_collective, masters_on_host) in enumerate(results):
         assert not unplaced, f"rank {rank}: factory calls without a device: {unplaced}"
         assert placed > 10, f"rank {rank}: only {placed} factory calls seen; the recorder is not looking"
         assert where == expected, f"rank {rank}: {where} != {expected}"
+        # the tracker sees the offloaded masters as host memory (else the collective check would look at nothing)
+        assert masters_on_host == layout.endswith("cpu_optimizer"), f"rank {rank}: masters on host: {masters_on_host}"
+        assert not host_in_collective, f"rank {rank}: host tensors handed to collectives: {host_in_collective}"

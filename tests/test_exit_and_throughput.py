@@ -25,6 +25,17 @@ def test_interval_and_duration():
     assert "exit-duration" in ExitPolicy(duration_mins=0.0).should_exit(1)
 
 
+def test_exit_votes_are_what_every_rank_decides_on():
+    """The votes ride in the optimizer step's all-reduce; the sums decide, so a rank that saw no signal
+    stops with the one that did. Nothing to vote on without a handler or a time limit."""
+    assert ExitPolicy().votes() == () and ExitPolicy(exit_interval=5).votes() == ()
+    policy = ExitPolicy(duration_mins=1000.0)
+    assert policy.votes() == (0.0, 0.0) and policy.should_exit(7, [0.0, 0.0]) is None
+    assert policy.should_exit(7, [1.0, 0.0]) == "exit signal received"  # another rank's signal
+    assert "exit-duration" in policy.should_exit(7, [0.0, 2.0])
+    assert ExitPolicy(duration_mins=0.0).votes() == (0.0, 1.0)
+
+
 def test_flops_match_megatron_formula():
     # Megatron: 72 * B * s * L * h^2 * (1 + s/(6h) + V/(12 h L)) with ffn = 4h.
     B, s, L, h, V = 8, 1024, 24, 1024, 50304

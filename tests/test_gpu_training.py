@@ -72,7 +72,7 @@ def _train(trainer, iters):
     losses = []
     for _ in range(iters):
         micro = trainer._micro_batches(trainer.train_ds, trainer.progress.consumed_train_samples)
-        losses.append(trainer.train_step(micro)[0])
+        losses.append(trainer.train_step(micro)[0].item())  # the loss stays on the device until read
         trainer.progress.consumed_train_samples += trainer.args.global_batch_size
         trainer.lr_schedule.step()
     return losses

@@ -121,11 +121,12 @@ def forward_backward(forward_step: Callable, num_micro_batches: int, p2p: Option
     return losses
 
 
-def broadcast_loss(losses: List[torch.Tensor], is_last: bool, last_stage_rank: int, pp_group,
-                   dp_group=None, device: torch.device = HOST) -> float:
-    """The global batch's mean loss on every rank: summed on the last stage, sent along the
-    pipeline (a sum in which the other stages add exact zeros: a broadcast, through shared memory
-    where shm_comm applies), and averaged over the data-parallel replicas."""
+def reduce_loss(losses: List[torch.Tensor], is_last: bool, last_stage_rank: int, pp_group,
+                dp_group=None, device: torch.device = HOST) -> torch.Tensor:
+    """The global batch's mean loss on every rank, as a one-element fp32 tensor on `device` (no host read:
+    the training loop reads it at --log-interval). Summed on the last stage, sent along the pipeline
+    (a sum in which the other stages add exact zeros: a broadcast, through shared memory where shm_comm
+    applies), and averaged over the data-parallel replicas."""
     value = torch.stack(losses).sum().reshape(1).float() if (is_last and losses) else torch.zeros(1, device=device)
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         if dist.get_rank() != last_stage_rank:
@@ -134,4 +135,10 @@ def broadcast_loss(losses: List[torch.Tensor], is_last: bool, last_stage_rank: i
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
         shm_comm.all_reduce(value, dp_group)
         value /= dist.get_world_size(dp_group)
-    return value.item()
+    return value
+
+
+def broadcast_loss(losses: List[torch.Tensor], is_last: bool, last_stage_rank: int, pp_group,
+                   dp_group=None, device: torch.device = HOST) -> float:
+    """reduce_loss read back to the host (a sync: for evaluation and tests, not the training step)."""
+    return reduce_loss(losses, is_last, last_stage_rank, pp_group, dp_group, device).item()

@@ -16,8 +16,8 @@ def train_losses(argv, tp, pp):
     losses = []
     step = trainer.train_step
 
-    def recording_step(micro):
-        out = step(micro)
+    def recording_step(micro, *rest):
+        out = step(micro, *rest)
         losses.append(float(out[0]))
         return out
 

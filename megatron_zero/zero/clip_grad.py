@@ -12,12 +12,10 @@ reaches the same skip decision.
 from __future__ import annotations
 
 import math
-from typing import Iterable, List, Optional, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-
-from ..device import HOST
 
 
 def counts_in_norm(param: torch.Tensor, tp_rank: int) -> bool:
@@ -29,22 +27,47 @@ def counts_in_norm(param: torch.Tensor, tp_rank: int) -> bool:
     return tp_rank == 0
 
 
-def local_sums(grads: List[torch.Tensor], counted: List[List[Tuple[int, int]]]) -> torch.Tensor:
-    """[sum of squares over counted fragments, number of tensors with a non-finite element] (fp64).
+def norms_fp64(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    """The L2 norm of each tensor, accumulated in fp64 without an fp64 copy: one multi-tensor kernel
+    (torch._foreach_norm) where torch has it, else one torch.linalg.vector_norm per tensor."""
+    if not tensors:
+        return []
+    foreach_norm = getattr(torch, "_foreach_norm", None)
+    if foreach_norm is not None:
+        try:
+            return list(foreach_norm(tensors, 2, dtype=torch.float64))
+        except (TypeError, RuntimeError):  # a torch whose foreach norm takes no dtype, or not these tensors
+            pass
+    return [torch.linalg.vector_norm(t, dtype=torch.float64) for t in tensors]
 
-    A non-finite element of a counted fragment makes the sum of squares non-finite, so only a
-    tensor with uncounted elements needs its own test: its fp64 sum, which finite fp32/16-bit
-    values cannot overflow. Both are single passes that never materialise an fp64 copy.
+
+def local_sums(tensors: List[torch.Tensor], counted: List[List[Tuple[int, int]]], device: torch.device,
+               votes: Sequence[float] = ()) -> torch.Tensor:
+    """[sum of squares over counted fragments, number of tensors with a non-finite element, *votes] (fp64),
+    on `device`, ready for reduce_sums.
+
+    A non-finite element of a counted fragment makes the sum of squares non-finite, so only a tensor with
+    uncounted elements needs its own test: the fp64 norm of the whole tensor, which finite fp32/16-bit
+    values cannot overflow. All norms are one multi-tensor pass. The tensors may live in host memory
+    (offloaded fp32 masters): the sums are computed there and the few numbers copied to `device`, where
+    the collective runs (NCCL reduces device tensors only). `votes` ride along to be summed over every
+    rank by the same all-reduce (the exit policy's).
     """
-    device = grads[0].device if grads else HOST
-    sq = torch.zeros((), dtype=torch.float64, device=device)
-    bad = torch.zeros((), dtype=torch.float64, device=device)
-    for g, frags in zip(grads, counted):
-        for start, numel in frags:
-            sq += torch.linalg.vector_norm(g.narrow(0, start, numel), dtype=torch.float64).square()
-        if sum(numel for _, numel in frags) != g.numel():
-            bad += (~torch.isfinite(g.sum(dtype=torch.float64))).double()
-    return torch.stack([sq, bad])
+    fragments = [t.narrow(0, start, numel) for t, frags in zip(tensors, counted) for start, numel in frags]
+    partial = [t for t, frags in zip(tensors, counted) if sum(numel for _, numel in frags) != t.numel()]
+    norms = norms_fp64(fragments + partial)
+    if not norms:
+        return torch.tensor([0.0, 0.0, *votes], dtype=torch.float64, device=device)
+    by_fragment, by_partial = norms[:len(fragments)], norms[len(fragments):]
+    home = norms[0].device
+    sq = torch.stack(by_fragment).square().sum() if by_fragment else torch.zeros((), dtype=torch.float64,
+                                                                                   device=home)
+    bad = ((~torch.isfinite(torch.stack(by_partial))).sum().double() if by_partial
+           else torch.zeros((), dtype=torch.float64, device=home))
+    sums = torch.stack([sq, bad])
+    if votes:
+        sums = torch.cat([sums, torch.tensor(list(votes), dtype=torch.float64, device=home)])
+    return sums.to(device)
 
 
 def reduce_sums(sums: torch.Tensor, groups: Iterable[Optional[object]]) -> torch.Tensor:
@@ -56,10 +79,11 @@ def reduce_sums(sums: torch.Tensor, groups: Iterable[Optional[object]]) -> torch
     return out
 
 
-def norm_and_overflow(sums: torch.Tensor) -> Tuple[float, bool]:
-    sq, bad = float(sums[0]), float(sums[1])
+def norm_and_overflow(sums: torch.Tensor) -> Tuple[float, bool, List[float]]:
+    """(global norm, overflow, the summed votes) from reduce_sums' result: its one read back to the host."""
+    sq, bad, *votes = sums.tolist()
     overflow = bad > 0 or not math.isfinite(sq)
-    return (math.sqrt(sq) if math.isfinite(sq) else float("inf")), overflow
+    return (math.sqrt(sq) if math.isfinite(sq) else float("inf")), overflow, votes
 
 
 def clip_coefficient(total_norm: float, max_norm: Optional[float]) -> float:

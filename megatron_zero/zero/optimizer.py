@@ -3,12 +3,17 @@ global-norm clipping and CPU/NVMe offload. The training loop calls
 
     opt.backward(loss); ...; updated, grad_norm = opt.step(lr=...); opt.zero_grad()
 
+`step` reads the device once (the global norm and the overflow test, one fp64 all-reduce pair: the
+skip and clip decisions need them on the host, as Megatron's clip does); `step(votes=...)` adds
+numbers to that same all-reduce, summed over every rank and kept in ``summed_votes`` (the exit
+policy's signal and time-limit votes, so stopping costs no collective of its own).
+
 The checkpoint code calls ``state_dict()`` / ``load_state_dict()`` (DeepSpeed's ZeRO layout,
 see checkpoint_state.py).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -93,6 +98,7 @@ class ZeroOptimizer:
         self.offload = offload
         self.loss_scaler = LossScaler(loss_scaler, enabled=self.dtype == torch.float16)
         self.overflow = False
+        self.summed_votes: List[float] = []  # the last step's votes, summed over every rank
         self._before_step = []  # callables run before the state next changes (async checkpoint readers)
         # (offset in partition, numel) of the fragments that count in the global norm
         self.counted = [[(s, n) for p, _, s, n in self.impl.owned_ranges(gi) if counts_in_norm(p, tp_rank)]
@@ -128,8 +134,9 @@ class ZeroOptimizer:
         if hasattr(self.impl, "wait_params"):
             self.impl.wait_params()
 
-    def step(self, lr: Optional[float] = None):
-        """Reduce, unscale, check overflow, clip, step, publish weights. -> (updated, grad_norm)."""
+    def step(self, lr: Optional[float] = None, votes: Sequence[float] = ()):
+        """Reduce, unscale, check overflow, clip, step, publish weights. -> (updated, grad_norm).
+        `votes`: summed over every rank with the gradient norm, into ``summed_votes``."""
         self._state_about_to_change()
         self.impl.finish_backward()  # idempotent: for schedules that call loss.backward() themselves
         grads = self.impl.grad_partitions()
@@ -137,7 +144,8 @@ class ZeroOptimizer:
         for g in grads:
             g.mul_(inv)
         norm_groups = [self.dp_group if self.impl.dp > 1 else None, self.mp_group]
-        norm, overflow = norm_and_overflow(reduce_sums(local_sums(grads, self.counted), norm_groups))
+        sums = reduce_sums(local_sums(grads, self.counted, self.device, votes), norm_groups)
+        norm, overflow, self.summed_votes = norm_and_overflow(sums)
         self.overflow = overflow
         if overflow:
             self.loss_scaler.update(True)
@@ -161,9 +169,10 @@ class ZeroOptimizer:
     def params_norm(self) -> float:
         """L2 norm of the whole model's fp32 master weights, each element once (Megatron's params-norm).
 
-        A collective over the DP and model-parallel groups, counted as the gradient norm is."""
+        A collective over the DP and model-parallel groups, counted as the gradient norm is; it runs on the
+        device even where the masters live in host memory (--cpu-optimizer, NVMe)."""
         with self.optimizer.paged() as masters:
-            sums = local_sums(masters, self.counted)
+            sums = local_sums(masters, self.counted, self.device)
         return norm_and_overflow(reduce_sums(sums, [self.dp_group if self.impl.dp > 1 else None, self.mp_group]))[0]
 
     def zero_grad(self, set_to_none: bool = True):
