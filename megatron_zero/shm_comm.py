@@ -270,7 +270,7 @@ def reduce_scatter_tensor(out: torch.Tensor, x: torch.Tensor, group) -> None:
         shm = _for_group(group)
         if shm is not None:
             return shm.reduce_scatter(out, x)
-    reduce_scatter.reduce_scatter_tensor(out, x, group=group)
+    reduce_scatter.reduce_scatter_tensor(out.view(-1), x.view(-1), group=group)  # 1-D: gloo checks dim 0
 
 
 def all_gather_into_tensor(out: torch.Tensor, mine: torch.Tensor, group) -> None:
@@ -280,7 +280,7 @@ def all_gather_into_tensor(out: torch.Tensor, mine: torch.Tensor, group) -> None
         shm = _for_group(group)
         if shm is not None:
             return shm.all_gather(list(out.view(-1).chunk(dist.get_world_size(group))), mine.view(-1))
-    reduce_scatter.all_gather_into_tensor(out, mine, group=group)
+    reduce_scatter.all_gather_into_tensor(out.view(-1), mine.view(-1), group=group)
 
 
 def all_gather(outs: List[torch.Tensor], mine: torch.Tensor, group) -> None:
