@@ -190,3 +190,7 @@ class Stage12:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        for params in self.groups:  # the tied sum must not read a main_grad nobody fills any more
+            for p in params:
+                if hasattr(p, "main_grad"):
+                    del p.main_grad
