@@ -9,7 +9,9 @@ model); per size the two are interleaved `--reps` times. With 2 ranks, also the 
 (megatron_zero/pipeline/p2p.py, torch.distributed against shm_p2p.py): one call sends 1 MiB each way,
 rank 0's send_forward_recv_backward against rank 1's send_backward_recv_forward. Reported: median wall
 ms per call (rank 0) with the min-max over reps, and the CPU ms per call of rank 0's process (gloo's
-threads included).
+threads included). Also the single-tensor collectives of ZeRO's gradient buckets and weight gather and of
+sequence parallelism (shm_comm.reduce_scatter_tensor / all_gather_into_tensor against gloo's): a 16 MiB
+reduce-scatter and an in-place 16 MiB all-gather.
 """
 import argparse
 import os
@@ -24,10 +26,12 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron_zero import shm_comm  # noqa: E402
 from megatron_zero.pipeline.p2p import P2P  # noqa: E402
+from megatron_zero.reduce_scatter import all_gather_into_tensor, reduce_scatter_tensor  # noqa: E402
 from megatron_zero.testing.multirank import run_ranks  # noqa: E402
 
 SIZES = {"4 KiB": 1 << 10, "1 MiB": 1 << 18, "16 MiB": 1 << 22}
 P2P_ROW = "p2p 1 MiB each way"
+RS_ROW, AG_ROW = "reduce-scatter 16 MiB", "all-gather in place 16 MiB"
 
 
 def timed(fn, x, calls):
@@ -46,6 +50,7 @@ def worker(reps, calls):
     rows = [(label, n, sides) for label, n in SIZES.items()]
     if dist.get_world_size() == 2:
         rows.append((P2P_ROW, SIZES["1 MiB"], p2p_sides(group)))
+    rows += single_tensor_rows(group, SIZES["16 MiB"])
     out = {}
     for label, n, fns in rows:
         x = torch.randn(n)
@@ -53,6 +58,17 @@ def worker(reps, calls):
             for side in (("gloo", "shm") if rep % 2 == 0 else ("shm", "gloo")):
                 out.setdefault((label, side), []).append(timed(fns[side], x, calls))
     return out
+
+
+def single_tensor_rows(group, n):
+    """ZeRO's bucket reduce-scatter and in-place weight all-gather of n fp32 elements, gloo and shared memory."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    out = torch.empty(n // world)
+    rs = {"gloo": lambda x: reduce_scatter_tensor(out, x, group=group),
+          "shm": lambda x: shm_comm.reduce_scatter_tensor(out, x, group)}
+    ag = {"gloo": lambda x: all_gather_into_tensor(x, x.view(world, -1)[rank], group=group),
+          "shm": lambda x: shm_comm.all_gather_into_tensor(x, x.view(world, -1)[rank], group)}
+    return [(RS_ROW, n, rs), (AG_ROW, n, ag)]
 
 
 def p2p_sides(group):
@@ -76,7 +92,7 @@ def main():
           f"{a.calls} calls")
     print("| size | gloo ms (min-max) | shm ms (min-max) | gloo / shm | CPU ms gloo / shm |")
     print("|---|---|---|---|---|")
-    for label in [*SIZES, P2P_ROW] if a.ranks == 2 else SIZES:
+    for label in [*SIZES, *([P2P_ROW] if a.ranks == 2 else []), RS_ROW, AG_ROW]:
         g, s = ([w for w, _ in res[(label, side)]] for side in ("gloo", "shm"))
         gc, sc = (statistics.median(c for _, c in res[(label, side)]) for side in ("gloo", "shm"))
         print(f"| {label} | {statistics.median(g):.3f} ({min(g):.3f}-{max(g):.3f}) | {statistics.median(s):.3f} "

@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-cuda", dest="device", action="store_const", const="cpu",
                    help="train on the CPU even where CUDA is present (same as --device cpu)")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="ZeRO 0-2 and the tied-embedding sum: reduce gradients in bfloat16 (half the bytes); "
+                        "micro-batches are still accumulated in fp32")
 
     g = p.add_argument_group("training")
     g.add_argument("--train-iters", type=int, default=None)
@@ -376,6 +379,9 @@ def _check_overlap(args):
     _require(not args.overlap_grad_reduce or stage <= 2,
              "--overlap-grad-reduce applies to --zero-stage 0, 1 or 2 (ZeRO-3 reduce-scatters each layer's "
              "gradients during backward already); drop it or choose another stage")
+    _require(not args.grad_reduce_in_bf16 or stage <= 2,
+             "--grad-reduce-in-bf16 applies to --zero-stage 0, 1 or 2 (ZeRO-3 reduce-scatters in fp32); "
+             "drop it or choose another stage")
     zeropp = [flag for flag, on in (("--zero-quantized-weights", args.zero_quantized_weights),
                                     ("--zero-quantized-gradients", args.zero_quantized_gradients),
                                     ("--zero-hpz-partition-size", args.zero_hpz_partition_size != 1)) if on]

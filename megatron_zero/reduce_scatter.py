@@ -8,6 +8,12 @@ all-reduce keeping this rank's chunk, async included). NCCL, and gloo from torch
 form exactly as before.
 
     work = reduce_scatter(out, [part_0, ..., part_{world-1}], group, async_op=True)   # out = sum_r part_rank
+
+The single-tensor forms, which need no copy where the parts are the chunks of one tensor, under the name
+each torch prefers (2.13 renamed them `reduce_scatter_single` / `all_gather_single` and deprecates the old):
+
+    reduce_scatter_tensor(out, flat_in, group=group, async_op=False)    # out = chunk `rank` of sum_r flat_in
+    all_gather_into_tensor(flat_out, mine, group=group, async_op=False)  # flat_out = cat_r mine_r
 """
 from __future__ import annotations
 
@@ -15,6 +21,10 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
+
+
+reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def gloo_lacks_list_form(group) -> bool:
@@ -27,5 +37,5 @@ def reduce_scatter(out: torch.Tensor, parts: Sequence[torch.Tensor], group=None,
     lacks the list form; returns the Work when `async_op`."""
     if gloo_lacks_list_form(group):
         flat_in = torch.cat([p.reshape(-1) for p in parts])
-        return dist.reduce_scatter_tensor(out.view(-1), flat_in, group=group, async_op=async_op)
+        return reduce_scatter_tensor(out.view(-1), flat_in, group=group, async_op=async_op)
     return dist.reduce_scatter(out, list(parts), group=group, async_op=async_op)

@@ -14,7 +14,8 @@ Round k of a group (one chunk of one all-reduce):
 
 A rank that has arrived at round k-1 has finished reading round k-2, so set k % 2 is free when round
 k starts; the pipe's write and read are the memory barriers. `all_gather` (1-D, equal sizes: the ZeRO
-weight gather) runs the same rounds, each rank copying every slot out. For tensors outside host memory, for ops
+weight gather; `all_gather_into_tensor` in place) runs the same rounds, each rank copying every slot out;
+`reduce_scatter_tensor` too, each rank summing only its own chunk of the slots (ZeRO's gradient buckets). For tensors outside host memory, for ops
 other than SUM and MAX, for one-rank groups, for groups spread over hosts or not on gloo, and after
 `set_shared_memory_comm(False)` (--no-shared-memory-all-reduce), `all_reduce` is torch.distributed's.
 A wait gives up after the process group's timeout (`set_timeout`: --distributed-timeout-minutes, set by
@@ -25,7 +26,7 @@ holds that core until its time slice ends; with a 200 us poll a 1 MiB pipeline s
 0.27-0.45 ms without, and a 1 MiB all-reduce 0.42 ms against 0.26 ms.
 The choice is made once per group, collectively, at its first all-reduce; callers use `all_reduce`
 where every rank of the group calls it in the same order (the tensor-parallel mappings, ZeRO's
-blocking gradient all-reduce and weight all-gather), never from a background thread.
+blocking gradient reduce-scatters and weight all-gathers), never from a background thread.
 """
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ from typing import List
 
 import torch
 import torch.distributed as dist
+
+from . import reduce_scatter
 
 SLOT_BYTES = 4 << 20
 SHM_DIR = "/dev/shm"
@@ -191,6 +194,16 @@ class SharedMemoryAllReduce:
             for out, part in zip(outs, parts):
                 out[begin:begin + n].copy_(part)
 
+    def reduce_scatter(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        """out = the sum over ranks of their x's chunk `rank` (x: size equal chunks of out's numel). Every rank
+        publishes all of x, as for an all-reduce, but sums only its own chunk."""
+        flat, mine = x.view(-1), out.view(-1)
+        lo, hi = self.rank * mine.numel(), (self.rank + 1) * mine.numel()
+        for begin, n, parts in self._rounds(flat):
+            a, b = max(begin, lo), min(begin + n, hi)
+            if a < b:
+                _combine(mine[a - lo:b - lo], [p[a - begin:b - begin] for p in parts], dist.ReduceOp.SUM)
+
 
 def _combine(out: torch.Tensor, parts: List[torch.Tensor], op) -> None:
     """out = parts[0] op parts[1] op ... in rank order (SUM or MAX)."""
@@ -249,6 +262,25 @@ def all_reduce_async(x: torch.Tensor, group):
         if shm is not None:
             return shm.start_all_reduce(x)
     return dist.all_reduce(x, group=group, async_op=True)
+
+
+def reduce_scatter_tensor(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    """dist.reduce_scatter_tensor(out, x, group), SUM (through shared memory where it applies)."""
+    if _in_host_memory(out, x):
+        shm = _for_group(group)
+        if shm is not None:
+            return shm.reduce_scatter(out, x)
+    reduce_scatter.reduce_scatter_tensor(out.view(-1), x.view(-1), group=group)  # 1-D: gloo checks dim 0
+
+
+def all_gather_into_tensor(out: torch.Tensor, mine: torch.Tensor, group) -> None:
+    """dist.all_gather_into_tensor(out, mine, group), `mine` possibly this rank's chunk of `out` (in place;
+    through shared memory where it applies)."""
+    if _in_host_memory(out, mine):
+        shm = _for_group(group)
+        if shm is not None:
+            return shm.all_gather(list(out.view(-1).chunk(dist.get_world_size(group))), mine.view(-1))
+    reduce_scatter.all_gather_into_tensor(out.view(-1), mine.view(-1), group=group)
 
 
 def all_gather(outs: List[torch.Tensor], mine: torch.Tensor, group) -> None:

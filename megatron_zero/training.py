@@ -110,7 +110,8 @@ class Trainer:
             overlap_param_gather=args.overlap_param_gather and args.zero_stage < 3,
             quantized_weights=args.zero_quantized_weights, quantized_gradients=args.zero_quantized_gradients,
             hpz_group=build_hpz_group(state.layout, state.rank, args.zero_hpz_partition_size)
-            if args.zero_hpz_partition_size > 1 else None, device=self.device)
+            if args.zero_hpz_partition_size > 1 else None, device=self.device,
+            grad_reduce_in_bf16=args.grad_reduce_in_bf16)
         self.lr_schedule = build_lr_schedule(args)
         self.progress = TrainState()
         self.p2p = stage_p2p(state, activation_shape(args.micro_batch_size, self.config, state.tp_size),
@@ -163,7 +164,7 @@ class Trainer:
                                            backward_loss=self.optimizer.backward,
                                            before_last_backward=grad_reduce_arming(self.model, self.optimizer))
         with timers("embedding-grads-all-reduce", 2):
-            sync_tied_embedding_grads(self.model, s)
+            sync_tied_embedding_grads(self.model, s, torch.bfloat16 if self.args.grad_reduce_in_bf16 else None)
         lr = self.lr_schedule.lr()
         with timers("optimizer", 1):
             updated, grad_norm = self.optimizer.step(lr=lr, votes=votes())

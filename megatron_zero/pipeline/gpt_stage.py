@@ -8,7 +8,8 @@ copy gets a zero gradient of its own, so it stays equal to the first stage's.
 An untied model (--untie-embeddings-and-output-weights) has no shared tensor: the embedding
 lives on the first stage, the output head on the last, and none of this applies.
 The last stage's copies are marked `shared` so the gradient norm counts them once, and
-both copies `zero_defer_reduce` so ZeRO-2 reduces them only after that sum.
+both copies `zero_defer_reduce` so ZeRO reduces them only after that sum (their micro-batches are
+summed in the optimizer's fp32 `main_grad`, and that is what the sum adds).
 
 Interleaved (virtual_stages v > 1): the rank's one GPTModel holds its v model chunks
 (partition.virtual_stage_layer_ranges), so parameter names, checkpoints and the ZeRO optimizer
@@ -50,7 +51,7 @@ def build_gpt_stage(config, state: ParallelState, partition_method: str = "unifo
         model = GPTModel(config, tp_group, layer_indices=[i for start, end in chunks for i in range(start, end)])
     if state.pp_size > 1 and hasattr(model, "tied_modules"):
         for param in model.tied_modules.parameters():
-            param.zero_defer_reduce = True  # ZeRO-2 reduces it after sync_tied_embedding_grads
+            param.zero_defer_reduce = True  # ZeRO reduces it after sync_tied_embedding_grads
             if state.is_last_stage:
                 param.shared = True
     return model
@@ -65,16 +66,25 @@ def _param_weights(config) -> Dict[str, int]:
             "final_params": count(final_norm_index(L), lm_head_index(L))}
 
 
-def sync_tied_embedding_grads(model: GPTModel, state: ParallelState):
-    """Sum the embedding's gradients over the first and last stage (no-op without pipelining)."""
+def sync_tied_embedding_grads(model: GPTModel, state: ParallelState, reduce_dtype: Optional[torch.dtype] = None):
+    """Sum the embedding's gradients over the first and last stage (no-op without pipelining).
+
+    The sum is of each parameter's fp32 `main_grad` where the ZeRO optimizer keeps one (it does for
+    these parameters unless --no-gradient-accumulation-fusion at stage 0/1), else of `.grad`; it is
+    reduced in `reduce_dtype` (bfloat16 under --grad-reduce-in-bf16; default: the gradient's dtype)."""
     if state.pp_size == 1 or not hasattr(model, "tied_modules"):
         return
     grads = []
     for param in model.tied_modules.parameters():
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
-        grads.append(param.grad)
+        grad = getattr(param, "main_grad", None)
+        if grad is None:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            grad = param.grad
+        grads.append(grad)
     flat = torch.cat([g.reshape(-1) for g in grads])
+    if reduce_dtype is not None and reduce_dtype != flat.dtype:
+        flat = flat.to(reduce_dtype)
     shm_comm.all_reduce(flat, state.embedding_group)
     offset = 0
     for g in grads:

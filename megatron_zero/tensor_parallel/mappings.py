@@ -9,12 +9,19 @@
                  attention with fewer KV groups than TP ranks)
 
 Sequence parallelism (Megatron's scheme) keeps the LayerNorm / dropout regions split
-along the sequence dimension, which is dim 1 of our batch-first [b, s, h] activations:
+over the tokens. Megatron's activations are [s, b, h] and it splits dim 0; ours are [b, s, h],
+and the equivalent first-dim split is of the tokens in memory order: rank r holds rows
+[r * n, (r + 1) * n) of the activation seen as [b * s, h] (n = b * s / tp tokens, viewed as
+[b, s / tp, h]; with b = 1 exactly Megatron's chunk of the sequence). Every op in the region
+(LayerNorm, dropout, bias, residual add) is per token, so which tokens a rank holds does not
+matter, and each rank's tokens are one contiguous block of the whole: the collectives are
+`all_gather_into_tensor` / `reduce_scatter_tensor` straight between the shard and the whole,
+and the split is a view. No activation is copied (shm_comm's shared memory on one host's gloo):
 
-    scatter_to_sequence_parallel : forward keep my seq chunk,  backward all-gather seq
-    gather_from_sequence_parallel: forward all-gather seq,     backward reduce-scatter seq
-                                   (or keep my chunk when the consumer's grad is not TP-partial)
-    reduce_scatter_to_sequence_parallel: forward reduce-scatter seq, backward all-gather seq
+    scatter_to_sequence_parallel : forward keep my tokens (a view), backward all-gather tokens
+    gather_from_sequence_parallel: forward all-gather tokens,       backward reduce-scatter tokens
+                                   (or keep my tokens when the consumer's grad is not TP-partial)
+    reduce_scatter_to_sequence_parallel: forward reduce-scatter tokens, backward all-gather tokens
 
 `group=None` (or a group of one rank) makes every mapping the identity.
 """
@@ -25,7 +32,7 @@ import torch.distributed as dist
 
 from .. import shm_comm
 from ..reduce_scatter import reduce_scatter
-from .utils import split_along_dim, tp_rank_in, tp_world_size
+from .utils import divide, split_along_dim, tp_rank_in, tp_world_size
 
 
 def _all_reduce(x, group):
@@ -34,7 +41,33 @@ def _all_reduce(x, group):
     return x
 
 
-SEQUENCE_DIM = 1  # activations are [b, s, h]
+def _shard_shape(whole: torch.Size, tp: int) -> tuple:
+    return (whole[0], divide(whole[1], tp), *whole[2:])
+
+
+def _whole_shape(shard: torch.Size, tp: int) -> tuple:
+    return (shard[0], shard[1] * tp, *shard[2:])
+
+
+def _split_tokens(x, group):
+    """My tokens of [b, s, h]: chunk `rank` of its memory, viewed as [b, s / tp, h] (a view)."""
+    tp = tp_world_size(group)
+    return x.contiguous().view(tp, -1)[tp_rank_in(group)].view(_shard_shape(x.shape, tp))
+
+
+def _gather_tokens(x, group):
+    """Every rank's tokens, [b, s / tp, h] each, into one [b, s, h] (all_gather_into_tensor, no copy)."""
+    tp = tp_world_size(group)
+    out = torch.empty(_whole_shape(x.shape, tp), dtype=x.dtype, device=x.device)
+    shm_comm.all_gather_into_tensor(out, x.contiguous(), group)
+    return out
+
+
+def _reduce_scatter_tokens(x, group):
+    """The sum over ranks of [b, s, h], my tokens of it as [b, s / tp, h] (reduce_scatter_tensor, no copy)."""
+    out = torch.empty(_shard_shape(x.shape, tp_world_size(group)), dtype=x.dtype, device=x.device)
+    shm_comm.reduce_scatter_tensor(out, x.contiguous(), group)
+    return out
 
 
 def _split(x, group, dim=-1):
@@ -99,15 +132,39 @@ class _GatherFromRegion(torch.autograd.Function):
         return _split(grad, ctx.group, ctx.dim), None, None, None
 
 
+class _ScatterToSequenceParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_tokens(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_tokens(grad, ctx.group), None
+
+
+class _GatherFromSequenceParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, output_grad_is_partial):
+        ctx.group, ctx.partial = group, output_grad_is_partial
+        return _gather_tokens(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.partial:
+            return _reduce_scatter_tokens(grad, ctx.group), None, None
+        return _split_tokens(grad, ctx.group), None, None
+
+
 class _ReduceScatterToSequenceParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _reduce_scatter(x, group, SEQUENCE_DIM)
+        return _reduce_scatter_tokens(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad, ctx.group, SEQUENCE_DIM), None
+        return _gather_tokens(grad, ctx.group), None
 
 
 class _AllGatherLastDim(torch.autograd.Function):
@@ -142,13 +199,13 @@ def gather_from_tensor_model_parallel_region(x, group):
 
 
 def scatter_to_sequence_parallel_region(x, group):
-    return _ScatterToRegion.apply(x, group, SEQUENCE_DIM) if _active(group) else x
+    return _ScatterToSequenceParallel.apply(x, group) if _active(group) else x
 
 
 def gather_from_sequence_parallel_region(x, group, tensor_parallel_output_grad=True):
-    """All-gather the sequence. `tensor_parallel_output_grad`: the gradient arriving from the consumer
+    """All-gather the tokens. `tensor_parallel_output_grad`: the gradient arriving from the consumer
     (a column-parallel layer) is this rank's partial sum, so backward reduce-scatters it."""
-    return _GatherFromRegion.apply(x, group, SEQUENCE_DIM, tensor_parallel_output_grad) if _active(group) else x
+    return _GatherFromSequenceParallel.apply(x, group, tensor_parallel_output_grad) if _active(group) else x
 
 
 def reduce_scatter_to_sequence_parallel_region(x, group):

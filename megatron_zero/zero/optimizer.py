@@ -60,7 +60,7 @@ class ZeroOptimizer:
                  layers=None, prefetch: bool = True, persistence_threshold: int = 100_000,
                  overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
                  quantized_weights: bool = False, quantized_gradients: bool = False, hpz_group=None,
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None, grad_reduce_in_bf16: bool = False):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
         self.stage, self.dtype, self.clip_grad = stage, _dtype(dtype), float(clip_grad or 0.0)
@@ -71,6 +71,10 @@ class ZeroOptimizer:
         # every buffer lives beside the parameters (the model was built on the rank's device)
         self.device = device if device is not None else next(
             (p.device for g in self.named_groups for _, p in g), HOST)
+        # --grad-reduce-in-bf16: stages 0-2 reduce gradient buckets in bf16 (the sums stay fp32)
+        reduce_dtype = torch.bfloat16 if grad_reduce_in_bf16 else torch.float32
+        if stage == 3 and grad_reduce_in_bf16:
+            raise ValueError("grad_reduce_in_bf16 applies to ZeRO stages 0-2")
         if stage == 3:
             from .stage3 import Stage3
             from .stage3_zeropp import Stage3ZeroPP
@@ -83,9 +87,11 @@ class ZeroOptimizer:
         elif overlap_grad_reduce or overlap_param_gather:
             from .stage12_overlap import Stage12Overlap
             self.impl = Stage12Overlap(self.named_groups, dp_group, stage, self.dtype, bucket_size,
-                                       overlap_grad_reduce, overlap_param_gather, module=module, device=self.device)
+                                       overlap_grad_reduce, overlap_param_gather, module=module, device=self.device,
+                                       grad_reduce_dtype=reduce_dtype)
         else:
-            self.impl = Stage12(self.named_groups, dp_group, stage, self.dtype, bucket_size, self.device)
+            self.impl = Stage12(self.named_groups, dp_group, stage, self.dtype, bucket_size, self.device,
+                                grad_reduce_dtype=reduce_dtype)
         self.partition_count = self.impl.dp
         self.dp_rank = self.impl.rank
         tag = f"dp{dist.get_rank(dp_group) if dp_group is not None else 0}" + (

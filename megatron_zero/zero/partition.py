@@ -14,6 +14,7 @@ rank's flat group is the concatenation of its chunk of each parameter, in order.
 """
 from __future__ import annotations
 
+import bisect
 import math
 import types
 from collections import OrderedDict
@@ -133,3 +134,76 @@ def _check_rank(rank: int, dp: int):
     if not 0 <= rank < dp:
         raise ValueError(f"data-parallel rank {rank} lies outside 0..{dp - 1}")
 
+
+
+# ---- stage 0-2 gradient buckets ------------------------------------------------
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """One gradient bucket of a stage 0-2 param group: ``dp`` rows of ``width`` elements, row r holding
+    ``[lo[r], hi[r])`` of rank r's partition (zero-padded to ``width``), so the rows are one
+    reduce-scatter's input and rank r's result is its ``[lo[r], hi[r])``. ``pieces``: where each
+    parameter's gradient goes, as (param index, offset in the parameter, offset in the rows, numel)."""
+
+    lo: Tuple[int, ...]
+    hi: Tuple[int, ...]
+    width: int
+    pieces: Tuple[Tuple[int, int, int, int], ...]
+
+    @property
+    def params(self) -> Tuple[int, ...]:
+        return tuple(sorted({i for i, _, _, _ in self.pieces}))
+
+
+def _bucket(part: GroupPartition, lo: Sequence[int], hi: Sequence[int]) -> BucketLayout:
+    width = max(end - start for start, end in zip(lo, hi))
+    pieces = []
+    for r, (start, end) in enumerate(zip(lo, hi)):
+        a0, b0 = r * part.partition_size + start, r * part.partition_size + end
+        first = max(0, bisect.bisect_right(part.offsets, a0) - 1)
+        for i in range(first, bisect.bisect_left(part.offsets, b0)):
+            off, n = part.offsets[i], part.numels[i]
+            a, b = max(off, a0), min(off + n, b0)
+            if a < b:
+                pieces.append((i, a - off, r * width + a - a0, b - a))
+    return BucketLayout(tuple(lo), tuple(hi), width, tuple(pieces))
+
+
+def strided_buckets(part: GroupPartition, bucket_size: int) -> List[BucketLayout]:
+    """Stages 0/1: bucket k is ``[k * c, (k + 1) * c)`` of every rank's partition, c = bucket_size / dp.
+    Its rows have equal width, so a flat buffer laid out bucket after bucket, rank after rank, is every
+    bucket's reduce-scatter input as it lies, and rank r's result is a contiguous piece of its partition:
+    the bytes of one reduce-scatter of the whole group. (A bucket is complete only once backward has
+    reached its piece of the first partition: with this partition layout, which DeepSpeed's checkpoints
+    fix, the buckets complete during the last 1/dp of backward.)"""
+    size = part.partition_size
+    chunk = max(1, -(-int(bucket_size) // part.dp))
+    return [_bucket(part, (s,) * part.dp, (min(size, s + chunk),) * part.dp) for s in range(0, size, chunk)]
+
+
+def contiguous_buckets(part: GroupPartition, bucket_size: int, alone: Sequence[int] = ()) -> List[BucketLayout]:
+    """Stage 2: consecutive parameters, the last first (the order backward produces them), a bucket closed
+    once it holds ``bucket_size`` elements; each parameter in ``alone`` gets a bucket of its own. A bucket
+    is one range of the flat vector: row r is its intersection with rank r's partition."""
+    alone, spans, current, held = set(alone), [], [], 0
+    for i in reversed(range(len(part.numels))):
+        if i in alone:
+            spans += [current, [i]] if current else [[i]]
+            current, held = [], 0
+            continue
+        current.append(i)
+        held += part.numels[i]
+        if held >= bucket_size:
+            spans.append(current)
+            current, held = [], 0
+    if current:
+        spans.append(current)
+    out, size = [], part.partition_size
+    for span in spans:
+        a, b = part.offsets[span[-1]], part.offsets[span[0]] + part.numels[span[0]]
+        lo = [min(size, max(0, a - r * size)) for r in range(part.dp)]
+        hi = [min(size, max(0, b - r * size)) for r in range(part.dp)]
+        hi = [max(start, end) for start, end in zip(lo, hi)]
+        if b > a:
+            out.append(_bucket(part, lo, hi))
+    return out

@@ -3,23 +3,29 @@
 Each param group's model weights become views of one flat buffer (model dtype), laid
 out by ``partition.partition_group``; this rank's fp32 master is a copy of its partition.
 
-Stage 1: after backward, every gradient is flattened and all-reduced; the rank keeps
-its partition. Stage 2: a post-accumulate-grad hook collects gradients into buckets of
-``bucket_size`` elements as backward produces them; a full bucket is reduce-scattered
-(each rank receives the sum of the pieces in its partition) into a persistent fp32
-partition-sized buffer and the parameters' ``.grad`` are dropped, so no rank ever holds
-more gradient than one bucket plus its partition.
+Gradients go through grad_buckets.GradBuckets, one code path for every stage:
 
-Stages 0 and 1 with gradient-accumulation fusion (on unless --no-gradient-accumulation-fusion):
-as Megatron's fp32 ``main_grad``, each micro-batch's gradient is added, as soon as backward
-produces it, into one persistent fp32 flat buffer per group and the parameter's ``.grad`` is
-dropped, so accumulation over micro-batches is in fp32 (not bf16/fp16) and no model-dtype
-gradient outlives its micro-batch. Off: ``.grad`` accumulates in the model dtype and is copied
-into a fresh fp32 flat buffer at the step. In fp32 both give bit-identical sums.
+- Stages 0/1 (gradient-accumulation fusion on, the default): as Megatron's fp32 ``main_grad``,
+  a post-accumulate-grad hook adds each micro-batch's gradient, as soon as backward produces it,
+  into one persistent fp32 buffer per group and drops ``.grad``; at the step each bucket is
+  reduce-scattered (stage 0: all-reduced) straight into this rank's fp32 gradient partition,
+  bucket by bucket (partition.strided_buckets): the bytes of one reduce-scatter of the gradient,
+  never an all-reduce of it. --no-gradient-accumulation-fusion: ``.grad`` accumulates in the
+  model dtype and is added into the buckets at the step.
+- Stage 2: the hook adds each gradient into its bucket (consecutive parameters,
+  partition.contiguous_buckets) and drops ``.grad``; a complete bucket is reduce-scattered and
+  added into the partition, so no rank holds more gradient than the open buckets plus its partition.
+- Parameters marked ``zero_defer_reduce`` (the pipeline-tied embedding, whose gradient is summed
+  over the first and last stage after backward, pipeline/gpt_stage.py) accumulate into an fp32
+  ``main_grad`` of their own (stage 2, or fusion on), which that sum reads; they go into their
+  buckets at the step.
+- ``overlap_grad_reduce`` (stage12_overlap.py): buckets are launched async as they complete.
+  ``grad_reduce_dtype`` bfloat16 (--grad-reduce-in-bf16): the collectives run in bf16, the sums
+  stay fp32.
 
 After the step, each rank writes its updated master into its slice of the flat buffer
-(an offloaded optimizer uploads it there itself, ``weight_slices``) and the slices are
-all-gathered in place.
+(an offloaded optimizer uploads it there itself, ``weight_slices``) and the flat buffer is
+all-gathered in place (``all_gather_into_tensor``, the slice being its input).
 """
 from __future__ import annotations
 
@@ -30,13 +36,14 @@ import torch.distributed as dist
 
 from .. import shm_comm
 from ..ops.fusion_flags import get_fusion_flags
-from ..reduce_scatter import reduce_scatter
-from .partition import GroupPartition, partition_group
+from .grad_buckets import GradBuckets
+from .partition import GroupPartition, contiguous_buckets, partition_group, strided_buckets
 
 
 class Stage12:
     def __init__(self, groups: Sequence[Sequence[Tuple[str, torch.nn.Parameter]]], dp_group, stage: int,
-                 dtype: torch.dtype, bucket_size: int, device: torch.device, accumulate_main_grads: bool = True):
+                 dtype: torch.dtype, bucket_size: int, device: torch.device, overlap_grad_reduce: bool = False,
+                 grad_reduce_dtype: torch.dtype = torch.float32):
         self.stage, self.dtype, self.dp_group, self.device = stage, dtype, dp_group, device
         # the DP size gradients are reduced over; stage 0 (plain data parallelism) keeps
         # everything whole, so it partitions over one rank
@@ -59,32 +66,34 @@ class Stage12:
             for p, off, n in zip(params, part.offsets, part.numels):
                 p.data = flat[off:off + n].view(p.shape)
             self.flat.append(flat)
-        self.grad_parts = [torch.zeros(p.partition_size, device=device) for p in self.parts] if stage == 2 else None
-        self._hooks, self._bucket, self._bucket_numel = [], [], 0
-        self.peak_grad_numel = 0
-        # Parameters marked `zero_defer_reduce` (the pipeline-tied embedding, whose gradient is
-        # summed over the first and last stage after backward) keep their .grad until the step.
-        self._deferred = []
-        self.main_grads = None
-        if stage < 2 and accumulate_main_grads and get_fusion_flags().gradient_accumulation_fusion:
-            self.main_grads = [torch.zeros(part.padded_numel, device=device) for part in self.parts]
-            for gi, (params, part) in enumerate(zip(self.groups, self.parts)):
-                for p, off, n in zip(params, part.offsets, part.numels):
-                    if not getattr(p, "zero_defer_reduce", False):  # the tied embedding keeps .grad
-                        self._hooks.append(p.register_post_accumulate_grad_hook(
-                            lambda p, main=self.main_grads[gi][off:off + n]: self._accumulate(p, main)))
-        if stage == 2:
-            self._register_grad_hooks()
-
-    def _register_grad_hooks(self):
-        self._where = {}
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.fused = get_fusion_flags().gradient_accumulation_fusion
+        self._deferred = [(gi, pi) for gi, ps in enumerate(self.groups) for pi, p in enumerate(ps)
+                          if getattr(p, "zero_defer_reduce", False)]
+        if stage < 2:
+            layouts = [strided_buckets(part, self.bucket_size) for part in self.parts]
+        else:
+            layouts = [contiguous_buckets(part, self.bucket_size, [pi for g, pi in self._deferred if g == gi])
+                       for gi, part in enumerate(self.parts)]
+        self.buckets = GradBuckets(self.parts, layouts, self.rank, dp_group, self.reduce_dp, device,
+                                   persistent=stage < 2 and self.fused, async_op=overlap_grad_reduce,
+                                   reduce_dtype=grad_reduce_dtype)
+        self.grad_parts = self.buckets.partitions
+        self.main_grads = self.buckets.buffers if self.buckets.persistent else None
+        # stage 0/1 with overlap reduce only in the global batch's last backward (arm())
+        self.armed = stage == 2
+        self._armed_params = set()
+        self._hooks = []
+        deferred = set(self._deferred)
         for gi, params in enumerate(self.groups):
             for pi, p in enumerate(params):
-                self._where[id(p)] = (gi, pi)
-                if getattr(p, "zero_defer_reduce", False):
-                    self._deferred.append(p)
-                else:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+                if (gi, pi) in deferred:
+                    if stage == 2 or self.fused:
+                        p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=device)
+                        self._hooks.append(p.register_post_accumulate_grad_hook(self._accumulate_main_grad))
+                elif stage == 2 or self.fused or overlap_grad_reduce:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(
+                        lambda p, key=(gi, pi): self._grad_ready(key, p)))
 
     # ---- what each rank owns -------------------------------------------------------
     def owned_ranges(self, gi: int):
@@ -97,99 +106,62 @@ class Stage12:
     def group_paddings(self) -> List[int]:
         return [part.padding(self.rank) for part in self.parts]
 
-    # ---- stages 0/1: fp32 accumulation during backward --------------------------------------
-    def _accumulate(self, p: torch.nn.Parameter, main: torch.Tensor):
-        main.add_(p.grad.detach().reshape(-1))
+    @property
+    def peak_grad_numel(self) -> int:
+        """The most gradient elements held at once outside the partitions (and the persistent buffers)."""
+        return self.buckets.peak_numel
+
+    # ---- during backward -------------------------------------------------------------
+    @staticmethod
+    def _accumulate_main_grad(p: torch.nn.Parameter):
+        p.main_grad.add_(p.grad.detach())
         p.grad = None
 
-    # ---- stage 2: bucketed reduce-scatter during backward ---------------------------------
-    def _grad_ready(self, p: torch.nn.Parameter):
-        self._bucket.append(p)
-        self._bucket_numel += p.numel()
-        held = sum(q.grad.numel() for q in self._bucket if q.grad is not None)
-        self.peak_grad_numel = max(self.peak_grad_numel, held)
-        if self._bucket_numel >= self.bucket_size:
-            self._flush()
+    def _counting(self, key) -> bool:
+        """Whether this gradient is the last one its buckets get before they are reduced."""
+        return self.armed or (self.overlap_grad_reduce and id(self.groups[key[0]][key[1]]) in self._armed_params)
 
-    def _flush(self):
-        if not self._bucket:
-            return
-        flat_in, mine = self._pack_bucket()
-        out = torch.empty(flat_in[0].numel(), device=self.device)
-        if self.dp > 1:
-            reduce_scatter(out, flat_in, group=self.dp_group)
-        else:
-            out.copy_(flat_in[0])
-        self._add_to_partitions(out, mine)
-
-    def _pack_bucket(self):
-        """Empty the bucket into dp equal fp32 rows (row r: the pieces in rank r's partition) and
-        drop the gradients. -> (rows, [(group, offset in partition, numel)] of this rank's row)."""
-        inputs = [[] for _ in range(self.dp)]
-        mine = []  # (group, offset in partition, numel) in the order received
-        for p in self._bucket:
-            gi, pi = self._where[id(p)]
-            part = self.parts[gi]
-            off, n = part.offsets[pi], part.numels[pi]
-            g = p.grad.detach().reshape(-1) if p.grad is not None else \
-                torch.zeros(n, dtype=self.dtype, device=self.device)
-            for r in range(self.dp):
-                lo, hi = part.bounds(r)
-                a, b = max(off, lo), min(off + n, hi)
-                if a < b:
-                    inputs[r].append(g[a - off:b - off].float())
-                    if r == self.rank:
-                        mine.append((gi, a - lo, b - a))
+    def _grad_ready(self, key, p: torch.nn.Parameter):
+        counting = self._counting(key)
+        if self.stage == 2 or self.fused or counting:
+            self.buckets.add(key, p.grad)
             p.grad = None
-        sizes = [sum(t.numel() for t in ts) for ts in inputs]
-        width = max(sizes)
-        flat_in = []
-        for ts, size in zip(inputs, sizes):
-            t = torch.cat(ts) if ts else torch.zeros(0, device=self.device)
-            flat_in.append(torch.cat([t, t.new_zeros(width - size)]) if size < width else t)
-        self._bucket, self._bucket_numel = [], 0
-        return flat_in, mine
-
-    def _add_to_partitions(self, out: torch.Tensor, mine):
-        pos = 0
-        for gi, start, n in mine:
-            self.grad_parts[gi].narrow(0, start, n).add_(out.narrow(0, pos, n))
-            pos += n
+        if counting:
+            self.buckets.ready(key)
 
     def finish_backward(self):
-        """Called after each backward: reduce the last, partly filled bucket (stage 2)."""
+        """Called after each backward: stage 2 reduces its buckets left open (a parameter without a gradient)."""
         if self.stage == 2:
-            self._flush()
+            deferred = set(self._deferred)
+            self.buckets.launch_remaining(keep=lambda b: any(k in deferred for k in self.buckets.keys_of(b)))
+            self.buckets.reset_counts()
 
     # ---- gradients for the step --------------------------------------------------------
     def grad_partitions(self) -> List[torch.Tensor]:
         """This rank's fp32 partition of each group's gradient, summed (not averaged) over DP."""
-        if self.stage == 2:
-            if self._deferred:  # same parameters, same order on every DP rank
-                self._flush()
-                self._bucket = list(self._deferred)
-                self._flush()
-            return self.grad_parts
-        out = []
-        for gi, (params, part) in enumerate(zip(self.groups, self.parts)):
-            flat = self.main_grads[gi] if self.main_grads else torch.zeros(part.padded_numel, device=self.device)
-            for p, off, n in zip(params, part.offsets, part.numels):
-                if p.grad is not None:  # without fusion: every parameter; with it: the deferred ones
-                    flat[off:off + n].copy_(p.grad.detach().reshape(-1))
-            if self.reduce_dp > 1:
-                shm_comm.all_reduce(flat, self.dp_group)
-            self.peak_grad_numel = max(self.peak_grad_numel, part.padded_numel)
-            lo, hi = part.bounds(self.rank)
-            out.append(flat[lo:hi].clone())
-        return out
+        self.buckets.land_all()
+        deferred = set(self._deferred)
+        for gi, params in enumerate(self.groups):  # same parameters, same order on every DP rank
+            for pi, p in enumerate(params):
+                key = (gi, pi)
+                grad = getattr(p, "main_grad", None) if key in deferred else None
+                grad = p.grad if grad is None else grad
+                if grad is not None:  # the deferred ones; without fusion (stage 0/1) every one
+                    self.buckets.add(key, grad)
+                    p.grad = None
+        self.buckets.launch_remaining()
+        self.buckets.land_all()
+        return self.grad_parts
 
     def zero_grad(self):
         for params in self.groups:
             for p in params:
                 p.grad = None
-        for g in (self.grad_parts or []) + (self.main_grads or []):
-            g.zero_()
-        self._bucket, self._bucket_numel = [], 0
+                if getattr(p, "main_grad", None) is not None:
+                    p.main_grad.zero_()
+        self.buckets.zero()
+        self.armed = self.stage == 2
+        self._armed_params.clear()
 
     # ---- weights -------------------------------------------------------------------
     def weight_slices(self) -> List[torch.Tensor]:
@@ -204,11 +176,12 @@ class Stage12:
             if m.data_ptr() != mine.data_ptr():
                 mine.copy_(m.detach())  # a cast to the model dtype; masters held on the host come up
             if self.dp > 1:
-                shm_comm.all_gather(list(flat.chunk(self.dp)), mine, self.dp_group)
+                shm_comm.all_gather_into_tensor(flat, mine, self.dp_group)
 
     def grad_bytes(self) -> int:
         held = sum(p.grad.numel() * p.grad.element_size() for ps in self.groups for p in ps if p.grad is not None)
-        return held + sum(g.numel() * 4 for g in (self.grad_parts or []) + (self.main_grads or []))
+        main = sum(p.main_grad.numel() * 4 for ps in self.groups for p in ps if getattr(p, "main_grad", None) is not None)
+        return held + main + self.buckets.held_bytes()
 
     def param_bytes(self) -> int:
         return sum(f.numel() * f.element_size() for f in self.flat)
@@ -217,3 +190,7 @@ class Stage12:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        for params in self.groups:  # the tied sum must not read a main_grad nobody fills any more
+            for p in params:
+                if hasattr(p, "main_grad"):
+                    del p.main_grad

@@ -1,0 +1,192 @@
+"""Gradient buckets of ZeRO stages 0-2: where each gradient goes, when a bucket is complete, and the one
+collective that reduces it (Megatron's distributed-optimizer buckets, on DeepSpeed's partition layout).
+
+A bucket (partition.BucketLayout) is ``dp`` rows of one width; row r holds the gradient elements of
+rank r's partition that the bucket covers. ``add(key, grad)`` adds a parameter's gradient into the rows
+through offsets computed once (one ``add_`` per piece: no loop over ranks, no packing), ``ready(key)``
+counts the bucket's parameters down and launches it when the last is in:
+
+    stage 1/2: reduce_scatter_tensor(this rank's piece of its fp32 gradient partition, the rows)
+    stage 0:   all_reduce(the rows), in place (every rank keeps whole gradients)
+
+Rows are held one of two ways:
+
+    persistent (stages 0/1, gradient-accumulation fusion on): every bucket's rows lie in one fp32 buffer per
+        group, bucket after bucket (partition.strided_buckets), accumulating every micro-batch (Megatron's fp32
+        main_grad); each bucket is reduced once per step, straight into the partition.
+    transient (stage 2; stages 0/1 with --no-gradient-accumulation-fusion): a bucket's rows are allocated at
+        its first gradient and freed once its result is added into the partition.
+
+Blocking collectives go through shm_comm (shared memory where the group's ranks share one host on gloo,
+torch.distributed's otherwise); async ones (``async_op``: --overlap-grad-reduce) are torch.distributed's,
+at most MAX_IN_FLIGHT under way, landed in launch order, so results are added in the same order either way.
+``reduce_dtype`` bfloat16 (--grad-reduce-in-bf16) casts a bucket's rows for the collective only; the
+accumulation stays fp32.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .. import shm_comm
+from ..reduce_scatter import reduce_scatter_tensor
+from .partition import BucketLayout, GroupPartition
+
+MAX_IN_FLIGHT = 2
+
+
+class _Bucket:
+    __slots__ = ("gi", "layout", "rows", "pending", "launched", "numel")
+
+    def __init__(self, gi: int, layout: BucketLayout, rows):
+        self.gi, self.layout, self.rows, self.launched = gi, layout, rows, False
+        self.pending = len(layout.params)
+        self.numel = sum(n for _, _, _, n in layout.pieces)
+
+
+class GradBuckets:
+    def __init__(self, parts: Sequence[GroupPartition], layouts: Sequence[Sequence[BucketLayout]], rank: int,
+                 group, reduce_dp: int, device: torch.device, persistent: bool, async_op: bool = False,
+                 reduce_dtype: torch.dtype = torch.float32):
+        self.dp = parts[0].dp if parts else 1
+        self.rank, self.group, self.reduce_dp, self.device = rank, group, reduce_dp, device
+        self.persistent, self.async_op, self.reduce_dtype = persistent, async_op, reduce_dtype
+        self.buckets: List[_Bucket] = []
+        self.buffers: List[torch.Tensor] = []
+        # (group, param index) -> [(bucket, ((offset in param, offset in rows, numel), ...))]
+        self.routes: Dict[Tuple[int, int], List[Tuple[_Bucket, tuple]]] = {}
+        for gi, group_layouts in enumerate(layouts):
+            total = sum(self.dp * lay.width for lay in group_layouts)
+            buffer = torch.zeros(total, device=device) if persistent else None
+            base = 0
+            for lay in group_layouts:
+                rows = buffer[base:base + self.dp * lay.width] if persistent else None
+                base += self.dp * lay.width
+                bucket = _Bucket(gi, lay, rows)
+                self.buckets.append(bucket)
+                pieces: Dict[int, list] = {}
+                for i, a, o, n in lay.pieces:
+                    pieces.setdefault(i, []).append((a, o, n))
+                for i, ps in pieces.items():
+                    self.routes.setdefault((gi, i), []).append((bucket, tuple(ps)))
+            self.buffers.append(buffer)
+        # this rank's fp32 gradient partitions; with one partition the persistent buffer is one already
+        self.partitions = (list(self.buffers) if persistent and self.dp == 1 else
+                           [torch.zeros(p.partition_size, device=device) for p in parts])
+        self._in_flight = deque()
+        self.held_numel = 0  # gradient elements in transient rows not yet reduced
+        self.peak_numel = 0
+
+    # ---- filling -------------------------------------------------------------------------
+    def add(self, key: Tuple[int, int], grad: torch.Tensor) -> None:
+        """Add one parameter's gradient into its buckets' rows."""
+        flat = grad.detach().reshape(-1)
+        for bucket, pieces in self.routes.get(key, ()):
+            if bucket.rows is None:
+                bucket.rows = torch.zeros(self.dp * bucket.layout.width, device=self.device)
+                self.held_numel += bucket.numel
+                self.peak_numel = max(self.peak_numel, self.held_numel)
+            for a, o, n in pieces:
+                bucket.rows[o:o + n].add_(flat[a:a + n])
+
+    def ready(self, key: Tuple[int, int]) -> None:
+        """The parameter's gradient is all in: launch each of its buckets that this completes."""
+        for bucket, _ in self.routes.get(key, ()):
+            bucket.pending -= 1
+            if bucket.pending <= 0 and not bucket.launched:
+                self._launch(bucket)
+
+    def launch_remaining(self, keep=lambda bucket: False) -> None:
+        """Launch every bucket holding gradients not yet reduced (in bucket order, the same on every rank)
+        except those `keep` names (async ones stay under way: land_all waits)."""
+        for bucket in self.buckets:
+            if bucket.rows is not None and not bucket.launched and not keep(bucket):
+                self._launch(bucket)
+
+    def keys_of(self, bucket: _Bucket):
+        return [(bucket.gi, i) for i in bucket.layout.params]
+
+    # ---- reducing ------------------------------------------------------------------------
+    def _launch(self, bucket: _Bucket) -> None:
+        lay, rows = bucket.layout, bucket.rows
+        bucket.pending = len(lay.params)
+        if self.persistent:
+            bucket.launched = True
+        else:
+            bucket.rows = None
+            self.held_numel -= bucket.numel
+        lo, hi = lay.lo[self.rank], lay.hi[self.rank]
+        target = self.partitions[bucket.gi][lo:hi]
+        data = rows if self.reduce_dtype == rows.dtype else rows.to(self.reduce_dtype)
+        work = None
+        if self.dp > 1:
+            direct = self.persistent and data is rows and hi - lo == lay.width
+            result = target if direct else torch.empty(lay.width, dtype=data.dtype, device=self.device)
+            work = self._reduce_scatter(result, data)
+        else:
+            result = data
+            if self.reduce_dp > 1:
+                work = self._all_reduce(data)
+        # what the collective reads and writes stays referenced until it has landed
+        self._in_flight.append((work, result, target, data))
+        while len(self._in_flight) > (MAX_IN_FLIGHT if self.async_op else 0):
+            self._land_oldest()
+
+    def _reduce_scatter(self, out, rows):
+        if self.async_op:
+            return reduce_scatter_tensor(out, rows, group=self.group, async_op=True)
+        shm_comm.reduce_scatter_tensor(out, rows, self.group)
+
+    def _all_reduce(self, rows):
+        if self.async_op:
+            return dist.all_reduce(rows, group=self.group, async_op=True)
+        shm_comm.all_reduce(rows, self.group)
+
+    def _land_oldest(self) -> None:
+        work, result, target, _ = self._in_flight.popleft()
+        if work is not None:
+            work.wait()
+        n = target.numel()
+        if n == 0 or (result.data_ptr() == target.data_ptr() and result.dtype == target.dtype):
+            return  # nothing of this bucket is mine, or it was reduced in place
+        if self.persistent:
+            target.copy_(result[:n])  # reduced once per step, into a zeroed partition (or its own rows)
+        else:
+            target.add_(result[:n])
+
+    def land_all(self) -> None:
+        while self._in_flight:
+            self._land_oldest()
+
+    # ---- accounting and reset --------------------------------------------------------------
+    def held_bytes(self) -> int:
+        """Bytes of every gradient tensor held here: buffers, partitions, open rows, collectives under way."""
+        seen, total = set(), 0
+        tensors = [b for b in self.buffers if b is not None] + self.partitions + [
+            b.rows for b in self.buckets if b.rows is not None and not self.persistent]
+        for _, result, _, data in self._in_flight:
+            tensors += [result, data]
+        for t in tensors:  # views of a buffer counted once, with the buffer
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        return total
+
+    def zero(self) -> None:
+        """Before the next global batch: nothing launched, every count full, every sum zero."""
+        self.land_all()
+        for bucket in self.buckets:
+            bucket.pending, bucket.launched = len(bucket.layout.params), False
+            if not self.persistent:
+                bucket.rows = None
+        self.held_numel = 0
+        for t in self.partitions + [b for b in self.buffers if b is not None]:
+            t.zero_()
+
+    def reset_counts(self) -> None:
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.layout.params)
