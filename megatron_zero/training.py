@@ -108,7 +108,8 @@ class Trainer:
             overlap_param_gather=args.overlap_param_gather and args.zero_stage < 3,
             quantized_weights=args.zero_quantized_weights, quantized_gradients=args.zero_quantized_gradients,
             hpz_group=build_hpz_group(state.layout, state.rank, args.zero_hpz_partition_size)
-            if args.zero_hpz_partition_size > 1 else None, device=self.device)
+            if args.zero_hpz_partition_size > 1 else None, device=self.device,
+            cpu_optimizer_threads=args.cpu_optimizer_threads)
         self.lr_schedule = build_lr_schedule(args)
         self.progress = TrainState()
         self.p2p = stage_p2p(state, activation_shape(args.micro_batch_size, self.config, state.tp_size),
