@@ -28,6 +28,10 @@ def load(module_name: str):
             import torch
             if module_name.endswith("_C_cuda") and torch.version.cuda is None:
                 _loaded[module_name] = f"not built: torch {torch.__version__} is a CPU-only build"
+            elif module_name.endswith("_C_cuda"):
+                _loaded[module_name] = (f"not built ({e}): torch {torch.__version__} is a CUDA build but the install "
+                                        "found no CUDA toolkit; set CUDA_HOME to it (nvcc under its bin/) and run "
+                                        "`pip install --no-build-isolation .`")
             else:
                 _loaded[module_name] = (f"not built ({e}): the install compiled no csrc/ kernels; a plain `pip install .` "
                                         "builds without torch, `pip install --no-build-isolation .` builds them")
