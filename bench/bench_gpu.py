@@ -131,7 +131,7 @@ def timed(step, tokens, labels, n, device):
     return times
 
 
-def main():
+def build_parser():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="350M,1.3B")
     ap.add_argument("--seq", type=int, default=2048)
@@ -146,6 +146,11 @@ def main():
                     help="llama3-8b: layers to build (default: as many as the free memory holds)")
     ap.add_argument("--llama-micro-batch", type=int, default=1)
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    return ap
+
+
+def main():
+    ap = build_parser()
     a = ap.parse_args()
     unknown = [s for s in a.sizes.split(",") if s not in SIZES]
     if unknown:
