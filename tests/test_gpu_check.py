@@ -10,7 +10,6 @@ import sys
 import pytest
 
 from megatron_zero.arguments import parse_args
-from megatron_zero.testing.launch import byte_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.sh")

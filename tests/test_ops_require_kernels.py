@@ -72,3 +72,19 @@ def test_pretrain_on_cpu_refuses_in_one_sentence_when_a_cpu_kernel_is_missing(tm
     assert "--require-fused-kernels: training on cpu" in err, err
     assert all(k in err for k in registry.EXTENSIONS[registry.CPU_OPS_EXT]) and "--no-build-isolation" in err, err
     assert "iteration" not in run.stdout  # refused before training
+
+
+def test_a_cuda_torch_without_a_toolkit_builds_no_cuda_kernels_and_says_how(monkeypatch, capsys):
+    """csrc/extensions.py (setup.py's list): the skip is a warning naming CUDA_HOME and --require-fused-kernels."""
+    from torch.utils import cpp_extension
+    sys.path.insert(0, os.path.join(os.path.dirname(PRETRAIN), "csrc"))
+    try:
+        import extensions
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
+    names = [e.name for e in extensions.get_extensions()]
+    assert names == ["megatron_zero._C_cpu_adam", "megatron_zero._C_cpu_ops"]
+    err = capsys.readouterr().err
+    assert "WARNING" in err and "CUDA_HOME" in err and "--require-fused-kernels" in err, err
