@@ -87,16 +87,24 @@ def test_plan_for_two_and_eight_gpus_adds_the_parallel_layouts(tmp_path):
     assert not any(n.startswith("train 8") for n in two)
 
 
-@pytest.mark.parametrize("ngpus", [1, 2, 8])
-def test_every_flag_the_plan_passes_is_accepted_by_the_real_parsers(tmp_path, ngpus):
-    """pretrain_gpt.py commands through megatron_zero.arguments.parse_args (world size = their ranks), with the data
-    the plan's own data steps make; ds_to_universal.py and bench_gpu.py through their parsers."""
-    steps = _plan(ngpus, tmp_path)
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """A work directory holding what the plan's data steps make, and the checkpoint directory --load reads."""
+    work = tmp_path_factory.mktemp("gpu_check")
+    steps = _plan(1, work)
     env = {**os.environ, "PYTHONPATH": ROOT}
     for name in ("data: Python's pydoc topics as JSONL", "data: tools/preprocess_data.py, ByteTokenizer"):
         run = subprocess.run(steps[name], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
         assert run.returncode == 0, (name, run.stderr[-2000:])
-    (tmp_path / "checkpoints").mkdir()  # what the save step leaves for --load
+    (work / "checkpoints").mkdir()
+    return work
+
+
+@pytest.mark.parametrize("ngpus", [1, 2, 8])
+def test_every_flag_the_plan_passes_is_accepted_by_the_real_parsers(work, ngpus):
+    """pretrain_gpt.py commands through megatron_zero.arguments.parse_args (world size = their ranks), with the data
+    the plan's own data steps make; ds_to_universal.py and bench_gpu.py through their parsers."""
+    steps = _plan(ngpus, work)
     pretrains = [c for c in steps.values() if any(a.endswith("pretrain_gpt.py") for a in c)]
     assert len(pretrains) == {1: 6, 2: 12, 8: 14}[ngpus]
     for cmd in pretrains:
@@ -111,8 +119,6 @@ def test_every_flag_the_plan_passes_is_accepted_by_the_real_parsers(tmp_path, ng
     finally:
         sys.path.remove(os.path.join(ROOT, "tools"))
     bench = next(c for c in steps.values() if c[1].endswith("bench_gpu.py"))
-    run = subprocess.run([sys.executable, bench[1], *bench[2:], "--help"], capture_output=True, text=True, env=env)
-    assert run.returncode == 0, run.stderr
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     try:
         import bench_gpu
