@@ -137,6 +137,8 @@ int64_t adam_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.doc() = "Fused multi-threaded AdamW step on the CPU (torch.optim.AdamW's math)";
+  // The Python side checks this (ops/registry.py API_VERSIONS): 2 = adam_step takes num_threads.
+  mod.attr("api_version") = 2;
   mod.def("adam_step", &adam_step, "In-place AdamW step on flat fp32 tensors with num_threads threads; returns the threads that ran",
           py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
           py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
