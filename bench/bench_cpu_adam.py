@@ -1,12 +1,16 @@
 """Optimizer step time on the CPU: megatron_zero's C++ AdamW vs torch and DeepSpeed.
 
-    .venv/bin/python bench/bench_cpu_adam.py [--sizes 10e6 100e6] [--reps 21]
+    .venv/bin/python bench/bench_cpu_adam.py [--sizes 10e6 100e6] [--reps 21] [--threads 1 2 16]
 
 One flat fp32 parameter of each size (as a ZeRO-Offload partition is); every
 optimizer steps the same parameter and gradient with its own moments, in
 rounds (shuffled order) so machine noise hits all alike. Prints median ms per step and the
 ratio to torch.optim.AdamW(fused=True), measured in the same run, and the
 fastest step seen (the least disturbed by other work on the machine).
+
+Then the ZeRO-Offload step (adamw_step_ with the bf16 copy-out, as zero/offload.py calls it) at
+1, 2 and all of this process's cores (--threads; --cpu-optimizer-threads in training), torch's own
+intra-op count set to 1 as torchrun sets it: median ms and the speed-up over 1 thread, same run.
 """
 import argparse
 import contextlib
@@ -95,15 +99,66 @@ def measure(numel, reps):
             if name in times else fns[name] for name in fns}
 
 
+def measure_threads(numel, reps, counts):
+    """{threads: (median ms, min ms)} of the offloaded step (bf16 copy-out), counts in shuffled rounds."""
+    p, g = torch.randn(int(numel)), torch.randn(int(numel)) * 1e-2
+    m, v, low = torch.zeros_like(p), torch.zeros_like(p), torch.empty_like(p, dtype=torch.bfloat16)
+    step = [0]
+
+    def run(threads):
+        step[0] += 1
+        adamw_step_(p, g, m, v, step=step[0], lr=HP["lr"], beta1=0.9, beta2=0.999, eps=HP["eps"],
+                    weight_decay=HP["weight_decay"], low_out=low, threads=threads)
+    times = {n: [] for n in counts}
+    for n in counts:
+        run(n)
+    order, rng = list(counts), random.Random(1)
+    for _ in range(reps):
+        rng.shuffle(order)
+        for n in order:
+            t0 = time.perf_counter()
+            run(n)
+            times[n].append(time.perf_counter() - t0)
+    return {n: (statistics.median(t) * 1e3, min(t) * 1e3) for n, t in times.items()}
+
+
+def thread_table(sizes, reps, counts):
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as under torchrun: the kernel's count is the only one that matters
+    try:
+        results = {int(n): measure_threads(n, reps, counts) for n in sizes}
+    finally:
+        torch.set_num_threads(torch_threads)
+    print(f"\nZeRO-Offload step (adamw_step_ + bf16 copy-out), torch intra-op threads 1; "
+          f"{len(os.sched_getaffinity(0))} cores in this process's affinity mask")
+    print("| threads | " + " | ".join(f"{n / 1e6:g}M: median ms | min ms | speed-up" for n in results) + " |")
+    print("|" + "---|" * (1 + 3 * len(results)))
+    for t in counts:
+        cells = []
+        for res in results.values():
+            cells += [f"{res[t][0]:.1f}", f"{res[t][1]:.1f}", f"{res[counts[0]][0] / res[t][0]:.2f}"]
+        print(f"| {t} | " + " | ".join(cells) + " |")
+    print(f"({reps} steps each, in shuffled rounds; speed-up = median at {counts[0]} thread(s) / median)")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=float, nargs="+", default=[10e6, 100e6])
     ap.add_argument("--reps", type=int, default=21)
+    ap.add_argument("--threads", type=int, nargs="+", default=None,
+                    help="thread counts of the offloaded step (default: 1, 2 and all cores)")
+    ap.add_argument("--threads-only", action="store_true", help="only the thread-count table")
     args = ap.parse_args()
+    cores = len(os.sched_getaffinity(0))
+    counts = args.threads or sorted({1, min(2, cores), cores})
+    if min(counts) < 1:
+        ap.error(f"--threads {counts}: every count must be at least 1")
     assert available_kernels()["cpu_adam"] is True, "build the C++ CPU Adam first (setup_env.sh)"
     print(f"machine: {cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"cpu_adam ISA {load('megatron_zero._C_cpu_adam').isa()}, "
           f"{datetime.date.today().isoformat()}, load average {os.getloadavg()[0]:.1f}")
+    if args.threads_only:
+        return thread_table(args.sizes, args.reps, counts)
     results = {int(n): measure(n, args.reps) for n in args.sizes}
     names = list(next(iter(results.values())))
     print("| optimizer step | " + " | ".join(
@@ -118,6 +173,7 @@ def main():
         print(f"| {name} | " + " | ".join(cells) + " |")
     print(f"({args.reps} steps each, in shuffled rounds; ratio = median / median of torch AdamW "
           "fused=True; lower is faster)")
+    thread_table(args.sizes, args.reps, counts)
 
 if __name__ == "__main__":
     main()

@@ -64,8 +64,13 @@ def get_extensions():
     exts = [_cpu_adam(cpp_extension.CppExtension), _cpu_ops(cpp_extension.CppExtension)]
     if torch.version.cuda and cpp_extension.CUDA_HOME:
         exts.append(_cuda_kernels(cpp_extension.CUDAExtension))
+    elif torch.version.cuda:
+        _say(f"WARNING: torch {torch.__version__} is a CUDA {torch.version.cuda} build but no CUDA toolkit was "
+             "found (CUDA_HOME unset and no nvcc on PATH), so the CUDA kernels are NOT built and training on a "
+             "GPU uses the PyTorch fallbacks (pretrain_gpt.py --require-fused-kernels refuses to start); set "
+             "CUDA_HOME to the toolkit and build again.")
     else:
-        _say("torch is a CPU build or no CUDA toolkit was found: skipping the CUDA kernels.")
+        _say(f"torch {torch.__version__} is a CPU-only build: skipping the CUDA kernels.")
     return exts
 
 

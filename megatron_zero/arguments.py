@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="ZeRO 0-2 and the tied-embedding sum: reduce gradients in bfloat16 (half the bytes); "
                         "micro-batches are still accumulated in fp32")
+    g.add_argument("--cpu-optimizer-threads", type=int, default=None,
+                   help="threads of the offloaded optimizer step (--cpu-optimizer, --zero-nvme-offload-path); "
+                        "default: this rank's share of the node's cores (its CPU affinity / ranks per node)")
 
     g = p.add_argument_group("training")
     g.add_argument("--train-iters", type=int, default=None)
@@ -164,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-rope-fusion", dest="rope_fusion", action="store_false")
     g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion",
                    action="store_false")
+    g.add_argument("--require-fused-kernels", action="store_true",
+                   help="refuse to start unless every compiled kernel the chosen device uses is built and loads "
+                        "(CUDA: megatron_zero._C_cuda; CPU: the C++ CPU kernels; with offload also the CPU Adam)")
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", default=None)
@@ -314,6 +320,7 @@ def validate_args(args, world_size: int):
         args.offload = "nvme"
     _require(args.offload == "none" or args.zero_stage >= 1,
              f"optimizer offload ({args.offload}) needs --zero-stage 1, 2 or 3, not {args.zero_stage}")
+    _check_cpu_optimizer_threads(args)
     _check_logging(args)
     _require(not (args.device == "cpu" and args.distributed_backend == "nccl"),
              "--distributed-backend nccl needs GPUs but --device cpu was given; use --distributed-backend gloo")
@@ -323,6 +330,18 @@ def validate_args(args, world_size: int):
         _check_data_path(args.data_path)
     args.params_dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     return args
+
+
+def _check_cpu_optimizer_threads(args):
+    """--cpu-optimizer-threads: only with an offloaded optimizer, 1 to this machine's cores; default its share."""
+    from .ops.cpu_adam import default_offload_threads
+    n, cores = args.cpu_optimizer_threads, os.cpu_count() or 1
+    if n is None:
+        args.cpu_optimizer_threads = default_offload_threads() if args.offload != "none" else None
+        return
+    _require(args.offload != "none", f"--cpu-optimizer-threads {n} sets the threads of the offloaded optimizer "
+             "step; add --cpu-optimizer (or --zero-nvme-offload-path) or drop it")
+    _require(1 <= n <= cores, f"--cpu-optimizer-threads {n} must lie between 1 and this machine's {cores} cores")
 
 
 def _check_logging(args):

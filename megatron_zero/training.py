@@ -34,7 +34,7 @@ from .logger import format_eval_line
 from .throughput import gpt_flops_per_iteration
 from .lr_schedule import build_lr_schedule
 from .model.config import GPTConfig, architecture_kwargs
-from .ops import kernel_report, set_fusion_flags
+from .ops import kernel_report, require_fused_kernels, set_fusion_flags
 from .pipeline.gpt_stage import (activation_shape, build_gpt_stage, grad_reduce_arming, make_forward_step,
                                  stage_p2p, sync_tied_embedding_grads)
 from .pipeline.interleaved_schedule import schedule_for
@@ -78,6 +78,8 @@ class Trainer:
         self.args, self.state = args, state
         self.device = device if device is not None else select_device(args.device, read_launch_env().local_rank)
         set_fusion_flags(**fusion_flags(args))
+        if args.require_fused_kernels:  # before anything is built: refuse in one sentence
+            require_fused_kernels(self.device, offload=args.offload != "none")
         set_shared_memory_comm(args.shared_memory_all_reduce)
         model_parallel_seed(args.seed, state.tp_rank, state.pp_rank)
         self.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file,
@@ -111,7 +113,8 @@ class Trainer:
             quantized_weights=args.zero_quantized_weights, quantized_gradients=args.zero_quantized_gradients,
             hpz_group=build_hpz_group(state.layout, state.rank, args.zero_hpz_partition_size)
             if args.zero_hpz_partition_size > 1 else None, device=self.device,
-            grad_reduce_in_bf16=args.grad_reduce_in_bf16)
+            grad_reduce_in_bf16=args.grad_reduce_in_bf16,
+            cpu_optimizer_threads=args.cpu_optimizer_threads)
         self.lr_schedule = build_lr_schedule(args)
         self.progress = TrainState()
         self.p2p = stage_p2p(state, activation_shape(args.micro_batch_size, self.config, state.tp_size),

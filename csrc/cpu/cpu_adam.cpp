@@ -1,9 +1,13 @@
 // megatron_zero._C_cpu_adam: one fused, multi-threaded AdamW step over flat fp32
 // tensors, optionally writing the bf16/fp16 copy of the new weights in the same
 // pass (what ZeRO-Offload hands back to the GPU). Math is torch.optim.AdamW's.
+// The caller says how many threads step it (ZeRO-Offload's --cpu-optimizer-threads):
+// torch's intra-op count is 1 per rank under torchrun, which would leave the
+// offloaded step on one core. Every element's update is independent of the
+// split, so the result is bit-identical for any thread count.
 #include <torch/extension.h>
 
-#include <ATen/Parallel.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <atomic>
@@ -60,10 +64,12 @@ void check_disjoint(const std::vector<std::pair<const char*, const torch::Tensor
     }
 }
 
-void adam_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg,
+int64_t adam_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg,
                torch::Tensor exp_avg_sq, int64_t step, double lr, double beta1, double beta2,
-               double eps, double weight_decay, c10::optional<torch::Tensor> low_out) {
+               double eps, double weight_decay, c10::optional<torch::Tensor> low_out,
+               int64_t num_threads) {
   const int64_t n = param.numel();
+  TORCH_CHECK(num_threads >= 1, "cpu_adam: num_threads must be >= 1, got ", num_threads);
   check_flat(param, "param", n);
   check_flat(grad, "grad", n);
   check_flat(exp_avg, "exp_avg", n);
@@ -108,26 +114,35 @@ void adam_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg,
   // Threads take chunks from a shared counter rather than one fixed slice each,
   // so a thread the OS preempts (a busy machine) does not hold up the step.
   // About 8 chunks per thread, each at least 64K elements: long runs for the
-  // hardware prefetcher, small enough to rebalance.
-  const int64_t max_threads = at::get_num_threads();
-  const int64_t kChunk = std::max<int64_t>(1 << 16, ((n / (8 * max_threads)) + 15) / 16 * 16);
+  // hardware prefetcher, small enough to rebalance. Returns the threads that ran
+  // (fewer than asked only when there are fewer chunks than threads).
+  const int64_t kChunk = std::max<int64_t>(1 << 16, ((n / (8 * num_threads)) + 15) / 16 * 16);
   const int64_t chunks = (n + kChunk - 1) / kChunk;
-  const int64_t threads = std::min<int64_t>(max_threads, chunks);
-  if (threads <= 1) return run(0, n);
+  const int threads = static_cast<int>(std::min<int64_t>(num_threads, chunks));
+  if (threads <= 1) {
+    run(0, n);
+    return 1;
+  }
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+  std::atomic<int> ran{0};
+#pragma omp parallel num_threads(threads)
+  {
+    if (omp_get_thread_num() == 0) ran = omp_get_num_threads();
     for (int64_t c = next++; c < chunks; c = next++) run(c * kChunk, std::min(n, (c + 1) * kChunk));
-  });
+  }
+  return ran.load();
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.doc() = "Fused multi-threaded AdamW step on the CPU (torch.optim.AdamW's math)";
-  mod.def("adam_step", &adam_step, "In-place AdamW step on flat fp32 tensors",
+  // The Python side checks this (ops/registry.py API_VERSIONS): 2 = adam_step takes num_threads.
+  mod.attr("api_version") = 2;
+  mod.def("adam_step", &adam_step, "In-place AdamW step on flat fp32 tensors with num_threads threads; returns the threads that ran",
           py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
           py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
-          py::arg("weight_decay"), py::arg("low_out") = py::none(),
+          py::arg("weight_decay"), py::arg("low_out").none(true), py::arg("num_threads"),
           py::call_guard<py::gil_scoped_release>());  // ZeRO-Offload overlaps it with Python
   mod.def("isa", [] { return std::string(kernel().isa); },
           "The instruction set the kernel dispatched to on this CPU");

@@ -1,5 +1,9 @@
 // megatron_zero._C_cuda: torch bindings of the launchers in kernels.h. Built
 // only when torch is a CUDA build (csrc/extensions.py); shapes are checked here.
+// Every binding first makes its input tensor's device current (a CUDAGuard), so
+// its allocations, its stream and its launch are on that tensor's GPU whatever
+// device the calling thread has current (tests/test_cuda_bindings_guard.py).
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
@@ -35,6 +39,7 @@ cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream(); }
 std::vector<torch::Tensor> layer_norm_fwd(torch::Tensor x, torch::Tensor gamma,
                                           torch::Tensor beta, double eps) {
   check_cuda(x, "x");
+  const c10::cuda::CUDAGuard guard(x.device());
   const int64_t cols = x.size(-1), rows = x.numel() / cols;
   TORCH_CHECK(gamma.numel() == cols && beta.numel() == cols, "layer_norm: weight/bias size");
   auto y = torch::empty_like(x);
@@ -49,6 +54,7 @@ std::vector<torch::Tensor> layer_norm_fwd(torch::Tensor x, torch::Tensor gamma,
 std::vector<torch::Tensor> layer_norm_bwd(torch::Tensor dy, torch::Tensor x, torch::Tensor mean,
                                           torch::Tensor invvar, torch::Tensor gamma) {
   check_cuda(dy, "dy");
+  const c10::cuda::CUDAGuard guard(dy.device());
   check_cuda(x, "x");
   const int64_t cols = x.size(-1), rows = x.numel() / cols;
   auto dx = torch::empty_like(x);
@@ -67,6 +73,7 @@ std::vector<torch::Tensor> layer_norm_bwd(torch::Tensor dy, torch::Tensor x, tor
 
 std::vector<torch::Tensor> rms_norm_fwd(torch::Tensor x, torch::Tensor gamma, double eps) {
   check_cuda(x, "x");
+  const c10::cuda::CUDAGuard guard(x.device());
   const int64_t cols = x.size(-1), rows = x.numel() / cols;
   TORCH_CHECK(gamma.numel() == cols, "rms_norm: weight size");
   auto y = torch::empty_like(x);
@@ -80,6 +87,7 @@ std::vector<torch::Tensor> rms_norm_fwd(torch::Tensor x, torch::Tensor gamma, do
 std::vector<torch::Tensor> rms_norm_bwd(torch::Tensor dy, torch::Tensor x, torch::Tensor invrms,
                                         torch::Tensor gamma) {
   check_cuda(dy, "dy");
+  const c10::cuda::CUDAGuard guard(dy.device());
   check_cuda(x, "x");
   const int64_t cols = x.size(-1), rows = x.numel() / cols;
   auto dx = torch::empty_like(x);
@@ -96,6 +104,7 @@ std::vector<torch::Tensor> rms_norm_bwd(torch::Tensor dy, torch::Tensor x, torch
 
 torch::Tensor rope_apply(torch::Tensor t, torch::Tensor cos_t, torch::Tensor sin_t, bool inverse) {
   check_cuda(t, "t");
+  const c10::cuda::CUDAGuard guard(t.device());
   check_cuda(cos_t, "cos");
   check_cuda(sin_t, "sin");
   TORCH_CHECK(t.dim() >= 2 && cos_t.dim() == 2 && cos_t.sizes() == sin_t.sizes() &&
@@ -114,6 +123,7 @@ torch::Tensor rope_apply(torch::Tensor t, torch::Tensor cos_t, torch::Tensor sin
 
 torch::Tensor causal_softmax_fwd(torch::Tensor x, double scale) {
   check_cuda(x, "x");
+  const c10::cuda::CUDAGuard guard(x.device());
   TORCH_CHECK(x.dim() == 3 && x.size(1) == x.size(2), "causal softmax: x must be [b, sq, sq]");
   auto y = torch::empty_like(x);
   check(mz_cuda::causal_softmax_fwd(dtype_of(x), x.data_ptr(), y.data_ptr(), x.size(0),
@@ -124,6 +134,7 @@ torch::Tensor causal_softmax_fwd(torch::Tensor x, double scale) {
 
 torch::Tensor causal_softmax_bwd(torch::Tensor dy, torch::Tensor y, double scale) {
   check_cuda(dy, "dy");
+  const c10::cuda::CUDAGuard guard(dy.device());
   check_cuda(y, "y");
   auto dx = torch::empty_like(y);
   check(mz_cuda::causal_softmax_bwd(dtype_of(y), dy.data_ptr(), y.data_ptr(), dx.data_ptr(),
@@ -134,6 +145,7 @@ torch::Tensor causal_softmax_bwd(torch::Tensor dy, torch::Tensor y, double scale
 
 torch::Tensor bias_gelu_fwd(torch::Tensor y, torch::Tensor bias) {
   check_cuda(y, "y");
+  const c10::cuda::CUDAGuard guard(y.device());
   auto out = torch::empty_like(y);
   check(mz_cuda::bias_gelu_fwd(dtype_of(y), y.data_ptr(), bias.data_ptr(), out.data_ptr(),
                                y.numel(), bias.numel(), stream()),
@@ -143,6 +155,7 @@ torch::Tensor bias_gelu_fwd(torch::Tensor y, torch::Tensor bias) {
 
 torch::Tensor bias_gelu_bwd(torch::Tensor dout, torch::Tensor y, torch::Tensor bias) {
   check_cuda(dout, "dout");
+  const c10::cuda::CUDAGuard guard(dout.device());
   auto dy = torch::empty_like(y);
   check(mz_cuda::bias_gelu_bwd(dtype_of(y), dout.data_ptr(), y.data_ptr(), bias.data_ptr(),
                                dy.data_ptr(), y.numel(), bias.numel(), stream()),
@@ -159,6 +172,8 @@ void multi_tensor_adamw(std::vector<torch::Tensor> params, std::vector<torch::Te
   TORCH_CHECK(grads.size() == k && exp_avgs.size() == k && exp_avg_sqs.size() == k,
               "multi_tensor_adamw: list lengths differ");
   if (k == 0) return;
+  check_cuda(params[0], "params[0]");
+  const c10::cuda::CUDAGuard guard(params[0].device());
   std::vector<mz_cuda::AdamTensor> tensors(k);
   std::vector<int> chunk_tensor;
   std::vector<int64_t> chunk_start;

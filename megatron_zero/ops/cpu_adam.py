@@ -4,7 +4,14 @@
 partition; it can also write the bf16/fp16 copy of the new weights in the same
 pass. `CPUAdamW` wraps it as a torch.optim.Optimizer with torch.optim.AdamW's
 state keys (step, exp_avg, exp_avg_sq), so checkpoints are interchangeable.
+
+The fused step runs on as many threads as its caller says (`threads`): ZeRO-Offload
+passes --cpu-optimizer-threads, whose default `default_offload_threads()` is this
+rank's share of the node's cores (torch's own intra-op count is 1 per rank under
+torchrun). The result does not depend on the thread count, bit for bit.
 """
+import os
+
 import torch
 
 from ..device import HOST
@@ -29,26 +36,43 @@ def adamw_reference_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2
         low_out.copy_(param.view_as(low_out))
 
 
+def default_offload_threads(environ=None) -> int:
+    """This rank's share of the cores it may run on: the CPUs in its affinity mask, divided among the
+    ranks on this node (LOCAL_WORLD_SIZE from torchrun, SLURM_NTASKS_PER_NODE) unless a launcher has
+    already bound the rank to fewer CPUs than the machine has (then the mask is its share)."""
+    env = os.environ if environ is None else environ
+    mine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if mine < (os.cpu_count() or mine):
+        return max(1, mine)
+    local = env.get("LOCAL_WORLD_SIZE") or env.get("SLURM_NTASKS_PER_NODE") or "1"
+    ranks = int(local) if local.isdigit() and int(local) > 0 else 1
+    return max(1, mine // ranks)
+
+
 def _kernel_fits(*tensors):
     return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
                for t in tensors)
 
 
 def adamw_step_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1=0.9, beta2=0.999,
-                eps=1e-8, weight_decay=0.0, low_out=None, fused=None):
+                eps=1e-8, weight_decay=0.0, low_out=None, fused=None, threads=None):
     """One in-place AdamW step; `step` counts this update (1 on the first).
 
     low_out, if given, is a bf16/fp16 tensor with param's number of elements
-    that receives param's new value cast to its dtype.
+    that receives param's new value cast to its dtype. threads: how many threads
+    the fused kernel runs on (default: torch's intra-op thread count).
     """
     step = int(step)
     if step < 1:
         raise ValueError(f"adamw_step_: step must be >= 1 (this update's count), got {step}")
+    threads = torch.get_num_threads() if threads is None else int(threads)
+    if threads < 1:
+        raise ValueError(f"adamw_step_: threads must be at least 1, got {threads}")
     if use_fused("cpu_adam_fusion", fused) and _kernel_fits(param, grad, exp_avg, exp_avg_sq):
         ext = load(_EXT)
         if ext is not None:
             ext.adam_step(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps,
-                          weight_decay, low_out)
+                          weight_decay, low_out, threads)
             return
         warn_fallback_once("cpu_adam", "the C++ extension was not built")
     adamw_reference_(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1,

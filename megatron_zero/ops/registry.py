@@ -16,6 +16,10 @@ EXTENSIONS = {
                               "bias_gelu", "multi_tensor_adam"),
 }
 
+# extension module -> the interface its csrc/ sources define now (the module's api_version; 1 when absent):
+# a .so built from older sources is refused with the rebuild command rather than called with the wrong arguments
+API_VERSIONS = {"megatron_zero._C_cpu_adam": 2}
+
 _loaded = {}  # module name -> module or the reason it is missing (str)
 
 
@@ -28,6 +32,10 @@ def load(module_name: str):
             import torch
             if module_name.endswith("_C_cuda") and torch.version.cuda is None:
                 _loaded[module_name] = f"not built: torch {torch.__version__} is a CPU-only build"
+            elif module_name.endswith("_C_cuda"):
+                _loaded[module_name] = (f"not built ({e}): torch {torch.__version__} is a CUDA build but the install "
+                                        "found no CUDA toolkit; set CUDA_HOME to it (nvcc under its bin/) and run "
+                                        "`pip install --no-build-isolation .`")
             else:
                 _loaded[module_name] = (f"not built ({e}): the install compiled no csrc/ kernels; a plain `pip install .` "
                                         "builds without torch, `pip install --no-build-isolation .` builds them")
@@ -35,6 +43,11 @@ def load(module_name: str):
             import torch
             _loaded[module_name] = (f"built but not loadable with torch {torch.__version__} ({e}): rebuild it against "
                                     "this torch with `pip install --no-build-isolation .`")
+        else:
+            built, want = getattr(_loaded[module_name], "api_version", 1), API_VERSIONS.get(module_name, 1)
+            if built != want:
+                _loaded[module_name] = (f"built from older csrc/ sources (interface {built}, this code needs {want}): "
+                                        "rebuild it with `pip install --no-build-isolation .`")
     mod = _loaded[module_name]
     return None if isinstance(mod, str) else mod
 

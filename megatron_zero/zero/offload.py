@@ -33,6 +33,8 @@ One flat fp32 master per param group (this rank's partition). ``offload``:
           into memory for the step and for ``state()`` (so checkpoints can save them),
           and dropped from memory afterwards; stepped and uploaded as 'cpu' (in fp32 through a
           pinned slot too: the paged-in master is not pinned and is dropped after the step).
+The offloaded step runs on ``cpu_threads`` threads (--cpu-optimizer-threads; default
+megatron_zero.ops.cpu_adam.default_offload_threads(), this rank's share of the node's cores).
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ import numpy as np
 import torch
 
 from ..device import HOST, copy_stream, host_empty, join_stream, on_stream, record_event, wait_event
-from ..ops.cpu_adam import CPUAdamW, adamw_step_
+from ..ops.cpu_adam import CPUAdamW, adamw_step_, default_offload_threads
 from ..ops.fused_adam import MultiTensorAdamW
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -55,9 +57,12 @@ UPLOAD_SLOTS = 2  # pinned model-dtype chunk buffers the new weights go up throu
 class FlatAdamW:
     def __init__(self, masters: List[torch.Tensor], hparams: List[dict], offload: str = "none",
                  nvme_path: str | None = None, tag: str = "rank0", device: torch.device = HOST,
-                 weight_slices: List[torch.Tensor] | None = None):
+                 weight_slices: List[torch.Tensor] | None = None, cpu_threads: int | None = None):
         if offload not in ("none", "cpu", "nvme"):
             raise ValueError(f"offload must be 'none', 'cpu' or 'nvme', got {offload!r}")
+        if cpu_threads is not None and (offload == "none" or cpu_threads < 1):
+            raise ValueError(f"cpu_threads={cpu_threads} needs an offloaded optimizer and must be at least 1")
+        self.cpu_threads = (cpu_threads or default_offload_threads()) if offload != "none" else None
         if offload == "nvme" and not nvme_path:
             raise ValueError("offload='nvme' needs nvme_path, a directory for the optimizer-state files")
         self.offload, self.device = offload, device
@@ -187,7 +192,8 @@ class FlatAdamW:
                 low = slot if slot is not None and slot.dtype != torch.float32 else None
                 adamw_step_(p.data[o:o + n], host_grad[o:o + n], st["exp_avg"][o:o + n], st["exp_avg_sq"][o:o + n],
                             step=int(st["step"].item()), lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                            weight_decay=group["weight_decay"], fused=self.opt.fused, low_out=low)
+                            weight_decay=group["weight_decay"], fused=self.opt.fused, low_out=low,
+                            threads=self.cpu_threads)
                 if self.weight_slices is not None:
                     self._upload(p.data[o:o + n], slot, self.weight_slices[gi][o:o + n])
 

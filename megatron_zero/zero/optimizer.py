@@ -60,7 +60,8 @@ class ZeroOptimizer:
                  layers=None, prefetch: bool = True, persistence_threshold: int = 100_000,
                  overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
                  quantized_weights: bool = False, quantized_gradients: bool = False, hpz_group=None,
-                 device: Optional[torch.device] = None, grad_reduce_in_bf16: bool = False):
+                 device: Optional[torch.device] = None, grad_reduce_in_bf16: bool = False,
+                 cpu_optimizer_threads: Optional[int] = None):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
         self.stage, self.dtype, self.clip_grad = stage, _dtype(dtype), float(clip_grad or 0.0)
@@ -99,7 +100,7 @@ class ZeroOptimizer:
         # offloaded from a GPU: each stepped chunk goes up straight into the stage's weight buffers
         uploads = self.impl.weight_slices() if offload != "none" and self.device != HOST else None
         self.optimizer = FlatAdamW(self.impl.initial_masters, hparams, offload, nvme_path, tag=tag,
-                                   device=self.device, weight_slices=uploads)
+                                   device=self.device, weight_slices=uploads, cpu_threads=cpu_optimizer_threads)
         del self.impl.initial_masters
         self.offload = offload
         self.loss_scaler = LossScaler(loss_scaler, enabled=self.dtype == torch.float16)

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The GPU acceptance run, one command on a machine with NVIDIA GPUs:
+#   bash scripts/gpu_check.sh REPORT.md     build the kernels in place against this machine's torch, run the
+#                                           gpu-marked tests, a short training run per layout that fits the GPUs,
+#                                           a save and a (reshaped / universal) resume, bench/bench_gpu.py; write
+#                                           REPORT.md (pass/fail per step, MFU, peak GPU memory, host RSS)
+#   bash scripts/gpu_check.sh --plan N      list the steps for N GPUs without running anything
+#                                           (also GPU_CHECK_DRY_RUN=1 GPU_CHECK_GPUS=N)
+# Uses the machine's python (PYTHON=..., default python3) and its torch, not a virtual environment; nothing is
+# downloaded. Exit status: 0 all steps passed, 1 a step failed, 2 bad usage, 3 no CUDA device (one sentence).
+# The steps and the report: scripts/gpu_check.py.
+set -uo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+py="${PYTHON:-$(command -v python3 || command -v python || true)}"
+if [ -z "$py" ]; then
+    echo "gpu_check.sh: no python3 on PATH, so there is no torch and no CUDA to check; set PYTHON to a CUDA torch's python" >&2
+    exit 3
+fi
+exec "$py" "$here/gpu_check.py" "$@"
