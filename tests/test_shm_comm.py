@@ -23,6 +23,9 @@ def collectives_fn(world, slot_bytes, enabled):
     group = dist.new_group(list(range(world)))
     r = dist.get_rank()
     out = {}
+    # files another run left (a killed process cannot unlink its own) are not this group's
+    before = {f for f in os.listdir(shm_comm.SHM_DIR) if f.startswith("megatron_zero_allreduce_")}
+    dist.barrier()
     for seed, (n, dtype) in enumerate([(1000, torch.float32), (5000, torch.float32), (300, torch.bfloat16)]):
         x = rank_tensor(r, n, dtype, seed)
         shm_comm.all_reduce(x, group)
@@ -40,7 +43,7 @@ def collectives_fn(world, slot_bytes, enabled):
     out["gather"] = parts
     out["shm"] = shm_comm._by_group[group] is not None
     dist.barrier()
-    out["left"] = [f for f in os.listdir(shm_comm.SHM_DIR) if f.startswith("megatron_zero_allreduce_")]
+    out["left"] = [f for f in os.listdir(shm_comm.SHM_DIR) if f.startswith("megatron_zero_allreduce_") and f not in before]
     return out
 
 

@@ -109,7 +109,9 @@ class Embedding(nn.Module):
             positions = torch.arange(tokens.shape[1], device=tokens.device)
             x = x + self.position_embeddings(positions).unsqueeze(0)
         if self.sequence_parallel:
-            x = scatter_to_sequence_parallel_region(x, self.tp_group)
+            # the scatter returns a view, which would keep the whole [b, s, h] alive as long as the shard
+            # (a recomputed layer saves its input): a copy of this rank's tokens frees it (Megatron clones too)
+            x = scatter_to_sequence_parallel_region(x, self.tp_group).clone()
         return dropout(x, self.config.hidden_dropout, self.training, self.sequence_parallel)
 
     def lm_logits(self, hidden):
