@@ -3,7 +3,7 @@ fine-tuning example) do what the text says, so the documentation cannot drift fr
 
 Default tier (cheap): every command of every fenced block names a script or tool that exists, every script
 passes `bash -n`, every tool's arguments parse with that tool's own parser, pretrain_gpt.py's flags (through
-the launch scripts) parse with its parser, and every `scripts/...` / `tools/....py` the README names exists.
+the launch scripts) parse with its parser, and every `scripts/...` / `tools/....py` the two pages name exists.
 
 A command `NAME="..."` sets a variable the later commands of its block use as `$NAME` (expanded here as bash
 expands an unquoted variable: its words).
