@@ -10,7 +10,7 @@ LayerNorm path crashes on the CPU), GeLU MLP, learned positions, tied embeddings
 (tools/build_corpus.py's .bin/.idx) and SentencePiece model (GPTSentencePieceTokenizer on both sides), one
 thread per rank, gloo, launched with torchrun. Layouts: DP2 with ZeRO-1 on both sides, TP2, PP2, TP2xPP2
 (ZeRO stage 0 on both sides where DP is 1). Megatron-DeepSpeed runs through DeepSpeed with its documented CPU
-flags (bench/peers/setup_megatron_deepspeed.sh, ../shared/PEERS.md).
+flags (bench/peers/setup_megatron_deepspeed.sh; why each is needed: bench/peers/README.md).
 
 Each launch trains `--warmup + --iters` iterations, logging every iteration; both print Megatron's
 "elapsed time per iteration (ms)", the wall time of the iteration on the last rank. The first `--warmup`
@@ -43,7 +43,7 @@ MODEL = {"num-layers": 4, "hidden-size": 256, "num-attention-heads": 8, "seq-len
 TOKENS_PER_ITER = 16 * 256
 LAYOUTS = {"dp2": (1, 1, 2), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "tp2pp2": (2, 2, 1), "tp1": (1, 1, 1)}  # tp, pp, dp
 LABELS = {"dp2": "DP2 ZeRO-1", "tp2": "TP2", "pp2": "PP2", "tp2pp2": "TP2 x PP2", "tp1": "one rank"}
-# Megatron-DeepSpeed's flags for this CPU (PEERS.md): no fused CUDA kernels, gloo, RMSNorm
+# Megatron-DeepSpeed's flags for a CPU (bench/peers/README.md): no fused CUDA kernels, gloo, RMSNorm
 MDS_CPU_FLAGS = ["--distributed-backend", "gloo", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
                  "--no-bias-dropout-fusion", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm"]
 ITER_MS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)")

@@ -4,7 +4,7 @@
                                                    [--ds-optimizers torch_adam,default] [--vocab 2048]
 
 The same GPT-2-style model (megatron_zero's GPTModel, vocab 2048, hidden 256, 4 layers,
-8 heads, seq 256: 3.75M params; --vocab 8192 gives PEERS.md's 5.3M), fp32, dropout 0, the
+8 heads, seq 256: 3.75M params; --vocab 8192 gives 5.3M), fp32, dropout 0, the
 same random tokens (fixed seed, different per rank), micro-batch 4, gradient accumulation 2,
 DP 2 on gloo CPU ranks (global batch 16 sequences = 4096 tokens a step), AdamW (lr 1e-3,
 weight decay 0.01), gradient clipping 1.0 on both sides; everything else at its default.
@@ -202,7 +202,7 @@ def main():
     ap.add_argument("--ds-optimizers", default="torch_adam,default",
                     help="DeepSpeed optimizers: torch_adam (AdamW with torch_adam: true = torch.optim.AdamW, "
                          "what ours steps with), default (DeepSpeed's own FusedAdam, if it builds)")
-    ap.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary (8192 gives PEERS.md's 5.3M params)")
+    ap.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary (8192 gives 5.3M params)")
     a = ap.parse_args()
     stages = [int(s) for s in a.stages.split(",")]
     per_round = -(-a.steps // a.rounds)

@@ -41,7 +41,7 @@ def deepspeed_batches(config: dict, dp: int):
 
 
 @pytest.mark.parametrize("config,dp", [
-    ({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}, 4),  # the case: 32, not 8
+    ({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}, 4),  # global batch mb x GA x DP = 32, not mb x GA = 8
     ({"train_batch_size": 32, "gradient_accumulation_steps": 2}, 4),
     ({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 3}, 2),
     ({"train_batch_size": 16}, 4),

@@ -1,8 +1,12 @@
-"""The README's command blocks do what the README says, so the README cannot drift from the code.
+"""The command blocks of the README (the main job and tests, the example) and of docs/huggingface.md (the
+fine-tuning example) do what the text says, so the documentation cannot drift from the code.
 
 Default tier (cheap): every command of every fenced block names a script or tool that exists, every script
 passes `bash -n`, every tool's arguments parse with that tool's own parser, pretrain_gpt.py's flags (through
-the launch scripts) parse with its parser, and every `scripts/...` / `tools/....py` the README names exists.
+the launch scripts) parse with its parser, and every `scripts/...` / `tools/....py` the two pages name exists.
+
+A command `NAME="..."` sets a variable the later commands of its block use as `$NAME` (expanded here as bash
+expands an unquoted variable: its words).
 
 Slow tier: each block is run, command by command in one bash, in a fresh copy of the tree, and what the README
 says of it is checked. The commands are the README's; only sizes are shrunk, by replacing the listed flag
@@ -25,7 +29,8 @@ from megatron_zero.testing.launch import ROOT
 from megatron_zero.testing.readme import command_blocks, fresh_tree, program
 
 README = open(os.path.join(ROOT, "README.md")).read()
-BLOCKS = command_blocks(README)
+HF_DOC = open(os.path.join(ROOT, "docs", "huggingface.md")).read()
+BLOCKS = command_blocks(README) + command_blocks(HF_DOC)  # 0: main job and tests, 1: example, 2: Hugging Face
 LAUNCHERS = ("scripts/pretrain_local.sh", "scripts/pretrain_torchrun.sh", "scripts/torchrun_node.sh")
 
 
@@ -55,13 +60,28 @@ def _tool_parses(path, argv):
     raise AssertionError(f"{path} did not parse its arguments")
 
 
-def test_the_readme_has_its_three_command_blocks():
-    assert len(BLOCKS) == 3 and all(BLOCKS)
+ASSIGNMENT = re.compile(r"^([A-Z_]+)=")
+VARIABLE = re.compile(r"\$(?:\{([A-Z_]+)\}|([A-Z_]+))")
+
+
+def _expanded(block):
+    """The block's commands other than variable assignments, with `$NAME` replaced by the assigned value."""
+    variables = {}
+    for command in BLOCKS[block]:
+        words = shlex.split(command, comments=True)
+        if words and all(ASSIGNMENT.match(w) for w in words):
+            variables.update(w.split("=", 1) for w in words)
+            continue
+        yield VARIABLE.sub(lambda m: variables[m.group(1) or m.group(2)], command)
+
+
+def test_the_readme_and_the_hugging_face_page_have_their_command_blocks():
+    assert len(command_blocks(README)) == 2 and len(command_blocks(HF_DOC)) == 1 and all(BLOCKS)
 
 
 @pytest.mark.parametrize("block", range(len(BLOCKS)))
 def test_every_command_names_what_exists_and_parses(block):
-    for command in BLOCKS[block]:
+    for command in _expanded(block):
         # $(cat <import>/megatron_flags.txt) is convert_from_hf.py's output (tests/test_hf_import_flags.py): sizes
         words = shlex.split(re.sub(r"\$\(cat [^)]*megatron_flags.txt\)", IMPORTED_FLAGS, command), comments=True)
         kind, path, args = program(words)
@@ -82,7 +102,7 @@ def test_what_the_readme_commands_write_is_ignored_by_git():
     """Every directory a README command writes in the tree (--output-dir, --save, --tensorboard-dir, the HF
     example's directories, demo.sh's runs/) is in .gitignore, so `git status` stays clean."""
     written = set()
-    for command in (c for block in BLOCKS for c in block):
+    for command in (c for block in range(len(BLOCKS)) for c in _expanded(block)):
         words = shlex.split(re.sub(r"\$\([^)]*\)", "", command), comments=True)
         for flag in ("--output-dir", "--output_folder", "--save", "--tensorboard-dir"):
             written |= {words[i + 1] for i, w in enumerate(words[:-1]) if w == flag}
@@ -98,7 +118,7 @@ def test_what_the_readme_commands_write_is_ignored_by_git():
 
 
 def test_every_script_and_tool_the_readme_names_exists():
-    named = set(re.findall(r"\b((?:scripts|tools|examples|bench)/[\w./-]+\.(?:sh|py|sbatch))", README))
+    named = set(re.findall(r"\b((?:scripts|tools|examples|bench)/[\w./-]+\.(?:sh|py|sbatch))", README + HF_DOC))
     assert named and sorted(n for n in named if not os.path.isfile(os.path.join(ROOT, n))) == []
 
 
@@ -115,8 +135,9 @@ SHRINK = {  # README text -> the same command at a test's size
 
 
 def _run_block(tree, block, skip=()):
+    """Run the block's commands but those containing a `skip` string; only a whole block is shrunk (SHRINK)."""
     script = "\n".join(c for c in BLOCKS[block] if not any(s in c for s in skip))
-    for old, new in SHRINK.get(block, []):
+    for old, new in SHRINK.get(block, []) if not skip else []:
         assert old in script, f"README block {block} no longer says {old!r}: update SHRINK"
         script = script.replace(old, new)
     env = {**{k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "PYTHONPATH")},
@@ -156,7 +177,7 @@ def test_running_your_own_job_runs_as_the_readme_says(tree):
 def test_the_hugging_face_example_runs_as_the_readme_says(tree):
     pytest.importorskip("transformers")
     if not os.path.isdir(os.path.join(tree, "data", "builtin")):
-        _run_block(tree, 1, skip=("pretrain_local.sh", "ds_to_universal.py"))  # the corpus it trains on
+        _run_block(tree, 1, skip=("pretrain_local.sh", "ds_to_universal.py", "ARGS="))  # the corpus it trains on
     out = _run_block(tree, 2)
     assert "loaded the Hugging Face import ckpt_gpt2 (GPT2LMHeadModel, weights only" in out, out[-3000:]
     flags = open(os.path.join(tree, "ckpt_gpt2", "megatron_flags.txt")).read().split()

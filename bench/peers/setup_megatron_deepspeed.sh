@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up Megatron-DeepSpeed (microsoft/Megatron-DeepSpeed f4157bea) to run GPT pretraining on this CPU
-# with gloo, OUTSIDE this repository, for bench/bench_vs_megatron_deepspeed.py. Steps (../shared/PEERS.md):
+# with gloo, OUTSIDE this repository, for bench/bench_vs_megatron_deepspeed.py. Steps (why: bench/peers/README.md):
 #   1. its source tree in $MDS_DIR (from a git dir or an existing checkout), with the one source edit:
 #      CoreAttention.forward's three .view( on query/key/value become .reshape( (non-contiguous on CPU);
 #   2. a venv $MDS_VENV: by default it reuses the packages of $BASE_PYTHON (torch 2.13.0 CPU, deepspeed
