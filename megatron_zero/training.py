@@ -33,7 +33,8 @@ from .exit_signal import ExitPolicy
 from .logger import format_eval_line
 from .throughput import gpt_flops_per_iteration
 from .lr_schedule import build_lr_schedule
-from .model.config import GPTConfig, architecture_kwargs
+from .model.architecture import architecture_kwargs
+from .model.config import GPTConfig
 from .ops import kernel_report, require_fused_kernels, set_fusion_flags
 from .pipeline.gpt_stage import (activation_shape, build_gpt_stage, grad_reduce_arming, make_forward_step,
                                  stage_p2p, sync_tied_embedding_grads)
@@ -236,8 +237,8 @@ class Trainer:
         client = resume_checkpoint(path, self.state, self.model, self.optimizer,
                                    load_optimizer=not (a.no_load_optim or a.finetune),
                                    universal=a.universal_checkpoint, verify=a.verify_checkpoint, log=self._log,
-                                   check=lambda directory: check_checkpoint_compat(
-                                       directory, a, self.config.vocab_size, self.config.padded_vocab_size))
+                                   check=lambda opened: check_checkpoint_compat(
+                                       opened, a, self.config.vocab_size, self.config.padded_vocab_size))
         if client is None:
             self._log(f"no checkpoint under --load {path}; starting from scratch")
             return False
