@@ -3,9 +3,10 @@
 - fp16 whose loss scale cannot fall below what overflows (--initial-loss-scale = --min-loss-scale = 2**40: every
   step's gradients overflow) stops after --max-consecutive-skipped-iterations' default, 50, instead of training
   on: exit 2, one sentence naming the iterations, no checkpoint saved.
-- fp32 with a learning rate that blows the weights up at the first step (--lr 1e30): the next iteration's
-  gradients are inf/NaN and --check-for-nan-in-loss-and-grad (on by default) stops it there; the async save of
-  iteration 1, in flight, is committed and named, and nothing of iteration 2 is saved.
+- fp32 on two ranks with a learning rate that blows the weights up at the first step (--lr 1e30): the next
+  iteration's gradients are inf/NaN and --check-for-nan-in-loss-and-grad (on by default) stops it there, one
+  sentence from one rank; the async save of iteration 1, in flight, is committed and named, and nothing of
+  iteration 2 is saved.
 - fp16 with the same learning rate: the loss turns NaN; under a dynamic loss scale the inf/NaN gradients are
   overflows, so the loss (read every --log-interval, and before each save) stops it, naming its iteration;
   no checkpoint is written at or after it. With --no-check-for-nan-in-loss-and-grad and
@@ -13,8 +14,13 @@
 """
 import os
 import re
+import subprocess
+import sys
 
-from megatron_zero.testing.launch import byte_data, pretrain
+from conftest import ROOT
+
+from megatron_zero.testing.launch import PRETRAIN, byte_data, pretrain, tiny_flags
+from megatron_zero.testing.multirank import free_port
 
 
 def _error(run):
@@ -43,13 +49,18 @@ def test_fp16_whose_loss_scale_cannot_fall_far_enough_stops_after_50_skipped_ste
 
 def test_inf_gradients_in_fp32_stop_at_their_iteration_and_the_async_save_before_is_committed(tmp_path):
     data, ckpt = byte_data(tmp_path / "bytes"), tmp_path / "ckpt"
-    run = pretrain(tmp_path, data, lr=1e30, **{"train-iters": 6, "save-interval": 1, "async-save": True,
-                                               "lr-warmup-iters": 0})
+    run = subprocess.run(  # two ranks (DP2): the sentence comes from one
+        ["bash", os.path.join(ROOT, "scripts", "pretrain_torchrun.sh"), "--nproc_per_node", "2", "--master_addr",
+         "127.0.0.1", "--master_port", str(free_port()), PRETRAIN]
+        + tiny_flags(tmp_path, data, lr=1e30, **{"train-iters": 6, "save-interval": 1, "async-save": True}),
+        capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                                          "PYTHON": sys.executable})
     assert _error(run) == (
         "pretrain_gpt.py: error: training stopped after iteration 2 because it has stopped learning: the gradients "
         "of iteration 2 hold inf or NaN (norm inf; --check-for-nan-in-loss-and-grad); the last checkpoint is "
         f"{ckpt / 'global_step1'}, and nothing after it was saved")
     assert _saved(ckpt) == ["global_step1"] and (ckpt / "latest").read_text() == "global_step1"
+    assert "ChildFailedError" not in run.stdout + run.stderr
 
 
 def test_a_nan_loss_in_fp16_stops_at_the_log_interval_naming_its_iteration(tmp_path):
