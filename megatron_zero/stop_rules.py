@@ -1,7 +1,8 @@
 """A run that has stopped learning stops: the two rules, read from values the training loop holds anyway.
 
     rules = StopRules(max_skipped=50, check_nan=True, dynamic_loss_scale=True)
-    reason = rules.check(iteration, updated, grad_norm, first_nonfinite_loss)   # None, or why the run stops
+    reason = rules.after_step(iteration, updated, grad_norm)          # every step; None, or why it stops
+    reason = rules.after_losses(iteration, first_nonfinite_loss)      # whenever the losses have been read
 
   --max-consecutive-skipped-iterations N   N optimizer steps in a row skipped (their gradients held inf or
       (default 50; 0: never)               NaN). Under a dynamic fp16 loss scale each skip halves the scale
@@ -36,21 +37,22 @@ class StopRules:
         self.max_skipped, self.check_nan, self.dynamic = max_skipped, check_nan, dynamic_loss_scale
         self.skipped_in_a_row = 0
 
-    def check(self, iteration: int, updated: bool, grad_norm: float,
-              first_nonfinite_loss: Optional[Tuple[int, float]]) -> Optional[str]:
-        """Why the run stops after `iteration`, or None. `first_nonfinite_loss`: (iteration, loss) of the
-        first non-finite loss read so far, or None."""
+    def after_step(self, iteration: int, updated: bool, grad_norm: float) -> Optional[str]:
+        """Why the run stops after the step of `iteration` (its host-read outcome), or None."""
         self.skipped_in_a_row = 0 if updated else self.skipped_in_a_row + 1
         if self.check_nan and not self.dynamic and not (updated and math.isfinite(grad_norm)):
             return (f"the gradients of iteration {iteration} hold inf or NaN (norm {grad_norm}; "
                     "--check-for-nan-in-loss-and-grad)")
-        if self.check_nan and first_nonfinite_loss is not None:
-            at, loss = first_nonfinite_loss
-            return (f"the loss of iteration {at} is {loss} (read at iteration {iteration}; "
-                    "--check-for-nan-in-loss-and-grad)" if at != iteration else
-                    f"the loss of iteration {at} is {loss} (--check-for-nan-in-loss-and-grad)")
         if self.max_skipped and self.skipped_in_a_row >= self.max_skipped:
             first = iteration - self.skipped_in_a_row + 1
             return (f"iterations {first} to {iteration} all skipped their optimizer step, their gradients "
                     f"overflowing (--max-consecutive-skipped-iterations {self.max_skipped})")
         return None
+
+    def after_losses(self, iteration: int, first_nonfinite_loss: Optional[Tuple[int, float]]) -> Optional[str]:
+        """Why the run stops, given (iteration, loss) of the first non-finite loss read so far (or None)."""
+        if not self.check_nan or first_nonfinite_loss is None:
+            return None
+        at, loss = first_nonfinite_loss
+        read = f"read at iteration {iteration}; " if at != iteration else ""
+        return f"the loss of iteration {at} is {loss} ({read}--check-for-nan-in-loss-and-grad)"

@@ -292,7 +292,8 @@ class Trainer:
             save_now = a.save and a.save_interval and p.iteration % a.save_interval == 0
             if save_now:
                 self.log.flush(p)  # the losses up to here, read before anything is saved of this state
-            stop = rules.check(p.iteration, updated, grad_norm, self.log.first_nonfinite_loss)
+            stop = (rules.after_step(p.iteration, updated, grad_norm)
+                    or rules.after_losses(p.iteration, self.log.first_nonfinite_loss))
             if stop:
                 self._stop_learning(p.iteration, stop, policy)
             if a.eval_iters and self.valid_ds is not None and p.iteration % a.eval_interval == 0:
@@ -309,6 +310,9 @@ class Trainer:
                 self._log(f"exiting after iteration {p.iteration}: {reason}")
                 break
         self.log.flush(p)  # the losses of the iterations since the last log line
+        stop = rules.after_losses(p.iteration, self.log.first_nonfinite_loss)
+        if stop:  # (after a signal or --exit-interval) not saved on the way out
+            self._stop_learning(p.iteration, stop, policy)
         if a.save and saved_at != p.iteration:
             self.save()
         ckpt.finalize_async_saves()

@@ -9,7 +9,8 @@
   iteration 2 is saved.
 - fp16 with the same learning rate: the loss turns NaN; under a dynamic loss scale the inf/NaN gradients are
   overflows, so the loss (read every --log-interval, and before each save) stops it, naming its iteration;
-  no checkpoint is written at or after it. With --no-check-for-nan-in-loss-and-grad and
+  no checkpoint is written at or after it, nor on the way out of a run that exits (--exit-interval) between
+  two log lines. With --no-check-for-nan-in-loss-and-grad and
   --max-consecutive-skipped-iterations 0 the same run trains to its end, as it did before these rules.
 """
 import os
@@ -17,6 +18,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT
 
 from megatron_zero.testing.launch import PRETRAIN, byte_data, pretrain, tiny_flags
@@ -77,6 +79,18 @@ def test_a_nan_loss_in_fp16_stops_at_the_log_interval_naming_its_iteration(tmp_p
     assert bad <= stopped <= 6 and stopped in (4, 6), error  # read at the log interval (4) or the save (6)
     assert found.group(3) == "no checkpoint was saved or loaded before it, and nothing after it was saved"
     assert _saved(ckpt) == []
+
+
+@pytest.mark.slow
+def test_a_nan_loss_is_not_saved_on_the_way_out_and_the_rules_can_be_turned_off(tmp_path):
+    data, ckpt = byte_data(tmp_path / "bytes"), tmp_path / "ckpt"
+    flags = {"lr": 1e30, "fp16": True, "train-iters": 12, "log-interval": 4, "save-interval": 6,
+             "lr-warmup-iters": 0}
+    exiting = pretrain(tmp_path, data, **{**flags, "log-interval": 100, "save-interval": None, "exit-interval": 5})
+    found = re.search(r"error: training stopped after iteration 5 because it has stopped learning: the loss of "
+                      r"iteration (\d+) is nan \(read at iteration 5; --check-for-nan-in-loss-and-grad\)",
+                      _error(exiting))
+    assert found and int(found.group(1)) < 5 and _saved(ckpt) == [], exiting.stderr  # no save on the way out
 
     flags.update({"no-check-for-nan-in-loss-and-grad": True, "max-consecutive-skipped-iterations": 0,
                   "save": tmp_path / "unchecked"})
