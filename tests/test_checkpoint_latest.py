@@ -11,6 +11,8 @@ import random
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 from megatron_zero.testing.launch import PRETRAIN, byte_data, pretrain, tiny_flags
@@ -54,3 +56,14 @@ def test_a_damaged_latest_with_no_checkpoint_beside_it_is_one_sentence_from_one_
                       "is complete"], out[-3000:]
     for noise in ("Traceback", "UnicodeDecodeError", "ChildFailedError"):
         assert noise not in out, (noise, out[-3000:])
+
+
+def test_a_damaged_latest_universal_is_one_sentence(tmp_path):
+    from megatron_zero.checkpoint import CheckpointError
+    from megatron_zero.checkpoint.resume import find_resume_point
+
+    (tmp_path / "latest_universal").write_bytes(GARBAGE)
+    with pytest.raises(CheckpointError) as refused:
+        find_resume_point(str(tmp_path), universal=True)
+    assert str(refused.value) == (f"{tmp_path / 'latest_universal'} holds 40 bytes that are not UTF-8 text; it should "
+                                  "hold the name of the universal checkpoint directory beside it")

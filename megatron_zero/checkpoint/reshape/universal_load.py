@@ -38,8 +38,13 @@ def find_universal_dir(path: str) -> Optional[str]:
         return path
     latest = os.path.join(path, LATEST_UNIVERSAL)
     if os.path.isfile(latest):
-        with open(latest) as f:
-            tag = f.read().strip()
+        with open(latest, "rb") as f:
+            raw = f.read(4096)
+        try:
+            tag = raw.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise CheckpointError(f"{latest} holds {len(raw)} bytes that are not UTF-8 text; it should hold the name "
+                                  "of the universal checkpoint directory beside it") from None
         candidate = os.path.join(path, tag)
         if os.path.isfile(os.path.join(candidate, "zero", "optimizer_state.pt")):
             return candidate
