@@ -4,7 +4,8 @@
 bytes, no directory name, or the name of a directory that is gone is not the commit's doing: it is
 treated as a missing `latest` is. With committed checkpoints beside it, the run resumes from the newest
 that verifies, with one line naming the file and what it holds; without any, it is refused in one
-sentence naming the file, from one rank, exit status 2, no traceback.
+sentence naming the file, from one rank, exit status 2, no traceback. A damaged `latest_universal` (the
+pointer tools/ds_to_universal.py writes) is one sentence naming it.
 """
 import os
 import random
