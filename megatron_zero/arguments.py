@@ -155,6 +155,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--loss-scale-window", type=int, default=1000)
     g.add_argument("--min-loss-scale", type=float, default=1.0)
     g.add_argument("--hysteresis", type=int, default=2)
+    g.add_argument("--max-consecutive-skipped-iterations", type=int, default=50, metavar="N",
+                   help="stop the run (exit 2, nothing saved) after N optimizer steps in a row skipped for "
+                        "overflowing gradients; 0: never (megatron_zero/stop_rules.py says why 50)")
+    g.add_argument("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_true",
+                   default=True, help="stop the run (exit 2, nothing saved) on an inf/NaN loss, or inf/NaN "
+                                      "gradients where the loss scale is not dynamic (the default)")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_false")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--exit-interval", type=int, default=None)
     g.add_argument("--exit-duration-in-mins", type=float, default=None)
@@ -254,6 +262,8 @@ def validate_args(args, world_size: int):
              f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mb} x data-parallel size {dp} "
              f"(world {world_size} / (TP {tp} x PP {pp}))")
     args.num_micro_batches = gbs // (mb * dp)
+    _require(args.max_consecutive_skipped_iterations >= 0, "--max-consecutive-skipped-iterations must be 0 "
+             f"(never stop) or positive, got {args.max_consecutive_skipped_iterations}")
     _require(args.num_attention_heads % tp == 0,
              f"--num-attention-heads {args.num_attention_heads} is not divisible by "
              f"--tensor-model-parallel-size {tp}")

@@ -33,7 +33,8 @@ from .exit_signal import ExitPolicy
 from .logger import format_eval_line
 from .throughput import gpt_flops_per_iteration
 from .lr_schedule import build_lr_schedule
-from .model.config import GPTConfig, architecture_kwargs
+from .model.architecture import architecture_kwargs
+from .model.config import GPTConfig
 from .ops import kernel_report, require_fused_kernels, set_fusion_flags
 from .pipeline.gpt_stage import (activation_shape, build_gpt_stage, grad_reduce_arming, make_forward_step,
                                  stage_p2p, sync_tied_embedding_grads)
@@ -41,6 +42,7 @@ from .pipeline.interleaved_schedule import schedule_for
 from .pipeline.schedule import broadcast_loss, reduce_loss
 from .rng_state import get_rng_state, set_rng_state
 from .shm_comm import set_shared_memory_comm
+from .stop_rules import RunStopped, StopRules
 from .tensor_parallel.random import model_parallel_seed
 from .timers import TimedCalls
 from .topology import build_hpz_group, build_parallel_state
@@ -127,6 +129,7 @@ class Trainer:
         self.log = TrainingLog(args, state.layout.world_size, flops, next(self.model.parameters()).device,
                                self.is_writer, self._log)
         self.train_p2p = TimedCalls(self.p2p, self.log.timers("pipeline-p2p", 2))
+        self.last_checkpoint = None  # the newest checkpoint loaded or saved: what a stopped run names
         resumed = bool(args.load) and self.load(args.load)
         if args.save:
             if not resumed and not args.overwrite_checkpoints:
@@ -202,6 +205,7 @@ class Trainer:
         tag = ckpt.save_checkpoint(a.save, self.progress.iteration, self.state, self.model, self.optimizer,
                                    self.client_state(), async_save=a.async_save, keep_last_k=a.keep_last_k)
         seconds, directory = time.monotonic() - start, os.path.join(a.save, tag)
+        self.last_checkpoint = directory
         if self.is_writer:  # a synchronous save is committed on return: its manifest lists every file
             self._log(async_started_line(directory, seconds) if a.async_save else
                       saved_line(directory, seconds, checkpoint_size(directory)))
@@ -233,11 +237,15 @@ class Trainer:
     def load(self, path) -> bool:
         """Resume from --load; False when it holds no checkpoint (a fresh start)."""
         a = self.args
+
+        def check(opened):
+            check_checkpoint_compat(opened, a, self.config.vocab_size, self.config.padded_vocab_size)
+            self.last_checkpoint = opened.directory
+
         client = resume_checkpoint(path, self.state, self.model, self.optimizer,
                                    load_optimizer=not (a.no_load_optim or a.finetune),
                                    universal=a.universal_checkpoint, verify=a.verify_checkpoint, log=self._log,
-                                   check=lambda directory: check_checkpoint_compat(
-                                       directory, a, self.config.vocab_size, self.config.padded_vocab_size))
+                                   check=check)
         if client is None:
             self._log(f"no checkpoint under --load {path}; starting from scratch")
             return False
@@ -269,6 +277,8 @@ class Trainer:
         self._log(kernel_report())
         self.log.start()
         saved_at = None
+        rules = StopRules(a.max_consecutive_skipped_iterations, a.check_for_nan_in_loss_and_grad,
+                          self.optimizer.loss_scaler.dynamic)
         while p.iteration < a.train_iters:
             micro = self._micro_batches(self.train_ds, p.consumed_train_samples)
             loss, lr, updated, grad_norm = self.train_step(micro, policy.votes)
@@ -279,13 +289,20 @@ class Trainer:
                 p.skipped_iterations += 1
             self.log.iteration(p, loss, lr, grad_norm, self.optimizer.loss_scale, updated,
                                self.optimizer.params_norm)
+            save_now = a.save and a.save_interval and p.iteration % a.save_interval == 0
+            if save_now:
+                self.log.flush(p)  # the losses up to here, read before anything is saved of this state
+            stop = (rules.after_step(p.iteration, updated, grad_norm)
+                    or rules.after_losses(p.iteration, self.log.first_nonfinite_loss))
+            if stop:
+                self._stop_learning(p.iteration, stop, policy)
             if a.eval_iters and self.valid_ds is not None and p.iteration % a.eval_interval == 0:
                 val = self.evaluate()
                 self.log.scalars.scalar("lm loss validation", val, p.iteration, p.consumed_train_samples)
                 self.log.scalars.scalar("lm loss validation ppl", math.exp(min(20.0, val)), p.iteration,
                                         p.consumed_train_samples)
                 self._log(format_eval_line(p.iteration, val))
-            if a.save and a.save_interval and p.iteration % a.save_interval == 0:
+            if save_now:
                 self.save()
                 saved_at = p.iteration
             reason = policy.should_exit(p.iteration, self.optimizer.summed_votes)
@@ -293,6 +310,9 @@ class Trainer:
                 self._log(f"exiting after iteration {p.iteration}: {reason}")
                 break
         self.log.flush(p)  # the losses of the iterations since the last log line
+        stop = rules.after_losses(p.iteration, self.log.first_nonfinite_loss)
+        if stop:  # (after a signal or --exit-interval) not saved on the way out
+            self._stop_learning(p.iteration, stop, policy)
         if a.save and saved_at != p.iteration:
             self.save()
         ckpt.finalize_async_saves()
@@ -300,15 +320,26 @@ class Trainer:
         self.log.close()
         return 0
 
+    def _stop_learning(self, iteration: int, why: str, policy):
+        """Stop a run that has stopped learning, saving nothing more: an async save in flight was taken
+        before any rule fired (stop_rules.py), so it is committed and named."""
+        ckpt.finalize_async_saves()
+        policy.restore()
+        self.log.close()
+        last = (f"the last checkpoint is {self.last_checkpoint}" if self.last_checkpoint else
+                "no checkpoint was saved or loaded before it")
+        raise RunStopped(f"training stopped after iteration {iteration} because it has stopped learning: {why}; "
+                         f"{last}, and nothing after it was saved")
+
     def _log(self, line: str):
         if self.is_writer:
             print(line, flush=True)
 
 
 def pretrain(argv=None) -> int:
-    """Train as the flags say. Exit code 0 when done (or stopped by a signal, saved); 2 on bad input: one
-    sentence from the rank that found it, the other ranks quiet (also 2); 1 when a rank lost contact with
-    another that said nothing."""
+    """Train as the flags say. Exit code 0 when done (or stopped by a signal, saved); 2 on bad input, or a run
+    that stopped learning (stop_rules.py): one sentence from the rank that found it, the other ranks quiet
+    (also 2); 1 when a rank lost contact with another that said nothing."""
     lock = trainer = state = None
     try:
         launch = read_launch_env()
@@ -323,7 +354,7 @@ def pretrain(argv=None) -> int:
         state = build_parallel_state(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
         trainer = Trainer(args, state, device)
         code = trainer.train()
-    except (ArgumentError, LaunchError, DeviceError, DataError, ckpt.CheckpointError) as err:
+    except (ArgumentError, LaunchError, DeviceError, DataError, ckpt.CheckpointError, RunStopped) as err:
         report_failure(str(err), lambda line: print(f"pretrain_gpt.py: error: {line}", file=sys.stderr, flush=True))
         code = 2
     except Exception as err:

@@ -48,6 +48,7 @@ class TrainingLog:
         self.peak = peak_tflops(device, args.params_dtype, args.peak_tflops)
         self._loss_sum, self._loss_count, self._iters = 0.0, 0, 0
         self._pending = []  # (iteration, consumed samples, loss on the device, updated) not yet read
+        self.first_nonfinite_loss = None  # (iteration, loss) of the first inf/NaN loss read (stop_rules.py)
         self._last = time.monotonic()
 
     def start(self):
@@ -103,6 +104,8 @@ class TrainingLog:
             self.scalars.scalar("lm loss", loss, it, samples)
             if loss != loss:
                 progress.nan_iterations += 1
+            if not math.isfinite(loss) and self.first_nonfinite_loss is None:
+                self.first_nonfinite_loss = (it, loss)
             if updated and math.isfinite(loss):
                 self._loss_sum += loss
                 self._loss_count += 1

@@ -3,20 +3,32 @@
 # building csrc/ where a compiler is present. A second run with nothing changed
 # returns in well under a second: a stamp records what was installed.
 #   bash scripts/setup_env.sh          what training needs (requirements.txt)
-#   bash scripts/setup_env.sh --test   also the peers the tests compare against (requirements-test.txt)
+#   bash scripts/setup_env.sh --test   also the peers the tests compare against (requirements-test.txt, which
+#                                      includes requirements.txt: after it, a plain set-up has nothing to do)
+# The stamp ($venv/.megatron_zero_installed.<requirements file>) holds a hash of the requirements, setup.py and
+# csrc/ as installed. Every stamp is removed before an install starts and the new one is written last (tmp +
+# rename), so a set-up stopped part way (SIGTERM, Ctrl-C, a pip failure) leaves none: the next run installs again.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 venv="$root/.venv"
 reqs=requirements.txt
 [ "${1:-}" = "--test" ] && reqs=requirements-test.txt
-stamp="$venv/.megatron_zero_installed.${reqs%.txt}"
-want="$(cat $reqs requirements.txt setup.py $(find csrc -type f 2>/dev/null | sort) 2>/dev/null | sha256sum | cut -d' ' -f1)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python" ]; then
-    exit 0
+stamp_of() { echo "$venv/.megatron_zero_installed.${1%.txt}"; }
+hash_of() { cat "$1" requirements.txt setup.py $(find csrc -type f 2>/dev/null | sort) 2>/dev/null | sha256sum | cut -d' ' -f1; }
+covering=("$reqs")  # the installs that cover this one: itself, and for a plain set-up the test set too
+[ "$reqs" = requirements.txt ] && covering+=(requirements-test.txt)
+if [ -x "$venv/bin/python" ]; then
+    for r in "${covering[@]}"; do
+        [ -f "$(stamp_of "$r")" ] && [ "$(cat "$(stamp_of "$r")")" = "$(hash_of "$r")" ] && exit 0
+    done
 fi
+want="$(hash_of "$reqs")"
+rm -f "$venv"/.megatron_zero_installed.*  # from here until the end, what the venv holds is vouched for by nothing
 python=${PYTHON:-python3}
-[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+# a venv whose creation was stopped part way has no working pip: made anew
+"$venv/bin/python" -m pip --version >/dev/null 2>&1 || "$python" -m venv --clear "$venv" \
+    || { echo "setup_env: $python could not create the virtual environment $venv" >&2; exit 1; }
 pip_install() {  # pip's own exit status decides; its noise about this machine's local indexes is dropped
     local log rc
     log=$(mktemp)
@@ -31,4 +43,5 @@ pip_install -r "$reqs" || { echo "setup_env: pip could not install $reqs (see ab
 echo "setup_env: installing megatron_zero (editable) and building csrc/" >&2
 pip_install --no-build-isolation --no-deps -e . \
     || { echo "setup_env: pip could not install megatron_zero (see above)" >&2; exit 1; }
-echo "$want" > "$stamp"
+stamp="$(stamp_of "$reqs")"
+echo "$want" > "$stamp.tmp.$$" && mv -f "$stamp.tmp.$$" "$stamp"

@@ -91,7 +91,8 @@ DS_LLAMA = ["--normalization", "rmsnorm", "--use-rotary-position-embeddings", "-
 
 def test_architecture_flags_and_their_megatron_deepspeed_spellings():
     from megatron_zero.arguments import args_to_dict
-    from megatron_zero.model.config import ARCHITECTURE_FIELDS, GPTConfig, architecture_kwargs
+    from megatron_zero.model.architecture import ARCHITECTURE_FIELDS, architecture_kwargs
+    from megatron_zero.model.config import GPTConfig
     megatron, deepspeed = (parse_args(BASE + flags, world_size=4) for flags in (LLAMA, DS_LLAMA))
     recorded = args_to_dict(megatron)  # what a checkpoint records
     assert {k: recorded[k] for k in ARCHITECTURE_FIELDS} == {

@@ -4,6 +4,8 @@
   continues (fp32, dropout 0: equal to the DP2 run's to 1e-6 relative) and the RNG state is DP rank 0's.
 - --load accepts a tag directory; without `latest`, the newest checkpoint that verifies is taken, with
   one line saying so (a damaged newer one is skipped, named).
+- A resume opens the checkpoint it chose once (manifest read, sizes checked): the model check and the loader
+  (same layout, reshaped, universal) read that opened checkpoint.
 - A fresh start while --save holds checkpoints is refused unless --overwrite-checkpoints.
 - --save through a file, on a read-only filesystem, or without room for one checkpoint: one sentence.
 """
@@ -85,6 +87,41 @@ def test_without_latest_the_newest_verified_checkpoint_is_resumed(builtin_corpus
     start, lines, _ = run_ranks(_start, 1, _argv(builtin_corpus, tmp_path, load=save), timeout=300)[0]
     assert start == 2 and any(f"global_step2, skipping global_step4 (the checkpoint file {damaged} fails its "
                               "checksum" in line for line in lines), lines
+
+
+def _opened(argv):
+    """Build the Trainer (load, checks) counting how often each checkpoint directory is opened."""
+    from collections import Counter
+
+    from megatron_zero.checkpoint.storage.reader import Checkpoint
+
+    opened, init = Counter(), Checkpoint.__init__
+
+    def counting(self, directory, manifest):
+        opened[os.path.normpath(directory)] += 1
+        init(self, directory, manifest)
+
+    Checkpoint.__init__ = counting
+    try:
+        _start(argv)
+    finally:
+        Checkpoint.__init__ = init
+    return dict(opened)
+
+
+def test_a_resume_opens_the_checkpoint_it_loads_once(builtin_corpus, tmp_path, dp2_run):
+    save = dp2_run[0]
+    universal = str(tmp_path / "u" / "global_step2_universal")
+    convert_to_universal(os.path.join(save, "global_step2"), universal, merge_workers=1, progress=False)
+    without_latest = str(tmp_path / "no_latest")
+    shutil.copytree(save, without_latest)
+    os.remove(os.path.join(without_latest, "latest"))
+    for load, extra, chosen in ((save, {}, os.path.join(save, "global_step4")),  # DP2 -> DP1: reshaped
+                                (os.path.join(save, "global_step2"), {}, os.path.join(save, "global_step2")),
+                                (without_latest, {}, os.path.join(without_latest, "global_step4")),
+                                (str(tmp_path / "u"), {"universal-checkpoint": True}, universal)):
+        opened = run_ranks(_opened, 1, _argv(builtin_corpus, tmp_path, load=load, **extra), timeout=300)[0]
+        assert opened == {chosen: 1}, (load, opened)
 
 
 def test_fresh_start_over_saved_checkpoints_is_refused(builtin_corpus, tmp_path, dp2_run):

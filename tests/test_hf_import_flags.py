@@ -11,7 +11,8 @@ import torch
 
 from megatron_zero.arguments import parse_args
 from megatron_zero.checkpoint.export.hf import for_hf_config
-from megatron_zero.model.config import ARCHITECTURE_FIELDS, GPTConfig, architecture_kwargs
+from megatron_zero.model.architecture import ARCHITECTURE_FIELDS, architecture_kwargs
+from megatron_zero.model.config import GPTConfig
 from tools import convert_from_hf
 
 transformers = pytest.importorskip("transformers")

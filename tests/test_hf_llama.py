@@ -19,7 +19,7 @@ from megatron_zero.checkpoint.errors import CheckpointError
 from megatron_zero.checkpoint.export.hf import for_hf_config, llama
 from megatron_zero.checkpoint.export.hf.exporter import export_hf
 from megatron_zero.checkpoint.export.hf.importer import import_hf
-from megatron_zero.model.config import ARCHITECTURE_FIELDS
+from megatron_zero.model.architecture import ARCHITECTURE_FIELDS
 from megatron_zero.pipeline.gpt_stage import build_gpt_stage
 from megatron_zero.testing import run_ranks
 from megatron_zero.testing.hf_parity import SEQ, VOCAB, first_loss, hf_tensors, our_logits, tokens

@@ -24,24 +24,26 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Optional
+from typing import Optional, Union
 
 from ..model.architecture import SIZES, SWITCHES, model_settings
 from .errors import CheckpointError
 from .format import UNIVERSAL_CHECKPOINT_INFO, header_args
-from .storage.reader import open_directory
+from .storage.reader import Checkpoint, open_directory
 
 HEAD_FILE = re.compile(r"^(?:(?:bf16_|fp16_)?zero_pp_rank_\d+_)?mp_rank_00_model_states\.pt$")
 
 
-def read_head(directory: str, verify: bool = True) -> dict:
-    """The first model-states file of a checkpoint (or universal checkpoint) directory, checksum-verified
-    where the directory has a manifest (verify=False: not)."""
+def read_head(checkpoint: Union[str, Checkpoint], verify: bool = True) -> dict:
+    """The first model-states file of a checkpoint (or universal checkpoint) directory, or of one opened
+    already, checksum-verified where the directory has a manifest (verify=False: not)."""
+    directory = checkpoint.directory if isinstance(checkpoint, Checkpoint) else checkpoint
     names = sorted(n for n in os.listdir(directory) if HEAD_FILE.match(n))
     if not names:
         raise CheckpointError(f"the checkpoint {directory} has no mp_rank_00 model-states file, so the model it "
                               "holds cannot be checked")
-    head = open_directory(directory, verify).load(names[0])
+    files = checkpoint if isinstance(checkpoint, Checkpoint) else open_directory(directory, verify)
+    head = files.load(names[0])
     return head if isinstance(head, dict) else {}
 
 
@@ -84,11 +86,14 @@ def disagreements(head: dict, args, vocab_size: int, padded_at) -> list:
     return out
 
 
-def check_checkpoint_compat(directory: str, args, vocab_size: int, padded_at) -> None:
-    """Refuse, in one sentence naming each difference, a checkpoint holding another model than the flags'.
+def check_checkpoint_compat(checkpoint: Union[str, Checkpoint], args, vocab_size: int, padded_at) -> None:
+    """Refuse, in one sentence naming each difference, a checkpoint (a directory, or one opened already)
+    holding another model than the flags'.
 
     padded_at(tp) is this run's padded vocabulary at tensor-parallel size tp."""
-    diffs = disagreements(read_head(directory, getattr(args, "verify_checkpoint", True)), args, vocab_size, padded_at)
+    diffs = disagreements(read_head(checkpoint, getattr(args, "verify_checkpoint", True)), args, vocab_size,
+                          padded_at)
+    directory = checkpoint.directory if isinstance(checkpoint, Checkpoint) else checkpoint
     if diffs:
         raise CheckpointError(f"the checkpoint {directory} holds another model than these flags describe "
                               f"({'; '.join(diffs)}); give the checkpoint's settings, or start without --load")

@@ -1,6 +1,7 @@
 """The checkpoint format's names and versions, in one place: the DeepSpeed / Megatron-DeepSpeed release
 whose layout we write, the pointer files of a save directory, each file's name (and the patterns that
-recognise them in a directory DeepSpeed or we wrote), and the one reader of the TP / PP sizes a header records.
+recognise them in a directory DeepSpeed or we wrote), and the readers of what a model-states header records
+(its args, TP / PP sizes, and each DP rank's RNG state), which every loader (same layout, reshaped, universal) shares.
 
     <save>/latest, latest_checkpointed_iteration.txt   the committed tag (global_step<N>) and iteration
     <save>/latest_universal                            the universal checkpoint's directory name
@@ -71,3 +72,11 @@ def header_tp_pp(head: dict) -> Tuple[Optional[int], Optional[int]]:
         args = header_args(head)
         tp, pp = args.get("tensor_model_parallel_size"), args.get("pipeline_model_parallel_size")
     return (int(tp) if tp else None), (int(pp) if pp else None)
+
+
+def rank_rng_state(saved, dp_rank: int) -> Optional[dict]:
+    """This DP rank's RNG state from a model-states file's `rng_state`: Megatron's per-DP-rank list
+    (DP rank 0's where the saving run had fewer DP ranks: every replica was seeded alike), or one dict."""
+    if isinstance(saved, (list, tuple)):
+        return (saved[dp_rank] if dp_rank < len(saved) else saved[0]) if saved else None
+    return saved if isinstance(saved, dict) else None

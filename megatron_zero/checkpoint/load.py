@@ -1,6 +1,7 @@
 """load_checkpoint: read only this rank's files, verified, and refuse mismatches with one sentence.
 
     client_state = load_checkpoint(load_dir, state, model, optimizer, load_optimizer=True)
+    client_state = load_checkpoint(..., checkpoint=open_directory(tag_dir))   # a directory opened already
 
 Each file is loaded straight onto the device its tensors go to (map_location): the layer files
 onto the model's device, the optimizer file onto where the optimizer keeps its state (the
@@ -8,7 +9,7 @@ device, or the host under ZeRO-Offload), one file at a time, memory-mapped, so t
 no copy of the model (a GPU holds one file's tensors beside the state while it is copied in).
 
 Returns None when load_dir holds no `latest` (a fresh start, as Megatron does). The client
-state comes back with `rng_state` resolved to this rank's (rank_rng_state: the DP-indexed list
+state comes back with `rng_state` resolved to this rank's (format.rank_rng_state: the DP-indexed list
 in the file, DP rank 0's entry where the saving run had fewer DP ranks) and `args` as a dict.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ..device import HOST
 from ..topology import ParallelState
 from .deepspeed_layout import EMBED_PREFIX, param_shapes
 from .errors import CheckpointError
-from .format import LATEST, layer_file_name, model_states_name, optim_states_name
+from .format import LATEST, layer_file_name, model_states_name, optim_states_name, rank_rng_state
 from .storage.reader import Checkpoint, open_checkpoint
 
 ENGINE_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
@@ -85,14 +86,6 @@ def _load_layers(ckpt: Checkpoint, model, tp_rank: int, device: torch.device):
     model.load_state_dict(sd, strict=True)
 
 
-def rank_rng_state(saved, dp_rank: int) -> Optional[dict]:
-    """This DP rank's RNG state from a model-states file's `rng_state`: Megatron's per-DP-rank list
-    (DP rank 0's where the saving run had fewer DP ranks: every replica was seeded alike), or one dict."""
-    if isinstance(saved, (list, tuple)):
-        return (saved[dp_rank] if dp_rank < len(saved) else saved[0]) if saved else None
-    return saved if isinstance(saved, dict) else None
-
-
 def _weights_only(osd: dict) -> dict:
     """An optimizer state with the fp32 masters but fresh moments and step (--no-load-optim)."""
     sd = dict(osd)
@@ -111,14 +104,13 @@ def state_devices(model, optimizer, device: Optional[torch.device] = None):
 
 
 def load_checkpoint(load_dir: str, state: ParallelState, model, optimizer, load_optimizer: bool = True,
-                    universal: bool = False, tag: Optional[str] = None, verify: bool = True,
-                    device: Optional[torch.device] = None) -> Optional[dict]:
-    if universal:  # universal_load.py (the reshape path) owns that format
-        from .reshape.universal_load import load_universal_checkpoint
-        return load_universal_checkpoint(load_dir, state, model, optimizer, load_optimizer=load_optimizer)
-    if tag is None and not os.path.exists(os.path.join(load_dir, LATEST)):
+                    tag: Optional[str] = None, verify: bool = True, device: Optional[torch.device] = None,
+                    checkpoint: Optional[Checkpoint] = None) -> Optional[dict]:
+    """`checkpoint`: the directory already opened (resume_checkpoint passes the one it chose; load_dir and
+    tag are then not read). A universal checkpoint, or one of another layout, is reshape/universal_load.py's."""
+    if checkpoint is None and tag is None and not os.path.exists(os.path.join(load_dir, LATEST)):
         return None
-    ckpt = open_checkpoint(load_dir, tag, verify=verify)
+    ckpt = checkpoint if checkpoint is not None else open_checkpoint(load_dir, tag, verify=verify)
     stage, mp, dp = optimizer.stage, state.mp_rank, state.dp_rank
     ms_name = model_states_name(mp, stage, dp)
     if not ckpt.has(ms_name):

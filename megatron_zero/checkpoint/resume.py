@@ -1,15 +1,19 @@
 """Which checkpoint a run resumes from, loading it, and the refusal to start from scratch over saved work.
 
     client = resume_checkpoint(load_dir, state, model, optimizer)   # the decision below, then the loading
-    point = find_resume_point(load_dir)   # ResumePoint(directory, universal, note) or None (nothing saved)
+    point = find_resume_point(load_dir)   # ResumePoint(directory, checkpoint, universal, note) or None
     refuse_fresh_start_over(save_dir)     # a fresh start while --save holds checkpoints: one sentence
 
 `--load` may name
   - a save directory with `latest`: the checkpoint it names;
-  - a save directory without `latest` (a crash between the rename and `latest` on a first save)
-    but with committed checkpoints: the newest whose every file verifies (said in `note`);
+  - a save directory without a usable `latest` (none: a crash between the rename and `latest` on a first
+    save; or one that holds no directory name, e.g. damaged bytes, or names a directory that is gone)
+    but with committed checkpoints: the newest whose every file verifies (said in `note`, which names
+    the unusable `latest` and why); without committed checkpoints, that `latest` is refused in one sentence;
   - one checkpoint's own directory (`<save>/global_step6`), ZeRO or universal;
   - a directory with `latest_universal`, or asked for with universal=True: the universal checkpoint.
+The chosen directory is opened once (manifest read, sizes checked) and that opened checkpoint is what
+the model check (`check`) and the loader read.
 A ZeRO checkpoint saved at this TP x PP x DP and ZeRO stage family loads as saved (load.py); saved at
 another, it is reshaped while loading (universal_load.py), as a universal checkpoint always is.
 """
@@ -17,22 +21,24 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
-from .storage.commit import committed_tags, read_latest
+from .storage.commit import committed_tags, latest_tag, read_latest
 from .errors import CheckpointError
-from .format import LATEST, LATEST_UNIVERSAL, MODEL_FILE, ZERO3_MODEL_FILE
+from .format import LATEST, MODEL_FILE, ZERO3_MODEL_FILE
 from .load import load_checkpoint
 from .report import loaded_line
 from .save import saved_layout
 from .storage.manifest import MANIFEST
-from .storage.reader import open_directory
-from .reshape.universal_load import find_universal_dir, load_reshaped_checkpoint, load_universal_checkpoint
+from .storage.reader import Checkpoint, open_directory
+from .reshape.universal_load import (find_universal_dir, load_reshaped_checkpoint, load_universal_checkpoint,
+                                     require_universal_dir)
 
 
 @dataclass
 class ResumePoint:
     directory: str               # the checkpoint directory to read
+    checkpoint: Checkpoint       # that directory, opened (manifest read, sizes checked)
     universal: bool = False
     note: Optional[str] = None   # one line for the log, when the choice needs saying
 
@@ -42,7 +48,8 @@ def _is_checkpoint_dir(path: str) -> bool:
         MODEL_FILE.match(f) or ZERO3_MODEL_FILE.match(f) for f in os.listdir(path))
 
 
-def _newest_verified(load_dir: str, tags, verify: bool) -> ResumePoint:
+def _newest_verified(load_dir: str, tags, verify: bool, why: str) -> ResumePoint:
+    """`why`: what is wrong with `latest` (its absence, or what it holds), the start of the note."""
     skipped = []
     for tag in reversed(tags):
         try:
@@ -53,34 +60,45 @@ def _newest_verified(load_dir: str, tags, verify: bool) -> ResumePoint:
             skipped.append(f"{tag} ({e})")
             continue
         what = "verified" if verify else "(unverified)"
-        note = (f"--load {load_dir} has no `{LATEST}` file; resuming from its newest {what} checkpoint {tag}"
+        note = (f"{why}; resuming from its newest {what} checkpoint {tag}"
                 + (f", skipping {'; '.join(skipped)}" if skipped else ""))
-        return ResumePoint(os.path.join(load_dir, tag), note=note)
-    raise CheckpointError(f"--load {load_dir} has no `{LATEST}` file and none of its checkpoints verifies: "
-                          f"{'; '.join(skipped)}")
+        return ResumePoint(found.directory, found, note=note)
+    raise CheckpointError(f"{why} and none of its checkpoints verifies: {'; '.join(skipped)}")
+
+
+def _named_by_latest(load_dir: str) -> Tuple[Optional[str], Optional[str]]:
+    """(the directory `latest` names, None), or (None, why it names none, as a phrase)."""
+    tag, problem = latest_tag(load_dir)
+    if tag is None:
+        return None, problem
+    directory = os.path.join(load_dir, tag)
+    if not os.path.isdir(directory):
+        return None, f"{os.path.join(load_dir, LATEST)} names {tag}, but the directory {directory} does not exist"
+    return directory, None
 
 
 def find_resume_point(load_dir: str, universal: bool = False, verify: bool = True) -> Optional[ResumePoint]:
-    """The checkpoint `--load load_dir` means, or None when it holds none (a fresh start)."""
+    """The checkpoint `--load load_dir` means, opened, or None when it holds none (a fresh start)."""
     if not os.path.isdir(load_dir):
         raise CheckpointError(f"--load {load_dir} is not a directory")
     has_latest = os.path.isfile(os.path.join(load_dir, LATEST))
     if universal or (not has_latest and find_universal_dir(load_dir) is not None):
-        directory = find_universal_dir(load_dir)
-        if directory is None:
-            raise CheckpointError(f"{load_dir} is not a universal checkpoint: it has neither zero/optimizer_state.pt "
-                                  f"nor a {LATEST_UNIVERSAL} file; convert it with tools/ds_to_universal.py")
-        return ResumePoint(directory, universal=True)
+        directory = require_universal_dir(load_dir)
+        return ResumePoint(directory, open_directory(directory, verify), universal=True)
+    why = f"--load {load_dir} has no `{LATEST}` file"
     if has_latest:
-        directory = os.path.join(load_dir, read_latest(load_dir))
-        if not os.path.isdir(directory):
-            raise CheckpointError(f"the checkpoint directory {directory} (named by "
-                                  f"{os.path.join(load_dir, LATEST)}) does not exist")
-        return ResumePoint(directory)
+        directory, problem = _named_by_latest(load_dir)
+        if directory is not None:
+            return ResumePoint(directory, open_directory(directory, verify))
+        if not committed_tags(load_dir):  # nothing to fall back to
+            raise CheckpointError(f"{problem}; it should name a checkpoint directory in {load_dir}, such as "
+                                  "global_step100, and no other checkpoint there is complete")
+        why = f"{problem}, so it is ignored"  # damaged, or naming what is gone: as if there were none
     if _is_checkpoint_dir(load_dir):
-        return ResumePoint(os.path.normpath(load_dir))
+        directory = os.path.normpath(load_dir)
+        return ResumePoint(directory, open_directory(directory, verify))
     tags = committed_tags(load_dir)
-    return _newest_verified(load_dir, tags, verify) if tags else None
+    return _newest_verified(load_dir, tags, verify, why) if tags else None
 
 
 def resume_checkpoint(path: str, state, model, optimizer, load_optimizer: bool = True, universal: bool = False,
@@ -88,7 +106,7 @@ def resume_checkpoint(path: str, state, model, optimizer, load_optimizer: bool =
     """Load what `--load path` names (find_resume_point), the one call a run resumes through: a universal
     checkpoint, a checkpoint saved on this layout, or, saved on another TP/PP/DP or ZeRO stage, the same
     reshaped while loading.
-    `check(directory)` sees the chosen checkpoint directory before anything is loaded from it.
+    `check(checkpoint)` sees the chosen checkpoint, opened, before anything is loaded from it.
     -> the client state, or None when `path` holds no checkpoint."""
     point = find_resume_point(path, universal, verify)
     if point is None:
@@ -96,22 +114,25 @@ def resume_checkpoint(path: str, state, model, optimizer, load_optimizer: bool =
     if point.note:
         log(point.note)
     if check:
-        check(point.directory)
+        check(point.checkpoint)
     this_layout = f"{state.layout}, ZeRO-{optimizer.stage}"
+    opened = point.checkpoint
     if point.universal:
-        client = load_universal_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify)
+        client = load_universal_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify,
+                                           checkpoint=opened)
         log(loaded_line(point.directory, "universal", client, this_layout))
         return client
-    meta = open_directory(point.directory, verify).meta
-    saved = meta.get("layout")
+    saved = opened.meta.get("layout")
     here = saved_layout(state, model)  # an interleaved pipeline holds other layers: reshaped
-    same_stage_family = (meta.get("zero_stage", optimizer.stage) == 3) == (optimizer.stage == 3)
+    same_stage_family = (opened.meta.get("zero_stage", optimizer.stage) == 3) == (optimizer.stage == 3)
     if saved is not None and (saved != here or not same_stage_family):
-        client = load_reshaped_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify)
+        client = load_reshaped_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify,
+                                          checkpoint=opened)
         log(loaded_line(point.directory, "plain", client, this_layout))
         return client
     root, tag = os.path.split(point.directory)
-    client = load_checkpoint(root, state, model, optimizer, load_optimizer=load_optimizer, tag=tag, verify=verify)
+    client = load_checkpoint(root, state, model, optimizer, load_optimizer=load_optimizer, tag=tag, verify=verify,
+                             checkpoint=opened)
     log(loaded_line(point.directory, "plain", client))
     return client
 
@@ -122,7 +143,13 @@ def refuse_fresh_start_over(save_dir: str) -> None:
         return
     tags = committed_tags(save_dir)
     if tags or os.path.isfile(os.path.join(save_dir, LATEST)):
-        newest = read_latest(save_dir, required=False) or tags[-1]
+        try:
+            named = read_latest(save_dir, required=False)
+        except CheckpointError:  # an unusable `latest` names nothing to overwrite
+            named = None
+        newest = named or (tags[-1] if tags else None)
+        if newest is None:
+            return
         raise CheckpointError(f"--save {save_dir} already holds checkpoints (newest {newest}) but this run starts "
                               f"from scratch and would overwrite them; pass --load {save_dir} to resume, or "
                               "--overwrite-checkpoints to train anew over them")

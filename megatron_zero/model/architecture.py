@@ -1,6 +1,7 @@
 """The model a set of training arguments describes, in one spelling, whoever wrote the arguments.
 
     settings = model_settings(args)                  # parsed flags, or the args a checkpoint records
+    GPTConfig(..., **architecture_kwargs(args))      # the architecture switches, as GPTConfig's fields
 
 Three writers record arguments: this trainer and its Hugging Face importer, Megatron-LM and
 Megatron-DeepSpeed. They spell some settings differently and leave some implied; every reader of
@@ -78,3 +79,14 @@ def model_settings(args, fill_sizes: bool = True) -> dict:
         if out["max_position_embeddings"] is None:
             out["max_position_embeddings"] = args.get("seq_length")
     return out
+
+
+ARCHITECTURE_FIELDS = ("normalization", "position_embedding_type", "rotary_base", "rotary_percent", "swiglu",
+                       "num_query_groups", "untie_embeddings_and_output_weights", "add_bias_linear")
+
+
+def architecture_kwargs(args: dict) -> dict:
+    """The architecture fields of GPTConfig from a training run's arguments (parsed, or saved in a checkpoint,
+    in any writer's spelling: model/architecture.py); a checkpoint from before these flags existed gives GPT-2."""
+    settings = model_settings(args)
+    return {k: settings[k] for k in ARCHITECTURE_FIELDS if settings.get(k) is not None}

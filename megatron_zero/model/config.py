@@ -135,16 +135,3 @@ class GPTConfig:
         if self.sequence_parallel and self.seq_length % tp != 0:
             raise ValueError(f"seq_length {self.seq_length} is not divisible by the tensor-parallel size {tp}, "
                              "which sequence parallelism splits it over")
-
-
-ARCHITECTURE_FIELDS = ("normalization", "position_embedding_type", "rotary_base", "rotary_percent", "swiglu",
-                       "num_query_groups", "untie_embeddings_and_output_weights", "add_bias_linear")
-
-
-def architecture_kwargs(args: dict) -> dict:
-    """The architecture fields of GPTConfig from a training run's arguments (parsed, or saved in a checkpoint,
-    in any writer's spelling: model/architecture.py); a checkpoint from before these flags existed gives GPT-2."""
-    from .architecture import model_settings  # it reads this module's defaults
-
-    settings = model_settings(args)
-    return {k: settings[k] for k in ARCHITECTURE_FIELDS if settings.get(k) is not None}

@@ -26,9 +26,8 @@ from ...model.params import param_spec
 from ...model.sharding import shard_tensor
 from ...zero.universal_state import set_state_from_params
 from ..errors import CheckpointError
-from ..format import LATEST_UNIVERSAL, STATE_KEYS, SUB_PARAMS_KEY, header_tp_pp
-from ..load import rank_rng_state
-from ..storage.reader import open_directory
+from ..format import LATEST_UNIVERSAL, STATE_KEYS, SUB_PARAMS_KEY, header_tp_pp, rank_rng_state
+from ..storage.reader import Checkpoint, open_directory
 from .universal_source import SourceCheckpoint
 
 
@@ -39,8 +38,13 @@ def find_universal_dir(path: str) -> Optional[str]:
         return path
     latest = os.path.join(path, LATEST_UNIVERSAL)
     if os.path.isfile(latest):
-        with open(latest) as f:
-            tag = f.read().strip()
+        with open(latest, "rb") as f:
+            raw = f.read(4096)
+        try:
+            tag = raw.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise CheckpointError(f"{latest} holds {len(raw)} bytes that are not UTF-8 text; it should hold the name "
+                                  "of the universal checkpoint directory beside it") from None
         candidate = os.path.join(path, tag)
         if os.path.isfile(os.path.join(candidate, "zero", "optimizer_state.pt")):
             return candidate
@@ -49,11 +53,11 @@ def find_universal_dir(path: str) -> Optional[str]:
 
 
 class UniversalFiles:
-    """Full tensors from `<dir>/zero/<name>/<key>.pt`, each verified as it is read."""
+    """Full tensors from `<dir>/zero/<name>/<key>.pt` of an opened universal checkpoint, each verified as it is
+    read."""
 
-    def __init__(self, directory: str, verify: bool = True):
-        self.directory = directory
-        self.files = open_directory(directory, verify)
+    def __init__(self, files: Checkpoint):
+        self.directory, self.files = files.directory, files
 
     def full(self, name: str, key: str):
         rel = f"zero/{name}/{key}.pt"
@@ -84,9 +88,9 @@ class UniversalFiles:
 class ReshapedFiles:
     """Full tensors assembled on the fly from a plain ZeRO checkpoint's optimizer files."""
 
-    def __init__(self, directory: str, verify: bool = True):
-        self.src = SourceCheckpoint(directory, verify=verify)
-        self.directory = directory
+    def __init__(self, files: Checkpoint):
+        self.src = SourceCheckpoint(files.directory, files=files)
+        self.directory = files.directory
         self.stage_of = dict(self.src.params)
         self.readers = {}
 
@@ -169,16 +173,25 @@ def load_from(files, state, model, optimizer, load_optimizer: bool = True) -> di
     return client
 
 
-def load_universal_checkpoint(path: str, state, model, optimizer, load_optimizer: bool = True,
-                              verify: bool = True) -> dict:
+def require_universal_dir(path: str) -> str:
+    """find_universal_dir, or one sentence saying `path` is no universal checkpoint."""
     directory = find_universal_dir(path)
     if directory is None:
         raise CheckpointError(f"{path} is not a universal checkpoint: it has neither zero/optimizer_state.pt nor "
                               f"a {LATEST_UNIVERSAL} file; convert it with tools/ds_to_universal.py")
-    return load_from(UniversalFiles(directory, verify), state, model, optimizer, load_optimizer)
+    return directory
+
+
+def load_universal_checkpoint(path: str, state, model, optimizer, load_optimizer: bool = True,
+                              verify: bool = True, checkpoint: Optional[Checkpoint] = None) -> dict:
+    """`checkpoint`: the universal directory opened already (then `path` is not read)."""
+    files = checkpoint if checkpoint is not None else open_directory(require_universal_dir(path), verify)
+    return load_from(UniversalFiles(files), state, model, optimizer, load_optimizer)
 
 
 def load_reshaped_checkpoint(ckpt_dir: str, state, model, optimizer, load_optimizer: bool = True,
-                             verify: bool = True) -> dict:
-    """Resume a plain ZeRO checkpoint (any TP/PP/DP/stage) directly into this layout."""
-    return load_from(ReshapedFiles(ckpt_dir, verify), state, model, optimizer, load_optimizer)
+                             verify: bool = True, checkpoint: Optional[Checkpoint] = None) -> dict:
+    """Resume a plain ZeRO checkpoint (any TP/PP/DP/stage) directly into this layout; `checkpoint`: the
+    directory opened already."""
+    files = checkpoint if checkpoint is not None else open_directory(ckpt_dir, verify)
+    return load_from(ReshapedFiles(files), state, model, optimizer, load_optimizer)

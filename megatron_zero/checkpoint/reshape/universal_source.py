@@ -24,7 +24,7 @@ from ...model.sharding import merge_sub_params
 from ..errors import CheckpointError
 from ..format import (LAYER_FILE, MODEL_FILE, SUB_PARAMS_PATTERNS, UNIVERSAL_CHECKPOINT_INFO, ZERO3_MODEL_FILE, ZERO_FILE,
                      header_tp_pp)
-from ..storage.reader import open_directory
+from ..storage.reader import Checkpoint, open_directory
 from .universal_info import MergeRule, merge_rule
 
 
@@ -50,8 +50,9 @@ def _numel(shape) -> int:
 
 
 class SourceCheckpoint:
-    def __init__(self, directory: str, strict: bool = True, verify: bool = True):
-        self.files = open_directory(directory, verify)
+    def __init__(self, directory: str, strict: bool = True, verify: bool = True, files: Optional[Checkpoint] = None):
+        """`files`: `directory` opened already (then `verify` is the opener's)."""
+        self.files = files if files is not None else open_directory(directory, verify)
         self.directory, self.strict = directory, strict
         files = sorted(os.listdir(directory))
         self.zero_files: Dict[Tuple[int, int], str] = {}

@@ -16,7 +16,7 @@ import os
 import re
 import shutil
 import uuid
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from ..errors import CheckpointError, crash_point
 from ..format import LATEST, LATEST_ITERATION
@@ -114,14 +114,34 @@ def remove_stale(save_dir: str, keep_tmp: Optional[str]) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def read_latest(load_dir: str, required: bool = True) -> Optional[str]:
+def latest_tag(load_dir: str) -> Tuple[Optional[str], Optional[str]]:
+    """(the tag `latest` names, None), or (None, what is wrong with `latest` as a phrase: "<path> does not
+    exist", "<path> holds 40 bytes that are not UTF-8 text", ... ) when it names none."""
     path = os.path.join(load_dir, LATEST)
     if not os.path.exists(path):
-        if required:
-            raise CheckpointError(f"there is no checkpoint to resume from: {path} does not exist")
-        return None
-    with open(path) as f:
-        tag = f.read().strip()
+        return None, f"{path} does not exist"
+    with open(path, "rb") as f:
+        raw = f.read(4096)
+    try:
+        tag = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return None, f"{path} holds {len(raw)}{'+' if len(raw) == 4096 else ''} bytes that are not UTF-8 text"
     if not tag:
-        raise CheckpointError(f"{path} is empty; it should name a checkpoint directory such as global_step100")
-    return tag
+        return None, f"{path} is empty"
+    if os.path.basename(tag) != tag or tag in (".", "..") or not tag.isprintable() or len(tag) > 255:
+        return None, f"{path} holds {tag[:60]!r}, which is not a directory name"
+    return tag, None
+
+
+def read_latest(load_dir: str, required: bool = True) -> Optional[str]:
+    """The tag `latest` names; without a `latest`, None (required=False) or one sentence; one sentence naming
+    the file when it holds no directory name (empty, not UTF-8 text, a path, control characters)."""
+    tag, problem = latest_tag(load_dir)
+    if tag is not None:
+        return tag
+    if not os.path.exists(os.path.join(load_dir, LATEST)):
+        if required:
+            raise CheckpointError(f"there is no checkpoint to resume from: {problem}")
+        return None
+    raise CheckpointError(f"{problem}; it should hold the name of a checkpoint directory in {load_dir}, "
+                          "such as global_step100")
