@@ -14,7 +14,9 @@ from typing import List, Optional
 import torch
 
 from .checkpoint.storage.reader import add_verify_flag
+from .compat_flags import CompatError, add_compat_flags, validate_compat
 from .deepspeed_config import DeepSpeedConfigError, apply_deepspeed_config
+from .flag_refusals import refusals, unknown_flag_sentence
 from .model.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, default_ffn_hidden_size
 
 
@@ -36,7 +38,7 @@ def _normalization(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="pretrain_gpt.py", description="Pretrain a GPT with TP x PP x ZeRO-DP.")
+    p = _Parser(prog="pretrain_gpt.py", description="Pretrain a GPT with TP x PP x ZeRO-DP.", allow_abbrev=False)
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, required=True)
     g.add_argument("--hidden-size", type=int, required=True)
@@ -74,10 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
                    default=1)
     g.add_argument("--checkpoint-activations", action="store_true",
                    help="Megatron-DeepSpeed's name for --recompute-granularity full --recompute-method uniform")
-    g.add_argument("--attention-backend", choices=["auto", "flash", "fused", "unfused"], default="auto",
+    g.add_argument("--attention-backend", choices=["auto", "flash", "fused", "unfused", "local"], default="auto",
                    help="auto: torch's scaled_dot_product_attention where it applies, else unfused; flash: only "
                         "its kernels that never build the s x s matrix; fused: the fused causal-softmax kernel; "
-                        "unfused: matmul, causal softmax, matmul")
+                        "unfused (Megatron's local): matmul, causal softmax, matmul")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="split LayerNorm and dropout regions along the sequence over the tensor-parallel group "
                         "(the identity at TP 1, as in Megatron)")
@@ -175,7 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-path", nargs="*", default=None)
     g.add_argument("--split", type=str, default="969,30,1")
     g.add_argument("--data-cache-path", type=str, default=None)
-    g.add_argument("--tokenizer-type", type=str, default="SentencePieceTokenizer")
+    g.add_argument("--tokenizer-type", type=str, default=None,
+                   help="default: GPT2BPETokenizer with --vocab-file and --merge-file (as Megatron-LM), else "
+                        "SentencePieceTokenizer")
     g.add_argument("--tokenizer-model", type=str, default=None)
     g.add_argument("--vocab-file", type=str, default=None)
     g.add_argument("--merge-file", type=str, default=None)
@@ -214,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wandb-project", type=str, default=None)
     g.add_argument("--wandb-exp-name", type=str, default=None)
     g.add_argument("--wandb-save-dir", type=str, default=None, help="default: <--save>/wandb")
+    add_compat_flags(p)
     return p
 
 
@@ -298,6 +303,15 @@ def validate_args(args, world_size: int):
     _require(args.lr_warmup_iters >= 0, f"--lr-warmup-iters {args.lr_warmup_iters} must not be negative")
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
+    if args.tokenizer_type is None:
+        args.tokenizer_type = ("GPT2BPETokenizer" if args.vocab_file and args.merge_file
+                               else "SentencePieceTokenizer")
+    if args.attention_backend == "local":
+        args.attention_backend = "unfused"
+    try:
+        validate_compat(args)
+    except CompatError as err:
+        raise ArgumentError(str(err)) from None
     for name in ("adam_beta1", "adam_beta2"):
         value = getattr(args, name)
         _require(0 <= value < 1, f"--{name.replace('_', '-')} {value} must lie in [0, 1)")
@@ -487,12 +501,30 @@ def _is_number(text: str) -> bool:
 def parse_args(argv: Optional[List[str]] = None, world_size: int = 1, report: bool = True):
     """Parse and validate; on bad input print one sentence to stderr (if `report`: one rank of many) and exit 2."""
     try:
-        args = build_parser().parse_args(argv)
-        return validate_args(args, world_size)
+        return validate_args(parse_command_line(argv), world_size)
     except ArgumentError as err:
         if report:
-            print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
+            for line in str(err).splitlines():
+                print(f"pretrain_gpt.py: error: {line}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def parse_command_line(argv: Optional[List[str]] = None):
+    """argv -> args namespace; every refused or unknown flag in one ArgumentError, one sentence (line) each."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    sentences, kept = refusals(argv)
+    try:
+        args, leftover = build_parser().parse_known_args(kept)
+    except ArgumentError as err:
+        raise ArgumentError("\n".join(sentences + [str(err)])) from None
+    for k, token in enumerate(leftover):
+        if token.startswith("-"):
+            sentences.append(unknown_flag_sentence(token.split("=", 1)[0]))
+        elif k == 0 or not leftover[k - 1].startswith("-"):
+            sentences.append(f"{token!r} is not the value of any flag (see --help).")
+    if sentences:
+        raise ArgumentError("\n".join(sentences))
+    return args
 
 
 def args_to_dict(args) -> dict:

@@ -274,7 +274,7 @@ class Trainer:
             loss, lr, updated, grad_norm = self.train_step(micro, policy.votes)
             p.iteration += 1
             p.consumed_train_samples += a.global_batch_size
-            self.lr_schedule.step()
+            self.lr_schedule.step(getattr(a, "lr_schedule_per_step", 1))  # 1, or samples / tokens per step
             if not updated:
                 p.skipped_iterations += 1
             self.log.iteration(p, loss, lr, grad_norm, self.optimizer.loss_scale, updated,
