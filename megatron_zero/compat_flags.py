@@ -73,9 +73,9 @@ def add_compat_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensorboard-queue-size", type=int, default=100,
                    help="events TensorBoard's writer holds before it writes them to disk")
     g.add_argument("--log-batch-size-to-tensorboard", action="store_true",
-                   help="write the global batch size (batch-size) each logged iteration")
+                   help="no-op: the batch-size scalar is always written here (as Megatron-LM does)")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
-                   help="write the validation perplexity (lm loss validation ppl) beside the loss")
+                   help="no-op: lm loss validation ppl is always written beside the loss here (as Megatron-LM does)")
     g.add_argument("--manual-gc", action="store_true",
                    help="turn Python's automatic garbage collection off and collect at evaluation, at saves and "
                         "every --manual-gc-interval iterations (same on every rank, no straggler)")

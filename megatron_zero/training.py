@@ -41,6 +41,8 @@ from .pipeline.interleaved_schedule import schedule_for
 from .pipeline.schedule import broadcast_loss, reduce_loss
 from .rng_state import get_rng_state, set_rng_state
 from .shm_comm import set_shared_memory_comm
+from .step_hooks import StepHooks
+from .data.prefetch import BatchPrefetcher
 from .tensor_parallel.random import model_parallel_seed
 from .timers import TimedCalls
 from .topology import build_hpz_group, build_parallel_state
@@ -127,6 +129,7 @@ class Trainer:
         self.log = TrainingLog(args, state.layout.world_size, flops, next(self.model.parameters()).device,
                                self.is_writer, self._log)
         self.train_p2p = TimedCalls(self.p2p, self.log.timers("pipeline-p2p", 2))
+        self.hooks = StepHooks(args, self.device, state.rank)  # --manual-gc, --empty-unused-memory-level, --profile
         resumed = bool(args.load) and self.load(args.load)
         if args.save:
             if not resumed and not args.overwrite_checkpoints:
@@ -142,17 +145,24 @@ class Trainer:
         sizes = [a.train_iters * gbs, evals * gbs if a.eval_iters else 0, a.eval_iters * gbs]
         self.train_ds, self.valid_ds, _ = build_train_valid_test_datasets(
             a.data_path, a.split, a.seq_length, a.seed, sizes, cache_dir=a.data_cache_path,
-            vocab_size=self.tokenizer.vocab_size)
+            vocab_size=self.tokenizer.vocab_size, mock=a.mock_data, mmap_bin=a.mmap_bin_files)
+        self.prefetch = BatchPrefetcher(lambda idx: collate_gpt([self.train_ds[i] for i in idx]), a.num_workers)
 
     def _micro_batches(self, dataset, start: int):
-        """This rank's collated micro-batches of the global batch starting at sample `start`."""
+        """This rank's collated micro-batches of the global batch starting at sample `start` (training
+        batches through --num-workers' read-ahead)."""
         if not (self.state.is_first_stage or self.state.is_last_stage):
             return [{}] * self.args.num_micro_batches  # middle stages take activations, not tokens
         a = self.args
-        sampler = GlobalBatchSampler(start + a.global_batch_size, start, a.micro_batch_size,
-                                     a.global_batch_size, self.state.dp_rank, self.state.dp_size)
-        return [to_device(collate_gpt([dataset[i] for i in idx]), self.device)
-                for idx in sampler.global_batch(start)]
+        gbs = a.global_batch_size
+        sampler = GlobalBatchSampler(start + 2 * gbs, start, a.micro_batch_size, gbs, self.state.dp_rank,
+                                     self.state.dp_size)
+        if dataset is self.train_ds:
+            ahead = start + gbs < a.train_iters * gbs
+            host = self.prefetch.get(sampler.global_batch(start), sampler.global_batch(start + gbs) if ahead else None)
+        else:
+            host = [collate_gpt([dataset[i] for i in idx]) for idx in sampler.global_batch(start)]
+        return [to_device(batch, self.device) for batch in host]
 
     # ---- one iteration ---------------------------------------------------------------
     def train_step(self, micro, votes=tuple):
@@ -166,6 +176,7 @@ class Trainer:
             losses = self.forward_backward(step, len(micro), self.train_p2p, s.pp_rank, s.pp_size,
                                            backward_loss=self.optimizer.backward,
                                            before_last_backward=grad_reduce_arming(self.model, self.optimizer))
+        self.hooks.after_forward_backward()
         with timers("embedding-grads-all-reduce", 2):
             sync_tied_embedding_grads(self.model, s, torch.bfloat16 if self.args.grad_reduce_in_bf16 else None)
         lr = self.lr_schedule.lr()
@@ -261,6 +272,7 @@ class Trainer:
             self._log(f"nothing to train: the checkpoint loaded from --load {a.load} is at iteration {p.iteration}, "
                       f"at or past {limit} to train on")
             policy.restore()
+            self.hooks.close()
             self.log.close()
             return 0
         self._log(f"training a {self.config.num_layers}-layer {architecture_name(self.config)} model on {s.layout}, "
@@ -270,6 +282,7 @@ class Trainer:
         self.log.start()
         saved_at = None
         while p.iteration < a.train_iters:
+            self.hooks.before_step(p.iteration)
             micro = self._micro_batches(self.train_ds, p.consumed_train_samples)
             loss, lr, updated, grad_norm = self.train_step(micro, policy.votes)
             p.iteration += 1
@@ -277,15 +290,18 @@ class Trainer:
             self.lr_schedule.step(getattr(a, "lr_schedule_per_step", 1))  # 1, or samples / tokens per step
             if not updated:
                 p.skipped_iterations += 1
+            self.hooks.after_step(p.iteration)
             self.log.iteration(p, loss, lr, grad_norm, self.optimizer.loss_scale, updated,
                                self.optimizer.params_norm)
             if a.eval_iters and self.valid_ds is not None and p.iteration % a.eval_interval == 0:
+                self.hooks.before_eval_or_save()
                 val = self.evaluate()
                 self.log.scalars.scalar("lm loss validation", val, p.iteration, p.consumed_train_samples)
                 self.log.scalars.scalar("lm loss validation ppl", math.exp(min(20.0, val)), p.iteration,
                                         p.consumed_train_samples)
                 self._log(format_eval_line(p.iteration, val))
             if a.save and a.save_interval and p.iteration % a.save_interval == 0:
+                self.hooks.before_eval_or_save()
                 self.save()
                 saved_at = p.iteration
             reason = policy.should_exit(p.iteration, self.optimizer.summed_votes)
@@ -297,6 +313,8 @@ class Trainer:
             self.save()
         ckpt.finalize_async_saves()
         policy.restore()
+        self.hooks.close()
+        self.prefetch.close()
         self.log.close()
         return 0
 
