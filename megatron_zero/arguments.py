@@ -338,12 +338,16 @@ def validate_args(args, world_size: int):
     _check_logging(args)
     _require(not (args.device == "cpu" and args.distributed_backend == "nccl"),
              "--distributed-backend nccl needs GPUs but --device cpu was given; use --distributed-backend gloo")
-    if args.load:
+    if args.load and not _same_dir(args.load, args.save):  # --load = --save: resume if anything is there
         _require(os.path.isdir(args.load), f"--load {args.load} is not a directory")
     if args.data_path:
         _check_data_path(args.data_path)
     args.params_dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     return args
+
+
+def _same_dir(a: str, b: Optional[str]) -> bool:
+    return b is not None and os.path.abspath(a) == os.path.abspath(b)
 
 
 def _check_cpu_optimizer_threads(args):

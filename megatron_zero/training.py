@@ -244,6 +244,9 @@ class Trainer:
     def load(self, path) -> bool:
         """Resume from --load; False when it holds no checkpoint (a fresh start)."""
         a = self.args
+        if not os.path.isdir(path):  # only when --load is --save (arguments.py): the first run of a launch script
+            self._log(f"--load {path} does not exist yet; starting from scratch")
+            return False
         client = resume_checkpoint(path, self.state, self.model, self.optimizer,
                                    load_optimizer=not (a.no_load_optim or a.finetune),
                                    universal=a.universal_checkpoint, verify=a.verify_checkpoint, log=self._log,
