@@ -89,6 +89,13 @@ def add_compat_flags(p: argparse.ArgumentParser) -> None:
                    help="read .bin token files with plain reads instead of mapping them")
     g.add_argument("--mock-data", action="store_true",
                    help="train on synthetic token sequences (Megatron's mock dataset) instead of --data-path")
+    g.add_argument("--no-save-optim", action="store_true",
+                   help="checkpoints hold the weights (model files and the fp32 master partitions) without the "
+                        "Adam moments, step and loss scale; --load of one starts a fresh optimizer at iteration 0")
+    g.add_argument("--no-save-rng", action="store_true", help="checkpoints hold no RNG states")
+    g.add_argument("--save-weights-interval", type=int, default=None,
+                   help="also save weights only (as --no-save-optim) every N iterations, under <--save>/weights_only "
+                        "(its own latest), beside the full saves of --save-interval")
     g.add_argument("--profile", action="store_true",
                    help="torch.profiler trace of iterations --profile-step-start to --profile-step-end, written "
                         "under --tensorboard-dir (TensorBoard's profiler plugin reads it)")
@@ -129,6 +136,10 @@ def validate_compat(args) -> None:
     _require(args.tensorboard_queue_size >= 1, f"--tensorboard-queue-size {args.tensorboard_queue_size} must be >= 1")
     _require(not (args.mock_data and args.data_path),
              "--mock-data trains on synthetic tokens and --data-path on a dataset; give one of them")
+    _require(args.save_weights_interval is None or (args.save_weights_interval >= 1 and args.save),
+             f"--save-weights-interval {args.save_weights_interval} needs --save and must be at least 1")
+    _require(not ((args.no_save_optim or args.no_save_rng) and not args.save),
+             "--no-save-optim / --no-save-rng say what checkpoints hold; give --save")
     if args.profile:
         _require(args.tensorboard_dir is not None,
                  "--profile writes its trace under --tensorboard-dir; give one")

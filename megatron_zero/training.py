@@ -146,7 +146,8 @@ class Trainer:
         self.train_ds, self.valid_ds, _ = build_train_valid_test_datasets(
             a.data_path, a.split, a.seq_length, a.seed, sizes, cache_dir=a.data_cache_path,
             vocab_size=self.tokenizer.vocab_size, mock=a.mock_data, mmap_bin=a.mmap_bin_files)
-        self.prefetch = BatchPrefetcher(lambda idx: collate_gpt([self.train_ds[i] for i in idx]), a.num_workers)
+        # reader threads touch numpy only (torch in a side thread crashes under torch.profiler on the CPU)
+        self.prefetch = BatchPrefetcher(lambda idx: [self.train_ds[i] for i in idx], a.num_workers)
 
     def _micro_batches(self, dataset, start: int):
         """This rank's collated micro-batches of the global batch starting at sample `start` (training
@@ -159,10 +160,11 @@ class Trainer:
                                      self.state.dp_size)
         if dataset is self.train_ds:
             ahead = start + gbs < a.train_iters * gbs
-            host = self.prefetch.get(sampler.global_batch(start), sampler.global_batch(start + gbs) if ahead else None)
+            samples = self.prefetch.get(sampler.global_batch(start),
+                                        sampler.global_batch(start + gbs) if ahead else None)
         else:
-            host = [collate_gpt([dataset[i] for i in idx]) for idx in sampler.global_batch(start)]
-        return [to_device(batch, self.device) for batch in host]
+            samples = [[dataset[i] for i in idx] for idx in sampler.global_batch(start)]
+        return [to_device(collate_gpt(micro), self.device) for micro in samples]
 
     # ---- one iteration ---------------------------------------------------------------
     def train_step(self, micro, votes=tuple):
@@ -201,18 +203,24 @@ class Trainer:
         return total / max(1, a.eval_iters)
 
     # ---- checkpoints -----------------------------------------------------------------
-    def client_state(self) -> dict:
+    def client_state(self, weights_only: bool = False) -> dict:
         return {"args": args_to_dict(self.args), "iteration": self.progress.iteration,
                 "train_state": asdict(self.progress), "lr_scheduler": self.lr_schedule.state_dict(),
-                "rng_state": get_rng_state(), "consumed_train_samples": self.progress.consumed_train_samples}
+                "rng_state": None if self.args.no_save_rng else get_rng_state(),
+                "consumed_train_samples": self.progress.consumed_train_samples,
+                **({"weights_only": True} if weights_only else {})}
 
-    def save(self):
+    def save(self, weights_only: bool = False):
+        """A checkpoint under --save; weights only (--no-save-optim) there, or under <save>/weights_only for
+        --save-weights-interval's light saves (their own `latest`, so --load <save> resumes the full ones)."""
         a = self.args
         self.log.flush(self.progress)  # the saved nan count includes every iteration run
         start = time.monotonic()
-        tag = ckpt.save_checkpoint(a.save, self.progress.iteration, self.state, self.model, self.optimizer,
-                                   self.client_state(), async_save=a.async_save, keep_last_k=a.keep_last_k)
-        seconds, directory = time.monotonic() - start, os.path.join(a.save, tag)
+        save_dir = os.path.join(a.save, "weights_only") if weights_only and not a.no_save_optim else a.save
+        tag = ckpt.save_checkpoint(save_dir, self.progress.iteration, self.state, self.model, self.optimizer,
+                                   self.client_state(weights_only or a.no_save_optim), async_save=a.async_save,
+                                   keep_last_k=a.keep_last_k)
+        seconds, directory = time.monotonic() - start, os.path.join(save_dir, tag)
         if self.is_writer:  # a synchronous save is committed on return: its manifest lists every file
             self._log(async_started_line(directory, seconds) if a.async_save else
                       saved_line(directory, seconds, checkpoint_size(directory)))
@@ -256,6 +264,9 @@ class Trainer:
             self._log(f"no checkpoint under --load {path}; starting from scratch")
             return False
         if a.finetune or client.get("weights_only"):  # weights only (an import): fresh optimizer, iteration 0
+            if client.get("weights_only"):
+                self._log(f"--load {path} holds weights only: training starts from them at iteration 0 with a "
+                          "fresh optimizer (as --finetune)")
             return True
         self.progress = TrainState(**client["train_state"])
         self.lr_schedule.load_state_dict(client["lr_scheduler"])
@@ -307,6 +318,9 @@ class Trainer:
                 self.hooks.before_eval_or_save()
                 self.save()
                 saved_at = p.iteration
+            elif a.save_weights_interval and p.iteration % a.save_weights_interval == 0:
+                self.hooks.before_eval_or_save()
+                self.save(weights_only=True)
             reason = policy.should_exit(p.iteration, self.optimizer.summed_votes)
             if reason:
                 self._log(f"exiting after iteration {p.iteration}: {reason}")
