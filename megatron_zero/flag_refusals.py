@@ -69,7 +69,8 @@ REFUSED: Dict[str, Refusal] = {
         "parameter follows --min-lr"),
     "--optimizer": Refusal("only Adam/AdamW is available in this build", lambda v, g: v == "sgd", "sgd"),
     "--tiktoken-pattern": Refusal(
-        "it applies to --tokenizer-type TikTokenizer only, which this build does not provide",
+        "it sets the split pattern of --tokenizer-type TikTokenizer, which this build does not provide (the "
+        "tiktoken package is not a dependency); use HuggingFaceTokenizer with the model's tokenizer.json",
         lambda v, g: True, ""),
 }
 
