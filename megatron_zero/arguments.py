@@ -152,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
-    g.add_argument("--loss-scale", type=float, default=None, help="static loss scale (fp16); default dynamic")
+    g.add_argument("--loss-scale", type=float, default=None, help="static loss scale of --fp16 (default: dynamic) or --bf16 (default: none), "
+                   "as Megatron-LM")
     g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16)
     g.add_argument("--loss-scale-window", type=int, default=1000)
     g.add_argument("--min-loss-scale", type=float, default=1.0)
@@ -293,6 +294,8 @@ def validate_args(args, world_size: int):
              f"--seq-length {args.seq_length} is longer than --max-position-embeddings "
              f"{args.max_position_embeddings}")
     _require(not (args.fp16 and args.bf16), "--fp16 and --bf16 cannot both be given; choose one")
+    _require(args.loss_scale is None or args.fp16 or args.bf16,
+             f"--loss-scale {args.loss_scale} scales the loss of --fp16 or --bf16 training; fp32 trains unscaled")
     _require((args.train_iters is None) != (args.train_samples is None),
              "give exactly one of --train-iters and --train-samples")
     if args.train_samples is not None:

@@ -66,6 +66,7 @@ def test_sample_schedule_and_warmup_fraction():
     (dict(profile=True), ["--profile", "--tensorboard-dir"]),
     (dict(data_impl="lazy"), ["--data-impl", "mmap"]),
     (dict(lr_warmup_tokens=10, lr_warmup_samples=10), ["tokens", "samples"]),
+    (dict(loss_scale=12), ["--loss-scale 12.0", "fp32"]),
 ])
 def test_compat_flags_refused_in_one_sentence(changes, words, capsys):
     err = refused(with_flags(BASE, **changes), 2, capsys)

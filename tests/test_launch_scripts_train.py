@@ -127,3 +127,5 @@ def test_cut_down_script_trains_five_iterations(name, corpus, tmp_path):
     assert f"from iteration {last - 5} " in run.stdout, run.stdout[-2000:]
     assert re.search(rf"iteration\s+{last}/\s*{last} ", run.stdout), run.stdout[-2000:]
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == f"global_step{last}"
+    if "--loss-scale" in argv:  # run_universal_bf16.sh: a static scale with --bf16, as Megatron-LM applies it
+        assert f"loss scale: {float(argv[argv.index('--loss-scale') + 1])} " in run.stdout

@@ -72,7 +72,7 @@ def test_weights_only_save_load_and_tools(tmp_path):
         out[name] = torch.load(tmp_path / f"fp32_{name}" / [f for f in files if f.endswith(".bin")][0])
     assert out["light"].keys() == out["full"].keys()
     assert all(torch.equal(out["light"][k], out["full"][k]) for k in out["full"])
-    # the universal one loads at another layout: weights at iteration 0 again
+    # the universal one loads too: weights at iteration 0 again
     again = _ok(pretrain(tmp_path, data, save=tmp_path / "from_universal", load=universal,
                          **{**common, "universal-checkpoint": True}))
     assert "holds weights only" in again.stdout
