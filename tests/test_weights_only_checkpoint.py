@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from megatron_zero.testing.launch import ROOT, byte_data, losses_from_log, pretrain
@@ -31,6 +32,7 @@ def _optim_file(tag_dir):
                       weights_only=False)
 
 
+@pytest.mark.slow  # five pretrain_gpt.py runs and two tools: about two minutes
 def test_weights_only_save_load_and_tools(tmp_path):
     data = byte_data(tmp_path / "bytes")
     common = {"train-iters": 3, "hidden-size": 64, "seq-length": 32}
