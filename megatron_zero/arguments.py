@@ -520,14 +520,18 @@ def parse_command_line(argv: Optional[List[str]] = None):
     """argv -> args namespace; every refused or unknown flag in one ArgumentError, one sentence (line) each."""
     argv = sys.argv[1:] if argv is None else list(argv)
     sentences, kept = refusals(argv)
+    parser = build_parser()
+    known = parser._option_string_actions  # argparse's table of option strings (stable since Python 2.7)
+    sentences += [unknown_flag_sentence(t.split("=", 1)[0]) for t in kept
+                  if t.startswith("--") and t.split("=", 1)[0] not in known]
     try:
-        args, leftover = build_parser().parse_known_args(kept)
+        args, leftover = parser.parse_known_args(kept)
     except ArgumentError as err:
         raise ArgumentError("\n".join(sentences + [str(err)])) from None
     for k, token in enumerate(leftover):
-        if token.startswith("-"):
-            sentences.append(unknown_flag_sentence(token.split("=", 1)[0]))
-        elif k == 0 or not leftover[k - 1].startswith("-"):
+        if token.startswith("-") and not token.startswith("--"):
+            sentences.append(unknown_flag_sentence(token))
+        elif not token.startswith("-") and (k == 0 or not leftover[k - 1].startswith("-")):
             sentences.append(f"{token!r} is not the value of any flag (see --help).")
     if sentences:
         raise ArgumentError("\n".join(sentences))

@@ -106,3 +106,11 @@ def test_no_abbreviations_and_deepspeed_is_a_switch(tmp_path):
     assert args.deepspeed is True and args.deepspeed_config is None
     with pytest.raises(ArgumentError, match="--deepspeed switches on the DeepSpeed engine"):
         validate_args(args, 1)
+
+
+def test_unknown_flag_reported_beside_a_missing_required_one():
+    with pytest.raises(ArgumentError) as err:
+        parse_command_line(["--num-layers", "2", "--num-experts", "4", "--foo=3"])
+    lines = str(err.value).splitlines()
+    assert lines[0].startswith("--num-experts 4 is refused") and lines[1].startswith("--foo is not a flag")
+    assert "required" in lines[2] and len(lines) == 3
