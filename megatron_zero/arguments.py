@@ -14,7 +14,9 @@ from typing import List, Optional
 import torch
 
 from .checkpoint.storage.reader import add_verify_flag
+from .compat_flags import CompatError, add_compat_flags, validate_compat
 from .deepspeed_config import DeepSpeedConfigError, apply_deepspeed_config
+from .flag_refusals import refusals, unknown_flag_sentence
 from .model.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, default_ffn_hidden_size
 
 
@@ -36,7 +38,7 @@ def _normalization(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="pretrain_gpt.py", description="Pretrain a GPT with TP x PP x ZeRO-DP.")
+    p = _Parser(prog="pretrain_gpt.py", description="Pretrain a GPT with TP x PP x ZeRO-DP.", allow_abbrev=False)
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, required=True)
     g.add_argument("--hidden-size", type=int, required=True)
@@ -74,10 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
                    default=1)
     g.add_argument("--checkpoint-activations", action="store_true",
                    help="Megatron-DeepSpeed's name for --recompute-granularity full --recompute-method uniform")
-    g.add_argument("--attention-backend", choices=["auto", "flash", "fused", "unfused"], default="auto",
+    g.add_argument("--attention-backend", choices=["auto", "flash", "fused", "unfused", "local"], default="auto",
                    help="auto: torch's scaled_dot_product_attention where it applies, else unfused; flash: only "
                         "its kernels that never build the s x s matrix; fused: the fused causal-softmax kernel; "
-                        "unfused: matmul, causal softmax, matmul")
+                        "unfused (Megatron's local): matmul, causal softmax, matmul")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="split LayerNorm and dropout regions along the sequence over the tensor-parallel group "
                         "(the identity at TP 1, as in Megatron)")
@@ -150,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
-    g.add_argument("--loss-scale", type=float, default=None, help="static loss scale (fp16); default dynamic")
+    g.add_argument("--loss-scale", type=float, default=None, help="static loss scale of --fp16 (default: dynamic) or --bf16 (default: none), "
+                   "as Megatron-LM")
     g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16)
     g.add_argument("--loss-scale-window", type=int, default=1000)
     g.add_argument("--min-loss-scale", type=float, default=1.0)
@@ -183,7 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-path", nargs="*", default=None)
     g.add_argument("--split", type=str, default="969,30,1")
     g.add_argument("--data-cache-path", type=str, default=None)
-    g.add_argument("--tokenizer-type", type=str, default="SentencePieceTokenizer")
+    g.add_argument("--tokenizer-type", type=str, default=None,
+                   help="default: GPT2BPETokenizer with --vocab-file and --merge-file (as Megatron-LM), else "
+                        "SentencePieceTokenizer")
     g.add_argument("--tokenizer-model", type=str, default=None)
     g.add_argument("--vocab-file", type=str, default=None)
     g.add_argument("--merge-file", type=str, default=None)
@@ -222,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wandb-project", type=str, default=None)
     g.add_argument("--wandb-exp-name", type=str, default=None)
     g.add_argument("--wandb-save-dir", type=str, default=None, help="default: <--save>/wandb")
+    add_compat_flags(p)
     return p
 
 
@@ -298,6 +304,8 @@ def validate_args(args, world_size: int):
              f"--seq-length {args.seq_length} is longer than --max-position-embeddings "
              f"{args.max_position_embeddings}")
     _require(not (args.fp16 and args.bf16), "--fp16 and --bf16 cannot both be given; choose one")
+    _require(args.loss_scale is None or args.fp16 or args.bf16,
+             f"--loss-scale {args.loss_scale} scales the loss of --fp16 or --bf16 training; fp32 trains unscaled")
     _require((args.train_iters is None) != (args.train_samples is None),
              "give exactly one of --train-iters and --train-samples")
     if args.train_samples is not None:
@@ -308,6 +316,15 @@ def validate_args(args, world_size: int):
     _require(args.lr_warmup_iters >= 0, f"--lr-warmup-iters {args.lr_warmup_iters} must not be negative")
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
+    if args.tokenizer_type is None:
+        args.tokenizer_type = ("GPT2BPETokenizer" if args.vocab_file and args.merge_file
+                               else "SentencePieceTokenizer")
+    if args.attention_backend == "local":
+        args.attention_backend = "unfused"
+    try:
+        validate_compat(args)
+    except CompatError as err:
+        raise ArgumentError(str(err)) from None
     for name in ("adam_beta1", "adam_beta2"):
         value = getattr(args, name)
         _require(0 <= value < 1, f"--{name.replace('_', '-')} {value} must lie in [0, 1)")
@@ -334,12 +351,16 @@ def validate_args(args, world_size: int):
     _check_logging(args)
     _require(not (args.device == "cpu" and args.distributed_backend == "nccl"),
              "--distributed-backend nccl needs GPUs but --device cpu was given; use --distributed-backend gloo")
-    if args.load:
+    if args.load and not _same_dir(args.load, args.save):  # --load = --save: resume if anything is there
         _require(os.path.isdir(args.load), f"--load {args.load} is not a directory")
     if args.data_path:
         _check_data_path(args.data_path)
     args.params_dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     return args
+
+
+def _same_dir(a: str, b: Optional[str]) -> bool:
+    return b is not None and os.path.abspath(a) == os.path.abspath(b)
 
 
 def _check_cpu_optimizer_threads(args):
@@ -497,12 +518,34 @@ def _is_number(text: str) -> bool:
 def parse_args(argv: Optional[List[str]] = None, world_size: int = 1, report: bool = True):
     """Parse and validate; on bad input print one sentence to stderr (if `report`: one rank of many) and exit 2."""
     try:
-        args = build_parser().parse_args(argv)
-        return validate_args(args, world_size)
+        return validate_args(parse_command_line(argv), world_size)
     except ArgumentError as err:
         if report:
-            print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
+            for line in str(err).splitlines():
+                print(f"pretrain_gpt.py: error: {line}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def parse_command_line(argv: Optional[List[str]] = None):
+    """argv -> args namespace; every refused or unknown flag in one ArgumentError, one sentence (line) each."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    sentences, kept = refusals(argv)
+    parser = build_parser()
+    known = parser._option_string_actions  # argparse's table of option strings (stable since Python 2.7)
+    sentences += [unknown_flag_sentence(t.split("=", 1)[0]) for t in kept
+                  if t.startswith("--") and t.split("=", 1)[0] not in known]
+    try:
+        args, leftover = parser.parse_known_args(kept)
+    except ArgumentError as err:
+        raise ArgumentError("\n".join(sentences + [str(err)])) from None
+    for k, token in enumerate(leftover):
+        if token.startswith("-") and not token.startswith("--"):
+            sentences.append(unknown_flag_sentence(token))
+        elif not token.startswith("-") and (k == 0 or not leftover[k - 1].startswith("-")):
+            sentences.append(f"{token!r} is not the value of any flag (see --help).")
+    if sentences:
+        raise ArgumentError("\n".join(sentences))
+    return args
 
 
 def args_to_dict(args) -> dict:

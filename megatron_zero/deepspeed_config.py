@@ -23,8 +23,15 @@ DeepSpeed's own communication such as `overlap_comm`).
                                                   DeepSpeed's implementation
     scheduler.type WarmupLR | WarmupDecayLR | WarmupCosineLR and its params
                                                   lr_schedule.DeepSpeedWarmupSchedule
-    wall_clock_breakdown, prescale_gradients, fp16.auto_cast, fp16.consecutive_hysteresis
+    wall_clock_breakdown, fp16.auto_cast, fp16.consecutive_hysteresis
                                                   accepted when false (what happens here)
+    data_types.grad_accum_dtype                   accepted when "fp32" (accumulation is fp32 here always)
+    prescale_gradients                            true or false: gradients are summed in fp32 (or bf16,
+                                                  whose range is fp32's) and divided once after the
+                                                  reduction; dividing first, DeepSpeed's guard against fp16
+                                                  overflow, would change only the rounding
+    curriculum_learning                           accepted when enabled is false (its other keys then mean
+                                                  nothing); enabled: refused (no seqlen curriculum here)
 
 `"auto"` (as Accelerate and the HF Trainer write it) on a key read here means "from
 the flags": the key is as if absent and the flag's value stands (scheduler params:
@@ -69,7 +76,7 @@ _READ = {("train_batch_size",), ("train_micro_batch_size_per_gpu",), ("gradient_
          ("zero_optimization", "offload_optimizer", "nvme_path"), ("optimizer", "type"),
          ("optimizer", "params", "betas"), ("optimizer", "params", "torch_adam"), ("scheduler", "type")}
 # Keys accepted only with the value that describes what happens here anyway.
-_ONLY = {("wall_clock_breakdown",): False, ("prescale_gradients",): False, ("fp16", "auto_cast"): False,
+_ONLY = {("wall_clock_breakdown",): False, ("fp16", "auto_cast"): False, ("data_types", "grad_accum_dtype"): "fp32",
          ("fp16", "consecutive_hysteresis"): False, ("optimizer", "params", "adam_w_mode"): True,
          ("optimizer", "params", "bias_correction"): True, ("optimizer", "params", "amsgrad"): False}
 _SCHEDULER_PARAMS = {
@@ -118,7 +125,17 @@ def _unsupported(config: dict) -> list:
     scheduler_type = config.get("scheduler", {}).get("type") if isinstance(config.get("scheduler"), dict) else None
     known_params = {("scheduler", "params", p) for p in _SCHEDULER_PARAMS.get(scheduler_type, ())}
     out = []
+    curriculum = config.get("curriculum_learning")
     for path, value in _leaves(config):
+        if path == ("prescale_gradients",) and isinstance(value, bool):
+            continue
+        if path[:1] == ("curriculum_learning",) and isinstance(curriculum, dict):
+            if curriculum.get("enabled") is False:
+                continue
+            if path == ("curriculum_learning", "enabled"):
+                out.append(f"curriculum_learning.enabled {json.dumps(value)} (a sequence-length curriculum is not "
+                           "available in this build)")
+            continue
         if path in _FLAGS or path in _READ or path in known_params:
             if path == ("optimizer", "type") and str(value).lower() not in ("adam", "adamw"):
                 out.append(f"optimizer.type {value} (only Adam and AdamW)")

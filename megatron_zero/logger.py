@@ -61,7 +61,8 @@ class ScalarLog:
             return
         if args.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=100)
+            self.writer = SummaryWriter(log_dir=args.tensorboard_dir,
+                                        max_queue=getattr(args, "tensorboard_queue_size", 100))
         if args.wandb_project:
             import wandb
             from .arguments import args_to_dict

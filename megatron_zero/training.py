@@ -43,6 +43,8 @@ from .pipeline.schedule import broadcast_loss, reduce_loss
 from .rng_state import get_rng_state, set_rng_state
 from .shm_comm import set_shared_memory_comm
 from .stop_rules import RunStopped, StopRules
+from .step_hooks import StepHooks
+from .data.prefetch import BatchPrefetcher
 from .tensor_parallel.random import model_parallel_seed
 from .timers import TimedCalls
 from .topology import build_hpz_group, build_parallel_state
@@ -130,6 +132,7 @@ class Trainer:
                                self.is_writer, self._log)
         self.train_p2p = TimedCalls(self.p2p, self.log.timers("pipeline-p2p", 2))
         self.last_checkpoint = None  # the newest checkpoint loaded or saved: what a stopped run names
+        self.hooks = StepHooks(args, self.device, state.rank)  # --manual-gc, --empty-unused-memory-level, --profile
         resumed = bool(args.load) and self.load(args.load)
         if args.save:
             if not resumed and not args.overwrite_checkpoints:
@@ -145,17 +148,26 @@ class Trainer:
         sizes = [a.train_iters * gbs, evals * gbs if a.eval_iters else 0, a.eval_iters * gbs]
         self.train_ds, self.valid_ds, _ = build_train_valid_test_datasets(
             a.data_path, a.split, a.seq_length, a.seed, sizes, cache_dir=a.data_cache_path,
-            vocab_size=self.tokenizer.vocab_size)
+            vocab_size=self.tokenizer.vocab_size, mock=a.mock_data, mmap_bin=a.mmap_bin_files)
+        # reader threads touch numpy only (torch in a side thread crashes under torch.profiler on the CPU)
+        self.prefetch = BatchPrefetcher(lambda idx: [self.train_ds[i] for i in idx], a.num_workers)
 
     def _micro_batches(self, dataset, start: int):
-        """This rank's collated micro-batches of the global batch starting at sample `start`."""
+        """This rank's collated micro-batches of the global batch starting at sample `start` (training
+        batches through --num-workers' read-ahead)."""
         if not (self.state.is_first_stage or self.state.is_last_stage):
             return [{}] * self.args.num_micro_batches  # middle stages take activations, not tokens
         a = self.args
-        sampler = GlobalBatchSampler(start + a.global_batch_size, start, a.micro_batch_size,
-                                     a.global_batch_size, self.state.dp_rank, self.state.dp_size)
-        return [to_device(collate_gpt([dataset[i] for i in idx]), self.device)
-                for idx in sampler.global_batch(start)]
+        gbs = a.global_batch_size
+        sampler = GlobalBatchSampler(start + 2 * gbs, start, a.micro_batch_size, gbs, self.state.dp_rank,
+                                     self.state.dp_size)
+        if dataset is self.train_ds:
+            ahead = start + gbs < a.train_iters * gbs
+            samples = self.prefetch.get(sampler.global_batch(start),
+                                        sampler.global_batch(start + gbs) if ahead else None)
+        else:
+            samples = [[dataset[i] for i in idx] for idx in sampler.global_batch(start)]
+        return [to_device(collate_gpt(micro), self.device) for micro in samples]
 
     # ---- one iteration ---------------------------------------------------------------
     def train_step(self, micro, votes=tuple):
@@ -169,6 +181,7 @@ class Trainer:
             losses = self.forward_backward(step, len(micro), self.train_p2p, s.pp_rank, s.pp_size,
                                            backward_loss=self.optimizer.backward,
                                            before_last_backward=grad_reduce_arming(self.model, self.optimizer))
+        self.hooks.after_forward_backward()
         with timers("embedding-grads-all-reduce", 2):
             sync_tied_embedding_grads(self.model, s, torch.bfloat16 if self.args.grad_reduce_in_bf16 else None)
         lr = self.lr_schedule.lr()
@@ -193,18 +206,24 @@ class Trainer:
         return total / max(1, a.eval_iters)
 
     # ---- checkpoints -----------------------------------------------------------------
-    def client_state(self) -> dict:
+    def client_state(self, weights_only: bool = False) -> dict:
         return {"args": args_to_dict(self.args), "iteration": self.progress.iteration,
                 "train_state": asdict(self.progress), "lr_scheduler": self.lr_schedule.state_dict(),
-                "rng_state": get_rng_state(), "consumed_train_samples": self.progress.consumed_train_samples}
+                "rng_state": None if self.args.no_save_rng else get_rng_state(),
+                "consumed_train_samples": self.progress.consumed_train_samples,
+                **({"weights_only": True} if weights_only else {})}
 
-    def save(self):
+    def save(self, weights_only: bool = False):
+        """A checkpoint under --save; weights only (--no-save-optim) there, or under <save>/weights_only for
+        --save-weights-interval's light saves (their own `latest`, so --load <save> resumes the full ones)."""
         a = self.args
         self.log.flush(self.progress)  # the saved nan count includes every iteration run
         start = time.monotonic()
-        tag = ckpt.save_checkpoint(a.save, self.progress.iteration, self.state, self.model, self.optimizer,
-                                   self.client_state(), async_save=a.async_save, keep_last_k=a.keep_last_k)
-        seconds, directory = time.monotonic() - start, os.path.join(a.save, tag)
+        save_dir = os.path.join(a.save, "weights_only") if weights_only and not a.no_save_optim else a.save
+        tag = ckpt.save_checkpoint(save_dir, self.progress.iteration, self.state, self.model, self.optimizer,
+                                   self.client_state(weights_only or a.no_save_optim), async_save=a.async_save,
+                                   keep_last_k=a.keep_last_k)
+        seconds, directory = time.monotonic() - start, os.path.join(save_dir, tag)
         self.last_checkpoint = directory
         if self.is_writer:  # a synchronous save is committed on return: its manifest lists every file
             self._log(async_started_line(directory, seconds) if a.async_save else
@@ -237,6 +256,9 @@ class Trainer:
     def load(self, path) -> bool:
         """Resume from --load; False when it holds no checkpoint (a fresh start)."""
         a = self.args
+        if not os.path.isdir(path):  # only when --load is --save (arguments.py): the first run of a launch script
+            self._log(f"--load {path} does not exist yet; starting from scratch")
+            return False
 
         def check(opened):
             check_checkpoint_compat(opened, a, self.config.vocab_size, self.config.padded_vocab_size)
@@ -250,6 +272,9 @@ class Trainer:
             self._log(f"no checkpoint under --load {path}; starting from scratch")
             return False
         if a.finetune or client.get("weights_only"):  # weights only (an import): fresh optimizer, iteration 0
+            if client.get("weights_only"):
+                self._log(f"--load {path} holds weights only: training starts from them at iteration 0 with a "
+                          "fresh optimizer (as --finetune)")
             return True
         self.progress = TrainState(**client["train_state"])
         self.lr_schedule.load_state_dict(client["lr_scheduler"])
@@ -269,6 +294,7 @@ class Trainer:
             self._log(f"nothing to train: the checkpoint loaded from --load {a.load} is at iteration {p.iteration}, "
                       f"at or past {limit} to train on")
             policy.restore()
+            self.hooks.close()
             self.log.close()
             return 0
         self._log(f"training a {self.config.num_layers}-layer {architecture_name(self.config)} model on {s.layout}, "
@@ -280,31 +306,40 @@ class Trainer:
         rules = StopRules(a.max_consecutive_skipped_iterations, a.check_for_nan_in_loss_and_grad,
                           self.optimizer.loss_scaler.dynamic)
         while p.iteration < a.train_iters:
+            self.hooks.before_step(p.iteration)
             micro = self._micro_batches(self.train_ds, p.consumed_train_samples)
             loss, lr, updated, grad_norm = self.train_step(micro, policy.votes)
             p.iteration += 1
             p.consumed_train_samples += a.global_batch_size
-            self.lr_schedule.step()
+            self.lr_schedule.step(getattr(a, "lr_schedule_per_step", 1))  # 1, or samples / tokens per step
             if not updated:
                 p.skipped_iterations += 1
+            self.hooks.after_step(p.iteration)
             self.log.iteration(p, loss, lr, grad_norm, self.optimizer.loss_scale, updated,
                                self.optimizer.params_norm)
             save_now = a.save and a.save_interval and p.iteration % a.save_interval == 0
-            if save_now:
+            save_weights_now = (not save_now and a.save and a.save_weights_interval
+                                and p.iteration % a.save_weights_interval == 0)
+            if save_now or save_weights_now:
                 self.log.flush(p)  # the losses up to here, read before anything is saved of this state
             stop = (rules.after_step(p.iteration, updated, grad_norm)
                     or rules.after_losses(p.iteration, self.log.first_nonfinite_loss))
             if stop:
                 self._stop_learning(p.iteration, stop, policy)
             if a.eval_iters and self.valid_ds is not None and p.iteration % a.eval_interval == 0:
+                self.hooks.before_eval_or_save()
                 val = self.evaluate()
                 self.log.scalars.scalar("lm loss validation", val, p.iteration, p.consumed_train_samples)
                 self.log.scalars.scalar("lm loss validation ppl", math.exp(min(20.0, val)), p.iteration,
                                         p.consumed_train_samples)
                 self._log(format_eval_line(p.iteration, val))
             if save_now:
+                self.hooks.before_eval_or_save()
                 self.save()
                 saved_at = p.iteration
+            elif save_weights_now:
+                self.hooks.before_eval_or_save()
+                self.save(weights_only=True)
             reason = policy.should_exit(p.iteration, self.optimizer.summed_votes)
             if reason:
                 self._log(f"exiting after iteration {p.iteration}: {reason}")
@@ -317,6 +352,8 @@ class Trainer:
             self.save()
         ckpt.finalize_async_saves()
         policy.restore()
+        self.hooks.close()
+        self.prefetch.close()
         self.log.close()
         return 0
 

@@ -6,6 +6,9 @@
 client_state (Megatron-DeepSpeed's): args, iteration, lr_scheduler, rng_state (this rank's),
 consumed samples, ... It goes into the model-states files; `rng_state` is gathered over the DP
 group and stored as Megatron's per-DP-rank list, so every rank gets its own back.
+client_state["weights_only"] (--no-save-optim, --save-weights-interval): the ZeRO files keep the fp32
+master partitions and their layout (what zero_to_fp32.py and ds_to_universal read) but no Adam moments,
+step or loss scale (`weights_only_state`); loading one starts a fresh optimizer.
 """
 from __future__ import annotations
 
@@ -53,14 +56,25 @@ def _client(client_state: dict, state: ParallelState, iteration: int) -> dict:
     return client
 
 
+def weights_only_state(osd: dict) -> dict:
+    """A ZeRO optimizer state dict without Adam's moments, step and loss scale: the fp32 masters only."""
+    sd = dict(osd)
+    key = "optimizer_state_dict" if sd.get("zero_stage") == 3 else "base_optimizer_state"
+    sd[key] = {"state": {}, "param_groups": sd[key].get("param_groups", [])}
+    sd["loss_scaler"] = None
+    return sd
+
+
 def build_plan(iteration: int, state: ParallelState, model, optimizer, client: dict):
     """[(file name, object)] this rank writes."""
     tp, mp, dp_rank = state.tp_rank, state.mp_rank, state.dp_rank
     stage = optimizer.stage
     config = model.config
     cfg = ds_config(optimizer)
+    osd = optimizer.state_dict()
     plan = [(optim_states_name(dp_rank, mp, optimizer.dtype == torch.bfloat16),
-             {"optimizer_state_dict": optimizer.state_dict(), "ds_config": cfg, "ds_version": DS_VERSION})]
+             {"optimizer_state_dict": weights_only_state(osd) if client.get("weights_only") else osd,
+              "ds_config": cfg, "ds_version": DS_VERSION})]
     if stage == 3 or dp_rank == 0:
         consumed = int(client.get("consumed_train_samples", 0) or 0)
         states = engine_state(model, optimizer, iteration, consumed, state.dp_size, state.layout.mp_size, cfg,

@@ -12,6 +12,7 @@ from .blended_dataset import BlendedDataset
 from .errors import DataError
 from .gpt_dataset import GPTDataset
 from .indexed_dataset import IndexedDataset
+from .mock_dataset import MockGPTDataset
 from .token_range import check_token_ids
 
 SPLITS = ("train", "valid", "test")
@@ -44,8 +45,8 @@ def parse_split(split: str) -> List[Optional[Tuple[float, float]]]:
     return [(ends[i], ends[i + 1]) if parts[i] > 0 else None for i in range(3)]
 
 
-def _gpt_splits(prefix, bookends, seq_length, seed, num_samples, cache_dir, vocab_size):
-    indexed = IndexedDataset(prefix)
+def _gpt_splits(prefix, bookends, seq_length, seed, num_samples, cache_dir, vocab_size, mmap_bin=True):
+    indexed = IndexedDataset(prefix, mmap_bin)
     if vocab_size is not None:
         check_token_ids(indexed, vocab_size, cache_dir)
     n = len(indexed)
@@ -64,26 +65,31 @@ def _gpt_splits(prefix, bookends, seq_length, seed, num_samples, cache_dir, voca
 
 def build_train_valid_test_datasets(data_prefix: Sequence[str], splits_string: str, seq_length: int, seed: int,
                                     train_valid_test_num_samples: Sequence[Optional[int]],
-                                    cache_dir: Optional[str] = None, vocab_size: Optional[int] = None):
+                                    cache_dir: Optional[str] = None, vocab_size: Optional[int] = None,
+                                    mock: bool = False, mmap_bin: bool = True):
     """(train, valid, test) datasets of GPT samples; a split of weight 0 is None.
 
     data_prefix is Megatron's --data-path list; num_samples per split are the samples the
     loop will draw (e.g. train_iters * global_batch_size). With vocab_size, a dataset holding a
     larger token id is refused (token_range.py). Every rank must call this
-    (rank 0 builds the cached indices while the others wait).
+    (rank 0 builds the cached indices while the others wait). mock (--mock-data): synthetic samples
+    (mock_dataset.py) in the splits' proportions; mmap_bin False (--no-mmap-bin-files): plain reads.
     """
+    if mock:
+        return tuple(None if be is None or not ns else MockGPTDataset(ns, seq_length, vocab_size, seed, k)
+                     for k, (be, ns) in enumerate(zip(parse_split(splits_string), train_valid_test_num_samples)))
     prefixes, weights = parse_data_path(data_prefix)
     if not prefixes:
         raise DataError("--data-path is empty; give one or more dataset prefixes (optionally with weights).")
     bookends = parse_split(splits_string)
     if len(prefixes) == 1:
         return tuple(_gpt_splits(prefixes[0], bookends, seq_length, seed, train_valid_test_num_samples, cache_dir,
-                                 vocab_size))
+                                 vocab_size, mmap_bin))
     weights = weights or [1.0] * len(prefixes)
     norm = [w / sum(weights) for w in weights]
     per_dataset = [_gpt_splits(p, bookends, seq_length, seed,
                                [None if t is None else int(math.ceil(math.ceil(t * w) * (1 + BLEND_SURPLUS)))
-                                for t in train_valid_test_num_samples], cache_dir, vocab_size)
+                                for t in train_valid_test_num_samples], cache_dir, vocab_size, mmap_bin)
                    for p, w in zip(prefixes, norm)]
     out = []
     for s, name in enumerate(SPLITS):

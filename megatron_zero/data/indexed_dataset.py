@@ -126,7 +126,8 @@ class IndexedDataset:
     a truncated or mismatched pair raises DataError saying which file and why.
     """
 
-    def __init__(self, prefix: str):
+    def __init__(self, prefix: str, mmap_bin: bool = True):
+        """mmap_bin False (--no-mmap-bin-files): tokens are read from the .bin with plain reads."""
         self.prefix = prefix
         self.eod_uncounted: Optional[int] = None  # the EOD id when the .idx leaves it out (Megatron-DeepSpeed)
         ip, bp = idx_path(prefix), bin_path(prefix)
@@ -135,7 +136,9 @@ class IndexedDataset:
                 raise DataError(f"{p} does not exist (a dataset prefix needs both {prefix}.bin and {prefix}.idx).")
         self._read_index(ip)
         self._check_bin(bp)
-        self._bin = np.memmap(bp, dtype=np.uint8, mode="r") if self._bin_size else np.zeros(0, np.uint8)
+        self._bin_path = bp
+        self._bin = (np.memmap(bp, dtype=np.uint8, mode="r") if self._bin_size and mmap_bin else
+                     None if self._bin_size else np.zeros(0, np.uint8))
 
     def _read_index(self, ip: str) -> None:
         size = os.path.getsize(ip)
@@ -226,6 +229,8 @@ class IndexedDataset:
         if length is None:
             length = n - offset
         start = int(self.sequence_pointers[i]) + offset * self.dtype.itemsize
+        if self._bin is None:
+            return np.fromfile(self._bin_path, dtype=self.dtype, count=length, offset=start)
         return self._bin[start:start + length * self.dtype.itemsize].view(self.dtype)
 
     def __getitem__(self, i: int) -> np.ndarray:

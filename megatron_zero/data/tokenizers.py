@@ -5,6 +5,7 @@ tokenize(text) -> list[int] and detokenize(ids) -> str.
                                <MASK>, and <PAD>/<BOS>/<EOS> when the model has none) are
                                appended after the model's pieces; eod is <EOD>
     GPTSentencePieceTokenizer  a `.model` as is; eod is the model's eos id
+    Llama2Tokenizer            a Llama `.model`: each text starts with the model's BOS; eod is its EOS
     GPT2BPETokenizer           vocab.json + merges.txt (hf_tokenizers.py, the `tokenizers` library)
     HuggingFaceTokenizer       a tokenizer.json or a directory holding one (hf_tokenizers.py)
     NullTokenizer              text is space-separated ids; eod = vocab_size (Megatron's)
@@ -18,7 +19,7 @@ from typing import List, Optional
 from .errors import DataError
 from .hf_tokenizers import GPT2BPETokenizer, HuggingFaceTokenizer
 
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "GPT2BPETokenizer",
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer", "GPT2BPETokenizer",
                    "HuggingFaceTokenizer", "NullTokenizer", "ByteTokenizer")
 
 
@@ -71,6 +72,20 @@ class GPTSentencePieceTokenizer:
         return self.sp.decode([int(i) for i in ids])
 
 
+class Llama2Tokenizer(GPTSentencePieceTokenizer):
+    """Megatron-LM's _Llama2Tokenizer: the SentencePiece model with BOS before each text (EOS is the eod)."""
+
+    def __init__(self, model_file: str):
+        super().__init__(model_file)
+        self.bos = self.sp.bos_id()
+        if self.bos < 0:
+            raise DataError(f"--tokenizer-model {model_file} has no bos piece, which Llama2Tokenizer puts before "
+                            "each text.")
+
+    def tokenize(self, text: str) -> List[int]:
+        return [self.bos] + self.sp.encode(text)
+
+
 class SentencePieceTokenizer(GPTSentencePieceTokenizer):
     def __init__(self, model_file: str):
         self.sp = _load_sentencepiece(model_file)
@@ -107,6 +122,8 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None, 
         return SentencePieceTokenizer(need(tokenizer_model, "--tokenizer-model"))
     if tokenizer_type == "GPTSentencePieceTokenizer":
         return GPTSentencePieceTokenizer(need(tokenizer_model, "--tokenizer-model"))
+    if tokenizer_type == "Llama2Tokenizer":
+        return Llama2Tokenizer(need(tokenizer_model, "--tokenizer-model"))
     if tokenizer_type == "GPT2BPETokenizer":
         return GPT2BPETokenizer(need(vocab_file, "--vocab-file"), need(merge_file, "--merge-file"))
     if tokenizer_type == "HuggingFaceTokenizer":

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ..device import HOST
 from . import checkpoint_state
 from .clip_grad import clip_coefficient, counts_in_norm, local_sums, norm_and_overflow, reduce_sums
-from .loss_scaler import LossScaler
+from .loss_scaler import LossScaler, LossScalerConfig
 from .offload import FlatAdamW
 from .stage12 import Stage12
 
@@ -103,7 +103,10 @@ class ZeroOptimizer:
                                    device=self.device, weight_slices=uploads, cpu_threads=cpu_optimizer_threads)
         del self.impl.initial_masters
         self.offload = offload
-        self.loss_scaler = LossScaler(loss_scaler, enabled=self.dtype == torch.float16)
+        # fp16: dynamic or static; bf16: a static scale when one is given (Megatron-LM's --loss-scale with --bf16)
+        static = not LossScalerConfig.from_any(loss_scaler).dynamic
+        self.loss_scaler = LossScaler(loss_scaler, enabled=self.dtype == torch.float16 or
+                                      (self.dtype == torch.bfloat16 and static))
         self.overflow = False
         self.summed_votes: List[float] = []  # the last step's votes, summed over every rank
         self._before_step = []  # callables run before the state next changes (async checkpoint readers)

@@ -91,7 +91,7 @@ def _save(obj, root: str, name: str) -> Dict[str, dict]:
 def _write_param(reader: StageReader, out: str, name: str) -> Dict[str, dict]:
     os.makedirs(os.path.join(out, "zero", name), exist_ok=True)
     files = {}
-    for key in STATE_KEYS:
+    for key in ("fp32",) if reader.src.head.get("weights_only") else STATE_KEYS:  # --no-save-optim: masters only
         full, rule = reader.assemble(name, key)
         files.update(_save(universal_record(full, rule), out, f"zero/{name}/{key}.pt"))
         del full

@@ -250,4 +250,6 @@ class StageReader:
         g = self.group_of[0][name]
         osd = self.opt[(0, 0)]
         state = osd["optimizer_state_dict"]["state"] if self.src.zero_stage == 3 else osd["base_optimizer_state"]["state"]
+        if not state:  # a weights-only checkpoint (--no-save-optim): no optimizer step
+            return None
         return _indexed(state, g).get("step")

@@ -1,0 +1,123 @@
+"""Megatron-LM and Megatron-DeepSpeed flags that pretrain_gpt.py refuses, each with its reason: the one table.
+
+`refusals(argv)` reads a command line before argparse does and returns one sentence per refused
+flag (all of them together), plus the command line with those flags and their values removed, so
+the parser sees only what it knows. A flag listed with a condition is refused only when the
+condition holds (e.g. `--context-parallel-size` above 1); otherwise the parser handles it.
+docs/coming_from_megatron.md shows this table; a test holds the two equal.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+Given = Dict[str, Optional[str]]  # flag -> its value as written (None for a switch), last one wins
+
+
+@dataclass(frozen=True)
+class Refusal:
+    reason: str
+    when: Optional[Callable[[Optional[str], Given], bool]] = None  # None: always refused
+    condition: str = ""  # the condition in words, for the documentation
+
+
+def _above_one(value, given) -> bool:
+    try:
+        return int(value) > 1
+    except (TypeError, ValueError):
+        return True
+
+
+_MOE = "MoE is not available in this build; megatron_zero trains dense GPT/Llama models"
+_FP8 = "FP8 needs Transformer Engine on a GPU; megatron_zero trains in bf16/fp16/fp32"
+_CP = "context parallelism is not available in this build"
+
+REFUSED: Dict[str, Refusal] = {
+    # mixture of experts (Megatron-LM and Megatron-DeepSpeed spellings)
+    **{flag: Refusal(_MOE) for flag in (
+        "--num-experts", "--expert-model-parallel-size", "--moe-router-topk", "--moe-router-load-balancing-type",
+        "--moe-aux-loss-coeff", "--moe-grouped-gemm", "--moe-token-dispatcher-type", "--moe-expert-parallel-size",
+        "--moe-loss-coeff", "--moe-train-capacity-factor", "--moe-eval-capacity-factor", "--moe-min-capacity",
+        "--create-moe-param-group", "--disable-moe-token-dropping")},
+    # FP8
+    **{flag: Refusal(_FP8) for flag in (
+        "--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather")},
+    # context / sequence parallelism along the sequence
+    "--context-parallel-size": Refusal(_CP + "; 1 (the default) trains without it", _above_one, "above 1"),
+    "--ds-sequence-parallel-size": Refusal(
+        "DeepSpeed-Ulysses sequence parallelism (context parallelism) is not available in this build; 1 (the "
+        "default) trains without it", _above_one, "above 1"),
+    # checkpoint format
+    "--ckpt-format": Refusal(
+        "megatron_zero writes DeepSpeed's layout (--ckpt-format torch); torch_dist (Megatron-Core's distributed "
+        "checkpoint) is not available in this build", lambda v, g: v != "torch", "other than torch"),
+    # model
+    "--apply-layernorm-1p": Refusal(
+        "zero-centred norm weights (1 + w) are not available in this build; the norm weight is stored and "
+        "trained as is (with no weight decay on norms, the same training started from weight 1)"),
+    "--step-batch-size-schedule": Refusal(
+        "a batch size that changes during training is not available in this build; train at the final "
+        "--global-batch-size"),
+    "--rampup-batch-size": Refusal(
+        "a batch size that changes during training is not available in this build; train at the final "
+        "--global-batch-size"),
+    "--decoupled-lr": Refusal(
+        "a separate learning rate for the embedding and output layer is not available in this build; every "
+        "parameter follows --lr"),
+    "--decoupled-min-lr": Refusal(
+        "a separate learning rate for the embedding and output layer is not available in this build; every "
+        "parameter follows --min-lr"),
+    "--optimizer": Refusal("only Adam/AdamW is available in this build", lambda v, g: v == "sgd", "sgd"),
+    "--tiktoken-pattern": Refusal(
+        "it sets the split pattern of --tokenizer-type TikTokenizer, which this build does not provide (the "
+        "tiktoken package is not a dependency); use HuggingFaceTokenizer with the model's tokenizer.json",
+        lambda v, g: True, ""),
+}
+
+
+def _flag_name(token: str) -> Optional[str]:
+    if not token.startswith("--") or token == "--":
+        return None
+    return token.split("=", 1)[0]
+
+
+def _scan(argv: List[str]) -> List[Tuple[str, int, int, Optional[str]]]:
+    """(flag, start, end, value) per `--flag` of argv: tokens [start, end) are the flag and its values."""
+    found, i = [], 0
+    while i < len(argv):
+        name = _flag_name(argv[i])
+        if name is None:
+            i += 1
+            continue
+        j = i + 1
+        if "=" in argv[i]:
+            value = argv[i].split("=", 1)[1]
+        else:
+            while j < len(argv) and _flag_name(argv[j]) is None:
+                j += 1
+            value = " ".join(argv[i + 1:j]) if j > i + 1 else None
+        found.append((name, i, j, value))
+        i = j
+    return found
+
+
+def refusals(argv: List[str]) -> Tuple[List[str], List[str]]:
+    """(one sentence per refused flag, argv without the refused flags and their values)."""
+    found = _scan(argv)
+    given: Given = {name: value for name, _, _, value in found}
+    sentences, drop = [], set()
+    for name, start, end, value in found:
+        rule = REFUSED.get(name)
+        if rule is None or (rule.when is not None and not rule.when(value, given)):
+            continue
+        drop.update(range(start, end))
+        shown = name if value is None else f"{name} {value}"
+        sentence = f"{shown} is refused: {rule.reason}."
+        if sentence not in sentences:
+            sentences.append(sentence)
+    return sentences, [token for k, token in enumerate(argv) if k not in drop]
+
+
+def unknown_flag_sentence(flag: str) -> str:
+    return (f"{flag} is not a flag of megatron_zero's pretrain_gpt.py (see --help, and "
+            "docs/coming_from_megatron.md for the Megatron-LM / Megatron-DeepSpeed flags it takes).")
