@@ -1,0 +1,67 @@
+"""Context-parallel attention (ring p2p and all-gather) against the whole-sequence causal attention, forward
+and backward, fp32: CP 2 and 4, grouped-query (2 KV groups for 4 query heads) and plain multi-head, and
+the load-balanced chunking as pure functions. The attention is a short chain of sums (scores over the head
+dim d, the softmax and context over s keys; backward the same again), so both sides are fp32 evaluations
+of one expression in another order: normwise within model_rtol(n), n = 4 (d + s)."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_zero.context_parallel import context_parallel_attention, cp_positions, slice_sequence_for_cp
+from megatron_zero.model.attention_core import attention_core
+from megatron_zero.model.transformer import expand_kv_heads
+from megatron_zero.testing import run_ranks
+from megatron_zero.testing.tolerances import assert_close_normwise, model_rtol
+
+B, HEADS, SEQ, D = 2, 4, 16, 8
+
+
+def test_positions_balance_the_causal_work():
+    assert cp_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert cp_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    for cp in (1, 2, 4):
+        owned = torch.cat([cp_positions(16, cp, r) for r in range(cp)])
+        assert sorted(owned.tolist()) == list(range(16))
+        work = [int((cp_positions(16, cp, r) + 1).sum()) for r in range(cp)]  # keys each rank's queries see
+        assert len(set(work)) == 1
+    t = torch.arange(16).view(1, 16)
+    assert slice_sequence_for_cp(t, 4, 1).tolist() == [[2, 3, 12, 13]]
+    with pytest.raises(ValueError, match="not a multiple of 2 x context-parallel size 4"):
+        cp_positions(12, 4, 0)
+
+
+def inputs(groups):
+    g = torch.Generator().manual_seed(7 + groups)
+    q = torch.randn(B, HEADS, SEQ, D, generator=g)
+    k, v = (torch.randn(B, groups, SEQ, D, generator=g) for _ in range(2))
+    dout = torch.randn(B, HEADS, SEQ, D, generator=g)
+    return q, k, v, dout
+
+
+def reference(groups):
+    q, k, v, dout = (t.requires_grad_() for t in inputs(groups))
+    out = attention_core(q, expand_kv_heads(k, HEADS), expand_kv_heads(v, HEADS), "unfused", 0.0, True)
+    out.backward(dout.detach())
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def cp_run(comm_type, groups):
+    cp, r = dist.get_world_size(), dist.get_rank()
+    q, k, v, dout = (slice_sequence_for_cp(t, cp, r, dim=2) for t in inputs(groups))
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out = context_parallel_attention(q, k, v, dist.group.WORLD, comm_type)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("groups", [2, 4])
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
+def test_matches_whole_sequence_attention(comm_type, groups, cp):
+    want = reference(groups)
+    per_rank = run_ranks(cp_run, cp, comm_type, groups)
+    rtol = model_rtol(4 * (D + SEQ))
+    for name, index in (("out", 0), ("dq", 1), ("dk", 2), ("dv", 3)):
+        got = torch.cat([per_rank[r][index] for r in range(cp)], dim=2)
+        mine = torch.cat([slice_sequence_for_cp(want[index], cp, r, dim=2) for r in range(cp)], dim=2)
+        assert_close_normwise(got, mine, rtol, f"{comm_type} CP{cp} groups {groups} {name}")
