@@ -85,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="split each sequence over this many ranks (docs/context_parallel.md)")
+    g.add_argument("--cp-comm-type", type=str, default="p2p",
+                   help="how context-parallel ranks exchange K/V: p2p (ring) or all_gather")
     g.add_argument("--pipeline-partition-method", choices=["uniform", "parameters"], default="uniform")
     g.add_argument("--pipeline-partition", type=str, default=None,
                    help="explicit transformer layers per pipeline stage, e.g. 3,5")
@@ -238,8 +242,13 @@ def validate_args(args, world_size: int):
     _require(world_size % (tp * pp) == 0,
              f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
              f"--pipeline-model-parallel-size {pp}")
+    cp = args.context_parallel_size
+    _require(cp >= 1, f"--context-parallel-size must be at least 1, got {cp}")
+    _require(world_size % (tp * pp * cp) == 0,
+             f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+             f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp}")
     args.world_size = world_size
-    args.data_parallel_size = dp = world_size // (tp * pp)
+    args.data_parallel_size = dp = world_size // (tp * pp * cp)
     if args.deepspeed_config:
         try:
             apply_deepspeed_config(args, args.deepspeed_config, explicit_flags(args))
@@ -282,6 +291,7 @@ def validate_args(args, world_size: int):
         args.pipeline_partition = counts
     _validate_virtual_pipeline(args, pp)
     _validate_memory_flags(args, tp)
+    _validate_context_parallel(args, tp)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     _require(args.seq_length <= args.max_position_embeddings,
@@ -461,6 +471,37 @@ def _validate_memory_flags(args, tp: int):
     _require(not args.sequence_parallel or args.seq_length % tp == 0,
              f"--sequence-parallel splits --seq-length {args.seq_length} over --tensor-model-parallel-size {tp}, "
              "which does not divide it")
+
+
+CP_COMM_TYPES = ("p2p", "all_gather")
+
+
+def _validate_context_parallel(args, tp: int):
+    """--context-parallel-size and --cp-comm-type: the layouts and the compositions context parallelism has."""
+    cp, kind = args.context_parallel_size, args.cp_comm_type
+    _require(kind in CP_COMM_TYPES, f"--cp-comm-type {kind} is not available; use p2p (ring exchange of K/V) or "
+             "all_gather (a2a and a2a+p2p, Ulysses' head scatter, are not implemented)")
+    if cp == 1:
+        return
+    seq = args.seq_length
+    _require(seq % (2 * cp) == 0,
+             f"--seq-length {seq} is not a multiple of 2 x --context-parallel-size {cp}: each rank holds two of "
+             f"{2 * cp} equal chunks of the sequence")
+    _require(not args.sequence_parallel or (seq // cp) % tp == 0,
+             f"--sequence-parallel splits each context-parallel rank's {seq // cp} tokens (--seq-length {seq} / "
+             f"--context-parallel-size {cp}) over --tensor-model-parallel-size {tp}, which does not divide them")
+    refused = [
+        (args.virtual_pipeline_model_parallel_size > 1, "--num-layers-per-virtual-pipeline-stage"),
+        (args.recompute_granularity is not None, f"--recompute-granularity {args.recompute_granularity}"),
+        (args.attention_dropout > 0, f"--attention-dropout {args.attention_dropout} (use 0)"),
+        (args.attention_backend != "auto", f"--attention-backend {args.attention_backend} (context parallelism "
+                                           "has its own attention core)"),
+        (args.fp16, "--fp16"), (args.bf16, "--bf16"),
+        (args.zero_hpz_partition_size > 1, "--zero-hpz-partition-size"),
+    ]
+    for refuse, flag in refused:
+        _require(not refuse, f"--context-parallel-size {cp} cannot be combined with {flag}; context parallelism "
+                             "runs in fp32 with TP, sequence parallelism, PP and ZeRO 0-3 only")
 
 
 def _check_data_path(data_path: List[str]):

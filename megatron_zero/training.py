@@ -25,6 +25,7 @@ from .checkpoint.preflight import check_save_dir, checkpoint_bytes
 from .checkpoint.report import async_started_line, checkpoint_size, saved_line
 from .checkpoint.resume import refuse_fresh_start_over, resume_checkpoint
 from .checkpoint.export.save_16bit import save_16bit_model
+from .context_parallel import slice_batch_for_cp
 from .data import DataError, GlobalBatchSampler, build_tokenizer, build_train_valid_test_datasets, collate_gpt
 from .device import DeviceError, backend_for, select_device, to_device, use_device
 from .distributed import (LaunchError, another_rank_failed, init_distributed, is_peer_failure, read_launch_env,
@@ -93,7 +94,7 @@ class Trainer:
             init_method_std=args.init_method_std, seed=args.seed, **architecture_kwargs(vars(args)),
             recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
             recompute_num_layers=args.recompute_num_layers, attention_backend=args.attention_backend,
-            sequence_parallel=args.sequence_parallel)
+            sequence_parallel=args.sequence_parallel, cp_comm_type=args.cp_comm_type)
         self.model = build_gpt_stage(self.config, state, args.pipeline_partition_method, args.pipeline_partition,
                                      device=self.device, virtual_stages=args.virtual_pipeline_model_parallel_size)
         self.forward_backward = schedule_for(args.virtual_pipeline_model_parallel_size)
@@ -117,7 +118,7 @@ class Trainer:
             cpu_optimizer_threads=args.cpu_optimizer_threads)
         self.lr_schedule = build_lr_schedule(args)
         self.progress = TrainState()
-        self.p2p = stage_p2p(state, activation_shape(args.micro_batch_size, self.config, state.tp_size),
+        self.p2p = stage_p2p(state, activation_shape(args.micro_batch_size, self.config, state.tp_size, state.cp_size),
                              DTYPES[args.params_dtype], self.device, args.virtual_pipeline_model_parallel_size)
         writer_rank = state.layout.rank(state.pp_size - 1, 0, 0)
         self.is_writer = state.rank == writer_rank
@@ -145,14 +146,15 @@ class Trainer:
             vocab_size=self.tokenizer.vocab_size)
 
     def _micro_batches(self, dataset, start: int):
-        """This rank's collated micro-batches of the global batch starting at sample `start`."""
+        """This rank's collated micro-batches of the global batch starting at sample `start`: its data
+        replica's samples, cut to its context-parallel chunks of each sequence."""
         if not (self.state.is_first_stage or self.state.is_last_stage):
             return [{}] * self.args.num_micro_batches  # middle stages take activations, not tokens
-        a = self.args
+        a, s = self.args, self.state
         sampler = GlobalBatchSampler(start + a.global_batch_size, start, a.micro_batch_size,
-                                     a.global_batch_size, self.state.dp_rank, self.state.dp_size)
-        return [to_device(collate_gpt([dataset[i] for i in idx]), self.device)
-                for idx in sampler.global_batch(start)]
+                                     a.global_batch_size, s.data_parallel_rank, s.data_parallel_size)
+        return [to_device(slice_batch_for_cp(collate_gpt([dataset[i] for i in idx]), s.cp_size, s.cp_rank),
+                          self.device) for idx in sampler.global_batch(start)]
 
     # ---- one iteration ---------------------------------------------------------------
     def train_step(self, micro, votes=tuple):
@@ -320,7 +322,8 @@ def pretrain(argv=None) -> int:
         use_device(device)
         init_distributed(backend, args.distributed_timeout_minutes)
         lock = hold_save_lock(args.save) if args.save else None
-        state = build_parallel_state(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+        state = build_parallel_state(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                     args.context_parallel_size)
         trainer = Trainer(args, state, device)
         code = trainer.train()
     except (ArgumentError, LaunchError, DeviceError, DataError, ckpt.CheckpointError) as err:
