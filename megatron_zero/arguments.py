@@ -491,17 +491,14 @@ def _validate_context_parallel(args, tp: int):
              f"--sequence-parallel splits each context-parallel rank's {seq // cp} tokens (--seq-length {seq} / "
              f"--context-parallel-size {cp}) over --tensor-model-parallel-size {tp}, which does not divide them")
     refused = [
-        (args.virtual_pipeline_model_parallel_size > 1, "--num-layers-per-virtual-pipeline-stage"),
-        (args.recompute_granularity is not None, f"--recompute-granularity {args.recompute_granularity}"),
-        (args.attention_dropout > 0, f"--attention-dropout {args.attention_dropout} (use 0)"),
+        (args.attention_dropout > 0, f"--attention-dropout {args.attention_dropout} (use 0: the context-parallel "
+                                     "attention has no dropout)"),
         (args.attention_backend != "auto", f"--attention-backend {args.attention_backend} (context parallelism "
                                            "has its own attention core)"),
-        (args.fp16, "--fp16"), (args.bf16, "--bf16"),
         (args.zero_hpz_partition_size > 1, "--zero-hpz-partition-size"),
     ]
     for refuse, flag in refused:
-        _require(not refuse, f"--context-parallel-size {cp} cannot be combined with {flag}; context parallelism "
-                             "runs in fp32 with TP, sequence parallelism, PP and ZeRO 0-3 only")
+        _require(not refuse, f"--context-parallel-size {cp} cannot be combined with {flag}")
 
 
 def _check_data_path(data_path: List[str]):

@@ -82,7 +82,7 @@ class Trainer:
         if args.require_fused_kernels:  # before anything is built: refuse in one sentence
             require_fused_kernels(self.device, offload=args.offload != "none")
         set_shared_memory_comm(args.shared_memory_all_reduce)
-        model_parallel_seed(args.seed, state.tp_rank, state.pp_rank)
+        model_parallel_seed(args.seed, state.tp_rank, state.pp_rank, state.cp_rank)
         self.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file,
                                          args.merge_file, args.vocab_size)
         self.config = GPTConfig(

@@ -65,3 +65,18 @@ def test_matches_whole_sequence_attention(comm_type, groups, cp):
         got = torch.cat([per_rank[r][index] for r in range(cp)], dim=2)
         mine = torch.cat([slice_sequence_for_cp(want[index], cp, r, dim=2) for r in range(cp)], dim=2)
         assert_close_normwise(got, mine, rtol, f"{comm_type} CP{cp} groups {groups} {name}")
+
+
+def test_each_cp_rank_draws_its_own_dropout_masks():
+    from megatron_zero.tensor_parallel import get_rng_tracker
+    from megatron_zero.tensor_parallel.random import model_parallel_seed
+
+    def draws(**ranks):
+        model_parallel_seed(1234, **ranks)
+        with get_rng_tracker().fork():
+            per_tp = torch.rand(8)
+        return torch.rand(8), per_tp
+
+    without_cp = draws(tp_rank=1, pp_rank=1)
+    assert all(torch.equal(a, b) for a, b in zip(draws(tp_rank=1, pp_rank=1, cp_rank=0), without_cp))
+    assert not any(torch.equal(a, b) for a, b in zip(draws(tp_rank=1, pp_rank=1, cp_rank=1), without_cp))

@@ -12,6 +12,10 @@ def test_cp_divides_the_world_and_dp_counts_data_replicas():
                                  cp_comm_type="all_gather"), world_size=8)
     assert (args.data_parallel_size, args.num_micro_batches, args.cp_comm_type) == (2, 4, "all_gather")
     assert parse_args(BASE, world_size=1).cp_comm_type == "p2p"
+    composed = parse_args(with_flags(BASE, context_parallel_size=2, pipeline_model_parallel_size=2,
+                                     num_layers_per_virtual_pipeline_stage=1, recompute_granularity="selective",
+                                     bf16=True, attention_dropout=0, global_batch_size=4), world_size=4)
+    assert (composed.virtual_pipeline_model_parallel_size, composed.params_dtype) == (2, "bf16")
 
 
 def test_layout_order_is_tp_cp_dp_pp():
@@ -37,13 +41,7 @@ def test_layout_order_is_tp_cp_dp_pp():
     (dict(cp_comm_type="a2a"), 1, ["--cp-comm-type a2a", "p2p", "all_gather"]),
     (dict(cp_comm_type="a2a+p2p"), 1, ["--cp-comm-type a2a+p2p"]),
     (dict(context_parallel_size=2, attention_dropout=0.1), 2, ["--context-parallel-size 2", "--attention-dropout"]),
-    (dict(context_parallel_size=2, recompute_granularity="selective"), 2, ["--recompute-granularity selective"]),
-    (dict(context_parallel_size=2, checkpoint_activations=True), 2, ["--recompute-granularity full"]),
-    (dict(context_parallel_size=2, bf16=True), 2, ["--bf16"]),
-    (dict(context_parallel_size=2, fp16=True), 2, ["--fp16"]),
     (dict(context_parallel_size=2, attention_backend="flash"), 2, ["--attention-backend flash"]),
-    (dict(context_parallel_size=2, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1), 4,
-     ["--num-layers-per-virtual-pipeline-stage"]),
     (dict(context_parallel_size=2, zero_hpz_partition_size=2), 4, ["--zero-hpz-partition-size"]),
 ])
 def test_refusals_are_one_sentence(changes, world, words, capsys):

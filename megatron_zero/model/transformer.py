@@ -230,15 +230,15 @@ class ParallelAttention(nn.Module):
 
     def forward(self, x):
         q, k, v = self.split_qkv(self.query_key_value(x))  # [b, heads or groups, s, hd]
-        b, _, s, _ = q.shape  # the whole sequence, also when x is a sequence-parallel chunk
+        b, _, s, _ = q.shape  # the whole sequence (CP: this rank's chunks), also when x is a sequence-parallel chunk
         if self.rotary is not None:
             cos, sin = self.rotary(s, x.device, self.cp_group)
             q, k = functional.apply_rotary_pos_emb(q, cos, sin), functional.apply_rotary_pos_emb(k, cos, sin)
         if self.cp_group is not None:  # only the KV heads travel; expanded where they are used
-            context = context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type)
-            return self.dense(context.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
-        k, v = expand_kv_heads(k, self.local_heads), expand_kv_heads(v, self.local_heads)
-        core = partial(attention_core, backend=self.backend, dropout_p=self.dropout_p, training=self.training)
+            core = partial(context_parallel_attention, cp_group=self.cp_group, comm_type=self.cp_comm_type)
+        else:
+            k, v = expand_kv_heads(k, self.local_heads), expand_kv_heads(v, self.local_heads)
+            core = partial(attention_core, backend=self.backend, dropout_p=self.dropout_p, training=self.training)
         context = checkpoint(core, q, k, v) if self.recompute_core else core(q, k, v)
         return self.dense(context.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
 
