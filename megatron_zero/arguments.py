@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="split each sequence over this many ranks (docs/context_parallel.md)")
     g.add_argument("--cp-comm-type", type=str, default="p2p",
-                   help="how context-parallel ranks exchange K/V: p2p (ring) or all_gather")
+                   help="how context-parallel ranks exchange K/V: p2p (ring), all_gather or a2a (Ulysses)")
     g.add_argument("--pipeline-partition-method", choices=["uniform", "parameters"], default="uniform")
     g.add_argument("--pipeline-partition", type=str, default=None,
                    help="explicit transformer layers per pipeline stage, e.g. 3,5")
@@ -473,14 +473,14 @@ def _validate_memory_flags(args, tp: int):
              "which does not divide it")
 
 
-CP_COMM_TYPES = ("p2p", "all_gather")
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 
 
 def _validate_context_parallel(args, tp: int):
     """--context-parallel-size and --cp-comm-type: the layouts and the compositions context parallelism has."""
     cp, kind = args.context_parallel_size, args.cp_comm_type
-    _require(kind in CP_COMM_TYPES, f"--cp-comm-type {kind} is not available; use p2p (ring exchange of K/V) or "
-             "all_gather (a2a and a2a+p2p, Ulysses' head scatter, are not implemented)")
+    _require(kind in CP_COMM_TYPES, f"--cp-comm-type {kind} is not available; use p2p (ring exchange of K/V), "
+             "all_gather or a2a (Ulysses' head scatter); a2a+p2p is not implemented")
     if cp == 1:
         return
     seq = args.seq_length
@@ -490,15 +490,19 @@ def _validate_context_parallel(args, tp: int):
     _require(not args.sequence_parallel or (seq // cp) % tp == 0,
              f"--sequence-parallel splits each context-parallel rank's {seq // cp} tokens (--seq-length {seq} / "
              f"--context-parallel-size {cp}) over --tensor-model-parallel-size {tp}, which does not divide them")
-    refused = [
-        (args.attention_dropout > 0, f"--attention-dropout {args.attention_dropout} (use 0: the context-parallel "
-                                     "attention has no dropout)"),
-        (args.attention_backend != "auto", f"--attention-backend {args.attention_backend} (context parallelism "
-                                           "has its own attention core)"),
-        (args.zero_hpz_partition_size > 1, "--zero-hpz-partition-size"),
-    ]
+    heads = args.num_attention_heads // tp
+    _require(kind != "a2a" or heads % cp == 0,
+             f"--cp-comm-type a2a scatters each tensor-parallel rank's {heads} attention heads (--num-attention-heads "
+             f"{args.num_attention_heads} / --tensor-model-parallel-size {tp}) over --context-parallel-size {cp}, "
+             "which does not divide them; use p2p or all_gather")
+    refused = [(args.zero_hpz_partition_size > 1, "--zero-hpz-partition-size")]
+    if kind != "a2a":  # p2p and all_gather compute attention blocks themselves; a2a runs --attention-backend's
+        refused += [(args.attention_dropout > 0, f"--attention-dropout {args.attention_dropout} (use 0, or "
+                                                 "--cp-comm-type a2a)"),
+                    (args.attention_backend != "auto", f"--attention-backend {args.attention_backend} (it applies "
+                                                       "to --cp-comm-type a2a)")]
     for refuse, flag in refused:
-        _require(not refuse, f"--context-parallel-size {cp} cannot be combined with {flag}")
+        _require(not refuse, f"--context-parallel-size {cp} with --cp-comm-type {kind} cannot be combined with {flag}")
 
 
 def _check_data_path(data_path: List[str]):

@@ -38,34 +38,49 @@ def inputs(groups):
     return q, k, v, dout
 
 
+def unfused(q, k, v):
+    return attention_core(q, k, v, "unfused", 0.0, True)
+
+
 def reference(groups):
     q, k, v, dout = (t.requires_grad_() for t in inputs(groups))
-    out = attention_core(q, expand_kv_heads(k, HEADS), expand_kv_heads(v, HEADS), "unfused", 0.0, True)
+    out = unfused(q, expand_kv_heads(k, HEADS), expand_kv_heads(v, HEADS))
     out.backward(dout.detach())
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def cp_run(comm_type, groups):
+def cp_run():
+    """Every (comm type, KV groups) case on this rank's share of the sequence, in one launch."""
     cp, r = dist.get_world_size(), dist.get_rank()
-    q, k, v, dout = (slice_sequence_for_cp(t, cp, r, dim=2) for t in inputs(groups))
-    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    out = context_parallel_attention(q, k, v, dist.group.WORLD, comm_type)
-    out.backward(dout)
-    return out.detach(), q.grad, k.grad, v.grad
+    out = {}
+    for case in CASES:
+        comm_type, groups = case
+        q, k, v, dout = (slice_sequence_for_cp(t, cp, r, dim=2) for t in inputs(groups))
+        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+        context = context_parallel_attention(q, k, v, dist.group.WORLD, comm_type, core=unfused)
+        context.backward(dout)
+        out[case] = (context.detach(), q.grad, k.grad, v.grad)
+    return out
 
 
-@pytest.mark.parametrize("cp", [2, 4])
-@pytest.mark.parametrize("groups", [2, 4])
-@pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
-def test_matches_whole_sequence_attention(comm_type, groups, cp):
+CASES = [(comm_type, groups) for comm_type in ("p2p", "all_gather", "a2a") for groups in (2, 4)]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["cp2", "cp4"])
+def cp_runs(request):
+    return request.param, run_ranks(cp_run, request.param)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c}-groups{g}" for c, g in CASES])
+def test_matches_whole_sequence_attention(cp_runs, case):
+    cp, per_rank = cp_runs
+    comm_type, groups = case
     want = reference(groups)
-    per_rank = run_ranks(cp_run, cp, comm_type, groups)
     rtol = model_rtol(4 * (D + SEQ))
     for name, index in (("out", 0), ("dq", 1), ("dk", 2), ("dv", 3)):
-        got = torch.cat([per_rank[r][index] for r in range(cp)], dim=2)
+        got = torch.cat([per_rank[r][case][index] for r in range(cp)], dim=2)
         mine = torch.cat([slice_sequence_for_cp(want[index], cp, r, dim=2) for r in range(cp)], dim=2)
         assert_close_normwise(got, mine, rtol, f"{comm_type} CP{cp} groups {groups} {name}")
-
 
 def test_each_cp_rank_draws_its_own_dropout_masks():
     from megatron_zero.tensor_parallel import get_rng_tracker

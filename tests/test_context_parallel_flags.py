@@ -16,6 +16,9 @@ def test_cp_divides_the_world_and_dp_counts_data_replicas():
                                      num_layers_per_virtual_pipeline_stage=1, recompute_granularity="selective",
                                      bf16=True, attention_dropout=0, global_batch_size=4), world_size=4)
     assert (composed.virtual_pipeline_model_parallel_size, composed.params_dtype) == (2, "bf16")
+    ulysses = parse_args(with_flags(BASE, context_parallel_size=2, cp_comm_type="a2a", attention_backend="flash",
+                                    attention_dropout=0), world_size=2)
+    assert (ulysses.cp_comm_type, ulysses.attention_backend) == ("a2a", "flash")
 
 
 def test_layout_order_is_tp_cp_dp_pp():
@@ -38,8 +41,9 @@ def test_layout_order_is_tp_cp_dp_pp():
     (dict(context_parallel_size=2, tensor_model_parallel_size=4, sequence_parallel=True, seq_length=20,
           max_position_embeddings=20, global_batch_size=2), 8,
      ["--sequence-parallel", "10 tokens", "--tensor-model-parallel-size 4"]),
-    (dict(cp_comm_type="a2a"), 1, ["--cp-comm-type a2a", "p2p", "all_gather"]),
-    (dict(cp_comm_type="a2a+p2p"), 1, ["--cp-comm-type a2a+p2p"]),
+    (dict(cp_comm_type="a2a+p2p"), 1, ["--cp-comm-type a2a+p2p", "p2p", "all_gather"]),
+    (dict(context_parallel_size=4, tensor_model_parallel_size=2, cp_comm_type="a2a"), 8,
+     ["--cp-comm-type a2a", "2 attention heads", "--context-parallel-size 4"]),
     (dict(context_parallel_size=2, attention_dropout=0.1), 2, ["--context-parallel-size 2", "--attention-dropout"]),
     (dict(context_parallel_size=2, attention_backend="flash"), 2, ["--attention-backend flash"]),
     (dict(context_parallel_size=2, zero_hpz_partition_size=2), 4, ["--zero-hpz-partition-size"]),

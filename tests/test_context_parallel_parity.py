@@ -1,6 +1,7 @@
 """Context parallelism against the single-process reference with torch.optim.AdamW, fp32: GPT-2 and a
 Llama (RoPE, grouped-query attention with 2 KV groups, SwiGLU, RMSNorm, untied) at CP4, CP2 x TP2 with
-sequence parallelism, CP2 x PP2 and CP2 x DP2 on ZeRO-3, each --cp-comm-type (p2p ring, all_gather); and
+sequence parallelism, CP2 x PP2 and CP2 x DP2 on ZeRO-3, each --cp-comm-type (p2p ring, all_gather, a2a:
+Ulysses' all-to-all, at CP4, CP2 x TP2 and CP2 x PP2); and
 composed with full and selective recomputation and the interleaved pipeline (4 layers, 2 chunks per
 rank). bf16 and fp16 (static loss scale 1024) layouts track the fp32 reference within 3 %, as in
 tests/test_model_llama_parity.py.
@@ -32,7 +33,9 @@ LAYOUTS = [
     (2, 1, 2, 1, "p2p", ""), (2, 1, 2, 2, "all_gather", ""),           # CP2 x TP2, sequence parallel
     (1, 2, 2, 1, "p2p", ""), (1, 2, 2, 0, "all_gather", ""),           # CP2 x PP2
     (1, 1, 2, 3, "p2p", ""), (1, 1, 2, 3, "all_gather", ""),           # CP2 x DP2, ZeRO-3
+    (1, 1, 4, 1, "a2a", ""), (2, 1, 2, 2, "a2a", ""), (1, 2, 2, 1, "a2a", ""),  # Ulysses: CP4, x TP2, x PP2
     (2, 1, 2, 1, "p2p", "full"), (1, 1, 4, 2, "all_gather", "selective"),  # recomputation
+    (1, 1, 2, 1, "a2a", "selective"),
     (1, 2, 2, 1, "p2p", "interleaved"),                                # 2 model chunks per pipeline rank
     (2, 1, 2, 1, "p2p", "bf16"), (1, 2, 2, 2, "all_gather", "fp16"),   # half precision
 ]

@@ -234,11 +234,12 @@ class ParallelAttention(nn.Module):
         if self.rotary is not None:
             cos, sin = self.rotary(s, x.device, self.cp_group)
             q, k = functional.apply_rotary_pos_emb(q, cos, sin), functional.apply_rotary_pos_emb(k, cos, sin)
+        core = partial(attention_core, backend=self.backend, dropout_p=self.dropout_p, training=self.training)
         if self.cp_group is not None:  # only the KV heads travel; expanded where they are used
-            core = partial(context_parallel_attention, cp_group=self.cp_group, comm_type=self.cp_comm_type)
+            core = partial(context_parallel_attention, cp_group=self.cp_group, comm_type=self.cp_comm_type,
+                           core=core)
         else:
             k, v = expand_kv_heads(k, self.local_heads), expand_kv_heads(v, self.local_heads)
-            core = partial(attention_core, backend=self.backend, dropout_p=self.dropout_p, training=self.training)
         context = checkpoint(core, q, k, v) if self.recompute_core else core(q, k, v)
         return self.dense(context.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
 
