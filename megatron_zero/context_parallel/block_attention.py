@@ -15,7 +15,7 @@ from typing import Tuple
 
 import torch
 
-QUERY_ROWS = 512  # queries per piece of a block: bounds the scores held at once
+QUERY_ROWS = 128  # queries per piece of a block: bounds the scores held at once
 
 
 def _scores(q, k, q_pos, k_pos, scale):
