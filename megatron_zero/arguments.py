@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="split each sequence over this many ranks (docs/context_parallel.md)")
+    g.add_argument("--cp-comm-type", type=str, default="p2p",
+                   help="how context-parallel ranks exchange K/V: p2p (ring), all_gather or a2a (Ulysses)")
     g.add_argument("--pipeline-partition-method", choices=["uniform", "parameters"], default="uniform")
     g.add_argument("--pipeline-partition", type=str, default=None,
                    help="explicit transformer layers per pipeline stage, e.g. 3,5")
@@ -252,8 +256,14 @@ def validate_args(args, world_size: int):
     _require(world_size % (tp * pp) == 0,
              f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
              f"--pipeline-model-parallel-size {pp}")
+    _ulysses_as_context_parallel(args)
+    cp = args.context_parallel_size
+    _require(cp >= 1, f"--context-parallel-size must be at least 1, got {cp}")
+    _require(world_size % (tp * pp * cp) == 0,
+             f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+             f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp}")
     args.world_size = world_size
-    args.data_parallel_size = dp = world_size // (tp * pp)
+    args.data_parallel_size = dp = world_size // (tp * pp * cp)
     if args.deepspeed_config:
         try:
             apply_deepspeed_config(args, args.deepspeed_config, explicit_flags(args))
@@ -298,6 +308,7 @@ def validate_args(args, world_size: int):
         args.pipeline_partition = counts
     _validate_virtual_pipeline(args, pp)
     _validate_memory_flags(args, tp)
+    _validate_context_parallel(args, tp)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     _require(args.seq_length <= args.max_position_embeddings,
@@ -492,6 +503,55 @@ def _validate_memory_flags(args, tp: int):
     _require(not args.sequence_parallel or args.seq_length % tp == 0,
              f"--sequence-parallel splits --seq-length {args.seq_length} over --tensor-model-parallel-size {tp}, "
              "which does not divide it")
+
+
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+
+
+def _ulysses_as_context_parallel(args):
+    """Megatron-DeepSpeed's --ds-sequence-parallel-size N (DeepSpeed-Ulysses) is context parallelism over N
+    ranks with the all-to-all that scatters heads: --context-parallel-size N --cp-comm-type a2a."""
+    ds = args.ds_sequence_parallel_size
+    if ds == 1:
+        return
+    _require(ds > 1, f"--ds-sequence-parallel-size must be at least 1, got {ds}")
+    given = explicit_flags(args)
+    _require(args.context_parallel_size in (1, ds),
+             f"--ds-sequence-parallel-size {ds} and --context-parallel-size {args.context_parallel_size} name two "
+             "sequence splits; give one of them")
+    _require("cp_comm_type" not in given or args.cp_comm_type == "a2a",
+             f"--ds-sequence-parallel-size {ds} is DeepSpeed-Ulysses, the a2a exchange; it contradicts "
+             f"--cp-comm-type {args.cp_comm_type}")
+    args.context_parallel_size, args.cp_comm_type = ds, "a2a"
+
+
+def _validate_context_parallel(args, tp: int):
+    """--context-parallel-size and --cp-comm-type: the layouts and the compositions context parallelism has."""
+    cp, kind = args.context_parallel_size, args.cp_comm_type
+    _require(kind in CP_COMM_TYPES, f"--cp-comm-type {kind} is not available; use p2p (ring exchange of K/V), "
+             "all_gather or a2a (Ulysses' head scatter); a2a+p2p is not implemented")
+    if cp == 1:
+        return
+    seq = args.seq_length
+    _require(seq % (2 * cp) == 0,
+             f"--seq-length {seq} is not a multiple of 2 x --context-parallel-size {cp}: each rank holds two of "
+             f"{2 * cp} equal chunks of the sequence")
+    _require(not args.sequence_parallel or (seq // cp) % tp == 0,
+             f"--sequence-parallel splits each context-parallel rank's {seq // cp} tokens (--seq-length {seq} / "
+             f"--context-parallel-size {cp}) over --tensor-model-parallel-size {tp}, which does not divide them")
+    heads = args.num_attention_heads // tp
+    _require(kind != "a2a" or heads % cp == 0,
+             f"--cp-comm-type a2a scatters each tensor-parallel rank's {heads} attention heads (--num-attention-heads "
+             f"{args.num_attention_heads} / --tensor-model-parallel-size {tp}) over --context-parallel-size {cp}, "
+             "which does not divide them; use p2p or all_gather")
+    refused = [(args.zero_hpz_partition_size > 1, "--zero-hpz-partition-size")]
+    if kind != "a2a":  # p2p and all_gather compute attention blocks themselves; a2a runs --attention-backend's
+        refused += [(args.attention_dropout > 0, f"--attention-dropout {args.attention_dropout} (use 0, or "
+                                                 "--cp-comm-type a2a)"),
+                    (args.attention_backend != "auto", f"--attention-backend {args.attention_backend} (it applies "
+                                                       "to --cp-comm-type a2a)")]
+    for refuse, flag in refused:
+        _require(not refuse, f"--context-parallel-size {cp} with --cp-comm-type {kind} cannot be combined with {flag}")
 
 
 def _check_data_path(data_path: List[str]):

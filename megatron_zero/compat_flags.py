@@ -57,10 +57,9 @@ def add_compat_flags(p: argparse.ArgumentParser) -> None:
                    help="head dimension; must equal --hidden-size / --num-attention-heads here")
     g.add_argument("--no-position-embedding", dest="add_position_embedding", action="store_false",
                    help="no learned absolute position table: with --position-embedding-type rope, as here always")
-    g.add_argument("--context-parallel-size", type=int, default=1,
-                   help="1 only (no context parallelism in this build)")
     g.add_argument("--ds-sequence-parallel-size", type=int, default=1,
-                   help="DeepSpeed-Ulysses degree: 1 only (no context parallelism in this build)")
+                   help="Megatron-DeepSpeed's DeepSpeed-Ulysses degree: context parallelism with --cp-comm-type a2a "
+                        "(the same head-scattering all-to-all) over this many ranks")
     g.add_argument("--ckpt-format", default="torch", help="torch: DeepSpeed's layout, what is written here")
     g.add_argument("--train-tokens", type=int, default=None,
                    help="Megatron-DeepSpeed: stop once this many tokens are consumed (global batch x seq-length a step)")
@@ -128,8 +127,6 @@ def validate_compat(args) -> None:
              "available in this build")
     _require(args.add_position_embedding or args.position_embedding_type == "rope",
              "--no-position-embedding leaves no position information without --position-embedding-type rope")
-    _require(args.context_parallel_size == 1 and args.ds_sequence_parallel_size == 1,
-             "--context-parallel-size / --ds-sequence-parallel-size must be 1 in this build")
     _require(args.manual_gc_interval >= 0, f"--manual-gc-interval {args.manual_gc_interval} must not be negative")
     _require(args.manual_gc or not args.manual_gc_interval, "--manual-gc-interval needs --manual-gc")
     _require(args.num_workers >= 0, f"--num-workers {args.num_workers} must not be negative")

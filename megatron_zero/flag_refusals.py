@@ -3,7 +3,7 @@
 `refusals(argv)` reads a command line before argparse does and returns one sentence per refused
 flag (all of them together), plus the command line with those flags and their values removed, so
 the parser sees only what it knows. A flag listed with a condition is refused only when the
-condition holds (e.g. `--context-parallel-size` above 1); otherwise the parser handles it.
+condition holds (e.g. `--optimizer` sgd); otherwise the parser handles it.
 docs/coming_from_megatron.md shows this table; a test holds the two equal.
 """
 from __future__ import annotations
@@ -21,16 +21,8 @@ class Refusal:
     condition: str = ""  # the condition in words, for the documentation
 
 
-def _above_one(value, given) -> bool:
-    try:
-        return int(value) > 1
-    except (TypeError, ValueError):
-        return True
-
-
 _MOE = "MoE is not available in this build; megatron_zero trains dense GPT/Llama models"
 _FP8 = "FP8 needs Transformer Engine on a GPU; megatron_zero trains in bf16/fp16/fp32"
-_CP = "context parallelism is not available in this build"
 
 REFUSED: Dict[str, Refusal] = {
     # mixture of experts (Megatron-LM and Megatron-DeepSpeed spellings)
@@ -42,11 +34,6 @@ REFUSED: Dict[str, Refusal] = {
     # FP8
     **{flag: Refusal(_FP8) for flag in (
         "--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather")},
-    # context / sequence parallelism along the sequence
-    "--context-parallel-size": Refusal(_CP + "; 1 (the default) trains without it", _above_one, "above 1"),
-    "--ds-sequence-parallel-size": Refusal(
-        "DeepSpeed-Ulysses sequence parallelism (context parallelism) is not available in this build; 1 (the "
-        "default) trains without it", _above_one, "above 1"),
     # checkpoint format
     "--ckpt-format": Refusal(
         "megatron_zero writes DeepSpeed's layout (--ckpt-format torch); torch_dist (Megatron-Core's distributed "

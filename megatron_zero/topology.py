@@ -3,6 +3,13 @@
 The layout is Megatron's and DeepSpeed's: TP ranks are adjacent (fastest axis),
 then DP, then PP:  rank = pp * (DP * TP) + dp * TP + tp.
 
+Context parallelism (CP) sits between TP and DP, in Megatron-Core's order tp-cp-dp-pp:
+rank = pp * (DP * CP * TP) + (dp * CP + cp) * TP + tp. CP ranks hold the same parameters and
+take part in the gradient reduction, so the middle coordinate of `coords` and the `dp` group
+span DP x CP (Megatron-Core's data-parallel group "with CP": ZeRO partitions over it, and a
+checkpoint has DP x CP optimizer files); the data loader's replicas are the DP ranks alone
+(`data_parallel_rank`), and the `cp` group holds the ranks that split one sequence.
+
 `Layout` answers every question about the layout as pure functions (no process
 groups), so offline tools reading checkpoints can use it. `ParallelState` holds
 the torch.distributed groups for one rank; `build_parallel_state` is the only
@@ -20,29 +27,36 @@ class TopologyError(ValueError):
 
 @dataclass(frozen=True)
 class Layout:
-    """A factorisation world = tp * pp * dp."""
+    """A factorisation world = tp * pp * dp * cp."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    cp: int = 1
 
     def __post_init__(self):
-        for name in ("tp", "pp", "dp"):
+        for name in ("tp", "pp", "dp", "cp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise TopologyError(f"the {name} size must be a positive integer, got {value!r}")
 
     @classmethod
-    def from_world(cls, world_size: int, tp: int = 1, pp: int = 1) -> "Layout":
-        if world_size % (tp * pp) != 0:
+    def from_world(cls, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1) -> "Layout":
+        if world_size % (tp * pp * cp) != 0:
+            with_cp = f" x context-parallel size {cp}" if cp > 1 else ""
             raise TopologyError(
                 f"world size {world_size} is not divisible by tensor-parallel size {tp} "
-                f"x pipeline-parallel size {pp} (= {tp * pp}); choose sizes whose product divides it")
-        return cls(tp=tp, pp=pp, dp=world_size // (tp * pp))
+                f"x pipeline-parallel size {pp}{with_cp} (= {tp * pp * cp}); choose sizes whose product divides it")
+        return cls(tp=tp, pp=pp, dp=world_size // (tp * pp * cp), cp=cp)
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
+
+    @property
+    def dp_cp(self) -> int:
+        """The gradient-reduction domain: DP x CP ranks (DP when CP = 1)."""
+        return self.dp * self.cp
 
     @property
     def mp_size(self) -> int:
@@ -51,14 +65,22 @@ class Layout:
 
     # ---- coordinates -------------------------------------------------------
     def coords(self, rank: int) -> Tuple[int, int, int]:
-        """(pp, dp, tp) coordinates of a global rank."""
+        """(pp, dp, tp) coordinates of a global rank; dp indexes the DP x CP domain (dp * CP + cp)."""
         self._check_rank(rank)
-        return rank // (self.dp * self.tp), (rank // self.tp) % self.dp, rank % self.tp
+        return rank // (self.dp_cp * self.tp), (rank // self.tp) % self.dp_cp, rank % self.tp
 
     def rank(self, pp: int, dp: int, tp: int) -> int:
-        if not (0 <= pp < self.pp and 0 <= dp < self.dp and 0 <= tp < self.tp):
+        if not (0 <= pp < self.pp and 0 <= dp < self.dp_cp and 0 <= tp < self.tp):
             raise TopologyError(f"coordinates (pp={pp}, dp={dp}, tp={tp}) lie outside {self}")
-        return pp * self.dp * self.tp + dp * self.tp + tp
+        return pp * self.dp_cp * self.tp + dp * self.tp + tp
+
+    def cp_rank(self, rank: int) -> int:
+        """Which part of the sequence a rank holds (0..CP-1)."""
+        return self.coords(rank)[1] % self.cp
+
+    def data_parallel_rank(self, rank: int) -> int:
+        """Which data replica a rank belongs to (0..DP-1): the CP ranks of one replica read the same samples."""
+        return self.coords(rank)[1] // self.cp
 
     def mp_rank(self, rank: int) -> int:
         """Rank within the model-parallel group: pp * TP + tp (DeepSpeed's mp_rank)."""
@@ -77,8 +99,15 @@ class Layout:
         return [self.rank(pp, dp, t) for t in range(self.tp)]
 
     def dp_group(self, rank: int) -> List[int]:
+        """The gradient-reduction group: DP x CP ranks."""
         pp, _, tp = self.coords(rank)
-        return [self.rank(pp, d, tp) for d in range(self.dp)]
+        return [self.rank(pp, d, tp) for d in range(self.dp_cp)]
+
+    def cp_group(self, rank: int) -> List[int]:
+        """The ranks that split one sequence, in CP-rank order."""
+        pp, d, tp = self.coords(rank)
+        first = d - d % self.cp
+        return [self.rank(pp, first + c, tp) for c in range(self.cp)]
 
     def pp_group(self, rank: int) -> List[int]:
         _, dp, tp = self.coords(rank)
@@ -118,7 +147,7 @@ class Layout:
             raise TopologyError(f"rank {rank} lies outside a world of {self.world_size} ({self})")
 
     def __str__(self):
-        return f"TP={self.tp} x PP={self.pp} x DP={self.dp}"
+        return f"TP={self.tp} x PP={self.pp} x DP={self.dp}" + (f" x CP={self.cp}" if self.cp > 1 else "")
 
 
 GROUP_KINDS = ("tp", "dp", "pp", "mp", "embedding")
@@ -138,6 +167,7 @@ class ParallelState:
 
     @property
     def dp_rank(self) -> int:
+        """This rank's index in the gradient-reduction domain (DP x CP)."""
         return self.layout.coords(self.rank)[1]
 
     @property
@@ -149,12 +179,35 @@ class ParallelState:
         return self.layout.mp_rank(self.rank)
 
     @property
+    def cp_rank(self) -> int:
+        return self.layout.cp_rank(self.rank)
+
+    @property
+    def cp_size(self) -> int:
+        return self.layout.cp
+
+    @property
+    def cp_group(self):
+        """The context-parallel group; None when CP = 1."""
+        return self.groups.get("cp")
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """The data replica (the sampler's rank): dp_rank without the CP part."""
+        return self.layout.data_parallel_rank(self.rank)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.layout.dp
+
+    @property
     def tp_size(self) -> int:
         return self.layout.tp
 
     @property
     def dp_size(self) -> int:
-        return self.layout.dp
+        """The gradient-reduction domain's size, DP x CP (ZeRO's partition count)."""
+        return self.layout.dp_cp
 
     @property
     def pp_size(self) -> int:
@@ -197,7 +250,7 @@ class ParallelState:
         return self.layout.next_stage_rank(self.rank)
 
 
-def build_parallel_state(tp: int = 1, pp: int = 1) -> ParallelState:
+def build_parallel_state(tp: int = 1, pp: int = 1, cp: int = 1) -> ParallelState:
     """Create every group on an initialised torch.distributed world.
 
     Every rank must call this with the same sizes: each group is created by all
@@ -208,10 +261,10 @@ def build_parallel_state(tp: int = 1, pp: int = 1) -> ParallelState:
     if not dist.is_initialized():
         raise RuntimeError("build_parallel_state needs torch.distributed initialised first "
                            "(megatron_zero.distributed.init_distributed)")
-    layout = Layout.from_world(dist.get_world_size(), tp=tp, pp=pp)
+    layout = Layout.from_world(dist.get_world_size(), tp=tp, pp=pp, cp=cp)
     rank = dist.get_rank()
     groups = {}
-    for kind in GROUP_KINDS:
+    for kind in GROUP_KINDS + (("cp",) if cp > 1 else ()):
         mine = getattr(layout, f"{kind}_group")(rank)
         for ranks in layout.all_groups(kind):
             group = dist.new_group(ranks)

@@ -25,6 +25,7 @@ from .checkpoint.preflight import check_save_dir, checkpoint_bytes
 from .checkpoint.report import async_started_line, checkpoint_size, saved_line
 from .checkpoint.resume import refuse_fresh_start_over, resume_checkpoint
 from .checkpoint.export.save_16bit import save_16bit_model
+from .context_parallel import slice_batch_for_cp
 from .data import DataError, GlobalBatchSampler, build_tokenizer, build_train_valid_test_datasets, collate_gpt
 from .device import DeviceError, backend_for, select_device, to_device, use_device
 from .distributed import (LaunchError, another_rank_failed, init_distributed, is_peer_failure, read_launch_env,
@@ -85,7 +86,7 @@ class Trainer:
         if args.require_fused_kernels:  # before anything is built: refuse in one sentence
             require_fused_kernels(self.device, offload=args.offload != "none")
         set_shared_memory_comm(args.shared_memory_all_reduce)
-        model_parallel_seed(args.seed, state.tp_rank, state.pp_rank)
+        model_parallel_seed(args.seed, state.tp_rank, state.pp_rank, state.cp_rank)
         self.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file,
                                          args.merge_file, args.vocab_size)
         self.config = GPTConfig(
@@ -97,7 +98,7 @@ class Trainer:
             init_method_std=args.init_method_std, seed=args.seed, **architecture_kwargs(vars(args)),
             recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
             recompute_num_layers=args.recompute_num_layers, attention_backend=args.attention_backend,
-            sequence_parallel=args.sequence_parallel)
+            sequence_parallel=args.sequence_parallel, cp_comm_type=args.cp_comm_type)
         self.model = build_gpt_stage(self.config, state, args.pipeline_partition_method, args.pipeline_partition,
                                      device=self.device, virtual_stages=args.virtual_pipeline_model_parallel_size)
         self.forward_backward = schedule_for(args.virtual_pipeline_model_parallel_size)
@@ -121,7 +122,7 @@ class Trainer:
             cpu_optimizer_threads=args.cpu_optimizer_threads)
         self.lr_schedule = build_lr_schedule(args)
         self.progress = TrainState()
-        self.p2p = stage_p2p(state, activation_shape(args.micro_batch_size, self.config, state.tp_size),
+        self.p2p = stage_p2p(state, activation_shape(args.micro_batch_size, self.config, state.tp_size, state.cp_size),
                              DTYPES[args.params_dtype], self.device, args.virtual_pipeline_model_parallel_size)
         writer_rank = state.layout.rank(state.pp_size - 1, 0, 0)
         self.is_writer = state.rank == writer_rank
@@ -153,21 +154,23 @@ class Trainer:
         self.prefetch = BatchPrefetcher(lambda idx: [self.train_ds[i] for i in idx], a.num_workers)
 
     def _micro_batches(self, dataset, start: int):
-        """This rank's collated micro-batches of the global batch starting at sample `start` (training
-        batches through --num-workers' read-ahead)."""
+        """This rank's collated micro-batches of the global batch starting at sample `start`: its data
+        replica's samples (training batches through --num-workers' read-ahead), cut to its context-parallel
+        chunks of each sequence."""
         if not (self.state.is_first_stage or self.state.is_last_stage):
             return [{}] * self.args.num_micro_batches  # middle stages take activations, not tokens
-        a = self.args
+        a, s = self.args, self.state
         gbs = a.global_batch_size
-        sampler = GlobalBatchSampler(start + 2 * gbs, start, a.micro_batch_size, gbs, self.state.dp_rank,
-                                     self.state.dp_size)
+        sampler = GlobalBatchSampler(start + 2 * gbs, start, a.micro_batch_size, gbs, s.data_parallel_rank,
+                                     s.data_parallel_size)
         if dataset is self.train_ds:
             ahead = start + gbs < a.train_iters * gbs
             samples = self.prefetch.get(sampler.global_batch(start),
                                         sampler.global_batch(start + gbs) if ahead else None)
         else:
             samples = [[dataset[i] for i in idx] for idx in sampler.global_batch(start)]
-        return [to_device(collate_gpt(micro), self.device) for micro in samples]
+        return [to_device(slice_batch_for_cp(collate_gpt(micro), s.cp_size, s.cp_rank), self.device)
+                for micro in samples]
 
     # ---- one iteration ---------------------------------------------------------------
     def train_step(self, micro, votes=tuple):
@@ -388,7 +391,8 @@ def pretrain(argv=None) -> int:
         use_device(device)
         init_distributed(backend, args.distributed_timeout_minutes)
         lock = hold_save_lock(args.save) if args.save else None
-        state = build_parallel_state(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+        state = build_parallel_state(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                     args.context_parallel_size)
         trainer = Trainer(args, state, device)
         code = trainer.train()
     except (ArgumentError, LaunchError, DeviceError, DataError, ckpt.CheckpointError, RunStopped) as err:

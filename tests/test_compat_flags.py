@@ -61,7 +61,8 @@ def test_sample_schedule_and_warmup_fraction():
     (dict(deepspeed_activation_checkpointing=True), ["--deepspeed-activation-checkpointing"]),
     (dict(no_position_embedding=True), ["--no-position-embedding", "rope"]),
     (dict(optimizer="sgd"), ["--optimizer sgd is refused", "Adam"]),
-    (dict(context_parallel_size=2), ["--context-parallel-size 2 is refused"]),
+    (dict(ds_sequence_parallel_size=2, context_parallel_size=4), ["--ds-sequence-parallel-size 2", "give one"]),
+    (dict(ds_sequence_parallel_size=2, cp_comm_type="all_gather"), ["DeepSpeed-Ulysses", "--cp-comm-type all_gather"]),
     (dict(ckpt_format="torch_dist"), ["--ckpt-format torch_dist is refused"]),
     (dict(profile=True), ["--profile", "--tensorboard-dir"]),
     (dict(data_impl="lazy"), ["--data-impl", "mmap"]),
@@ -176,3 +177,9 @@ def test_llama2_tokenizer_puts_bos_first(tmp_path):
     text = "The for statement"
     assert llama.tokenize(text) == [llama.sp.bos_id()] + gpt.tokenize(text)
     assert llama.eod == gpt.eod == llama.sp.eos_id()
+
+
+def test_ds_sequence_parallel_size_is_context_parallel_a2a():
+    """Megatron-DeepSpeed's DeepSpeed-Ulysses degree becomes context parallelism with the a2a exchange."""
+    args = parse_args(with_flags(BASE, ds_sequence_parallel_size=2), world_size=2)
+    assert (args.context_parallel_size, args.cp_comm_type, args.data_parallel_size) == (2, "a2a", 1)

@@ -37,13 +37,15 @@ ENGINE_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_pa
 def _check_layout(ckpt: Checkpoint, states: dict, name: str, state: ParallelState, need_same_dp: bool):
     saved = ckpt.meta.get("layout") or {"dp": states.get("dp_world_size"), "mp": states.get("mp_world_size")}
     lay = state.layout
-    here = {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp}
+    here = {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "cp": lay.cp}
     if "tp" in saved:
-        differs = [k for k in ("tp", "pp") + (("dp",) if need_same_dp else ()) if saved[k] != here[k]]
-        what = f"TP={saved['tp']} x PP={saved['pp']} x DP={saved['dp']}"
+        saved = {"cp": 1, **saved}
+        differs = [k for k in ("tp", "pp") + (("dp", "cp") if need_same_dp else ()) if saved[k] != here[k]]
+        what = f"TP={saved['tp']} x PP={saved['pp']} x DP={saved['dp']}" + (
+            f" x CP={saved['cp']}" if saved["cp"] > 1 else "")
     else:
-        differs = (["mp"] if saved["mp"] != lay.mp_size else []) + (["dp"] if need_same_dp and saved["dp"] != lay.dp
-                                                                    else [])
+        differs = (["mp"] if saved["mp"] != lay.mp_size else []) + (["dp"] if need_same_dp and
+                                                                    saved["dp"] != lay.dp_cp else [])
         what = f"model-parallel size {saved['mp']} and DP={saved['dp']}"
     if differs:
         raise CheckpointError(f"the checkpoint {ckpt.directory} was saved with {what} but this run is {lay}; "
@@ -128,8 +130,9 @@ def load_checkpoint(load_dir: str, state: ParallelState, model, optimizer, load_
     opt_name = optim_states_name(dp, mp, bf16)
     if not ckpt.has(opt_name) and ckpt.has(optim_states_name(dp, mp, not bf16)):
         opt_name = optim_states_name(dp, mp, not bf16)
-    if load_optimizer or stage == 3 or ckpt.meta.get("layout", {}).get("dp", states.get("dp_world_size")) == \
-            state.dp_size:
+    saved = ckpt.meta.get("layout", {})
+    saved_dp = saved["dp"] * saved.get("cp", 1) if "dp" in saved else states.get("dp_world_size")
+    if load_optimizer or stage == 3 or saved_dp == state.dp_size:
         ckpt.require(opt_name, f"the ZeRO state of DP rank {dp}, model-parallel rank {mp}")
         osd = ckpt.load(opt_name, device=optimizer_device)["optimizer_state_dict"]
         try:

@@ -94,11 +94,13 @@ def build_plan(iteration: int, state: ParallelState, model, optimizer, client: d
 
 
 def saved_layout(state: ParallelState, model) -> dict:
-    """The layout a checkpoint records (and a resume compares): TP, PP, DP, and the model chunks per
-    pipeline rank ("vp") of an interleaved pipeline."""
+    """The layout a checkpoint records (and a resume compares): TP, PP, DP, the model chunks per
+    pipeline rank ("vp") of an interleaved pipeline, and the context-parallel size ("cp": the ZeRO files
+    then number DP x CP per model-parallel rank)."""
     layout = state.layout
     vp = len(getattr(model, "chunks", [None]))
-    return {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, **({"vp": vp} if vp > 1 else {})}
+    return {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, **({"vp": vp} if vp > 1 else {}),
+            **({"cp": layout.cp} if layout.cp > 1 else {})}
 
 
 def save_checkpoint(save_dir: str, iteration: int, state: ParallelState, model, optimizer, client_state: dict,

@@ -55,6 +55,7 @@ class GPTConfig:
     recompute_num_layers: int = 1
     attention_backend: str = "auto"
     sequence_parallel: bool = False
+    cp_comm_type: str = "p2p"  # context parallelism's K/V exchange (context_parallel/), when the model has a CP group
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:

@@ -5,6 +5,8 @@
     stage = GPTModel(config, tp_group, layer_indices=range(a, b))   # one pipeline stage
     stage = GPTModel(config, tp_group, layer_indices=[*range(a, b), *range(c, d)])  # interleaved: two
                                                               # model chunks, run by forward(x, chunk=k)
+    stage = GPTModel(config, tp_group, layer_indices, cp_group=cp_group)  # context-parallel: inputs are
+                                                              # this CP rank's chunks (context_parallel/)
 
 Layers carry Megatron-DeepSpeed's global indices (see layer_indices.py), so parameter
 names are the same whatever the layout. `tp_group=None` is TP=1 with no
@@ -16,6 +18,7 @@ from typing import Iterable, Optional
 
 from torch import nn
 
+from .. import shm_comm
 from ..tensor_parallel import vocab_parallel_cross_entropy
 from ..tensor_parallel.utils import tp_rank_in, tp_world_size
 from .config import GPTConfig
@@ -26,10 +29,11 @@ from .transformer import Embedding, LMHead, ParallelTransformerLayer, build_norm
 
 
 class GPTModel(nn.Module):
-    def __init__(self, config: GPTConfig, tp_group=None, layer_indices: Optional[Iterable[int]] = None):
+    def __init__(self, config: GPTConfig, tp_group=None, layer_indices: Optional[Iterable[int]] = None,
+                 cp_group=None):
         super().__init__()
         L = config.num_layers
-        self.config, self.tp_group = config, tp_group
+        self.config, self.tp_group, self.cp_group = config, tp_group, cp_group
         self.tp, self.tp_rank = tp_world_size(tp_group), tp_rank_in(tp_group)
         config.check_tp(self.tp)
         all_layers = range(num_pipeline_layers(L))
@@ -41,13 +45,13 @@ class GPTModel(nn.Module):
         self.chunks = _contiguous_runs(self.layer_indices)  # the model chunks of an interleaved stage
         self.tied = not config.untie_embeddings_and_output_weights
         if self.tied and holds_embedding(self.layer_indices, L):
-            self.tied_modules = nn.ModuleDict({"embed": Embedding(config, tp_group)})
+            self.tied_modules = nn.ModuleDict({"embed": Embedding(config, tp_group, cp_group)})
         for i in self.layer_indices:
             kind = layer_kind(i, L)
             if kind == "embedding" and not self.tied:
-                self.add_module(str(i), Embedding(config, tp_group))
+                self.add_module(str(i), Embedding(config, tp_group, cp_group))
             elif kind == "block":
-                self.add_module(str(i), ParallelTransformerLayer(config, tp_group))
+                self.add_module(str(i), ParallelTransformerLayer(config, tp_group, cp_group))
             elif kind == "final_norm":
                 self.add_module(str(i), build_norm(config, tp_group))
             elif kind == "lm_head" and not self.tied:
@@ -94,12 +98,20 @@ class GPTModel(nn.Module):
         return x  # (layer 0, the input cast, has nothing to do in this layout)
 
     def loss(self, logits, labels, loss_mask=None):
-        """Mean cross-entropy over tokens (weighted by loss_mask); padded vocabulary never counts."""
+        """Mean cross-entropy over tokens (weighted by loss_mask); padded vocabulary never counts.
+
+        Context-parallel (Megatron's rule): CP x this rank's loss sum / the CP group's token count, so
+        that the gradient reduction's average over DP x CP ranks is the mean over every token (each
+        rank holds s / CP tokens, so without a mask that is this rank's own mean)."""
         losses = vocab_parallel_cross_entropy(logits, labels, self.tp_group, self.config.vocab_size)
         if loss_mask is None:
             return losses.mean()
         loss_mask = loss_mask.to(losses.dtype)
-        return (losses * loss_mask).sum() / loss_mask.sum()
+        if self.cp_group is None:
+            return (losses * loss_mask).sum() / loss_mask.sum()
+        count = loss_mask.sum().reshape(1)
+        shm_comm.all_reduce(count, self.cp_group)
+        return (losses * loss_mask).sum() * tp_world_size(self.cp_group) / count[0]
 
 
 def _contiguous_runs(indices):

@@ -9,6 +9,9 @@ all-gather it, the row-parallel layers reduce-scatter back to it). Dropout on a
 TP-split activation draws per-rank masks inside the RNG tracker's fork.
 GPT-2 is the default; the config's architecture switches give the Llama family
 (RMSNorm, RoPE, SwiGLU, grouped-query attention, no linear biases, untied head).
+Given a context-parallel group (`cp_group`), s is this CP rank's two chunks of the sequence
+(context_parallel/chunks.py): positions (learned or RoPE) are the chunks' own, and attention runs
+over the whole sequence through context_parallel/ (`config.cp_comm_type`).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..context_parallel import context_parallel_attention, cp_positions
 from ..ops import rotary_tables
 from ..tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                all_gather_last_dim_from_tensor_parallel_region,
@@ -34,6 +38,14 @@ from .recompute import checkpoint
 
 def sequence_parallel_active(config: GPTConfig, tp_group) -> bool:
     return config.sequence_parallel and tp_world_size(tp_group) > 1
+
+
+def local_positions(local_seq: int, cp_group, device) -> torch.Tensor:
+    """Positions of this rank's tokens: 0..s-1, or with context parallelism its two chunks' positions."""
+    if cp_group is None:
+        return torch.arange(local_seq, device=device)
+    cp = tp_world_size(cp_group)
+    return cp_positions(local_seq * cp, cp, tp_rank_in(cp_group), device)
 
 
 def dropout(x, p: float, training: bool, per_tp_rank: bool):
@@ -92,9 +104,9 @@ class Embedding(nn.Module):
     """Word (vocab-parallel) embedding, plus learned positions if the config has them, then hidden dropout;
     when tied, also the output head."""
 
-    def __init__(self, config: GPTConfig, tp_group=None):
+    def __init__(self, config: GPTConfig, tp_group=None, cp_group=None):
         super().__init__()
-        self.config, self.tp_group = config, tp_group
+        self.config, self.tp_group, self.cp_group = config, tp_group, cp_group
         self.sequence_parallel = sequence_parallel_active(config, tp_group)
         padded = config.padded_vocab_size(tp_world_size(tp_group))
         self.word_embeddings = VocabParallelEmbedding(padded, config.hidden_size, tp_group, config.params_dtype)
@@ -106,7 +118,7 @@ class Embedding(nn.Module):
     def forward(self, tokens):
         x = self.word_embeddings(tokens)
         if self.config.has_position_embeddings:
-            positions = torch.arange(tokens.shape[1], device=tokens.device)
+            positions = local_positions(tokens.shape[1], self.cp_group, tokens.device)
             x = x + self.position_embeddings(positions).unsqueeze(0)
         if self.sequence_parallel:
             # the scatter returns a view, which would keep the whole [b, s, h] alive as long as the shard
@@ -145,10 +157,16 @@ class RotaryEmbedding:
         self.dim, self.base = config.rotary_dim, config.rotary_base
         self._tables = {}
 
-    def __call__(self, seq_len: int, device):
+    def __call__(self, seq_len: int, device, cp_group=None):
+        """cos, sin [seq_len, rotary_dim]; with `cp_group`, seq_len is this rank's and the rows are its positions."""
         key = (seq_len, str(device))
         if key not in self._tables:
-            self._tables[key] = rotary_tables(seq_len, self.dim, self.base, device)
+            if cp_group is None:
+                self._tables[key] = rotary_tables(seq_len, self.dim, self.base, device)
+            else:
+                cos, sin = rotary_tables(seq_len * tp_world_size(cp_group), self.dim, self.base, device)
+                rows = local_positions(seq_len, cp_group, device)
+                self._tables[key] = cos[rows].contiguous(), sin[rows].contiguous()
         return self._tables[key]
 
 
@@ -197,10 +215,10 @@ class ParallelAttention(nn.Module):
     """Causal self-attention; each TP rank owns num_heads / tp whole query heads (see QKVSplit).
     The core (softmax(q k^T) v) is one of the backends of attention_core.py."""
 
-    def __init__(self, config: GPTConfig, tp_group=None):
+    def __init__(self, config: GPTConfig, tp_group=None, cp_group=None):
         super().__init__()
         h = config.hidden_size
-        self.head_dim = config.head_dim
+        self.head_dim, self.cp_group, self.cp_comm_type = config.head_dim, cp_group, config.cp_comm_type
         self.split_qkv = QKVSplit(config, tp_group)
         self.local_heads = self.split_qkv.local_heads
         self.rotary = RotaryEmbedding(config) if config.position_embedding_type == "rope" else None
@@ -214,12 +232,16 @@ class ParallelAttention(nn.Module):
 
     def forward(self, x):
         q, k, v = self.split_qkv(self.query_key_value(x))  # [b, heads or groups, s, hd]
-        b, _, s, _ = q.shape  # the whole sequence, also when x is a sequence-parallel chunk
+        b, _, s, _ = q.shape  # the whole sequence (CP: this rank's chunks), also when x is a sequence-parallel chunk
         if self.rotary is not None:
-            cos, sin = self.rotary(s, x.device)
+            cos, sin = self.rotary(s, x.device, self.cp_group)
             q, k = functional.apply_rotary_pos_emb(q, cos, sin), functional.apply_rotary_pos_emb(k, cos, sin)
-        k, v = expand_kv_heads(k, self.local_heads), expand_kv_heads(v, self.local_heads)
         core = partial(attention_core, backend=self.backend, dropout_p=self.dropout_p, training=self.training)
+        if self.cp_group is not None:  # only the KV heads travel; expanded where they are used
+            core = partial(context_parallel_attention, cp_group=self.cp_group, comm_type=self.cp_comm_type,
+                           core=core)
+        else:
+            k, v = expand_kv_heads(k, self.local_heads), expand_kv_heads(v, self.local_heads)
         context = checkpoint(core, q, k, v) if self.recompute_core else core(q, k, v)
         return self.dense(context.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
 
@@ -258,12 +280,12 @@ class ParallelTransformerLayer(nn.Module):
     Hidden dropout is replicated over TP, or with sequence parallelism drawn per rank on its chunk.
     """
 
-    def __init__(self, config: GPTConfig, tp_group=None):
+    def __init__(self, config: GPTConfig, tp_group=None, cp_group=None):
         super().__init__()
         self.hidden_dropout = config.hidden_dropout
         self.sequence_parallel = sequence_parallel_active(config, tp_group)
         self.input_layernorm = build_norm(config, tp_group)
-        self.self_attention = ParallelAttention(config, tp_group)
+        self.self_attention = ParallelAttention(config, tp_group, cp_group)
         self.post_attention_layernorm = build_norm(config, tp_group)
         self.mlp = ParallelMLP(config, tp_group)
 

@@ -48,7 +48,8 @@ def build_gpt_stage(config, state: ParallelState, partition_method: str = "unifo
                                      explicit=explicit_partition, **_param_weights(config))[state.pp_rank]]
     tp_group = state.tp_group if state.tp_size > 1 else None
     with device:  # the default device for the modules' own tensors
-        model = GPTModel(config, tp_group, layer_indices=[i for start, end in chunks for i in range(start, end)])
+        model = GPTModel(config, tp_group, layer_indices=[i for start, end in chunks for i in range(start, end)],
+                         cp_group=state.cp_group)
     if state.pp_size > 1 and hasattr(model, "tied_modules"):
         for param in model.tied_modules.parameters():
             param.zero_defer_reduce = True  # ZeRO reduces it after sync_tied_embedding_grads
@@ -128,7 +129,8 @@ def stage_p2p(state: ParallelState, shape, dtype, device: torch.device = HOST, v
     return P2P(ring[r - 1], ring[(r + 1) % len(ring)], shape, dtype, device, state.pp_group)
 
 
-def activation_shape(micro_batch_size: int, config, tp: int = 1) -> tuple:
-    """What one stage sends the next: [b, s, h], or [b, s / tp, h] with sequence parallelism."""
-    seq = config.seq_length // tp if config.sequence_parallel else config.seq_length
-    return (micro_batch_size, seq, config.hidden_size)
+def activation_shape(micro_batch_size: int, config, tp: int = 1, cp: int = 1) -> tuple:
+    """What one stage sends the next: [b, s / cp, h] (this CP rank's chunks), or [b, s / (cp tp), h] with
+    sequence parallelism."""
+    seq = config.seq_length // cp
+    return (micro_batch_size, seq // tp if config.sequence_parallel else seq, config.hidden_size)

@@ -87,9 +87,14 @@ def get_rng_tracker() -> RNGStatesTracker:
     return _TRACKER
 
 
-def model_parallel_seed(seed: int, tp_rank: int = 0, pp_rank: int = 0) -> None:
-    """Seed python, torch's default generator and the tracker the way Megatron does."""
-    base = seed + 100 * pp_rank
+CP_SEED_STRIDE = 7919  # a prime above 100 x any pipeline size: CP streams never meet another stage's
+
+
+def model_parallel_seed(seed: int, tp_rank: int = 0, pp_rank: int = 0, cp_rank: int = 0) -> None:
+    """Seed python, torch's default generator and the tracker the way Megatron does; context-parallel ranks
+    hold different tokens, so each CP rank draws its dropout masks from its own streams (offset by
+    CP_SEED_STRIDE x cp_rank; CP rank 0 draws what a run without CP draws)."""
+    base = seed + 100 * pp_rank + CP_SEED_STRIDE * cp_rank
     random.seed(base)
     try:
         import numpy as np

@@ -1,0 +1,33 @@
+"""The attention core of a context-parallel rank: `--cp-comm-type` picks how K/V reach the queries (p2p: a ring;
+all_gather: every rank gathers them; a2a: heads scattered, sequences gathered, Ulysses)."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .all_gather_attention import all_gather_attention
+from .ring_attention import ring_attention
+from .ulysses_attention import ulysses_attention
+
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+
+
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group, comm_type: str,
+                               core: Optional[Callable] = None):
+    """Causal attention of this CP rank's queries over the whole sequence: q [b, heads, s / cp, d], k and v
+    [b, groups, s / cp, d] (the KV heads, not expanded) -> context [b, heads, s / cp, d]. `core(q, k, v)`:
+    the whole-sequence attention a2a runs (model/attention_core.py's, with its backend and dropout); p2p
+    and all_gather compute their blocks themselves and take no dropout."""
+    if comm_type == "a2a":
+        if core is None:
+            raise ValueError("--cp-comm-type a2a needs the whole-sequence attention core")
+        return ulysses_attention(q, k, v, cp_group, core)
+    cp, cp_rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
+    seq_length = q.shape[2] * cp
+    if comm_type == "p2p":
+        return ring_attention(q, k, v, seq_length, cp_group, dist.get_process_group_ranks(cp_group), cp_rank)
+    if comm_type == "all_gather":
+        return all_gather_attention(q, k, v, seq_length, cp_group, cp, cp_rank)
+    raise ValueError(f"--cp-comm-type must be one of {', '.join(CP_COMM_TYPES)}, got {comm_type!r}")

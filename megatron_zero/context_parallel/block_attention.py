@@ -1,0 +1,77 @@
+"""Attention of some queries against one block of keys, by token positions, with its log-sum-exp: the
+pieces ring and all-gather context parallelism assemble (fp32 accumulation whatever the input dtype).
+
+A query at position i sees a key at position j iff j <= i (causal). A block's partial result is
+(out_b, lse_b), out_b = softmax over the block's keys @ v, lse_b = log sum exp of the block's scores;
+partial results over disjoint key blocks merge exactly (online softmax, `merge`). A query that sees no
+key of a block has lse_b = -inf and out_b = 0, which `merge` ignores. The backward of a block needs the
+final lse and delta = rowsum(dout * out) only (FlashAttention's recomputation), so nothing s x s is kept
+between forward and backward; both run by QUERY_ROWS queries at a time, so the transient scores are
+[b, h, QUERY_ROWS, keys of the block], not the block's whole square.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+QUERY_ROWS = 128  # queries per piece of a block: bounds the scores held at once
+
+
+def _scores(q, k, q_pos, k_pos, scale):
+    s = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
+    return s.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+
+
+def block_forward(q, k, v, q_pos, k_pos, scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """q [b, h, sq, d], k and v [b, h, sk, d] (heads expanded), positions [sq] and [sk]
+    -> out [b, h, sq, d] (fp32), lse [b, h, sq] (fp32; -inf where a query sees none of these keys).
+    By QUERY_ROWS queries at a time, so the scores held at once are [b, h, QUERY_ROWS, sk]."""
+    outs, lses = [], []
+    for rows in _row_blocks(q.shape[2]):
+        s = _scores(q[:, :, rows], k, q_pos[rows], k_pos, scale)
+        lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1))
+        outs.append(torch.matmul(p, v.float()))
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+def merge(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor):
+    """Combine two partial results over disjoint key sets (in place into out, lse; lse must be finite)."""
+    new = torch.logaddexp(lse, lse_b)
+    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(out_b * torch.exp(lse_b - new).unsqueeze(-1))
+    lse.copy_(new)
+
+
+def block_backward(q, k, v, q_pos, k_pos, scale: float, lse, dout, delta):
+    """Gradients of one block given the final lse [b, h, sq] and delta = rowsum(dout * out) [b, h, sq]:
+    -> dq [b, h, sq, d], dk and dv [b, h, sk, d] (fp32). By QUERY_ROWS queries at a time."""
+    kf, vf = k.float(), v.float()
+    dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    for rows in _row_blocks(q.shape[2]):
+        qr, do = q[:, :, rows].float(), dout[:, :, rows].float()
+        p = torch.exp(_scores(qr, k, q_pos[rows], k_pos, scale) - lse[:, :, rows].unsqueeze(-1))
+        dv += torch.matmul(p.transpose(-2, -1), do)
+        ds = p * (torch.matmul(do, vf.transpose(-2, -1)) - delta[:, :, rows].unsqueeze(-1))
+        dq[:, :, rows] = torch.matmul(ds, kf) * scale
+        dk += torch.matmul(ds.transpose(-2, -1), qr) * scale
+    return dq, dk, dv
+
+
+def _row_blocks(n: int):
+    return [slice(a, min(a + QUERY_ROWS, n)) for a in range(0, n, QUERY_ROWS)]
+
+
+def expand_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """[b, groups, s, d] -> [b, heads, s, d]: each KV group serves heads / groups query heads in a row."""
+    groups = t.shape[1]
+    return t if groups == heads else t.repeat_interleave(heads // groups, dim=1)
+
+
+def sum_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of `expand_heads`: [b, heads, s, d] -> [b, groups, s, d]."""
+    b, heads, s, d = t.shape
+    return t if groups == heads else t.view(b, groups, heads // groups, s, d).sum(dim=2)

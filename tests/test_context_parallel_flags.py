@@ -1,0 +1,55 @@
+"""--context-parallel-size and --cp-comm-type: the derived sizes, and each layout or composition context
+parallelism does not have refused in one sentence naming the flag."""
+import pytest
+
+from megatron_zero.arguments import parse_args
+from megatron_zero.testing.flag_checks import BASE, refused, with_flags
+from megatron_zero.topology import Layout
+
+
+def test_cp_divides_the_world_and_dp_counts_data_replicas():
+    args = parse_args(with_flags(BASE, context_parallel_size=2, tensor_model_parallel_size=2, attention_dropout=0,
+                                 cp_comm_type="all_gather"), world_size=8)
+    assert (args.data_parallel_size, args.num_micro_batches, args.cp_comm_type) == (2, 4, "all_gather")
+    assert parse_args(BASE, world_size=1).cp_comm_type == "p2p"
+    composed = parse_args(with_flags(BASE, context_parallel_size=2, pipeline_model_parallel_size=2,
+                                     num_layers_per_virtual_pipeline_stage=1, recompute_granularity="selective",
+                                     bf16=True, attention_dropout=0, global_batch_size=4), world_size=4)
+    assert (composed.virtual_pipeline_model_parallel_size, composed.params_dtype) == (2, "bf16")
+    ulysses = parse_args(with_flags(BASE, context_parallel_size=2, cp_comm_type="a2a", attention_backend="flash",
+                                    attention_dropout=0), world_size=2)
+    assert (ulysses.cp_comm_type, ulysses.attention_backend) == ("a2a", "flash")
+
+
+def test_layout_order_is_tp_cp_dp_pp():
+    layout = Layout.from_world(16, tp=2, pp=2, cp=2)
+    assert (layout.dp, layout.dp_cp, str(layout)) == (2, 4, "TP=2 x PP=2 x DP=2 x CP=2")
+    for rank in range(16):
+        pp, d, tp = layout.coords(rank)
+        cp, dp = layout.cp_rank(rank), layout.data_parallel_rank(rank)
+        assert rank == pp * 8 + dp * 4 + cp * 2 + tp  # Megatron-Core's tp-cp-dp-pp
+        assert [layout.cp_rank(r) for r in layout.cp_group(rank)] == [0, 1]
+        assert {layout.data_parallel_rank(r) for r in layout.cp_group(rank)} == {dp}
+        assert sorted(layout.dp_group(rank)) == sorted(r for r in range(16) if layout.coords(r)[::2] == (pp, tp))
+    assert Layout.from_world(4, tp=2) == Layout(tp=2, dp=2)  # CP 1: the layout it always was
+
+
+@pytest.mark.parametrize("changes,world,words", [
+    (dict(context_parallel_size=3), 4, ["world size 4", "--context-parallel-size 3"]),
+    (dict(context_parallel_size=4, seq_length=36, max_position_embeddings=36), 4,
+     ["--seq-length 36", "2 x --context-parallel-size 4"]),
+    (dict(context_parallel_size=2, tensor_model_parallel_size=4, sequence_parallel=True, seq_length=20,
+          max_position_embeddings=20, global_batch_size=2), 8,
+     ["--sequence-parallel", "10 tokens", "--tensor-model-parallel-size 4"]),
+    (dict(cp_comm_type="a2a+p2p"), 1, ["--cp-comm-type a2a+p2p", "p2p", "all_gather"]),
+    (dict(context_parallel_size=4, tensor_model_parallel_size=2, cp_comm_type="a2a"), 8,
+     ["--cp-comm-type a2a", "2 attention heads", "--context-parallel-size 4"]),
+    (dict(context_parallel_size=2, attention_dropout=0.1), 2, ["--context-parallel-size 2", "--attention-dropout"]),
+    (dict(context_parallel_size=2, attention_backend="flash"), 2, ["--attention-backend flash"]),
+    (dict(context_parallel_size=2, zero_hpz_partition_size=2), 4, ["--zero-hpz-partition-size"]),
+])
+def test_refusals_are_one_sentence(changes, world, words, capsys):
+    changes = {"attention_dropout": 0, **changes}
+    err = refused(with_flags(BASE, **changes), world, capsys)
+    for word in words:
+        assert word in err, (word, err)
