@@ -22,7 +22,9 @@ from typing import Optional
 from .storage.commit import committed_tags, read_latest
 from .errors import CheckpointError
 from .format import LATEST, LATEST_UNIVERSAL, MODEL_FILE, ZERO3_MODEL_FILE
+from .compat import read_head
 from .load import load_checkpoint
+from .megatron_deepspeed import is_module_layout
 from .report import loaded_line
 from .save import saved_layout
 from .storage.manifest import MANIFEST
@@ -106,7 +108,8 @@ def resume_checkpoint(path: str, state, model, optimizer, load_optimizer: bool =
     saved = meta.get("layout")
     here = saved_layout(state, model)  # an interleaved pipeline holds other layers: reshaped
     same_stage_family = (meta.get("zero_stage", optimizer.stage) == 3) == (optimizer.stage == 3)
-    if saved is not None and (saved != here or not same_stage_family):
+    if (saved is not None and (saved != here or not same_stage_family)) or (
+            saved is None and megatron_deepspeed_layout(point.directory, verify)):
         client = load_reshaped_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify)
         log(loaded_line(point.directory, "plain", client, this_layout))
         return client
@@ -114,6 +117,19 @@ def resume_checkpoint(path: str, state, model, optimizer, load_optimizer: bool =
     client = load_checkpoint(root, state, model, optimizer, load_optimizer=load_optimizer, tag=tag, verify=verify)
     log(loaded_line(point.directory, "plain", client))
     return client
+
+
+def megatron_deepspeed_layout(directory: str, verify: bool = True) -> bool:
+    """Is this a layout only Megatron-DeepSpeed writes (weights nested under `module` -> `language_model`, or
+    no ZeRO optimizer files)? Such a checkpoint is read by name, through the reshaping loader, at any layout."""
+    try:
+        head = read_head(directory, verify)
+    except CheckpointError:
+        return False
+    shapes = head.get("param_shapes")
+    if shapes is None:
+        return isinstance(head.get("optimizer"), dict)
+    return is_module_layout(n for g in shapes for n in g)
 
 
 def refuse_fresh_start_over(save_dir: str) -> None:

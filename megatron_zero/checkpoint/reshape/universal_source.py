@@ -25,6 +25,7 @@ from ..errors import CheckpointError
 from ..format import (LAYER_FILE, MODEL_FILE, SUB_PARAMS_PATTERNS, UNIVERSAL_CHECKPOINT_INFO, ZERO3_MODEL_FILE, ZERO_FILE,
                      header_tp_pp)
 from ..storage.reader import open_directory
+from ..megatron_deepspeed import ours_names
 from .universal_info import MergeRule, merge_rule
 
 
@@ -59,21 +60,30 @@ class SourceCheckpoint:
             m = ZERO_FILE.match(f)
             if m:
                 self.zero_files[(int(m.group(2)), int(m.group(1)))] = f  # (mp, dp) -> name
+        self.model_files = {int(m.group(1)): f for f in files for m in [MODEL_FILE.match(f)] if m}
+        self.layer_files = [f for f in files if LAYER_FILE.match(f)]
+        self.saved_names: Dict[int, Dict[str, str]] = {}  # mp -> our name -> the name in its files
+        self.dense = None  # dense_source.DenseStates: a checkpoint without ZeRO (stage 0 in DeepSpeed's engine)
         if not self.zero_files:
-            raise CheckpointError(f"{directory} holds no ZeRO optimizer files (zero_pp_rank_*_mp_rank_*_optim_states.pt)"
-                                  "; it is not a ZeRO checkpoint")
-        mps = sorted({mp for mp, _ in self.zero_files})
-        dps = sorted({dp for _, dp in self.zero_files})
-        if mps != list(range(len(mps))) or dps != list(range(len(dps))) or len(self.zero_files) != len(mps) * len(dps):
+            from .dense_source import DenseStates
+            self.dense = DenseStates.find(self)
+            if self.dense is None:
+                raise CheckpointError(f"{directory} holds no ZeRO optimizer files (zero_pp_rank_*_mp_rank_*_optim_states"
+                                      ".pt) and no optimizer state in its model-states files; it is not a checkpoint "
+                                      "with an optimizer state")
+            mps, dps = sorted(self.model_files), [0]
+        else:
+            mps = sorted({mp for mp, _ in self.zero_files})
+            dps = sorted({dp for _, dp in self.zero_files})
+        if mps != list(range(len(mps))) or dps != list(range(len(dps))) or (
+                self.zero_files and len(self.zero_files) != len(mps) * len(dps)):
             raise CheckpointError(f"the ZeRO files in {directory} do not form a complete grid of model-parallel "
                                   f"ranks {mps} x data-parallel ranks {dps}; some are missing")
-        self.model_files = {int(m.group(1)): f for f in files for m in [MODEL_FILE.match(f)] if m}
         zero3_models = {}
         for f in files:
             m = ZERO3_MODEL_FILE.match(f)
             if m and int(m.group(1)) == 0:
                 zero3_models[int(m.group(2))] = f
-        self.layer_files = [f for f in files if LAYER_FILE.match(f)]
         shape_files = {mp: self.model_files.get(mp) or zero3_models.get(mp) for mp in mps}
         missing = [mp for mp, f in shape_files.items() if f is None]
         if missing:
@@ -83,13 +93,20 @@ class SourceCheckpoint:
         head = None
         for mp in mps:
             sd = self.files.load(shape_files[mp])
-            self.param_shapes[mp] = [OrderedDict((n, torch.Size(s)) for n, s in g.items()) for g in sd["param_shapes"]]
             if head is None:
                 head = {k: v for k, v in sd.items() if k not in ("module", "optimizer", "param_shapes")}
+            if self.dense is None:
+                groups = [OrderedDict((n, torch.Size(s)) for n, s in g.items()) for g in sd["param_shapes"]]
+                renamed = ours_names(head, [n for g in groups for n in g])
+                back = {saved: ours for ours, saved in renamed.items()}
+                self.saved_names[mp] = dict(renamed)
+                self.param_shapes[mp] = [OrderedDict((back[n], s) for n, s in g.items()) for g in groups]
             del sd
         self.head = head
         self.info = _with_swiglu_patterns(head.get(UNIVERSAL_CHECKPOINT_INFO) or {}, head.get("args"))
         self.layout = Layout(*self._tp_pp(head, len(mps)), dp=len(dps))
+        if self.dense is not None:
+            self.dense.read_layout(self, mps)
         self.zero_stage = self._zero_stage()
         self.params: List[Tuple[str, int]] = []
         seen = set()
@@ -99,6 +116,10 @@ class SourceCheckpoint:
                     if name not in seen:
                         seen.add(name)
                         self.params.append((name, pp))
+
+    def saved_name(self, mp: int, name: str) -> str:
+        """The name our parameter `name` has in model-parallel rank mp's files."""
+        return self.saved_names.get(mp, {}).get(name, name)
 
     def _tp_pp(self, head: dict, mp_size: int) -> Tuple[int, int]:
         tp, pp = header_tp_pp(head)
@@ -112,6 +133,8 @@ class SourceCheckpoint:
         return tp, pp
 
     def _zero_stage(self) -> int:
+        if self.dense is not None:
+            return 0
         sd = self.files.load(self.zero_files[(0, 0)])
         return int(sd["optimizer_state_dict"].get("zero_stage", 1))
 
@@ -126,6 +149,9 @@ class SourceCheckpoint:
         return merge_rule(name, self.info)
 
     def stage(self, pp: int, threads: int = 1) -> "StageReader":
+        if self.dense is not None:
+            from .dense_source import DenseStageReader
+            return DenseStageReader(self, pp)
         return StageReader(self, pp, threads)
 
 
@@ -181,7 +207,7 @@ class StageReader:
             off, per = self._z3[key][name]
             numel = _numel(self.local_shape(name, tp))
             return off, max(0, min(per, numel - d * per))
-        frag = self.opt[(tp, d)]["param_slice_mappings"][g].get(name)
+        frag = self.opt[(tp, d)]["param_slice_mappings"][g].get(self.src.saved_name(self.mps[tp], name))
         return (0, 0) if frag is None else (int(frag.start), int(frag.numel))
 
     def tp_slice(self, name: str, key: str, tp: int) -> torch.Tensor:
