@@ -200,7 +200,8 @@ class Trainer:
         self.log.flush(self.progress)  # the saved nan count includes every iteration run
         start = time.monotonic()
         tag = ckpt.save_checkpoint(a.save, self.progress.iteration, self.state, self.model, self.optimizer,
-                                   self.client_state(), async_save=a.async_save, keep_last_k=a.keep_last_k)
+                                   self.client_state(), async_save=a.async_save, keep_last_k=a.keep_last_k,
+                                   megatron_deepspeed=a.save_megatron_deepspeed_layout)
         seconds, directory = time.monotonic() - start, os.path.join(a.save, tag)
         if self.is_writer:  # a synchronous save is committed on return: its manifest lists every file
             self._log(async_started_line(directory, seconds) if a.async_save else

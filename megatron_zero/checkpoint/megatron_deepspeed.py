@@ -22,6 +22,8 @@ import re
 from collections import OrderedDict
 from typing import Dict, Optional
 
+import torch
+
 from ..model.layer_indices import block_layer_index, block_number, final_norm_index, is_block_index, lm_head_index
 from ..model.params import (LM_HEAD_SUFFIX, POSITION_EMBEDDINGS, UNTIED_POSITION_EMBEDDINGS, UNTIED_WORD_EMBEDDINGS,
                             WORD_EMBEDDINGS)
@@ -104,9 +106,50 @@ def nest_module(flat: Dict[str, object]) -> dict:
     return OrderedDict(language_model=lm)
 
 
+QKV_SUFFIXES = ("self_attention.query_key_value.weight", "self_attention.query_key_value.bias")
+
+
+def writes_qkv_blocks(head: dict) -> bool:
+    """Was this checkpoint written for Megatron-DeepSpeed's attention, whose fused QKV holds, on each TP rank,
+    [Q of its heads; K of its groups; V of its groups] (ours: per query group [q heads, k, v])? Megatron-DeepSpeed
+    records Megatron's `args.model_type`; ours records it only when it writes for Megatron-DeepSpeed."""
+    return header_args(head).get("model_type") is not None
+
+
+def qkv_heads(head: dict, tp: int):
+    """(attention heads, query groups) per TP rank of the model a header's args describe."""
+    args = header_args(head)
+    heads = int(args["num_attention_heads"])
+    groups = int(args.get("num_key_value_heads") or args.get("num_query_groups") or heads)
+    if heads % tp or groups % tp:
+        raise CheckpointError(f"a Megatron-DeepSpeed checkpoint with {heads} heads and {groups} key-value heads "
+                              f"cannot be split over TP={tp}")
+    return heads // tp, groups // tp
+
+
+def qkv_to_ours(t, heads: int, groups: int):
+    """One TP rank's fused QKV rows [Q; K; V] (Megatron-DeepSpeed) as ours: per group [q heads, k, v]."""
+    rest = tuple(t.shape[1:])
+    hn = t.shape[0] // (heads + 2 * groups)
+    q, k, v = t.split([heads * hn, groups * hn, groups * hn])
+    return torch.cat([q.reshape(groups, heads // groups, hn, *rest), k.reshape(groups, 1, hn, *rest),
+                      v.reshape(groups, 1, hn, *rest)], dim=1).reshape(t.shape)
+
+
+def qkv_from_ours(t, heads: int, groups: int):
+    """The inverse of qkv_to_ours: our per-group QKV rows as Megatron-DeepSpeed's [Q; K; V]."""
+    rest = tuple(t.shape[1:])
+    per = heads // groups
+    g = t.reshape(groups, per + 2, t.shape[0] // (heads + 2 * groups), *rest)
+    return torch.cat([g[:, :per].reshape(-1, *rest), g[:, per].reshape(-1, *rest),
+                      g[:, per + 1].reshape(-1, *rest)]).reshape(t.shape)
+
+
 def is_megatron_deepspeed_client(client: dict) -> bool:
-    """A client state written by Megatron-DeepSpeed (it has no `train_state`; ours always does)."""
-    return "train_state" not in client and "iteration" in client
+    """A client state in Megatron-DeepSpeed's terms: written by it (no `train_state`; ours always has one) or
+    by ours for it (its scheduler's state, which counts samples: `start_wd` is its key)."""
+    scheduler = client.get("lr_scheduler") or {}
+    return ("train_state" not in client and "iteration" in client) or "start_wd" in scheduler
 
 
 def client_from_megatron_deepspeed(head: dict) -> dict:
@@ -121,9 +164,11 @@ def client_from_megatron_deepspeed(head: dict) -> dict:
     scheduler["num_steps"] = iteration  # MDS counts samples; ours counts iterations
     client = {k: v for k, v in head.items() if k not in ("module", "optimizer", "param_shapes")}
     client["rng_state"] = rng_from_megatron_deepspeed(client.get("rng_state"))
+    train_state = {"iteration": iteration, "consumed_train_samples": int(consumed),
+                   "skipped_iterations": int(head.get("skipped_steps", 0) or 0), "nan_iterations": 0}
+    train_state.update(head.get("train_state") or {})  # ours, saved for Megatron-DeepSpeed, keeps its own
     client.update(iteration=iteration, consumed_train_samples=int(consumed), lr_scheduler=scheduler,
-                  train_state={"iteration": iteration, "consumed_train_samples": int(consumed),
-                               "skipped_iterations": int(head.get("skipped_steps", 0) or 0), "nan_iterations": 0})
+                  train_state=train_state)
     return client
 
 

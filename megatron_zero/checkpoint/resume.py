@@ -108,8 +108,8 @@ def resume_checkpoint(path: str, state, model, optimizer, load_optimizer: bool =
     saved = meta.get("layout")
     here = saved_layout(state, model)  # an interleaved pipeline holds other layers: reshaped
     same_stage_family = (meta.get("zero_stage", optimizer.stage) == 3) == (optimizer.stage == 3)
-    if (saved is not None and (saved != here or not same_stage_family)) or (
-            saved is None and megatron_deepspeed_layout(point.directory, verify)):
+    if (saved is not None and (saved != here or not same_stage_family)) or megatron_deepspeed_layout(
+            point.directory, verify):
         client = load_reshaped_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify)
         log(loaded_line(point.directory, "plain", client, this_layout))
         return client

@@ -112,7 +112,7 @@ class DenseStageReader(StageReader):
         self.mismatched: List[str] = []
         self.opt, self._z3 = {}, {}
 
-    def tp_slice(self, name: str, key: str, tp: int) -> torch.Tensor:
+    def saved_slice(self, name: str, key: str, tp: int) -> torch.Tensor:
         mp, dense = self.mps[tp], self.src.dense
         if key == "fp32":
             return dense.weights[mp][name].float()

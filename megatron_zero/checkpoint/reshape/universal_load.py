@@ -157,7 +157,7 @@ def load_from(files, state, model, optimizer, load_optimizer: bool = True) -> di
         if load_optimizer:
             set_state_from_params(optimizer, local, step)
             scaler = files.optimizer_state().get("loss_scaler")
-            if isinstance(scaler, dict):
+            if scaler is not None:  # our dict, or DeepSpeed's LossScaler object (a stand-in)
                 optimizer.loss_scaler.load_state_dict(scaler)
         else:  # weights only: masters from fp32, moments and step zero
             def weights(n):

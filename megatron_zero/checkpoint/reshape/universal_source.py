@@ -25,7 +25,7 @@ from ..errors import CheckpointError
 from ..format import (LAYER_FILE, MODEL_FILE, SUB_PARAMS_PATTERNS, UNIVERSAL_CHECKPOINT_INFO, ZERO3_MODEL_FILE, ZERO_FILE,
                      header_tp_pp)
 from ..storage.reader import open_directory
-from ..megatron_deepspeed import ours_names
+from ..megatron_deepspeed import QKV_SUFFIXES, ours_names, qkv_heads, qkv_to_ours, writes_qkv_blocks
 from .universal_info import MergeRule, merge_rule
 
 
@@ -105,6 +105,7 @@ class SourceCheckpoint:
         self.head = head
         self.info = _with_swiglu_patterns(head.get(UNIVERSAL_CHECKPOINT_INFO) or {}, head.get("args"))
         self.layout = Layout(*self._tp_pp(head, len(mps)), dp=len(dps))
+        self.qkv_blocks = writes_qkv_blocks(head)  # Megatron-DeepSpeed's [Q; K; V] per TP rank
         if self.dense is not None:
             self.dense.read_layout(self, mps)
         self.zero_stage = self._zero_stage()
@@ -211,7 +212,14 @@ class StageReader:
         return (0, 0) if frag is None else (int(frag.start), int(frag.numel))
 
     def tp_slice(self, name: str, key: str, tp: int) -> torch.Tensor:
-        """TP rank tp's piece of `name` (its local shape), gathered from every DP rank's fragment."""
+        """TP rank tp's piece of `name` (its local shape), in our layout."""
+        local = self.saved_slice(name, key, tp)
+        if self.src.qkv_blocks and name.endswith(QKV_SUFFIXES):
+            return qkv_to_ours(local.float(), *qkv_heads(self.src.head, self.src.layout.tp))
+        return local
+
+    def saved_slice(self, name: str, key: str, tp: int) -> torch.Tensor:
+        """TP rank tp's piece of `name` as saved, gathered from every DP rank's fragment."""
         g = self.group_of[tp][name]
         shape = self.local_shape(name, tp)
         pieces = []
