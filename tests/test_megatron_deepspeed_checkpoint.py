@@ -76,3 +76,54 @@ def test_megatron_deepspeed_checkpoint_converts_to_universal(tmp_path):
     name = "3.self_attention.query_key_value.weight"
     record = safe_load(os.path.join(out, "zero", name, "fp32.pt"))
     assert torch.equal(record["param"], full[name][0]) and record["cat_dim"] == 0
+
+
+def _load(path):
+    return safe_load(path)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("tp,pp,stage", [(1, 1, 1), (2, 1, 0), (1, 2, 0)], ids=["dp2-zero1", "tp2", "pp2"])
+def test_writes_megatron_deepspeed_layouts(tmp_path, tp, pp, stage):
+    from megatron_zero.testing.mds_layout import save_both_layouts
+    from megatron_zero.testing.multirank import run_ranks
+
+    ours, mds = str(tmp_path / "ours"), str(tmp_path / "mds")
+    run_ranks(save_both_layouts, 2, tp, pp, stage, ours, mds)
+    tag = os.path.join(mds, "global_step2")
+    files = sorted(os.listdir(tag))
+    head = _load(os.path.join(tag, "mp_rank_00_model_states.pt"))
+    # what Megatron-DeepSpeed's loader reads
+    assert ("layer_02-model_00-model_states.pt" in files) == (pp > 1)
+    if pp == 1:
+        assert sorted(head["module"]["language_model"]) == ["embedding", "encoder"]
+        assert "layers.0.self_attention.query_key_value.weight" in head["module"]["language_model"]["encoder"]
+    else:
+        assert head["module"] is None
+    assert isinstance(head["args"], argparse.Namespace) and head["args"].num_key_value_heads == 4
+    assert head["args"].consumed_train_samples == 16 and head["tokens"] == 16 * 8
+    sched = head["lr_scheduler"]
+    assert (sched["num_steps"], sched["lr_warmup_steps"], sched["lr_decay_steps"], sched["wd_incr_steps"]) == (
+        16, 8, 80, 80)
+    assert {"lr_warmup_tokens", "num_tokens", "lr_decay_tokens", "start_wd", "end_wd", "wd_incr_style"} <= set(sched)
+    rng = head["rng_state"][0]
+    assert "cuda_rng_state" in rng and torch.is_tensor(rng["rng_tracker_states"]["model-parallel-rng"])
+    if stage == 0:
+        assert head["param_shapes"] is None and not any("optim_states" in f for f in files)
+        assert {"wd_mult", "lr_mult"} <= set(head["optimizer"]["param_groups"][1])
+    else:
+        path = os.path.join(tag, "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+        with zipfile.ZipFile(path) as z:
+            pickled = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+        assert b"deepspeed.utils.tensor_fragment\nfragment_address" in pickled
+        assert b"deepspeed.runtime.fp16.loss_scaler\nLossScaler" in pickled
+        osd = _load(path)["optimizer_state_dict"]
+        assert "language_model.embedding.word_embeddings.weight" in osd["param_slice_mappings"][0]
+        assert osd["base_optimizer_state"]["param_groups"][1]["wd_mult"] == 0.0
+    # and it holds exactly the state our own layout holds
+    a, b = SourceCheckpoint(os.path.join(ours, "global_step2")), SourceCheckpoint(tag)
+    assert a.params == b.params
+    for name, s in a.params:
+        with a.stage(s) as ra, b.stage(s) as rb:
+            for key in ("fp32", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(ra.assemble(name, key)[0], rb.assemble(name, key)[0]), (name, key)

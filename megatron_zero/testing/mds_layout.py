@@ -148,3 +148,51 @@ def write_mds_checkpoint(directory: str, config, full: dict, kind: str) -> str:
             if layer:
                 save_file(layer, os.path.join(tag, f"layer_{index:02d}-model_00-model_states.pt"), fsync=False)
     return tag
+
+
+def save_both_layouts(tp: int, pp: int, stage: int, ours_dir: str, mds_dir: str) -> None:
+    """(On gloo ranks) train a tiny GPT two steps at TP x PP (DP the rest) and ZeRO `stage`, then save the same
+    state twice: in our layout to ours_dir, with megatron_deepspeed=True to mds_dir (both at iteration 2)."""
+    import torch.distributed as dist
+
+    from ..checkpoint import save_checkpoint
+    from ..pipeline.gpt_stage import activation_shape, build_gpt_stage, make_forward_step, sync_tied_embedding_grads
+    from ..pipeline.p2p import P2P
+    from ..pipeline.schedule import forward_backward
+    from ..rng_state import get_rng_state
+    from ..tensor_parallel.random import model_parallel_seed
+    from ..topology import build_parallel_state
+    from ..training import param_groups
+    from ..zero import ZeroOptimizer
+    from .layout_train import global_batch
+    from .tiny_gpt import tiny_gpt_config
+
+    state = build_parallel_state(tp=tp, pp=pp)
+    model_parallel_seed(1234, state.tp_rank, state.pp_rank)
+    cfg = tiny_gpt_config()
+    model = build_gpt_stage(cfg, state)
+    opt = ZeroOptimizer(param_groups(model, 0.0), dp_group=state.dp_group, stage=stage, lr=1e-2, weight_decay=0.0,
+                        mp_group=state.mp_group, tp_rank=state.tp_rank, module=model)
+    p2p = P2P(state.prev_rank, state.next_rank, activation_shape(2, cfg), torch.float32)
+    dp, r = state.dp_size, state.dp_rank
+    m = 8 // (2 * dp)
+    for it in range(2):
+        tokens, labels = global_batch(it)
+        micro = [{"tokens": tokens[j * 2 * dp + r * 2:][:2], "labels": labels[j * 2 * dp + r * 2:][:2]}
+                 for j in range(m)]
+        forward_backward(make_forward_step(model, micro, state), m, p2p, state.pp_rank, pp, backward_loss=opt.backward)
+        opt.impl.finish_backward()
+        sync_tied_embedding_grads(model, state)
+        opt.step(lr=1e-2)
+    args = {"num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "num_attention_heads": 4,
+            "seq_length": cfg.seq_length, "max_position_embeddings": cfg.max_position_embeddings,
+            "global_batch_size": 8, "micro_batch_size": 2, "train_iters": 10, "weight_decay": 0.0,
+            "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}
+    client = {"iteration": 2, "consumed_train_samples": 16, "args": args, "rng_state": get_rng_state(),
+              "train_state": {"iteration": 2, "consumed_train_samples": 16, "skipped_iterations": 0,
+                              "nan_iterations": 0},
+              "lr_scheduler": {"max_lr": 1e-2, "min_lr": 0.0, "lr_warmup_steps": 1, "lr_decay_steps": 10,
+                               "lr_decay_style": "linear", "num_steps": 2}}
+    save_checkpoint(ours_dir, 2, state, model, opt, client)
+    save_checkpoint(mds_dir, 2, state, model, opt, client, megatron_deepspeed=True)
+    dist.barrier()
