@@ -30,6 +30,7 @@ import torch.distributed as dist
 from .errors import CheckpointError
 from .deepspeed_layout import param_shapes
 from .format import MODEL_FILE, ZERO_FILE
+from ..lr_schedule import LRSchedule
 from ..zero.partition import partition_group
 from .megatron_deepspeed import QKV_SUFFIXES, module_name_from_ours, nest_module, qkv_from_ours
 from .storage.safe_pickle import DynamicLossScaler, LossScaler, ModelType, fragment_address
@@ -41,10 +42,13 @@ ADAM_GROUP_KEYS = {"amsgrad": False, "maximize": False, "foreach": None, "captur
 GROUP_NAMES = ("wd_no_scale_lr", "no_wd_no_scale_lr")
 
 
-def megatron_group(group: dict, g: int, params: list) -> dict:
-    """One param group as Megatron-DeepSpeed's optimizer saves it (group 0 decayed, group 1 not)."""
+def megatron_group(group: dict, g: int, params: list, next_lr: float) -> dict:
+    """One param group as Megatron-DeepSpeed's optimizer saves it (group 0 decayed, group 1 not). Its `lr` is
+    the next step's: Megatron-DeepSpeed steps its scheduler after the optimizer, and DeepSpeed's loader restores
+    the groups after the scheduler, so the saved lr is the one its next step uses (ours records the last one)."""
     out = {"name": GROUP_NAMES[min(g, 1)], "wd_mult": 1.0 if g == 0 else 0.0, "lr_mult": 1.0}
-    out.update({k: group[k] for k in ("lr", "betas", "eps", "weight_decay") if k in group})
+    out.update({k: group[k] for k in ("betas", "eps", "weight_decay") if k in group})
+    out["lr"] = float(next_lr)
     out.update(ADAM_GROUP_KEYS)
     out["params"] = params
     return out
@@ -94,9 +98,10 @@ def megatron_args(args: dict, layout, consumed: int) -> argparse.Namespace:
     out = dict(args)
     heads = out.get("num_attention_heads")
     out.setdefault("num_key_value_heads", out.get("num_query_groups") or heads)
-    out.update(model_type=ModelType.encoder_or_decoder, consumed_train_samples=consumed, consumed_valid_samples=0, tensor_model_parallel_size=layout.tp,
-               pipeline_model_parallel_size=layout.pp, add_position_embedding=
-               str(out.get("position_embedding_type", "learned_absolute")) == "learned_absolute")
+    learned = str(out.get("position_embedding_type", "learned_absolute")) == "learned_absolute"
+    out.update(model_type=ModelType.encoder_or_decoder, consumed_train_samples=consumed, consumed_valid_samples=0,
+               tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+               add_position_embedding=learned)
     return argparse.Namespace(**out)
 
 
@@ -116,7 +121,13 @@ def _local_tensors(osd: dict, shapes: List["OrderedDict"]):
     return out
 
 
-def dense_optimizer(osd: dict, shapes: List["OrderedDict"]) -> dict:
+def next_lr(schedule: dict) -> float:
+    """The learning rate of the step after the saved one, from our schedule's state."""
+    return LRSchedule(schedule["max_lr"], schedule["min_lr"], schedule["lr_warmup_steps"], schedule["lr_decay_steps"],
+                      schedule["lr_decay_style"], schedule["num_steps"]).lr()
+
+
+def dense_optimizer(osd: dict, shapes: List["OrderedDict"], lr: float) -> dict:
     """Our stage-0 optimizer state (one whole partition) as the torch Adam state_dict MDS's engine loads."""
     state, groups, index = {}, [], 0
     for g, named in enumerate(_local_tensors(osd, shapes)):
@@ -125,7 +136,7 @@ def dense_optimizer(osd: dict, shapes: List["OrderedDict"]) -> dict:
             state[index] = {"step": step.clone(), "exp_avg": m, "exp_avg_sq": v}
             ids.append(index)
             index += 1
-        groups.append(megatron_group(osd["base_optimizer_state"]["param_groups"][g], g, ids))
+        groups.append(megatron_group(osd["base_optimizer_state"]["param_groups"][g], g, ids, lr))
     return {"state": state, "param_groups": groups}
 
 
@@ -193,6 +204,7 @@ def megatron_deepspeed_plan(plan: List[Tuple[str, object]], state, model, optimi
     args = dict(client["args"]) if isinstance(client["args"], dict) else vars(client["args"])
     consumed = int(client.get("consumed_train_samples", 0) or 0)
     heads, groups = _heads(model.config, layout.tp)
+    lr = next_lr(client["lr_scheduler"])
     shapes = param_shapes(optimizer, dict(model.named_parameters()))
     out, osd = [], None
     for name, obj in plan:
@@ -209,7 +221,7 @@ def megatron_deepspeed_plan(plan: List[Tuple[str, object]], state, model, optimi
                                                       for n, f in g.items()) for g in osd["param_slice_mappings"]]
             base = osd["base_optimizer_state"]
             sd["base_optimizer_state"] = {"state": base["state"], "param_groups": [
-                megatron_group(grp, g, [g]) for g, grp in enumerate(base["param_groups"])]}
+                megatron_group(grp, g, [g], lr) for g, grp in enumerate(base["param_groups"])]}
             out.append((name, {**obj, "optimizer_state_dict": sd}))
         elif name.startswith("layer_") and not pipeline:
             continue  # the non-pipeline model keeps its weights in `module`
@@ -223,7 +235,7 @@ def megatron_deepspeed_plan(plan: List[Tuple[str, object]], state, model, optimi
             continue
         states = dict(obj)
         if stage == 0:
-            states["optimizer"] = dense_optimizer(osd, shapes)
+            states["optimizer"] = dense_optimizer(osd, shapes, lr)
             states["param_shapes"] = None
         else:
             states["param_shapes"] = _rename_groups(shapes, rename)
