@@ -15,6 +15,7 @@ import torch
 
 from megatron_zero.checkpoint.megatron_deepspeed import client_from_megatron_deepspeed, qkv_from_ours, qkv_to_ours
 from megatron_zero.checkpoint.reshape.universal_convert import convert_to_universal
+from megatron_zero.checkpoint.resume import megatron_deepspeed_layout
 from megatron_zero.checkpoint.reshape.universal_source import SourceCheckpoint
 from megatron_zero.checkpoint.storage.safe_pickle import ModelType, safe_load
 from megatron_zero.checkpoint.storage.tensor_io import save_file
@@ -61,6 +62,7 @@ def test_reads_megatron_deepspeed_layouts(tmp_path, kind):
                 got, _ = reader.assemble(name, key)
                 assert torch.equal(got, full[name][k]), (name, key)
             assert float(reader.step(name)) == 6.0
+    assert megatron_deepspeed_layout(tag, verify=False)  # --load reads it by name, through the reshaping loader
     client = client_from_megatron_deepspeed(src.head)
     assert client["train_state"] == {"iteration": 6, "consumed_train_samples": 96, "skipped_iterations": 0,
                                      "nan_iterations": 0}
@@ -127,3 +129,20 @@ def test_writes_megatron_deepspeed_layouts(tmp_path, tp, pp, stage):
         with a.stage(s) as ra, b.stage(s) as rb:
             for key in ("fp32", "exp_avg", "exp_avg_sq"):
                 assert torch.equal(ra.assemble(name, key)[0], rb.assemble(name, key)[0]), (name, key)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("kind,tp,pp,stage", [("module_zero1_dp2", 2, 1, 1), ("pipeline_dense_pp2", 1, 1, 2)],
+                         ids=["dp2-zero1-to-tp2", "pp2-to-dp2-zero2"])
+def test_loads_megatron_deepspeed_at_another_layout(tmp_path, kind, tp, pp, stage):
+    from megatron_zero.testing import layout_train
+    from megatron_zero.testing.multirank import run_ranks
+
+    config = tiny_gpt_config()
+    full = _full(config)
+    tag = write_mds_checkpoint(str(tmp_path), config, full, kind, gbs=layout_train.GBS)
+    results = run_ranks(layout_train.train, 2, tp, pp, stage, 2, load=tag, load_kind="plain", iters=6)
+    loaded = layout_train.full_weights(results, config)
+    assert sorted(loaded) == sorted(full)
+    for name, tensors in full.items():
+        assert torch.equal(loaded[name], tensors[0]), name

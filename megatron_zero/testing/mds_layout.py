@@ -31,14 +31,14 @@ KINDS = {"module_zero1_dp2": (1, 1, 2), "module_dense_tp2": (2, 1, 1), "pipeline
 ITERATION, GBS = 6, 16
 
 
-def mds_args(config, tp: int, pp: int) -> argparse.Namespace:
+def mds_args(config, tp: int, pp: int, gbs: int = GBS) -> argparse.Namespace:
     return argparse.Namespace(
         num_layers=config.num_layers, hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
         num_key_value_heads=config.num_attention_heads, seq_length=config.seq_length,
         max_position_embeddings=config.max_position_embeddings, ffn_hidden_size=config.ffn_hidden_size,
         make_vocab_size_divisible_by=config.make_vocab_size_divisible_by, padded_vocab_size=config.padded_vocab_size(tp),
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, normalization="layernorm",
-        untie_embeddings_and_output_weights=False, consumed_train_samples=ITERATION * GBS, global_batch_size=GBS,
+        untie_embeddings_and_output_weights=False, consumed_train_samples=ITERATION * gbs, global_batch_size=gbs,
         model_type=ModelType.encoder_or_decoder, params_dtype=torch.float32)
 
 
@@ -52,7 +52,7 @@ def _groups(names, shapes):
     return [g for g in ([n for n in names if n not in no_wd], no_wd) if g]
 
 
-def _header(config, tp, pp, dp, stage):
+def _header(config, tp, pp, dp, stage, gbs=GBS):
     return {"buffer_names": [], "frozen_param_shapes": None, "frozen_param_fragments": None,
             "lr_scheduler": {"max_lr": 1e-3, "lr_warmup_steps": 2 * GBS, "lr_warmup_tokens": None,
                              "num_steps": ITERATION * GBS, "num_tokens": (ITERATION - 1) * GBS * config.seq_length,
@@ -66,7 +66,7 @@ def _header(config, tp, pp, dp, stage):
             "universal_checkpoint_info": {"universal_checkpoint_version": 0.4,
                                           "original_vocab_size": config.vocab_size,
                                           "padded_vocab_size": config.padded_vocab_size(tp)},
-            "args": mds_args(config, tp, pp), "checkpoint_version": 3.0, "iteration": ITERATION,
+            "args": mds_args(config, tp, pp, gbs), "checkpoint_version": 3.0, "iteration": ITERATION,
             "tokens": ITERATION * GBS * config.seq_length,
             "rng_state": [{"random_rng_state": (3, tuple(range(625)), None), "torch_rng_state": torch.get_rng_state(),
                            "cuda_rng_state": torch.get_rng_state(),
@@ -87,9 +87,9 @@ def _adam(group_names, locals_, step):
     return {"state": state, "param_groups": groups}
 
 
-def write_mds_checkpoint(directory: str, config, full: dict, kind: str) -> str:
+def write_mds_checkpoint(directory: str, config, full: dict, kind: str, gbs: int = GBS) -> str:
     """Write one Megatron-DeepSpeed checkpoint of `kind` holding `full` (our names, full unpadded tensors) at
-    global_step6 under `directory`; returns the checkpoint's directory."""
+    global_step6 under `directory`, trained with global batch `gbs`; returns the checkpoint's directory."""
     tp, pp, dp = KINDS[kind]
     heads = config.num_attention_heads
     groups = config.num_query_groups or heads
@@ -101,7 +101,7 @@ def write_mds_checkpoint(directory: str, config, full: dict, kind: str) -> str:
         names = param_names(config)
         for rank in range(tp):
             loc = {n: tuple(_local(t, n, config, tp, rank, heads, groups) for t in full[n]) for n in names}
-            head = _header(config, tp, 1, dp, 1 if dp > 1 else 0)
+            head = _header(config, tp, 1, dp, 1 if dp > 1 else 0, gbs)
             head["module"] = nest_module(OrderedDict((module_name_from_ours(n, config.num_layers), loc[n][0])
                                                      for n in names))
             grouped = _groups(names, {n: loc[n][0].shape for n in names})
@@ -135,7 +135,7 @@ def write_mds_checkpoint(directory: str, config, full: dict, kind: str) -> str:
     for s, (start, end) in enumerate(stage_layer_ranges(config.num_layers, pp)):
         names = param_names(config, range(start, end))
         loc = {n: tuple(_local(t, n, config, 1, 0, heads, groups) for t in full[n]) for n in names}
-        head = _header(config, 1, pp, 1, 0)
+        head = _header(config, 1, pp, 1, 0, gbs)
         head.update(module=None, param_shapes=None, shared_params=None,
                     optimizer=_adam(_groups(names, {n: loc[n][0].shape for n in names}), loc, ITERATION))
         save_file(head, os.path.join(tag, f"mp_rank_{s:02d}_model_states.pt"), fsync=False)
