@@ -7,7 +7,8 @@ iteration 7 with the same schedule, --weight-decay 0 (Megatron-DeepSpeed on a CP
 Adam, whose weight decay is L2, ours AdamW's decoupled one: equal only without weight decay):
   MDS -> ours   MDS saves at iteration 6 (--exit-interval 6); MDS resumes it for iteration 7, and so does ours
                 (--load of MDS's directory): the iteration-7 losses agree (same weights, same batch) and so do
-                the weights after that step;
+                the weights after that step; ours at another layout (--load, reshaped while loading; and for
+                DP 2 through tools/ds_to_universal.py and --universal-checkpoint) gives the same loss;
   ours -> MDS   ours saves at 6 with --save-megatron-deepspeed-layout; ours and MDS each resume it for
                 iteration 7: same loss, same weights after the step.
 Tolerances: losses 1e-5 (both print 7 significant digits; the forward passes agree to fp32 roundoff), weights
@@ -21,6 +22,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -30,6 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MDS_DIR, MDS_PYTHON = os.environ.get("MDS_DIR", ""), os.environ.get("MDS_PYTHON", "")
 EXT_DIR = os.environ.get("TORCH_EXTENSIONS_DIR", "")
 SCHEDULE = ["--lr-warmup-iters", "2", "--lr-decay-iters", "20", "--min-lr", "1e-4", "--weight-decay", "0"]
+OTHER_LAYOUT = {"dp2": "tp2", "tp2": "pp2", "pp2": "dp2"}
 LOSS_AT_7 = re.compile(r"iteration\s+7/\s*7 \|.*?lm loss: ([0-9.E+-]+)")
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
@@ -99,6 +102,18 @@ def test_megatron_deepspeed_to_ours(bench, tmp_path, layout):
                                                                   "--save-interval", "100", *SCHEDULE]))
     assert abs(ours - mds) <= 1e-5, (ours, mds)
     assert _max_weight_difference(os.path.join(a_mds, "global_step7"), os.path.join(b, "global_step7")) <= 1e-5
+    # the same checkpoint, loaded directly at another layout (reshaped while loading): the same step-7 loss
+    other = OTHER_LAYOUT[layout]
+    reshaped = _loss_at_7(_run(bench, "ours", other, str(tmp_path), ["--load", a, *SCHEDULE]))
+    assert abs(reshaped - mds) <= 1e-5, (other, reshaped, mds)
+    if layout == "dp2":  # and through tools/ds_to_universal.py
+        universal = str(tmp_path / "universal")
+        subprocess.run([sys.executable, os.path.join(ROOT, "tools", "ds_to_universal.py"), "--input_folder",
+                        os.path.join(a, "global_step6"), "--output_folder", universal], check=True,
+                       capture_output=True)
+        loss = _loss_at_7(_run(bench, "ours", other, str(tmp_path), ["--load", universal, "--universal-checkpoint",
+                                                                     *SCHEDULE]))
+        assert abs(loss - mds) <= 1e-5, (loss, mds)
 
 
 @pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2"])
