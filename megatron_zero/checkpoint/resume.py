@@ -24,7 +24,7 @@ from .errors import CheckpointError
 from .format import LATEST, LATEST_UNIVERSAL, MODEL_FILE, ZERO3_MODEL_FILE
 from .compat import read_head
 from .load import load_checkpoint
-from .megatron_deepspeed import is_module_layout
+from .megatron_deepspeed import is_module_layout, writes_qkv_blocks
 from .report import loaded_line
 from .save import saved_layout
 from .storage.manifest import MANIFEST
@@ -120,12 +120,15 @@ def resume_checkpoint(path: str, state, model, optimizer, load_optimizer: bool =
 
 
 def megatron_deepspeed_layout(directory: str, verify: bool = True) -> bool:
-    """Is this a layout only Megatron-DeepSpeed writes (weights nested under `module` -> `language_model`, or
-    no ZeRO optimizer files)? Such a checkpoint is read by name, through the reshaping loader, at any layout."""
+    """Was this checkpoint written by or for Megatron-DeepSpeed (its fused QKV order, weights nested under
+    `module` -> `language_model`, or no ZeRO optimizer files)? Such a checkpoint is read by name, through the
+    reshaping loader (which reorders QKV), at any layout."""
     try:
         head = read_head(directory, verify)
     except CheckpointError:
         return False
+    if writes_qkv_blocks(head):
+        return True
     shapes = head.get("param_shapes")
     if shapes is None:
         return isinstance(head.get("optimizer"), dict)
