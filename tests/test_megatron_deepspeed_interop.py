@@ -4,7 +4,9 @@ Megatron-DeepSpeed's pretrain_gpt.py runs the way bench/bench_vs_megatron_deepsp
 CPU flags, DeepSpeed JSON), at DP 2 with ZeRO-1 (--no-pipeline-parallel), TP 2 (--no-pipeline-parallel, ZeRO
 stage 0) and PP 2 (its pipeline engine, ZeRO stage 0); ours at the same layout. Every run trains toward
 iteration 7 with the same schedule, --weight-decay 0 (Megatron-DeepSpeed on a CPU without apex steps torch's
-Adam, whose weight decay is L2, ours AdamW's decoupled one: equal only without weight decay):
+Adam, whose weight decay is L2, ours AdamW's decoupled one: equal only without weight decay) and no gradient
+clipping (its pipeline engine without ZeRO counts the tied embedding's gradient once per stage holding it in the
+global norm, ours once: the clipped steps differ by design):
   MDS -> ours   MDS saves at iteration 6 (--exit-interval 6); MDS resumes it for iteration 7, and so does ours
                 (--load of MDS's directory): the iteration-7 losses agree (same weights, same batch) and so do
                 the weights after that step; ours at another layout (--load, reshaped while loading; and for
@@ -18,6 +20,7 @@ MDS_PYTHON (its venv's python) and TORCH_EXTENSIONS_DIR (its built shm op); skip
 The same readers and writers are checked from the format alone in tests/test_megatron_deepspeed_checkpoint.py.
 """
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -31,7 +34,8 @@ from megatron_zero.checkpoint.reshape.universal_source import SourceCheckpoint
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MDS_DIR, MDS_PYTHON = os.environ.get("MDS_DIR", ""), os.environ.get("MDS_PYTHON", "")
 EXT_DIR = os.environ.get("TORCH_EXTENSIONS_DIR", "")
-SCHEDULE = ["--lr-warmup-iters", "2", "--lr-decay-iters", "20", "--min-lr", "1e-4", "--weight-decay", "0"]
+SCHEDULE = ["--lr-warmup-iters", "2", "--lr-decay-iters", "20", "--min-lr", "1e-4", "--weight-decay", "0",
+            "--clip-grad", "0"]
 OTHER_LAYOUT = {"dp2": "tp2", "tp2": "pp2", "pp2": "dp2"}
 LOSS_AT_7 = re.compile(r"iteration\s+7/\s*7 \|.*?lm loss: ([0-9.E+-]+)")
 
@@ -60,6 +64,11 @@ def _run(bench, side, layout, work, extra):
     b, data = bench
     if side == "mds":
         cmd, cwd = b.mds_cmd(layout, data, 7, MDS_DIR, MDS_PYTHON, work, extra=extra)
+        config = os.path.join(work, f"ds_{layout}.json")  # DeepSpeed clips by its JSON, not --clip-grad
+        with open(config) as f:
+            ds = json.load(f)
+        with open(config, "w") as f:
+            json.dump({**ds, "gradient_clipping": 0.0}, f)
     else:
         cmd, cwd = b.ours_cmd(layout, data, 7, extra=extra)
     tp, pp, dp = b.LAYOUTS[layout]

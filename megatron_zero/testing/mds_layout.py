@@ -156,6 +156,7 @@ def save_both_layouts(tp: int, pp: int, stage: int, ours_dir: str, mds_dir: str)
     import torch.distributed as dist
 
     from ..checkpoint import save_checkpoint
+    from ..checkpoint.resume import resume_checkpoint
     from ..pipeline.gpt_stage import activation_shape, build_gpt_stage, make_forward_step, sync_tied_embedding_grads
     from ..pipeline.p2p import P2P
     from ..pipeline.schedule import forward_backward
@@ -196,3 +197,12 @@ def save_both_layouts(tp: int, pp: int, stage: int, ours_dir: str, mds_dir: str)
     save_checkpoint(ours_dir, 2, state, model, opt, client)
     save_checkpoint(mds_dir, 2, state, model, opt, client, megatron_deepspeed=True)
     dist.barrier()
+    # ours resumes its own Megatron-DeepSpeed-layout save: the same weights, iteration and data position
+    fresh = build_gpt_stage(cfg, state)
+    fresh_opt = ZeroOptimizer(param_groups(fresh, 0.0), dp_group=state.dp_group, stage=stage, lr=1e-2,
+                              weight_decay=0.0, mp_group=state.mp_group, tp_rank=state.tp_rank, module=fresh)
+    loaded = resume_checkpoint(mds_dir, state, fresh, fresh_opt, log=lambda *a: None)
+    assert loaded["train_state"]["consumed_train_samples"] == 16 and loaded["lr_scheduler"]["num_steps"] == 2
+    trained = dict(model.named_parameters())
+    for name, p in fresh.named_parameters():
+        assert torch.equal(p, trained[name]), name
