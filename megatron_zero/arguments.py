@@ -204,6 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--keep-last-k", type=int, default=None)
     g.add_argument("--async-save", action="store_true")
+    g.add_argument("--save-megatron-deepspeed-layout", action="store_true",
+                   help="write checkpoints Megatron-DeepSpeed's own --load resumes at this layout: at PP 1 its "
+                        "--no-pipeline-parallel layout (weights nested in mp_rank_*'s module), at PP > 1 its pipeline "
+                        "engine's; its scheduler, RNG and loss-scaler state (docs/checkpoint_interop.md)")
     g.add_argument("--save-16bit-model", action="store_true",
                    help="each save also writes <tag>/model_16bit/*.safetensors: the consolidated model in the "
                         "training dtype, bf16 when training in fp32 (DeepSpeed's "
@@ -345,6 +349,14 @@ def validate_args(args, world_size: int):
     _require(args.save_interval is None or args.save,
              "--save-interval is given without --save; say where checkpoints go")
     _require(args.keep_last_k is None or args.keep_last_k >= 1, f"--keep-last-k {args.keep_last_k} must be >= 1")
+    _require(not args.save_megatron_deepspeed_layout or args.zero_stage < 3,
+             "--save-megatron-deepspeed-layout writes ZeRO stage 0, 1 or 2 checkpoints, not --zero-stage 3")
+    _require(not args.save_megatron_deepspeed_layout or args.zero_stage > 0 or args.data_parallel_size == 1,
+             "--save-megatron-deepspeed-layout at --zero-stage 0 needs DP=1 (Megatron-DeepSpeed without ZeRO keeps "
+             "one optimizer state per model-parallel rank); use --zero-stage 1")
+    _require(not args.save_megatron_deepspeed_layout or args.deepspeed_scheduler is None,
+             "--save-megatron-deepspeed-layout writes Megatron's learning-rate schedule; the DeepSpeed JSON's "
+             "`scheduler` has no counterpart there: give --lr-warmup-iters/--lr-decay-iters instead")
     _require(args.log_interval >= 1 and args.eval_interval >= 1,
              "--log-interval and --eval-interval must be at least 1")
     _require(args.eval_iters >= 0, f"--eval-iters {args.eval_iters} must not be negative")

@@ -225,7 +225,8 @@ class Trainer:
         save_dir = os.path.join(a.save, "weights_only") if weights_only and not a.no_save_optim else a.save
         tag = ckpt.save_checkpoint(save_dir, self.progress.iteration, self.state, self.model, self.optimizer,
                                    self.client_state(weights_only or a.no_save_optim), async_save=a.async_save,
-                                   keep_last_k=a.keep_last_k)
+                                   keep_last_k=a.keep_last_k,
+                                   megatron_deepspeed=a.save_megatron_deepspeed_layout)
         seconds, directory = time.monotonic() - start, os.path.join(save_dir, tag)
         self.last_checkpoint = directory
         if self.is_writer:  # a synchronous save is committed on return: its manifest lists every file

@@ -25,6 +25,7 @@ from ..device import HOST
 from ..topology import ParallelState
 from .deepspeed_layout import EMBED_PREFIX, param_shapes
 from .errors import CheckpointError
+from .megatron_deepspeed import client_from_megatron_deepspeed, is_megatron_deepspeed_client
 from .format import LATEST, layer_file_name, model_states_name, optim_states_name, rank_rng_state
 from .storage.reader import Checkpoint, open_checkpoint
 
@@ -144,4 +145,4 @@ def load_checkpoint(load_dir: str, state: ParallelState, model, optimizer, load_
     client["rng_state"] = rank_rng_state(client.get("rng_state"), dp)
     if isinstance(client.get("args"), argparse.Namespace):
         client["args"] = vars(client["args"])
-    return client
+    return client_from_megatron_deepspeed(client) if is_megatron_deepspeed_client(client) else client

@@ -52,7 +52,9 @@ def saved_layout_text(args) -> Optional[str]:
     if tp is None or pp is None:
         return None
     text = f"TP={tp} x PP={pp}" + (f" x DP={dp}" if dp is not None else "")
-    stage = get("zero_stage")
+    stage = get("zero_stage")  # Megatron-DeepSpeed records it as a float
+    if isinstance(stage, float) and stage.is_integer():
+        stage = int(stage)
     return text + (f", ZeRO-{stage}" if stage is not None else "")
 
 

@@ -26,7 +26,9 @@ from typing import Optional, Tuple
 from .storage.commit import committed_tags, latest_tag, read_latest
 from .errors import CheckpointError
 from .format import LATEST, MODEL_FILE, ZERO3_MODEL_FILE
+from .compat import read_head
 from .load import load_checkpoint
+from .megatron_deepspeed import is_module_layout, writes_qkv_blocks
 from .report import loaded_line
 from .save import saved_layout
 from .storage.manifest import MANIFEST
@@ -125,7 +127,7 @@ def resume_checkpoint(path: str, state, model, optimizer, load_optimizer: bool =
     saved = opened.meta.get("layout")
     here = saved_layout(state, model)  # an interleaved pipeline holds other layers: reshaped
     same_stage_family = (opened.meta.get("zero_stage", optimizer.stage) == 3) == (optimizer.stage == 3)
-    if saved is not None and (saved != here or not same_stage_family):
+    if (saved is not None and (saved != here or not same_stage_family)) or megatron_deepspeed_layout(opened):
         client = load_reshaped_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify,
                                           checkpoint=opened)
         log(loaded_line(point.directory, "plain", client, this_layout))
@@ -135,6 +137,22 @@ def resume_checkpoint(path: str, state, model, optimizer, load_optimizer: bool =
                              checkpoint=opened)
     log(loaded_line(point.directory, "plain", client))
     return client
+
+
+def megatron_deepspeed_layout(checkpoint, verify: bool = True) -> bool:
+    """Was this checkpoint written by or for Megatron-DeepSpeed (its fused QKV order, weights nested under
+    `module` -> `language_model`, or no ZeRO optimizer files)? Such a checkpoint is read by name, through the
+    reshaping loader (which reorders QKV), at any layout."""
+    try:
+        head = read_head(checkpoint, verify)  # a directory, or one opened already
+    except CheckpointError:
+        return False
+    if writes_qkv_blocks(head):
+        return True
+    shapes = head.get("param_shapes")
+    if shapes is None:
+        return isinstance(head.get("optimizer"), dict)
+    return is_module_layout(n for g in shapes for n in g)
 
 
 def refuse_fresh_start_over(save_dir: str) -> None:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ..topology import ParallelState
 from .deepspeed_layout import assign_layers_to_dp, engine_state, layer_state_dicts, universal_checkpoint_info
+from .megatron_deepspeed_save import megatron_deepspeed_plan
 from .format import CHECKPOINT_VERSION, DS_VERSION, layer_file_name, model_states_name, optim_states_name
 from .storage.writer import CopyFile, get_writer
 
@@ -105,15 +106,19 @@ def saved_layout(state: ParallelState, model) -> dict:
 
 def save_checkpoint(save_dir: str, iteration: int, state: ParallelState, model, optimizer, client_state: dict,
                     async_save: bool = False, keep_last_k: Optional[int] = None, tag: Optional[str] = None,
-                    save_latest: bool = True) -> str:
+                    save_latest: bool = True, megatron_deepspeed: bool = False) -> str:
     """Collective. Returns the tag. With async_save, returns at once; the optimizer's next step waits
-    until the background writer has read the state (writer.py)."""
+    until the background writer has read the state (writer.py). megatron_deepspeed: the files Megatron-DeepSpeed's
+    own --load resumes at this layout (megatron_deepspeed_save.py)."""
     tag = tag or f"global_step{iteration}"
     writer = get_writer()
     writer.wait()  # the previous async save must be done before its buffers/state are reused
     client = _client(client_state, state, iteration)
     plan = build_plan(iteration, state, model, optimizer, client)
+    if megatron_deepspeed:
+        plan = megatron_deepspeed_plan(plan, state, model, optimizer, client)
     meta = {"layout": saved_layout(state, model), "zero_stage": optimizer.stage,
+            **({"megatron_deepspeed": True} if megatron_deepspeed else {}),
             "model": {"num_layers": model.config.num_layers, "hidden_size": model.config.hidden_size,
                       "vocab_size": model.config.vocab_size}}
     writer.save(save_dir, tag, plan, iteration=iteration, meta=meta, async_save=async_save,

@@ -146,6 +146,9 @@ def batches(src: SourceCheckpoint) -> List[Tuple[int, List[str]]]:
 
 
 def _optimizer_state(src: SourceCheckpoint) -> dict:
+    if src.dense is not None:  # DeepSpeed's engine without ZeRO: a torch optimizer state per rank
+        groups = src.files.load(src.model_files[0], mmap=False)["optimizer"]["param_groups"]
+        return {"zero_stage": 0, "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in groups]}
     osd = src.files.load(src.zero_files[(0, 0)], mmap=False)["optimizer_state_dict"]
     if src.zero_stage == 3:
         base = osd.get("optimizer_state_dict", {})

@@ -27,6 +27,7 @@ from ...model.sharding import shard_tensor
 from ...zero.universal_state import set_state_from_params
 from ..errors import CheckpointError
 from ..format import LATEST_UNIVERSAL, STATE_KEYS, SUB_PARAMS_KEY, header_tp_pp, rank_rng_state
+from ..megatron_deepspeed import client_from_megatron_deepspeed, is_megatron_deepspeed_client
 from ..storage.reader import Checkpoint, open_directory
 from .universal_source import SourceCheckpoint
 
@@ -112,6 +113,8 @@ class ReshapedFiles:
         return int(float(s)) if s is not None else 0
 
     def optimizer_state(self) -> dict:
+        if self.src.dense is not None:  # no ZeRO optimizer: no loss scaler saved
+            return {}
         sd = self.src.files.load(self.src.zero_files[(0, 0)])["optimizer_state_dict"]
         return {"loss_scaler": sd.get("loss_scaler")}
 
@@ -158,7 +161,7 @@ def load_from(files, state, model, optimizer, load_optimizer: bool = True) -> di
         if load_optimizer:
             set_state_from_params(optimizer, local, step)
             scaler = files.optimizer_state().get("loss_scaler")
-            if isinstance(scaler, dict):
+            if scaler is not None:  # our dict, or DeepSpeed's LossScaler object (a stand-in)
                 optimizer.loss_scaler.load_state_dict(scaler)
         else:  # weights only: masters from fp32, moments and step zero
             def weights(n):
@@ -170,7 +173,7 @@ def load_from(files, state, model, optimizer, load_optimizer: bool = True) -> di
     client = {k: v for k, v in head.items() if k not in ("module", "param_shapes", "optimizer")}
     same_tp_pp = header_tp_pp(head) == (state.tp_size, state.pp_size)
     client["rng_state"] = rank_rng_state(client.get("rng_state"), state.dp_rank) if same_tp_pp else None
-    return client
+    return client_from_megatron_deepspeed(client) if is_megatron_deepspeed_client(client) else client
 
 
 def require_universal_dir(path: str) -> str:

@@ -25,6 +25,8 @@ from ..errors import CheckpointError
 from ..format import (LAYER_FILE, MODEL_FILE, SUB_PARAMS_PATTERNS, UNIVERSAL_CHECKPOINT_INFO, ZERO3_MODEL_FILE, ZERO_FILE,
                      header_tp_pp)
 from ..storage.reader import Checkpoint, open_directory
+from ..megatron_deepspeed import QKV_SUFFIXES, ours_names, qkv_heads, qkv_to_ours, writes_qkv_blocks
+from .dense_source import DenseStates
 from .universal_info import MergeRule, merge_rule
 
 
@@ -60,21 +62,29 @@ class SourceCheckpoint:
             m = ZERO_FILE.match(f)
             if m:
                 self.zero_files[(int(m.group(2)), int(m.group(1)))] = f  # (mp, dp) -> name
+        self.model_files = {int(m.group(1)): f for f in files for m in [MODEL_FILE.match(f)] if m}
+        self.layer_files = [f for f in files if LAYER_FILE.match(f)]
+        self.saved_names: Dict[int, Dict[str, str]] = {}  # mp -> our name -> the name in its files
+        self.dense = None  # dense_source.DenseStates: a checkpoint without ZeRO (stage 0 in DeepSpeed's engine)
         if not self.zero_files:
-            raise CheckpointError(f"{directory} holds no ZeRO optimizer files (zero_pp_rank_*_mp_rank_*_optim_states.pt)"
-                                  "; it is not a ZeRO checkpoint")
-        mps = sorted({mp for mp, _ in self.zero_files})
-        dps = sorted({dp for _, dp in self.zero_files})
-        if mps != list(range(len(mps))) or dps != list(range(len(dps))) or len(self.zero_files) != len(mps) * len(dps):
+            self.dense = DenseStates.find(self)
+            if self.dense is None:
+                raise CheckpointError(f"{directory} holds no ZeRO optimizer files (zero_pp_rank_*_mp_rank_*_optim_states"
+                                      ".pt) and no optimizer state in its model-states files; it is not a checkpoint "
+                                      "with an optimizer state")
+            mps, dps = sorted(self.model_files), [0]
+        else:
+            mps = sorted({mp for mp, _ in self.zero_files})
+            dps = sorted({dp for _, dp in self.zero_files})
+        if mps != list(range(len(mps))) or dps != list(range(len(dps))) or (
+                self.zero_files and len(self.zero_files) != len(mps) * len(dps)):
             raise CheckpointError(f"the ZeRO files in {directory} do not form a complete grid of model-parallel "
                                   f"ranks {mps} x data-parallel ranks {dps}; some are missing")
-        self.model_files = {int(m.group(1)): f for f in files for m in [MODEL_FILE.match(f)] if m}
         zero3_models = {}
         for f in files:
             m = ZERO3_MODEL_FILE.match(f)
             if m and int(m.group(1)) == 0:
                 zero3_models[int(m.group(2))] = f
-        self.layer_files = [f for f in files if LAYER_FILE.match(f)]
         shape_files = {mp: self.model_files.get(mp) or zero3_models.get(mp) for mp in mps}
         missing = [mp for mp, f in shape_files.items() if f is None]
         if missing:
@@ -84,13 +94,21 @@ class SourceCheckpoint:
         head = None
         for mp in mps:
             sd = self.files.load(shape_files[mp])
-            self.param_shapes[mp] = [OrderedDict((n, torch.Size(s)) for n, s in g.items()) for g in sd["param_shapes"]]
             if head is None:
                 head = {k: v for k, v in sd.items() if k not in ("module", "optimizer", "param_shapes")}
+            if self.dense is None:
+                groups = [OrderedDict((n, torch.Size(s)) for n, s in g.items()) for g in sd["param_shapes"]]
+                renamed = ours_names(head, [n for g in groups for n in g])
+                back = {saved: ours for ours, saved in renamed.items()}
+                self.saved_names[mp] = dict(renamed)
+                self.param_shapes[mp] = [OrderedDict((back[n], s) for n, s in g.items()) for g in groups]
             del sd
         self.head = head
         self.info = _with_swiglu_patterns(head.get(UNIVERSAL_CHECKPOINT_INFO) or {}, head.get("args"))
         self.layout = Layout(*self._tp_pp(head, len(mps)), dp=len(dps))
+        self.qkv_blocks = writes_qkv_blocks(head)  # Megatron-DeepSpeed's [Q; K; V] per TP rank
+        if self.dense is not None:
+            self.dense.read_layout(self, mps)
         self.zero_stage = self._zero_stage()
         self.params: List[Tuple[str, int]] = []
         seen = set()
@@ -100,6 +118,10 @@ class SourceCheckpoint:
                     if name not in seen:
                         seen.add(name)
                         self.params.append((name, pp))
+
+    def saved_name(self, mp: int, name: str) -> str:
+        """The name our parameter `name` has in model-parallel rank mp's files."""
+        return self.saved_names.get(mp, {}).get(name, name)
 
     def _tp_pp(self, head: dict, mp_size: int) -> Tuple[int, int]:
         tp, pp = header_tp_pp(head)
@@ -113,6 +135,8 @@ class SourceCheckpoint:
         return tp, pp
 
     def _zero_stage(self) -> int:
+        if self.dense is not None:
+            return 0
         sd = self.files.load(self.zero_files[(0, 0)])
         return int(sd["optimizer_state_dict"].get("zero_stage", 1))
 
@@ -127,6 +151,8 @@ class SourceCheckpoint:
         return merge_rule(name, self.info)
 
     def stage(self, pp: int, threads: int = 1) -> "StageReader":
+        if self.dense is not None:
+            return DenseStageReader(self, pp)
         return StageReader(self, pp, threads)
 
 
@@ -182,11 +208,18 @@ class StageReader:
             off, per = self._z3[key][name]
             numel = _numel(self.local_shape(name, tp))
             return off, max(0, min(per, numel - d * per))
-        frag = self.opt[(tp, d)]["param_slice_mappings"][g].get(name)
+        frag = self.opt[(tp, d)]["param_slice_mappings"][g].get(self.src.saved_name(self.mps[tp], name))
         return (0, 0) if frag is None else (int(frag.start), int(frag.numel))
 
     def tp_slice(self, name: str, key: str, tp: int) -> torch.Tensor:
-        """TP rank tp's piece of `name` (its local shape), gathered from every DP rank's fragment."""
+        """TP rank tp's piece of `name` (its local shape), in our layout."""
+        local = self.saved_slice(name, key, tp)
+        if self.src.qkv_blocks and name.endswith(QKV_SUFFIXES):
+            return qkv_to_ours(local.float(), *qkv_heads(self.src.head, self.src.layout.tp))
+        return local
+
+    def saved_slice(self, name: str, key: str, tp: int) -> torch.Tensor:
+        """TP rank tp's piece of `name` as saved, gathered from every DP rank's fragment."""
         g = self.group_of[tp][name]
         shape = self.local_shape(name, tp)
         pieces = []
@@ -253,3 +286,27 @@ class StageReader:
         if not state:  # a weights-only checkpoint (--no-save-optim): no optimizer step
             return None
         return _indexed(state, g).get("step")
+
+
+class DenseStageReader(StageReader):
+    """StageReader over a dense checkpoint: a TP slice is the rank's whole tensor, no DP fragments."""
+
+    def __init__(self, src, pp: int):
+        self.src, self.pp, self.threads = src, pp, 1
+        self.mps = [pp * src.layout.tp + t for t in range(src.layout.tp)]
+        self.group_of = [{n: g for g, shapes in enumerate(src.param_shapes[mp]) for n in shapes} for mp in self.mps]
+        self.mismatched: List[str] = []
+        self.opt, self._z3 = {}, {}
+
+    def saved_slice(self, name: str, key: str, tp: int) -> torch.Tensor:
+        mp, dense = self.mps[tp], self.src.dense
+        if key == "fp32":
+            return dense.weights[mp][name].float()
+        st = dense.state[mp].get(dense.index[mp][name], {})
+        if key not in st:  # a parameter the optimizer has not stepped yet
+            return torch.zeros(self.local_shape(name, tp), dtype=torch.float32)
+        return st[key].float()
+
+    def step(self, name: str):
+        dense = self.src.dense
+        return dense.state[self.mps[0]].get(dense.index[self.mps[0]][name], {}).get("step")

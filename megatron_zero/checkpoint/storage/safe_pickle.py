@@ -16,7 +16,7 @@ a value type, or a stand-in class with no behaviour):
 | deepspeed.runtime.fp16.loss_scaler.(Dynamic)LossScaler | DeepSpeed's optimizer files          | a stand-in     |
 | deepspeed.runtime.zero.config.ZeroStageEnum            | DeepSpeed's optimizer files          | int            |
 
-The DeepSpeed names map to stand-ins defined here, so DeepSpeed's checkpoints load whether or not
+The DeepSpeed and Megatron names map to stand-ins defined here, so DeepSpeed's checkpoints load whether or not
 deepspeed is installed, and none of DeepSpeed's code runs. Anything else (os.system, builtins.eval,
 a class of some package) is refused before it is looked up.
 
@@ -35,6 +35,7 @@ from __future__ import annotations
 import _codecs
 import argparse
 import contextlib
+import enum
 import functools
 import pickle
 import re
@@ -75,9 +76,33 @@ class DynamicLossScaler(_Attributes):
     """DeepSpeed's dynamic loss scaler object (cur_scale, cur_iter, scale_window, ...)."""
 
 
+class ModelType(enum.Enum):
+    """Megatron's megatron.core.enums.ModelType, member for member (a value: an enum is data)."""
+    encoder_or_decoder = 1
+    encoder_and_decoder = 2
+    retro_encoder = 3
+    retro_decoder = 4
+
+
+def _model_type(value) -> ModelType:
+    """Megatron's ModelType(value) as the stand-in's member (a function: an enum cannot be subclassed,
+    which torch 2.4/2.5's renamed allow-list entries need)."""
+    return ModelType(value)
+
+
 def _zero_stage(value) -> int:
     """DeepSpeed's ZeroStageEnum(value) as the int it is."""
     return int(value)
+
+
+# stand-in -> the class it stands for: what torch_zip_writer writes in its place, so DeepSpeed and
+# Megatron-DeepSpeed load their own classes from a file we write for them
+PICKLED_AS = {
+    fragment_address: "deepspeed.utils.tensor_fragment.fragment_address",
+    LossScaler: "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    DynamicLossScaler: "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    ModelType: "megatron.core.enums.ModelType",
+}
 
 
 def _allowed() -> list:
@@ -94,6 +119,7 @@ def _allowed() -> list:
         (LossScaler, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
         (DynamicLossScaler, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
         (_zero_stage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
+        (_model_type, "megatron.core.enums.ModelType"),
     ]
 
 

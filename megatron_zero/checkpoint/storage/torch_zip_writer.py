@@ -45,6 +45,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from .safe_pickle import PICKLED_AS
 from .staging import HostStaging, default_staging
 
 ALIGN = 64
@@ -91,12 +92,25 @@ class _Tensor:
                 (self.storage, 0, tuple(self.shape), tuple(reversed(stride)), False, collections.OrderedDict()))
 
 
-class _Pickler(pickle.Pickler):
-    """torch.save's pickling: storages by persistent id; with `on_tensor`, every tensor reduced by it."""
+class _Pickler(pickle._Pickler):
+    """torch.save's pickling: storages by persistent id; with `on_tensor`, every tensor reduced by it.
+
+    The stand-ins of safe_pickle.PICKLED_AS (DeepSpeed's fragment_address and loss scalers, Megatron's
+    ModelType) are written under the name of the class they stand for, so DeepSpeed and Megatron-DeepSpeed
+    unpickle their own classes, while neither needs to be importable here. That needs pickle's Python
+    implementation (its C one insists on importing a global it writes); the pickled structure is KiB."""
 
     def __init__(self, f, on_tensor: Optional[Callable[[torch.Tensor], _Tensor]] = None):
         super().__init__(f, protocol=2)
         self.on_tensor = on_tensor
+
+    def save_global(self, obj, name=None):
+        path = PICKLED_AS.get(obj) if isinstance(obj, type) else None
+        if path is None:
+            return super().save_global(obj, name)
+        module, qualname = path.rsplit(".", 1)
+        self.write(pickle.GLOBAL + module.encode() + b"\n" + qualname.encode() + b"\n")
+        self.memoize(obj)
 
     def persistent_id(self, obj):
         if isinstance(obj, _Storage):
