@@ -33,7 +33,7 @@ from .exit_signal import ExitPolicy
 from .logger import format_eval_line
 from .throughput import gpt_flops_per_iteration
 from .lr_schedule import build_lr_schedule
-from .model.config import GPTConfig, architecture_kwargs
+from .model.config import MOE_FIELDS, GPTConfig, architecture_kwargs
 from .ops import kernel_report, require_fused_kernels, set_fusion_flags
 from .pipeline.gpt_stage import (activation_shape, build_gpt_stage, grad_reduce_arming, make_forward_step,
                                  stage_p2p, sync_tied_embedding_grads)
@@ -45,6 +45,8 @@ from .tensor_parallel.random import model_parallel_seed
 from .timers import TimedCalls
 from .topology import build_hpz_group, build_parallel_state
 from .training_log import TrainingLog, architecture_name
+from .moe import reset_aux_losses, set_aux_loss_scale
+from .moe.metrics import MoEMetrics
 from .zero import ZeroOptimizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -91,6 +93,7 @@ class Trainer:
             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, hidden_dropout=args.hidden_dropout,
             attention_dropout=args.attention_dropout, layernorm_epsilon=args.layernorm_epsilon,
             init_method_std=args.init_method_std, seed=args.seed, **architecture_kwargs(vars(args)),
+            **{k: getattr(args, k) for k in MOE_FIELDS},
             recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
             recompute_num_layers=args.recompute_num_layers, attention_backend=args.attention_backend,
             sequence_parallel=args.sequence_parallel)
@@ -114,7 +117,9 @@ class Trainer:
             hpz_group=build_hpz_group(state.layout, state.rank, args.zero_hpz_partition_size)
             if args.zero_hpz_partition_size > 1 else None, device=self.device,
             grad_reduce_in_bf16=args.grad_reduce_in_bf16,
-            cpu_optimizer_threads=args.cpu_optimizer_threads)
+            cpu_optimizer_threads=args.cpu_optimizer_threads, expert_dp_group=state.expert_dp_group)
+        moe_layers = sum(self.config.is_moe_layer(b) for b in range(self.config.num_layers))
+        self.moe_metrics = MoEMetrics(moe_layers, self.device) if moe_layers else None
         self.lr_schedule = build_lr_schedule(args)
         self.progress = TrainState()
         self.p2p = stage_p2p(state, activation_shape(args.micro_batch_size, self.config, state.tp_size),
@@ -161,6 +166,7 @@ class Trainer:
         backward counts), rides in the step's norm all-reduce; the sums are left in optimizer.summed_votes."""
         s, timers = self.state, self.log.timers
         self.model.train()
+        set_aux_loss_scale(self.optimizer.loss_scale / len(micro))  # the MoE losses weigh as the LM loss does
         with timers("forward-backward", 1):
             step = timers.timed(make_forward_step(self.model, micro, s), "forward-compute", 2)
             losses = self.forward_backward(step, len(micro), self.train_p2p, s.pp_rank, s.pp_size,
@@ -180,6 +186,7 @@ class Trainer:
     def evaluate(self):
         s, a = self.state, self.args
         self.model.eval()
+        reset_aux_losses()
         total = 0.0
         for k in range(a.eval_iters):
             micro = self._micro_batches(self.valid_ds, k * a.global_batch_size)
@@ -187,6 +194,7 @@ class Trainer:
                                            s.pp_rank, s.pp_size, forward_only=True)
             total += broadcast_loss(losses, s.is_last_stage, s.layout.pp_group(s.rank)[-1], s.pp_group,
                                     s.dp_group, self.device)
+        reset_aux_losses()  # evaluation's MoE losses are not the training log's
         return total / max(1, a.eval_iters)
 
     # ---- checkpoints -----------------------------------------------------------------
@@ -279,6 +287,8 @@ class Trainer:
                 p.skipped_iterations += 1
             self.log.iteration(p, loss, lr, grad_norm, self.optimizer.loss_scale, updated,
                                self.optimizer.params_norm)
+            if self.moe_metrics is not None:
+                self._log_moe(p)
             if a.eval_iters and self.valid_ds is not None and p.iteration % a.eval_interval == 0:
                 val = self.evaluate()
                 self.log.scalars.scalar("lm loss validation", val, p.iteration, p.consumed_train_samples)
@@ -300,6 +310,17 @@ class Trainer:
         self.log.close()
         return 0
 
+    def _log_moe(self, p: TrainState):
+        """The MoE losses: added up each iteration, reported (a collective) at each log line."""
+        a, s = self.args, self.state
+        self.moe_metrics.iteration(a.num_micro_batches)
+        if p.iteration % a.log_interval != 0 and p.iteration != a.train_iters:
+            return
+        values = self.moe_metrics.report(s.pp_group, s.dp_group, s.dp_size)
+        for name, value in values.items():
+            self.log.scalars.scalar(name, value, p.iteration, p.consumed_train_samples)
+        self._log(f" iteration {p.iteration:8d} | " + " | ".join(f"{k}: {v:.6E}" for k, v in values.items()) + " |")
+
     def _log(self, line: str):
         if self.is_writer:
             print(line, flush=True)
@@ -320,7 +341,8 @@ def pretrain(argv=None) -> int:
         use_device(device)
         init_distributed(backend, args.distributed_timeout_minutes)
         lock = hold_save_lock(args.save) if args.save else None
-        state = build_parallel_state(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+        state = build_parallel_state(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                     args.expert_model_parallel_size)
         trainer = Trainer(args, state, device)
         code = trainer.train()
     except (ArgumentError, LaunchError, DeviceError, DataError, ckpt.CheckpointError) as err:

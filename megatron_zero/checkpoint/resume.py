@@ -98,7 +98,10 @@ def resume_checkpoint(path: str, state, model, optimizer, load_optimizer: bool =
     if check:
         check(point.directory)
     this_layout = f"{state.layout}, ZeRO-{optimizer.stage}"
-    if point.universal:
+    moe = getattr(model.config, "num_experts", None) is not None
+    if point.universal and moe:
+        raise CheckpointError("--universal-checkpoint with MoE layers (--num-experts) is not implemented; resume the "
+                              "plain checkpoint at the TP, PP, DP, EP and ZeRO stage it was saved at")
         client = load_universal_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify)
         log(loaded_line(point.directory, "universal", client, this_layout))
         return client
@@ -107,6 +110,11 @@ def resume_checkpoint(path: str, state, model, optimizer, load_optimizer: bool =
     here = saved_layout(state, model)  # an interleaved pipeline holds other layers: reshaped
     same_stage_family = (meta.get("zero_stage", optimizer.stage) == 3) == (optimizer.stage == 3)
     if saved is not None and (saved != here or not same_stage_family):
+        if moe:
+            raise CheckpointError(f"the MoE checkpoint {point.directory} was saved at {_layout_text(saved)}, ZeRO-"
+                                  f"{meta.get('zero_stage')} and this run is {_layout_text(here)}, ZeRO-"
+                                  f"{optimizer.stage}; reshaping MoE checkpoints is not implemented: resume at the "
+                                  "layout it was saved at")
         client = load_reshaped_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify)
         log(loaded_line(point.directory, "plain", client, this_layout))
         return client
@@ -114,6 +122,10 @@ def resume_checkpoint(path: str, state, model, optimizer, load_optimizer: bool =
     client = load_checkpoint(root, state, model, optimizer, load_optimizer=load_optimizer, tag=tag, verify=verify)
     log(loaded_line(point.directory, "plain", client))
     return client
+
+
+def _layout_text(layout: dict) -> str:
+    return " x ".join(f"{k.upper()}={v}" for k, v in layout.items())
 
 
 def refuse_fresh_start_over(save_dir: str) -> None:

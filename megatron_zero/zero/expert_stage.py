@@ -71,6 +71,10 @@ class ExpertParallelStage:
     def slice_mappings(self, names=None):
         return self.dense.slice_mappings() + self.expert.slice_mappings()
 
+    def group_partition_counts(self) -> List[int]:
+        """Per group: the ranks its optimizer state is partitioned over (DP, then expert-DP)."""
+        return [self.dense.dp] * self.n_dense + [self.expert.dp] * len(self.expert.parts)
+
     def group_paddings(self) -> List[int]:
         return self.dense.group_paddings() + self.expert.group_paddings()
 
