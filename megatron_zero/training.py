@@ -271,7 +271,10 @@ class Trainer:
             policy.restore()
             self.log.close()
             return 0
-        self._log(f"training a {self.config.num_layers}-layer {architecture_name(self.config)} model on {s.layout}, "
+        experts = "" if self.config.num_experts is None else (
+            f" with {self.config.num_experts} experts per MoE layer" + (f" (EP={s.ep_size})" if s.ep_size > 1 else ""))
+        self._log(f"training a {self.config.num_layers}-layer {architecture_name(self.config)} model{experts} on "
+                  f"{s.layout}, "
                   f"ZeRO-{a.zero_stage}, {a.params_dtype}, from iteration {p.iteration}"
                   f" ({p.consumed_train_samples} samples consumed), {a.num_micro_batches} micro-batches per step")
         self._log(kernel_report())

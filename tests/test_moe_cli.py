@@ -2,14 +2,17 @@
 the switch aux loss and the z-loss; a checkpoint in DeepSpeed-MoE's layout (per-expert files) resumed at
 the same layout gives the uninterrupted run's losses bit-identically (same ranks, same operations, same
 order, on the restored weights, Adam state, schedule and data position); a resume at another expert-parallel
-size is refused in one sentence; the MoE losses are logged."""
+size, and converting it with tools/ds_to_universal.py or the checkpoint's zero_to_fp32.py, are refused in
+one sentence; the MoE losses are logged."""
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
 from megatron_zero.testing.cli import CliResume, cli_flags, text_data
-from megatron_zero.testing.launch import torchrun
+from megatron_zero.testing.launch import ROOT, torchrun
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
@@ -39,7 +42,7 @@ def test_moe_resume_at_another_expert_parallel_size_is_refused(run):
                                                               "expert-model-parallel-size": 1})
     done = torchrun(4, argv)
     assert done.returncode != 0
-    assert "reshaping MoE checkpoints is not implemented" in done.stdout + done.stderr
+    assert "reshaping MoE checkpoints" in done.stdout + done.stderr
     assert "Traceback" not in done.stdout + done.stderr
 
 
@@ -52,3 +55,14 @@ def test_moe_losses_logged(tmp_path):
     assert len(values) == 2
     for lb, z in values:  # a switch loss near 1 is balanced routing; the z-loss is a mean of squares
         assert 0.9 < float(lb) < 2.0 and float(z) > 0
+
+
+def test_moe_checkpoint_conversion_is_refused(run, tmp_path):
+    for argv in ([os.path.join(ROOT, "tools", "ds_to_universal.py"), "--input_folder", run.checkpoint,
+                  "--output_folder", str(tmp_path / "universal")],
+                 [os.path.join(run.checkpoint, "zero_to_fp32.py"), run.checkpoint, str(tmp_path / "fp32.bin")],
+                 [os.path.join(ROOT, "tools", "convert_to_hf.py"), run.checkpoint, str(tmp_path / "hf")]):
+        done = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=120)
+        assert done.returncode != 0
+        assert "MoE checkpoints" in done.stderr + done.stdout
+        assert "Traceback" not in done.stderr + done.stdout

@@ -22,7 +22,7 @@ from ...topology import Layout
 from ...zero.partition import zero3_group_offsets
 from ...model.sharding import merge_sub_params
 from ..errors import CheckpointError
-from ..format import (LAYER_FILE, MODEL_FILE, SUB_PARAMS_PATTERNS, UNIVERSAL_CHECKPOINT_INFO, ZERO3_MODEL_FILE, ZERO_FILE,
+from ..format import (EXPERT_FILE, LAYER_FILE, MODEL_FILE, SUB_PARAMS_PATTERNS, UNIVERSAL_CHECKPOINT_INFO, ZERO3_MODEL_FILE, ZERO_FILE,
                      header_tp_pp)
 from ..storage.reader import open_directory
 from .universal_info import MergeRule, merge_rule
@@ -59,6 +59,10 @@ class SourceCheckpoint:
             m = ZERO_FILE.match(f)
             if m:
                 self.zero_files[(int(m.group(2)), int(m.group(1)))] = f  # (mp, dp) -> name
+        if any(EXPERT_FILE.match(f) for f in files):
+            raise CheckpointError(f"{directory} holds MoE expert files (layer_*_expert_*); converting, consolidating "
+                                  "or reshaping MoE checkpoints is not implemented: resume it with pretrain_gpt.py at "
+                                  "the layout it was saved at")
         if not self.zero_files:
             raise CheckpointError(f"{directory} holds no ZeRO optimizer files (zero_pp_rank_*_mp_rank_*_optim_states.pt)"
                                   "; it is not a ZeRO checkpoint")
