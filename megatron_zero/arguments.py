@@ -439,6 +439,7 @@ def _validate_moe(args, tp: int, dp: int):
              "--recompute-granularity full does not cover MoE layers (--num-experts); use selective or none")
     _require(args.num_layers_per_virtual_pipeline_stage is None,
              "--num-layers-per-virtual-pipeline-stage (interleaved pipelining) with MoE layers is not implemented")
+    _require(not args.save_16bit_model, "--save-16bit-model with MoE layers (--num-experts) is not implemented")
     if ep > 1:
         _require(args.zero_stage in (1, 2), f"--expert-model-parallel-size {ep} runs with --zero-stage 1 or 2, "
                  f"not {args.zero_stage}")

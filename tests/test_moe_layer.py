@@ -109,6 +109,7 @@ MOE_ARGS = {"num_experts": 4, "moe_aux_loss_coeff": 0.01}
     ({**MOE_ARGS, "expert_model_parallel_size": 2, "zero_stage": 3}, 2, "--zero-stage 1 or 2"),
     ({**MOE_ARGS, "tensor_model_parallel_size": 2, "sequence_parallel": True}, 2, "--sequence-parallel"),
     ({**MOE_ARGS, "recompute_granularity": "full", "recompute_method": "uniform"}, 1, "recompute-granularity full"),
+    ({**MOE_ARGS, "save_16bit_model": True}, 1, "--save-16bit-model"),
 ])
 def test_moe_layouts_outside_the_implemented_are_refused(changes, world, message, capsys):
     assert message in refused(with_flags(BASE, **changes), world, capsys)
@@ -118,3 +119,17 @@ def test_moe_flags_parse():
     args = parse_args(with_flags(BASE, **MOE_ARGS, expert_model_parallel_size=2, moe_ffn_hidden_size=32),
                       world_size=2)
     assert (args.num_experts, args.expert_model_parallel_size, args.moe_ffn_hidden_size) == (4, 2, 32)
+
+
+def test_expert_parallel_stage_implements_the_protocol():
+    from megatron_zero.device import HOST
+    from megatron_zero.zero.expert_stage import ExpertParallelStage, split_expert_groups
+    from megatron_zero.zero.stage_interface import ZeroStage
+
+    model = reference_model(moe_config())
+    dense, _, expert, _ = split_expert_groups([list(model.named_parameters())], [{}])
+    assert all(".deepspeed_experts." in n for g in expert for n, _ in g)
+    assert not any(".deepspeed_experts." in n for g in dense for n, _ in g)
+    stage = ExpertParallelStage(dense, expert, None, None, 1, torch.float32, 4000, HOST)
+    assert isinstance(stage, ZeroStage)
+    assert len(stage.initial_masters) == 2 and stage.group_partition_counts() == [1, 1]
