@@ -43,7 +43,7 @@ def test_moe_resume_at_another_expert_parallel_size_is_refused(run):
                                                               "expert-model-parallel-size": 1})
     done = subprocess.run(["bash", os.path.join(ROOT, "scripts", "pretrain_torchrun.sh"), "--nproc_per_node", "4",
                            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), PRETRAIN, *argv],
-                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+                          capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable}, timeout=300)
     out = done.stdout + done.stderr
     assert done.returncode == 2, out[-3000:]
     errors = [line for line in out.splitlines() if "error:" in line]
