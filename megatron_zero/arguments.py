@@ -66,6 +66,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
 
+    g = p.add_argument_group("mixture of experts (Megatron-Core's flags; docs/moe.md)")
+    g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (none: a dense model)")
+    g.add_argument("--moe-layer-freq", type=int, default=1, help="every N-th layer (0, N, 2N, ...) is an MoE layer")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="an expert's width (default --ffn-hidden-size)")
+    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-router-pre-softmax", action="store_true",
+                   help="softmax over all experts before the top-k (default: top-k of the logits, then softmax)")
+    g.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "none", "seq_aux_loss", "sinkhorn"],
+                   default="aux_loss")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="the switch load-balancing loss's weight")
+    g.add_argument("--moe-z-loss-coeff", type=float, default=None)
+    g.add_argument("--moe-token-dispatcher-type", choices=["alltoall", "allgather"], default="alltoall",
+                   help="alltoall: variable-size all-to-all over the expert-parallel group (the one implemented)")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="ranks the experts are spread over, carved out of the data-parallel ranks")
+
     g = p.add_argument_group("memory and speed")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
                    help="recompute activations in backward: whole layers (full) or the attention core (selective)")
@@ -295,6 +311,7 @@ def validate_args(args, world_size: int):
              f"--ffn-hidden-size {args.ffn_hidden_size} is not a positive multiple of "
              f"--tensor-model-parallel-size {tp}")
     _validate_architecture(args, tp)
+    _validate_moe(args, tp, dp)
     _require(args.num_layers >= pp,
              f"--num-layers {args.num_layers} is fewer than --pipeline-model-parallel-size {pp}; "
              "every stage needs at least one layer")
@@ -442,6 +459,48 @@ def _validate_architecture(args, tp: int):
         _require(int(head_dim * args.rotary_percent) % 2 == 0,
                  f"--rotary-percent {args.rotary_percent} of head dim {head_dim} rotates an odd number of "
                  "features; RoPE rotates pairs")
+
+
+def _validate_moe(args, tp: int, dp: int):
+    """The MoE flags this trainer implements, and the layouts it runs them at (docs/moe.md)."""
+    ep, experts = args.expert_model_parallel_size, args.num_experts
+    _require(ep >= 1, f"--expert-model-parallel-size {ep} must be at least 1")
+    if experts is None:
+        _require(ep == 1, f"--expert-model-parallel-size {ep} needs MoE layers; give --num-experts")
+        return
+    _require(experts >= 1 and experts % ep == 0,
+             f"--num-experts {experts} must be a positive multiple of --expert-model-parallel-size {ep}")
+    _require(dp % ep == 0, f"--expert-model-parallel-size {ep} must divide the data-parallel size {dp}: expert "
+             "parallelism is carved out of the data-parallel ranks")
+    _require(1 <= args.moe_router_topk <= experts,
+             f"--moe-router-topk {args.moe_router_topk} must lie in 1..--num-experts {experts}")
+    _require(args.moe_layer_freq >= 1, f"--moe-layer-freq {args.moe_layer_freq} must be at least 1")
+    if args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
+    _require(args.moe_ffn_hidden_size >= 1 and args.moe_ffn_hidden_size % tp == 0,
+             f"--moe-ffn-hidden-size {args.moe_ffn_hidden_size} is not a positive multiple of "
+             f"--tensor-model-parallel-size {tp}")
+    _require(args.moe_router_load_balancing_type in ("aux_loss", "none"),
+             f"--moe-router-load-balancing-type {args.moe_router_load_balancing_type} is not implemented; "
+             "use aux_loss or none")
+    _require(args.moe_aux_loss_coeff >= 0 and (args.moe_z_loss_coeff or 0) >= 0,
+             "--moe-aux-loss-coeff and --moe-z-loss-coeff must not be negative")
+    _require(args.moe_token_dispatcher_type == "alltoall",
+             "--moe-token-dispatcher-type allgather is not implemented; use alltoall (the same result)")
+    _require(not (args.sequence_parallel and tp > 1),
+             "--sequence-parallel with MoE layers (--num-experts) is not implemented; drop --sequence-parallel")
+    _require(args.recompute_granularity != "full",
+             "--recompute-granularity full does not cover MoE layers (--num-experts); use selective or none")
+    _require(args.num_layers_per_virtual_pipeline_stage is None,
+             "--num-layers-per-virtual-pipeline-stage (interleaved pipelining) with MoE layers is not implemented")
+    _require(not args.save_16bit_model, "--save-16bit-model with MoE layers (--num-experts) is not implemented")
+    if ep > 1:
+        _require(args.zero_stage in (1, 2), f"--expert-model-parallel-size {ep} runs with --zero-stage 1 or 2, "
+                 f"not {args.zero_stage}")
+        _require(not (args.overlap_grad_reduce or args.overlap_param_gather) and args.offload == "none"
+                 and not args.zero_nvme_offload_path,
+                 f"--expert-model-parallel-size {ep} runs without --overlap-grad-reduce, --overlap-param-gather "
+                 "and optimizer offload")
 
 
 def _check_overlap(args):

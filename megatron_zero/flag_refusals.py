@@ -21,16 +21,19 @@ class Refusal:
     condition: str = ""  # the condition in words, for the documentation
 
 
-_MOE = "MoE is not available in this build; megatron_zero trains dense GPT/Llama models"
+_MOE_DS = ("DeepSpeed-MoE's capacity-based gating is not available in this build; MoE trains dropless with "
+           "Megatron-Core's flags (--num-experts, --expert-model-parallel-size, --moe-router-topk, "
+           "--moe-aux-loss-coeff): docs/moe.md")
+_GROUPED_GEMM = ("grouped GEMM for the experts is not available in this build; each local expert runs its own "
+                 "matmuls (docs/moe.md)")
 _FP8 = "FP8 needs Transformer Engine on a GPU; megatron_zero trains in bf16/fp16/fp32"
 
 REFUSED: Dict[str, Refusal] = {
-    # mixture of experts (Megatron-LM and Megatron-DeepSpeed spellings)
-    **{flag: Refusal(_MOE) for flag in (
-        "--num-experts", "--expert-model-parallel-size", "--moe-router-topk", "--moe-router-load-balancing-type",
-        "--moe-aux-loss-coeff", "--moe-grouped-gemm", "--moe-token-dispatcher-type", "--moe-expert-parallel-size",
-        "--moe-loss-coeff", "--moe-train-capacity-factor", "--moe-eval-capacity-factor", "--moe-min-capacity",
-        "--create-moe-param-group", "--disable-moe-token-dropping")},
+    # mixture of experts: Megatron-Core's flags train it (docs/moe.md); these are refused
+    "--moe-grouped-gemm": Refusal(_GROUPED_GEMM),
+    **{flag: Refusal(_MOE_DS) for flag in (
+        "--moe-expert-parallel-size", "--moe-loss-coeff", "--moe-train-capacity-factor", "--moe-eval-capacity-factor",
+        "--moe-min-capacity", "--create-moe-param-group", "--disable-moe-token-dropping")},
     # FP8
     **{flag: Refusal(_FP8) for flag in (
         "--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather")},

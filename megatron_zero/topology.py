@@ -122,16 +122,39 @@ class Layout:
         group = self.pp_group(rank)
         return sorted({group[0], group[-1]})
 
-    def all_groups(self, kind: str) -> List[List[int]]:
+    def all_groups(self, kind: str, *args) -> List[List[int]]:
         """Every group of one kind, in a fixed order (the order groups are created in)."""
         getter = getattr(self, f"{kind}_group")
         seen, groups = set(), []
         for r in range(self.world_size):
-            g = tuple(getter(r))
+            g = tuple(getter(r, *args))
             if g not in seen:
                 seen.add(g)
                 groups.append(list(g))
         return groups
+
+    # ---- expert parallelism (carved out of DP, as Megatron-Core does) ------
+    def check_expert_parallel(self, ep: int) -> None:
+        """Refuse, in one sentence, an expert-parallel size this layout cannot hold."""
+        if ep > 1 and self.cp > 1:
+            raise TopologyError(f"--expert-model-parallel-size {ep} with --context-parallel-size {self.cp} is not "
+                                "available: expert parallelism is carved out of data parallelism without context "
+                                "parallelism")
+        if not isinstance(ep, int) or ep < 1 or self.dp % ep:
+            raise TopologyError(f"--expert-model-parallel-size {ep} must divide the data-parallel size {self.dp} "
+                                f"({self}): expert parallelism is carved out of data parallelism")
+
+    def ep_group(self, rank: int, ep: int) -> List[int]:
+        """The expert-parallel group: `ep` consecutive DP ranks (dp // ep alike), each holding E / ep experts."""
+        pp, dp, tp = self.coords(rank)
+        first = dp - dp % ep
+        return [self.rank(pp, d, tp) for d in range(first, first + ep)]
+
+    def expert_dp_group(self, rank: int, ep: int) -> List[int]:
+        """The expert-data-parallel group: the DP ranks holding the same experts (dp % ep alike), over which
+        expert gradients are reduced and expert optimizer state is partitioned."""
+        pp, dp, tp = self.coords(rank)
+        return [self.rank(pp, d, tp) for d in range(dp % ep, self.dp, ep)]
 
     # ---- pipeline neighbours ----------------------------------------------
     def prev_stage_rank(self, rank: int) -> Optional[int]:
@@ -160,6 +183,17 @@ class ParallelState:
     layout: Layout
     rank: int
     groups: dict  # kind -> torch.distributed ProcessGroup
+    ep_size: int = 1  # expert-parallel size; > 1: groups has "ep" and "expert_dp"
+
+    @property
+    def ep_group(self):
+        """The expert-parallel group (None without expert parallelism)."""
+        return self.groups.get("ep")
+
+    @property
+    def expert_dp_group(self):
+        """The expert-data-parallel group (None without expert parallelism: experts reduce over DP)."""
+        return self.groups.get("expert_dp")
 
     @property
     def tp_rank(self) -> int:
@@ -250,8 +284,9 @@ class ParallelState:
         return self.layout.next_stage_rank(self.rank)
 
 
-def build_parallel_state(tp: int = 1, pp: int = 1, cp: int = 1) -> ParallelState:
-    """Create every group on an initialised torch.distributed world.
+def build_parallel_state(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> ParallelState:
+    """Create every group on an initialised torch.distributed world (with ep > 1 also the expert-parallel
+    and expert-data-parallel groups, after the others).
 
     Every rank must call this with the same sizes: each group is created by all
     ranks in the same order, as torch.distributed requires.
@@ -262,6 +297,7 @@ def build_parallel_state(tp: int = 1, pp: int = 1, cp: int = 1) -> ParallelState
         raise RuntimeError("build_parallel_state needs torch.distributed initialised first "
                            "(megatron_zero.distributed.init_distributed)")
     layout = Layout.from_world(dist.get_world_size(), tp=tp, pp=pp, cp=cp)
+    layout.check_expert_parallel(ep)
     rank = dist.get_rank()
     groups = {}
     for kind in GROUP_KINDS + (("cp",) if cp > 1 else ()):
@@ -270,7 +306,14 @@ def build_parallel_state(tp: int = 1, pp: int = 1, cp: int = 1) -> ParallelState
             group = dist.new_group(ranks)
             if ranks == mine:
                 groups[kind] = group
-    return ParallelState(layout=layout, rank=rank, groups=groups)
+    if ep > 1:
+        for kind in ("ep", "expert_dp"):
+            mine = getattr(layout, f"{kind}_group")(rank, ep)
+            for ranks in layout.all_groups(kind, ep):
+                group = dist.new_group(ranks)
+                if ranks == mine:
+                    groups[kind] = group
+    return ParallelState(layout=layout, rank=rank, groups=groups, ep_size=ep)
 
 
 def build_hpz_group(layout: Layout, rank: int, size: int):

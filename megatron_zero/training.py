@@ -35,7 +35,7 @@ from .logger import format_eval_line
 from .throughput import gpt_flops_per_iteration
 from .lr_schedule import build_lr_schedule
 from .model.architecture import architecture_kwargs
-from .model.config import GPTConfig
+from .model.config import MOE_FIELDS, GPTConfig
 from .ops import kernel_report, require_fused_kernels, set_fusion_flags
 from .pipeline.gpt_stage import (activation_shape, build_gpt_stage, grad_reduce_arming, make_forward_step,
                                  stage_p2p, sync_tied_embedding_grads)
@@ -50,6 +50,8 @@ from .tensor_parallel.random import model_parallel_seed
 from .timers import TimedCalls
 from .topology import build_hpz_group, build_parallel_state
 from .training_log import TrainingLog, architecture_name
+from .moe import reset_aux_losses, set_aux_loss_scale
+from .moe.metrics import MoEMetrics
 from .zero import ZeroOptimizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -96,6 +98,7 @@ class Trainer:
             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, hidden_dropout=args.hidden_dropout,
             attention_dropout=args.attention_dropout, layernorm_epsilon=args.layernorm_epsilon,
             init_method_std=args.init_method_std, seed=args.seed, **architecture_kwargs(vars(args)),
+            **{k: getattr(args, k) for k in MOE_FIELDS},
             recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
             recompute_num_layers=args.recompute_num_layers, attention_backend=args.attention_backend,
             sequence_parallel=args.sequence_parallel, cp_comm_type=args.cp_comm_type)
@@ -119,7 +122,9 @@ class Trainer:
             hpz_group=build_hpz_group(state.layout, state.rank, args.zero_hpz_partition_size)
             if args.zero_hpz_partition_size > 1 else None, device=self.device,
             grad_reduce_in_bf16=args.grad_reduce_in_bf16,
-            cpu_optimizer_threads=args.cpu_optimizer_threads)
+            cpu_optimizer_threads=args.cpu_optimizer_threads, expert_dp_group=state.expert_dp_group)
+        moe_layers = sum(self.config.is_moe_layer(b) for b in range(self.config.num_layers))
+        self.moe_metrics = MoEMetrics(moe_layers, self.device) if moe_layers else None
         self.lr_schedule = build_lr_schedule(args)
         self.progress = TrainState()
         self.p2p = stage_p2p(state, activation_shape(args.micro_batch_size, self.config, state.tp_size, state.cp_size),
@@ -179,6 +184,7 @@ class Trainer:
         backward counts), rides in the step's norm all-reduce; the sums are left in optimizer.summed_votes."""
         s, timers = self.state, self.log.timers
         self.model.train()
+        set_aux_loss_scale(self.optimizer.loss_scale / len(micro))  # the MoE losses weigh as the LM loss does
         with timers("forward-backward", 1):
             step = timers.timed(make_forward_step(self.model, micro, s), "forward-compute", 2)
             losses = self.forward_backward(step, len(micro), self.train_p2p, s.pp_rank, s.pp_size,
@@ -199,6 +205,7 @@ class Trainer:
     def evaluate(self):
         s, a = self.state, self.args
         self.model.eval()
+        reset_aux_losses()
         total = 0.0
         for k in range(a.eval_iters):
             micro = self._micro_batches(self.valid_ds, k * a.global_batch_size)
@@ -206,6 +213,7 @@ class Trainer:
                                            s.pp_rank, s.pp_size, forward_only=True)
             total += broadcast_loss(losses, s.is_last_stage, s.layout.pp_group(s.rank)[-1], s.pp_group,
                                     s.dp_group, self.device)
+        reset_aux_losses()  # evaluation's MoE losses are not the training log's
         return total / max(1, a.eval_iters)
 
     # ---- checkpoints -----------------------------------------------------------------
@@ -301,7 +309,10 @@ class Trainer:
             self.hooks.close()
             self.log.close()
             return 0
-        self._log(f"training a {self.config.num_layers}-layer {architecture_name(self.config)} model on {s.layout}, "
+        experts = "" if self.config.num_experts is None else (
+            f" with {self.config.num_experts} experts per MoE layer" + (f" (EP={s.ep_size})" if s.ep_size > 1 else ""))
+        self._log(f"training a {self.config.num_layers}-layer {architecture_name(self.config)} model{experts} on "
+                  f"{s.layout}, "
                   f"ZeRO-{a.zero_stage}, {a.params_dtype}, from iteration {p.iteration}"
                   f" ({p.consumed_train_samples} samples consumed), {a.num_micro_batches} micro-batches per step")
         self._log(kernel_report())
@@ -321,6 +332,8 @@ class Trainer:
             self.hooks.after_step(p.iteration)
             self.log.iteration(p, loss, lr, grad_norm, self.optimizer.loss_scale, updated,
                                self.optimizer.params_norm)
+            if self.moe_metrics is not None:
+                self._log_moe(p)
             save_now = a.save and a.save_interval and p.iteration % a.save_interval == 0
             save_weights_now = (not save_now and a.save and a.save_weights_interval
                                 and p.iteration % a.save_weights_interval == 0)
@@ -372,6 +385,17 @@ class Trainer:
         raise RunStopped(f"training stopped after iteration {iteration} because it has stopped learning: {why}; "
                          f"{last}, and nothing after it was saved")
 
+    def _log_moe(self, p: TrainState):
+        """The MoE losses: added up each iteration, reported (a collective) at each log line."""
+        a, s = self.args, self.state
+        self.moe_metrics.iteration(a.num_micro_batches)
+        if p.iteration % a.log_interval != 0 and p.iteration != a.train_iters:
+            return
+        values = self.moe_metrics.report(s.pp_group, s.dp_group, s.dp_size)
+        for name, value in values.items():
+            self.log.scalars.scalar(name, value, p.iteration, p.consumed_train_samples)
+        self._log(f" iteration {p.iteration:8d} | " + " | ".join(f"{k}: {v:.6E}" for k, v in values.items()) + " |")
+
     def _log(self, line: str):
         if self.is_writer:
             print(line, flush=True)
@@ -393,7 +417,7 @@ def pretrain(argv=None) -> int:
         init_distributed(backend, args.distributed_timeout_minutes)
         lock = hold_save_lock(args.save) if args.save else None
         state = build_parallel_state(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                     args.context_parallel_size)
+                                     cp=args.context_parallel_size, ep=args.expert_model_parallel_size)
         trainer = Trainer(args, state, device)
         code = trainer.train()
     except (ArgumentError, LaunchError, DeviceError, DataError, ckpt.CheckpointError, RunStopped) as err:

@@ -38,6 +38,7 @@ ZERO_FILE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim
 MODEL_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 ZERO3_MODEL_FILE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
+EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 
 
 def model_states_name(mp_rank: int, zero_stage: int, dp_rank: int = 0) -> str:
@@ -52,6 +53,11 @@ def optim_states_name(dp_rank: int, mp_rank: int, bf16: bool = False) -> str:
 
 def layer_file_name(layer_index: int, tp_rank: int) -> str:
     return f"layer_{layer_index:02d}-model_{tp_rank:02d}-model_states.pt"
+
+
+def expert_file_name(moe_layer: int, expert: int, mp_rank: int) -> str:
+    """DeepSpeed-MoE's per-expert file: `moe_layer` counts the model's MoE layers from 0, `expert` is global."""
+    return f"layer_{moe_layer}_expert_{expert}_mp_rank_{mp_rank:02d}_model_states.pt"
 
 
 def header_args(head: dict) -> dict:

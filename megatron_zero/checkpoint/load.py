@@ -25,6 +25,7 @@ from ..device import HOST
 from ..topology import ParallelState
 from .deepspeed_layout import EMBED_PREFIX, param_shapes
 from .errors import CheckpointError
+from .expert_layout import expert_files, is_expert_param
 from .megatron_deepspeed import client_from_megatron_deepspeed, is_megatron_deepspeed_client
 from .format import LATEST, layer_file_name, model_states_name, optim_states_name, rank_rng_state
 from .storage.reader import Checkpoint, open_checkpoint
@@ -38,12 +39,12 @@ ENGINE_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_pa
 def _check_layout(ckpt: Checkpoint, states: dict, name: str, state: ParallelState, need_same_dp: bool):
     saved = ckpt.meta.get("layout") or {"dp": states.get("dp_world_size"), "mp": states.get("mp_world_size")}
     lay = state.layout
-    here = {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "cp": lay.cp}
+    here = {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "ep": getattr(state, "ep_size", 1)}
     if "tp" in saved:
-        saved = {"cp": 1, **saved}
-        differs = [k for k in ("tp", "pp") + (("dp", "cp") if need_same_dp else ()) if saved[k] != here[k]]
+        saved = {"cp": 1, "ep": 1, **saved}
+        differs = [k for k in ("tp", "pp", "ep") + (("dp", "cp") if need_same_dp else ()) if saved[k] != here[k]]
         what = f"TP={saved['tp']} x PP={saved['pp']} x DP={saved['dp']}" + (
-            f" x CP={saved['cp']}" if saved["cp"] > 1 else "")
+            f" x CP={saved['cp']}" if saved["cp"] > 1 else "") + (f" x EP={saved['ep']}" if saved["ep"] > 1 else "")
     else:
         differs = (["mp"] if saved["mp"] != lay.mp_size else []) + (["dp"] if need_same_dp and
                                                                     saved["dp"] != lay.dp_cp else [])
@@ -55,9 +56,12 @@ def _check_layout(ckpt: Checkpoint, states: dict, name: str, state: ParallelStat
 
 
 def _check_shapes(saved_groups, model, optimizer, path: str):
+    """The non-expert parameters against the file's param_shapes (it lists the experts of the rank that wrote
+    it; each expert file's shapes are checked as it loads)."""
     named = dict(model.named_parameters())
-    saved = OrderedDict((n, tuple(s)) for g in saved_groups for n, s in g.items())
-    mine = OrderedDict((n, tuple(s)) for g in param_shapes(optimizer, named) for n, s in g.items())
+    saved = OrderedDict((n, tuple(s)) for g in saved_groups for n, s in g.items() if not is_expert_param(n))
+    mine = OrderedDict((n, tuple(s)) for g in param_shapes(optimizer, named) for n, s in g.items()
+                       if not is_expert_param(n))
     diffs = [f"{n} {list(saved[n])} in the checkpoint vs {list(mine[n])} here" for n in mine
              if n in saved and saved[n] != mine[n]]
     diffs += [f"{n} missing from the checkpoint" for n in mine if n not in saved]
@@ -68,7 +72,21 @@ def _check_shapes(saved_groups, model, optimizer, path: str):
                               f"parameters differ: {shown}); build the model with the checkpoint's arguments")
 
 
-def _load_layers(ckpt: Checkpoint, model, tp_rank: int, device: torch.device):
+def _load_experts(ckpt: Checkpoint, model, mp_rank: int, device: torch.device, sd: OrderedDict):
+    """This rank's experts from their DeepSpeed-MoE files into `sd`, shapes checked."""
+    mine = OrderedDict((k, v) for k, v in model.state_dict().items() if is_expert_param(k))
+    for name, tensors in expert_files(mine, model.config, mp_rank).items():
+        ckpt.require(name, "an expert of this rank")
+        for k, v in ckpt.load(name, device=device).items():
+            if k in tensors and tuple(v.shape) != tuple(tensors[k].shape):
+                raise CheckpointError(f"the checkpoint file {ckpt.path(name)} holds {k} of shape {list(v.shape)}, "
+                                      f"this model {list(tensors[k].shape)}; build the model with the "
+                                      "checkpoint's arguments")
+            if k in tensors:
+                sd[k] = v
+
+
+def _load_layers(ckpt: Checkpoint, model, tp_rank: int, device: torch.device, mp_rank: int = 0):
     indices = list(model.layer_indices)
     if hasattr(model, "tied_modules") and 1 not in indices:
         indices = [1] + indices  # a last stage's copy of the tied embedding comes from layer_01
@@ -80,6 +98,8 @@ def _load_layers(ckpt: Checkpoint, model, tp_rank: int, device: torch.device):
         prefix = EMBED_PREFIX if i == 1 and hasattr(model, "tied_modules") else f"{i}."
         for k, v in ckpt.load(name, device=device).items():
             sd[prefix + k] = v
+    if model.config.num_experts is not None:
+        _load_experts(ckpt, model, mp_rank, device, sd)
     missing = [k for k in model.state_dict() if k not in sd]
     if missing:
         from .deepspeed_layout import layer_of
@@ -126,7 +146,7 @@ def load_checkpoint(load_dir: str, state: ParallelState, model, optimizer, load_
     _check_layout(ckpt, states, ms_name, state, need_same_dp=load_optimizer or stage == 3)
     _check_shapes(states["param_shapes"], model, optimizer, ckpt.path(ms_name))
     if stage < 3:
-        _load_layers(ckpt, model, state.tp_rank, model_device)
+        _load_layers(ckpt, model, state.tp_rank, model_device, mp)
     bf16 = optimizer.dtype == torch.bfloat16
     opt_name = optim_states_name(dp, mp, bf16)
     if not ckpt.has(opt_name) and ckpt.has(optim_states_name(dp, mp, not bf16)):

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..topology import ParallelState
+from .expert_layout import expert_files, without_experts
 from .deepspeed_layout import assign_layers_to_dp, engine_state, layer_state_dicts, universal_checkpoint_info
 from .megatron_deepspeed_save import megatron_deepspeed_plan
 from .format import CHECKPOINT_VERSION, DS_VERSION, layer_file_name, model_states_name, optim_states_name
@@ -84,7 +85,12 @@ def build_plan(iteration: int, state: ParallelState, model, optimizer, client: d
         states.update({k: v for k, v in client.items() if k not in states})
         plan.append((model_states_name(mp, stage, dp_rank), states))
     if stage < 3:
-        layers = layer_state_dicts(model.state_dict(), model.layer_indices)
+        model_sd = model.state_dict()
+        if config.num_experts is not None:  # experts in their own files, by the first rank of their expert-DP group
+            if dp_rank < state.ep_size:
+                plan += list(expert_files(model_sd, config, mp).items())
+            model_sd = without_experts(model_sd)
+        layers = layer_state_dicts(model_sd, model.layer_indices)
         nbytes = {i: sum(t.numel() * t.element_size() for t in sd.values()) for i, sd in layers.items()}
         owner = assign_layers_to_dp(nbytes, state.dp_size)
         plan += [(layer_file_name(i, tp), sd) for i, sd in layers.items() if owner[i] == dp_rank]
@@ -96,12 +102,13 @@ def build_plan(iteration: int, state: ParallelState, model, optimizer, client: d
 
 def saved_layout(state: ParallelState, model) -> dict:
     """The layout a checkpoint records (and a resume compares): TP, PP, DP, the model chunks per
-    pipeline rank ("vp") of an interleaved pipeline, and the context-parallel size ("cp": the ZeRO files
-    then number DP x CP per model-parallel rank)."""
+    pipeline rank ("vp") of an interleaved pipeline, the context-parallel size ("cp": the ZeRO files
+    then number DP x CP per model-parallel rank) and the expert-parallel size ("ep"), each above 1."""
     layout = state.layout
     vp = len(getattr(model, "chunks", [None]))
+    ep = getattr(state, "ep_size", 1)
     return {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, **({"vp": vp} if vp > 1 else {}),
-            **({"cp": layout.cp} if layout.cp > 1 else {})}
+            **({"cp": layout.cp} if layout.cp > 1 else {}), **({"ep": ep} if ep > 1 else {})}
 
 
 def save_checkpoint(save_dir: str, iteration: int, state: ParallelState, model, optimizer, client_state: dict,

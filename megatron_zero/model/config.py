@@ -17,6 +17,7 @@ RECOMPUTE_METHODS = ("uniform", "block")
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
+MOE_LOAD_BALANCING_TYPES = ("aux_loss", "none")
 
 
 def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
@@ -48,6 +49,15 @@ class GPTConfig:
     num_query_groups: Optional[int] = None           # None -> num_attention_heads (no grouping)
     untie_embeddings_and_output_weights: bool = False
     add_bias_linear: bool = True
+    # mixture of experts (Megatron-Core's names; megatron_zero/moe/): None -> every layer has a dense MLP
+    num_experts: Optional[int] = None
+    moe_layer_freq: int = 1                          # every N-th layer (0, N, 2N, ...) is an MoE layer
+    moe_ffn_hidden_size: Optional[int] = None        # None -> ffn_hidden_size
+    moe_router_topk: int = 2
+    moe_router_pre_softmax: bool = False             # softmax over all experts, then top-k (else top-k, softmax)
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: Optional[float] = None
     # memory and speed (model/recompute.py, model/attention_core.py, sequence parallelism): none of
     # these changes a parameter, so checkpoints never record or need them
     recompute_granularity: Optional[str] = None  # None, 'full' or 'selective'
@@ -62,6 +72,9 @@ class GPTConfig:
             self.ffn_hidden_size = default_ffn_hidden_size(self.hidden_size, self.swiglu)
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        self._check_moe()
         if self.normalization not in NORMALIZATIONS:
             raise ValueError(f"normalization {self.normalization!r} is not one of {NORMALIZATIONS}")
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
@@ -91,6 +104,28 @@ class GPTConfig:
         if self.position_embedding_type == "rope" and self.rotary_dim % 2 != 0:
             raise ValueError(f"rotary_percent {self.rotary_percent} of head_dim {self.head_dim} gives an odd "
                              f"rotary dimension {self.rotary_dim}; RoPE rotates pairs")
+
+    def _check_moe(self) -> None:
+        if self.num_experts is None:
+            return
+        if self.num_experts < 1:
+            raise ValueError(f"num_experts {self.num_experts} must be at least 1")
+        if not 1 <= self.moe_router_topk <= self.num_experts:
+            raise ValueError(f"moe_router_topk {self.moe_router_topk} must lie in 1..num_experts ({self.num_experts})")
+        if self.moe_layer_freq < 1:
+            raise ValueError(f"moe_layer_freq {self.moe_layer_freq} must be at least 1")
+        if self.moe_router_load_balancing_type not in MOE_LOAD_BALANCING_TYPES:
+            raise ValueError(f"moe_router_load_balancing_type {self.moe_router_load_balancing_type!r} is not one "
+                             f"of {MOE_LOAD_BALANCING_TYPES}")
+
+    def is_moe_layer(self, block: int) -> bool:
+        """Whether transformer block `block` (0-based) has an MoE layer in place of its MLP (Megatron-Core's
+        --moe-layer-freq N: blocks 0, N, 2N, ...)."""
+        return self.num_experts is not None and block % self.moe_layer_freq == 0
+
+    def moe_mlp_in_size(self) -> int:
+        """Rows of an expert's dense_h_to_4h: [gate; up] with SwiGLU, else moe_ffn_hidden_size."""
+        return 2 * self.moe_ffn_hidden_size if self.swiglu else self.moe_ffn_hidden_size
 
     @property
     def head_dim(self) -> int:
@@ -125,7 +160,10 @@ class GPTConfig:
 
     def check_tp(self, tp: int) -> None:
         """Raise one clear sentence if this model cannot be split `tp` ways."""
-        for what, n in (("num_attention_heads", self.num_attention_heads), ("ffn_hidden_size", self.ffn_hidden_size)):
+        sizes = [("num_attention_heads", self.num_attention_heads), ("ffn_hidden_size", self.ffn_hidden_size)]
+        if self.num_experts is not None:
+            sizes.append(("moe_ffn_hidden_size", self.moe_ffn_hidden_size))
+        for what, n in sizes:
             if n % tp != 0:
                 raise ValueError(f"{what} {n} is not divisible by the tensor-parallel size {tp}")
         groups = self.num_query_groups
@@ -133,6 +171,14 @@ class GPTConfig:
             raise ValueError(f"num_query_groups {groups} and the tensor-parallel size {tp} must divide one another")
         if self.qkv_size % tp != 0:
             raise ValueError(f"the fused QKV size {self.qkv_size} is not divisible by the tensor-parallel size {tp}")
+        if self.sequence_parallel and self.num_experts is not None and tp > 1:
+            raise ValueError("--sequence-parallel with MoE layers (--num-experts) is not supported; "
+                             "drop --sequence-parallel")
         if self.sequence_parallel and self.seq_length % tp != 0:
             raise ValueError(f"seq_length {self.seq_length} is not divisible by the tensor-parallel size {tp}, "
                              "which sequence parallelism splits it over")
+
+
+# the MoE fields a run's arguments set (arguments.py's flags of the same names)
+MOE_FIELDS = ("num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_pre_softmax",
+              "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff")

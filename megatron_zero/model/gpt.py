@@ -7,6 +7,7 @@
                                                               # model chunks, run by forward(x, chunk=k)
     stage = GPTModel(config, tp_group, layer_indices, cp_group=cp_group)  # context-parallel: inputs are
                                                               # this CP rank's chunks (context_parallel/)
+    model = GPTModel(moe_config, tp_group, ep_group=ep_group)   # MoE layers' experts over EP ranks
 
 Layers carry Megatron-DeepSpeed's global indices (see layer_indices.py), so parameter
 names are the same whatever the layout. `tp_group=None` is TP=1 with no
@@ -23,14 +24,14 @@ from ..tensor_parallel import vocab_parallel_cross_entropy
 from ..tensor_parallel.utils import tp_rank_in, tp_world_size
 from .config import GPTConfig
 from .init import initialize_parameters
-from .layer_indices import EMBEDDING_INDEX, holds_embedding, is_block_index, layer_kind, lm_head_index, num_pipeline_layers
+from .layer_indices import EMBEDDING_INDEX, block_number, holds_embedding, is_block_index, layer_kind, lm_head_index, num_pipeline_layers
 from .recompute import run_layers
 from .transformer import Embedding, LMHead, ParallelTransformerLayer, build_norm
 
 
 class GPTModel(nn.Module):
     def __init__(self, config: GPTConfig, tp_group=None, layer_indices: Optional[Iterable[int]] = None,
-                 cp_group=None):
+                 cp_group=None, ep_group=None):
         super().__init__()
         L = config.num_layers
         self.config, self.tp_group, self.cp_group = config, tp_group, cp_group
@@ -51,7 +52,8 @@ class GPTModel(nn.Module):
             if kind == "embedding" and not self.tied:
                 self.add_module(str(i), Embedding(config, tp_group, cp_group))
             elif kind == "block":
-                self.add_module(str(i), ParallelTransformerLayer(config, tp_group, cp_group))
+                self.add_module(str(i), ParallelTransformerLayer(config, tp_group, cp_group, block_number(i),
+                                                                 ep_group))
             elif kind == "final_norm":
                 self.add_module(str(i), build_norm(config, tp_group))
             elif kind == "lm_head" and not self.tied:

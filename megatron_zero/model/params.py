@@ -10,6 +10,10 @@ Names are Megatron-DeepSpeed's pipeline names (GPTModelPipe):
 Block parameters are `{i}.<suffix>` with the suffixes of BLOCK_PARAMS; the config decides which
 exist (no `*.bias` of a linear layer with add_bias_linear=False, no norm bias with RMSNorm).
 The final norm is `{L+2}.weight` (and `{L+2}.bias` for LayerNorm).
+An MoE block (config.is_moe_layer) has, in place of `mlp.*`, DeepSpeed-MoE's names with global expert ids
+(the same whatever the expert-parallel layout): `mlp.deepspeed_moe.gate.wg.weight` [E, h] (the router,
+replicated) and per expert e `mlp.deepspeed_moe.experts.deepspeed_experts.{e}.dense_h_to_4h.*` /
+`.dense_4h_to_h.*`, split across TP as the dense MLP's, of width moe_ffn_hidden_size.
 
 The full shape of a vocabulary tensor is the *unpadded* one, [config.vocab_size, h]; padding
 to `config.padded_vocab_size(tp)` happens when a full tensor is sharded. Two full layouts
@@ -25,7 +29,8 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from .config import GPTConfig
-from .layer_indices import (EMBEDDING_INDEX, final_norm_index, is_block_index, lm_head_index, num_pipeline_layers)
+from .layer_indices import (EMBEDDING_INDEX, block_number, final_norm_index, is_block_index, lm_head_index,
+                            num_pipeline_layers)
 
 WORD_EMBEDDINGS = "tied_modules.embed.word_embeddings.weight"
 POSITION_EMBEDDINGS = "tied_modules.embed.position_embeddings.weight"
@@ -50,6 +55,21 @@ BLOCK_PARAMS = {
     "mlp.dense_4h_to_h.bias": (None, "zeros"),
 }
 _NORM_BIASES = ("input_layernorm.bias", "post_attention_layernorm.bias")
+MOE_ROUTER_SUFFIX = "mlp.deepspeed_moe.gate.wg.weight"
+MOE_EXPERT_PREFIX = "mlp.deepspeed_moe.experts.deepspeed_experts."
+
+
+def expert_suffix(expert: int, mlp_suffix: str) -> str:
+    """`mlp.dense_h_to_4h.weight` of expert `expert` -> its name within an MoE block."""
+    return f"{MOE_EXPERT_PREFIX}{expert}.{mlp_suffix[len('mlp.'):]}"
+
+
+def parse_expert_suffix(suffix: str):
+    """(expert id, the dense MLP's suffix) of an expert parameter's suffix, or None."""
+    if not suffix.startswith(MOE_EXPERT_PREFIX):
+        return None
+    expert, _, rest = suffix[len(MOE_EXPERT_PREFIX):].partition(".")
+    return (int(expert), "mlp." + rest) if expert.isdigit() else None
 
 
 @dataclass(frozen=True)
@@ -79,8 +99,22 @@ def lm_head_name(config: GPTConfig) -> Optional[str]:
     return f"{lm_head_index(config.num_layers)}.{LM_HEAD_SUFFIX}"
 
 
-def block_suffixes(config: GPTConfig) -> List[str]:
-    """The suffixes of BLOCK_PARAMS a block of this config has, in module order."""
+def block_suffixes(config: GPTConfig, layer_index: Optional[int] = None) -> List[str]:
+    """The suffixes a block of this config has, in module order: those of BLOCK_PARAMS, with an MoE block's
+    router and experts in place of `mlp.*` (`layer_index`: the block's global index; None: a dense block)."""
+    out = []
+    for suffix in _dense_block_suffixes(config):
+        if suffix.startswith("mlp.") and layer_index is not None and config.is_moe_layer(block_number(layer_index)):
+            continue
+        out.append(suffix)
+    if layer_index is not None and config.is_moe_layer(block_number(layer_index)):
+        mlp = [s for s in _dense_block_suffixes(config) if s.startswith("mlp.")]
+        out.append(MOE_ROUTER_SUFFIX)
+        out += [expert_suffix(e, s) for e in range(config.num_experts) for s in mlp]
+    return out
+
+
+def _dense_block_suffixes(config: GPTConfig) -> List[str]:
     out = []
     for suffix in BLOCK_PARAMS:
         if suffix in _NORM_BIASES and not config.has_norm_bias:
@@ -91,8 +125,11 @@ def block_suffixes(config: GPTConfig) -> List[str]:
     return out
 
 
-def _block_shape(suffix: str, c: GPTConfig) -> Tuple[int, ...]:
+def _block_shape(suffix: str, c: GPTConfig, expert: bool = False) -> Tuple[int, ...]:
     h = c.hidden_size
+    if expert:
+        return {"mlp.dense_h_to_4h.weight": (c.moe_mlp_in_size(), h), "mlp.dense_h_to_4h.bias": (c.moe_mlp_in_size(),),
+                "mlp.dense_4h_to_h.weight": (h, c.moe_ffn_hidden_size)}.get(suffix, (h,))
     return {
         "self_attention.query_key_value.weight": (c.qkv_size, h),
         "self_attention.query_key_value.bias": (c.qkv_size,),
@@ -115,7 +152,15 @@ def param_spec(name: str, config: GPTConfig) -> ParamSpec:
     index, _, suffix = name.partition(".")
     if index.isdigit():
         i = int(index)
-        if is_block_index(i, config.num_layers) and suffix in block_suffixes(config):
+        if is_block_index(i, config.num_layers) and suffix in block_suffixes(config, i):
+            if suffix == MOE_ROUTER_SUFFIX:
+                return ParamSpec(name, (config.num_experts, h), None, "normal")
+            expert = parse_expert_suffix(suffix)
+            if expert is not None:
+                mlp = expert[1]
+                dim, init = BLOCK_PARAMS[mlp]
+                sub_params = 2 if config.swiglu and mlp in SWIGLU_SUFFIXES else 1
+                return ParamSpec(name, _block_shape(mlp, config, expert=True), dim, init, sub_params=sub_params)
             dim, init = BLOCK_PARAMS[suffix]
             sub_params = 2 if config.swiglu and suffix in SWIGLU_SUFFIXES else 1
             return ParamSpec(name, _block_shape(suffix, config), dim, init, sub_params=sub_params)
@@ -130,7 +175,7 @@ def layer_param_names(layer_index: int, config: GPTConfig) -> List[str]:
     if layer_index == EMBEDDING_INDEX:
         return [n for n in (word_embeddings_name(config), position_embeddings_name(config)) if n]
     if is_block_index(layer_index, L):
-        return [f"{layer_index}.{suffix}" for suffix in block_suffixes(config)]
+        return [f"{layer_index}.{suffix}" for suffix in block_suffixes(config, layer_index)]
     if layer_index == final_norm_index(L):
         return [f"{layer_index}.weight"] + ([f"{layer_index}.bias"] if config.has_norm_bias else [])
     if layer_index == lm_head_index(L) and config.untie_embeddings_and_output_weights:

@@ -253,14 +253,16 @@ def expand_kv_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 class ParallelMLP(nn.Module):
-    """h -> ffn (column-parallel) -> GeLU, or SwiGLU over [gate; up] -> h (row-parallel)."""
+    """h -> ffn (column-parallel) -> GeLU, or SwiGLU over [gate; up] -> h (row-parallel).
+    `ffn_hidden_size`: another width than the config's (an MoE expert's)."""
 
-    def __init__(self, config: GPTConfig, tp_group=None):
+    def __init__(self, config: GPTConfig, tp_group=None, ffn_hidden_size=None):
         super().__init__()
-        h, f, bias = config.hidden_size, config.ffn_hidden_size, config.add_bias_linear
+        h, f, bias = config.hidden_size, ffn_hidden_size or config.ffn_hidden_size, config.add_bias_linear
         self.swiglu = config.swiglu
         sp = sequence_parallel_active(config, tp_group)
-        self.dense_h_to_4h = ColumnParallelLinear(h, config.mlp_in_size, tp_group, bias=bias, skip_bias_add=True,
+        self.dense_h_to_4h = ColumnParallelLinear(h, 2 * f if self.swiglu else f, tp_group, bias=bias,
+                                                  skip_bias_add=True,
                                                   params_dtype=config.params_dtype, sequence_parallel=sp)
         self.dense_4h_to_h = RowParallelLinear(f, h, tp_group, bias=bias, input_is_parallel=True,
                                                params_dtype=config.params_dtype, sequence_parallel=sp)
@@ -278,16 +280,22 @@ class ParallelTransformerLayer(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then + drop(mlp(norm(.))).
 
     Hidden dropout is replicated over TP, or with sequence parallelism drawn per rank on its chunk.
+    Block `block` (0-based) has an MoE layer as its `mlp` where config.is_moe_layer(block) (its experts
+    spread over `ep_group`, None: all here).
     """
 
-    def __init__(self, config: GPTConfig, tp_group=None, cp_group=None):
+    def __init__(self, config: GPTConfig, tp_group=None, cp_group=None, block: int = 0, ep_group=None):
         super().__init__()
         self.hidden_dropout = config.hidden_dropout
         self.sequence_parallel = sequence_parallel_active(config, tp_group)
         self.input_layernorm = build_norm(config, tp_group)
         self.self_attention = ParallelAttention(config, tp_group, cp_group)
         self.post_attention_layernorm = build_norm(config, tp_group)
-        self.mlp = ParallelMLP(config, tp_group)
+        if config.is_moe_layer(block):
+            from ..moe import MoELayer
+            self.mlp = MoELayer(config, tp_group, ep_group, ParallelMLP)
+        else:
+            self.mlp = ParallelMLP(config, tp_group)
 
     def forward(self, x):
         p, sp = self.hidden_dropout, self.sequence_parallel

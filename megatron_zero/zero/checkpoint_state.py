@@ -41,7 +41,9 @@ def state_dict(opt) -> dict:
         paddings = opt.impl.group_paddings()
         lean = [m.data[:m.numel() - pad] for m, pad in zip(masters, paddings)]
         # DeepSpeed's stage 1/2 records one partition count per param group (its ds_to_universal needs the list)
-        common["partition_count"] = [opt.partition_count] * len(masters)
+        # (with expert parallelism the expert groups' count is the expert-DP size: zero/expert_stage.py)
+        counts = getattr(opt.impl, "group_partition_counts", None)
+        common["partition_count"] = counts() if counts else [opt.partition_count] * len(masters)
         return {**common, "zero_stage": opt.stage, "clip_grad": opt.clip_grad,
                 "base_optimizer_state": base, "single_partition_of_fp32_groups": lean,
                 "param_slice_mappings": opt.param_slice_mappings(), "group_paddings": paddings}

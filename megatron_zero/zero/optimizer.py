@@ -61,7 +61,7 @@ class ZeroOptimizer:
                  overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
                  quantized_weights: bool = False, quantized_gradients: bool = False, hpz_group=None,
                  device: Optional[torch.device] = None, grad_reduce_in_bf16: bool = False,
-                 cpu_optimizer_threads: Optional[int] = None):
+                 cpu_optimizer_threads: Optional[int] = None, expert_dp_group=None):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
         self.stage, self.dtype, self.clip_grad = stage, _dtype(dtype), float(clip_grad or 0.0)
@@ -76,7 +76,17 @@ class ZeroOptimizer:
         reduce_dtype = torch.bfloat16 if grad_reduce_in_bf16 else torch.float32
         if stage == 3 and grad_reduce_in_bf16:
             raise ValueError("grad_reduce_in_bf16 applies to ZeRO stages 0-2")
-        if stage == 3:
+        if expert_dp_group is not None:  # expert parallelism: expert parameters over their own group
+            from .expert_stage import ExpertParallelStage, split_expert_groups
+            if stage not in (1, 2) or overlap_grad_reduce or overlap_param_gather or offload != "none":
+                raise ValueError("expert parallelism (--expert-model-parallel-size > 1) runs with ZeRO stage 1 or 2, "
+                                 "without --overlap-grad-reduce, --overlap-param-gather or optimizer offload")
+            dense, hparams, expert, expert_hp = split_expert_groups(self.named_groups, hparams)
+            self.named_groups, hparams = dense + expert, hparams + expert_hp
+            self.names = [[n for n, _ in g] for g in self.named_groups]
+            self.impl = ExpertParallelStage(dense, expert, dp_group, expert_dp_group, stage, self.dtype,
+                                            bucket_size, self.device, grad_reduce_dtype=reduce_dtype)
+        elif stage == 3:
             from .stage3 import Stage3
             from .stage3_zeropp import Stage3ZeroPP
             zeropp = {"quantized_weights": quantized_weights, "quantized_gradients": quantized_gradients,

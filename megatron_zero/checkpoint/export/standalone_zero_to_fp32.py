@@ -183,6 +183,9 @@ def _matches(patterns, name):
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None, verify=True):
     path = _resolve(checkpoint_dir, tag)
+    if any(re.match(r"^layer_\d+_expert_\d+_mp_rank_\d+_model_states\.pt$", f) for f in os.listdir(path)):
+        raise ValueError(f"{path} holds MoE expert files (layer_*_expert_*); consolidating MoE checkpoints is not "
+                         "implemented: resume it with pretrain_gpt.py at the layout it was saved at")
     reader = _Reader(path, verify)
     first = reader.load(_model_file(path, 0))
     mp_size = int(first.get("mp_world_size", 1) or 1)

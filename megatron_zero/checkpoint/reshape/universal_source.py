@@ -22,7 +22,7 @@ from ...topology import Layout
 from ...zero.partition import zero3_group_offsets
 from ...model.sharding import merge_sub_params
 from ..errors import CheckpointError
-from ..format import (LAYER_FILE, MODEL_FILE, SUB_PARAMS_PATTERNS, UNIVERSAL_CHECKPOINT_INFO, ZERO3_MODEL_FILE, ZERO_FILE,
+from ..format import (EXPERT_FILE, LAYER_FILE, MODEL_FILE, SUB_PARAMS_PATTERNS, UNIVERSAL_CHECKPOINT_INFO, ZERO3_MODEL_FILE, ZERO_FILE,
                      header_tp_pp)
 from ..storage.reader import Checkpoint, open_directory
 from ..megatron_deepspeed import QKV_SUFFIXES, ours_names, qkv_heads, qkv_to_ours, writes_qkv_blocks
@@ -62,6 +62,10 @@ class SourceCheckpoint:
             m = ZERO_FILE.match(f)
             if m:
                 self.zero_files[(int(m.group(2)), int(m.group(1)))] = f  # (mp, dp) -> name
+        if any(EXPERT_FILE.match(f) for f in files):
+            raise CheckpointError(f"{directory} holds MoE expert files (layer_*_expert_*); converting, consolidating "
+                                  "or reshaping MoE checkpoints is not implemented: resume it with pretrain_gpt.py at "
+                                  "the layout it was saved at")
         self.model_files = {int(m.group(1)): f for f in files for m in [MODEL_FILE.match(f)] if m}
         self.layer_files = [f for f in files if LAYER_FILE.match(f)]
         self.saved_names: Dict[int, Dict[str, str]] = {}  # mp -> our name -> the name in its files

@@ -1,0 +1,51 @@
+"""Expert weights in DeepSpeed-MoE's file layout, beside the layer files:
+
+    layer_{M}_expert_{E}_mp_rank_{mp:02d}_model_states.pt     {full parameter name: tensor}
+
+M counts the model's MoE layers from 0 (DeepSpeed's moe_layer_id), E is the global expert id, mp the
+model-parallel rank (TP x PP) as in every other file; the names inside carry the global expert id
+(`{i}.mlp.deepspeed_moe.experts.deepspeed_experts.{E}.*`). The layer files hold everything else of a
+block, the router included. Each expert's files are written by the first rank of its
+expert-data-parallel group, and read by every rank holding that expert. The optimizer files keep
+DeepSpeed's per-rank names: with expert parallelism each holds the dense groups' partition (over DP)
+then the expert groups' (over expert-DP) (zero/expert_stage.py).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Dict, Tuple
+
+from ..model.layer_indices import block_number, is_block_index
+from ..model.params import parse_expert_suffix
+from .format import expert_file_name
+
+
+def is_expert_param(name: str) -> bool:
+    index, _, suffix = name.partition(".")
+    return index.isdigit() and parse_expert_suffix(suffix) is not None
+
+
+def moe_layer_id(config, layer_index: int) -> int:
+    """The ordinal of block `layer_index` among the model's MoE layers."""
+    return sum(config.is_moe_layer(b) for b in range(block_number(layer_index)))
+
+
+def expert_files(model_sd: Dict, config, mp_rank: int) -> "OrderedDict[str, OrderedDict]":
+    """file name -> {name: tensor} for the experts in a stage's state dict."""
+    out: "OrderedDict[str, OrderedDict]" = OrderedDict()
+    for name, tensor in model_sd.items():
+        if is_expert_param(name):
+            layer, expert = _layer_expert(name, config)
+            out.setdefault(expert_file_name(moe_layer_id(config, layer), expert, mp_rank), OrderedDict())[name] = tensor
+    return out
+
+
+def _layer_expert(name: str, config) -> Tuple[int, int]:
+    index, _, suffix = name.partition(".")
+    layer = int(index)
+    assert is_block_index(layer, config.num_layers)
+    return layer, parse_expert_suffix(suffix)[0]
+
+
+def without_experts(model_sd: Dict) -> "OrderedDict":
+    return OrderedDict((k, v) for k, v in model_sd.items() if not is_expert_param(k))

@@ -1,0 +1,90 @@
+"""The MoE layer that replaces a transformer block's MLP: router, permutation, experts, unpermutation.
+
+Experts are the dense MLP (GeLU or SwiGLU, width moe_ffn_hidden_size), tensor-parallel like it
+(column- then row-parallel over the TP group: every TP rank routes the same tokens the same way and
+holds its slice of every local expert). With an expert-parallel group of EP ranks, this rank holds
+experts [ep_rank E/EP, (ep_rank+1) E/EP) under their global ids, marked `expert_parallel` (their
+gradients reduce over the expert-data-parallel group, zero/expert_stage.py); the router is replicated.
+Dropless: every token reaches its k experts. The experts run one after another on their contiguous
+runs of rows (a loop over the local experts, never over tokens).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .dispatch import ExpertParallelExchange, permute, unpermute
+from .router import route
+
+
+class Experts(nn.Module):
+    """`deepspeed_experts`: this rank's experts, keyed by global expert id."""
+
+    def __init__(self, config, tp_group, expert_ids, mlp_class):
+        super().__init__()
+        self.deepspeed_experts = nn.ModuleDict(
+            {str(e): mlp_class(config, tp_group, ffn_hidden_size=config.moe_ffn_hidden_size) for e in expert_ids})
+        for p in self.deepspeed_experts.parameters():
+            p.expert_parallel = True
+
+    def forward(self, rows: torch.Tensor, rows_per_expert) -> torch.Tensor:
+        chunks = torch.split(rows, list(rows_per_expert))
+        return torch.cat([expert(chunk) for expert, chunk in zip(self.deepspeed_experts.values(), chunks)])
+
+
+class RouterWeight(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size, dtype=config.params_dtype))
+
+
+class Gate(nn.Module):
+    """The router's weight `wg.weight` [E, h] (replicated over TP and EP; init.py fills it, no RNG draw here)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.wg = RouterWeight(config)
+
+
+class DeepSpeedMoE(nn.Module):
+    def __init__(self, config, tp_group, ep_group, mlp_class):
+        super().__init__()
+        self.config, self.ep_group = config, ep_group
+        ep = dist.get_world_size(ep_group) if ep_group is not None else 1
+        ep_rank = dist.get_rank(ep_group) if ep_group is not None else 0
+        if config.num_experts % ep:
+            raise ValueError(f"--num-experts {config.num_experts} is not divisible by "
+                             f"--expert-model-parallel-size {ep}")
+        self.local = config.num_experts // ep
+        self.first = ep_rank * self.local
+        self.gate = Gate(config)
+        self.experts = Experts(config, tp_group, range(self.first, self.first + self.local), mlp_class)
+
+    def forward(self, x):
+        c = self.config
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        logits = F.linear(tokens, self.gate.wg.weight).float()
+        weights, expert_ids = route(logits, c.moe_router_topk, c.moe_router_pre_softmax,
+                                    c.moe_router_load_balancing_type, c.moe_aux_loss_coeff, c.moe_z_loss_coeff)
+        rows, order, token_of_row = permute(tokens, expert_ids)
+        counts = torch.bincount(expert_ids.reshape(-1), minlength=c.num_experts)
+        if self.ep_group is None:
+            out = self.experts(rows, counts.tolist())  # the layer's one host read
+        else:
+            exchange = ExpertParallelExchange(counts, self.ep_group, self.local)
+            out = exchange.from_experts(self.experts(exchange.to_experts(rows), exchange.rows_per_local_expert))
+        return unpermute(out, weights, order, token_of_row, tokens.shape[0]).view(shape)
+
+
+class MoELayer(nn.Module):
+    """A block's `mlp` when the block is an MoE layer (parameter names: `mlp.deepspeed_moe.*`)."""
+
+    def __init__(self, config, tp_group=None, ep_group=None, mlp_class=None):
+        super().__init__()
+        self.deepspeed_moe = DeepSpeedMoE(config, tp_group, ep_group, mlp_class)
+
+    def forward(self, x):
+        return self.deepspeed_moe(x)

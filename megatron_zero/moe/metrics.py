@@ -1,0 +1,44 @@
+"""The MoE losses in the log, as Megatron-Core's track_moe_metrics reports them: each loss divided by its
+coefficient, summed over micro-batches / M (per global batch), averaged over the model's MoE layers,
+the data-parallel ranks and the iterations of the log interval (`load_balancing_loss`, `z_loss`).
+
+Each iteration adds this rank's values on the device (no host read, no collective); at a log line
+every rank sums them over the pipeline (layers live on different stages) and data-parallel groups in
+one all-reduce, read once."""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from .router import aux_losses, reset_aux_losses
+
+NAMES = ("load_balancing_loss", "z_loss")
+
+
+class MoEMetrics:
+    def __init__(self, num_moe_layers: int, device: torch.device):
+        self.num_moe_layers, self.device = num_moe_layers, device
+        self.sums = torch.zeros(len(NAMES), dtype=torch.float64, device=device)
+        self.iterations = 0
+
+    def iteration(self, micro_batches: int) -> None:
+        """Take the values the last global batch's forwards recorded (and reset them)."""
+        tracked = aux_losses()
+        for i, name in enumerate(NAMES):
+            if name in tracked:
+                self.sums[i] += tracked[name].double() / micro_batches
+        reset_aux_losses()
+        self.iterations += 1
+
+    def report(self, pp_group, dp_group, dp: int) -> Optional[Dict[str, float]]:
+        """name -> the interval's mean (a collective over PP and DP: every rank calls it at each log line)."""
+        sums = self.sums.clone()
+        for group in (pp_group, dp_group):
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(sums, group=group)
+        values = (sums / (self.num_moe_layers * dp * max(1, self.iterations))).tolist()
+        self.sums.zero_()
+        self.iterations = 0
+        return dict(zip(NAMES, values))

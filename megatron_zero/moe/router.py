@@ -1,0 +1,91 @@
+"""The top-k router and its auxiliary losses, as Megatron-Core computes them.
+
+    logits = x W_g^T                     [tokens, E] (W_g: `mlp.deepspeed_moe.gate.wg.weight`, replicated)
+    default:       top-k of the logits, softmax over those k       (--moe-router-topk)
+    pre-softmax:   softmax over all E, then its top-k              (--moe-router-pre-softmax)
+    switch load balancing (--moe-router-load-balancing-type aux_loss, --moe-aux-loss-coeff c):
+        aux = c * E / (T^2 k) * sum_e (sum_t softmax(logits)_te) * tokens_routed_to_e
+    z-loss (--moe-z-loss-coeff c_z): c_z * mean_t logsumexp(logits_t)^2
+
+The losses do not join the model's output: `AuxLossScaler` returns its input unchanged and, in
+backward, adds the loss's gradient times the current scale (Megatron's MoEAuxLossAutoScaler). The
+training step sets that scale once per global batch to loss_scale / micro-batches
+(`set_aux_loss_scale`), so the aux losses are weighted as the language-model loss is under gradient
+accumulation, pipelining (the loss of a middle stage's layer never crosses a stage boundary) and
+fp16 loss scaling. Each layer's values (divided by their coefficients, as Megatron logs them) are
+summed into `aux_losses()` for the log, until `reset_aux_losses()`.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+_SCALE = {"value": 1.0}
+_TRACKED: Dict[str, torch.Tensor] = {}
+
+
+def set_aux_loss_scale(value: float) -> None:
+    """The factor on the aux losses' gradients: loss_scale / number of micro-batches of the global batch."""
+    _SCALE["value"] = float(value)
+
+
+def _track(name: str, value: torch.Tensor) -> None:
+    value = value.detach().float()
+    _TRACKED[name] = _TRACKED[name] + value if name in _TRACKED else value
+
+
+def aux_losses() -> Dict[str, torch.Tensor]:
+    """name -> the sum over layers and micro-batches since the last reset (device tensors, no host read)."""
+    return dict(_TRACKED)
+
+
+def reset_aux_losses() -> None:
+    _TRACKED.clear()
+
+
+class AuxLossScaler(torch.autograd.Function):
+    """Identity on `output`; backward also sends d(aux)/d(...) = the current scale into `aux`'s graph."""
+
+    @staticmethod
+    def forward(ctx, output, aux):
+        ctx.save_for_backward(aux)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (aux,) = ctx.saved_tensors
+        return grad_output, torch.full_like(aux, _SCALE["value"])
+
+
+def switch_load_balancing_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor, topk: int,
+                               coeff: float) -> torch.Tensor:
+    """Megatron-Core's switch_load_balancing_loss_func: probs [T, E] over all experts, counts [E]."""
+    tokens, experts = probs.shape
+    return torch.sum(probs.sum(dim=0) * tokens_per_expert) * (experts * coeff / (tokens * tokens * topk))
+
+
+def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
+    return torch.mean(torch.square(torch.logsumexp(logits, dim=-1))) * coeff
+
+
+def route(logits: torch.Tensor, topk: int, pre_softmax: bool, balancing: str, aux_coeff: float,
+          z_coeff) -> tuple:
+    """logits [T, E] (fp32) -> (weights [T, k], expert ids [T, k]) with the aux losses attached to `weights`."""
+    if z_coeff:
+        zl = z_loss(logits, z_coeff)
+        _track("z_loss", zl / z_coeff)
+        logits = AuxLossScaler.apply(logits, zl)
+    if pre_softmax:
+        weights, experts = torch.topk(torch.softmax(logits, dim=-1), topk, dim=-1)
+    else:
+        top, experts = torch.topk(logits, topk, dim=-1)
+        weights = torch.softmax(top, dim=-1)
+    if balancing == "aux_loss" and aux_coeff > 0:
+        counts = torch.zeros(logits.shape[1], dtype=logits.dtype, device=logits.device)
+        counts.scatter_add_(0, experts.reshape(-1), torch.ones(experts.numel(), dtype=logits.dtype,
+                                                                device=logits.device))
+        aux = switch_load_balancing_loss(torch.softmax(logits, dim=-1), counts, topk, aux_coeff)
+        _track("load_balancing_loss", aux / aux_coeff)
+        weights = AuxLossScaler.apply(weights, aux)
+    return weights, experts

@@ -1,0 +1,87 @@
+"""Tiny MoE GPT / Llama runs for the expert-parallel parity tests: the single-process reference model
+fed the same micro-batches (`reference_run`), and one rank of a TP x PP x DP (EP carved out of DP) ZeRO
+1/2 run (`parallel_run`, under run_ranks). Both report the loss and the global gradient norm (before
+clipping) of every step; clipping is on, so the norm also moves the update."""
+import torch
+
+from ..model.gpt import reference_model
+from ..moe import reset_aux_losses, set_aux_loss_scale
+from ..pipeline.gpt_stage import activation_shape, build_gpt_stage, make_forward_step, sync_tied_embedding_grads
+from ..pipeline.p2p import P2P
+from ..pipeline.schedule import broadcast_loss, forward_backward
+from ..topology import build_parallel_state
+from ..zero import ZeroOptimizer
+from .tiny_gpt import tiny_gpt_config, tiny_llama_config
+
+GBS, STEPS, CLIP = 8, 10, 0.5
+HP = dict(lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+MOE = dict(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3)
+
+
+def moe_config(llama: bool = False, **overrides):
+    """4 layers, 4 experts (top-2, aux and z losses on); GPT-2 (GeLU experts, MoE in every layer) or
+    Llama (SwiGLU experts, MoE in every other layer)."""
+    if llama:
+        return tiny_llama_config(num_layers=4, **{**MOE, "moe_layer_freq": 2, **overrides})
+    return tiny_gpt_config(num_layers=4, **{**MOE, **overrides})
+
+
+def global_batch(step):
+    g = torch.Generator().manual_seed(300 + step)
+    tokens = torch.randint(0, 100, (GBS, 9), generator=g)
+    return tokens[:, :-1], tokens[:, 1:].contiguous()
+
+
+def micro_slices(dp: int, mb: int):
+    """[(micro-batch j, DP rank r) -> rows of the global batch], the order every layout splits it in."""
+    m = GBS // (mb * dp)
+    return {(j, r): slice(j * mb * dp + r * mb, j * mb * dp + (r + 1) * mb) for j in range(m) for r in range(dp)}
+
+
+def reference_run(cfg, dp: int, mb: int, steps: int = STEPS):
+    """The reference model on one process: each micro-batch of each DP rank in turn, loss / (DP x M)."""
+    model = reference_model(cfg)
+    opt = torch.optim.AdamW(model.parameters(), **HP)
+    slices = micro_slices(dp, mb)
+    losses, norms = [], []
+    for step in range(steps):
+        tokens, labels = global_batch(step)
+        set_aux_loss_scale(1.0 / len(slices))
+        total = 0.0
+        for rows in slices.values():
+            loss = model(tokens[rows], labels=labels[rows]) / len(slices)
+            loss.backward()
+            total += loss.item()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    reset_aux_losses()
+    return losses, norms
+
+
+def parallel_run(cfg, tp: int, pp: int, ep: int, stage: int, mb: int, steps: int = STEPS):
+    state = build_parallel_state(tp=tp, pp=pp, ep=ep)
+    model = build_gpt_stage(cfg, state)
+    opt = ZeroOptimizer(list(model.named_parameters()), dp_group=state.dp_group, stage=stage, clip_grad=CLIP,
+                        mp_group=state.mp_group, tp_rank=state.tp_rank, module=model, bucket_size=4000,
+                        expert_dp_group=state.expert_dp_group, **HP)
+    p2p = P2P(state.prev_rank, state.next_rank, activation_shape(mb, cfg), torch.float32)
+    slices = micro_slices(state.dp_size, mb)
+    m = GBS // (mb * state.dp_size)
+    losses, norms = [], []
+    for step in range(steps):
+        tokens, labels = global_batch(step)
+        micro = [{"tokens": tokens[slices[j, state.dp_rank]], "labels": labels[slices[j, state.dp_rank]]}
+                 for j in range(m)]
+        set_aux_loss_scale(opt.loss_scale / m)
+        out = forward_backward(make_forward_step(model, micro, state), m, p2p, state.pp_rank, pp,
+                               backward_loss=opt.backward)
+        sync_tied_embedding_grads(model, state)
+        updated, norm = opt.step()
+        assert updated
+        losses.append(broadcast_loss(out, state.is_last_stage, state.layout.pp_group(state.rank)[-1],
+                                     state.pp_group, state.dp_group))
+        norms.append(norm)
+    reset_aux_losses()
+    return losses, norms

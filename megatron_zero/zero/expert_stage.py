@@ -1,0 +1,89 @@
+"""ZeRO 1/2 with expert parallelism: dense parameters over the data-parallel group, expert parameters
+(marked `expert_parallel`, moe/layer.py) over the expert-data-parallel group.
+
+Two Stage12 instances behind the ZeroStage interface: the optimizer's param groups are the dense
+groups, then the expert groups (Megatron-Core's separate expert buckets and optimizer shards). An
+expert's gradient, reduce-scattered over its expert-DP group, sums the loss of every DP rank whose
+tokens reached it, so the optimizer's one factor 1 / (loss scale x DP) (the full data-parallel size,
+`reduce_dp` below) averages it as it does the dense gradients (Megatron-Core's expert gradient
+scaling). Summed over the DP group, every expert element of the global norm counts once: experts
+differ across the expert-parallel ranks and are partitioned within the expert-DP group.
+"""
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import torch
+
+from .stage12 import Stage12
+
+
+def split_expert_groups(named_groups, hparams):
+    """(dense groups, their hparams, expert groups, their hparams), empty expert groups dropped."""
+    dense, expert, expert_hp = [], [], []
+    for group, hp in zip(named_groups, hparams):
+        dense.append([(n, p) for n, p in group if not getattr(p, "expert_parallel", False)])
+        mine = [(n, p) for n, p in group if getattr(p, "expert_parallel", False)]
+        if mine:
+            expert.append(mine)
+            expert_hp.append(hp)
+    return dense, list(hparams), expert, expert_hp
+
+
+class ExpertParallelStage:
+    def __init__(self, dense_groups: Sequence[Sequence[Tuple[str, torch.nn.Parameter]]], expert_groups,
+                 dp_group, expert_dp_group, stage: int, dtype: torch.dtype, bucket_size: int,
+                 device: torch.device, grad_reduce_dtype: torch.dtype = torch.float32):
+        self.dense = Stage12(dense_groups, dp_group, stage, dtype, bucket_size, device,
+                             grad_reduce_dtype=grad_reduce_dtype)
+        self.expert = Stage12(expert_groups, expert_dp_group, stage, dtype, bucket_size, device,
+                              grad_reduce_dtype=grad_reduce_dtype)
+        self.n_dense = len(dense_groups)
+        self.dp, self.reduce_dp, self.rank = self.dense.dp, self.dense.reduce_dp, self.dense.rank
+        self.initial_masters = self.dense.initial_masters + self.expert.initial_masters
+        del self.dense.initial_masters, self.expert.initial_masters
+
+    def _pick(self, gi: int):
+        return (self.dense, gi) if gi < self.n_dense else (self.expert, gi - self.n_dense)
+
+    def finish_backward(self) -> None:
+        self.dense.finish_backward()
+        self.expert.finish_backward()
+
+    def grad_partitions(self) -> List[torch.Tensor]:
+        return self.dense.grad_partitions() + self.expert.grad_partitions()
+
+    def weight_slices(self) -> List[torch.Tensor]:
+        return self.dense.weight_slices() + self.expert.weight_slices()
+
+    def write_weights(self, masters: List[torch.Tensor]) -> None:
+        self.dense.write_weights(masters[:self.n_dense])
+        self.expert.write_weights(masters[self.n_dense:])
+
+    def zero_grad(self) -> None:
+        self.dense.zero_grad()
+        self.expert.zero_grad()
+
+    def owned_ranges(self, gi: int):
+        stage, i = self._pick(gi)
+        return stage.owned_ranges(i)
+
+    def slice_mappings(self, names=None):
+        return self.dense.slice_mappings() + self.expert.slice_mappings()
+
+    def group_partition_counts(self) -> List[int]:
+        """Per group: the ranks its optimizer state is partitioned over (DP, then expert-DP)."""
+        return [self.dense.dp] * self.n_dense + [self.expert.dp] * len(self.expert.parts)
+
+    def group_paddings(self) -> List[int]:
+        return self.dense.group_paddings() + self.expert.group_paddings()
+
+    def grad_bytes(self) -> int:
+        return self.dense.grad_bytes() + self.expert.grad_bytes()
+
+    def param_bytes(self) -> int:
+        return self.dense.param_bytes() + self.expert.param_bytes()
+
+    def remove_hooks(self) -> None:
+        self.dense.remove_hooks()
+        self.expert.remove_hooks()
