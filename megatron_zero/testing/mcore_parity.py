@@ -1,0 +1,68 @@
+"""Our side of the Megatron-Core checkpoint tests: load a torch_dist checkpoint written by megatron-core
+(mcore_peer.py) at a TP x PP x ZeRO-stage layout, take one training step on the batch Megatron-Core stepped
+on, and return this rank's weights before and after it (the test gathers them into full form)."""
+import torch
+import torch.distributed as dist
+
+from ..checkpoint.interop.torch_dist import TorchDistFiles
+from ..checkpoint.reshape.universal_load import load_from
+from ..model.config import GPTConfig
+from ..model.gpt import reference_model
+from ..model.sharding import shard_state_dict
+from ..pipeline.gpt_stage import activation_shape, build_gpt_stage, make_forward_step, sync_tied_embedding_grads
+from ..pipeline.p2p import P2P
+from ..pipeline.schedule import forward_backward
+from ..topology import build_parallel_state
+from ..training import param_groups
+from ..zero import ZeroOptimizer
+from .mcore_peer import ARCH, BETAS, EPS, LR, SIZES, WEIGHT_DECAY, batch
+
+
+def config(arch: str) -> GPTConfig:
+    """Our config of the model mcore_peer.py builds."""
+    s = SIZES
+    return GPTConfig(vocab_size=s["vocab_size"], hidden_size=s["hidden_size"], num_layers=s["num_layers"],
+                     num_attention_heads=s["num_attention_heads"], ffn_hidden_size=s["ffn_hidden_size"],
+                     seq_length=s["seq_length"], max_position_embeddings=s["seq_length"],
+                     make_vocab_size_divisible_by=1, hidden_dropout=0.0, attention_dropout=0.0, **ARCH[arch])
+
+
+def _weights(model, opt):
+    if opt.stage == 3:
+        with opt.impl.gathered():
+            return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def load_and_step(tp, pp, stage, ckpt, arch, mb=1):
+    """-> (coords, iteration loaded, weights after loading, weights after one step on batch(1))."""
+    state = build_parallel_state(tp=tp, pp=pp)
+    cfg = config(arch)
+    model = build_gpt_stage(cfg, state)
+    opt = ZeroOptimizer(param_groups(model, WEIGHT_DECAY), dp_group=state.dp_group, stage=stage, lr=LR,
+                        betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, mp_group=state.mp_group,
+                        tp_rank=state.tp_rank, module=model)
+    client = load_from(TorchDistFiles(ckpt, cfg), state, model, opt)
+    loaded = _weights(model, opt)
+    tokens, labels = batch(1)
+    dp, r = state.dp_size, state.dp_rank
+    m = tokens.shape[0] // (mb * dp)
+    micro = [{"tokens": tokens[j * mb * dp + r * mb:][:mb], "labels": labels[j * mb * dp + r * mb:][:mb]}
+             for j in range(m)]
+    p2p = P2P(state.prev_rank, state.next_rank, activation_shape(mb, cfg), torch.float32)
+    forward_backward(make_forward_step(model, micro, state), m, p2p, state.pp_rank, pp, backward_loss=opt.backward)
+    opt.impl.finish_backward()
+    sync_tied_embedding_grads(model, state)
+    updated, _ = opt.step(lr=LR)
+    assert updated
+    stepped = _weights(model, opt)
+    dist.barrier()
+    return state.layout.coords(state.rank), client["iteration"], loaded, stepped
+
+
+def reference_logits(full: dict, cfg: GPTConfig, k: int) -> torch.Tensor:
+    """The single-process model's logits on batch(k) with full-form weights `full` (padding cut)."""
+    model = reference_model(cfg)
+    model.load_state_dict(shard_state_dict(full, cfg, 1, 0))
+    with torch.no_grad():
+        return model(batch(k)[0])[..., :cfg.vocab_size]
