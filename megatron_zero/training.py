@@ -237,7 +237,8 @@ class Trainer:
                                    load_optimizer=not (a.no_load_optim or a.finetune),
                                    universal=a.universal_checkpoint, verify=a.verify_checkpoint, log=self._log,
                                    check=lambda directory: check_checkpoint_compat(
-                                       directory, a, self.config.vocab_size, self.config.padded_vocab_size))
+                                       directory, a, self.config.vocab_size, self.config.padded_vocab_size),
+                                   ckpt_format=a.ckpt_format)
         if client is None:
             self._log(f"no checkpoint under --load {path}; starting from scratch")
             return False

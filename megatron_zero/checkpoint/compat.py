@@ -39,6 +39,10 @@ def read_head(directory: str, verify: bool = True) -> dict:
     where the directory has a manifest (verify=False: not)."""
     names = sorted(n for n in os.listdir(directory) if HEAD_FILE.match(n))
     if not names:
+        from .interop.megatron_header import megatron_checkpoint_head  # Megatron-LM's checkpoints: their args
+        head = megatron_checkpoint_head(directory)
+        if head is not None:
+            return head
         raise CheckpointError(f"the checkpoint {directory} has no mp_rank_00 model-states file, so the model it "
                               "holds cannot be checked")
     head = open_directory(directory, verify).load(names[0])
