@@ -129,11 +129,29 @@ def mcore_checkpoint(request, tmp_path_factory):
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"tp{x[0]}pp{x[1]}z{x[2]}w{x[3]}")
 def test_mcore_torch_dist_loads_at_any_layout(mcore_checkpoint, layout):
     """MC TP2 -> ours at the layout: logits equal MC's, and one step equals MC's FP32Optimizer step."""
-    from megatron_zero.testing.mcore_parity import config, load_and_step, reference_logits
     arch, root = mcore_checkpoint
+    _check_load_and_step(arch, root, os.path.join(root, "iter_0000001"), layout, universal=False)
+
+
+@pytest.mark.slow
+def test_mcore_torch_dist_through_universal(mcore_checkpoint, tmp_path):
+    """tools/convert_checkpoint.py --from torch_dist --to universal, then the universal load at TP2 x PP2 (world 4):
+    the same logits and step as the direct load."""
+    arch, root = mcore_checkpoint
+    out = tmp_path / "iter1_universal"
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), "--from", "torch_dist",
+                          "--to", "universal", "--input", root, "--output", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "converted" in run.stdout and (tmp_path / "latest_universal").read_text() == out.name
+    _check_load_and_step(arch, root, str(out), (2, 2, 1, 4), universal=True)
+
+
+def _check_load_and_step(arch, root, ckpt, layout, universal):
+    from megatron_zero.testing.mcore_parity import config, load_and_step, reference_logits
     tp, pp, stage, world = layout
     cfg = config(arch)
-    results = run_ranks(load_and_step, world, tp, pp, stage, os.path.join(root, "iter_0000001"), arch, timeout=300)
+    results = run_ranks(load_and_step, world, tp, pp, stage, ckpt, arch, 1, universal, timeout=300)
     assert {r[1] for r in results} == {1}
     loaded = full_weights([(c, None, w) for c, _, w, _ in results], cfg)
     stepped = full_weights([(c, None, w) for c, _, _, w in results], cfg)
@@ -145,3 +163,39 @@ def test_mcore_torch_dist_loads_at_any_layout(mcore_checkpoint, layout):
         mc = after.full(name, "fp32")[0]
         diff = (without_key_bias(name, mc, cfg) - without_key_bias(name, t, cfg)).abs().max()
         assert diff <= 1e-5, (name, float(diff))
+
+
+LLAMA_FLAGS = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu", "--group-query-attention",
+               "--num-query-groups", "2", "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+
+
+@pytest.mark.slow
+def test_pretrain_gpt_loads_mcore_torch_dist(mcore_checkpoint, tmp_path):
+    """pretrain_gpt.py --load <Megatron-LM save dir> --ckpt-format torch_dist resumes at DP2 ZeRO-3 and trains on."""
+    import numpy as np
+
+    from megatron_zero.data.indexed_dataset import IndexedDatasetBuilder
+    from megatron_zero.testing.launch import torchrun
+    from megatron_zero.testing.mcore_peer import SIZES
+    arch, root = mcore_checkpoint
+    rng = np.random.default_rng(0)
+    builder = IndexedDatasetBuilder(str(tmp_path / "data"), dtype=np.uint16)
+    for _ in range(40):
+        builder.add_document(list(rng.integers(0, SIZES["vocab_size"] - 1, size=60)) + [SIZES["vocab_size"] - 1])
+    builder.finalize()
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
+            "--seq-length", "16", "--max-position-embeddings", "16", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", str(SIZES["vocab_size"] - 1), "--make-vocab-size-divisible-by", "1",
+            "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-2", "--lr-decay-style", "constant",
+            "--train-iters", "3", "--data-path", str(tmp_path / "data"), "--split", "100,0,0", "--eval-iters", "0",
+            "--log-interval", "1", "--hidden-dropout", "0", "--attention-dropout", "0", "--zero-stage", "3",
+            "--load", root, "--ckpt-format", "torch_dist"] + (LLAMA_FLAGS if arch == "llama" else [])
+    run = torchrun(2, argv)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert (f"loaded checkpoint iter_0000001 (Megatron-LM torch_dist, iteration 1, saved at TP=2 x PP=1 x DP=1) "
+            f"from {os.path.join(root, 'iter_0000001')}, reshaped to TP=1 x PP=1 x DP=2, ZeRO-3") in run.stdout
+    assert "iteration        3/       3" in run.stdout
+    wrong = torchrun(2, argv[:-1] + ["torch"])
+    assert wrong.returncode != 0
+    assert "--ckpt-format torch but --load" in wrong.stdout + wrong.stderr
+    assert "Traceback" not in wrong.stdout + wrong.stderr

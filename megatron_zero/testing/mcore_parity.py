@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint.interop.torch_dist import TorchDistFiles
-from ..checkpoint.reshape.universal_load import load_from
+from ..checkpoint.reshape.universal_load import load_from, load_universal_checkpoint
 from ..model.config import GPTConfig
 from ..model.gpt import reference_model
 from ..model.sharding import shard_state_dict
@@ -34,15 +34,19 @@ def _weights(model, opt):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def load_and_step(tp, pp, stage, ckpt, arch, mb=1):
-    """-> (coords, iteration loaded, weights after loading, weights after one step on batch(1))."""
+def load_and_step(tp, pp, stage, ckpt, arch, mb=1, universal=False):
+    """-> (coords, iteration loaded, weights after loading, weights after one step on batch(1)); `ckpt`: the
+    torch_dist checkpoint, or (universal=True) its conversion by tools/convert_checkpoint.py."""
     state = build_parallel_state(tp=tp, pp=pp)
     cfg = config(arch)
     model = build_gpt_stage(cfg, state)
     opt = ZeroOptimizer(param_groups(model, WEIGHT_DECAY), dp_group=state.dp_group, stage=stage, lr=LR,
                         betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, mp_group=state.mp_group,
                         tp_rank=state.tp_rank, module=model)
-    client = load_from(TorchDistFiles(ckpt, cfg), state, model, opt)
+    if universal:
+        client = load_universal_checkpoint(ckpt, state, model, opt)
+    else:
+        client = load_from(TorchDistFiles(ckpt, cfg), state, model, opt)
     loaded = _weights(model, opt)
     tokens, labels = batch(1)
     dp, r = state.dp_size, state.dp_rank
