@@ -46,11 +46,9 @@ def iteration_dir(save_dir: str) -> Optional[str]:
     if text == "release":
         return os.path.join(save_dir, "release")
     if not text.isdigit():
-        raise CheckpointError(f"{tracker} holds {text[:40]!r}, not an iteration number or `release`")
+        return None
     directory = os.path.join(save_dir, f"iter_{int(text):07d}")
-    if not os.path.isdir(directory):
-        raise CheckpointError(f"{tracker} names iteration {int(text)}, but {directory} does not exist")
-    return directory
+    return directory if os.path.isdir(directory) else None  # ours write the tracker too (global_stepN/)
 
 
 def find_megatron_checkpoint(path: str) -> Optional[Tuple[str, str]]:
