@@ -198,3 +198,31 @@ def test_pretrain_gpt_loads_mcore_torch_dist(mcore_checkpoint, tmp_path):
     wrong = torchrun(2, argv[:-1] + ["torch"])
     assert wrong.returncode != 0
     assert "--ckpt-format torch but --load" in wrong.stdout + wrong.stderr  # one sentence, from the rank
+
+
+@pytest.mark.slow
+def test_ours_to_torch_dist_loads_in_mcore(mcore_checkpoint, tmp_path):
+    """Ours (trained one step further at TP2, saved in our layout) -> tools/convert_checkpoint.py --to torch_dist
+    -> megatron-core's dist_checkpointing.load at TP1 and TP2: its logits equal ours within 1e-5."""
+    from megatron_zero.testing.mcore_parity import config, load_and_step, reference_logits
+    from megatron_zero.testing.multirank import free_port
+    arch, root = mcore_checkpoint
+    cfg = config(arch)
+    save = tmp_path / "ours"
+    results = run_ranks(load_and_step, 2, 2, 1, 1, os.path.join(root, "iter_0000001"), arch, 1, False, str(save),
+                        timeout=300)
+    ours = reference_logits(full_weights([(c, None, w) for c, _, _, w in results], cfg), cfg, 1)
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    for tp in (1, 2):
+        out = tmp_path / f"megatron_tp{tp}"
+        run = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), "--from",
+                              "deepspeed", "--to", "torch_dist", "--input", str(save / "global_step2"), "--output",
+                              str(out), "--target-tp", str(tp)], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        assert (out / "latest_checkpointed_iteration.txt").read_text() == "2"
+        logits = tmp_path / f"logits_tp{tp}.pt"
+        run = subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_zero.testing.mcore_peer", "load",
+                              str(out / "iter_0000002"), str(logits), "--arch", arch, "--tp", str(tp), "--port",
+                              str(free_port())], env=env, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        assert (torch.load(logits)["logits"][..., :cfg.vocab_size] - ours).abs().max() <= 1e-5

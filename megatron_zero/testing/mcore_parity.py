@@ -4,6 +4,7 @@ on, and return this rank's weights before and after it (the test gathers them in
 import torch
 import torch.distributed as dist
 
+from ..checkpoint import save_checkpoint
 from ..checkpoint.interop.torch_dist import TorchDistFiles
 from ..checkpoint.reshape.universal_load import load_from, load_universal_checkpoint
 from ..model.config import GPTConfig
@@ -34,9 +35,10 @@ def _weights(model, opt):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def load_and_step(tp, pp, stage, ckpt, arch, mb=1, universal=False):
+def load_and_step(tp, pp, stage, ckpt, arch, mb=1, universal=False, save_dir=None):
     """-> (coords, iteration loaded, weights after loading, weights after one step on batch(1)); `ckpt`: the
-    torch_dist checkpoint, or (universal=True) its conversion by tools/convert_checkpoint.py."""
+    torch_dist checkpoint, or (universal=True) its conversion by tools/convert_checkpoint.py; `save_dir`: where
+    the state after the step is saved, in our layout, as iteration 2."""
     state = build_parallel_state(tp=tp, pp=pp)
     cfg = config(arch)
     model = build_gpt_stage(cfg, state)
@@ -60,6 +62,14 @@ def load_and_step(tp, pp, stage, ckpt, arch, mb=1, universal=False):
     updated, _ = opt.step(lr=LR)
     assert updated
     stepped = _weights(model, opt)
+    if save_dir is not None:
+        args = {f: getattr(cfg, f) for f in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                                             "seq_length", "max_position_embeddings", "make_vocab_size_divisible_by",
+                                             "normalization", "position_embedding_type", "swiglu", "num_query_groups",
+                                             "untie_embeddings_and_output_weights", "add_bias_linear")}
+        args.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, global_batch_size=SIZES["batch"])
+        save_checkpoint(save_dir, 2, state, model, opt, {"iteration": 2, "consumed_train_samples": 2 * SIZES["batch"],
+                                                         "args": args, "lr_scheduler": {"num_steps": 2}})
     dist.barrier()
     return state.layout.coords(state.rank), client["iteration"], loaded, stepped
 
