@@ -130,7 +130,7 @@ def mcore_checkpoint(request, tmp_path_factory):
 def test_mcore_torch_dist_loads_at_any_layout(mcore_checkpoint, layout):
     """MC TP2 -> ours at the layout: logits equal MC's, and one step equals MC's FP32Optimizer step."""
     arch, root = mcore_checkpoint
-    _check_load_and_step(arch, root, os.path.join(root, "iter_0000001"), layout, universal=False)
+    _check_load_and_step(arch, root, os.path.join(root, "iter_0000001"), layout, "torch_dist")
 
 
 @pytest.mark.slow
@@ -144,14 +144,23 @@ def test_mcore_torch_dist_through_universal(mcore_checkpoint, tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "converted" in run.stdout and (tmp_path / "latest_universal").read_text() == out.name
-    _check_load_and_step(arch, root, str(out), (2, 2, 1, 4), universal=True)
+    _check_load_and_step(arch, root, str(out), (2, 2, 1, 4), "universal")
 
 
-def _check_load_and_step(arch, root, ckpt, layout, universal):
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [(1, 1, 1, 1), (1, 2, 3, 4)], ids=["tp1", "pp2z3w4"])
+def test_mcore_legacy_loads_at_any_layout(mcore_checkpoint, layout):
+    """The same state as a legacy checkpoint (mp_rank_0T/model_optim_rng.pt, Megatron's optimizer groups) loads at
+    TP1 and at PP2 x DP2 ZeRO-3 with the same logits and step."""
+    arch, root = mcore_checkpoint
+    _check_load_and_step(arch, root, os.path.join(root, "legacy", "iter_0000001"), layout, "legacy")
+
+
+def _check_load_and_step(arch, root, ckpt, layout, source):
     from megatron_zero.testing.mcore_parity import config, load_and_step, reference_logits
     tp, pp, stage, world = layout
     cfg = config(arch)
-    results = run_ranks(load_and_step, world, tp, pp, stage, ckpt, arch, 1, universal, timeout=300)
+    results = run_ranks(load_and_step, world, tp, pp, stage, ckpt, arch, 1, source, timeout=300)
     assert {r[1] for r in results} == {1}
     loaded = full_weights([(c, None, w) for c, _, w, _ in results], cfg)
     stepped = full_weights([(c, None, w) for c, _, _, w in results], cfg)
@@ -209,7 +218,7 @@ def test_ours_to_torch_dist_loads_in_mcore(mcore_checkpoint, tmp_path):
     arch, root = mcore_checkpoint
     cfg = config(arch)
     save = tmp_path / "ours"
-    results = run_ranks(load_and_step, 2, 2, 1, 1, os.path.join(root, "iter_0000001"), arch, 1, False, str(save),
+    results = run_ranks(load_and_step, 2, 2, 1, 1, os.path.join(root, "iter_0000001"), arch, 1, "torch_dist", str(save),
                         timeout=300)
     ours = reference_logits(full_weights([(c, None, w) for c, _, _, w in results], cfg), cfg, 1)
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")

@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import save_checkpoint
+from ..checkpoint.interop.megatron_legacy import LegacyFiles
 from ..checkpoint.interop.torch_dist import TorchDistFiles
 from ..checkpoint.reshape.universal_load import load_from, load_universal_checkpoint
 from ..model.config import GPTConfig
@@ -35,9 +36,10 @@ def _weights(model, opt):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def load_and_step(tp, pp, stage, ckpt, arch, mb=1, universal=False, save_dir=None):
+def load_and_step(tp, pp, stage, ckpt, arch, mb=1, source="torch_dist", save_dir=None):
     """-> (coords, iteration loaded, weights after loading, weights after one step on batch(1)); `ckpt`: the
-    torch_dist checkpoint, or (universal=True) its conversion by tools/convert_checkpoint.py; `save_dir`: where
+    torch_dist checkpoint (source 'torch_dist'), its conversion by tools/convert_checkpoint.py ('universal'), or
+    the legacy checkpoint ('legacy'); `save_dir`: where
     the state after the step is saved, in our layout, as iteration 2."""
     state = build_parallel_state(tp=tp, pp=pp)
     cfg = config(arch)
@@ -45,8 +47,10 @@ def load_and_step(tp, pp, stage, ckpt, arch, mb=1, universal=False, save_dir=Non
     opt = ZeroOptimizer(param_groups(model, WEIGHT_DECAY), dp_group=state.dp_group, stage=stage, lr=LR,
                         betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, mp_group=state.mp_group,
                         tp_rank=state.tp_rank, module=model)
-    if universal:
+    if source == "universal":
         client = load_universal_checkpoint(ckpt, state, model, opt)
+    elif source == "legacy":
+        client = load_from(LegacyFiles(ckpt, cfg), state, model, opt)
     else:
         client = load_from(TorchDistFiles(ckpt, cfg), state, model, opt)
     loaded = _weights(model, opt)

@@ -3,7 +3,8 @@
     python -m megatron_zero.testing.mcore_peer save DIR --arch gpt|llama --tp 2
         builds a tiny GPTModel, takes one FP32Optimizer (AdamW) step on batch(0), and writes, as Megatron-LM's
         training loop would, a torch_dist checkpoint DIR/iter_0000001 (model, optimizer state, args, iteration)
-        with DIR/latest_checkpointed_iteration.txt; then DIR/reference.pt: its logits on batch(1), and after one
+        with DIR/latest_checkpointed_iteration.txt, and the same state as a legacy checkpoint (--ckpt-format torch)
+        in DIR/legacy; then DIR/reference.pt: its logits on batch(1), and after one
         more step on batch(1) the logits on batch(2); and DIR/after_step: the model after that step (torch_dist).
     python -m megatron_zero.testing.mcore_peer load DIR OUT --arch gpt|llama --tp 2
         loads the torch_dist checkpoint DIR with megatron-core's dist_checkpointing.load at that TP and writes
@@ -116,11 +117,26 @@ def train_step(model, opt, k: int):
     return float(loss)
 
 
+def _save_legacy(root: str, model, opt, arch: str, tp: int, rank: int):
+    """What Megatron-LM's save_checkpoint writes with --ckpt-format torch: one file per model-parallel rank."""
+    import torch.distributed as dist
+    path = os.path.join(root, "iter_0000001", f"mp_rank_{rank:02d}")
+    os.makedirs(path, exist_ok=True)
+    torch.save({"args": megatron_args(arch, tp), "checkpoint_version": 3.0, "iteration": 1,
+                "model": model.state_dict_for_save_checkpoint(), "optimizer": opt.state_dict(),
+                "opt_param_scheduler": {"num_steps": SIZES["batch"]}, "num_floating_point_operations_so_far": 0},
+               os.path.join(path, "model_optim_rng.pt"))
+    if rank == 0:
+        with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write("1")
+    dist.barrier()
+
+
 def _rank(rank: int, world: int, port: int, mode: str, directory: str, out: str, arch: str):
     _shim_cuda()
     import torch.distributed as dist
     from megatron.core import dist_checkpointing, parallel_state
-    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer import OptimizerConfig, _get_param_groups
     from megatron.core.optimizer.optimizer import FP32Optimizer
     from megatron.core.tensor_parallel import random as mc_random
 
@@ -138,9 +154,10 @@ def _rank(rank: int, world: int, port: int, mode: str, directory: str, out: str,
         dist.barrier()
         dist.destroy_process_group()
         return
-    inner = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     config = OptimizerConfig(optimizer="adam", lr=LR, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS,
                              weight_decay=WEIGHT_DECAY, clip_grad=0.0)
+    groups = _get_param_groups([model], config, None)  # Megatron's groups (weight decay, then none), in its order
+    inner = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
 
     def init_state(opt, config=None):
         for group in opt.param_groups:
@@ -150,6 +167,7 @@ def _rank(rank: int, world: int, port: int, mode: str, directory: str, out: str,
                     opt.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
     opt = FP32Optimizer(inner, config, init_state)
     train_step(model, opt, 0)
+    _save_legacy(os.path.join(directory, "legacy"), model, opt, arch, world, rank)
     model_sd = model.sharded_state_dict()
     ckpt = os.path.join(directory, "iter_0000001")
     if rank == 0:

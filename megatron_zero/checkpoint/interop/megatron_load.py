@@ -29,10 +29,10 @@ def load_megatron_checkpoint(path: str, state, model, optimizer, load_optimizer:
         raise CheckpointError(f"--ckpt-format {ckpt_format} but --load {path} holds a Megatron-LM {kind} "
                               f"checkpoint ({directory}); pass --ckpt-format {kind} or leave it out")
     if kind == LEGACY:
-        raise CheckpointError(f"--load {path} holds a Megatron-LM legacy checkpoint ({directory}, mp_rank_*/"
-                              "model_optim_rng.pt), which this trainer does not read yet; save it as torch_dist "
-                              "with Megatron-LM (--ckpt-format torch_dist) and load that")
-    files = TorchDistFiles(directory, model.config)
+        from .megatron_legacy import LegacyFiles
+        files = LegacyFiles(directory, model.config)
+    else:
+        files = TorchDistFiles(directory, model.config)
     if check:
         check(directory)
     client = load_from(files, state, model, optimizer, load_optimizer)
