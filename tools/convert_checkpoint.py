@@ -1,18 +1,22 @@
 #!/usr/bin/env python
-"""Convert a checkpoint from one framework's layout to another's, tensor by tensor.
+"""Convert a checkpoint from one framework's layout to another's, one tensor (or one layer) at a time.
 
-    python tools/convert_checkpoint.py --from torch_dist --to universal --input <megatron save dir or iter_N> \
-        --output <dir>/iter_N_universal [--vocab-size N]
-    python tools/convert_checkpoint.py --from deepspeed --to universal --input <save>/global_step10 --output <dir>
-    python tools/convert_checkpoint.py --from deepspeed|universal --to torch_dist --input <checkpoint> \
-        --output <megatron save dir> [--target-tp N]
+    python tools/convert_checkpoint.py --from FORMAT --to FORMAT --input PATH --output DIR [options]
 
-The universal checkpoint is the hub: `pretrain_gpt.py --load <output> --universal-checkpoint` resumes it at any
-TP x PP x DP and ZeRO stage. Megatron-LM torch_dist checkpoints also load directly (`--load`, format detected).
---to torch_dist writes <output>/iter_N/ and latest_checkpointed_iteration.txt, which Megatron-Core's
-dist_checkpointing.load reads at any TP; --target-tp pads the vocabulary for that TP (Megatron's rule).
---vocab-size: the tokenizer's vocabulary, so Megatron's padded rows are dropped (default: kept).
-Every pair this tool does not convert is refused in one sentence naming the pair.
+    --from  deepspeed        our (and DeepSpeed's / Megatron-DeepSpeed's) ZeRO checkpoint, any TP x PP x DP
+            universal        a universal checkpoint (tools/ds_to_universal.py, or this tool's --to universal)
+            torch_dist       Megatron-Core / Megatron-LM torch_dist (a save directory or an iter_XXXXXXX one)
+            megatron_legacy  Megatron-LM --ckpt-format torch (iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt)
+            dcp              a torchtitan Llama step-N directory (torch.distributed.checkpoint)
+    --to    universal        the hub: pretrain_gpt.py --load DIR --universal-checkpoint resumes it at any layout
+            torch_dist       DIR/iter_N + latest_checkpointed_iteration.txt, for Megatron-LM / Megatron-Core
+                             (from deepspeed or universal; --target-tp pads the vocabulary for that TP)
+            dcp              DIR/step-N in torchtitan's Llama layout
+    (Hugging Face: tools/convert_from_hf.py and tools/convert_to_hf.py.)
+
+--vocab-size (torch_dist, legacy): the tokenizer's vocabulary, so Megatron's padded rows are dropped (default: kept).
+--num-attention-heads (dcp; required), --seq-length, --rotary-base, --norm-epsilon, --make-vocab-size-divisible-by:
+what a torchtitan checkpoint does not record. Anything that cannot be mapped is refused in one sentence naming it.
 """
 import argparse
 import os
@@ -23,8 +27,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_zero.checkpoint.errors import CheckpointError  # noqa: E402
 
 FORMATS = ("deepspeed", "universal", "torch_dist", "megatron_legacy", "dcp", "hf")
-SUPPORTED = {("torch_dist", "universal"), ("deepspeed", "universal"), ("deepspeed", "torch_dist"),
-             ("universal", "torch_dist")}
 
 
 def parse_arguments(argv=None):
@@ -34,37 +36,33 @@ def parse_arguments(argv=None):
     p.add_argument("--input", required=True, help="the checkpoint to convert")
     p.add_argument("--output", required=True, help="the directory to create")
     p.add_argument("--vocab-size", type=int, default=None,
-                   help="torch_dist: the unpadded vocabulary (Megatron's padded rows beyond it are dropped)")
+                   help="torch_dist / megatron_legacy: the unpadded vocabulary (padded rows beyond it are dropped)")
     p.add_argument("--target-tp", type=int, default=1,
                    help="--to torch_dist: the TP the vocabulary is padded for (make_vocab_size_divisible_by x TP)")
+    p.add_argument("--num-attention-heads", type=int, default=None, help="--from dcp: the model's head count")
+    p.add_argument("--seq-length", type=int, default=2048, help="--from dcp: the sequence length trained at")
+    p.add_argument("--rotary-base", type=float, default=10000, help="--from dcp: RoPE's theta")
+    p.add_argument("--norm-epsilon", type=float, default=1e-5, help="--from dcp: RMSNorm's epsilon")
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="--from dcp: the padding rule the runs that load the result use")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     a = parse_arguments(argv)
-    pair = (a.src_format, a.dst_format)
     try:
-        if pair not in SUPPORTED:
-            raise CheckpointError(f"--from {a.src_format} --to {a.dst_format} is not a conversion this tool makes; "
-                                  f"it converts {', '.join(f'--from {s} --to {d}' for s, d in sorted(SUPPORTED))} "
-                                  "(Hugging Face: tools/convert_from_hf.py and tools/convert_to_hf.py)")
-        if pair == ("torch_dist", "universal"):
-            from megatron_zero.checkpoint.interop.to_universal import torch_dist_to_universal
-            s = torch_dist_to_universal(a.input, a.output, a.vocab_size)
-            what = f"Megatron-Core torch_dist checkpoint {s['source']} (iteration {s['iteration']})"
-        elif a.dst_format == "torch_dist":
-            from megatron_zero.checkpoint.interop.torch_dist_write import write_torch_dist
-            s = write_torch_dist(a.input, a.output, a.target_tp)
-            what = f"{a.src_format} checkpoint {a.input} (iteration {s['iteration']}) as torch_dist {s['directory']}"
-        else:
-            from megatron_zero.checkpoint.reshape.universal_convert import convert_to_universal
-            s = convert_to_universal(a.input, a.output, merge_workers=1, progress=False)
-            what = f"ZeRO-{s['zero_stage']} {s['layout']} checkpoint {a.input}"
+        if "hf" in (a.src_format, a.dst_format):
+            raise CheckpointError(f"--from {a.src_format} --to {a.dst_format}: Hugging Face conversions are "
+                                  "tools/convert_from_hf.py and tools/convert_to_hf.py")
+        from megatron_zero.checkpoint.interop.convert import convert
+        titan = {k: getattr(a, k) for k in ("num_attention_heads", "seq_length", "rotary_base", "norm_epsilon",
+                                            "make_vocab_size_divisible_by")} if a.src_format == "dcp" else {}
+        s = convert(a.src_format, a.dst_format, a.input, a.output, a.vocab_size, a.target_tp, **titan)
     except CheckpointError as e:
         print(f"convert_checkpoint.py: error: {e}", file=sys.stderr)
         return 2
-    print(f"converted {s['params']} parameters of the {what} into {a.output} "
-          f"({s['bytes'] / 2**20:.1f} MiB) in {s['seconds']:.1f} s")
+    print(f"converted {s['params']} parameters ({a.src_format} -> {a.dst_format}, iteration {s.get('iteration', 0)}) "
+          f"from {a.input} into {s.get('directory', a.output)} ({s['bytes'] / 2**20:.1f} MiB) in {s['seconds']:.1f} s")
     return 0
 
 

@@ -44,7 +44,6 @@ def config_from_common(common: dict, vocab_size: Optional[int], where: str):
 
 
 def torch_dist_to_universal(src: str, out: str, vocab_size: Optional[int] = None) -> dict:
-    start = time.monotonic()
     found = find_megatron_checkpoint(src)
     if found is None or found[1] != TORCH_DIST:
         raise CheckpointError(f"{src} is not a Megatron-LM torch_dist checkpoint (an iter_XXXXXXX directory with "
@@ -53,6 +52,17 @@ def torch_dist_to_universal(src: str, out: str, vocab_size: Optional[int] = None
     common = read_common(directory)
     config, args = config_from_common(common, vocab_size, directory)
     files = TorchDistFiles(directory, config)
+    head = megatron_head(common, files.has_optimizer)
+    head[UNIVERSAL_CHECKPOINT_INFO] = {"original_vocab_size": config.vocab_size,
+                                       "padded_vocab_size": args.get("padded_vocab_size")}
+    summary = write_universal(files, config, head, out, directory)
+    summary["source"] = directory
+    return summary
+
+
+def write_universal(files, config, head: dict, out: str, source: str) -> dict:
+    """Any per-parameter source (`full`, `step`, `has_optimizer`) as a universal checkpoint with header `head`."""
+    start = time.monotonic()
     out = os.path.normpath(out)
     if os.path.exists(out):
         raise CheckpointError(f"the output folder {out} already exists; choose a new one or remove it")
@@ -87,14 +97,11 @@ def torch_dist_to_universal(src: str, out: str, vocab_size: Optional[int] = None
                                                                    if spec.partition_dim is not None else {})}
                 for key in ("exp_avg", "exp_avg_sq"):
                     save(zeros, f"zero/{name}/{key}.pt")
-            save(torch.tensor(float(files.step_value)), f"zero/{name}/step.pt")
+            save(torch.tensor(float(files.step(name))), f"zero/{name}/step.pt")
         save({"loss_scaler": None, "param_groups": []}, "zero/optimizer_state.pt")
-        head = megatron_head(common, files.has_optimizer)
-        head[UNIVERSAL_CHECKPOINT_INFO] = {"original_vocab_size": config.vocab_size,
-                                           "padded_vocab_size": args.get("padded_vocab_size")}
         save(head, "mp_rank_00_model_states.pt")
-        write_manifest(tmp, written, {"universal": True, "source": os.path.abspath(directory),
-                                      "iteration": head["iteration"]})
+        write_manifest(tmp, written, {"universal": True, "source": os.path.abspath(source),
+                                      "iteration": head.get("iteration", 0)})
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -102,5 +109,5 @@ def torch_dist_to_universal(src: str, out: str, vocab_size: Optional[int] = None
     root, name = os.path.split(out)
     with open(os.path.join(root or ".", LATEST_UNIVERSAL), "w") as f:
         f.write(name)
-    return {"params": len(names), "bytes": total, "seconds": time.monotonic() - start, "iteration": head["iteration"],
-            "source": directory}
+    return {"params": len(names), "bytes": total, "seconds": time.monotonic() - start,
+            "iteration": head.get("iteration", 0)}
