@@ -148,10 +148,10 @@ def test_mcore_torch_dist_through_universal(mcore_checkpoint, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [(1, 1, 1, 1), (1, 2, 3, 4)], ids=["tp1", "pp2z3w4"])
+@pytest.mark.parametrize("layout", [(1, 1, 1, 1), (1, 2, 1, 4), (1, 1, 3, 2)], ids=["tp1", "pp2dp2", "dp2z3"])
 def test_mcore_legacy_loads_at_any_layout(mcore_checkpoint, layout):
     """The same state as a legacy checkpoint (mp_rank_0T/model_optim_rng.pt, Megatron's optimizer groups) loads at
-    TP1 and at PP2 x DP2 ZeRO-3 with the same logits and step."""
+    TP1, PP2 x DP2 and DP2 ZeRO-3 (ZeRO-3 does not pipeline) with the same logits and step."""
     arch, root = mcore_checkpoint
     _check_load_and_step(arch, root, os.path.join(root, "legacy", "iter_0000001"), layout, "legacy")
 

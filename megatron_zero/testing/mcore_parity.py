@@ -11,7 +11,8 @@ from ..checkpoint.reshape.universal_load import load_from, load_universal_checkp
 from ..model.config import GPTConfig
 from ..model.gpt import reference_model
 from ..model.sharding import shard_state_dict
-from ..pipeline.gpt_stage import activation_shape, build_gpt_stage, make_forward_step, sync_tied_embedding_grads
+from ..pipeline.gpt_stage import (activation_shape, build_gpt_stage, grad_reduce_arming, make_forward_step,
+                                  sync_tied_embedding_grads)
 from ..pipeline.p2p import P2P
 from ..pipeline.schedule import forward_backward
 from ..topology import build_parallel_state
@@ -60,8 +61,8 @@ def load_and_step(tp, pp, stage, ckpt, arch, mb=1, source="torch_dist", save_dir
     micro = [{"tokens": tokens[j * mb * dp + r * mb:][:mb], "labels": labels[j * mb * dp + r * mb:][:mb]}
              for j in range(m)]
     p2p = P2P(state.prev_rank, state.next_rank, activation_shape(mb, cfg), torch.float32)
-    forward_backward(make_forward_step(model, micro, state), m, p2p, state.pp_rank, pp, backward_loss=opt.backward)
-    opt.impl.finish_backward()
+    forward_backward(make_forward_step(model, micro, state), m, p2p, state.pp_rank, pp, backward_loss=opt.backward,
+                     before_last_backward=grad_reduce_arming(model, opt))  # as training.py steps
     sync_tied_embedding_grads(model, state)
     updated, _ = opt.step(lr=LR)
     assert updated
