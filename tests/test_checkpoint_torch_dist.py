@@ -204,7 +204,8 @@ def test_pretrain_gpt_loads_mcore_torch_dist(mcore_checkpoint, tmp_path):
     assert (f"loaded checkpoint iter_0000001 (Megatron-LM torch_dist, iteration 1, saved at TP=2 x PP=1 x DP=1) "
             f"from {os.path.join(root, 'iter_0000001')}, reshaped to TP=1 x PP=1 x DP=2, ZeRO-3") in run.stdout
     assert "iteration        3/       3" in run.stdout
-    wrong = torchrun(2, argv[:-1] + ["torch"])
+    at = argv.index("--ckpt-format") + 1
+    wrong = torchrun(2, argv[:at] + ["torch"] + argv[at + 1:])
     assert wrong.returncode != 0
     assert "--ckpt-format torch but --load" in wrong.stdout + wrong.stderr  # one sentence, from the rank
 
