@@ -229,6 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "training dtype, bf16 when training in fp32 (DeepSpeed's "
                         "zero_optimization.stage3_gather_16bit_weights_on_model_save)")
     g.add_argument("--universal-checkpoint", action="store_true")
+    g.add_argument("--ckpt-format", choices=("torch_dist", "torch"), default=None,
+                   help="the format of the Megatron-LM checkpoint --load names (torch_dist: Megatron-Core's "
+                        "distributed checkpoint; torch: legacy mp_rank_* files); without it the format is detected. "
+                        "Saves are in this trainer's layout: tools/convert_checkpoint.py --to torch_dist converts them")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true")

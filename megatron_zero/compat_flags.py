@@ -60,7 +60,6 @@ def add_compat_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ds-sequence-parallel-size", type=int, default=1,
                    help="Megatron-DeepSpeed's DeepSpeed-Ulysses degree: context parallelism with --cp-comm-type a2a "
                         "(the same head-scattering all-to-all) over this many ranks")
-    g.add_argument("--ckpt-format", default="torch", help="torch: DeepSpeed's layout, what is written here")
     g.add_argument("--train-tokens", type=int, default=None,
                    help="Megatron-DeepSpeed: stop once this many tokens are consumed (global batch x seq-length a step)")
     g.add_argument("--lr-warmup-tokens", type=int, default=None, help="warm-up length in tokens (token schedule)")

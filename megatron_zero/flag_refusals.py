@@ -39,8 +39,9 @@ REFUSED: Dict[str, Refusal] = {
         "--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather")},
     # checkpoint format
     "--ckpt-format": Refusal(
-        "megatron_zero writes DeepSpeed's layout (--ckpt-format torch); torch_dist (Megatron-Core's distributed "
-        "checkpoint) is not available in this build", lambda v, g: v != "torch", "other than torch"),
+        "megatron_zero loads Megatron-LM's torch_dist and torch (legacy) checkpoints and saves DeepSpeed's layout "
+        "(tools/convert_checkpoint.py --to torch_dist converts a save); other formats are not available in this build",
+        lambda v, g: v not in ("torch", "torch_dist"), "other than torch, torch_dist"),
     # model
     "--apply-layernorm-1p": Refusal(
         "zero-centred norm weights (1 + w) are not available in this build; the norm weight is stored and "

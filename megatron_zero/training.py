@@ -272,14 +272,14 @@ class Trainer:
             self._log(f"--load {path} does not exist yet; starting from scratch")
             return False
 
-        def check(opened):
-            check_checkpoint_compat(opened, a, self.config.vocab_size, self.config.padded_vocab_size)
-            self.last_checkpoint = opened.directory
+        def check(checkpoint):  # opened, or a Megatron-LM checkpoint's directory
+            check_checkpoint_compat(checkpoint, a, self.config.vocab_size, self.config.padded_vocab_size)
+            self.last_checkpoint = getattr(checkpoint, "directory", checkpoint)
 
         client = resume_checkpoint(path, self.state, self.model, self.optimizer,
                                    load_optimizer=not (a.no_load_optim or a.finetune),
                                    universal=a.universal_checkpoint, verify=a.verify_checkpoint, log=self._log,
-                                   check=check)
+                                   check=check, ckpt_format=a.ckpt_format)
         if client is None:
             self._log(f"no checkpoint under --load {path}; starting from scratch")
             return False

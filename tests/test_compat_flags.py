@@ -63,7 +63,7 @@ def test_sample_schedule_and_warmup_fraction():
     (dict(optimizer="sgd"), ["--optimizer sgd is refused", "Adam"]),
     (dict(ds_sequence_parallel_size=2, context_parallel_size=4), ["--ds-sequence-parallel-size 2", "give one"]),
     (dict(ds_sequence_parallel_size=2, cp_comm_type="all_gather"), ["DeepSpeed-Ulysses", "--cp-comm-type all_gather"]),
-    (dict(ckpt_format="torch_dist"), ["--ckpt-format torch_dist is refused"]),
+    (dict(ckpt_format="zarr"), ["--ckpt-format zarr is refused"]),
     (dict(profile=True), ["--profile", "--tensorboard-dir"]),
     (dict(data_impl="lazy"), ["--data-impl", "mmap"]),
     (dict(lr_warmup_tokens=10, lr_warmup_samples=10), ["tokens", "samples"]),

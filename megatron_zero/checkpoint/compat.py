@@ -40,6 +40,10 @@ def read_head(checkpoint: Union[str, Checkpoint], verify: bool = True) -> dict:
     directory = checkpoint.directory if isinstance(checkpoint, Checkpoint) else checkpoint
     names = sorted(n for n in os.listdir(directory) if HEAD_FILE.match(n))
     if not names:
+        from .interop.megatron_header import megatron_checkpoint_head  # Megatron-LM's checkpoints: their args
+        head = megatron_checkpoint_head(directory)
+        if head is not None:
+            return head
         raise CheckpointError(f"the checkpoint {directory} has no mp_rank_00 model-states file, so the model it "
                               "holds cannot be checked")
     files = checkpoint if isinstance(checkpoint, Checkpoint) else open_directory(directory, verify)

@@ -104,12 +104,19 @@ def find_resume_point(load_dir: str, universal: bool = False, verify: bool = Tru
 
 
 def resume_checkpoint(path: str, state, model, optimizer, load_optimizer: bool = True, universal: bool = False,
-                      verify: bool = True, log=print, check=None) -> Optional[dict]:
+                      verify: bool = True, log=print, check=None, ckpt_format: Optional[str] = None
+                      ) -> Optional[dict]:
     """Load what `--load path` names (find_resume_point), the one call a run resumes through: a universal
     checkpoint, a checkpoint saved on this layout, or, saved on another TP/PP/DP or ZeRO stage, the same
     reshaped while loading.
     `check(checkpoint)` sees the chosen checkpoint, opened, before anything is loaded from it.
+    A Megatron-LM checkpoint (torch_dist or legacy; `ckpt_format`: Megatron-LM's --ckpt-format) loads through
+    interop/megatron_load.py.
     -> the client state, or None when `path` holds no checkpoint."""
+    from .interop.megatron_load import load_megatron_checkpoint  # it reads through reshape/, as universal loads do
+    client = load_megatron_checkpoint(path, state, model, optimizer, load_optimizer, ckpt_format, log, check)
+    if client is not None:
+        return client
     point = find_resume_point(path, universal, verify)
     if point is None:
         return None

@@ -1,0 +1,96 @@
+"""Megatron-Core's parameter names (GPTModel, local or Transformer-Engine layer spec) for ours.
+
+    mcore_key(name, config) -> (key, layer)   # layer: the block's index in the stacked tensor, or None
+
+Megatron-Core's torch_dist checkpoints stack the transformer layers on dim 0
+(`decoder.layers.<suffix>` is [num_layers, ...]); the norms before attention and MLP are saved
+under the linear layer they feed, whichever spec built the model (the Transformer-Engine names):
+
+    ours                                    Megatron-Core (decoder.layers.*)
+    {i}.input_layernorm.weight|bias          self_attention.linear_qkv.layer_norm_weight|bias
+    {i}.self_attention.query_key_value.*     self_attention.linear_qkv.*    (per query group [q; k; v]: the same)
+    {i}.self_attention.dense.*               self_attention.linear_proj.*
+    {i}.post_attention_layernorm.weight|bias mlp.linear_fc1.layer_norm_weight|bias
+    {i}.mlp.dense_h_to_4h.*                  mlp.linear_fc1.*               (SwiGLU [gate; up]: the same)
+    {i}.mlp.dense_4h_to_h.*                  mlp.linear_fc2.*
+    {L+2}.weight|bias                        decoder.final_layernorm.weight|bias
+    word / position embeddings               embedding.word_embeddings.weight, embedding.position_embeddings.weight
+    {L+3}.lm_head.weight (untied)            output_layer.weight
+
+Both fused layouts agree with ours, so tensors map one to one. Keys this table does not name (MoE
+experts and router, q/k layernorm, multi-token prediction) are refused by `unmapped`, naming the key.
+"""
+from __future__ import annotations
+
+from typing import Iterable, List, Optional, Tuple
+
+from ...model.config import GPTConfig
+from ...model.layer_indices import block_number, final_norm_index, is_block_index
+from ...model.params import lm_head_name, param_names, position_embeddings_name, word_embeddings_name
+
+BLOCK = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
+    "self_attention.query_key_value.weight": "self_attention.linear_qkv.weight",
+    "self_attention.query_key_value.bias": "self_attention.linear_qkv.bias",
+    "self_attention.dense.weight": "self_attention.linear_proj.weight",
+    "self_attention.dense.bias": "self_attention.linear_proj.bias",
+    "post_attention_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+    "post_attention_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
+    "mlp.dense_h_to_4h.weight": "mlp.linear_fc1.weight",
+    "mlp.dense_h_to_4h.bias": "mlp.linear_fc1.bias",
+    "mlp.dense_4h_to_h.weight": "mlp.linear_fc2.weight",
+    "mlp.dense_4h_to_h.bias": "mlp.linear_fc2.bias",
+}
+LAYERS = "decoder.layers."
+OPTIMIZER_PREFIX = "optimizer.state."
+EXPERT_MARKERS = (".mlp.experts.", ".mlp.router.", ".mlp.shared_experts.")
+
+
+def mcore_key(name: str, config: GPTConfig) -> Tuple[str, Optional[int]]:
+    """Megatron-Core's key for our parameter `name` and, for a block's, its layer in the stack."""
+    if name == word_embeddings_name(config):
+        return "embedding.word_embeddings.weight", None
+    if name == position_embeddings_name(config):
+        return "embedding.position_embeddings.weight", None
+    if name == lm_head_name(config):
+        return "output_layer.weight", None
+    index, _, suffix = name.partition(".")
+    if index.isdigit() and is_block_index(int(index), config.num_layers) and suffix in BLOCK:
+        return LAYERS + BLOCK[suffix], block_number(int(index))
+    if index.isdigit() and int(index) == final_norm_index(config.num_layers):
+        return f"decoder.final_layernorm.{suffix}", None
+    raise ValueError(f"{name!r} has no Megatron-Core name")
+
+
+def mcore_keys(config: GPTConfig) -> List[str]:
+    """Every Megatron-Core tensor key this model's parameters map to, in first-use order."""
+    seen = []
+    for name in param_names(config):
+        key, _ = mcore_key(name, config)
+        if key not in seen:
+            seen.append(key)
+    return seen
+
+
+def unmapped(keys: Iterable[str], config: GPTConfig) -> List[str]:
+    """The model keys among `keys` that no parameter of ours maps to (optimizer state, `_extra_state`
+    and the output layer of a tied model, which Megatron-Core saves as the embedding's replica, aside)."""
+    known = set(mcore_keys(config))
+    out = []
+    for key in keys:
+        if key.startswith(OPTIMIZER_PREFIX) or "_extra_state" in key or key in known:
+            continue
+        if key == "output_layer.weight" and not config.untie_embeddings_and_output_weights:
+            continue
+        out.append(key)
+    return out
+
+
+def refusal(key: str, where: str) -> str:
+    """One sentence for a key that cannot be mapped."""
+    if any(m in "." + key for m in EXPERT_MARKERS):
+        return (f"{where} holds the mixture-of-experts tensor {key}, which this trainer does not map yet "
+                "(dense GPT and Llama models only)")
+    return (f"{where} holds {key}, which no parameter of this model maps to (a layer type or architecture "
+            "this trainer does not build, or flags that describe another model)")

@@ -1,0 +1,176 @@
+"""Our checkpoint (universal, or a ZeRO checkpoint at any layout) written as a Megatron-Core torch_dist checkpoint.
+
+    summary = write_torch_dist(source, out, target_tp=1)   # source: a ZeRO checkpoint or universal directory
+
+`<out>/latest_checkpointed_iteration.txt` and `<out>/iter_{N:07d}/`: `.metadata` and `__0_0.distcp` written with
+torch.distributed.checkpoint's FileSystemWriter, `common.pt` (Megatron-LM's args, iteration, the optimizer step)
+and `metadata.json`, which is what Megatron-Core's `dist_checkpointing.load` (and Megatron-LM's `--load` with
+`--ckpt-format torch_dist`) reads at any TP. Names and layouts are mcore_names.py's; each transformer layer is
+one chunk of the stacked `decoder.layers.*` tensor, as Megatron-Core writes them, so the writer holds one
+layer's tensor at a time: the save plan is made from shapes alone and each chunk is read from the source when
+torch's writer asks for it (`resolve_data`). The vocabulary is padded with zero rows to
+make_vocab_size_divisible_by x `target_tp` (Megatron's rule; the padded size goes into the args). Adam's moments
+go in as `optimizer.state.exp_avg|exp_avg_sq.<key>` and the step as `optimizer.state.common_step`
+(FP32Optimizer's layout). The linear layers' `_extra_state` (None, Megatron-Core's local layers) is written per
+layer, since Megatron-Core's default strictness expects every key its model asks for.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+import warnings
+from argparse import Namespace
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+from ...model.architecture import model_settings
+from ...model.params import param_names, param_spec
+from ..errors import CheckpointError
+from ..format import LATEST_ITERATION, STATE_KEYS, UNIVERSAL_CHECKPOINT_INFO, header_args
+from ..reshape.universal_load import ReshapedFiles, UniversalFiles, find_universal_dir
+from ..saved_config import config_from_args
+from .mcore_names import LAYERS, OPTIMIZER_PREFIX, mcore_key
+
+EXTRA_STATE_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+MCORE_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                  "common_backend_version": 1}
+
+
+class _StreamingPlanner(DefaultSavePlanner):
+    """Plans from (fqn, offsets, sizes) alone; `produce(fqn, layer)` makes a chunk when the writer needs it."""
+
+    def __init__(self, chunks, blobs, produce):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=False)
+        self.chunks, self.blobs, self.produce = chunks, blobs, produce
+
+    def create_local_plan(self) -> SavePlan:
+        items, self.layer_of = [], {}
+        for fqn, layer, global_size in self.chunks:
+            offsets = [0] * len(global_size)
+            sizes = list(global_size)
+            if layer is not None:
+                offsets[0], sizes[0] = layer, 1
+            props = TensorProperties(dtype=torch.float32)
+            self.layer_of[(fqn, tuple(offsets))] = layer
+            items.append(WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
+                                   tensor_data=TensorWriteData(ChunkStorageMetadata(torch.Size(offsets),
+                                                                                    torch.Size(sizes)),
+                                                               props, torch.Size(global_size))))
+        items += [WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO) for fqn in self.blobs]
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem):
+        fqn = write_item.index.fqn
+        if write_item.type == WriteItemType.BYTE_IO:
+            return io.BytesIO(self.blobs[fqn])
+        return self.produce(fqn, self.layer_of[(fqn, tuple(write_item.index.offset))])
+
+
+def open_source(path: str, verify: bool = True):
+    """(per-parameter source, header) of a universal checkpoint or a ZeRO checkpoint directory."""
+    universal = find_universal_dir(path)
+    files = UniversalFiles(universal, verify) if universal else ReshapedFiles(path, verify)
+    head = files.model_states(0) or {}
+    return files, head
+
+
+def source_config(head: dict, where: str):
+    args = header_args(head)
+    info = head.get(UNIVERSAL_CHECKPOINT_INFO) or {}
+    vocab = info.get("original_vocab_size")
+    if not args.get("num_layers") or vocab is None:
+        raise CheckpointError(f"{where} records no model args or original vocabulary size "
+                              "(universal_checkpoint_info), so the model it holds is unknown")
+    settings = {k: v for k, v in model_settings(args).items() if v is not None}
+    return config_from_args({**args, **settings}, int(vocab)), args
+
+
+def megatron_args(config, args: dict, target_tp: int) -> Namespace:
+    """Megatron-LM's args for common.pt: the model's settings in its names, at `target_tp`."""
+    c = config
+    return Namespace(**{**{k: v for k, v in args.items() if isinstance(v, (int, float, str, bool, type(None)))},
+                        "num_layers": c.num_layers, "hidden_size": c.hidden_size,
+                        "num_attention_heads": c.num_attention_heads, "ffn_hidden_size": c.ffn_hidden_size,
+                        "num_query_groups": c.num_query_groups,
+                        "group_query_attention": c.num_query_groups != c.num_attention_heads,
+                        "seq_length": c.seq_length, "max_position_embeddings": c.max_position_embeddings,
+                        "normalization": c.normalization, "position_embedding_type": c.position_embedding_type,
+                        "swiglu": c.swiglu, "add_bias_linear": c.add_bias_linear,
+                        "untie_embeddings_and_output_weights": c.untie_embeddings_and_output_weights,
+                        "rotary_base": c.rotary_base, "rotary_percent": c.rotary_percent,
+                        "norm_epsilon": c.layernorm_epsilon, "layernorm_epsilon": c.layernorm_epsilon,
+                        "make_vocab_size_divisible_by": c.make_vocab_size_divisible_by,
+                        "padded_vocab_size": c.padded_vocab_size(target_tp),
+                        "tensor_model_parallel_size": target_tp, "pipeline_model_parallel_size": 1,
+                        "ckpt_format": "torch_dist"})
+
+
+def write_torch_dist(source: str, out: str, target_tp: int = 1, verify: bool = True) -> dict:
+    start = time.monotonic()
+    files, head = open_source(source, verify)
+    config, args = source_config(head, source)
+    config.check_tp(target_tp)
+    iteration = int(head.get("iteration", 0) or 0)
+    directory = os.path.join(out, f"iter_{iteration:07d}")
+    if os.path.exists(directory):
+        raise CheckpointError(f"{directory} already exists; choose another --output or remove it")
+    names = param_names(config)
+    by_key = {}  # (mcore key, layer) -> our name
+    for name in names:
+        by_key[mcore_key(name, config)] = name
+    padded = config.padded_vocab_size(target_tp)
+    chunks = []
+    for (key, layer), name in by_key.items():
+        spec = param_spec(name, config)
+        shape = (padded,) + spec.full_shape[1:] if spec.is_vocab else spec.full_shape
+        size = ((config.num_layers,) + tuple(shape)) if layer is not None else tuple(shape)
+        for prefix in ("", f"{OPTIMIZER_PREFIX}exp_avg.", f"{OPTIMIZER_PREFIX}exp_avg_sq."):
+            chunks.append((prefix + key, layer, size))
+    blobs = {}
+    buf = io.BytesIO()
+    torch.save([None], buf)  # what Megatron-Core writes for a local linear layer (a list of its replicas)
+    for linear in EXTRA_STATE_LINEARS:
+        for layer in range(config.num_layers):
+            blobs[f"{LAYERS}{linear}._extra_state/shard_{layer}_{config.num_layers}"] = buf.getvalue()
+    step = [0]
+
+    def produce(fqn, layer):
+        which = "fp32"
+        for k in STATE_KEYS[1:]:
+            if fqn.startswith(f"{OPTIMIZER_PREFIX}{k}."):
+                which, fqn = k, fqn[len(f"{OPTIMIZER_PREFIX}{k}."):]
+        name = by_key[(fqn, layer)]
+        full, _, _ = files.full(name, which)
+        step[0] = files.step(name)
+        if param_spec(name, config).is_vocab and full.shape[0] < padded:
+            full = torch.cat([full, full.new_zeros((padded - full.shape[0],) + tuple(full.shape[1:]))])
+        return full.float().unsqueeze(0) if layer is not None else full.float()
+
+    os.makedirs(directory)
+    planner = _StreamingPlanner(chunks, blobs, produce)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save({}, storage_writer=dcp.FileSystemWriter(directory, thread_count=1, single_file_per_rank=True),
+                     planner=planner, no_dist=True)
+    finally:
+        files.close()
+    common = {"args": megatron_args(config, args, target_tp), "iteration": iteration, "checkpoint_version": 3.0,
+              "optimizer": {"state": {"common_step": torch.tensor(float(step[0]))},
+                            "param_groups": []},
+              "num_floating_point_operations_so_far": 0}
+    torch.save(common, os.path.join(directory, "common.pt"))
+    with open(os.path.join(directory, "metadata.json"), "w") as f:
+        json.dump(MCORE_METADATA, f)
+    with open(os.path.join(out, LATEST_ITERATION), "w") as f:
+        f.write(str(iteration))
+    return {"params": len(names), "iteration": iteration, "directory": directory,
+            "bytes": sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory)),
+            "seconds": time.monotonic() - start}
