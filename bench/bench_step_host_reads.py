@@ -1,6 +1,6 @@
 """Training step time of this tree against a baseline commit, pretrain_gpt.py as a user runs it.
 
-    .venv/bin/python bench/bench_step_host_reads.py [--baseline d5c60dd] [--rounds 3] [--iters 40]
+    .venv/bin/python bench/bench_step_host_reads.py [--baseline e0c29b0] [--rounds 3] [--iters 40]
 
 What it answers: what removing the per-step host reads and collectives costs or saves on the CPU
 (the loss read every step, the exit flags' world all-reduce every step, one fp64 norm kernel per
@@ -111,7 +111,8 @@ def main():
     if sys.argv[1:2] == ["--worker"]:
         return worker(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline", default="d5c60dd", help="commit to compare with")
+    parser.add_argument("--baseline", default="e0c29b0", help="commit to compare with (default: the tree before one "
+                        "host read per step and ZeRO 0-2's buckets, whose kernels are this tree's)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--iters", type=int, default=40)
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names from CONFIGS")
