@@ -109,6 +109,7 @@ def test_convert_checkpoint_cli_dcp_universal_round_trip(tmp_path):
     from megatron_zero.checkpoint.interop.convert import config_args
     from megatron_zero.checkpoint.interop.to_universal import write_universal
     from megatron_zero.checkpoint.reshape.universal_load import UniversalFiles
+    from megatron_zero.checkpoint.storage.reader import open_directory
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cfg = tiny_llama_config(num_layers=2, num_query_groups=2, make_vocab_size_divisible_by=1)
     _, full = _model(cfg)
@@ -126,7 +127,7 @@ def test_convert_checkpoint_cli_dcp_universal_round_trip(tmp_path):
                                  str(cfg.seq_length), "--make-vocab-size-divisible-by", "1"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
-    back = UniversalFiles(str(tmp_path / "v" / "b"))
+    back = UniversalFiles(open_directory(str(tmp_path / "v" / "b")))
     for name in param_names(cfg):
         for which in ("fp32", "exp_avg", "exp_avg_sq"):
             assert torch.equal(back.full(name, which)[0], _Source(full).full(name, which)[0]), (name, which)

@@ -50,6 +50,8 @@ def test_printed_flags_build_the_hf_model(tmp_path, kind, capsys):
     want = for_hf_config(hf, str(src / "config.json")).config_from_hf(hf)
     parsed = {**{f.name: getattr(args, f.name) for f in fields(GPTConfig) if hasattr(args, f.name)},
               **architecture_kwargs(vars(args))}
+    if parsed.get("moe_ffn_hidden_size") is None:  # unset: the experts' width is the MLP's (GPTConfig fills it)
+        parsed["moe_ffn_hidden_size"] = parsed.get("ffn_hidden_size")
     differ = {f.name: (parsed.get(f.name), getattr(want, f.name)) for f in fields(GPTConfig)
               if f.name not in NOT_FROM_HF and parsed.get(f.name) != getattr(want, f.name)}
     assert differ == {}, f"flag value vs HF config: {differ}"

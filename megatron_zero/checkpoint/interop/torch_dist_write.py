@@ -35,6 +35,7 @@ from ..errors import CheckpointError
 from ..format import LATEST_ITERATION, STATE_KEYS, UNIVERSAL_CHECKPOINT_INFO, header_args
 from ..reshape.universal_load import ReshapedFiles, UniversalFiles, find_universal_dir
 from ..saved_config import config_from_args
+from ..storage.reader import open_directory
 from .mcore_names import LAYERS, OPTIMIZER_PREFIX, mcore_key
 
 EXTRA_STATE_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
@@ -76,7 +77,8 @@ class _StreamingPlanner(DefaultSavePlanner):
 def open_source(path: str, verify: bool = True):
     """(per-parameter source, header) of a universal checkpoint or a ZeRO checkpoint directory."""
     universal = find_universal_dir(path)
-    files = UniversalFiles(universal, verify) if universal else ReshapedFiles(path, verify)
+    files = (UniversalFiles(open_directory(universal, verify)) if universal else
+             ReshapedFiles(open_directory(path, verify)))
     head = files.model_states(0) or {}
     return files, head
 
