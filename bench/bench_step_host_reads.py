@@ -46,6 +46,8 @@ CONFIGS = {  # name: flags (h: hidden size; 2 layers, seq 64 at h64; 4 layers, s
     "dp2-zero2-h256": {"hidden-size": 256, "num-layers": 4, "num-attention-heads": 8,
                                  "seq-length": 256, "micro-batch-size": 4, "global-batch-size": 16,
                                  "zero-stage": 2},
+    "tp2-h256": {"hidden-size": 256, "num-layers": 4, "num-attention-heads": 8, "seq-length": 256,
+                 "micro-batch-size": 4, "global-batch-size": 16, "tensor-model-parallel-size": 2},
 }
 
 
@@ -67,9 +69,12 @@ def run(tree: str, flags: dict, data: str, cache: str, iters: int):
                        "data-cache-path": cache})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(free_port()), os.path.abspath(__file__), "--worker"] + argv
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": tree}
+    stamp_dir = tempfile.mkdtemp(dir=cache if os.path.isdir(cache) else None)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": tree, "BENCH_STAMPS_DIR": stamp_dir}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tree, timeout=1800)
-    stamps = [json.loads(line[len("STAMPS "):]) for line in out.stdout.splitlines() if line.startswith("STAMPS ")]
+    # a file per rank: two ranks' lines on one stdout can interleave
+    stamps = [json.load(open(os.path.join(stamp_dir, f))) for f in sorted(os.listdir(stamp_dir))]
+    shutil.rmtree(stamp_dir, ignore_errors=True)
     if out.returncode != 0 or len(stamps) != 2:
         raise SystemExit(f"{tree}: exit {out.returncode}\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
     wall = [max(s["wall"][i + 1] - s["wall"][i] for s in stamps) for i in range(3, iters - 1)]
@@ -102,7 +107,8 @@ def worker(argv):
     trainer.train()
     stamps["wall"].append(time.perf_counter())
     stamps["cpu"].append(time.process_time())
-    print("STAMPS " + json.dumps(stamps), flush=True)
+    with open(os.path.join(os.environ["BENCH_STAMPS_DIR"], f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(stamps, f)
     trainer = None
     dist.destroy_process_group()
 
