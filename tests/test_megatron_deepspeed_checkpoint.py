@@ -32,11 +32,14 @@ def _full(config):
 
 def test_model_type_loads_as_data_and_is_written_under_megatrons_name(tmp_path):
     path = str(tmp_path / "args.pt")
-    save_file({"args": argparse.Namespace(model_type=ModelType.encoder_and_decoder)}, path, fsync=False)
+    save_file({"args": argparse.Namespace(model_type=ModelType.encoder_or_decoder)}, path, fsync=False)
     with zipfile.ZipFile(path) as z:
         pickled = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
     assert b"megatron.core.enums\nModelType" in pickled
-    assert safe_load(path)["args"].model_type is ModelType.encoder_and_decoder
+    # our stand-in, or megatron-core's own class where a process has imported it (it registers itself with
+    # torch's weights-only loader): either way the member, read as data
+    loaded = safe_load(path)["args"].model_type
+    assert (loaded.name, loaded.value) == ("encoder_or_decoder", 1)
 
 
 def test_qkv_order_round_trip():
