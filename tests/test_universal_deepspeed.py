@@ -73,7 +73,13 @@ class Net(torch.nn.Module):
 
 
 def deepspeed_save(stage, save_dir):
+    import importlib
     import deepspeed
+    # DeepSpeed's CPU backend JIT-builds a shared-memory all-reduce (an optional speed-up over gloo) into the
+    # user-wide torch_extensions cache at init: minutes on a fresh 2-core machine, and forever behind a lock
+    # file that an interrupted build left there. The checkpoint files it writes are the same without it.
+    # (importlib: the attribute deepspeed.comm.torch is torch itself, star-imported over the submodule)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
