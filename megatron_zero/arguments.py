@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                    default="aux_loss")
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="the switch load-balancing loss's weight")
     g.add_argument("--moe-z-loss-coeff", type=float, default=None)
+    g.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="run the local experts' matmuls as one grouped GEMM each (torch's grouped_mm on CUDA bf16; "
+                        "the same parameters and checkpoints)")
     g.add_argument("--moe-token-dispatcher-type", choices=["alltoall", "allgather"], default="alltoall",
                    help="alltoall: variable-size all-to-all over the expert-parallel group (the one implemented)")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,

@@ -16,6 +16,7 @@ copies are done when issued.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from functools import lru_cache
 from typing import Any, Dict, Optional
 
 import torch
@@ -111,3 +112,11 @@ def join_stream(stream, device: torch.device) -> None:
     the host (nothing on the CPU)."""
     if stream is not None:
         torch.cuda.current_stream(device).wait_stream(stream)
+
+
+@lru_cache(maxsize=None)
+def has_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch.nn.functional.grouped_mm runs forward and backward on `device` in `dtype`: CUDA,
+    bf16, compute capability 8.0 or later (torch's rule); elsewhere callers loop over the groups."""
+    return (device.type == "cuda" and dtype == torch.bfloat16 and hasattr(torch.nn.functional, "grouped_mm")
+            and torch.cuda.get_device_capability(device) >= (8, 0))

@@ -58,6 +58,7 @@ class GPTConfig:
     moe_router_load_balancing_type: str = "aux_loss"
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: Optional[float] = None
+    moe_grouped_gemm: bool = False                   # the local experts as one grouped GEMM (moe/grouped_mlp.py)
     # memory and speed (model/recompute.py, model/attention_core.py, sequence parallelism): none of
     # these changes a parameter, so checkpoints never record or need them
     recompute_granularity: Optional[str] = None  # None, 'full' or 'selective'
@@ -181,4 +182,4 @@ class GPTConfig:
 
 # the MoE fields a run's arguments set (arguments.py's flags of the same names)
 MOE_FIELDS = ("num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_pre_softmax",
-              "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff")
+              "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_grouped_gemm")

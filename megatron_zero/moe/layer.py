@@ -6,7 +6,8 @@ holds its slice of every local expert). With an expert-parallel group of EP rank
 experts [ep_rank E/EP, (ep_rank+1) E/EP) under their global ids, marked `expert_parallel` (their
 gradients reduce over the expert-data-parallel group, zero/expert_stage.py); the router is replicated.
 Dropless: every token reaches its k experts. The experts run one after another on their contiguous
-runs of rows (a loop over the local experts, never over tokens).
+runs of rows (a loop over the local experts, never over tokens), or with `moe_grouped_gemm` all
+together as one grouped GEMM per matmul (grouped_mlp.py; the same parameters).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .dispatch import ExpertParallelExchange, permute, unpermute
+from .grouped_mlp import GroupedMLP
 from .router import route
 
 
@@ -28,8 +30,11 @@ class Experts(nn.Module):
             {str(e): mlp_class(config, tp_group, ffn_hidden_size=config.moe_ffn_hidden_size) for e in expert_ids})
         for p in self.deepspeed_experts.parameters():
             p.expert_parallel = True
+        self.grouped = GroupedMLP(config, tp_group) if config.moe_grouped_gemm else None
 
     def forward(self, rows: torch.Tensor, rows_per_expert) -> torch.Tensor:
+        if self.grouped is not None:
+            return self.grouped(list(self.deepspeed_experts.values()), rows, rows_per_expert)
         chunks = torch.split(rows, list(rows_per_expert))
         return torch.cat([expert(chunk) for expert, chunk in zip(self.deepspeed_experts.values(), chunks)])
 

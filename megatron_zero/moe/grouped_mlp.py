@@ -1,0 +1,82 @@
+"""`--moe-grouped-gemm`: a rank's local experts as one grouped GEMM per MLP matmul (Megatron-Core's GroupedMLP).
+
+The experts keep their own parameters (`deepspeed_experts.<id>.dense_h_to_4h.weight`, ...), so the
+checkpoint layout (DeepSpeed-MoE's expert files, checkpoint/expert_layout.py), the ZeRO partitions and
+resume are those of a run without the flag, and either run loads the other's checkpoints. At each
+forward the experts' weights of one matmul are stacked ([E, out, in], one copy; its backward hands each
+expert its own gradient) and all rows, grouped by expert (offsets = cumulative row counts), go through
+
+    fc1:  torch.nn.functional.grouped_mm(rows, W1^T, offs)   [rows, (2) ffn / tp]   column-parallel
+    act:  GeLU (tanh) of fc1 + the row's expert's bias, or SwiGLU over [gate; up]
+    fc2:  grouped_mm(act, W2^T, offs), summed over TP, + the expert's bias           row-parallel
+
+`grouped_mm` runs where torch has it (device.has_grouped_mm: CUDA, bf16, compute capability >= 8.0)
+and both matmuls' inner strides are 16-byte multiples; elsewhere (the CPU, fp32) each expert's rows go
+through F.linear in turn: the same sums, chosen from the device and dtype, never from a name.
+Tensor parallelism is the dense MLP's: every TP rank sees the same rows, holds its slice of every expert.
+"""
+from __future__ import annotations
+
+from itertools import accumulate
+from typing import List, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..device import has_grouped_mm
+from ..model import functional
+from ..tensor_parallel import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
+
+ALIGN_BYTES = 16  # grouped_mm's stride rule: every row of its operands starts on a 16-byte boundary
+
+
+def grouped_mm_fits(dtype: torch.dtype, *dims: int) -> bool:
+    """Whether rows of `dims` elements of `dtype` keep grouped_mm's operands 16-byte aligned."""
+    item = torch.empty((), dtype=dtype).element_size()
+    return all((d * item) % ALIGN_BYTES == 0 for d in dims)
+
+
+def grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], counts: List[int], offs, grouped: bool):
+    """Rows of x grouped by expert (counts[e] rows for expert e) times weights[e]^T ([out, in] each)."""
+    if grouped:
+        return F.grouped_mm(x, torch.stack(list(weights)).transpose(1, 2), offs=offs)
+    return torch.cat([F.linear(chunk, w) for chunk, w in zip(torch.split(x, counts), weights)])
+
+
+def rows_bias(biases: Sequence[torch.Tensor], expert_of_row: torch.Tensor) -> torch.Tensor:
+    """Each row's expert's bias: [rows, out]."""
+    return torch.stack(list(biases)).index_select(0, expert_of_row)
+
+
+class GroupedMLP:
+    """The local experts' MLPs evaluated together; holds no parameters of its own (they stay the experts')."""
+
+    def __init__(self, config, tp_group):
+        self.tp_group, self.swiglu = tp_group, config.swiglu
+
+    def uses_grouped_mm(self, experts, rows: torch.Tensor) -> bool:
+        w1 = experts[0].dense_h_to_4h.weight
+        return (rows.shape[0] > 0 and has_grouped_mm(rows.device, rows.dtype)
+                and grouped_mm_fits(rows.dtype, w1.shape[1], w1.shape[0], experts[0].dense_4h_to_h.weight.shape[1]))
+
+    def __call__(self, experts, rows: torch.Tensor, rows_per_expert: Sequence[int]) -> torch.Tensor:
+        counts = [int(n) for n in rows_per_expert]
+        grouped = self.uses_grouped_mm(experts, rows)
+        offs = torch.tensor(list(accumulate(counts)), dtype=torch.int32, device=rows.device) if grouped else None
+        fc1 = [e.dense_h_to_4h for e in experts]
+        fc2 = [e.dense_4h_to_h for e in experts]
+        expert_of_row = None
+        if fc1[0].bias is not None or fc2[0].bias is not None:
+            expert_of_row = torch.repeat_interleave(
+                torch.arange(len(experts), device=rows.device),
+                torch.tensor(counts, device=rows.device), output_size=rows.shape[0])
+        x = copy_to_tensor_model_parallel_region(rows, self.tp_group)
+        y = grouped_linear(x, [m.weight for m in fc1], counts, offs, grouped)
+        if fc1[0].bias is not None:
+            y = y + rows_bias([m.bias for m in fc1], expert_of_row)
+        y = functional.swiglu(y) if self.swiglu else F.gelu(y, approximate="tanh")
+        out = grouped_linear(y, [m.weight for m in fc2], counts, offs, grouped)
+        out = reduce_from_tensor_model_parallel_region(out, self.tp_group)
+        if fc2[0].bias is not None:
+            out = out + rows_bias([m.bias for m in fc2], expert_of_row)
+        return out
