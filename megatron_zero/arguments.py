@@ -504,10 +504,8 @@ def _validate_moe(args, tp: int, dp: int):
     if ep > 1:
         _require(args.zero_stage in (1, 2), f"--expert-model-parallel-size {ep} runs with --zero-stage 1 or 2, "
                  f"not {args.zero_stage}")
-        _require(not (args.overlap_grad_reduce or args.overlap_param_gather) and args.offload == "none"
-                 and not args.zero_nvme_offload_path,
-                 f"--expert-model-parallel-size {ep} runs without --overlap-grad-reduce, --overlap-param-gather "
-                 "and optimizer offload")
+        _require(args.offload == "none" and not args.zero_nvme_offload_path,
+                 f"--expert-model-parallel-size {ep} runs without optimizer offload")
 
 
 def _check_overlap(args):

@@ -60,12 +60,15 @@ def reference_run(cfg, dp: int, mb: int, steps: int = STEPS):
     return losses, norms
 
 
-def parallel_run(cfg, tp: int, pp: int, ep: int, stage: int, mb: int, steps: int = STEPS):
+def parallel_run(cfg, tp: int, pp: int, ep: int, stage: int, mb: int, steps: int = STEPS, overlap: bool = False,
+                 bucket_size: int = 4000):
+    """`overlap`: --overlap-grad-reduce and --overlap-param-gather."""
     state = build_parallel_state(tp=tp, pp=pp, ep=ep)
     model = build_gpt_stage(cfg, state)
     opt = ZeroOptimizer(list(model.named_parameters()), dp_group=state.dp_group, stage=stage, clip_grad=CLIP,
-                        mp_group=state.mp_group, tp_rank=state.tp_rank, module=model, bucket_size=4000,
-                        expert_dp_group=state.expert_dp_group, **HP)
+                        mp_group=state.mp_group, tp_rank=state.tp_rank, module=model,
+                        bucket_size=bucket_size, expert_dp_group=state.expert_dp_group,
+                        overlap_grad_reduce=overlap, overlap_param_gather=overlap, **HP)
     p2p = P2P(state.prev_rank, state.next_rank, activation_shape(mb, cfg), torch.float32)
     slices = micro_slices(state.dp_size, mb)
     m = GBS // (mb * state.dp_size)
@@ -76,12 +79,13 @@ def parallel_run(cfg, tp: int, pp: int, ep: int, stage: int, mb: int, steps: int
                  for j in range(m)]
         set_aux_loss_scale(opt.loss_scale / m)
         out = forward_backward(make_forward_step(model, micro, state), m, p2p, state.pp_rank, pp,
-                               backward_loss=opt.backward)
+                               backward_loss=opt.backward, before_last_backward=opt.arm_grad_reduce)
         sync_tied_embedding_grads(model, state)
         updated, norm = opt.step()
         assert updated
         losses.append(broadcast_loss(out, state.is_last_stage, state.layout.pp_group(state.rank)[-1],
                                      state.pp_group, state.dp_group))
         norms.append(norm)
+    opt.wait_params()
     reset_aux_losses()
     return losses, norms

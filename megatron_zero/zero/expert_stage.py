@@ -8,6 +8,12 @@ tokens reached it, so the optimizer's one factor 1 / (loss scale x DP) (the full
 `reduce_dp` below) averages it as it does the dense gradients (Megatron-Core's expert gradient
 scaling). Summed over the DP group, every expert element of the global norm counts once: experts
 differ across the expert-parallel ranks and are partitioned within the expert-DP group.
+
+With `overlap_grad_reduce` / `overlap_param_gather` both halves are Stage12Overlap (stage12_overlap.py):
+each launches its buckets' reduce-scatters async on its own group (dense over DP, expert over
+expert-DP) as backward completes them, and after the step all-gathers its partitions async over that
+group, each unit's forward waiting for the chunks of both halves it uses (Megatron-Core's expert
+buckets and expert-DP param gather).
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ from typing import List, Sequence, Tuple
 import torch
 
 from .stage12 import Stage12
+from .stage12_overlap import Stage12Overlap
 
 
 def split_expert_groups(named_groups, hparams):
@@ -33,11 +40,19 @@ def split_expert_groups(named_groups, hparams):
 class ExpertParallelStage:
     def __init__(self, dense_groups: Sequence[Sequence[Tuple[str, torch.nn.Parameter]]], expert_groups,
                  dp_group, expert_dp_group, stage: int, dtype: torch.dtype, bucket_size: int,
-                 device: torch.device, grad_reduce_dtype: torch.dtype = torch.float32):
-        self.dense = Stage12(dense_groups, dp_group, stage, dtype, bucket_size, device,
-                             grad_reduce_dtype=grad_reduce_dtype)
-        self.expert = Stage12(expert_groups, expert_dp_group, stage, dtype, bucket_size, device,
-                              grad_reduce_dtype=grad_reduce_dtype)
+                 device: torch.device, grad_reduce_dtype: torch.dtype = torch.float32,
+                 overlap_grad_reduce: bool = False, overlap_param_gather: bool = False, module=None):
+        if overlap_grad_reduce or overlap_param_gather:
+            def half(groups, group):
+                return Stage12Overlap(groups, group, stage, dtype, bucket_size, overlap_grad_reduce,
+                                      overlap_param_gather, module=module, device=device,
+                                      grad_reduce_dtype=grad_reduce_dtype)
+        else:
+            def half(groups, group):
+                return Stage12(groups, group, stage, dtype, bucket_size, device, grad_reduce_dtype=grad_reduce_dtype)
+        self.dense = half(dense_groups, dp_group)
+        self.expert = half(expert_groups, expert_dp_group)
+        self.overlapped = overlap_grad_reduce or overlap_param_gather
         self.n_dense = len(dense_groups)
         self.dp, self.reduce_dp, self.rank = self.dense.dp, self.dense.reduce_dp, self.dense.rank
         self.initial_masters = self.dense.initial_masters + self.expert.initial_masters
@@ -45,6 +60,22 @@ class ExpertParallelStage:
 
     def _pick(self, gi: int):
         return (self.dense, gi) if gi < self.n_dense else (self.expert, gi - self.n_dense)
+
+    # ---- overlap (both halves Stage12Overlap) ----------------------------------------------
+    def arm(self, params=None) -> None:
+        if self.overlapped:
+            self.dense.arm(params)
+            self.expert.arm(params)
+
+    def wait_params(self) -> None:
+        if self.overlapped:
+            self.dense.wait_params()
+            self.expert.wait_params()
+
+    @property
+    def _in_flight(self):
+        """The bucket collectives under way on either group."""
+        return list(self.dense.buckets._in_flight) + list(self.expert.buckets._in_flight)
 
     def finish_backward(self) -> None:
         self.dense.finish_backward()
