@@ -24,13 +24,10 @@ class Refusal:
 _MOE_DS = ("DeepSpeed-MoE's capacity-based gating is not available in this build; MoE trains dropless with "
            "Megatron-Core's flags (--num-experts, --expert-model-parallel-size, --moe-router-topk, "
            "--moe-aux-loss-coeff): docs/moe.md")
-_GROUPED_GEMM = ("grouped GEMM for the experts is not available in this build; each local expert runs its own "
-                 "matmuls (docs/moe.md)")
 _FP8 = "FP8 needs Transformer Engine on a GPU; megatron_zero trains in bf16/fp16/fp32"
 
 REFUSED: Dict[str, Refusal] = {
     # mixture of experts: Megatron-Core's flags train it (docs/moe.md); these are refused
-    "--moe-grouped-gemm": Refusal(_GROUPED_GEMM),
     **{flag: Refusal(_MOE_DS) for flag in (
         "--moe-expert-parallel-size", "--moe-loss-coeff", "--moe-train-capacity-factor", "--moe-eval-capacity-factor",
         "--moe-min-capacity", "--create-moe-param-group", "--disable-moe-token-dropping")},

@@ -16,7 +16,6 @@ from megatron_zero.flag_refusals import REFUSED, refusals
 from megatron_zero.testing.launch_scripts import script_argv, scripts
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "coming_from_megatron.md")
-_MOE_LM = {"--moe-grouped-gemm"}  # Megatron-Core's other MoE flags train it (docs/moe.md)
 _MOE_DS = {"--moe-expert-parallel-size", "--moe-loss-coeff", "--moe-train-capacity-factor",
            "--moe-eval-capacity-factor", "--moe-min-capacity", "--create-moe-param-group"}
 EXPECTED_REFUSED = {
@@ -24,7 +23,7 @@ EXPECTED_REFUSED = {
     "megatron_lm_llama3_8b_fp8": {"--apply-layernorm-1p", "--decoupled-lr", "--decoupled-min-lr", "--fp8-format",
                                   "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather",
                                   "--tiktoken-pattern"},
-    "megatron_lm_mixtral_8x7b": _MOE_LM,
+    "megatron_lm_mixtral_8x7b": set(),
     "mds_llama2": set(),
     "mds_universal_bf16": set(),
     "mds_moe64": _MOE_DS,
@@ -32,8 +31,6 @@ EXPECTED_REFUSED = {
 
 # the refused flags removed, what validate_args still refuses (docs/coming_from_megatron.md says so too)
 REFUSED_WHEN_CHECKED = {
-    "megatron_lm_mixtral_8x7b": "--expert-model-parallel-size 8 runs without --overlap-grad-reduce, "
-                                "--overlap-param-gather and optimizer offload",
 }
 
 
