@@ -62,6 +62,15 @@ def host_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Te
     return torch.empty(numel, dtype=dtype, device=HOST, pin_memory=device.type == "cuda")
 
 
+def ints_to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A short list of host integers as a tensor on `device`, copied from pinned memory without blocking
+    (a plain copy from pageable memory would wait for the device's queued work)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == HOST.type:
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def to_device(batch: Dict[str, Any], device: torch.device) -> Dict[str, Any]:
     """A collated batch (host tensors) on `device`: pinned first, then copied without blocking."""
     if device.type == HOST.type:

@@ -10,6 +10,7 @@ expert its own gradient) and all rows, grouped by expert (offsets = cumulative r
     act:  GeLU (tanh) of fc1 + the row's expert's bias, or SwiGLU over [gate; up]
     fc2:  grouped_mm(act, W2^T, offs), summed over TP, + the expert's bias           row-parallel
 
+The offsets and row counts reach the device from pinned memory without blocking (device.ints_to_device).
 `grouped_mm` runs where torch has it (device.has_grouped_mm: CUDA, bf16, compute capability >= 8.0)
 and both matmuls' inner strides are 16-byte multiples; elsewhere (the CPU, fp32) each expert's rows go
 through F.linear in turn: the same sums, chosen from the device and dtype, never from a name.
@@ -23,7 +24,7 @@ from typing import List, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..device import has_grouped_mm
+from ..device import has_grouped_mm, ints_to_device
 from ..model import functional
 from ..tensor_parallel import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
 
@@ -62,14 +63,14 @@ class GroupedMLP:
     def __call__(self, experts, rows: torch.Tensor, rows_per_expert: Sequence[int]) -> torch.Tensor:
         counts = [int(n) for n in rows_per_expert]
         grouped = self.uses_grouped_mm(experts, rows)
-        offs = torch.tensor(list(accumulate(counts)), dtype=torch.int32, device=rows.device) if grouped else None
+        offs = ints_to_device(list(accumulate(counts)), torch.int32, rows.device) if grouped else None
         fc1 = [e.dense_h_to_4h for e in experts]
         fc2 = [e.dense_4h_to_h for e in experts]
         expert_of_row = None
         if fc1[0].bias is not None or fc2[0].bias is not None:
             expert_of_row = torch.repeat_interleave(
                 torch.arange(len(experts), device=rows.device),
-                torch.tensor(counts, device=rows.device), output_size=rows.shape[0])
+                ints_to_device(counts, torch.int64, rows.device), output_size=rows.shape[0])
         x = copy_to_tensor_model_parallel_region(rows, self.tp_group)
         y = grouped_linear(x, [m.weight for m in fc1], counts, offs, grouped)
         if fc1[0].bias is not None:
