@@ -30,15 +30,17 @@ def _with_and_without_overlap(cfg, tp, pp, ep, stage, mb):
             for overlap in (False, True)]
 
 
-@pytest.mark.parametrize("stage,llama", [(1, False), pytest.param(2, True, marks=pytest.mark.slow)])
-def test_overlap_with_expert_parallelism(stage, llama):
-    """EP2 x DP4 (expert-DP 2: the expert buckets have peers to reduce with and gather from)."""
+@pytest.mark.parametrize("pp,stage,llama", [(1, 1, False), pytest.param(1, 2, True, marks=pytest.mark.slow),
+                                             pytest.param(2, 2, True, marks=pytest.mark.slow)])
+def test_overlap_with_expert_parallelism(pp, stage, llama):
+    """EP2 x DP4 (expert-DP 2: the expert buckets have peers to reduce with and gather from), and EP2 x DP2 x PP2."""
     cfg = moe_config(llama)
-    results = run_ranks(_with_and_without_overlap, 4, cfg, 1, 1, 2, stage, 1, timeout=600)
-    reference = reference_run(cfg, 4, 1, STEPS)
+    dp = 4 // pp
+    results = run_ranks(_with_and_without_overlap, 4, cfg, 1, pp, 2, stage, 1, timeout=600)
+    reference = reference_run(cfg, dp, 1, STEPS)
     for blocking, overlapped in results:
-        _check(cfg, [overlapped], blocking, f"overlap zero{stage} against blocking")
-    _check(cfg, [r[1] for r in results], reference, f"overlap zero{stage} against the reference")
+        _check(cfg, [overlapped], blocking, f"overlap pp{pp} zero{stage} against blocking")
+    _check(cfg, [r[1] for r in results], reference, f"overlap pp{pp} zero{stage} against the reference")
 
 
 @pytest.mark.parametrize("tp,llama", [(1, False), pytest.param(2, True, marks=pytest.mark.slow)])
