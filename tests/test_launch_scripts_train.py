@@ -34,14 +34,13 @@ CUTS = {
     "mds_llama2": (2, {"--global-batch-size": "8", "--micro-batch-size": "2", "--num-key-value-heads": "2",
                        "--distributed-backend": "gloo", "--pipeline-model-parallel-size": "1"}),
     "mds_universal_bf16": (2, {"--num-attention-heads": "4", "--tensor-model-parallel-size": "1"}),
-    "mds_moe64": (2, {"--global-batch-size": "8", "--micro-batch-size": "4", "--train-tokens": "2560"}),
+    "mds_moe64": (2, {"--global-batch-size": "8", "--micro-batch-size": "4", "--train-tokens": "2560",
+                      "--num-experts": "4", "--moe-expert-parallel-size": "2"}),
 }
 # scripts refused as written: the first sentence they get, and why they cannot train here
 MOE = {"megatron_lm_mixtral_8x7b": ("--moe-grouped-gemm is refused: grouped GEMM",
                                     "--moe-grouped-gemm is refused (no grouped GEMM); without it, expert parallelism "
-                                    "refuses the script's --overlap-grad-reduce / --overlap-param-gather"),
-       "mds_moe64": ("is refused: DeepSpeed-MoE's capacity-based gating",
-                     "DeepSpeed-MoE's capacity-based gating flags are refused (MoE trains with Megatron-Core's flags)")}
+                                    "refuses the script's --overlap-grad-reduce / --overlap-param-gather")}
 # DeepSpeed JSONs the cut-down runs use: the script's own, with the cut batch sizes (train = micro x GA x DP)
 DS_BATCH = {"mds_llama2": (8, 2), "mds_universal_bf16": (4, 1), "mds_moe64": (8, 4)}
 
