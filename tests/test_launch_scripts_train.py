@@ -137,5 +137,8 @@ def test_cut_down_script_trains_five_iterations(name, corpus, tmp_path):
     if "--profile" in argv:  # train_llama3_8b_h100_fp8.sh: a torch.profiler trace under --tensorboard-dir
         traces = [f for _, _, files in os.walk(tmp_path / "tb") for f in files if f.endswith(".pt.trace.json")]
         assert len(traces) == 1, traces
+    if name == "mds_moe64":  # DeepSpeed-MoE's capacity gating in blocks 1, 3, ... (--expert-interval's default 2)
+        assert "2-layer GPT-2 model with 4 experts per MoE layer (EP=2)" in run.stdout, run.stdout[-2000:]
+        assert re.search(r"load_balancing_loss: [0-9.]+E[+-]\d+", run.stdout), run.stdout[-2000:]
     if "--loss-scale" in argv:  # run_universal_bf16.sh: a static scale with --bf16, as Megatron-LM applies it
         assert f"loss scale: {float(argv[argv.index('--loss-scale') + 1])} " in run.stdout
