@@ -63,3 +63,16 @@ def test_moe_capacity_gating_expert_parallel_matches_reference(name):
     for losses, norms in results:
         assert_losses_close(losses, ref_losses, rtol, f"{name} loss")
         assert_losses_close(norms, ref_norms, global_norm_rtol(rtol, count), f"{name} grad norm")
+
+
+def test_moe_random_token_selection_agrees_over_tensor_parallel_ranks():
+    """Random token selection on: both TP ranks of a TP2 run draw what the reference draws (the default
+    generator, seeded alike), so they keep the same tokens and the run matches the reference."""
+    cfg = moe_config(False, moe_router_topk=1, **{**CAPACITY, "moe_use_rts": True})
+    ref_losses, ref_norms = reference_run(cfg, 1, 2, CAPACITY_STEPS, seed=5)
+    results = run_ranks(parallel_run, 2, cfg, 2, 1, 1, 1, 2, CAPACITY_STEPS, 5, timeout=600)
+    rtol = model_rtol(gpt_path_length(cfg, GBS * cfg.seq_length))
+    count = sum(p.numel() for p in reference_model(cfg).parameters())
+    for losses, norms in results:
+        assert_losses_close(losses, ref_losses, rtol, "tp2 rts loss")
+        assert_losses_close(norms, ref_norms, global_norm_rtol(rtol, count), "tp2 rts grad norm")
