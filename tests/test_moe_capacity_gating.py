@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_zero.model.gpt import reference_model
-from megatron_zero.moe import reset_aux_losses, set_aux_loss_scale
+from megatron_zero.moe import aux_losses, reset_aux_losses, set_aux_loss_scale
 from megatron_zero.moe.capacity_gating import capacity, capacity_route
 from megatron_zero.testing.flag_checks import BASE, refused, with_flags
 from megatron_zero.testing.moe_train import moe_config
@@ -26,15 +26,10 @@ def _ours(logits, k, factor, min_cap, drop, rts, sampling, seed):
     try:
         weights, experts, kept = capacity_route(logits, k, factor, min_cap, drop, rts, sampling, COEFF)
         dense = torch.zeros(logits.shape).scatter_add(1, experts, weights * kept)  # [T, E]
-        l_aux = reset_and_get()
+        l_aux = aux_losses()["load_balancing_loss"]  # l_aux, as tracked for the log
     finally:
         reset_aux_losses()
     return dense, l_aux, weights
-
-
-def reset_and_get():
-    from megatron_zero.moe import aux_losses
-    return aux_losses()["load_balancing_loss"]
 
 
 def _deepspeed(logits, k, factor, min_cap, drop, rts, sampling, seed):
@@ -180,8 +175,6 @@ def test_megatron_deepspeed_moe_mixes_are_refused(changes, world, message, capsy
 def test_full_recompute_routes_identically_and_counts_the_losses_once(capacity_gating):
     """Full recompute (uniform, 2 layers a chunk) against none, RTS and hidden dropout drawing from the
     generator: the same loss, gradients and logged MoE losses (once, not again at the recompute)."""
-    from megatron_zero.moe import aux_losses
-
     routing = (dict(moe_router_topk=1, moe_z_loss_coeff=None, moe_capacity_factor=1.0, moe_min_capacity=0)
                if capacity_gating else {})
     results = []
