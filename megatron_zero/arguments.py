@@ -17,6 +17,7 @@ from .checkpoint.storage.reader import add_verify_flag
 from .compat_flags import CompatError, add_compat_flags, validate_compat
 from .deepspeed_config import DeepSpeedConfigError, apply_deepspeed_config
 from .flag_refusals import refusals, unknown_flag_sentence
+from .moe.flags import DeepSpeedMoEError, add_deepspeed_moe_flags, apply_deepspeed_moe_flags
 from .model.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, default_ffn_hidden_size
 
 
@@ -84,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="alltoall: variable-size all-to-all over the expert-parallel group (the one implemented)")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="ranks the experts are spread over, carved out of the data-parallel ranks")
+
+    add_deepspeed_moe_flags(p)
 
     g = p.add_argument_group("memory and speed")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
@@ -470,6 +473,10 @@ def _validate_architecture(args, tp: int):
 
 def _validate_moe(args, tp: int, dp: int):
     """The MoE flags this trainer implements, and the layouts it runs them at (docs/moe.md)."""
+    try:
+        apply_deepspeed_moe_flags(args, explicit_flags(args))
+    except DeepSpeedMoEError as err:
+        raise ArgumentError(str(err)) from None
     ep, experts = args.expert_model_parallel_size, args.num_experts
     _require(ep >= 1, f"--expert-model-parallel-size {ep} must be at least 1")
     if experts is None:
@@ -496,14 +503,12 @@ def _validate_moe(args, tp: int, dp: int):
              "--moe-token-dispatcher-type allgather is not implemented; use alltoall (the same result)")
     _require(not (args.sequence_parallel and tp > 1),
              "--sequence-parallel with MoE layers (--num-experts) is not implemented; drop --sequence-parallel")
-    _require(args.recompute_granularity != "full",
-             "--recompute-granularity full does not cover MoE layers (--num-experts); use selective or none")
     _require(args.num_layers_per_virtual_pipeline_stage is None,
              "--num-layers-per-virtual-pipeline-stage (interleaved pipelining) with MoE layers is not implemented")
     _require(not args.save_16bit_model, "--save-16bit-model with MoE layers (--num-experts) is not implemented")
     if ep > 1:
-        _require(args.zero_stage in (1, 2), f"--expert-model-parallel-size {ep} runs with --zero-stage 1 or 2, "
-                 f"not {args.zero_stage}")
+        _require(args.zero_stage in (0, 1, 2), f"--expert-model-parallel-size {ep} runs with --zero-stage 0, 1 "
+                 f"or 2, not {args.zero_stage}")
         _require(args.offload == "none" and not args.zero_nvme_offload_path,
                  f"--expert-model-parallel-size {ep} runs without optimizer offload")
 

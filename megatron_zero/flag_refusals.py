@@ -21,16 +21,9 @@ class Refusal:
     condition: str = ""  # the condition in words, for the documentation
 
 
-_MOE_DS = ("DeepSpeed-MoE's capacity-based gating is not available in this build; MoE trains dropless with "
-           "Megatron-Core's flags (--num-experts, --expert-model-parallel-size, --moe-router-topk, "
-           "--moe-aux-loss-coeff): docs/moe.md")
 _FP8 = "FP8 needs Transformer Engine on a GPU; megatron_zero trains in bf16/fp16/fp32"
 
 REFUSED: Dict[str, Refusal] = {
-    # mixture of experts: Megatron-Core's flags train it (docs/moe.md); these are refused
-    **{flag: Refusal(_MOE_DS) for flag in (
-        "--moe-expert-parallel-size", "--moe-loss-coeff", "--moe-train-capacity-factor", "--moe-eval-capacity-factor",
-        "--moe-min-capacity", "--create-moe-param-group", "--disable-moe-token-dropping")},
     # FP8
     **{flag: Refusal(_FP8) for flag in (
         "--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather")},

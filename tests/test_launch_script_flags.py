@@ -16,8 +16,6 @@ from megatron_zero.flag_refusals import REFUSED, refusals
 from megatron_zero.testing.launch_scripts import script_argv, scripts
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "coming_from_megatron.md")
-_MOE_DS = {"--moe-expert-parallel-size", "--moe-loss-coeff", "--moe-train-capacity-factor",
-           "--moe-eval-capacity-factor", "--moe-min-capacity", "--create-moe-param-group"}
 EXPECTED_REFUSED = {
     "megatron_lm_gpt3_175b": {"--step-batch-size-schedule"},
     "megatron_lm_llama3_8b_fp8": {"--apply-layernorm-1p", "--decoupled-lr", "--decoupled-min-lr", "--fp8-format",
@@ -26,7 +24,7 @@ EXPECTED_REFUSED = {
     "megatron_lm_mixtral_8x7b": set(),
     "mds_llama2": set(),
     "mds_universal_bf16": set(),
-    "mds_moe64": _MOE_DS,
+    "mds_moe64": set(),
 }
 
 # the refused flags removed, what validate_args still refuses (docs/coming_from_megatron.md says so too)
@@ -91,14 +89,14 @@ def test_documented_refusals_are_the_table():
 
 def test_unknown_and_refused_flags_are_reported_together(capsys):
     argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-            "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "1", "--moe-loss-coeff", "0.01",
+            "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "1", "--fp8-amax-history-len", "16",
             "--no-such-flag", "3", "--fp8-format", "hybrid", "--deepspeed"]
     with pytest.raises(SystemExit) as exit_info:
         parse_args(argv)
     assert exit_info.value.code == 2
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 3 and all(line.startswith("pretrain_gpt.py: error: ") for line in lines)
-    assert "--moe-loss-coeff 0.01 is refused" in lines[0] and "--fp8-format hybrid is refused" in lines[1]
+    assert "--fp8-amax-history-len 16 is refused" in lines[0] and "--fp8-format hybrid is refused" in lines[1]
     assert "--no-such-flag is not a flag" in lines[2]
     assert not any("unrecognized arguments" in line or "ambiguous" in line for line in lines)
 
@@ -116,7 +114,7 @@ def test_no_abbreviations_and_deepspeed_is_a_switch(tmp_path):
 
 def test_unknown_flag_reported_beside_a_missing_required_one():
     with pytest.raises(ArgumentError) as err:
-        parse_command_line(["--num-layers", "2", "--moe-min-capacity", "4", "--foo=3"])
+        parse_command_line(["--num-layers", "2", "--fp8-amax-history-len", "4", "--foo=3"])
     lines = str(err.value).splitlines()
-    assert lines[0].startswith("--moe-min-capacity 4 is refused") and lines[1].startswith("--foo is not a flag")
+    assert lines[0].startswith("--fp8-amax-history-len 4 is refused") and lines[1].startswith("--foo is not a flag")
     assert "required" in lines[2] and len(lines) == 3

@@ -34,11 +34,9 @@ CUTS = {
     "mds_llama2": (2, {"--global-batch-size": "8", "--micro-batch-size": "2", "--num-key-value-heads": "2",
                        "--distributed-backend": "gloo", "--pipeline-model-parallel-size": "1"}),
     "mds_universal_bf16": (2, {"--num-attention-heads": "4", "--tensor-model-parallel-size": "1"}),
-    "mds_moe64": (2, {"--global-batch-size": "8", "--micro-batch-size": "4", "--train-tokens": "2560"}),
+    "mds_moe64": (2, {"--global-batch-size": "8", "--micro-batch-size": "4", "--train-tokens": "2560",
+                      "--num-experts": "4", "--moe-expert-parallel-size": "2"}),
 }
-# scripts refused as written: the first sentence they get, and why they cannot train here
-MOE = {"mds_moe64": ("is refused: DeepSpeed-MoE's capacity-based gating",
-                     "DeepSpeed-MoE's capacity-based gating flags are refused (MoE trains with Megatron-Core's flags)")}
 # DeepSpeed JSONs the cut-down runs use: the script's own, with the cut batch sizes (train = micro x GA x DP)
 DS_BATCH = {"mds_llama2": (8, 2), "mds_universal_bf16": (4, 1), "mds_moe64": (8, 4)}
 
@@ -76,7 +74,7 @@ def _ds_config(name, tmp_path):
     return str(path)
 
 
-def cut_down_argv(name, corpus, tmp_path, keep_refused=False):
+def cut_down_argv(name, corpus, tmp_path):
     ranks, cut = CUTS[name]
     bpe = name in ("megatron_lm_gpt3_175b", "mds_universal_bf16", "mds_moe64")
     paths = {"CKPT": str(tmp_path / "ckpt"), "LOAD_CKPT": str(tmp_path / "load"), "TENSORBOARD": str(tmp_path / "tb"),
@@ -87,8 +85,7 @@ def cut_down_argv(name, corpus, tmp_path, keep_refused=False):
         paths["DS_CONFIG"] = _ds_config(name, tmp_path)
     os.makedirs(tmp_path / "load", exist_ok=True)  # --save/--load dirs that do not exist yet: a first run
     argv = script_argv(name, paths)
-    if not keep_refused:
-        argv = refusals(argv)[1]
+    argv = refusals(argv)[1]
     present = set(argv)
     for flag, value in {**SMALL, **cut}.items():
         if flag in present or any(t.startswith(flag + "=") for t in argv):
@@ -115,12 +112,6 @@ def _universal_checkpoint_to_load(argv, ranks, tmp_path):
 
 @pytest.mark.parametrize("name", sorted(CUTS))
 def test_cut_down_script_trains_five_iterations(name, corpus, tmp_path):
-    if name in MOE:  # refused as written, one sentence per refused flag
-        ranks, argv = cut_down_argv(name, corpus, tmp_path, keep_refused=True)
-        run = torchrun(ranks, argv, timeout=600)
-        first, why = MOE[name]
-        assert run.returncode != 0 and first in run.stderr, run.stderr[-2000:]
-        pytest.xfail(why)
     ranks, argv = cut_down_argv(name, corpus, tmp_path)
     last = 5
     if "--universal-checkpoint" in argv:
@@ -135,5 +126,8 @@ def test_cut_down_script_trains_five_iterations(name, corpus, tmp_path):
     if "--profile" in argv:  # train_llama3_8b_h100_fp8.sh: a torch.profiler trace under --tensorboard-dir
         traces = [f for _, _, files in os.walk(tmp_path / "tb") for f in files if f.endswith(".pt.trace.json")]
         assert len(traces) == 1, traces
+    if name == "mds_moe64":  # DeepSpeed-MoE's capacity gating in blocks 1, 3, ... (--expert-interval's default 2)
+        assert "2-layer GPT-2 model with 4 experts per MoE layer (EP=2)" in run.stdout, run.stdout[-2000:]
+        assert re.search(r"load_balancing_loss: [0-9.]+E[+-]\d+", run.stdout), run.stdout[-2000:]
     if "--loss-scale" in argv:  # run_universal_bf16.sh: a static scale with --bf16, as Megatron-LM applies it
         assert f"loss scale: {float(argv[argv.index('--loss-scale') + 1])} " in run.stdout

@@ -90,3 +90,22 @@ def test_moe_checkpoint_conversion_is_refused(run, tmp_path):
         assert done.returncode != 0
         assert "MoE checkpoints" in done.stderr + done.stdout
         assert "Traceback" not in done.stderr + done.stdout
+
+
+# Megatron-DeepSpeed's MoE flags (ds_pretrain_gpt_125M_MoE64.sh's): DeepSpeed-MoE's capacity gating, top-1 with
+# random token selection (capacity 8 of a micro-batch's 32 tokens per expert), hidden dropout, full recompute,
+# ZeRO 0 with expert parallelism
+MDS_MOE = {"num-experts": 4, "moe-expert-parallel-size": 2, "moe-loss-coeff": 1e-2, "moe-train-capacity-factor": 1.0,
+           "moe-eval-capacity-factor": 1.0, "moe-min-capacity": 4, "expert-interval": 1, "create-moe-param-group": True,
+           "checkpoint-activations": True, "hidden-dropout": 0.1}
+
+
+def test_megatron_deepspeed_moe_flags_resume_bit_identically(tmp_path):
+    """Random token selection and dropout draw from the generators the checkpoint restores, and the
+    recompute routes as the forward did: the resumed run repeats the uninterrupted one's losses exactly."""
+    data = text_data(tmp_path / "text")
+    run = CliResume(str(tmp_path), lambda *c: cli_flags(data, str(tmp_path / "cache"), "gpt2", MDS_MOE, *c),
+                    {"zero-stage": 0}, nproc=2, iters=4, save_at=2)
+    files = set(os.listdir(run.checkpoint))
+    assert {f"layer_{m}_expert_{e}_mp_rank_00_model_states.pt" for m in range(2) for e in range(4)} <= files
+    run.assert_matches(run.resume("as saved"), 0.0)

@@ -30,10 +30,12 @@ def _with_and_without_overlap(cfg, tp, pp, ep, stage, mb):
             for overlap in (False, True)]
 
 
-@pytest.mark.parametrize("pp,stage,llama", [(1, 1, False), pytest.param(1, 2, True, marks=pytest.mark.slow),
+@pytest.mark.parametrize("pp,stage,llama", [(1, 1, False), pytest.param(1, 0, False, marks=pytest.mark.slow),
+                                             pytest.param(1, 2, True, marks=pytest.mark.slow),
                                              pytest.param(2, 2, True, marks=pytest.mark.slow)])
 def test_overlap_with_expert_parallelism(pp, stage, llama):
-    """EP2 x DP4 (expert-DP 2: the expert buckets have peers to reduce with and gather from), and EP2 x DP2 x PP2."""
+    """EP2 x DP4 (expert-DP 2: the expert buckets have peers to reduce with and gather from; at ZeRO 0 they
+    all-reduce), and EP2 x DP2 x PP2."""
     cfg = moe_config(llama)
     dp = 4 // pp
     results = run_ranks(_with_and_without_overlap, 4, cfg, 1, pp, 2, stage, 1, timeout=600)

@@ -51,7 +51,8 @@ class GPTConfig:
     add_bias_linear: bool = True
     # mixture of experts (Megatron-Core's names; megatron_zero/moe/): None -> every layer has a dense MLP
     num_experts: Optional[int] = None
-    moe_layer_freq: int = 1                          # every N-th layer (0, N, 2N, ...) is an MoE layer
+    moe_layer_freq: int = 1                          # every N-th layer (offset, offset + N, ...) is an MoE layer
+    moe_layer_offset: int = 0                        # the first MoE block (Megatron-DeepSpeed's --expert-interval N: N-1)
     moe_ffn_hidden_size: Optional[int] = None        # None -> ffn_hidden_size
     moe_router_topk: int = 2
     moe_router_pre_softmax: bool = False             # softmax over all experts, then top-k (else top-k, softmax)
@@ -59,6 +60,14 @@ class GPTConfig:
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: Optional[float] = None
     moe_grouped_gemm: bool = False                   # the local experts as one grouped GEMM (moe/grouped_mlp.py)
+    # DeepSpeed-MoE's capacity gating (moe/capacity_gating.py) where moe_capacity_factor is set; the aux
+    # loss coefficient is then moe_aux_loss_coeff (Megatron-DeepSpeed's --moe-loss-coeff), k moe_router_topk
+    moe_capacity_factor: Optional[float] = None      # training; None: Megatron-Core's dropless router
+    moe_eval_capacity_factor: Optional[float] = None  # evaluation (None: the training factor)
+    moe_min_capacity: int = 4
+    moe_drop_tokens: bool = True                     # False: capacity is never exceeded, nothing dropped
+    moe_use_rts: bool = True                         # top-1: random token selection past capacity
+    moe_top2_2nd_expert_sampling: bool = True        # top-2: the second expert from Gumbel-noised logits
     # memory and speed (model/recompute.py, model/attention_core.py, sequence parallelism): none of
     # these changes a parameter, so checkpoints never record or need them
     recompute_granularity: Optional[str] = None  # None, 'full' or 'selective'
@@ -113,16 +122,24 @@ class GPTConfig:
             raise ValueError(f"num_experts {self.num_experts} must be at least 1")
         if not 1 <= self.moe_router_topk <= self.num_experts:
             raise ValueError(f"moe_router_topk {self.moe_router_topk} must lie in 1..num_experts ({self.num_experts})")
-        if self.moe_layer_freq < 1:
-            raise ValueError(f"moe_layer_freq {self.moe_layer_freq} must be at least 1")
+        if self.moe_layer_freq < 1 or not 0 <= self.moe_layer_offset < self.moe_layer_freq:
+            raise ValueError(f"moe_layer_freq {self.moe_layer_freq} must be at least 1 and moe_layer_offset "
+                             f"{self.moe_layer_offset} lie in 0..moe_layer_freq - 1")
+        if self.moe_capacity_factor is not None:
+            if self.moe_router_topk not in (1, 2):
+                raise ValueError(f"capacity gating routes to 1 or 2 experts, not moe_router_topk {self.moe_router_topk}")
+            if self.moe_eval_capacity_factor is None:
+                self.moe_eval_capacity_factor = self.moe_capacity_factor
+            if min(self.moe_capacity_factor, self.moe_eval_capacity_factor) <= 0 or self.moe_min_capacity < 0:
+                raise ValueError("moe capacity factors must be positive and moe_min_capacity not negative")
         if self.moe_router_load_balancing_type not in MOE_LOAD_BALANCING_TYPES:
             raise ValueError(f"moe_router_load_balancing_type {self.moe_router_load_balancing_type!r} is not one "
                              f"of {MOE_LOAD_BALANCING_TYPES}")
 
     def is_moe_layer(self, block: int) -> bool:
         """Whether transformer block `block` (0-based) has an MoE layer in place of its MLP (Megatron-Core's
-        --moe-layer-freq N: blocks 0, N, 2N, ...)."""
-        return self.num_experts is not None and block % self.moe_layer_freq == 0
+        --moe-layer-freq N: blocks 0, N, 2N, ...; Megatron-DeepSpeed's --expert-interval N: N-1, 2N-1, ...)."""
+        return self.num_experts is not None and block % self.moe_layer_freq == self.moe_layer_offset
 
     def moe_mlp_in_size(self) -> int:
         """Rows of an expert's dense_h_to_4h: [gate; up] with SwiGLU, else moe_ffn_hidden_size."""
@@ -181,5 +198,7 @@ class GPTConfig:
 
 
 # the MoE fields a run's arguments set (arguments.py's flags of the same names)
-MOE_FIELDS = ("num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_pre_softmax",
-              "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_grouped_gemm")
+MOE_FIELDS = ("num_experts", "moe_layer_freq", "moe_layer_offset", "moe_ffn_hidden_size", "moe_router_topk",
+              "moe_router_pre_softmax", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+              "moe_grouped_gemm", "moe_capacity_factor", "moe_eval_capacity_factor", "moe_min_capacity",
+              "moe_drop_tokens", "moe_top2_2nd_expert_sampling")

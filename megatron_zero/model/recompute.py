@@ -10,7 +10,8 @@ Built on torch.utils.checkpoint (use_reentrant=False), which restores the defaul
 device generators for the recompute (preserve_rng_state). `checkpoint` here restores the
 TP RNG tracker's states as well, so dropout drawn inside `get_rng_tracker().fork()`
 (attention dropout, sequence-parallel dropout) draws the same masks on recompute: the
-gradients equal those without recomputation (tests/test_model_recompute.py).
+gradients equal those without recomputation (tests/test_model_recompute.py). While a recompute
+runs, `is_recomputing()` is true: what a layer records for the log (the MoE losses) is recorded once.
 """
 from __future__ import annotations
 
@@ -21,6 +22,13 @@ import torch.utils.checkpoint
 from torch import nn
 
 from ..tensor_parallel import get_rng_tracker
+
+_RECOMPUTING = {"depth": 0}
+
+
+def is_recomputing() -> bool:
+    """Whether the layers running now are a checkpointed segment's recompute in backward."""
+    return _RECOMPUTING["depth"] > 0
 
 
 def checkpoint(fn: Callable, *args):
@@ -38,9 +46,11 @@ def checkpoint(fn: Callable, *args):
             return fn(*inputs)
         outside = tracker.get_states()  # the recompute happens in backward: put back what it finds
         tracker.set_states(at_forward)
+        _RECOMPUTING["depth"] += 1
         try:
             return fn(*inputs)
         finally:
+            _RECOMPUTING["depth"] -= 1
             tracker.set_states(outside)
 
     return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)

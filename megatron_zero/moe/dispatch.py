@@ -8,13 +8,15 @@
                 sorted by local expert once more
     unpermute:  the reverse exchange and order, each row times its router weight, added into its token's
                 row (index_add): a token's k expert outputs are summed
+    capacity:   (token, expert) pairs the capacity gating drops carry the expert id E: they sort after
+                every expert's run and are cut off, so no expert sees them and their tokens get nothing
 
 The split sizes are host integers: each MoE layer's dispatch exchanges its per-expert counts (one
 all-to-all of E integers) and reads them on the host, as Megatron-Core's alltoall dispatcher does.
 """
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -40,10 +42,13 @@ def sort_by_expert(expert_ids: torch.Tensor) -> torch.Tensor:
     return torch.argsort(expert_ids, stable=True)
 
 
-def permute(tokens: torch.Tensor, expert_ids: torch.Tensor):
-    """tokens [T, h], expert_ids [T, k] -> (rows [T k, h] grouped by expert, order [T k], token of each row)."""
+def permute(tokens: torch.Tensor, expert_ids: torch.Tensor, rows: Optional[int] = None):
+    """tokens [T, h], expert_ids [T, k] -> (rows [T k, h] grouped by expert, order [T k], token of each row).
+    `rows`: only the first `rows` of that order (pairs dropped by capacity carry the id E and sort last)."""
     k = expert_ids.shape[1]
     order = sort_by_expert(expert_ids.reshape(-1))
+    if rows is not None:
+        order = order[:rows]
     token_of_row = torch.div(order, k, rounding_mode="floor")
     return tokens.index_select(0, token_of_row), order, token_of_row
 

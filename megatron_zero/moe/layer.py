@@ -5,9 +5,11 @@ Experts are the dense MLP (GeLU or SwiGLU, width moe_ffn_hidden_size), tensor-pa
 holds its slice of every local expert). With an expert-parallel group of EP ranks, this rank holds
 experts [ep_rank E/EP, (ep_rank+1) E/EP) under their global ids, marked `expert_parallel` (their
 gradients reduce over the expert-data-parallel group, zero/expert_stage.py); the router is replicated.
-Dropless: every token reaches its k experts. The experts run one after another on their contiguous
-runs of rows (a loop over the local experts, never over tokens), or with `moe_grouped_gemm` all
-together as one grouped GEMM per matmul (grouped_mlp.py; the same parameters).
+Routing: Megatron-Core's dropless top-k router (router.py), or with `moe_capacity_factor` set
+DeepSpeed-MoE's capacity gating (capacity_gating.py: tokens past an expert's capacity are dropped, their
+MoE output is zero). The experts run one after another on their contiguous runs of rows (a loop over
+the local experts, never over tokens), or with `moe_grouped_gemm` all together as one grouped GEMM per
+matmul (grouped_mlp.py; the same parameters).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .dispatch import ExpertParallelExchange, permute, unpermute
+from .capacity_gating import capacity_route
 from .grouped_mlp import GroupedMLP
 from .router import route
 
@@ -72,14 +75,23 @@ class DeepSpeedMoE(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         logits = F.linear(tokens, self.gate.wg.weight).float()
-        weights, expert_ids = route(logits, c.moe_router_topk, c.moe_router_pre_softmax,
-                                    c.moe_router_load_balancing_type, c.moe_aux_loss_coeff, c.moe_z_loss_coeff)
-        rows, order, token_of_row = permute(tokens, expert_ids)
-        counts = torch.bincount(expert_ids.reshape(-1), minlength=c.num_experts)
+        if c.moe_capacity_factor is None:
+            weights, expert_ids = route(logits, c.moe_router_topk, c.moe_router_pre_softmax,
+                                        c.moe_router_load_balancing_type, c.moe_aux_loss_coeff, c.moe_z_loss_coeff)
+        else:
+            factor = c.moe_capacity_factor if self.training else c.moe_eval_capacity_factor
+            weights, expert_ids, kept = capacity_route(
+                logits, c.moe_router_topk, factor, c.moe_min_capacity, c.moe_drop_tokens, c.moe_use_rts,
+                c.moe_top2_2nd_expert_sampling, c.moe_aux_loss_coeff)
+            expert_ids = torch.where(kept, expert_ids, c.num_experts)  # dropped: sorted past every expert
+        counts = torch.bincount(expert_ids.reshape(-1), minlength=c.num_experts + 1)[:c.num_experts]
         if self.ep_group is None:
-            out = self.experts(rows, counts.tolist())  # the layer's one host read
+            rows_per_expert = counts.tolist()  # the layer's one host read
+            rows, order, token_of_row = permute(tokens, expert_ids, sum(rows_per_expert))
+            out = self.experts(rows, rows_per_expert)
         else:
             exchange = ExpertParallelExchange(counts, self.ep_group, self.local)
+            rows, order, token_of_row = permute(tokens, expert_ids, sum(exchange.send))
             out = exchange.from_experts(self.experts(exchange.to_experts(rows), exchange.rows_per_local_expert))
         return unpermute(out, weights, order, token_of_row, tokens.shape[0]).view(shape)
 

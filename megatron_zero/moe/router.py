@@ -13,13 +13,16 @@ training step sets that scale once per global batch to loss_scale / micro-batche
 (`set_aux_loss_scale`), so the aux losses are weighted as the language-model loss is under gradient
 accumulation, pipelining (the loss of a middle stage's layer never crosses a stage boundary) and
 fp16 loss scaling. Each layer's values (divided by their coefficients, as Megatron logs them) are
-summed into `aux_losses()` for the log, until `reset_aux_losses()`.
+summed into `aux_losses()` for the log, until `reset_aux_losses()`; a layer run again by full
+recompute (model/recompute.py) in backward is not counted a second time.
 """
 from __future__ import annotations
 
 from typing import Dict
 
 import torch
+
+from ..model.recompute import is_recomputing
 
 _SCALE = {"value": 1.0}
 _TRACKED: Dict[str, torch.Tensor] = {}
@@ -30,7 +33,10 @@ def set_aux_loss_scale(value: float) -> None:
     _SCALE["value"] = float(value)
 
 
-def _track(name: str, value: torch.Tensor) -> None:
+def track(name: str, value: torch.Tensor) -> None:
+    """Add a layer's value to the log's sum (not while full recompute runs the layer again)."""
+    if is_recomputing():
+        return
     value = value.detach().float()
     _TRACKED[name] = _TRACKED[name] + value if name in _TRACKED else value
 
@@ -74,7 +80,7 @@ def route(logits: torch.Tensor, topk: int, pre_softmax: bool, balancing: str, au
     """logits [T, E] (fp32) -> (weights [T, k], expert ids [T, k]) with the aux losses attached to `weights`."""
     if z_coeff:
         zl = z_loss(logits, z_coeff)
-        _track("z_loss", zl / z_coeff)
+        track("z_loss", zl / z_coeff)
         logits = AuxLossScaler.apply(logits, zl)
     if pre_softmax:
         weights, experts = torch.topk(torch.softmax(logits, dim=-1), topk, dim=-1)
@@ -86,6 +92,6 @@ def route(logits: torch.Tensor, topk: int, pre_softmax: bool, balancing: str, au
         counts.scatter_add_(0, experts.reshape(-1), torch.ones(experts.numel(), dtype=logits.dtype,
                                                                 device=logits.device))
         aux = switch_load_balancing_loss(torch.softmax(logits, dim=-1), counts, topk, aux_coeff)
-        _track("load_balancing_loss", aux / aux_coeff)
+        track("load_balancing_loss", aux / aux_coeff)
         weights = AuxLossScaler.apply(weights, aux)
     return weights, experts

@@ -38,9 +38,12 @@ def micro_slices(dp: int, mb: int):
     return {(j, r): slice(j * mb * dp + r * mb, j * mb * dp + (r + 1) * mb) for j in range(m) for r in range(dp)}
 
 
-def reference_run(cfg, dp: int, mb: int, steps: int = STEPS):
-    """The reference model on one process: each micro-batch of each DP rank in turn, loss / (DP x M)."""
+def reference_run(cfg, dp: int, mb: int, steps: int = STEPS, seed=None):
+    """The reference model on one process: each micro-batch of each DP rank in turn, loss / (DP x M).
+    `seed`: the default generator's seed once the model is built (what random token selection draws)."""
     model = reference_model(cfg)
+    if seed is not None:
+        torch.manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), **HP)
     slices = micro_slices(dp, mb)
     losses, norms = [], []
@@ -61,10 +64,12 @@ def reference_run(cfg, dp: int, mb: int, steps: int = STEPS):
 
 
 def parallel_run(cfg, tp: int, pp: int, ep: int, stage: int, mb: int, steps: int = STEPS, overlap: bool = False,
-                 bucket_size: int = 4000):
-    """`overlap`: --overlap-grad-reduce and --overlap-param-gather."""
+                 bucket_size: int = 4000, seed=None):
+    """`overlap`: --overlap-grad-reduce and --overlap-param-gather. `seed`: as reference_run's."""
     state = build_parallel_state(tp=tp, pp=pp, ep=ep)
     model = build_gpt_stage(cfg, state)
+    if seed is not None:
+        torch.manual_seed(seed)
     opt = ZeroOptimizer(list(model.named_parameters()), dp_group=state.dp_group, stage=stage, clip_grad=CLIP,
                         mp_group=state.mp_group, tp_rank=state.tp_rank, module=model,
                         bucket_size=bucket_size, expert_dp_group=state.expert_dp_group,

@@ -1,4 +1,4 @@
-"""ZeRO 1/2 with expert parallelism: dense parameters over the data-parallel group, expert parameters
+"""ZeRO 0/1/2 with expert parallelism: dense parameters over the data-parallel group, expert parameters
 (marked `expert_parallel`, moe/layer.py) over the expert-data-parallel group.
 
 Two Stage12 instances behind the ZeroStage interface: the optimizer's param groups are the dense
@@ -7,7 +7,10 @@ expert's gradient, reduce-scattered over its expert-DP group, sums the loss of e
 tokens reached it, so the optimizer's one factor 1 / (loss scale x DP) (the full data-parallel size,
 `reduce_dp` below) averages it as it does the dense gradients (Megatron-Core's expert gradient
 scaling). Summed over the DP group, every expert element of the global norm counts once: experts
-differ across the expert-parallel ranks and are partitioned within the expert-DP group.
+differ across the expert-parallel ranks and are partitioned within the expert-DP group. At stage 0
+every rank holds whole gradients (dense: all-reduced over DP; experts: over expert-DP), so the norm is
+still summed over DP with each replica counted once: dense groups on DP rank 0, expert groups on
+expert-DP rank 0 (`counts_in_norm_here`).
 
 With `overlap_grad_reduce` / `overlap_param_gather` both halves are Stage12Overlap (stage12_overlap.py):
 each launches its buckets' reduce-scatters async on its own group (dense over DP, expert over
@@ -20,6 +23,7 @@ from __future__ import annotations
 from typing import List, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 
 from .stage12 import Stage12
 from .stage12_overlap import Stage12Overlap
@@ -54,6 +58,8 @@ class ExpertParallelStage:
         self.expert = half(expert_groups, expert_dp_group)
         self.overlapped = overlap_grad_reduce or overlap_param_gather
         self.n_dense = len(dense_groups)
+        self.norm_over_dp = stage == 0  # the optimizer sums the norm over DP (counts_in_norm_here)
+        self._replica_rank = [dist.get_rank(g) if g is not None else 0 for g in (dp_group, expert_dp_group)]
         self.dp, self.reduce_dp, self.rank = self.dense.dp, self.dense.reduce_dp, self.dense.rank
         self.initial_masters = self.dense.initial_masters + self.expert.initial_masters
         del self.dense.initial_masters, self.expert.initial_masters
@@ -61,6 +67,10 @@ class ExpertParallelStage:
     def _pick(self, gi: int):
         return (self.dense, gi) if gi < self.n_dense else (self.expert, gi - self.n_dense)
 
+    def counts_in_norm_here(self, gi: int) -> bool:
+        """Whether this rank's gradients of group `gi` count in the norm summed over DP: at stage 0 one
+        replica each (DP rank 0 for dense groups, expert-DP rank 0 for expert groups); else all."""
+        return not self.norm_over_dp or self._replica_rank[0 if gi < self.n_dense else 1] == 0
     # ---- overlap (both halves Stage12Overlap) ----------------------------------------------
     def arm(self, params=None) -> None:
         if self.overlapped:

@@ -78,8 +78,8 @@ class ZeroOptimizer:
             raise ValueError("grad_reduce_in_bf16 applies to ZeRO stages 0-2")
         if expert_dp_group is not None:  # expert parallelism: expert parameters over their own group
             from .expert_stage import ExpertParallelStage, split_expert_groups
-            if stage not in (1, 2) or offload != "none":
-                raise ValueError("expert parallelism (--expert-model-parallel-size > 1) runs with ZeRO stage 1 or 2, "
+            if stage not in (0, 1, 2) or offload != "none":
+                raise ValueError("expert parallelism (--expert-model-parallel-size > 1) runs with ZeRO stage 0, 1 or 2, "
                                  "without optimizer offload")
             dense, hparams, expert, expert_hp = split_expert_groups(self.named_groups, hparams)
             self.named_groups, hparams = dense + expert, hparams + expert_hp
@@ -123,8 +123,11 @@ class ZeroOptimizer:
         self.summed_votes: List[float] = []  # the last step's votes, summed over every rank
         self._before_step = []  # callables run before the state next changes (async checkpoint readers)
         # (offset in partition, numel) of the fragments that count in the global norm
+        here = getattr(self.impl, "counts_in_norm_here", lambda gi: True)  # whole replicas: one of them counts
         self.counted = [[(s, n) for p, _, s, n in self.impl.owned_ranges(gi) if counts_in_norm(p, tp_rank)]
-                        for gi in range(len(self.named_groups))]
+                        if here(gi) else [] for gi in range(len(self.named_groups))]
+        self.norm_groups = [self.dp_group if self.impl.dp > 1 or getattr(self.impl, "norm_over_dp", False) else None,
+                            self.mp_group]
 
     @property
     def param_groups(self):
@@ -165,8 +168,7 @@ class ZeroOptimizer:
         inv = 1.0 / (self.loss_scaler.loss_scale * self.impl.reduce_dp)
         for g in grads:
             g.mul_(inv)
-        norm_groups = [self.dp_group if self.impl.dp > 1 else None, self.mp_group]
-        sums = reduce_sums(local_sums(grads, self.counted, self.device, votes), norm_groups)
+        sums = reduce_sums(local_sums(grads, self.counted, self.device, votes), self.norm_groups)
         norm, overflow, self.summed_votes = norm_and_overflow(sums)
         self.overflow = overflow
         if overflow:
@@ -195,7 +197,7 @@ class ZeroOptimizer:
         device even where the masters live in host memory (--cpu-optimizer, NVMe)."""
         with self.optimizer.paged() as masters:
             sums = local_sums(masters, self.counted, self.device)
-        return norm_and_overflow(reduce_sums(sums, [self.dp_group if self.impl.dp > 1 else None, self.mp_group]))[0]
+        return norm_and_overflow(reduce_sums(sums, self.norm_groups))[0]
 
     def zero_grad(self, set_to_none: bool = True):
         self.impl.zero_grad()

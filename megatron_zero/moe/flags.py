@@ -1,0 +1,104 @@
+"""Megatron-DeepSpeed's MoE flags: declared here, turned into the model's MoE fields (model/config.py).
+
+Any of the gating flags (--topk, --expert-interval, --moe-train-capacity-factor,
+--moe-eval-capacity-factor, --moe-min-capacity, --disable-moe-token-dropping, --moe-loss-coeff,
+--disable-moe-top2-2nd-expert-sampling) chooses DeepSpeed-MoE's capacity gating
+(capacity_gating.py) with Megatron-DeepSpeed's defaults for the others: top-1, capacity factors 1.0,
+min capacity 4, tokens dropped, coefficient 0.1, an MoE layer in every second block (blocks 1, 3, ...).
+Megatron-Core's router flags (--moe-router-*, --moe-aux-loss-coeff, --moe-z-loss-coeff,
+--moe-layer-freq) describe the other router and are refused beside them. --moe-expert-parallel-size
+is --expert-model-parallel-size under Megatron-DeepSpeed's name (with either router); given both, they
+must agree. --create-moe-param-group: expert parameters are in optimizer groups of their own here always.
+"""
+from __future__ import annotations
+
+import argparse
+
+GATING = (("--topk", "topk"), ("--expert-interval", "expert_interval"),
+          ("--moe-train-capacity-factor", "moe_capacity_factor"),
+          ("--moe-eval-capacity-factor", "moe_eval_capacity_factor"), ("--moe-min-capacity", "moe_min_capacity"),
+          ("--disable-moe-token-dropping", "moe_drop_tokens"), ("--moe-loss-coeff", "moe_loss_coeff"),
+          ("--disable-moe-top2-2nd-expert-sampling", "moe_top2_2nd_expert_sampling"))
+CORE_ROUTER = (("--moe-router-topk", "moe_router_topk"), ("--moe-router-pre-softmax", "moe_router_pre_softmax"),
+               ("--moe-router-load-balancing-type", "moe_router_load_balancing_type"),
+               ("--moe-aux-loss-coeff", "moe_aux_loss_coeff"), ("--moe-z-loss-coeff", "moe_z_loss_coeff"),
+               ("--moe-layer-freq", "moe_layer_freq"))
+
+
+class DeepSpeedMoEError(ValueError):
+    """Megatron-DeepSpeed MoE flags that cannot work as given (one sentence)."""
+
+
+def add_deepspeed_moe_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("mixture of experts, Megatron-DeepSpeed's flags (DeepSpeed-MoE's capacity gating; "
+                             "docs/moe.md)")
+    g.add_argument("--moe-expert-parallel-size", type=int, default=None,
+                   help="Megatron-DeepSpeed's name for --expert-model-parallel-size")
+    g.add_argument("--topk", type=int, default=None, help="experts per token of the capacity gating: 1 or 2 "
+                   "(default 1)")
+    g.add_argument("--expert-interval", type=int, default=None,
+                   help="an MoE layer in every N-th block, blocks N-1, 2N-1, ... (default 2)")
+    g.add_argument("--moe-train-capacity-factor", dest="moe_capacity_factor", type=float, default=None,
+                   help="an expert takes at most max(ceil(tokens / experts x factor x k), --moe-min-capacity) of "
+                        "a micro-batch's tokens in training; the rest are dropped (default 1.0)")
+    g.add_argument("--moe-eval-capacity-factor", type=float, default=None, help="the same in evaluation "
+                   "(default 1.0)")
+    g.add_argument("--moe-min-capacity", type=int, default=None, help="the least capacity per expert (default 4)")
+    g.add_argument("--disable-moe-token-dropping", dest="moe_drop_tokens", action="store_false",
+                   help="no capacity limit: every token reaches its experts")
+    g.add_argument("--moe-loss-coeff", type=float, default=None,
+                   help="the weight of DeepSpeed's load-balancing loss E sum_e(me_e ce_e) in the loss (default 0.1)")
+    g.add_argument("--disable-moe-top2-2nd-expert-sampling", dest="moe_top2_2nd_expert_sampling",
+                   action="store_false", help="top-2: the second expert by argmax instead of Gumbel sampling")
+    g.add_argument("--create-moe-param-group", action="store_true",
+                   help="expert parameters in optimizer groups of their own: always so here (ZeRO partitions and "
+                        "reduces them over the expert-data-parallel group), with or without this flag")
+    p.set_defaults(moe_layer_offset=0)
+
+
+def _require(cond: bool, sentence: str) -> None:
+    if not cond:
+        raise DeepSpeedMoEError(sentence)
+
+
+def apply_deepspeed_moe_flags(args, given: set) -> None:
+    """Fill the model's MoE fields from Megatron-DeepSpeed's flags (`given`: destinations set on the command
+    line); with none of its gating flags, the capacity fields stay off (Megatron-Core's router)."""
+    ep = args.moe_expert_parallel_size
+    if ep is not None:
+        _require("expert_model_parallel_size" not in given or args.expert_model_parallel_size == ep,
+                 f"--moe-expert-parallel-size {ep} and --expert-model-parallel-size "
+                 f"{args.expert_model_parallel_size} name one size twice, differently; give one of them")
+        args.expert_model_parallel_size = ep
+    if args.moe_min_capacity is None:
+        args.moe_min_capacity = 4
+    gating = [flag for flag, dest in GATING if dest in given]
+    if not gating:
+        return
+    _require(args.num_experts is not None, f"{gating[0]} configures MoE layers; give --num-experts")
+    core = [flag for flag, dest in CORE_ROUTER if dest in given]
+    _require(not core, f"{gating[0]} (DeepSpeed-MoE's capacity gating) and {core[0] if core else ''} "
+             "(Megatron-Core's dropless router) are flags of two different routers; give one family")
+    k = 1 if args.topk is None else args.topk
+    _require(k in (1, 2), f"--topk {k}: DeepSpeed-MoE's capacity gating here routes to 1 or 2 experts "
+             "(its top-k gating for k > 2 is not implemented)")
+    interval = 2 if args.expert_interval is None else args.expert_interval
+    _require(1 <= interval <= args.num_layers, f"--expert-interval {interval} must lie in 1..--num-layers "
+             f"{args.num_layers} (an MoE layer in blocks N-1, 2N-1, ...)")
+    args.moe_capacity_factor = 1.0 if args.moe_capacity_factor is None else args.moe_capacity_factor
+    if args.moe_eval_capacity_factor is None:
+        args.moe_eval_capacity_factor = 1.0
+    _require(args.moe_capacity_factor > 0 and args.moe_eval_capacity_factor > 0 and args.moe_min_capacity >= 0,
+             f"--moe-train-capacity-factor {args.moe_capacity_factor} and --moe-eval-capacity-factor "
+             f"{args.moe_eval_capacity_factor} must be positive, --moe-min-capacity {args.moe_min_capacity} not "
+             "negative")
+    tokens = args.micro_batch_size * args.seq_length // args.context_parallel_size
+    _require(k != 1 or tokens >= args.moe_min_capacity,
+             f"--moe-min-capacity {args.moe_min_capacity} exceeds the {tokens} tokens an MoE layer routes per "
+             "micro-batch (--micro-batch-size x --seq-length / --context-parallel-size), which DeepSpeed's top-1 "
+             "gating refuses too")
+    coeff = 0.1 if args.moe_loss_coeff is None else args.moe_loss_coeff
+    _require(coeff >= 0, f"--moe-loss-coeff {coeff} must not be negative")
+    args.moe_router_topk, args.moe_aux_loss_coeff, args.moe_z_loss_coeff = k, coeff, None
+    args.moe_router_pre_softmax, args.moe_router_load_balancing_type = False, "aux_loss"
+    args.moe_layer_freq, args.moe_layer_offset = interval, interval - 1
