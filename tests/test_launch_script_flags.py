@@ -20,7 +20,7 @@ _MOE_LM = {"--moe-grouped-gemm"}  # Megatron-Core's other MoE flags train it (do
 _MOE_DS = {"--moe-expert-parallel-size", "--moe-loss-coeff", "--moe-train-capacity-factor",
            "--moe-eval-capacity-factor", "--moe-min-capacity", "--create-moe-param-group"}
 EXPECTED_REFUSED = {
-    "megatron_lm_gpt3_175b": {"--step-batch-size-schedule"},
+    "megatron_lm_gpt3_175b": set(),
     "megatron_lm_llama3_8b_fp8": {"--apply-layernorm-1p", "--decoupled-lr", "--decoupled-min-lr", "--fp8-format",
                                   "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather",
                                   "--tiktoken-pattern"},
