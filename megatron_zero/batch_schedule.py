@@ -59,13 +59,22 @@ class BatchSchedule:
         return self.global_batch_size(consumed) // (self.micro_batch_size * self.data_parallel_size)
 
     def sizes(self, consumed: int, iterations: int) -> Iterator[int]:
-        """The global batch of each of `iterations` iterations from `consumed` samples on, until it is final."""
+        """The global batch of each of `iterations` iterations from `consumed` samples on."""
         for _ in range(iterations):
             size = self.global_batch_size(consumed)
             yield size
-            if size == self.final and (self.rampup is None or consumed > self.rampup[2]):
-                return  # constant from here on (the schedule never shrinks)
             consumed += size
+
+    def reached(self, iterations: int) -> set:
+        """The global batch sizes the first `iterations` iterations take (walked until the size is final)."""
+        found, consumed = set(), 0
+        for _ in range(iterations):
+            size = self.global_batch_size(consumed)
+            found.add(size)
+            if size == self.final and (self.rampup is None or consumed > self.rampup[2]):
+                break  # constant from here on (the schedule never shrinks)
+            consumed += size
+        return found
 
     def consumed_after(self, iterations: int, consumed: int = 0) -> int:
         """Samples consumed after `iterations` more iterations from `consumed`."""
@@ -168,7 +177,7 @@ def check_reachable(schedule: BatchSchedule, train_iters: int, pp: int, interlea
     micro-batches to fill the pipeline (a multiple of PP for the interleaved schedule)."""
     unit = schedule.micro_batch_size * schedule.data_parallel_size
     flag = "--rampup-batch-size" if schedule.rampup is not None else "--step-batch-size-schedule"
-    for size in sorted(set(schedule.sizes(0, train_iters))):
+    for size in sorted(schedule.reached(train_iters)):
         if size % unit:
             raise BatchScheduleError(
                 f"{flag} reaches a global batch of {size}, not a multiple of --micro-batch-size "
@@ -176,7 +185,7 @@ def check_reachable(schedule: BatchSchedule, train_iters: int, pp: int, interlea
                 "it reaches must be")
         m = size // unit
         if pp > 1 and (m < pp or (interleaved and m % pp)):
-            need = "a multiple" if interleaved else "at least"
+            need = "a multiple of" if interleaved else "at least"
             raise BatchScheduleError(
                 f"{flag} reaches a global batch of {size}, {m} micro-batches per step, where "
                 f"--pipeline-model-parallel-size {pp} needs {need} {pp}")
