@@ -221,7 +221,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokenizer-model", type=str, default=None)
     g.add_argument("--vocab-file", type=str, default=None)
     g.add_argument("--merge-file", type=str, default=None)
-    g.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="NullTokenizer's vocabulary; TikTokenizer's (default 131072, special tokens included)")
+    g.add_argument("--tiktoken-pattern", choices=["v1", "v2"], default=None,
+                   help="TikTokenizer's split pattern (default v2, as Megatron-LM); other tokenizers have none, "
+                        "and ignore it as Megatron-LM does")
+    g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
+                   help="TikTokenizer: ids below this are special tokens; the vocabulary file's ranks follow")
+    g.add_argument("--tokenizer-special-tokens", nargs="+", default=None,
+                   help="TikTokenizer's named special tokens (ids 0, 1, ...; must include <unk> <s> </s> <mask> "
+                        "<pad> <cls> <sep>), then <SPECIAL_k> fillers")
 
     g = p.add_argument_group("checkpointing and logging")
     g.add_argument("--save", type=str, default=None)

@@ -53,10 +53,6 @@ REFUSED: Dict[str, Refusal] = {
         "a separate learning rate for the embedding and output layer is not available in this build; every "
         "parameter follows --min-lr"),
     "--optimizer": Refusal("only Adam/AdamW is available in this build", lambda v, g: v == "sgd", "sgd"),
-    "--tiktoken-pattern": Refusal(
-        "it sets the split pattern of --tokenizer-type TikTokenizer, which this build does not provide (the "
-        "tiktoken package is not a dependency); use HuggingFaceTokenizer with the model's tokenizer.json",
-        lambda v, g: True, ""),
 }
 
 

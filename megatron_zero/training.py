@@ -91,7 +91,8 @@ class Trainer:
         set_shared_memory_comm(args.shared_memory_all_reduce)
         model_parallel_seed(args.seed, state.tp_rank, state.pp_rank, state.cp_rank)
         self.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file,
-                                         args.merge_file, args.vocab_size)
+                                         args.merge_file, args.vocab_size, args.tiktoken_pattern,
+                                         args.tiktoken_num_special_tokens, args.tokenizer_special_tokens)
         self.config = GPTConfig(
             vocab_size=self.tokenizer.vocab_size, hidden_size=args.hidden_size, num_layers=args.num_layers,
             num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,

@@ -22,8 +22,7 @@ _MOE_DS = {"--moe-expert-parallel-size", "--moe-loss-coeff", "--moe-train-capaci
 EXPECTED_REFUSED = {
     "megatron_lm_gpt3_175b": set(),
     "megatron_lm_llama3_8b_fp8": {"--apply-layernorm-1p", "--decoupled-lr", "--decoupled-min-lr", "--fp8-format",
-                                  "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather",
-                                  "--tiktoken-pattern"},
+                                  "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather"},
     "megatron_lm_mixtral_8x7b": _MOE_LM,
     "mds_llama2": set(),
     "mds_universal_bf16": set(),
