@@ -400,6 +400,9 @@ def validate_args(args, world_size: int):
     _require(not args.save_megatron_deepspeed_layout or args.zero_stage > 0 or args.data_parallel_size == 1,
              "--save-megatron-deepspeed-layout at --zero-stage 0 needs DP=1 (Megatron-DeepSpeed without ZeRO keeps "
              "one optimizer state per model-parallel rank); use --zero-stage 1")
+    _require(not args.save_megatron_deepspeed_layout or not args.batch_schedule.varies,
+             "--save-megatron-deepspeed-layout writes the learning-rate schedule from a constant global batch; "
+             "with --rampup-batch-size or --step-batch-size-schedule save in the default layout")
     _require(not args.save_megatron_deepspeed_layout or args.deepspeed_scheduler is None,
              "--save-megatron-deepspeed-layout writes Megatron's learning-rate schedule; the DeepSpeed JSON's "
              "`scheduler` has no counterpart there: give --lr-warmup-iters/--lr-decay-iters instead")

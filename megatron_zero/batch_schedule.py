@@ -65,9 +65,9 @@ class BatchSchedule:
             yield size
             consumed += size
 
-    def reached(self, iterations: int) -> set:
-        """The global batch sizes the first `iterations` iterations take (walked until the size is final)."""
-        found, consumed = set(), 0
+    def reached(self, iterations: int, consumed: int = 0) -> set:
+        """The global batch sizes `iterations` iterations from `consumed` samples take (walked until it is final)."""
+        found = set()
         for _ in range(iterations):
             size = self.global_batch_size(consumed)
             found.add(size)

@@ -255,7 +255,9 @@ class Trainer:
         if s.layout.world_size > 1:
             dist.all_gather_object(counts, local)
         one = checkpoint_bytes(sum(counts) // s.dp_size, DTYPES[a.params_dtype].itemsize)
-        planned = 1 + (max(0, a.train_iters - self.progress.iteration) // a.save_interval if a.save_interval else 0)
+        ahead = max(0, a.train_iters - self.progress.iteration)
+        planned = 1 + (ahead // a.save_interval if a.save_interval else 0)
+        planned += len(self.batch.reached(ahead, self.progress.consumed_train_samples)) - 1  # saves where it grows
         outcome = [None]
         if s.rank == 0:
             try:

@@ -141,6 +141,8 @@ def test_lr_schedule_counts_samples_during_rampup():
       "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"], 2,
      "--step-batch-size-schedule reaches a global batch of 3, 3 micro-batches per step, where "
      "--pipeline-model-parallel-size 2 needs a multiple of 2"),
+    (["--step-batch-size-schedule", "0:2 64:8", "--train-iters", "5", "--save-megatron-deepspeed-layout", "--save",
+      "/tmp"], 1, "--save-megatron-deepspeed-layout writes the learning-rate schedule from a constant global batch"),
     (["--step-batch-size-schedule", "0:1 64:8", "--train-iters", "5", "--pipeline-model-parallel-size", "2"], 2,
      "reaches a global batch of 1, 1 micro-batches per step, where --pipeline-model-parallel-size 2 needs at least 2"),
 ])
