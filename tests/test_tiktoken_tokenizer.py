@@ -143,6 +143,11 @@ def test_preprocess_and_train_on_the_command_line(vocab, tmp_path):
                           "4", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "2", "--lr",
                           "1e-3", "--train-iters", "2", "--log-interval", "1", "--eval-iters", "0", "--data-path",
                           str(tmp_path / "tt_text_document"), "--split", "100,0,0", "--data-cache-path",
-                          str(tmp_path / "cache")] + tok_flags, capture_output=True, text=True, env=env, timeout=300)
+                          str(tmp_path / "cache"), "--save", str(tmp_path / "ckpt")] + tok_flags,
+                         capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert len(losses_from_log(run.stdout)) == 2
+    gen = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "generate_text.py"), "--load",
+                          str(tmp_path / "ckpt"), "--prompt", "The class", "--max-new-tokens", "3", "--greedy"],
+                         capture_output=True, text=True, env=env, timeout=300)  # the tokenizer as the run saved it
+    assert gen.returncode == 0 and gen.stdout.startswith("The class"), gen.stderr[-2000:]
