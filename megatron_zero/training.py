@@ -20,12 +20,12 @@ import torch.distributed as dist
 from . import checkpoint as ckpt
 from .arguments import ArgumentError, args_to_dict, parse_args
 from .checkpoint.compat import check_checkpoint_compat
-from .compat_flags import lr_increment
 from .checkpoint.storage.lock import hold_save_lock
 from .checkpoint.preflight import check_save_dir, checkpoint_bytes
 from .checkpoint.report import async_started_line, checkpoint_size, saved_line
 from .checkpoint.resume import refuse_fresh_start_over, resume_checkpoint
 from .checkpoint.export.save_16bit import save_16bit_model
+from .compat_flags import lr_increment
 from .context_parallel import slice_batch_for_cp
 from .data import DataError, GlobalBatchSampler, build_tokenizer, build_train_valid_test_datasets, collate_gpt
 from .device import DeviceError, backend_for, select_device, to_device, use_device
@@ -161,11 +161,13 @@ class Trainer:
         # reader threads touch numpy only (torch in a side thread crashes under torch.profiler on the CPU)
         self.prefetch = BatchPrefetcher(lambda idx: [self.train_ds[i] for i in idx], a.num_workers)
 
-    def _micro_batches(self, dataset, start: int, gbs: int, next_gbs: Optional[int] = None):
-        """This rank's collated micro-batches of the global batch of `gbs` samples starting at sample `start`:
-        its data replica's samples (training batches through --num-workers' read-ahead of the next global
-        batch, of `next_gbs` samples; None: none follows), cut to its context-parallel chunks of each sequence."""
+    def _micro_batches(self, dataset, start: int, gbs: Optional[int] = None, next_gbs: Optional[int] = None):
+        """This rank's collated micro-batches of the global batch of `gbs` samples (default: the schedule's at
+        `start`) starting at sample `start`: its data replica's samples (training batches through --num-workers'
+        read-ahead of the next global batch, of `next_gbs` samples; None: none is read ahead), cut to its
+        context-parallel chunks of each sequence."""
         a, s = self.args, self.state
+        gbs = self.batch.global_batch_size(start) if gbs is None else gbs
         if not (s.is_first_stage or s.is_last_stage):
             return [{}] * (gbs // (a.micro_batch_size * self.batch.data_parallel_size))  # they take activations
         sampler = GlobalBatchSampler(start + gbs + (next_gbs or 0), start, a.micro_batch_size, gbs,
