@@ -4,7 +4,8 @@ against the single-process reference with torch.optim.AdamW, fp32.
 Each step k takes global batch [C_k, C_k + G_k) of a fixed sample table, G_k from the schedule
 (megatron_zero/batch_schedule.py) at C_k consumed samples; every rank reads its part through the
 sampler with that schedule (megatron_zero/data/sampler.py) and the pipeline schedule and ZeRO run that
-step's micro-batch count (1 to 8 here; the interleaved schedule, 2 model chunks per rank, 2 to 4). The reference takes the whole global batch in one forward.
+step's micro-batch count (1 to 8 here; the interleaved schedule, 2 model chunks per rank, 2 to 4). The
+reference takes the whole global batch in one forward.
 Per step the loss and the global gradient norm match within megatron_zero/testing/tolerances.py's
 bounds derived from the computation (the largest global batch's path), with clipping active."""
 import pytest
