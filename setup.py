@@ -34,8 +34,9 @@ setup(
                       "crc32c>=2.3", "safetensors>=0.4,<1", "tokenizers>=0.20,<1"],
     extras_require={
         "wandb": ["wandb>=0.16"],
+        "tiktoken": ["tiktoken>=0.7"],  # --tokenizer-type TikTokenizer
         "test": ["pytest>=7", "ruff>=0.5", "deepspeed>=0.16", "megatron-core>=0.10", "transformers>=4.40",
-                 "wandb>=0.16"],
+                 "wandb>=0.16", "tiktoken>=0.7"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

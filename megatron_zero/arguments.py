@@ -13,6 +13,7 @@ from typing import List, Optional
 
 import torch
 
+from .batch_schedule import BatchScheduleError, check_reachable, schedule_from_args
 from .checkpoint.storage.reader import add_verify_flag
 from .compat_flags import CompatError, add_compat_flags, validate_compat
 from .deepspeed_config import DeepSpeedConfigError, apply_deepspeed_config
@@ -121,6 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "layers (virtual stages); the micro-batches per step must be a multiple of PP")
     g.add_argument("--micro-batch-size", type=int, default=None)
     g.add_argument("--global-batch-size", type=int, default=None)
+    g.add_argument("--rampup-batch-size", type=int, nargs=3, default=None,
+                   metavar=("START", "INCREMENT", "SAMPLES"),
+                   help="Megatron-LM's batch ramp-up (a --train-samples run): the global batch starts at START and "
+                        "grows by INCREMENT in equal sample intervals to --global-batch-size over SAMPLES samples")
+    g.add_argument("--step-batch-size-schedule", type=str, nargs="+", default=None, metavar="THRESHOLD:BATCH",
+                   help="Megatron-LM's step-wise global batch: \"THRESHOLD:BATCH ...\", each batch size from its "
+                        "threshold in tokens on (K/M/B/T suffixes; the first at 0; megatron_zero/batch_schedule.py); "
+                        "one quoted word or several (as an unquoted array expansion in a script hands them over)")
     g.add_argument("--zero-stage", type=int, default=1, choices=[0, 1, 2, 3])
     g.add_argument("--cpu-optimizer", "--zero-cpu-offload", dest="offload", action="store_const", const="cpu",
                    default="none", help="keep fp32 masters and Adam state in host memory (ZeRO-Offload)")
@@ -218,7 +227,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokenizer-model", type=str, default=None)
     g.add_argument("--vocab-file", type=str, default=None)
     g.add_argument("--merge-file", type=str, default=None)
-    g.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="NullTokenizer's vocabulary; TikTokenizer's (default 131072, special tokens included)")
+    g.add_argument("--tiktoken-pattern", choices=["v1", "v2"], default=None,
+                   help="TikTokenizer's split pattern (default v2, as Megatron-LM); other tokenizers have none, "
+                        "and ignore it as Megatron-LM does")
+    g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
+                   help="TikTokenizer: ids below this are special tokens; the vocabulary file's ranks follow")
+    g.add_argument("--tokenizer-special-tokens", nargs="+", default=None,
+                   help="TikTokenizer's named special tokens (ids 0, 1, ...; must include <unk> <s> </s> <mask> "
+                        "<pad> <cls> <sep>), then <SPECIAL_k> fillers")
 
     g = p.add_argument_group("checkpointing and logging")
     g.add_argument("--save", type=str, default=None)
@@ -300,8 +318,10 @@ def validate_args(args, world_size: int):
         except DeepSpeedConfigError as err:
             raise ArgumentError(str(err)) from None
     _require(args.micro_batch_size is not None, "--micro-batch-size is required")
-    if args.global_batch_size is None:
+    _require(args.micro_batch_size >= 1, f"--micro-batch-size {args.micro_batch_size} must be positive")
+    if args.global_batch_size is None and args.step_batch_size_schedule is None:
         args.global_batch_size = args.micro_batch_size * dp
+    args.batch_schedule = _batch_schedule(args, dp)  # sets --global-batch-size from a step schedule
     mb, gbs = args.micro_batch_size, args.global_batch_size
     _require(mb >= 1 and gbs >= 1, f"--micro-batch-size {mb} and --global-batch-size {gbs} must be positive")
     _require(gbs % (mb * dp) == 0,
@@ -351,8 +371,13 @@ def validate_args(args, world_size: int):
     _require((args.train_iters is None) != (args.train_samples is None),
              "give exactly one of --train-iters and --train-samples")
     if args.train_samples is not None:
-        args.train_iters = -(-args.train_samples // gbs)
+        args.train_iters = args.batch_schedule.train_iters(args.train_samples)
     _require(args.train_iters >= 0, f"--train-iters {args.train_iters} must not be negative")
+    if args.batch_schedule.varies:
+        try:
+            check_reachable(args.batch_schedule, args.train_iters, pp, args.virtual_pipeline_model_parallel_size > 1)
+        except BatchScheduleError as err:
+            raise ArgumentError(str(err)) from None
     _require(args.lr is not None and args.lr > 0, "--lr is required and must be positive")
     _require(0 <= args.min_lr <= args.lr, f"--min-lr {args.min_lr} must lie between 0 and --lr {args.lr}")
     _require(args.lr_warmup_iters >= 0, f"--lr-warmup-iters {args.lr_warmup_iters} must not be negative")
@@ -381,6 +406,9 @@ def validate_args(args, world_size: int):
     _require(not args.save_megatron_deepspeed_layout or args.zero_stage > 0 or args.data_parallel_size == 1,
              "--save-megatron-deepspeed-layout at --zero-stage 0 needs DP=1 (Megatron-DeepSpeed without ZeRO keeps "
              "one optimizer state per model-parallel rank); use --zero-stage 1")
+    _require(not args.save_megatron_deepspeed_layout or not args.batch_schedule.varies,
+             "--save-megatron-deepspeed-layout writes the learning-rate schedule from a constant global batch; "
+             "with --rampup-batch-size or --step-batch-size-schedule save in the default layout")
     _require(not args.save_megatron_deepspeed_layout or args.deepspeed_scheduler is None,
              "--save-megatron-deepspeed-layout writes Megatron's learning-rate schedule; the DeepSpeed JSON's "
              "`scheduler` has no counterpart there: give --lr-warmup-iters/--lr-decay-iters instead")
@@ -407,6 +435,13 @@ def validate_args(args, world_size: int):
         _check_data_path(args.data_path)
     args.params_dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     return args
+
+
+def _batch_schedule(args, dp: int):
+    try:
+        return schedule_from_args(args, dp)
+    except BatchScheduleError as err:
+        raise ArgumentError(str(err)) from None
 
 
 def _same_dir(a: str, b: Optional[str]) -> bool:

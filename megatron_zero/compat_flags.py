@@ -109,7 +109,8 @@ def _require(cond: bool, sentence: str):
 
 def validate_compat(args) -> None:
     """Check the compatibility flags and derive what the trainer reads: `lr_schedule_unit`
-    (iterations, samples or tokens: the unit of warm-up, decay and the schedule's step count)."""
+    (iterations, samples or tokens: the unit of warm-up, decay and the schedule's step count; each
+    step adds 1, its global batch, or its global batch x --seq-length: `lr_increment`)."""
     _require(not args.deepspeed or args.deepspeed_config,
              "--deepspeed switches on the DeepSpeed engine, whose settings here come from --deepspeed_config; "
              "give the JSON (or drop --deepspeed)")
@@ -149,7 +150,10 @@ def _schedule_units(args) -> None:
     gbs, seq = args.global_batch_size, args.seq_length
     if args.train_tokens is not None:
         _require(args.train_tokens > 0, f"--train-tokens {args.train_tokens} must be positive")
-        args.train_iters = min(args.train_iters, math.ceil(args.train_tokens / (gbs * seq)))
+        schedule = getattr(args, "batch_schedule", None)
+        args.train_iters = min(args.train_iters, schedule.train_iters(-(-args.train_tokens // seq))
+                               if schedule is not None and schedule.varies else
+                               math.ceil(args.train_tokens / (gbs * seq)))
     tokens = args.lr_warmup_tokens is not None or args.lr_decay_tokens is not None
     samples = args.lr_warmup_samples or args.lr_decay_samples is not None
     _require(not (tokens and samples), "the learning-rate schedule is in tokens (--lr-*-tokens) or in samples "
@@ -170,7 +174,9 @@ def _schedule_units(args) -> None:
         args.lr_schedule_unit, per_step = "tokens", gbs * seq
         decay = args.lr_decay_tokens if args.lr_decay_tokens is not None else args.lr_decay_iters * per_step
         warmup = args.lr_warmup_tokens if args.lr_warmup_tokens is not None else args.lr_warmup_iters * per_step
-    elif samples or args.train_samples is not None or args.lr_warmup_fraction is not None:
+    elif (samples or args.train_samples is not None or args.lr_warmup_fraction is not None
+          or getattr(args, "batch_schedule", None) is not None and args.batch_schedule.varies):
+        # a global batch that grows (batch_schedule.py): Megatron counts the schedule in samples
         args.lr_schedule_unit, per_step = "samples", gbs
         decay = (args.lr_decay_samples if args.lr_decay_samples is not None else
                  args.train_samples if args.train_samples is not None and args.lr_decay_iters == args.train_iters
@@ -182,3 +188,10 @@ def _schedule_units(args) -> None:
         _require(0 <= args.lr_warmup_fraction <= 1, f"--lr-warmup-fraction {args.lr_warmup_fraction} must lie in [0, 1]")
         warmup = int(args.lr_warmup_fraction * decay)
     args.lr_schedule_per_step, args.lr_schedule_warmup, args.lr_schedule_decay = per_step, warmup, decay
+
+
+def lr_increment(args, global_batch_size: int) -> int:
+    """What one optimizer step adds to the schedule's count, in its unit, at this step's global batch."""
+    unit = getattr(args, "lr_schedule_unit", "iterations")
+    return {"iterations": 1, "samples": global_batch_size,
+            "tokens": global_batch_size * args.seq_length}[unit]

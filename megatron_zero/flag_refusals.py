@@ -36,12 +36,6 @@ REFUSED: Dict[str, Refusal] = {
     "--apply-layernorm-1p": Refusal(
         "zero-centred norm weights (1 + w) are not available in this build; the norm weight is stored and "
         "trained as is (with no weight decay on norms, the same training started from weight 1)"),
-    "--step-batch-size-schedule": Refusal(
-        "a batch size that changes during training is not available in this build; train at the final "
-        "--global-batch-size"),
-    "--rampup-batch-size": Refusal(
-        "a batch size that changes during training is not available in this build; train at the final "
-        "--global-batch-size"),
     "--decoupled-lr": Refusal(
         "a separate learning rate for the embedding and output layer is not available in this build; every "
         "parameter follows --lr"),
@@ -49,10 +43,6 @@ REFUSED: Dict[str, Refusal] = {
         "a separate learning rate for the embedding and output layer is not available in this build; every "
         "parameter follows --min-lr"),
     "--optimizer": Refusal("only Adam/AdamW is available in this build", lambda v, g: v == "sgd", "sgd"),
-    "--tiktoken-pattern": Refusal(
-        "it sets the split pattern of --tokenizer-type TikTokenizer, which this build does not provide (the "
-        "tiktoken package is not a dependency); use HuggingFaceTokenizer with the model's tokenizer.json",
-        lambda v, g: True, ""),
 }
 
 

@@ -25,6 +25,7 @@ from .checkpoint.preflight import check_save_dir, checkpoint_bytes
 from .checkpoint.report import async_started_line, checkpoint_size, saved_line
 from .checkpoint.resume import refuse_fresh_start_over, resume_checkpoint
 from .checkpoint.export.save_16bit import save_16bit_model
+from .compat_flags import lr_increment
 from .context_parallel import slice_batch_for_cp
 from .data import DataError, GlobalBatchSampler, build_tokenizer, build_train_valid_test_datasets, collate_gpt
 from .device import DeviceError, backend_for, select_device, to_device, use_device
@@ -90,7 +91,8 @@ class Trainer:
         set_shared_memory_comm(args.shared_memory_all_reduce)
         model_parallel_seed(args.seed, state.tp_rank, state.pp_rank, state.cp_rank)
         self.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file,
-                                         args.merge_file, args.vocab_size)
+                                         args.merge_file, args.vocab_size, args.tiktoken_pattern,
+                                         args.tiktoken_num_special_tokens, args.tokenizer_special_tokens)
         self.config = GPTConfig(
             vocab_size=self.tokenizer.vocab_size, hidden_size=args.hidden_size, num_layers=args.num_layers,
             num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
@@ -126,6 +128,7 @@ class Trainer:
         moe_layers = sum(self.config.is_moe_layer(b) for b in range(self.config.num_layers))
         self.moe_metrics = MoEMetrics(moe_layers, self.device) if moe_layers else None
         self.lr_schedule = build_lr_schedule(args)
+        self.batch = args.batch_schedule  # the global batch of each iteration, from the samples consumed
         self.progress = TrainState()
         self.p2p = stage_p2p(state, activation_shape(args.micro_batch_size, self.config, state.tp_size, state.cp_size),
                              DTYPES[args.params_dtype], self.device, args.virtual_pipeline_model_parallel_size)
@@ -158,20 +161,21 @@ class Trainer:
         # reader threads touch numpy only (torch in a side thread crashes under torch.profiler on the CPU)
         self.prefetch = BatchPrefetcher(lambda idx: [self.train_ds[i] for i in idx], a.num_workers)
 
-    def _micro_batches(self, dataset, start: int):
-        """This rank's collated micro-batches of the global batch starting at sample `start`: its data
-        replica's samples (training batches through --num-workers' read-ahead), cut to its context-parallel
-        chunks of each sequence."""
-        if not (self.state.is_first_stage or self.state.is_last_stage):
-            return [{}] * self.args.num_micro_batches  # middle stages take activations, not tokens
+    def _micro_batches(self, dataset, start: int, gbs: Optional[int] = None, next_gbs: Optional[int] = None):
+        """This rank's collated micro-batches of the global batch of `gbs` samples (default: the schedule's at
+        `start`) starting at sample `start`: its data replica's samples (training batches through --num-workers'
+        read-ahead of the next global batch, of `next_gbs` samples; None: none is read ahead), cut to its
+        context-parallel chunks of each sequence."""
         a, s = self.args, self.state
-        gbs = a.global_batch_size
-        sampler = GlobalBatchSampler(start + 2 * gbs, start, a.micro_batch_size, gbs, s.data_parallel_rank,
-                                     s.data_parallel_size)
+        gbs = self.batch.global_batch_size(start) if gbs is None else gbs
+        if not (s.is_first_stage or s.is_last_stage):
+            return [{}] * (gbs // (a.micro_batch_size * self.batch.data_parallel_size))  # they take activations
+        sampler = GlobalBatchSampler(start + gbs + (next_gbs or 0), start, a.micro_batch_size, gbs,
+                                     s.data_parallel_rank, s.data_parallel_size, batch_size_at=self.batch.global_batch_size
+                                     if dataset is self.train_ds else None)
         if dataset is self.train_ds:
-            ahead = start + gbs < a.train_iters * gbs
             samples = self.prefetch.get(sampler.global_batch(start),
-                                        sampler.global_batch(start + gbs) if ahead else None)
+                                        sampler.global_batch(start + gbs) if next_gbs else None)
         else:
             samples = [[dataset[i] for i in idx] for idx in sampler.global_batch(start)]
         return [to_device(slice_batch_for_cp(collate_gpt(micro), s.cp_size, s.cp_rank), self.device)
@@ -208,7 +212,7 @@ class Trainer:
         reset_aux_losses()
         total = 0.0
         for k in range(a.eval_iters):
-            micro = self._micro_batches(self.valid_ds, k * a.global_batch_size)
+            micro = self._micro_batches(self.valid_ds, k * a.global_batch_size, a.global_batch_size)
             losses = self.forward_backward(make_forward_step(self.model, micro, s), len(micro), self.p2p,
                                            s.pp_rank, s.pp_size, forward_only=True)
             total += broadcast_loss(losses, s.is_last_stage, s.layout.pp_group(s.rank)[-1], s.pp_group,
@@ -253,7 +257,9 @@ class Trainer:
         if s.layout.world_size > 1:
             dist.all_gather_object(counts, local)
         one = checkpoint_bytes(sum(counts) // s.dp_size, DTYPES[a.params_dtype].itemsize)
-        planned = 1 + (max(0, a.train_iters - self.progress.iteration) // a.save_interval if a.save_interval else 0)
+        ahead = max(0, a.train_iters - self.progress.iteration)
+        planned = 1 + (ahead // a.save_interval if a.save_interval else 0)
+        planned += len(self.batch.reached(ahead, self.progress.consumed_train_samples)) - 1  # saves where it grows
         outcome = [None]
         if s.rank == 0:
             try:
@@ -314,26 +320,41 @@ class Trainer:
         self._log(f"training a {self.config.num_layers}-layer {architecture_name(self.config)} model{experts} on "
                   f"{s.layout}, "
                   f"ZeRO-{a.zero_stage}, {a.params_dtype}, from iteration {p.iteration}"
-                  f" ({p.consumed_train_samples} samples consumed), {a.num_micro_batches} micro-batches per step")
+                  f" ({p.consumed_train_samples} samples consumed), "
+                  f"{self.batch.num_micro_batches(p.consumed_train_samples)} micro-batches per step"
+                  + (f" (global batch {self.batch.global_batch_size(p.consumed_train_samples)}, growing to "
+                     f"{self.batch.final})" if self.batch.varies else ""))
         self._log(kernel_report())
         self.log.start()
         saved_at = None
         rules = StopRules(a.max_consecutive_skipped_iterations, a.check_for_nan_in_loss_and_grad,
                           self.optimizer.loss_scaler.dynamic)
+        micro_batches_before = self.batch.num_micro_batches(p.consumed_train_samples)
         while p.iteration < a.train_iters:
+            gbs = self.batch.global_batch_size(p.consumed_train_samples)
+            if self.batch.num_micro_batches(p.consumed_train_samples) != micro_batches_before:
+                micro_batches_before = self.batch.num_micro_batches(p.consumed_train_samples)
+                self._log(f"the global batch grows to {gbs} ({micro_batches_before} micro-batches per step) at "
+                          f"iteration {p.iteration} ({p.consumed_train_samples} samples consumed)")
+                if a.save and saved_at != p.iteration:  # as Megatron-LM: a checkpoint where the batch changes
+                    self.hooks.before_eval_or_save()
+                    self.save()
+                    saved_at = p.iteration
             self.hooks.before_step(p.iteration)
-            micro = self._micro_batches(self.train_ds, p.consumed_train_samples)
+            last = p.iteration + 1 >= a.train_iters
+            micro = self._micro_batches(self.train_ds, p.consumed_train_samples, gbs,
+                                        None if last else self.batch.global_batch_size(p.consumed_train_samples + gbs))
             loss, lr, updated, grad_norm = self.train_step(micro, policy.votes)
             p.iteration += 1
-            p.consumed_train_samples += a.global_batch_size
-            self.lr_schedule.step(getattr(a, "lr_schedule_per_step", 1))  # 1, or samples / tokens per step
+            p.consumed_train_samples += gbs
+            self.lr_schedule.step(lr_increment(a, gbs))  # 1, or this step's samples / tokens
             if not updated:
                 p.skipped_iterations += 1
             self.hooks.after_step(p.iteration)
-            self.log.iteration(p, loss, lr, grad_norm, self.optimizer.loss_scale, updated,
+            self.log.iteration(p, gbs, loss, lr, grad_norm, self.optimizer.loss_scale, updated,
                                self.optimizer.params_norm)
             if self.moe_metrics is not None:
-                self._log_moe(p)
+                self._log_moe(p, len(micro))
             save_now = a.save and a.save_interval and p.iteration % a.save_interval == 0
             save_weights_now = (not save_now and a.save and a.save_weights_interval
                                 and p.iteration % a.save_weights_interval == 0)
@@ -385,10 +406,10 @@ class Trainer:
         raise RunStopped(f"training stopped after iteration {iteration} because it has stopped learning: {why}; "
                          f"{last}, and nothing after it was saved")
 
-    def _log_moe(self, p: TrainState):
+    def _log_moe(self, p: TrainState, num_micro_batches: int):
         """The MoE losses: added up each iteration, reported (a collective) at each log line."""
         a, s = self.args, self.state
-        self.moe_metrics.iteration(a.num_micro_batches)
+        self.moe_metrics.iteration(num_micro_batches)
         if p.iteration % a.log_interval != 0 and p.iteration != a.train_iters:
             return
         values = self.moe_metrics.report(s.pp_group, s.dp_group, s.dp_size)

@@ -41,12 +41,13 @@ def architecture_name(config) -> str:
 
 class TrainingLog:
     def __init__(self, args, world_size: int, flops_per_iteration: float, device, is_writer: bool, print_fn):
+        """`flops_per_iteration`: at --global-batch-size (scaled to each iteration's own global batch)."""
         self.args, self.world_size, self.device, self.is_writer, self.print = args, world_size, device, is_writer, print_fn
         self.timers = Timers(args.timing_log_level, args.timing_log_option, device)
         self.scalars = ScalarLog(args, is_writer)
         self.flops = flops_per_iteration
         self.peak = peak_tflops(device, args.params_dtype, args.peak_tflops)
-        self._loss_sum, self._loss_count, self._iters = 0.0, 0, 0
+        self._loss_sum, self._loss_count, self._iters, self._samples = 0.0, 0, 0, 0
         self._pending = []  # (iteration, consumed samples, loss on the device, updated) not yet read
         self.first_nonfinite_loss = None  # (iteration, loss) of the first inf/NaN loss read (stop_rules.py)
         self._last = time.monotonic()
@@ -55,10 +56,10 @@ class TrainingLog:
         """The clock for the first interval starts here (after loading and building the data)."""
         self._last = time.monotonic()
 
-    def iteration(self, progress, loss: torch.Tensor, lr: float, grad_norm, loss_scale: float, updated: bool,
-                  params_norm_fn):
-        """Record one finished iteration (`loss`: a one-element tensor, read at the next log line); every
-        --log-interval print the line (params_norm_fn: a collective)."""
+    def iteration(self, progress, global_batch: int, loss: torch.Tensor, lr: float, grad_norm, loss_scale: float,
+                  updated: bool, params_norm_fn):
+        """Record one finished iteration of `global_batch` samples (`loss`: a one-element tensor, read at the
+        next log line); every --log-interval print the line (params_norm_fn: a collective)."""
         a, p, w = self.args, progress, self.scalars
         it, samples = p.iteration, p.consumed_train_samples
         self._pending.append((it, samples, loss.detach().reshape(1), updated))
@@ -66,13 +67,15 @@ class TrainingLog:
         if grad_norm is not None:
             w.scalar("grad-norm", grad_norm, it, samples)
         w.scalar("loss-scale", loss_scale, it, samples)
-        w.scalar("batch-size", a.global_batch_size, it, samples)
+        w.scalar("batch-size", global_batch, it, samples)
         self._iters += 1
+        self._samples += global_batch
         if it % a.log_interval != 0 and it != a.train_iters:
             return
         self.flush(p)
         elapsed = (time.monotonic() - self._last) / self._iters
-        tflops = tflops_per_rank(self.flops, elapsed, self.world_size)
+        per_iteration = self._samples / self._iters  # samples: the global batch, or its mean where it grows
+        tflops = tflops_per_rank(self.flops * per_iteration / a.global_batch_size, elapsed, self.world_size)
         params_norm = params_norm_fn() if a.log_params_norm else None
         timing = self._timing_block(it)
         avg_loss = self._loss_sum / self._loss_count if self._loss_count else float("nan")
@@ -85,13 +88,13 @@ class TrainingLog:
         if a.log_memory_to_tensorboard:
             for tag, value in memory_scalars(self.device).items():
                 w.scalar(tag, value, it, samples)
-        self.print(format_train_line(it, a.train_iters, samples, elapsed * 1e3, lr, a.global_batch_size, avg_loss,
+        self.print(format_train_line(it, a.train_iters, samples, elapsed * 1e3, lr, global_batch, avg_loss,
                                      loss_scale, grad_norm, p.skipped_iterations, p.nan_iterations,
-                                     a.global_batch_size * a.seq_length / elapsed, tflops, mfu(tflops, self.peak),
+                                     per_iteration * a.seq_length / elapsed, tflops, mfu(tflops, self.peak),
                                      params_norm))
         if timing:
             self.print(timing)
-        self._loss_sum, self._loss_count, self._iters = 0.0, 0, 0
+        self._loss_sum, self._loss_count, self._iters, self._samples = 0.0, 0, 0, 0
         self._last = time.monotonic()
 
     def flush(self, progress) -> None:

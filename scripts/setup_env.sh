@@ -3,8 +3,9 @@
 # building csrc/ where a compiler is present. A second run with nothing changed
 # returns in well under a second: a stamp records what was installed.
 #   bash scripts/setup_env.sh          what training needs (requirements.txt)
-#   bash scripts/setup_env.sh --test   also the peers the tests compare against (requirements-test.txt, which
-#                                      includes requirements.txt: after it, a plain set-up has nothing to do)
+#   bash scripts/setup_env.sh --test   also the peers the tests compare against and the optional tiktoken
+#                                      (requirements-test.txt, which includes requirements.txt: after it, a
+#                                      plain set-up has nothing to do)
 # The stamp ($venv/.megatron_zero_installed.<requirements file>) holds a hash of the requirements, setup.py and
 # csrc/ as installed. Every stamp is removed before an install starts and the new one is written last (tmp +
 # rename), so a set-up stopped part way (SIGTERM, Ctrl-C, a pip failure) leaves none: the next run installs again.

@@ -13,7 +13,7 @@ made by device.HOST factories or from host tensors only; on the CPU the rest sta
 device memory). Iterations 2, 4 and 5 must show exactly that one read (the first sets up each group's
 shared memory at its first use, with object collectives). --exit-signal-handler and
 --exit-duration-in-mins are on, so the exit votes are exercised; PP2 (the loss crosses the pipeline)
-and DP2 ZeRO-2.
+and DP2 ZeRO-2, also with a global batch that grows at iteration 4 (--step-batch-size-schedule).
 """
 import pytest
 import torch.distributed as dist
@@ -49,7 +49,7 @@ def _syncs_per_iteration(argv, tp, pp):
     return [tracker.syncs[a:b] for a, b in zip(starts, ends)]  # from one step's start to the next's
 
 
-@pytest.mark.parametrize("layout", ["pp2", "dp2_zero2"])
+@pytest.mark.parametrize("layout", ["pp2", "dp2_zero2", "dp2_zero2_growing_batch"])
 def test_no_host_read_between_log_lines_but_the_steps_one(builtin_corpus, tmp_path, layout):
     data, tok = builtin_corpus
     pp = 2 if layout == "pp2" else 1
@@ -58,6 +58,8 @@ def test_no_host_read_between_log_lines_but_the_steps_one(builtin_corpus, tmp_pa
              "micro-batch-size": 1, "global-batch-size": 4, "train-iters": 6, "eval-iters": 0,
              "log-interval": 3, "exit-signal-handler": True, "exit-duration-in-mins": 1000,
              "data-cache-path": tmp_path / "cache"}
+    if layout.endswith("growing_batch"):  # batch 2 for 3 iterations (6 samples = 192 tokens), then 4
+        flags.update({"global-batch-size": None, "step-batch-size-schedule": "0:2 192:4"})
     results = run_ranks(_syncs_per_iteration, 2, model_flags(data, tok, **flags), 1, pp, timeout=300)
     for rank, per_iteration in enumerate(results):
         assert len(per_iteration) == 6, f"rank {rank}: {len(per_iteration)} iterations"

@@ -24,7 +24,8 @@ SMALL = {"--num-layers": "2", "--hidden-size": "64", "--num-attention-heads": "4
 # per script: (ranks, flags changed beyond SMALL)
 CUTS = {
     "megatron_lm_gpt3_175b": (2, {"--global-batch-size": "4", "--tensor-model-parallel-size": "1",
-                                  "--pipeline-model-parallel-size": "2"}),
+                                  "--pipeline-model-parallel-size": "2",
+                                  "--step-batch-size-schedule": "0:2 256:4"}),  # tokens: batch 2, 2, then 4
     "megatron_lm_llama3_8b_fp8": (2, {"--global-batch-size": "4", "--num-query-groups": "2", "--kv-channels": "16",
                                       "--vocab-size": "512", "--train-samples": "20", "--lr-decay-samples": "16",
                                       "--lr-warmup-samples": "4", "--profile-step-start": "2",
@@ -123,6 +124,8 @@ def test_cut_down_script_trains_five_iterations(name, corpus, tmp_path):
     assert f"from iteration {last - 5} " in run.stdout, run.stdout[-2000:]
     assert re.search(rf"iteration\s+{last}/\s*{last} ", run.stdout), run.stdout[-2000:]
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == f"global_step{last}"
+    if "--step-batch-size-schedule" in argv:  # train_gpt3_175b_distributed.sh: the cut schedule's step at 4 samples
+        assert "the global batch grows to 4 (4 micro-batches per step) at iteration 2" in run.stdout, run.stdout[-2000:]
     if "--profile" in argv:  # train_llama3_8b_h100_fp8.sh: a torch.profiler trace under --tensorboard-dir
         traces = [f for _, _, files in os.walk(tmp_path / "tb") for f in files if f.endswith(".pt.trace.json")]
         assert len(traces) == 1, traces

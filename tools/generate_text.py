@@ -59,7 +59,8 @@ def main(argv=None) -> int:
         tokenizer = build_tokenizer(a.tokenizer_type or args.get("tokenizer_type", "GPTSentencePieceTokenizer"),
                                     a.tokenizer_model or args.get("tokenizer_model"),
                                     a.vocab_file or args.get("vocab_file"), a.merge_file or args.get("merge_file"),
-                                    args.get("vocab_size"))
+                                    args.get("vocab_size"), args.get("tiktoken_pattern"),
+                                    args.get("tiktoken_num_special_tokens", 1000), args.get("tokenizer_special_tokens"))
     except (CheckpointError, DataError, OSError) as err:
         print(f"generate_text.py: error: {err}", file=sys.stderr)
         return 2

@@ -74,15 +74,17 @@ def _numbered_lines(path: str):
 def preprocess(input_path: str, output_prefix: str, tokenizer_type: str, tokenizer_model: Optional[str] = None,
                vocab_file: Optional[str] = None, merge_file: Optional[str] = None, vocab_size: Optional[int] = None,
                json_keys: Sequence[str] = ("text",), append_eod: bool = False, workers: int = 1,
-               skip_bad_lines: bool = False, log_interval: float = 1.0, log=sys.stderr) -> PreprocessStats:
+               skip_bad_lines: bool = False, log_interval: float = 1.0, log=sys.stderr,
+               tokenizer_options: Optional[dict] = None) -> PreprocessStats:
     """Tokenize every document of `input_path`; returns counts and throughput.
 
     A bad line raises DataError naming the file and line, unless skip_bad_lines,
     in which case it is left out and listed in `stats.skipped`. Outputs appear
     only when complete (written under temporary names, renamed at the end).
+    `tokenizer_options`: build_tokenizer's TikTokenizer settings (tiktoken_pattern, ...).
     """
     tk = dict(tokenizer_type=tokenizer_type, tokenizer_model=tokenizer_model, vocab_file=vocab_file,
-              merge_file=merge_file, vocab_size=vocab_size)
+              merge_file=merge_file, vocab_size=vocab_size, **(tokenizer_options or {}))
     dtype = optimal_dtype(build_tokenizer(**tk).vocab_size)
     init_args = (tk, json_keys, append_eod, input_path, dtype)
     prefixes = {k: f"{output_prefix}_{k}_document" for k in json_keys}

@@ -6,10 +6,15 @@ the m consecutive indices starting at offset r*m of that range, as Megatron's
 MegatronPretrainingSampler does. Changing DP or m changes only who reads what and
 in how many steps; the set of samples in each global batch never changes.
 Shuffling is the dataset's business (its shuffle index), not the sampler's.
+
+With a global batch that grows (--rampup-batch-size, --step-batch-size-schedule: batch_schedule.py),
+`batch_size_at(consumed)` gives each global batch's size G_k from the samples consumed before it:
+batch k is [C_k, C_k + G_k) with C_{k+1} = C_k + G_k, split the same way, as Megatron's sampler
+(which advances consumed_samples by m * DP per micro-batch) reads it.
 """
 from __future__ import annotations
 
-from typing import Iterator, List
+from typing import Callable, Iterator, List, Optional
 
 
 class GlobalBatchSampler:
@@ -21,7 +26,8 @@ class GlobalBatchSampler:
     """
 
     def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 global_batch_size: int, dp_rank: int, dp_size: int):
+                 global_batch_size: int, dp_rank: int, dp_size: int,
+                 batch_size_at: Optional[Callable[[int], int]] = None):
         if micro_batch_size <= 0 or dp_size <= 0 or global_batch_size <= 0:
             raise ValueError("micro_batch_size, global_batch_size and dp_size must be positive.")
         if global_batch_size % (micro_batch_size * dp_size):
@@ -37,25 +43,39 @@ class GlobalBatchSampler:
         self.global_batch_size = global_batch_size
         self.dp_rank = dp_rank
         self.dp_size = dp_size
+        self.batch_size_at = batch_size_at or (lambda consumed: global_batch_size)
+
+    def _starts(self) -> Iterator[tuple]:
+        """(start, global batch size) of each complete global batch from consumed_samples on."""
+        start = self.consumed_samples
+        while True:
+            size = self.batch_size_at(start)
+            if size % (self.micro_batch_size * self.dp_size):
+                raise ValueError(f"the global batch at sample {start} is {size}, not a multiple of the micro-batch "
+                                 f"size {self.micro_batch_size} times the data-parallel size {self.dp_size}.")
+            if start + size > self.total_samples:
+                return
+            yield start, size
+            start += size
 
     @property
     def num_micro_batches(self) -> int:
-        """Gradient-accumulation steps per global batch."""
-        return self.global_batch_size // (self.micro_batch_size * self.dp_size)
+        """Gradient-accumulation steps per global batch (the first one's, where the batch grows)."""
+        return self.batch_size_at(self.consumed_samples) // (self.micro_batch_size * self.dp_size)
 
     @property
     def num_global_batches(self) -> int:
-        return (self.total_samples - self.consumed_samples) // self.global_batch_size
+        return sum(1 for _ in self._starts())
 
     def __len__(self) -> int:
-        return self.num_global_batches * self.num_micro_batches
+        return sum(size // (self.micro_batch_size * self.dp_size) for _, size in self._starts())
 
     def global_batch(self, start: int) -> List[List[int]]:
         """This rank's micro-batches of the global batch beginning at sample `start`."""
         m, step = self.micro_batch_size, self.micro_batch_size * self.dp_size
         first = start + self.dp_rank * m
-        return [list(range(first + j * step, first + j * step + m)) for j in range(self.num_micro_batches)]
+        return [list(range(first + j * step, first + j * step + m)) for j in range(self.batch_size_at(start) // step)]
 
     def __iter__(self) -> Iterator[List[int]]:
-        for k in range(self.num_global_batches):
-            yield from self.global_batch(self.consumed_samples + k * self.global_batch_size)
+        for start, _ in self._starts():
+            yield from self.global_batch(start)

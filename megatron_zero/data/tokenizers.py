@@ -8,6 +8,8 @@ tokenize(text) -> list[int] and detokenize(ids) -> str.
     Llama2Tokenizer            a Llama `.model`: each text starts with the model's BOS; eod is its EOS
     GPT2BPETokenizer           vocab.json + merges.txt (hf_tokenizers.py, the `tokenizers` library)
     HuggingFaceTokenizer       a tokenizer.json or a directory holding one (hf_tokenizers.py)
+    TikTokenizer               Megatron-LM's tiktoken JSON vocabulary (tiktoken_tokenizer.py, the `tiktoken`
+                               package): 1000 special ids first (<unk> <s> </s> ...), eod </s>
     NullTokenizer              text is space-separated ids; eod = vocab_size (Megatron's)
     ByteTokenizer              UTF-8 bytes 0..255, eod 256 (ours, for tests)
 """
@@ -20,7 +22,7 @@ from .errors import DataError
 from .hf_tokenizers import GPT2BPETokenizer, HuggingFaceTokenizer
 
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer", "GPT2BPETokenizer",
-                   "HuggingFaceTokenizer", "NullTokenizer", "ByteTokenizer")
+                   "HuggingFaceTokenizer", "TikTokenizer", "NullTokenizer", "ByteTokenizer")
 
 
 class ByteTokenizer:
@@ -111,8 +113,11 @@ class SentencePieceTokenizer(GPTSentencePieceTokenizer):
 
 
 def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None, vocab_file: Optional[str] = None,
-                    merge_file: Optional[str] = None, vocab_size: Optional[int] = None):
-    """Build a tokenizer from Megatron's flags (`--tokenizer-type`, `--tokenizer-model`, ...)."""
+                    merge_file: Optional[str] = None, vocab_size: Optional[int] = None,
+                    tiktoken_pattern: Optional[str] = None, tiktoken_num_special_tokens: int = 1000,
+                    special_tokens: Optional[List[str]] = None):
+    """Build a tokenizer from Megatron's flags (`--tokenizer-type`, `--tokenizer-model`, ...; the last three
+    are TikTokenizer's --tiktoken-pattern, --tiktoken-num-special-tokens, --tokenizer-special-tokens)."""
     def need(value, flag):
         if value is None:
             raise DataError(f"--tokenizer-type {tokenizer_type} needs {flag}.")
@@ -128,6 +133,11 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None, 
         return GPT2BPETokenizer(need(vocab_file, "--vocab-file"), need(merge_file, "--merge-file"))
     if tokenizer_type == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(need(tokenizer_model, "--tokenizer-model"))
+    if tokenizer_type == "TikTokenizer":
+        from .tiktoken_tokenizer import TikTokenizer  # the tiktoken package only where it is used
+
+        return TikTokenizer(need(tokenizer_model, "--tokenizer-model"), tiktoken_pattern, vocab_size,
+                            tiktoken_num_special_tokens, special_tokens)
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(need(vocab_size, "--vocab-size"))
     if tokenizer_type == "ByteTokenizer":
