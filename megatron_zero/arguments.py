@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("architecture (GPT-2 by default; these give the Llama / Mistral family)")
     g.add_argument("--normalization", type=_normalization, default="LayerNorm", metavar="{LayerNorm,RMSNorm}")
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="zero-centred norm weights: each norm's weight w starts at 0 and the norm applies 1 + w "
+                        "(Megatron-Core's zero_centered_gamma; LayerNorm and RMSNorm)")
     g.add_argument("--position-embedding-type", choices=list(POSITION_EMBEDDING_TYPES), default="learned_absolute")
     g.add_argument("--use-rotary-position-embeddings", dest="position_embedding_type", action="store_const",
                    const="rope", help="Megatron-DeepSpeed's spelling of --position-embedding-type rope")
@@ -378,6 +381,9 @@ def validate_args(args, world_size: int):
     _require(not args.save_megatron_deepspeed_layout or args.deepspeed_scheduler is None,
              "--save-megatron-deepspeed-layout writes Megatron's learning-rate schedule; the DeepSpeed JSON's "
              "`scheduler` has no counterpart there: give --lr-warmup-iters/--lr-decay-iters instead")
+    _require(not (args.save_megatron_deepspeed_layout and args.apply_layernorm_1p and args.normalization == "RMSNorm"),
+             "--save-megatron-deepspeed-layout with --apply-layernorm-1p needs --normalization LayerNorm: "
+             "Megatron-DeepSpeed's RMSNorm ignores the switch and would read the zero-centred weights as gamma")
     _require(args.log_interval >= 1 and args.eval_interval >= 1,
              "--log-interval and --eval-interval must be at least 1")
     _require(args.eval_iters >= 0, f"--eval-iters {args.eval_iters} must not be negative")
