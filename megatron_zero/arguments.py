@@ -165,6 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--train-samples", type=int, default=None)
     g.add_argument("--lr", type=float, default=None)
     g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="the word embedding's and output layer's own peak learning rate (Megatron's); they follow "
+                        "the same warm-up and decay")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="their floor, with --decoupled-lr (default --min-lr)")
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
     g.add_argument("--lr-decay-iters", type=int, default=None)
     g.add_argument("--lr-warmup-iters", type=int, default=0)
@@ -399,6 +404,7 @@ def validate_args(args, world_size: int):
              f"optimizer offload ({args.offload}) needs --zero-stage 1, 2 or 3, not {args.zero_stage}")
     _check_cpu_optimizer_threads(args)
     _check_logging(args)
+    _validate_decoupled_lr(args)
     _require(not (args.device == "cpu" and args.distributed_backend == "nccl"),
              "--distributed-backend nccl needs GPUs but --device cpu was given; use --distributed-backend gloo")
     if args.load and not _same_dir(args.load, args.save):  # --load = --save: resume if anything is there
@@ -423,6 +429,22 @@ def _check_cpu_optimizer_threads(args):
     _require(args.offload != "none", f"--cpu-optimizer-threads {n} sets the threads of the offloaded optimizer "
              "step; add --cpu-optimizer (or --zero-nvme-offload-path) or drop it")
     _require(1 <= n <= cores, f"--cpu-optimizer-threads {n} must lie between 1 and this machine's {cores} cores")
+
+
+def _validate_decoupled_lr(args):
+    """--decoupled-lr / --decoupled-min-lr: values, and what cannot carry a second learning rate."""
+    if args.decoupled_lr is None:
+        _require(args.decoupled_min_lr is None, f"--decoupled-min-lr {args.decoupled_min_lr} is the floor of "
+                 "--decoupled-lr, which is not given; give both, or neither")
+        return
+    _require(args.decoupled_lr > 0, f"--decoupled-lr {args.decoupled_lr} must be positive")
+    floor = args.min_lr if args.decoupled_min_lr is None else args.decoupled_min_lr
+    _require(0 <= floor <= args.decoupled_lr, f"--decoupled-min-lr {floor} must lie between 0 and --decoupled-lr "
+             f"{args.decoupled_lr}{' (it defaults to --min-lr)' if args.decoupled_min_lr is None else ''}")
+    _require(args.deepspeed_scheduler is None, "--decoupled-lr follows Megatron's schedule; the DeepSpeed JSON's "
+             "`scheduler` has one learning rate: give --lr-warmup-iters/--lr-decay-iters instead")
+    _require(not args.save_megatron_deepspeed_layout, "--save-megatron-deepspeed-layout cannot hold --decoupled-lr: "
+             "Megatron-DeepSpeed's optimizer has no decoupled param group")
 
 
 def _check_logging(args):

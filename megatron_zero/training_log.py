@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Optional
 
 import torch
 
@@ -56,9 +57,10 @@ class TrainingLog:
         self._last = time.monotonic()
 
     def iteration(self, progress, loss: torch.Tensor, lr: float, grad_norm, loss_scale: float, updated: bool,
-                  params_norm_fn):
+                  params_norm_fn, decoupled_lr: Optional[float] = None):
         """Record one finished iteration (`loss`: a one-element tensor, read at the next log line); every
-        --log-interval print the line (params_norm_fn: a collective)."""
+        --log-interval print the line (params_norm_fn: a collective; `decoupled_lr`: the embedding and output
+        layer's, with --decoupled-lr)."""
         a, p, w = self.args, progress, self.scalars
         it, samples = p.iteration, p.consumed_train_samples
         self._pending.append((it, samples, loss.detach().reshape(1), updated))
@@ -88,7 +90,7 @@ class TrainingLog:
         self.print(format_train_line(it, a.train_iters, samples, elapsed * 1e3, lr, a.global_batch_size, avg_loss,
                                      loss_scale, grad_norm, p.skipped_iterations, p.nan_iterations,
                                      a.global_batch_size * a.seq_length / elapsed, tflops, mfu(tflops, self.peak),
-                                     params_norm))
+                                     params_norm, decoupled_lr))
         if timing:
             self.print(timing)
         self._loss_sum, self._loss_count, self._iters = 0.0, 0, 0

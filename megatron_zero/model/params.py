@@ -148,6 +148,12 @@ def _norm_weight_init(config: GPTConfig) -> str:
     return "zeros" if config.apply_layernorm_1p else "ones"
 
 
+def is_embedding_or_output(name: str) -> bool:
+    """Megatron's is_embedding_or_output_parameter: the word embedding (either copy of a tied one, on the first
+    and the last pipeline stage) and the untied output layer; not the position embedding."""
+    return name.endswith("word_embeddings.weight") or name.endswith(LM_HEAD_SUFFIX)
+
+
 def is_norm_weight(name: str, config: GPTConfig) -> bool:
     """Whether `name` is a norm's weight (gamma): a block's two norms and the final norm."""
     index, _, suffix = name.partition(".")
