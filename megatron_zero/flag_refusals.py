@@ -49,12 +49,6 @@ REFUSED: Dict[str, Refusal] = {
     "--rampup-batch-size": Refusal(
         "a batch size that changes during training is not available in this build; train at the final "
         "--global-batch-size"),
-    "--decoupled-lr": Refusal(
-        "a separate learning rate for the embedding and output layer is not available in this build; every "
-        "parameter follows --lr"),
-    "--decoupled-min-lr": Refusal(
-        "a separate learning rate for the embedding and output layer is not available in this build; every "
-        "parameter follows --min-lr"),
     "--optimizer": Refusal("only Adam/AdamW is available in this build", lambda v, g: v == "sgd", "sgd"),
     "--tiktoken-pattern": Refusal(
         "it sets the split pattern of --tokenizer-type TikTokenizer, which this build does not provide (the "

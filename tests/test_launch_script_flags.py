@@ -21,7 +21,7 @@ _MOE_DS = {"--moe-expert-parallel-size", "--moe-loss-coeff", "--moe-train-capaci
            "--moe-eval-capacity-factor", "--moe-min-capacity", "--create-moe-param-group"}
 EXPECTED_REFUSED = {
     "megatron_lm_gpt3_175b": {"--step-batch-size-schedule"},
-    "megatron_lm_llama3_8b_fp8": {"--decoupled-lr", "--decoupled-min-lr", "--fp8-format",
+    "megatron_lm_llama3_8b_fp8": {"--fp8-format",
                                   "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather",
                                   "--tiktoken-pattern"},
     "megatron_lm_mixtral_8x7b": _MOE_LM,
