@@ -135,6 +135,8 @@ def test_cut_down_script_trains_five_iterations(name, corpus, tmp_path):
     assert f"from iteration {last - 5} " in run.stdout, run.stdout[-2000:]
     assert re.search(rf"iteration\s+{last}/\s*{last} ", run.stdout), run.stdout[-2000:]
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == f"global_step{last}"
+    if "--decoupled-lr" in argv:  # train_llama3_8b_h100_fp8.sh: the embedding and output layer's own lr
+        assert "decoupled learning rate:" in run.stdout, run.stdout[-2000:]
     if "--profile" in argv:  # train_llama3_8b_h100_fp8.sh: a torch.profiler trace under --tensorboard-dir
         traces = [f for _, _, files in os.walk(tmp_path / "tb") for f in files if f.endswith(".pt.trace.json")]
         assert len(traces) == 1, traces
