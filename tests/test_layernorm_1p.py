@@ -11,6 +11,8 @@ Claims (fp32):
   switch) reads as not zero-centred; torchtitan's layout refuses a 1p model in one sentence.
 The command line (save, resume, Hugging Face export) is tests/test_layernorm_1p_cli.py.
 """
+from argparse import Namespace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,6 +20,8 @@ import torch.distributed as dist
 from megatron_zero import ops
 from megatron_zero.checkpoint.errors import CheckpointError
 from megatron_zero.checkpoint.interop.titan import check_llama
+from megatron_zero.checkpoint.interop.to_universal import config_from_common
+from megatron_zero.checkpoint.interop.torch_dist_write import megatron_args
 from megatron_zero.model import reference_model
 from megatron_zero.model.architecture import model_settings
 from megatron_zero.model.params import is_norm_weight, param_spec
@@ -106,6 +110,11 @@ def test_recorded_settings():
     assert model_settings({"normalization": "rmsnorm", "apply_layernorm_1p": True})["apply_layernorm_1p"] is False
     with pytest.raises(CheckpointError, match="zero-centred"):
         check_llama(tiny_llama_config(apply_layernorm_1p=True), "ckpt")
+    # Megatron-LM records the switch in common.pt's args and holds w, as ours: read and written as such
+    recorded = Namespace(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=8, normalization="RMSNorm",
+                         apply_layernorm_1p=True, padded_vocab_size=128)
+    config, _ = config_from_common({"args": recorded}, None, "iter_0000001")
+    assert config.apply_layernorm_1p and megatron_args(config, {}, 1).apply_layernorm_1p is True
 
 
 # ---- TP / PP / SP against the reference ------------------------------------------------------------------
