@@ -13,6 +13,8 @@ Claims:
 The command line (log, resume, universal resume) is tests/test_decoupled_lr_cli.py.
 """
 import math
+import os
+from argparse import Namespace
 from types import SimpleNamespace
 
 import pytest
@@ -20,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_zero.arguments import ArgumentError, parse_command_line, validate_args
+from megatron_zero.checkpoint.errors import CheckpointError
 from megatron_zero.lr_schedule import LRSchedule, decoupled_lr
 from megatron_zero.model import reference_model
 from megatron_zero.model.params import param_spec
@@ -206,3 +209,36 @@ def test_layout_matches_reference(runs, index):
         for name in shards[0]:
             full = gather_tensor([s[name] for s in shards], param_spec(name, cfg), cfg)
             assert_within(full, ref_weights[name], ref_bounds[name], name)
+
+
+@pytest.mark.parametrize("decoupled", [None, 1e-3])
+def test_megatron_legacy_optimizer_state_of_a_decoupled_run_is_refused(tmp_path, decoupled):
+    """A Megatron-LM legacy file (TP1 PP1, written here in its layout) of a --decoupled-lr run: its optimizer
+    state follows three param groups, which the reader does not map, so it is refused in one sentence; the
+    weights still load. Without --decoupled-lr the same file's state is read."""
+    from megatron_zero.checkpoint.interop.mcore_names import LAYERS, mcore_key
+    from megatron_zero.checkpoint.interop.megatron_legacy import LegacyFiles, _param_order
+    from megatron_zero.model.params import param_names
+
+    cfg = tiny_llama_config(num_layers=2)
+    weights = dict(reference_model(cfg).named_parameters())
+    model = {}
+    for name in param_names(cfg):
+        key, layer = mcore_key(name, cfg)
+        model[key if layer is None else f"{LAYERS}{layer}.{key[len(LAYERS):]}"] = weights[name].detach().clone()
+    order = _param_order(model)
+    state = {i: {"step": torch.tensor(1.0), "exp_avg": torch.full_like(model[k], 0.5),
+                 "exp_avg_sq": torch.ones_like(model[k])} for i, k in enumerate(order)}
+    args = Namespace(num_layers=2, decoupled_lr=decoupled)
+    os.makedirs(tmp_path / "mp_rank_00")
+    torch.save({"args": args, "iteration": 1, "model": model,
+                "optimizer": {"state": state, "param_groups": [{"params": list(range(len(order)))}]}},
+               tmp_path / "mp_rank_00" / "model_optim_rng.pt")
+    files = LegacyFiles(str(tmp_path), cfg)
+    name = "1.word_embeddings.weight"
+    assert torch.equal(files.full(name, "fp32")[0], weights[name].detach()[:cfg.vocab_size])
+    if decoupled is None:
+        assert files.full(name, "exp_avg")[0].eq(0.5).all()
+        return
+    with pytest.raises(CheckpointError, match="trained with --decoupled-lr, whose param group orders"):
+        files.full(name, "exp_avg")
