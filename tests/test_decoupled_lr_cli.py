@@ -6,7 +6,7 @@ Claims: each train line logs `learning rate` and `decoupled learning rate` at Me
 digits); the run resumed as saved logs the uninterrupted losses bit-identically, the one converted by
 tools/ds_to_universal.py and resumed at TP2 within 1e-5 (tests/test_cli_resume.py derives both); a plain resume
 without --decoupled-lr (two param groups where the checkpoint has three) is refused in one sentence that names
-the universal path, and that path resumes it.
+the universal path, and that path resumes it. The universal resumes are `slow`.
 """
 import math
 import os
@@ -56,19 +56,23 @@ def test_resume_as_saved_is_bit_identical(run):
     run.assert_matches(run.resume(), 0.0)
 
 
-def test_universal_resume_at_another_layout(run):
+@pytest.mark.slow
+def test_universal_resume_at_another_layout_and_regrouped(run):
     run.assert_matches(run.resume("universal", layout_flags(tp=2)), 1e-5)
+    regrouped = run._run({"load": run.universal, "universal-checkpoint": True, "decoupled-lr": None,
+                          "decoupled-min-lr": None})
+    assert sorted(logged_losses(regrouped)) == list(range(run.save_at + 1, run.iters + 1))
+    assert "decoupled learning rate" not in regrouped.stdout
 
 
-def test_plain_resume_that_drops_it_is_refused_and_universal_regroups(run):
+def test_plain_resume_that_drops_it_is_refused(run):
     argv = run.flags({"train-iters": run.iters}, run.layout, {"load": run.checkpoint, "decoupled-lr": None,
                                                               "decoupled-min-lr": None})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            PRETRAIN] + [str(a) for a in argv]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode != 0
-    assert "--decoupled-lr puts the embedding and output layer in a group of their own" in done.stderr + done.stdout
-    assert "ds_to_universal.py" in done.stderr + done.stdout and "Traceback" not in done.stderr
-    regrouped = run._run({"load": run.universal, "universal-checkpoint": True, "decoupled-lr": None,
-                          "decoupled-min-lr": None})
-    assert sorted(logged_losses(regrouped)) == list(range(run.save_at + 1, run.iters + 1))
+    assert "was saved with --decoupled-lr and this run is without it" in done.stderr
+    assert "ds_to_universal.py" in done.stderr
+    # one sentence from one rank, first (torchrun then reports the exit status in its own words)
+    assert done.stderr.startswith("pretrain_gpt.py: error: ") and done.stderr.count("pretrain_gpt.py: error") == 1

@@ -76,13 +76,8 @@ def load_state_dict(opt, sd: dict) -> None:
         fp32, base = sd["fp32_flat_groups"], sd["optimizer_state_dict"]
     else:
         fp32, base = sd["single_partition_of_fp32_groups"], sd["base_optimizer_state"]
-    saved = [bool(g.get("is_decoupled_lr")) for g in base.get("param_groups", [])]
-    ours = [bool(g.get("is_decoupled_lr")) for g in opt.optimizer.param_groups]
-    if len(fp32) != len(opt.names) or (saved and saved != ours):
-        raise ValueError(f"the saved optimizer state has {len(fp32)} param groups ({sum(saved)} with the decoupled "
-                         f"lr), this run {len(opt.names)} ({sum(ours)}); --decoupled-lr puts the embedding and "
-                         "output layer in a group of their own, and a run that changes it resumes through "
-                         "tools/ds_to_universal.py and --universal-checkpoint, which regroup exactly")
+    if len(fp32) != len(opt.names):
+        raise ValueError(f"the saved optimizer state has {len(fp32)} param groups, the model {len(opt.names)}")
     with opt.optimizer.paged() as masters:
         for g, m in enumerate(masters):
             n = m.numel()
