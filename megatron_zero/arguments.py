@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("architecture (GPT-2 by default; these give the Llama / Mistral family)")
     g.add_argument("--normalization", type=_normalization, default="LayerNorm", metavar="{LayerNorm,RMSNorm}")
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="zero-centred norm weights: each norm's weight w starts at 0 and the norm applies 1 + w "
+                        "(Megatron-Core's zero_centered_gamma; LayerNorm and RMSNorm)")
     g.add_argument("--position-embedding-type", choices=list(POSITION_EMBEDDING_TYPES), default="learned_absolute")
     g.add_argument("--use-rotary-position-embeddings", dest="position_embedding_type", action="store_const",
                    const="rope", help="Megatron-DeepSpeed's spelling of --position-embedding-type rope")
@@ -177,6 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--train-samples", type=int, default=None)
     g.add_argument("--lr", type=float, default=None)
     g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="the word embedding's and output layer's own peak learning rate (Megatron's); they follow "
+                        "the same warm-up and decay")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="their floor, with --decoupled-lr (default --min-lr)")
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
     g.add_argument("--lr-decay-iters", type=int, default=None)
     g.add_argument("--lr-warmup-iters", type=int, default=0)
@@ -412,6 +420,9 @@ def validate_args(args, world_size: int):
     _require(not args.save_megatron_deepspeed_layout or args.deepspeed_scheduler is None,
              "--save-megatron-deepspeed-layout writes Megatron's learning-rate schedule; the DeepSpeed JSON's "
              "`scheduler` has no counterpart there: give --lr-warmup-iters/--lr-decay-iters instead")
+    _require(not (args.save_megatron_deepspeed_layout and args.apply_layernorm_1p and args.normalization == "RMSNorm"),
+             "--save-megatron-deepspeed-layout with --apply-layernorm-1p needs --normalization LayerNorm: "
+             "Megatron-DeepSpeed's RMSNorm ignores the switch and would read the zero-centred weights as gamma")
     _require(args.log_interval >= 1 and args.eval_interval >= 1,
              "--log-interval and --eval-interval must be at least 1")
     _require(args.eval_iters >= 0, f"--eval-iters {args.eval_iters} must not be negative")
@@ -427,6 +438,7 @@ def validate_args(args, world_size: int):
              f"optimizer offload ({args.offload}) needs --zero-stage 1, 2 or 3, not {args.zero_stage}")
     _check_cpu_optimizer_threads(args)
     _check_logging(args)
+    _validate_decoupled_lr(args)
     _require(not (args.device == "cpu" and args.distributed_backend == "nccl"),
              "--distributed-backend nccl needs GPUs but --device cpu was given; use --distributed-backend gloo")
     if args.load and not _same_dir(args.load, args.save):  # --load = --save: resume if anything is there
@@ -458,6 +470,22 @@ def _check_cpu_optimizer_threads(args):
     _require(args.offload != "none", f"--cpu-optimizer-threads {n} sets the threads of the offloaded optimizer "
              "step; add --cpu-optimizer (or --zero-nvme-offload-path) or drop it")
     _require(1 <= n <= cores, f"--cpu-optimizer-threads {n} must lie between 1 and this machine's {cores} cores")
+
+
+def _validate_decoupled_lr(args):
+    """--decoupled-lr / --decoupled-min-lr: values, and what cannot carry a second learning rate."""
+    if args.decoupled_lr is None:
+        _require(args.decoupled_min_lr is None, f"--decoupled-min-lr {args.decoupled_min_lr} is the floor of "
+                 "--decoupled-lr, which is not given; give both, or neither")
+        return
+    _require(args.decoupled_lr > 0, f"--decoupled-lr {args.decoupled_lr} must be positive")
+    floor = args.min_lr if args.decoupled_min_lr is None else args.decoupled_min_lr
+    _require(0 <= floor <= args.decoupled_lr, f"--decoupled-min-lr {floor} must lie between 0 and --decoupled-lr "
+             f"{args.decoupled_lr}{' (it defaults to --min-lr)' if args.decoupled_min_lr is None else ''}")
+    _require(args.deepspeed_scheduler is None, "--decoupled-lr follows Megatron's schedule; the DeepSpeed JSON's "
+             "`scheduler` has one learning rate: give --lr-warmup-iters/--lr-decay-iters instead")
+    _require(not args.save_megatron_deepspeed_layout, "--save-megatron-deepspeed-layout cannot hold --decoupled-lr: "
+             "Megatron-DeepSpeed's optimizer has no decoupled param group")
 
 
 def _check_logging(args):

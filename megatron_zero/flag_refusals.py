@@ -33,15 +33,6 @@ REFUSED: Dict[str, Refusal] = {
         "(tools/convert_checkpoint.py --to torch_dist converts a save); other formats are not available in this build",
         lambda v, g: v not in ("torch", "torch_dist"), "other than torch, torch_dist"),
     # model
-    "--apply-layernorm-1p": Refusal(
-        "zero-centred norm weights (1 + w) are not available in this build; the norm weight is stored and "
-        "trained as is (with no weight decay on norms, the same training started from weight 1)"),
-    "--decoupled-lr": Refusal(
-        "a separate learning rate for the embedding and output layer is not available in this build; every "
-        "parameter follows --lr"),
-    "--decoupled-min-lr": Refusal(
-        "a separate learning rate for the embedding and output layer is not available in this build; every "
-        "parameter follows --min-lr"),
     "--optimizer": Refusal("only Adam/AdamW is available in this build", lambda v, g: v == "sgd", "sgd"),
 }
 

@@ -17,11 +17,13 @@ from typing import Optional
 def format_train_line(iteration: int, train_iters: int, consumed: int, ms_per_iter: float, lr: float,
                       global_batch: int, loss: float, loss_scale: float, grad_norm: Optional[float],
                       skipped: int, nan_iters: int, tokens_per_s: float, tflops: float,
-                      mfu: Optional[float] = None, params_norm: Optional[float] = None) -> str:
+                      mfu: Optional[float] = None, params_norm: Optional[float] = None,
+                      decoupled_lr: Optional[float] = None) -> str:
     norm = f"{grad_norm:.3f}" if grad_norm is not None else "n/a"
+    decoupled = f"decoupled learning rate: {decoupled_lr:.6E} | " if decoupled_lr is not None else ""
     line = (f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}/{train_iters:8d} | "
             f"consumed samples: {consumed:12d} | elapsed time per iteration (ms): {ms_per_iter:.1f} | "
-            f"throughput per GPU (TFLOP/s/GPU): {tflops:.3f} | learning rate: {lr:.6E} | "
+            f"throughput per GPU (TFLOP/s/GPU): {tflops:.3f} | learning rate: {lr:.6E} | {decoupled}"
             f"global batch size: {global_batch:5d} | lm loss: {loss:.6E} | loss scale: {loss_scale:.1f} | "
             f"grad norm: {norm} | ")
     if params_norm is not None:

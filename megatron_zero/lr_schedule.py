@@ -1,4 +1,8 @@
-"""Megatron's learning-rate schedule: linear warm-up, then constant/linear/cosine decay to min-lr."""
+"""Megatron's learning-rate schedule: linear warm-up, then constant/linear/cosine decay to min-lr.
+
+One schedule serves every param group, as Megatron's OptimizerParamScheduler does: a group with its own peak
+and floor (--decoupled-lr / --decoupled-min-lr for the embedding and output layer) asks `lr(max_lr=, min_lr=)`
+and follows the same warm-up and decay shape between them."""
 from __future__ import annotations
 
 import math
@@ -15,22 +19,25 @@ class LRSchedule:
         self.decay_style = decay_style
         self.num_steps = int(num_steps)
 
-    def lr(self, step: int = None) -> float:
-        """The learning rate for the optimizer step that follows `step` completed steps."""
+    def lr(self, step: int = None, max_lr: Optional[float] = None, min_lr: Optional[float] = None) -> float:
+        """The learning rate for the optimizer step that follows `step` completed steps (of a group whose peak
+        and floor are `max_lr` and `min_lr`; default the schedule's)."""
         n = self.num_steps if step is None else step
+        top = self.max_lr if max_lr is None else float(max_lr)
+        floor = self.min_lr if min_lr is None else float(min_lr)
         if self.warmup_steps > 0 and n <= self.warmup_steps:
-            return self.max_lr * n / self.warmup_steps
+            return top * n / self.warmup_steps
         if self.decay_style == "constant":
-            return self.max_lr
+            return top
         if n > self.decay_steps:
-            return self.min_lr
+            return floor
         span = self.decay_steps - self.warmup_steps
         ratio = (n - self.warmup_steps) / span if span > 0 else 1.0
         if self.decay_style == "linear":
             coeff = 1.0 - ratio
         else:
             coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
-        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+        return floor + coeff * (top - floor)
 
     def step(self, increment: int = 1) -> float:
         self.num_steps += increment
@@ -114,3 +121,12 @@ def build_lr_schedule(args) -> LRSchedule:
     warmup = getattr(args, "lr_schedule_warmup", args.lr_warmup_iters)
     decay = getattr(args, "lr_schedule_decay", args.lr_decay_iters)
     return LRSchedule(args.lr, args.min_lr, warmup, decay, args.lr_decay_style)
+
+
+def decoupled_lr(schedule: LRSchedule, args) -> Optional[float]:
+    """The embedding and output layer's learning rate for the next step (--decoupled-lr, between it and
+    --decoupled-min-lr, whose default is --min-lr as Megatron's), or None without --decoupled-lr."""
+    if getattr(args, "decoupled_lr", None) is None:
+        return None
+    floor = args.min_lr if args.decoupled_min_lr is None else args.decoupled_min_lr
+    return schedule.lr(max_lr=args.decoupled_lr, min_lr=floor)

@@ -34,8 +34,9 @@ from .distributed import (LaunchError, another_rank_failed, init_distributed, is
 from .exit_signal import ExitPolicy
 from .logger import format_eval_line
 from .throughput import gpt_flops_per_iteration
-from .lr_schedule import build_lr_schedule
+from .lr_schedule import build_lr_schedule, decoupled_lr
 from .model.architecture import architecture_kwargs
+from .model.params import is_embedding_or_output
 from .model.config import MOE_FIELDS, GPTConfig
 from .ops import kernel_report, require_fused_kernels, set_fusion_flags
 from .pipeline.gpt_stage import (activation_shape, build_gpt_stage, grad_reduce_arming, make_forward_step,
@@ -66,12 +67,21 @@ class TrainState:
     nan_iterations: int = 0
 
 
-def param_groups(model, weight_decay: float):
-    """Megatron's two groups: weight decay on matrices and embeddings, none on biases and norms."""
-    decay, no_decay = [], []
+def param_groups(model, weight_decay: float, decoupled: bool = False):
+    """Megatron's two groups: weight decay on matrices and embeddings, none on biases and norms. `decoupled`
+    (--decoupled-lr): the word embedding and output layer go into a third group, weight-decayed, marked
+    `is_decoupled_lr` (Megatron's key: the optimizer gives it the decoupled learning rate), where this stage
+    holds any."""
+    decay, no_decay, own_lr = [], [], []
     for name, p in model.named_parameters():
-        (no_decay if p.ndim == 1 else decay).append((name, p))
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if p.ndim == 1:
+            no_decay.append((name, p))
+        else:
+            (own_lr if decoupled and is_embedding_or_output(name) else decay).append((name, p))
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if own_lr:
+        groups.append({"params": own_lr, "weight_decay": weight_decay, "is_decoupled_lr": True})
+    return groups
 
 
 def fusion_flags(args) -> dict:
@@ -112,7 +122,8 @@ class Trainer:
                        "scale_window": args.loss_scale_window, "min_scale": args.min_loss_scale,
                        "hysteresis": args.hysteresis}
         self.optimizer = ZeroOptimizer(
-            param_groups(self.model, args.weight_decay), dp_group=state.dp_group, stage=args.zero_stage,
+            param_groups(self.model, args.weight_decay, args.decoupled_lr is not None), dp_group=state.dp_group,
+            stage=args.zero_stage,
             lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
             weight_decay=args.weight_decay, clip_grad=args.clip_grad, mp_group=state.mp_group,
             tp_rank=state.tp_rank, dtype=args.params_dtype, loss_scaler=loss_scaler, offload=args.offload,
@@ -198,8 +209,9 @@ class Trainer:
         with timers("embedding-grads-all-reduce", 2):
             sync_tied_embedding_grads(self.model, s, torch.bfloat16 if self.args.grad_reduce_in_bf16 else None)
         lr = self.lr_schedule.lr()
+        self.decoupled_lr = decoupled_lr(self.lr_schedule, self.args)
         with timers("optimizer", 1):
-            updated, grad_norm = self.optimizer.step(lr=lr, votes=votes())
+            updated, grad_norm = self.optimizer.step(lr=lr, decoupled_lr=self.decoupled_lr, votes=votes())
         with timers("loss-broadcast", 2):
             loss = reduce_loss(losses, s.is_last_stage, s.layout.pp_group(s.rank)[-1], s.pp_group, s.dp_group,
                                self.device)
@@ -352,7 +364,7 @@ class Trainer:
                 p.skipped_iterations += 1
             self.hooks.after_step(p.iteration)
             self.log.iteration(p, gbs, loss, lr, grad_norm, self.optimizer.loss_scale, updated,
-                               self.optimizer.params_norm)
+                               self.optimizer.params_norm, self.decoupled_lr)
             if self.moe_metrics is not None:
                 self._log_moe(p, len(micro))
             save_now = a.save and a.save_interval and p.iteration % a.save_interval == 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Optional
 
 import torch
 
@@ -57,9 +58,10 @@ class TrainingLog:
         self._last = time.monotonic()
 
     def iteration(self, progress, global_batch: int, loss: torch.Tensor, lr: float, grad_norm, loss_scale: float,
-                  updated: bool, params_norm_fn):
+                  updated: bool, params_norm_fn, decoupled_lr: Optional[float] = None):
         """Record one finished iteration of `global_batch` samples (`loss`: a one-element tensor, read at the
-        next log line); every --log-interval print the line (params_norm_fn: a collective)."""
+        next log line); every --log-interval print the line (params_norm_fn: a collective; `decoupled_lr`: the
+        embedding and output layer's, with --decoupled-lr)."""
         a, p, w = self.args, progress, self.scalars
         it, samples = p.iteration, p.consumed_train_samples
         self._pending.append((it, samples, loss.detach().reshape(1), updated))
@@ -91,7 +93,7 @@ class TrainingLog:
         self.print(format_train_line(it, a.train_iters, samples, elapsed * 1e3, lr, global_batch, avg_loss,
                                      loss_scale, grad_norm, p.skipped_iterations, p.nan_iterations,
                                      per_iteration * a.seq_length / elapsed, tflops, mfu(tflops, self.peak),
-                                     params_norm))
+                                     params_norm, decoupled_lr))
         if timing:
             self.print(timing)
         self._loss_sum, self._loss_count, self._iters, self._samples = 0.0, 0, 0, 0

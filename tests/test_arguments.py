@@ -96,7 +96,8 @@ def test_architecture_flags_and_their_megatron_deepspeed_spellings():
     megatron, deepspeed = (parse_args(BASE + flags, world_size=4) for flags in (LLAMA, DS_LLAMA))
     recorded = args_to_dict(megatron)  # what a checkpoint records
     assert {k: recorded[k] for k in ARCHITECTURE_FIELDS} == {
-        "normalization": "RMSNorm", "position_embedding_type": "rope", "rotary_base": 10000, "rotary_percent": 1.0,
+        "normalization": "RMSNorm", "apply_layernorm_1p": False, "position_embedding_type": "rope",
+        "rotary_base": 10000, "rotary_percent": 1.0,
         "swiglu": True, "num_query_groups": 2, "untie_embeddings_and_output_weights": True, "add_bias_linear": False}
     assert architecture_kwargs(vars(deepspeed)) == architecture_kwargs(recorded)
     assert megatron.ffn_hidden_size == 128  # Megatron's SwiGLU default: 2/3 of 4h, rounded down to 64

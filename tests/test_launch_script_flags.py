@@ -18,8 +18,8 @@ from megatron_zero.testing.launch_scripts import script_argv, scripts
 DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "coming_from_megatron.md")
 EXPECTED_REFUSED = {
     "megatron_lm_gpt3_175b": set(),
-    "megatron_lm_llama3_8b_fp8": {"--apply-layernorm-1p", "--decoupled-lr", "--decoupled-min-lr", "--fp8-format",
-                                  "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather"},
+    "megatron_lm_llama3_8b_fp8": {"--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo",
+                                  "--fp8-param-gather"},
     "megatron_lm_mixtral_8x7b": set(),
     "mds_llama2": set(),
     "mds_universal_bf16": set(),

@@ -126,6 +126,8 @@ def test_cut_down_script_trains_five_iterations(name, corpus, tmp_path):
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == f"global_step{last}"
     if "--step-batch-size-schedule" in argv:  # train_gpt3_175b_distributed.sh: the cut schedule's step at 4 samples
         assert "the global batch grows to 4 (4 micro-batches per step) at iteration 2" in run.stdout, run.stdout[-2000:]
+    if "--decoupled-lr" in argv:  # train_llama3_8b_h100_fp8.sh: the embedding and output layer's own lr
+        assert "decoupled learning rate:" in run.stdout, run.stdout[-2000:]
     if "--profile" in argv:  # train_llama3_8b_h100_fp8.sh: a torch.profiler trace under --tensorboard-dir
         traces = [f for _, _, files in os.walk(tmp_path / "tb") for f in files if f.endswith(".pt.trace.json")]
         assert len(traces) == 1, traces

@@ -28,9 +28,12 @@ def main(argv=None) -> int:
     p.add_argument("--output-dir", required=True, help="the checkpoint to write (must not exist)")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="hold the norm weights zero-centred (w = gamma - 1), for training with --apply-layernorm-1p")
     a = p.parse_args(argv)
     try:
-        out = import_hf(a.input_dir, a.output_dir, a.tensor_model_parallel_size, a.pipeline_model_parallel_size)
+        out = import_hf(a.input_dir, a.output_dir, a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
+                        a.apply_layernorm_1p)
     except (CheckpointError, ValueError) as e:
         print(f"convert_from_hf.py: error: {e}", file=sys.stderr)
         return 2

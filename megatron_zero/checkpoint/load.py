@@ -109,6 +109,20 @@ def _load_layers(ckpt: Checkpoint, model, tp_rank: int, device: torch.device, mp
     model.load_state_dict(sd, strict=True)
 
 
+def _check_decoupled_group(osd: dict, optimizer, directory: str) -> None:
+    """A ZeRO file holds its param groups' partitions in order: one saved with(out) --decoupled-lr's group of the
+    embedding and output layer loads only into a run with(out) it (the same sentence on every rank it concerns)."""
+    base = osd.get("base_optimizer_state") or osd.get("optimizer_state_dict") or {}
+    saved_groups = base.get("param_groups") or []
+    saved = any(g.get("is_decoupled_lr") for g in saved_groups)
+    ours = any(g.get("is_decoupled_lr") for g in optimizer.param_groups)
+    if saved_groups and saved != ours:
+        raise CheckpointError(f"the checkpoint {directory} was saved {'with' if saved else 'without'} --decoupled-lr "
+                              f"and this run is {'with' if ours else 'without'} it; --decoupled-lr puts the embedding "
+                              "and output layer in a param group of their own, so the run that changes it resumes "
+                              "through tools/ds_to_universal.py and --universal-checkpoint, which regroup exactly")
+
+
 def _weights_only(osd: dict) -> dict:
     """An optimizer state with the fp32 masters but fresh moments and step (--no-load-optim)."""
     sd = dict(osd)
@@ -156,6 +170,7 @@ def load_checkpoint(load_dir: str, state: ParallelState, model, optimizer, load_
     if load_optimizer or stage == 3 or saved_dp == state.dp_size:
         ckpt.require(opt_name, f"the ZeRO state of DP rank {dp}, model-parallel rank {mp}")
         osd = ckpt.load(opt_name, device=optimizer_device)["optimizer_state_dict"]
+        _check_decoupled_group(osd, optimizer, ckpt.directory)
         try:
             optimizer.load_state_dict(osd if load_optimizer else _weights_only(osd))
         except ValueError as e:

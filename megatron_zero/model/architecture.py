@@ -14,6 +14,9 @@ recorded args (the resume check, the saved-config readers) and the run's own fla
     add_position_embedding    position_embedding_type decides where it is   True (GPT-2)
                               recorded; else Megatron-DeepSpeed's own switch
     normalization             LayerNorm / RMSNorm in any case (-DS: rmsnorm) LayerNorm
+    apply_layernorm_1p        apply_layernorm_1p; False where Megatron-     False
+                              DeepSpeed recorded it beside its rmsnorm
+                              (whose RMSNorm ignores the switch)
     num_query_groups          num_query_groups; Megatron-DeepSpeed's        num_attention_heads
                               num_key_value_heads; Megatron-LM's default 1
                               without group_query_attention means none
@@ -36,7 +39,8 @@ from .config import NORMALIZATIONS, default_ffn_hidden_size
 # the GPT-2 value of every architecture switch: what a checkpoint that does not record one holds
 SWITCHES = {"swiglu": False, "normalization": "LayerNorm", "untie_embeddings_and_output_weights": False,
             "add_bias_linear": True, "apply_residual_connection_post_layernorm": False,
-            "position_embedding_type": "learned_absolute", "add_position_embedding": True}
+            "position_embedding_type": "learned_absolute", "add_position_embedding": True,
+            "apply_layernorm_1p": False}
 # sizes and numbers of the model (compared where both sides have one)
 SIZES = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
          "make_vocab_size_divisible_by", "layernorm_epsilon", "num_query_groups", "rotary_base", "rotary_percent")
@@ -64,6 +68,8 @@ def model_settings(args, fill_sizes: bool = True) -> dict:
     for key, gpt2 in SWITCHES.items():
         out[key] = gpt2 if args.get(key) is None else args[key]
     out["normalization"] = _normalization(out["normalization"])
+    if args.get("normalization") == "rmsnorm":  # Megatron-DeepSpeed's RMSNorm trains gamma as is, 1p or not
+        out["apply_layernorm_1p"] = False
     if args.get("use_rotary_position_embeddings"):
         out["position_embedding_type"] = "rope"
     # where the type is recorded (ours, Megatron-LM) it decides; Megatron-DeepSpeed's own switch stands otherwise
@@ -81,8 +87,9 @@ def model_settings(args, fill_sizes: bool = True) -> dict:
     return out
 
 
-ARCHITECTURE_FIELDS = ("normalization", "position_embedding_type", "rotary_base", "rotary_percent", "swiglu",
-                       "num_query_groups", "untie_embeddings_and_output_weights", "add_bias_linear")
+ARCHITECTURE_FIELDS = ("normalization", "apply_layernorm_1p", "position_embedding_type", "rotary_base",
+                       "rotary_percent", "swiglu", "num_query_groups", "untie_embeddings_and_output_weights",
+                       "add_bias_linear")
 
 
 def architecture_kwargs(args: dict) -> dict:

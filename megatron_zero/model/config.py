@@ -42,6 +42,7 @@ class GPTConfig:
     seed: int = 1234
     params_dtype: torch.dtype = torch.float32
     normalization: str = "LayerNorm"                 # or "RMSNorm" (weight only, no bias)
+    apply_layernorm_1p: bool = False                 # norm weights stored zero-centred: the norm applies 1 + w
     position_embedding_type: str = "learned_absolute"  # or "rope" (no position-embedding table)
     rotary_base: int = 10000
     rotary_percent: float = 1.0                      # share of head_dim that RoPE rotates

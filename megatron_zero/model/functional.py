@@ -10,12 +10,13 @@ import torch.nn.functional as F
 from .. import ops
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
-    return ops.layer_norm(x, weight, bias, eps)
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+               zero_centered_gamma: bool = False) -> torch.Tensor:
+    return ops.layer_norm(x, weight, bias, eps, zero_centered_gamma=zero_centered_gamma)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return ops.rms_norm(x, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool = False) -> torch.Tensor:
+    return ops.rms_norm(x, weight, eps, zero_centered_gamma=zero_centered_gamma)
 
 
 def apply_rotary_pos_emb(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,9 @@ Names are Megatron-DeepSpeed's pipeline names (GPTModelPipe):
 
 Block parameters are `{i}.<suffix>` with the suffixes of BLOCK_PARAMS; the config decides which
 exist (no `*.bias` of a linear layer with add_bias_linear=False, no norm bias with RMSNorm).
-The final norm is `{L+2}.weight` (and `{L+2}.bias` for LayerNorm).
+The final norm is `{L+2}.weight` (and `{L+2}.bias` for LayerNorm). With `apply_layernorm_1p` a norm weight
+holds w, zero-centred (initialised to 0), and the norm applies gamma = 1 + w (Megatron-Core's
+zero_centered_gamma); every tensor of our own formats holds w, an exporter converts where a format holds gamma.
 An MoE block (config.is_moe_layer) has, in place of `mlp.*`, DeepSpeed-MoE's names with global expert ids
 (the same whatever the expert-parallel layout): `mlp.deepspeed_moe.gate.wg.weight` [E, h] (the router,
 replicated) and per expert e `mlp.deepspeed_moe.experts.deepspeed_experts.{e}.dense_h_to_4h.*` /
@@ -55,6 +57,7 @@ BLOCK_PARAMS = {
     "mlp.dense_4h_to_h.bias": (None, "zeros"),
 }
 _NORM_BIASES = ("input_layernorm.bias", "post_attention_layernorm.bias")
+_NORM_WEIGHTS = ("input_layernorm.weight", "post_attention_layernorm.weight")
 MOE_ROUTER_SUFFIX = "mlp.deepspeed_moe.gate.wg.weight"
 MOE_EXPERT_PREFIX = "mlp.deepspeed_moe.experts.deepspeed_experts."
 
@@ -140,6 +143,28 @@ def _block_shape(suffix: str, c: GPTConfig, expert: bool = False) -> Tuple[int, 
     }.get(suffix, (h,))
 
 
+def _norm_weight_init(config: GPTConfig) -> str:
+    """A norm weight starts as gamma 1: stored as 1, or zero-centred (--apply-layernorm-1p) as 0."""
+    return "zeros" if config.apply_layernorm_1p else "ones"
+
+
+def is_embedding_or_output(name: str) -> bool:
+    """Megatron's is_embedding_or_output_parameter: the word embedding (either copy of a tied one, on the first
+    and the last pipeline stage) and the untied output layer; not the position embedding."""
+    return name.endswith("word_embeddings.weight") or name.endswith(LM_HEAD_SUFFIX)
+
+
+def is_norm_weight(name: str, config: GPTConfig) -> bool:
+    """Whether `name` is a norm's weight (gamma): a block's two norms and the final norm."""
+    index, _, suffix = name.partition(".")
+    if not index.isdigit():
+        return False
+    i = int(index)
+    if i == final_norm_index(config.num_layers):
+        return suffix == "weight"
+    return is_block_index(i, config.num_layers) and suffix in _NORM_WEIGHTS
+
+
 def param_spec(name: str, config: GPTConfig) -> ParamSpec:
     """What a parameter is, from its name alone; raises ValueError on a name this model has not."""
     h = config.hidden_size
@@ -162,11 +187,13 @@ def param_spec(name: str, config: GPTConfig) -> ParamSpec:
                 sub_params = 2 if config.swiglu and mlp in SWIGLU_SUFFIXES else 1
                 return ParamSpec(name, _block_shape(mlp, config, expert=True), dim, init, sub_params=sub_params)
             dim, init = BLOCK_PARAMS[suffix]
+            if suffix in _NORM_WEIGHTS:
+                init = _norm_weight_init(config)
             sub_params = 2 if config.swiglu and suffix in SWIGLU_SUFFIXES else 1
             return ParamSpec(name, _block_shape(suffix, config), dim, init, sub_params=sub_params)
         if i == final_norm_index(config.num_layers) and (suffix == "weight" or
                                                          (suffix == "bias" and config.has_norm_bias)):
-            return ParamSpec(name, (h,), None, "ones" if suffix == "weight" else "zeros")
+            return ParamSpec(name, (h,), None, _norm_weight_init(config) if suffix == "weight" else "zeros")
     raise ValueError(f"{name!r} is not a parameter of this {config.num_layers}-layer model")
 
 

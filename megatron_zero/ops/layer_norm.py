@@ -1,7 +1,9 @@
 """LayerNorm over the last dimension: the fused CUDA kernel or F.layer_norm.
 
 The kernel keeps the row statistics (mean, 1/std) from the forward pass for the
-backward pass, and sums dgamma/dbeta deterministically.
+backward pass, and sums dgamma/dbeta deterministically. With `zero_centered_gamma` the weight
+given is w and the norm applies gamma = 1 + w (Megatron's --apply-layernorm-1p), in both
+implementations: 1 + w is formed in w's dtype and handed to the kernel as its gamma, so dw = dgamma.
 """
 import torch
 import torch.nn.functional as F
@@ -46,8 +48,10 @@ def _fused_ok(x, weight, bias, fused):
             and _built("layer_norm"))
 
 
-def layer_norm(x, weight, bias, eps=1e-5, fused=None):
-    """LayerNorm of x over its last dimension, with affine weight and bias."""
+def layer_norm(x, weight, bias, eps=1e-5, fused=None, zero_centered_gamma=False):
+    """LayerNorm of x over its last dimension, with affine weight (or 1 + weight) and bias."""
+    if zero_centered_gamma:
+        weight = weight + 1
     if _fused_ok(x, weight, bias, fused):
         return _FusedLayerNorm.apply(x, weight, bias, eps)
     return F.layer_norm(x, x.shape[-1:], weight, bias, eps)

@@ -4,7 +4,9 @@ Computed in fp32 and cast back to x's dtype before the weight is applied (Megatr
 Hugging Face Llama's order), in both implementations. The kernels keep 1/rms per row from the
 forward pass for the backward pass and sum dweight deterministically. They are used (CUDA; fp32
 on the CPU) when the LayerNorm fusion switches allow it (Megatron's --no-persist-layer-norm turns
-both norms' kernels off) and x and weight share a dtype.
+both norms' kernels off) and x and weight share a dtype. With `zero_centered_gamma` the weight given
+is w and the norm applies 1 + w (Megatron-Core's zero_centered_gamma, --apply-layernorm-1p), formed in w's
+dtype, in both implementations.
 """
 import torch
 
@@ -36,8 +38,11 @@ def _extension(x, weight, fused):
     return extension_for("rms_norm", x)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, fused=None) -> torch.Tensor:
-    """RMSNorm of x over its last dimension, with an affine weight (no bias)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, fused=None,
+             zero_centered_gamma: bool = False) -> torch.Tensor:
+    """RMSNorm of x over its last dimension, with an affine weight, or 1 + weight (no bias)."""
+    if zero_centered_gamma:
+        weight = weight + 1
     ext = _extension(x, weight, fused)
     if ext is not None:
         return _FusedRMSNorm.apply(x, weight, eps, ext)

@@ -113,6 +113,7 @@ class CliResume:
         self.checkpoint = os.path.join(self.save, f"global_step{save_at}")
         self._universal = None
         run = self._run({"save": self.save, "save-interval": save_at})
+        self.stdout = run.stdout  # the uninterrupted run's log
         self.losses = logged_losses(run)
         assert sorted(self.losses) == list(range(1, iters + 1)), run.stdout[-2000:]
 

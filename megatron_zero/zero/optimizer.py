@@ -1,7 +1,10 @@
 """ZeroOptimizer: AdamW with ZeRO stage 0/1/2/3 partitioning, mixed precision, loss scaling,
 global-norm clipping and CPU/NVMe offload. The training loop calls
 
-    opt.backward(loss); ...; updated, grad_norm = opt.step(lr=...); opt.zero_grad()
+    opt.backward(loss); ...; updated, grad_norm = opt.step(lr=..., decoupled_lr=...); opt.zero_grad()
+
+A param group given with `is_decoupled_lr: True` (training.param_groups with --decoupled-lr: the word
+embedding and output layer, Megatron's key) steps at `decoupled_lr`, every other group at `lr`.
 
 `step` reads the device once (the global norm and the overflow test, one fp64 all-reduce pair: the
 skip and clip decisions need them on the host, as Megatron's clip does); `step(votes=...)` adds
@@ -66,7 +69,7 @@ class ZeroOptimizer:
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
         self.stage, self.dtype, self.clip_grad = stage, _dtype(dtype), float(clip_grad or 0.0)
         self.dp_group, self.mp_group, self.tp_rank = dp_group, mp_group, tp_rank
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, is_decoupled_lr=False)
         self.named_groups, hparams = _groups(named_params, defaults)
         self.names = [[n for n, _ in g] for g in self.named_groups]
         # every buffer lives beside the parameters (the model was built on the rank's device)
@@ -159,9 +162,10 @@ class ZeroOptimizer:
         if hasattr(self.impl, "wait_params"):
             self.impl.wait_params()
 
-    def step(self, lr: Optional[float] = None, votes: Sequence[float] = ()):
+    def step(self, lr: Optional[float] = None, votes: Sequence[float] = (), decoupled_lr: Optional[float] = None):
         """Reduce, unscale, check overflow, clip, step, publish weights. -> (updated, grad_norm).
-        `votes`: summed over every rank with the gradient norm, into ``summed_votes``."""
+        `votes`: summed over every rank with the gradient norm, into ``summed_votes``; `decoupled_lr`: the lr
+        of the groups marked is_decoupled_lr (required when there are any and `lr` is given)."""
         self._state_about_to_change()
         self.impl.finish_backward()  # idempotent: for schedules that call loss.backward() themselves
         grads = self.impl.grad_partitions()
@@ -181,7 +185,9 @@ class ZeroOptimizer:
                 g.mul_(coef)
         if lr is not None:
             for group in self.optimizer.param_groups:
-                group["lr"] = lr
+                if group.get("is_decoupled_lr") and decoupled_lr is None:
+                    raise ValueError("this optimizer has a decoupled-lr param group; step(lr=...) needs decoupled_lr")
+                group["lr"] = decoupled_lr if group.get("is_decoupled_lr") else lr
         self.wait_params()  # the step writes this rank's weights, which the last gathers read
         with self.optimizer.paged():
             self.optimizer.step(grads)

@@ -50,7 +50,8 @@ def titan_config(directory: str, num_attention_heads: Optional[int], seq_length:
 def config_args(config: GPTConfig) -> dict:
     """Our flags' dests describing `config`, as a checkpoint header records them."""
     fields = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
-              "max_position_embeddings", "make_vocab_size_divisible_by", "normalization", "position_embedding_type",
+              "max_position_embeddings", "make_vocab_size_divisible_by", "normalization", "apply_layernorm_1p",
+              "position_embedding_type",
               "swiglu", "num_query_groups", "untie_embeddings_and_output_weights", "add_bias_linear", "rotary_base",
               "rotary_percent", "layernorm_epsilon")
     return {f: getattr(config, f) for f in fields}

@@ -14,7 +14,8 @@ The norms are `input_layernorm` / `pre_mlp_layernorm` (local spec) or `linear_qk
 Optimizer state is indexed by position in torch's param groups; Megatron builds them with its default
 overrides as one group of the weight-decayed parameters (matrices, embeddings) and then one of the others
 (biases, norms), each in module order. That order is rebuilt from the `model` keys and checked shape by shape;
-a file whose groups follow another order is refused in one sentence (load it with --no-load-optim).
+a file whose groups follow another order, or that was trained with --decoupled-lr (a third group), is refused
+in one sentence when its optimizer state is read (load it with --no-load-optim).
 Unpickling needed nothing beyond the allow-list (argparse.Namespace for `args`; numpy for `rng_state`).
 The Megatron-LM DistributedOptimizer's separate `distrib_optim.pt` is not read: such a checkpoint loads with
 --no-load-optim only.
@@ -86,7 +87,9 @@ class LegacyFiles:
         self._check_keys()
         self.index = {}  # (tp, pp) -> {model key: optimizer state index}
         self.step_value = 0
-        if self.has_optimizer:
+        # --decoupled-lr's param group orders the state otherwise than the two default groups: weights only
+        self.decoupled = self.has_optimizer and self.head["args"].get("decoupled_lr") is not None
+        if self.has_optimizer and not self.decoupled:
             for (t, p), sd in self.sds.items():
                 self.index[(t, p)] = self._optimizer_index(sd, paths[(t, p)])
 
@@ -136,6 +139,10 @@ class LegacyFiles:
         sd = self.sds[(t, p)]
         if which == "fp32":
             return sd["model"][key]
+        if self.decoupled:
+            raise CheckpointError(f"{self.directory} was trained with --decoupled-lr, whose param group orders "
+                                  "Megatron's optimizer state otherwise than its default two; load its weights with "
+                                  "--no-load-optim")
         opt = sd["optimizer"].get("optimizer", sd["optimizer"])
         return opt["state"][self.index[(t, p)][key]][which]
 

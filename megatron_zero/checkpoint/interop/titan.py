@@ -49,6 +49,10 @@ def check_llama(config, where: str) -> None:
         raise CheckpointError(f"{where}: torchtitan's Llama layout holds RMSNorm, RoPE, SwiGLU models without "
                               "biases; this model is not one (--swiglu --normalization RMSNorm "
                               "--position-embedding-type rope --disable-bias-linear)")
+    if config.apply_layernorm_1p:
+        raise CheckpointError(f"{where}: torchtitan's Llama holds each norm's gamma itself, and this model's norm "
+                              "weights are zero-centred (--apply-layernorm-1p); export it to Hugging Face "
+                              "(tools/convert_to_hf.py), which writes gamma = 1 + w")
 
 
 def _to_meta(w: torch.Tensor, heads: int) -> torch.Tensor:

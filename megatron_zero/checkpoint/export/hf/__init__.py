@@ -20,7 +20,9 @@ Errors are CheckpointError, one sentence naming the file or value. Helpers for m
 (`same`, `transposed`, `base_flags`). The streaming around them: reader.py (HF files, one tensor at a
 time), importer.py (-> a weights-only universal checkpoint), exporter.py (-> safetensors shards).
 Export builds the config from the checkpoint's recorded args (saved_config.py), so an architecture's
-config fields must be GPTConfig fields named like their flags' dests.
+config fields must be GPTConfig fields named like their flags' dests. `mappings_for` is what both
+directions use: the module's mappings, with the norm weights of a zero-centred model (--apply-layernorm-1p:
+we hold w, Hugging Face the gamma 1 + w) converted.
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ from typing import Optional
 from ....model.config import GPTConfig
 from ...errors import CheckpointError
 from . import gpt2, llama, mistral
-from .mapping import TensorMapping
+from ....model.params import is_norm_weight
+from .mapping import TensorMapping, zero_centred
 
 ARCHITECTURES = {m.HF_ARCHITECTURE: m for m in (llama, mistral, gpt2)}
 
@@ -62,4 +65,12 @@ def for_config(config: GPTConfig, name: Optional[str] = None) -> ModuleType:
     raise CheckpointError(f"no Hugging Face architecture holds this model; supported: {', '.join(ARCHITECTURES)}")
 
 
-__all__ = ["ARCHITECTURES", "TensorMapping", "for_config", "for_hf_config"]
+def mappings_for(module: ModuleType, config: GPTConfig) -> dict:
+    """Our parameter name -> its TensorMapping, for `config` (norm weights converted when zero-centred)."""
+    out = {}
+    for m in module.tensor_mappings(config):
+        out[m.ours] = zero_centred(m) if config.apply_layernorm_1p and is_norm_weight(m.ours, config) else m
+    return out
+
+
+__all__ = ["ARCHITECTURES", "TensorMapping", "for_config", "for_hf_config", "mappings_for"]

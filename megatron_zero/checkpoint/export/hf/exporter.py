@@ -25,7 +25,7 @@ from ...format import EXPERT_FILE, MODEL_FILE
 from ...storage.reader import open_directory
 from ...saved_config import saved_args, saved_config
 from ...reshape.universal_load import find_universal_dir
-from . import for_config
+from . import for_config, mappings_for
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -62,7 +62,7 @@ def export_hf(checkpoint_dir: str, output_dir: str, dtype: str = "fp32", max_sha
     config = saved_config(*shape_reader(directory, verify), saved_args(directory, verify), num_heads, where=directory)
     head = _head(directory, verify)
     module = for_config(config, architecture or head.get("hf_architecture"))
-    mappings = {m.ours: m for m in module.tensor_mappings(config)}
+    mappings = mappings_for(module, config)
     names, tensors = fp32_source(directory, progress, verify)
     unmapped = [n for n in names if n not in mappings]
     if unmapped or len(names) != len(mappings):

@@ -17,6 +17,7 @@ output is written into `<ckpt>.tmp-<id>` and renamed into place when complete.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 import shutil
@@ -29,7 +30,7 @@ from ...errors import CheckpointError
 from ...format import SUB_PARAMS_KEY, model_states_name
 from ...storage.manifest import write_manifest
 from ...storage.tensor_io import save_file
-from . import for_hf_config
+from . import for_hf_config, mappings_for
 from .reader import HFModelDir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -37,18 +38,20 @@ FLAGS_FILE = "megatron_flags.txt"
 
 
 def implied_flags(module, config, tp: int, pp: int, tokenizer_dir: Optional[str]) -> list:
-    flags = module.flags(config) + ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
+    flags = module.flags(config) + (["--apply-layernorm-1p"] if config.apply_layernorm_1p else [])
+    flags += ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
     if tokenizer_dir:
         flags += ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tokenizer_dir]
     return flags
 
 
-def import_hf(input_dir: str, output_dir: str, tp: int = 1, pp: int = 1) -> dict:
-    """Convert; returns {'architecture', 'params', 'bytes', 'seconds', 'flags'}."""
+def import_hf(input_dir: str, output_dir: str, tp: int = 1, pp: int = 1, apply_layernorm_1p: bool = False) -> dict:
+    """Convert; returns {'architecture', 'params', 'bytes', 'seconds', 'flags'}. `apply_layernorm_1p`: the
+    checkpoint holds a zero-centred model (each norm weight stored as gamma - 1), to train with that flag."""
     start = time.monotonic()
     hf = HFModelDir(input_dir)
     module = for_hf_config(hf.config, os.path.join(input_dir, "config.json"))
-    config = module.config_from_hf(hf.config)
+    config = dataclasses.replace(module.config_from_hf(hf.config), apply_layernorm_1p=apply_layernorm_1p)
     try:
         config.check_tp(tp)
     except ValueError as e:
@@ -59,7 +62,7 @@ def import_hf(input_dir: str, output_dir: str, tp: int = 1, pp: int = 1) -> dict
     output_dir = os.path.normpath(output_dir)
     if os.path.exists(output_dir):
         raise CheckpointError(f"the output directory {output_dir} already exists; choose a new one or remove it")
-    mappings = {m.ours: m for m in module.tensor_mappings(config)}
+    mappings = mappings_for(module, config)
     names = param_names(config)
     missing = [n for n in names if n not in mappings]
     if missing:

@@ -30,6 +30,12 @@ def same(name: str, hf_name: str) -> TensorMapping:
     return TensorMapping(name, (hf_name,), lambda ts: ts[0], lambda t: [t])
 
 
+def zero_centred(m: TensorMapping) -> TensorMapping:
+    """A norm weight we hold zero-centred (w, --apply-layernorm-1p) and Hugging Face as the gamma it applies,
+    1 + w (fp32 both ways: the export casts after the add)."""
+    return TensorMapping(m.ours, m.hf, lambda ts: m.to_ours(ts).float() - 1, lambda t: m.to_hf(t.float() + 1))
+
+
 def transposed(name: str, hf_name: str) -> TensorMapping:
     """A weight that Hugging Face stores as [in, out] (GPT-2's Conv1D) and we as [out, in]."""
     return TensorMapping(name, (hf_name,), lambda ts: ts[0].t(), lambda t: [t.t()])
