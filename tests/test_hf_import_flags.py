@@ -18,7 +18,8 @@ from tools import convert_from_hf
 transformers = pytest.importorskip("transformers")
 
 NOT_FROM_HF = {"vocab_size", "params_dtype", "seed", "make_vocab_size_divisible_by", "recompute_granularity",
-               "recompute_method", "recompute_num_layers", "attention_backend", "sequence_parallel"}
+               "recompute_method", "recompute_num_layers", "attention_backend", "sequence_parallel",
+               "moe_use_rts"}  # random token selection: no flag sets it (Megatron-DeepSpeed keeps DeepSpeed's default)
 MODELS = {
     "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=96, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
