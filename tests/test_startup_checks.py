@@ -75,3 +75,24 @@ def test_megatron_deepspeed_architecture_switches_are_compared():
     diffs = disagreements({"args": dict(saved, swiglu=False, normalization="LayerNorm", padded_vocab_size=384)},
                           args, 257, lambda tp: 256 * tp)
     assert diffs == ["padded vocabulary size 384 in the checkpoint vs 512 here (from the tokenizer)"]
+
+
+def test_mixture_of_experts_structure_is_compared_on_resume():
+    """A dense checkpoint resumed with MoE layers, another expert count, layer placement or expert width is
+    refused in one sentence naming each difference; the router's top-k may change."""
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=128, seq_length=16,
+                max_position_embeddings=16, make_vocab_size_divisible_by=128, layernorm_epsilon=1e-5)
+    moe = dict(base, num_experts=4, moe_layer_freq=1, moe_layer_offset=0, moe_ffn_hidden_size=64, moe_router_topk=2)
+
+    def diffs(saved, here):
+        return disagreements({"args": dict(saved)}, argparse.Namespace(**here), 257, lambda tp: 256 * tp)
+
+    assert diffs(base, moe) == ["--num-experts None in the checkpoint vs 4 here (None: no MoE layers)"]
+    assert diffs(moe, dict(moe, num_experts=8)) == ["--num-experts 4 in the checkpoint vs 8 here (None: no MoE "
+                                                    "layers)"]
+    assert diffs(moe, dict(moe, moe_layer_freq=2, moe_ffn_hidden_size=32)) == [
+        "--moe-layer-freq 1 in the checkpoint vs 2 here", "--moe-ffn-hidden-size 64 in the checkpoint vs 32 here"]
+    assert diffs(moe, dict(moe, moe_router_topk=1)) == []
+    # Megatron-DeepSpeed records --num-experts as a list: [1] for a dense model, [4] for four experts
+    assert diffs(dict(base, num_experts=[1]), base) == []
+    assert diffs(dict(moe, num_experts=[4]), moe) == []

@@ -15,9 +15,13 @@ normal-looking losses).
                                  the checkpoint's args and this run's flags are read by
                                  model/architecture.py's model_settings, which takes each writer's
                                  spelling and fills what a writer leaves implied (a switch an earlier
-                                 version or Megatron(-DeepSpeed) does not record: its GPT-2 value)
+                                 version or Megatron(-DeepSpeed) does not record: its GPT-2 value);
+                                 MoE layers: the number of experts (none: dense), and where both are
+                                 MoE the layer frequency and offset and the experts' width
+                                 (model/architecture.py's moe_settings)
     free to change on resume     seq_length (up to max_position_embeddings, as in Megatron), parallel
                                  sizes and ZeRO stage (reshaped on load), batch sizes, lr and its schedule, precision, dropout, init std, seed, data,
+                                 the MoE router's top-k and gating,
                                  iteration counts, logging and checkpoint flags
 """
 from __future__ import annotations
@@ -26,7 +30,7 @@ import os
 import re
 from typing import Optional, Union
 
-from ..model.architecture import SIZES, SWITCHES, model_settings
+from ..model.architecture import MOE_STRUCTURE, SIZES, SWITCHES, model_settings, moe_settings
 from .errors import CheckpointError
 from .format import UNIVERSAL_CHECKPOINT_INFO, header_args
 from .storage.reader import Checkpoint, open_directory
@@ -80,6 +84,15 @@ def disagreements(head: dict, args, vocab_size: int, padded_at) -> list:
     for key in SWITCHES:
         if not _same(there[key], here[key]):
             out.append(f"{key} {there[key]} in the checkpoint vs {here[key]} here")
+    there_moe, here_moe = moe_settings(saved), moe_settings(args)
+    if not _same(there_moe["num_experts"], here_moe["num_experts"]):
+        out.append(f"--num-experts {there_moe['num_experts']} in the checkpoint vs {here_moe['num_experts']} here "
+                   "(None: no MoE layers)")
+    else:
+        for key in MOE_STRUCTURE:
+            a, b = there_moe.get(key), here_moe.get(key)
+            if a is not None and b is not None and not _same(a, b):
+                out.append(f"--{key.replace('_', '-')} {a} in the checkpoint vs {b} here")
     vocab = _recorded_vocab(head, saved, padded_at)
     if vocab is not None:
         recorded, mine = vocab

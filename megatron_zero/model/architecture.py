@@ -87,6 +87,23 @@ def model_settings(args, fill_sizes: bool = True) -> dict:
     return out
 
 
+# the mixture-of-experts structure (compared on resume; the router (top-k, gating) may change): num_experts None
+# is a dense model; the rest are compared where both sides have MoE layers and record the setting
+MOE_STRUCTURE = ("moe_layer_freq", "moe_layer_offset", "moe_ffn_hidden_size")
+
+
+def moe_settings(args) -> dict:
+    """num_experts (None: dense; Megatron-DeepSpeed's one-element list read as its number) and, for an MoE
+    model, each MOE_STRUCTURE setting it records (None where it does not)."""
+    args = dict(args) if isinstance(args, dict) else dict(vars(args))
+    experts = args.get("num_experts")
+    if isinstance(experts, (list, tuple)):
+        experts = experts[0] if len(set(experts)) == 1 else list(experts)
+    if experts in (None, 1, [1]) and not args.get("moe_capacity_factor"):
+        return {"num_experts": None}  # Megatron-DeepSpeed records [1] for a dense model
+    return {"num_experts": experts, **{k: args.get(k) for k in MOE_STRUCTURE}}
+
+
 ARCHITECTURE_FIELDS = ("normalization", "apply_layernorm_1p", "position_embedding_type", "rotary_base",
                        "rotary_percent", "swiglu", "num_query_groups", "untie_embeddings_and_output_weights",
                        "add_bias_linear")
