@@ -15,7 +15,7 @@ from megatron_zero.arguments import parse_args
 from megatron_zero.model.gpt import reference_model
 from megatron_zero.moe import reset_aux_losses, set_aux_loss_scale
 from megatron_zero.moe.router import scores_and_choice, scores_for_aux_loss, seq_load_balancing_loss
-from megatron_zero.moe.token_dropping import expert_capacity, kept_pairs, megatron_token_order
+from megatron_zero.moe.token_dropping import expert_capacity, kept_pairs
 from megatron_zero.testing.flag_checks import BASE, refused, with_flags
 from megatron_zero.testing.moe_train import moe_config
 from megatron_zero.testing.tolerances import assert_close_scaled, model_rtol
@@ -27,9 +27,13 @@ ROUTERS = [("softmax", False, None), ("softmax", True, 2.5), ("sigmoid", False, 
 FACTORS = (0.5, 1.0, 1.5, 4.0)
 
 
-def _to_megatron(t):
+def _to_megatron(t, b=B):
     """[b s, ...] batch-major rows -> Megatron-Core's [s b, ...] order."""
-    return t.index_select(0, megatron_token_order(B, S, t.device))
+    return t.reshape(b, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+def _from_megatron(t, b=B):
+    return t.reshape(-1, b, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
 
 
 def _logits(seed):
@@ -104,16 +108,15 @@ def _dense_capacity_evaluation(cfg, moe, x, policy):
     tokens = x.reshape(-1, cfg.hidden_size)
     logits = F.linear(tokens, moe.gate.wg.weight).float()
     b = x.shape[0]
-    order = megatron_token_order(b, x.shape[1], x.device)
     weights, ids = scores_and_choice(logits, cfg.moe_router_topk, False, "softmax", None)
-    probs = torch.zeros_like(logits).scatter(1, ids, weights).index_select(0, order)
+    probs = _to_megatron(torch.zeros_like(logits).scatter(1, ids, weights), b)
     routing_map = probs > 0
     final, _ = moe_utils.apply_router_token_dropping(probs, routing_map, cfg.moe_router_topk,
                                                      cfg.moe_expert_capacity_factor, policy)
     if policy == "position":  # by position, as its documentation says (its CPU topk breaks ties otherwise)
         cap = expert_capacity(tokens.shape[0], cfg.num_experts, cfg.moe_router_topk, cfg.moe_expert_capacity_factor)
         final = probs * (routing_map & (torch.cumsum(routing_map.int(), 0) <= cap))
-    mask = torch.empty_like(final).index_copy(0, order, final)  # back to [b s] order
+    mask = _from_megatron(final, b)  # back to [b s] order
     outs = torch.stack([e(tokens) for e in moe.experts.deepspeed_experts.values()], dim=1)
     return (mask.unsqueeze(-1) * outs).sum(1).view_as(x), mask
 
