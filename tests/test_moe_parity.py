@@ -2,7 +2,8 @@
 clipping active): each step's loss and global gradient norm to model_rtol of one step's path
 (megatron_zero/testing/tolerances.py) at EP2 x DP2, EP2 x DP4 (expert-DP 2), EP2 x TP2, EP2 x PP2, EP4 x DP4,
 and EP2 on ZeRO 1 and 2, GPT (GeLU experts) and Llama (SwiGLU experts, MoE every other layer). Then
-DeepSpeed-MoE's capacity gating with tokens dropped at EP2 x DP2: top-1 on ZeRO 0 and top-2 on ZeRO 1."""
+DeepSpeed-MoE's capacity gating with tokens dropped at EP2 x DP2: top-1 on ZeRO 0 and top-2 on ZeRO 1; and
+Megatron-Core's capacity (probs at EP2 x DP2; position with seq_aux_loss and the sigmoid router at EP2 x TP2)."""
 import pytest
 
 from megatron_zero.model.gpt import reference_model
