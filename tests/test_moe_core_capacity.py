@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from megatron_zero.arguments import parse_args
 from megatron_zero.model.gpt import reference_model
-from megatron_zero.moe import reset_aux_losses, set_aux_loss_scale
-from megatron_zero.moe.router import scores_and_choice, scores_for_aux_loss, seq_load_balancing_loss
+from megatron_zero.moe import aux_losses, reset_aux_losses, set_aux_loss_scale
+from megatron_zero.moe.router import route, scores_and_choice, scores_for_aux_loss, seq_load_balancing_loss
 from megatron_zero.moe.token_dropping import expert_capacity, kept_pairs
 from megatron_zero.testing.flag_checks import BASE, refused, with_flags
 from megatron_zero.testing.moe_train import moe_config
@@ -100,6 +100,15 @@ def test_seq_aux_loss_matches_megatron_core(score):
     eps = torch.finfo(torch.float32).eps
     assert abs(float(ours) - float(want)) <= 4 * S * E * eps * abs(float(want))
     assert_close_scaled(_to_megatron(got), want_grad, 4 * E * eps, "seq aux loss gradient")
+    # the router's wiring: the tracked value (loss / coeff) and, through AuxLossScaler at scale 1, the gradient
+    routed = logits.detach().requires_grad_()
+    set_aux_loss_scale(1.0)
+    weights, _ = route(routed, K, False, "seq_aux_loss", coeff, None, score, None, B)
+    (through,) = torch.autograd.grad((weights * 0).sum(), routed)
+    tracked = float(aux_losses()["seq_load_balancing_loss"]) * coeff
+    reset_aux_losses()
+    assert abs(tracked - float(want)) <= 4 * S * E * eps * abs(float(want))
+    assert_close_scaled(_to_megatron(through), want_grad, 4 * E * eps, "seq aux loss gradient through the router")
 
 
 def _dense_capacity_evaluation(cfg, moe, x, policy):
