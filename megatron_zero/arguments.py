@@ -18,6 +18,7 @@ from .checkpoint.storage.reader import add_verify_flag
 from .compat_flags import CompatError, add_compat_flags, validate_compat
 from .deepspeed_config import DeepSpeedConfigError, apply_deepspeed_config
 from .flag_refusals import refusals, unknown_flag_sentence
+from .moe.core_router_flags import add_core_router_flags, check_core_router_flags
 from .moe.flags import DeepSpeedMoEError, add_deepspeed_moe_flags, apply_deepspeed_moe_flags
 from .model.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, default_ffn_hidden_size
 
@@ -90,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="ranks the experts are spread over, carved out of the data-parallel ranks")
 
+    add_core_router_flags(g)
     add_deepspeed_moe_flags(p)
 
     g = p.add_argument_group("memory and speed")
@@ -544,6 +546,8 @@ def _validate_moe(args, tp: int, dp: int):
     _require(ep >= 1, f"--expert-model-parallel-size {ep} must be at least 1")
     if experts is None:
         _require(ep == 1, f"--expert-model-parallel-size {ep} needs MoE layers; give --num-experts")
+        _require(args.moe_expert_capacity_factor is None, "--moe-expert-capacity-factor configures MoE layers; "
+                 "give --num-experts")
         return
     _require(experts >= 1 and experts % ep == 0,
              f"--num-experts {experts} must be a positive multiple of --expert-model-parallel-size {ep}")
@@ -557,9 +561,10 @@ def _validate_moe(args, tp: int, dp: int):
     _require(args.moe_ffn_hidden_size >= 1 and args.moe_ffn_hidden_size % tp == 0,
              f"--moe-ffn-hidden-size {args.moe_ffn_hidden_size} is not a positive multiple of "
              f"--tensor-model-parallel-size {tp}")
-    _require(args.moe_router_load_balancing_type in ("aux_loss", "none"),
+    _require(args.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss", "none"),
              f"--moe-router-load-balancing-type {args.moe_router_load_balancing_type} is not implemented; "
-             "use aux_loss or none")
+             "use aux_loss, seq_aux_loss or none")
+    check_core_router_flags(args, _require)
     _require(args.moe_aux_loss_coeff >= 0 and (args.moe_z_loss_coeff or 0) >= 0,
              "--moe-aux-loss-coeff and --moe-z-loss-coeff must not be negative")
     _require(args.moe_token_dispatcher_type == "alltoall",

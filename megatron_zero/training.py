@@ -53,7 +53,7 @@ from .timers import TimedCalls
 from .topology import build_hpz_group, build_parallel_state
 from .training_log import TrainingLog, architecture_name
 from .moe import reset_aux_losses, set_aux_loss_scale
-from .moe.metrics import MoEMetrics
+from .moe.metrics import NAMES, SEQ_NAMES, MoEMetrics
 from .zero import ZeroOptimizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -137,7 +137,8 @@ class Trainer:
             grad_reduce_in_bf16=args.grad_reduce_in_bf16,
             cpu_optimizer_threads=args.cpu_optimizer_threads, expert_dp_group=state.expert_dp_group)
         moe_layers = sum(self.config.is_moe_layer(b) for b in range(self.config.num_layers))
-        self.moe_metrics = MoEMetrics(moe_layers, self.device) if moe_layers else None
+        self.moe_metrics = MoEMetrics(moe_layers, self.device, SEQ_NAMES if args.moe_router_load_balancing_type
+                                      == "seq_aux_loss" else NAMES) if moe_layers else None
         self.lr_schedule = build_lr_schedule(args)
         self.batch = args.batch_schedule  # the global batch of each iteration, from the samples consumed
         self.progress = TrainState()

@@ -2,7 +2,8 @@
 clipping active): each step's loss and global gradient norm to model_rtol of one step's path
 (megatron_zero/testing/tolerances.py) at EP2 x DP2, EP2 x DP4 (expert-DP 2), EP2 x TP2, EP2 x PP2, EP4 x DP4,
 and EP2 on ZeRO 1 and 2, GPT (GeLU experts) and Llama (SwiGLU experts, MoE every other layer). Then
-DeepSpeed-MoE's capacity gating with tokens dropped at EP2 x DP2: top-1 on ZeRO 0 and top-2 on ZeRO 1."""
+DeepSpeed-MoE's capacity gating with tokens dropped at EP2 x DP2: top-1 on ZeRO 0 and top-2 on ZeRO 1; and
+Megatron-Core's capacity (probs at EP2 x DP2; position with seq_aux_loss and the sigmoid router at EP2 x TP2)."""
 import pytest
 
 from megatron_zero.model.gpt import reference_model
@@ -76,3 +77,30 @@ def test_moe_random_token_selection_agrees_over_tensor_parallel_ranks():
     for losses, norms in results:
         assert_losses_close(losses, ref_losses, rtol, "tp2 rts loss")
         assert_losses_close(norms, ref_norms, global_norm_rtol(rtol, count), "tp2 rts grad norm")
+
+
+# Megatron-Core's capacity (tokens dropped: capacity ceil(16 x 2 / 4 x 0.5) = 4 of a micro-batch's 16 tokens per
+# expert), each rank dropping among its own tokens as the reference fed its micro-batches does
+CORE_CAPACITY = {  # name: (tp, dp, ep, zero stage, config overrides)
+    "core_capacity_probs_ep2_dp2_zero1": (1, 2, 2, 1, dict(moe_expert_capacity_factor=0.5)),
+    "core_capacity_position_seq_aux_sigmoid_ep2_tp2": (2, 2, 2, 2, dict(
+        moe_expert_capacity_factor=0.5, moe_token_drop_policy="position", moe_router_load_balancing_type="seq_aux_loss",
+        moe_router_score_function="sigmoid", moe_router_topk_scaling_factor=2.0)),
+}
+
+
+@pytest.mark.parametrize("name", [n if "probs" in n else pytest.param(n, marks=SLOW) for n in CORE_CAPACITY])
+def test_moe_core_capacity_matches_reference(name):
+    tp, dp, ep, stage, overrides = CORE_CAPACITY[name]
+    mb = 2
+    cfg = moe_config(False, **overrides)
+    ref_losses, ref_norms = reference_run(cfg, dp, mb, CAPACITY_STEPS)
+    dropless = {k: v for k, v in overrides.items() if k not in ("moe_expert_capacity_factor", "moe_token_drop_policy")}
+    roomy = reference_run(moe_config(False, **dropless), dp, mb, CAPACITY_STEPS)
+    assert roomy[0] != ref_losses, "no token was dropped: the test does not exercise capacity"
+    results = run_ranks(parallel_run, tp * dp, cfg, tp, 1, ep, stage, mb, CAPACITY_STEPS, timeout=600)
+    rtol = model_rtol(gpt_path_length(cfg, GBS * cfg.seq_length))
+    count = sum(p.numel() for p in reference_model(cfg).parameters())
+    for losses, norms in results:
+        assert_losses_close(losses, ref_losses, rtol, f"{name} loss")
+        assert_losses_close(norms, ref_norms, global_norm_rtol(rtol, count), f"{name} grad norm")

@@ -17,7 +17,7 @@ RECOMPUTE_METHODS = ("uniform", "block")
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
-MOE_LOAD_BALANCING_TYPES = ("aux_loss", "none")
+MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
 
 
 def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
@@ -61,6 +61,12 @@ class GPTConfig:
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: Optional[float] = None
     moe_grouped_gemm: bool = False                   # the local experts as one grouped GEMM (moe/grouped_mlp.py)
+    moe_router_score_function: str = "softmax"       # or "sigmoid" (moe/router.py)
+    moe_router_topk_scaling_factor: Optional[float] = None  # router weights times this
+    # Megatron-Core's capacity (moe/token_dropping.py): None -> dropless
+    moe_expert_capacity_factor: Optional[float] = None
+    moe_token_drop_policy: str = "probs"              # or "position"
+    moe_pad_expert_input_to_capacity: bool = False   # Megatron pads with zero-weight rows: the same results
     # DeepSpeed-MoE's capacity gating (moe/capacity_gating.py) where moe_capacity_factor is set; the aux
     # loss coefficient is then moe_aux_loss_coeff (Megatron-DeepSpeed's --moe-loss-coeff), k moe_router_topk
     moe_capacity_factor: Optional[float] = None      # training; None: Megatron-Core's dropless router
@@ -133,6 +139,17 @@ class GPTConfig:
                 self.moe_eval_capacity_factor = self.moe_capacity_factor
             if min(self.moe_capacity_factor, self.moe_eval_capacity_factor) <= 0 or self.moe_min_capacity < 0:
                 raise ValueError("moe capacity factors must be positive and moe_min_capacity not negative")
+        if self.moe_router_score_function not in ("softmax", "sigmoid"):
+            raise ValueError(f"moe_router_score_function {self.moe_router_score_function!r} is not softmax or sigmoid")
+        if self.moe_expert_capacity_factor is not None:
+            if self.moe_capacity_factor is not None:
+                raise ValueError("moe_expert_capacity_factor (Megatron-Core's capacity) and moe_capacity_factor "
+                                 "(DeepSpeed-MoE's gating) are two routers' capacities; set one")
+            if self.moe_expert_capacity_factor < 0 or self.moe_token_drop_policy not in ("probs", "position"):
+                raise ValueError(f"moe_expert_capacity_factor {self.moe_expert_capacity_factor} must not be negative "
+                                 f"and moe_token_drop_policy {self.moe_token_drop_policy!r} be probs or position")
+        elif self.moe_pad_expert_input_to_capacity:
+            raise ValueError("moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor")
         if self.moe_router_load_balancing_type not in MOE_LOAD_BALANCING_TYPES:
             raise ValueError(f"moe_router_load_balancing_type {self.moe_router_load_balancing_type!r} is not one "
                              f"of {MOE_LOAD_BALANCING_TYPES}")
@@ -202,4 +219,6 @@ class GPTConfig:
 MOE_FIELDS = ("num_experts", "moe_layer_freq", "moe_layer_offset", "moe_ffn_hidden_size", "moe_router_topk",
               "moe_router_pre_softmax", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
               "moe_grouped_gemm", "moe_capacity_factor", "moe_eval_capacity_factor", "moe_min_capacity",
-              "moe_drop_tokens", "moe_top2_2nd_expert_sampling")
+              "moe_drop_tokens", "moe_top2_2nd_expert_sampling", "moe_router_score_function",
+              "moe_router_topk_scaling_factor", "moe_expert_capacity_factor", "moe_token_drop_policy",
+              "moe_pad_expert_input_to_capacity")

@@ -22,7 +22,11 @@ GATING = (("--topk", "topk"), ("--expert-interval", "expert_interval"),
 CORE_ROUTER = (("--moe-router-topk", "moe_router_topk"), ("--moe-router-pre-softmax", "moe_router_pre_softmax"),
                ("--moe-router-load-balancing-type", "moe_router_load_balancing_type"),
                ("--moe-aux-loss-coeff", "moe_aux_loss_coeff"), ("--moe-z-loss-coeff", "moe_z_loss_coeff"),
-               ("--moe-layer-freq", "moe_layer_freq"))
+               ("--moe-layer-freq", "moe_layer_freq"), ("--moe-router-score-function", "moe_router_score_function"),
+               ("--moe-router-topk-scaling-factor", "moe_router_topk_scaling_factor"),
+               ("--moe-expert-capacity-factor", "moe_expert_capacity_factor"),
+               ("--moe-token-drop-policy", "moe_token_drop_policy"),
+               ("--moe-pad-expert-input-to-capacity", "moe_pad_expert_input_to_capacity"))
 
 
 class DeepSpeedMoEError(ValueError):

@@ -5,7 +5,8 @@ Experts are the dense MLP (GeLU or SwiGLU, width moe_ffn_hidden_size), tensor-pa
 holds its slice of every local expert). With an expert-parallel group of EP ranks, this rank holds
 experts [ep_rank E/EP, (ep_rank+1) E/EP) under their global ids, marked `expert_parallel` (their
 gradients reduce over the expert-data-parallel group, zero/expert_stage.py); the router is replicated.
-Routing: Megatron-Core's dropless top-k router (router.py), or with `moe_capacity_factor` set
+Routing: Megatron-Core's top-k router (router.py; dropless, or with `moe_expert_capacity_factor` its
+capacity, token_dropping.py), or with `moe_capacity_factor` set
 DeepSpeed-MoE's capacity gating (capacity_gating.py: tokens past an expert's capacity are dropped, their
 MoE output is zero). The experts run one after another on their contiguous runs of rows (a loop over
 the local experts, never over tokens), or with `moe_grouped_gemm` all together as one grouped GEMM per
@@ -22,6 +23,7 @@ from .dispatch import ExpertParallelExchange, permute, unpermute
 from .capacity_gating import capacity_route
 from .grouped_mlp import GroupedMLP
 from .router import route
+from .token_dropping import kept_pairs
 
 
 class Experts(nn.Module):
@@ -77,7 +79,12 @@ class DeepSpeedMoE(nn.Module):
         logits = F.linear(tokens, self.gate.wg.weight).float()
         if c.moe_capacity_factor is None:
             weights, expert_ids = route(logits, c.moe_router_topk, c.moe_router_pre_softmax,
-                                        c.moe_router_load_balancing_type, c.moe_aux_loss_coeff, c.moe_z_loss_coeff)
+                                        c.moe_router_load_balancing_type, c.moe_aux_loss_coeff, c.moe_z_loss_coeff,
+                                        c.moe_router_score_function, c.moe_router_topk_scaling_factor, shape[0])
+            if c.moe_expert_capacity_factor is not None:  # Megatron-Core's capacity (token_dropping.py)
+                kept = kept_pairs(weights, expert_ids, c.num_experts, c.moe_expert_capacity_factor,
+                                  c.moe_token_drop_policy, shape[0])
+                expert_ids = torch.where(kept, expert_ids, c.num_experts)
         else:
             factor = c.moe_capacity_factor if self.training else c.moe_eval_capacity_factor
             weights, expert_ids, kept = capacity_route(

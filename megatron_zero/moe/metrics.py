@@ -1,6 +1,7 @@
 """The MoE losses in the log, as Megatron-Core's track_moe_metrics reports them: each loss divided by its
 coefficient, summed over micro-batches / M (per global batch), averaged over the model's MoE layers,
-the data-parallel ranks and the iterations of the log interval (`load_balancing_loss`, `z_loss`).
+the data-parallel ranks and the iterations of the log interval (`load_balancing_loss`, `z_loss`; with the
+sequence-level aux loss `seq_load_balancing_loss` in place of the first, Megatron-Core's name).
 
 Each iteration adds this rank's values on the device (no host read, no collective); at a log line
 every rank sums them over the pipeline (layers live on different stages) and data-parallel groups in
@@ -15,18 +16,19 @@ import torch.distributed as dist
 from .router import aux_losses, reset_aux_losses
 
 NAMES = ("load_balancing_loss", "z_loss")
+SEQ_NAMES = ("seq_load_balancing_loss", "z_loss")  # --moe-router-load-balancing-type seq_aux_loss
 
 
 class MoEMetrics:
-    def __init__(self, num_moe_layers: int, device: torch.device):
-        self.num_moe_layers, self.device = num_moe_layers, device
-        self.sums = torch.zeros(len(NAMES), dtype=torch.float64, device=device)
+    def __init__(self, num_moe_layers: int, device: torch.device, names=NAMES):
+        self.num_moe_layers, self.device, self.names = num_moe_layers, device, tuple(names)
+        self.sums = torch.zeros(len(self.names), dtype=torch.float64, device=device)
         self.iterations = 0
 
     def iteration(self, micro_batches: int) -> None:
         """Take the values the last global batch's forwards recorded (and reset them)."""
         tracked = aux_losses()
-        for i, name in enumerate(NAMES):
+        for i, name in enumerate(self.names):
             if name in tracked:
                 self.sums[i] += tracked[name].double() / micro_batches
         reset_aux_losses()
@@ -41,4 +43,4 @@ class MoEMetrics:
         values = (sums / (self.num_moe_layers * dp * max(1, self.iterations))).tolist()
         self.sums.zero_()
         self.iterations = 0
-        return dict(zip(NAMES, values))
+        return dict(zip(self.names, values))

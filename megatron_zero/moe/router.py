@@ -5,7 +5,11 @@
     pre-softmax:   softmax over all E, then its top-k              (--moe-router-pre-softmax)
     switch load balancing (--moe-router-load-balancing-type aux_loss, --moe-aux-loss-coeff c):
         aux = c * E / (T^2 k) * sum_e (sum_t softmax(logits)_te) * tokens_routed_to_e
+    sequence-level (seq_aux_loss): that loss of each sequence alone (T: its tokens), averaged over the batch
     z-loss (--moe-z-loss-coeff c_z): c_z * mean_t logsumexp(logits_t)^2
+    --moe-router-score-function sigmoid: top-k of sigmoid(logits), normalised to sum 1 (k > 1); the aux
+        losses then take sigmoid(logits) normalised over all E; --moe-router-topk-scaling-factor s: the
+        router weights times s
 
 The losses do not join the model's output: `AuxLossScaler` returns its input unchanged and, in
 backward, adds the loss's gradient times the current scale (Megatron's MoEAuxLossAutoScaler). The
@@ -75,23 +79,65 @@ def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
     return torch.mean(torch.square(torch.logsumexp(logits, dim=-1))) * coeff
 
 
-def route(logits: torch.Tensor, topk: int, pre_softmax: bool, balancing: str, aux_coeff: float,
-          z_coeff) -> tuple:
-    """logits [T, E] (fp32) -> (weights [T, k], expert ids [T, k]) with the aux losses attached to `weights`."""
-    if z_coeff:
-        zl = z_loss(logits, z_coeff)
-        track("z_loss", zl / z_coeff)
-        logits = AuxLossScaler.apply(logits, zl)
-    if pre_softmax:
+def seq_load_balancing_loss(scores: torch.Tensor, tokens_per_expert: torch.Tensor, batch: int, topk: int,
+                            coeff: float) -> torch.Tensor:
+    """Megatron-Core's seq_aux_loss: the switch loss of each sequence on its own, averaged over the batch.
+    scores [b s, E] (batch-major), tokens_per_expert [b, E] (each sequence's routing)."""
+    tokens, experts = scores.shape
+    seq = tokens // batch
+    per_seq = scores.view(batch, seq, experts).sum(dim=1)
+    return torch.sum(per_seq * tokens_per_expert) * (experts * coeff / (topk * seq * seq)) / batch
+
+
+def scores_and_choice(logits: torch.Tensor, topk: int, pre_softmax: bool, score_function: str,
+                      scaling_factor) -> tuple:
+    """Megatron-Core's topk_routing_with_score_function (no groups, no expert bias): (weights, ids) [T, k]."""
+    if score_function == "sigmoid":
+        weights, experts = torch.topk(torch.sigmoid(logits), topk, dim=-1)
+        if topk > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    elif pre_softmax:
         weights, experts = torch.topk(torch.softmax(logits, dim=-1), topk, dim=-1)
     else:
         top, experts = torch.topk(logits, topk, dim=-1)
         weights = torch.softmax(top, dim=-1)
-    if balancing == "aux_loss" and aux_coeff > 0:
-        counts = torch.zeros(logits.shape[1], dtype=logits.dtype, device=logits.device)
-        counts.scatter_add_(0, experts.reshape(-1), torch.ones(experts.numel(), dtype=logits.dtype,
-                                                                device=logits.device))
-        aux = switch_load_balancing_loss(torch.softmax(logits, dim=-1), counts, topk, aux_coeff)
-        track("load_balancing_loss", aux / aux_coeff)
+    if scaling_factor:
+        weights = weights * scaling_factor
+    return weights, experts
+
+
+def scores_for_aux_loss(logits: torch.Tensor, topk: int, score_function: str) -> tuple:
+    """Megatron-Core's compute_routing_scores_for_aux_loss: (scores over all E [T, E], top-k ids of them)."""
+    if score_function == "sigmoid":
+        scores = torch.sigmoid(logits)
+        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        scores = torch.softmax(logits, dim=-1)
+    return scores, torch.topk(scores, topk, dim=-1)[1]
+
+
+def route(logits: torch.Tensor, topk: int, pre_softmax: bool, balancing: str, aux_coeff: float,
+          z_coeff, score_function: str = "softmax", scaling_factor=None, batch: int = 1) -> tuple:
+    """logits [T, E] (fp32, T = batch x seq tokens, batch-major) -> (weights [T, k], expert ids [T, k]) with
+    the aux losses attached to `weights`."""
+    if z_coeff:
+        zl = z_loss(logits, z_coeff)
+        track("z_loss", zl / z_coeff)
+        logits = AuxLossScaler.apply(logits, zl)
+    weights, experts = scores_and_choice(logits, topk, pre_softmax, score_function, scaling_factor)
+    if balancing in ("aux_loss", "seq_aux_loss") and aux_coeff > 0:
+        scores, chosen = scores_for_aux_loss(logits, topk, score_function)
+        if balancing == "aux_loss":
+            counts = torch.zeros(logits.shape[1], dtype=logits.dtype, device=logits.device)
+            counts.scatter_add_(0, chosen.reshape(-1), torch.ones(chosen.numel(), dtype=logits.dtype,
+                                                                   device=logits.device))
+            aux = switch_load_balancing_loss(scores, counts, topk, aux_coeff)
+            track("load_balancing_loss", aux / aux_coeff)
+        else:
+            counts = torch.zeros(batch, logits.shape[0] // batch, logits.shape[1], dtype=logits.dtype,
+                                 device=logits.device)
+            counts.scatter_(2, chosen.view(batch, -1, topk), 1.0)
+            aux = seq_load_balancing_loss(scores, counts.sum(dim=1), batch, topk, aux_coeff)
+            track("seq_load_balancing_loss", aux / aux_coeff)
         weights = AuxLossScaler.apply(weights, aux)
     return weights, experts

@@ -1,0 +1,34 @@
+"""Megatron-Core's router flags beyond the dropless top-k: the score function, the top-k scaling factor,
+the sequence-level aux loss and the expert capacity (router.py, token_dropping.py; docs/moe.md).
+Declared here and checked by arguments.py's MoE validation; their model fields keep the flags' names."""
+from __future__ import annotations
+
+
+def add_core_router_flags(g) -> None:
+    g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default="softmax",
+                   help="the router's score: softmax, or sigmoid (top-k of sigmoid(logits), normalised to sum 1)")
+    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
+                   help="the router weights of the chosen experts times this factor")
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                   help="an expert keeps at most ceil(tokens x topk / experts x factor) of a micro-batch's routed "
+                        "tokens on each rank, the rest are dropped (default: dropless; negative: dropless)")
+    g.add_argument("--moe-token-drop-policy", choices=["probs", "position"], default="probs",
+                   help="past capacity drop the lowest router weights (probs) or the latest tokens (position)")
+    g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
+                   help="Megatron-Core pads each expert's input to its capacity with zero-weight rows; the results "
+                        "are the same, so here the experts run on their kept rows only")
+
+
+def check_core_router_flags(args, require) -> None:
+    """One sentence per refusal (`require(cond, sentence)`), as Megatron-Core's TransformerConfig asserts."""
+    if args.moe_expert_capacity_factor is not None and args.moe_expert_capacity_factor < 0:
+        args.moe_expert_capacity_factor = None  # Megatron-Core: a negative factor means dropless
+    capacity = args.moe_expert_capacity_factor
+    require(not args.moe_pad_expert_input_to_capacity or capacity is not None,
+            "--moe-pad-expert-input-to-capacity pads to the capacity --moe-expert-capacity-factor sets; give it too")
+    require(capacity is None or args.moe_capacity_factor is None,
+            "--moe-expert-capacity-factor (Megatron-Core's capacity) and DeepSpeed-MoE's capacity gating flags "
+            "(--moe-train-capacity-factor, --topk, ...) configure two different routers; give one family")
+    require(args.moe_router_load_balancing_type != "seq_aux_loss" or args.context_parallel_size == 1,
+            "--moe-router-load-balancing-type seq_aux_loss with --context-parallel-size "
+            f"{args.context_parallel_size} is not implemented (it needs each sequence's routing over the CP group)")
