@@ -61,6 +61,8 @@ class GPTConfig:
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: Optional[float] = None
     moe_grouped_gemm: bool = False                   # the local experts as one grouped GEMM (moe/grouped_mlp.py)
+    moe_shared_expert_intermediate_size: Optional[int] = None  # a shared expert of this width (moe/shared_expert.py)
+    moe_shared_expert_gate: bool = False             # its output scaled by sigmoid(x g^T), g [1, h] (Qwen2-MoE)
     # DeepSpeed-MoE's capacity gating (moe/capacity_gating.py) where moe_capacity_factor is set; the aux
     # loss coefficient is then moe_aux_loss_coeff (Megatron-DeepSpeed's --moe-loss-coeff), k moe_router_topk
     moe_capacity_factor: Optional[float] = None      # training; None: Megatron-Core's dropless router
@@ -133,6 +135,11 @@ class GPTConfig:
                 self.moe_eval_capacity_factor = self.moe_capacity_factor
             if min(self.moe_capacity_factor, self.moe_eval_capacity_factor) <= 0 or self.moe_min_capacity < 0:
                 raise ValueError("moe capacity factors must be positive and moe_min_capacity not negative")
+        shared = self.moe_shared_expert_intermediate_size
+        if shared is not None and shared < 1:
+            raise ValueError(f"moe_shared_expert_intermediate_size {shared} must be positive")
+        if self.moe_shared_expert_gate and shared is None:
+            raise ValueError("moe_shared_expert_gate gates the shared expert; set moe_shared_expert_intermediate_size")
         if self.moe_router_load_balancing_type not in MOE_LOAD_BALANCING_TYPES:
             raise ValueError(f"moe_router_load_balancing_type {self.moe_router_load_balancing_type!r} is not one "
                              f"of {MOE_LOAD_BALANCING_TYPES}")
@@ -141,6 +148,10 @@ class GPTConfig:
         """Whether transformer block `block` (0-based) has an MoE layer in place of its MLP (Megatron-Core's
         --moe-layer-freq N: blocks 0, N, 2N, ...; Megatron-DeepSpeed's --expert-interval N: N-1, 2N-1, ...)."""
         return self.num_experts is not None and block % self.moe_layer_freq == self.moe_layer_offset
+
+    def shared_expert_mlp_in_size(self) -> int:
+        """Rows of the shared expert's dense_h_to_4h: [gate; up] with SwiGLU."""
+        return (2 if self.swiglu else 1) * self.moe_shared_expert_intermediate_size
 
     def moe_mlp_in_size(self) -> int:
         """Rows of an expert's dense_h_to_4h: [gate; up] with SwiGLU, else moe_ffn_hidden_size."""
@@ -182,6 +193,8 @@ class GPTConfig:
         sizes = [("num_attention_heads", self.num_attention_heads), ("ffn_hidden_size", self.ffn_hidden_size)]
         if self.num_experts is not None:
             sizes.append(("moe_ffn_hidden_size", self.moe_ffn_hidden_size))
+            if self.moe_shared_expert_intermediate_size is not None:
+                sizes.append(("moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size))
         for what, n in sizes:
             if n % tp != 0:
                 raise ValueError(f"{what} {n} is not divisible by the tensor-parallel size {tp}")
@@ -202,4 +215,5 @@ class GPTConfig:
 MOE_FIELDS = ("num_experts", "moe_layer_freq", "moe_layer_offset", "moe_ffn_hidden_size", "moe_router_topk",
               "moe_router_pre_softmax", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
               "moe_grouped_gemm", "moe_capacity_factor", "moe_eval_capacity_factor", "moe_min_capacity",
-              "moe_drop_tokens", "moe_top2_2nd_expert_sampling")
+              "moe_drop_tokens", "moe_top2_2nd_expert_sampling", "moe_shared_expert_intermediate_size",
+              "moe_shared_expert_gate")
