@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-query-groups", "--num-key-value-heads", dest="num_query_groups", type=int, default=None)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="a bias on the QKV projection also with --disable-bias-linear (Qwen2)")
 
     g = p.add_argument_group("mixture of experts (Megatron-Core's flags; docs/moe.md)")
     g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (none: a dense model)")

@@ -30,11 +30,11 @@ def _mlp(x, w1, w2, swiglu):
 
 
 @pytest.mark.parametrize("llama,gated", [(False, False), (True, True)])
+@torch.no_grad()
 def test_shared_expert_layer_matches_dense_evaluation(llama, gated):
     cfg = moe_config(llama, add_bias_linear=False, moe_shared_expert_gate=gated, **SHARED)
     layer = reference_model(cfg)._modules["2"].mlp
     x = torch.randn(2, 8, cfg.hidden_size, generator=torch.Generator().manual_seed(5))
-    torch.set_grad_enabled(False)
     tokens = x.reshape(-1, cfg.hidden_size)
     moe = layer.deepspeed_moe
     logits = F.linear(tokens, moe.gate.wg.weight).float()
@@ -48,7 +48,6 @@ def test_shared_expert_layer_matches_dense_evaluation(llama, gated):
     if gated:
         shared = torch.sigmoid(F.linear(tokens, layer.shared_expert_gate.weight)) * shared
     out = layer(x).reshape(-1, cfg.hidden_size)
-    torch.set_grad_enabled(True)
     assert_close_scaled(out, routed + shared, model_rtol(4), "MoE layer with a shared expert")
 
 

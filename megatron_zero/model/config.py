@@ -50,6 +50,7 @@ class GPTConfig:
     num_query_groups: Optional[int] = None           # None -> num_attention_heads (no grouping)
     untie_embeddings_and_output_weights: bool = False
     add_bias_linear: bool = True
+    add_qkv_bias: bool = False                       # a bias on the QKV projection even without add_bias_linear
     # mixture of experts (Megatron-Core's names; megatron_zero/moe/): None -> every layer has a dense MLP
     num_experts: Optional[int] = None
     moe_layer_freq: int = 1                          # every N-th layer (offset, offset + N, ...) is an MoE layer

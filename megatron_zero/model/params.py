@@ -8,7 +8,8 @@ Names are Megatron-DeepSpeed's pipeline names (GPTModelPipe):
     (the output head reuses the word embedding)    {L+3}.lm_head.weight           (last stage, vocab-parallel)
 
 Block parameters are `{i}.<suffix>` with the suffixes of BLOCK_PARAMS; the config decides which
-exist (no `*.bias` of a linear layer with add_bias_linear=False, no norm bias with RMSNorm).
+exist (no `*.bias` of a linear layer with add_bias_linear=False, but the QKV bias with add_qkv_bias; no norm
+bias with RMSNorm).
 The final norm is `{L+2}.weight` (and `{L+2}.bias` for LayerNorm). With `apply_layernorm_1p` a norm weight
 holds w, zero-centred (initialised to 0), and the norm applies gamma = 1 + w (Megatron-Core's
 zero_centered_gamma); every tensor of our own formats holds w, an exporter converts where a format holds gamma.
@@ -131,7 +132,8 @@ def _dense_block_suffixes(config: GPTConfig) -> List[str]:
         if suffix in _NORM_BIASES and not config.has_norm_bias:
             continue
         if suffix.endswith(".bias") and suffix not in _NORM_BIASES and not config.add_bias_linear:
-            continue
+            if not (config.add_qkv_bias and suffix == "self_attention.query_key_value.bias"):
+                continue
         out.append(suffix)
     return out
 
