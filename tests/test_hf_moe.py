@@ -16,7 +16,8 @@ from megatron_zero.checkpoint.errors import CheckpointError
 from megatron_zero.checkpoint.export.hf import for_hf_config, mixtral, qwen2_moe
 from megatron_zero.checkpoint.export.hf.exporter import export_hf
 from megatron_zero.checkpoint.export.hf.importer import import_hf
-from megatron_zero.testing.hf_parity import VOCAB, hf_tensors, our_logits, tokens
+from megatron_zero.testing import run_ranks
+from megatron_zero.testing.hf_parity import SEQ, VOCAB, first_loss, hf_tensors, our_logits, tokens
 
 transformers = pytest.importorskip("transformers")
 
@@ -99,3 +100,21 @@ def test_unsupported_moe_configs_are_refused(tmp_path):
         qwen2_moe.config_from_hf({**qwen, "mlp_only_layers": [1]})
     with pytest.raises(CheckpointError, match="use_sliding_window"):
         qwen2_moe.config_from_hf({**qwen, "use_sliding_window": True})
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("variant,tp,ep", [("mixtral", 1, 2), pytest.param("qwen2-moe", 2, 2, marks=pytest.mark.slow)])
+def test_first_loss_at_expert_parallel_equals_hf_loss(tmp_path, variant, tp, ep):
+    """The import loaded at EP2 x DP2 (Qwen2-MoE also TP2; weights only, fresh optimizer): the first training
+    loss is HF's loss on the same batch (1e-5), so every rank holds its experts under their global ids."""
+    src = save_hf(tmp_path, variant)
+    ckpt = str(tmp_path / "ckpt")
+    import_hf(src, ckpt, tp=tp)
+    config = for_hf_config(hf_config(src)).config_from_hf(hf_config(src))
+    config.seq_length, config.hidden_dropout, config.attention_dropout = SEQ - 1, 0.0, 0.0
+    config.make_vocab_size_divisible_by = 16
+    losses = run_ranks(first_loss, 2 * tp, tp, 1, ckpt, config, ep, timeout=300)
+    toks = tokens(4)
+    with torch.no_grad():
+        want = hf_model(variant)(toks, labels=toks).loss.item()  # HF shifts the labels itself
+    assert all(abs(loss - want) <= 1e-5 * abs(want) for loss in losses), (losses, want)
