@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-query-groups", "--num-key-value-heads", dest="num_query_groups", type=int, default=None)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="a bias on the QKV projection also with --disable-bias-linear (Qwen2)")
 
     g = p.add_argument_group("mixture of experts (Megatron-Core's flags; docs/moe.md)")
     g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (none: a dense model)")
@@ -88,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "the same parameters and checkpoints)")
     g.add_argument("--moe-token-dispatcher-type", choices=["alltoall", "allgather"], default="alltoall",
                    help="alltoall: variable-size all-to-all over the expert-parallel group (the one implemented)")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                   help="a shared expert MLP of this width that every token goes through, added to the routed "
+                        "experts' output (tensor-parallel like the dense MLP, not expert-parallel)")
+    g.add_argument("--moe-shared-expert-gate", action="store_true",
+                   help="scale the shared expert's output by sigmoid(x g^T), g a [1, h] weight (Qwen2-MoE)")
+    g.add_argument("--moe-shared-expert-overlap", action="store_true",
+                   help="refused: the shared expert runs after the routed experts, not overlapped with dispatch")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="ranks the experts are spread over, carved out of the data-parallel ranks")
 
@@ -544,6 +553,7 @@ def _validate_moe(args, tp: int, dp: int):
         raise ArgumentError(str(err)) from None
     ep, experts = args.expert_model_parallel_size, args.num_experts
     _require(ep >= 1, f"--expert-model-parallel-size {ep} must be at least 1")
+    _validate_shared_expert(args, tp)
     if experts is None:
         _require(ep == 1, f"--expert-model-parallel-size {ep} needs MoE layers; give --num-experts")
         _require(args.moe_expert_capacity_factor is None, "--moe-expert-capacity-factor configures MoE layers; "
@@ -579,6 +589,20 @@ def _validate_moe(args, tp: int, dp: int):
                  f"or 2, not {args.zero_stage}")
         _require(args.offload == "none" and not args.zero_nvme_offload_path,
                  f"--expert-model-parallel-size {ep} runs without optimizer offload")
+
+
+def _validate_shared_expert(args, tp: int):
+    """--moe-shared-expert-intermediate-size and its gate (moe/shared_expert.py)."""
+    shared = args.moe_shared_expert_intermediate_size
+    _require(not args.moe_shared_expert_overlap, "--moe-shared-expert-overlap is not implemented: the shared expert "
+             "runs after the routed experts; drop the flag (the result is the same)")
+    _require(shared is None or args.num_experts is not None,
+             f"--moe-shared-expert-intermediate-size {shared} belongs to MoE layers; give --num-experts")
+    _require(not args.moe_shared_expert_gate or shared is not None,
+             "--moe-shared-expert-gate gates the shared expert; give --moe-shared-expert-intermediate-size")
+    _require(shared is None or (shared >= 1 and shared % tp == 0),
+             f"--moe-shared-expert-intermediate-size {shared} is not a positive multiple of "
+             f"--tensor-model-parallel-size {tp}")
 
 
 def _check_overlap(args):

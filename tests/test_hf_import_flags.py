@@ -28,6 +28,13 @@ MODELS = {
     "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(
         vocab_size=96, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=1, max_position_embeddings=32, sliding_window=16, attention_dropout=0.05)),
+    "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": lambda: transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=48, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, num_experts=4,
+        num_experts_per_tok=2, shared_expert_intermediate_size=40)),
     "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=32, resid_pdrop=0.2, embd_pdrop=0.2,
         attn_pdrop=0.0, layer_norm_epsilon=1e-6)),
@@ -57,5 +64,5 @@ def test_printed_flags_build_the_hf_model(tmp_path, kind, capsys):
               if f.name not in NOT_FROM_HF and parsed.get(f.name) != getattr(want, f.name)}
     assert differ == {}, f"flag value vs HF config: {differ}"
     assert set(ARCHITECTURE_FIELDS) <= {f.name for f in fields(GPTConfig)}
-    dropout = {"llama": (0.0, 0.0), "mistral": (0.0, 0.05), "gpt2": (0.2, 0.0)}[kind]
+    dropout = {"llama": (0.0, 0.0), "mistral": (0.0, 0.05), "gpt2": (0.2, 0.0)}.get(kind, (0.0, 0.0))
     assert (args.hidden_dropout, args.attention_dropout) == dropout

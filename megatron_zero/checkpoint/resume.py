@@ -127,7 +127,7 @@ def resume_checkpoint(path: str, state, model, optimizer, load_optimizer: bool =
     this_layout = f"{state.layout}, ZeRO-{optimizer.stage}"
     opened = point.checkpoint
     moe = getattr(model.config, "num_experts", None) is not None
-    if point.universal and moe:
+    if point.universal and moe and not read_head(opened, verify).get("weights_only"):  # an import: weights by name
         raise CheckpointError("--universal-checkpoint with MoE layers (--num-experts) is not implemented; resume the "
                               "plain checkpoint at the TP, PP, DP, EP and ZeRO stage it was saved at")
     if point.universal:

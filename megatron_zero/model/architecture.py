@@ -26,6 +26,9 @@ recorded args (the resume check, the saved-config readers) and the run's own fla
     the other switches        swiglu, untie_embeddings_and_output_weights,  their GPT-2 values (SWITCHES)
                               add_bias_linear, apply_residual_connection_
                               post_layernorm
+    add_qkv_bias              add_qkv_bias (Megatron-LM's)                  False
+    shared expert             moe_shared_expert_intermediate_size,          none (no shared expert)
+                              moe_shared_expert_gate (Megatron-Core's)
 
 `fill_sizes=False` leaves the three sizes None when unrecorded (a reader that can take them from
 tensor shapes prefers those); the switches always get a value.
@@ -40,7 +43,8 @@ from .config import NORMALIZATIONS, default_ffn_hidden_size
 SWITCHES = {"swiglu": False, "normalization": "LayerNorm", "untie_embeddings_and_output_weights": False,
             "add_bias_linear": True, "apply_residual_connection_post_layernorm": False,
             "position_embedding_type": "learned_absolute", "add_position_embedding": True,
-            "apply_layernorm_1p": False}
+            "apply_layernorm_1p": False, "moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False,
+            "add_qkv_bias": False}
 # sizes and numbers of the model (compared where both sides have one)
 SIZES = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
          "make_vocab_size_divisible_by", "layernorm_epsilon", "num_query_groups", "rotary_base", "rotary_percent")
@@ -106,7 +110,7 @@ def moe_settings(args) -> dict:
 
 ARCHITECTURE_FIELDS = ("normalization", "apply_layernorm_1p", "position_embedding_type", "rotary_base",
                        "rotary_percent", "swiglu", "num_query_groups", "untie_embeddings_and_output_weights",
-                       "add_bias_linear")
+                       "add_bias_linear", "add_qkv_bias")
 
 
 def architecture_kwargs(args: dict) -> dict:

@@ -50,6 +50,7 @@ class GPTConfig:
     num_query_groups: Optional[int] = None           # None -> num_attention_heads (no grouping)
     untie_embeddings_and_output_weights: bool = False
     add_bias_linear: bool = True
+    add_qkv_bias: bool = False                       # a bias on the QKV projection even without add_bias_linear
     # mixture of experts (Megatron-Core's names; megatron_zero/moe/): None -> every layer has a dense MLP
     num_experts: Optional[int] = None
     moe_layer_freq: int = 1                          # every N-th layer (offset, offset + N, ...) is an MoE layer
@@ -67,6 +68,8 @@ class GPTConfig:
     moe_expert_capacity_factor: Optional[float] = None
     moe_token_drop_policy: str = "probs"              # or "position"
     moe_pad_expert_input_to_capacity: bool = False   # Megatron pads with zero-weight rows: the same results
+    moe_shared_expert_intermediate_size: Optional[int] = None  # a shared expert of this width (moe/shared_expert.py)
+    moe_shared_expert_gate: bool = False             # its output scaled by sigmoid(x g^T), g [1, h] (Qwen2-MoE)
     # DeepSpeed-MoE's capacity gating (moe/capacity_gating.py) where moe_capacity_factor is set; the aux
     # loss coefficient is then moe_aux_loss_coeff (Megatron-DeepSpeed's --moe-loss-coeff), k moe_router_topk
     moe_capacity_factor: Optional[float] = None      # training; None: Megatron-Core's dropless router
@@ -150,6 +153,11 @@ class GPTConfig:
                                  f"and moe_token_drop_policy {self.moe_token_drop_policy!r} be probs or position")
         elif self.moe_pad_expert_input_to_capacity:
             raise ValueError("moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor")
+        shared = self.moe_shared_expert_intermediate_size
+        if shared is not None and shared < 1:
+            raise ValueError(f"moe_shared_expert_intermediate_size {shared} must be positive")
+        if self.moe_shared_expert_gate and shared is None:
+            raise ValueError("moe_shared_expert_gate gates the shared expert; set moe_shared_expert_intermediate_size")
         if self.moe_router_load_balancing_type not in MOE_LOAD_BALANCING_TYPES:
             raise ValueError(f"moe_router_load_balancing_type {self.moe_router_load_balancing_type!r} is not one "
                              f"of {MOE_LOAD_BALANCING_TYPES}")
@@ -158,6 +166,10 @@ class GPTConfig:
         """Whether transformer block `block` (0-based) has an MoE layer in place of its MLP (Megatron-Core's
         --moe-layer-freq N: blocks 0, N, 2N, ...; Megatron-DeepSpeed's --expert-interval N: N-1, 2N-1, ...)."""
         return self.num_experts is not None and block % self.moe_layer_freq == self.moe_layer_offset
+
+    def shared_expert_mlp_in_size(self) -> int:
+        """Rows of the shared expert's dense_h_to_4h: [gate; up] with SwiGLU."""
+        return (2 if self.swiglu else 1) * self.moe_shared_expert_intermediate_size
 
     def moe_mlp_in_size(self) -> int:
         """Rows of an expert's dense_h_to_4h: [gate; up] with SwiGLU, else moe_ffn_hidden_size."""
@@ -199,6 +211,8 @@ class GPTConfig:
         sizes = [("num_attention_heads", self.num_attention_heads), ("ffn_hidden_size", self.ffn_hidden_size)]
         if self.num_experts is not None:
             sizes.append(("moe_ffn_hidden_size", self.moe_ffn_hidden_size))
+            if self.moe_shared_expert_intermediate_size is not None:
+                sizes.append(("moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size))
         for what, n in sizes:
             if n % tp != 0:
                 raise ValueError(f"{what} {n} is not divisible by the tensor-parallel size {tp}")
@@ -221,4 +235,4 @@ MOE_FIELDS = ("num_experts", "moe_layer_freq", "moe_layer_offset", "moe_ffn_hidd
               "moe_grouped_gemm", "moe_capacity_factor", "moe_eval_capacity_factor", "moe_min_capacity",
               "moe_drop_tokens", "moe_top2_2nd_expert_sampling", "moe_router_score_function",
               "moe_router_topk_scaling_factor", "moe_expert_capacity_factor", "moe_token_drop_policy",
-              "moe_pad_expert_input_to_capacity")
+              "moe_pad_expert_input_to_capacity", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")

@@ -8,14 +8,17 @@ Names are Megatron-DeepSpeed's pipeline names (GPTModelPipe):
     (the output head reuses the word embedding)    {L+3}.lm_head.weight           (last stage, vocab-parallel)
 
 Block parameters are `{i}.<suffix>` with the suffixes of BLOCK_PARAMS; the config decides which
-exist (no `*.bias` of a linear layer with add_bias_linear=False, no norm bias with RMSNorm).
+exist (no `*.bias` of a linear layer with add_bias_linear=False, but the QKV bias with add_qkv_bias; no norm
+bias with RMSNorm).
 The final norm is `{L+2}.weight` (and `{L+2}.bias` for LayerNorm). With `apply_layernorm_1p` a norm weight
 holds w, zero-centred (initialised to 0), and the norm applies gamma = 1 + w (Megatron-Core's
 zero_centered_gamma); every tensor of our own formats holds w, an exporter converts where a format holds gamma.
 An MoE block (config.is_moe_layer) has, in place of `mlp.*`, DeepSpeed-MoE's names with global expert ids
 (the same whatever the expert-parallel layout): `mlp.deepspeed_moe.gate.wg.weight` [E, h] (the router,
 replicated) and per expert e `mlp.deepspeed_moe.experts.deepspeed_experts.{e}.dense_h_to_4h.*` /
-`.dense_4h_to_h.*`, split across TP as the dense MLP's, of width moe_ffn_hidden_size.
+`.dense_4h_to_h.*`, split across TP as the dense MLP's, of width moe_ffn_hidden_size; with a shared expert
+(moe/shared_expert.py) also `mlp.shared_expert.dense_h_to_4h.*` / `.dense_4h_to_h.*` (the dense MLP's split,
+width moe_shared_expert_intermediate_size) and with its gate `mlp.shared_expert_gate.weight` [1, h] (replicated).
 
 The full shape of a vocabulary tensor is the *unpadded* one, [config.vocab_size, h]; padding
 to `config.padded_vocab_size(tp)` happens when a full tensor is sharded. Two full layouts
@@ -60,6 +63,8 @@ _NORM_BIASES = ("input_layernorm.bias", "post_attention_layernorm.bias")
 _NORM_WEIGHTS = ("input_layernorm.weight", "post_attention_layernorm.weight")
 MOE_ROUTER_SUFFIX = "mlp.deepspeed_moe.gate.wg.weight"
 MOE_EXPERT_PREFIX = "mlp.deepspeed_moe.experts.deepspeed_experts."
+SHARED_EXPERT_PREFIX = "mlp.shared_expert."
+SHARED_EXPERT_GATE_SUFFIX = "mlp.shared_expert_gate.weight"
 
 
 def expert_suffix(expert: int, mlp_suffix: str) -> str:
@@ -114,6 +119,10 @@ def block_suffixes(config: GPTConfig, layer_index: Optional[int] = None) -> List
         mlp = [s for s in _dense_block_suffixes(config) if s.startswith("mlp.")]
         out.append(MOE_ROUTER_SUFFIX)
         out += [expert_suffix(e, s) for e in range(config.num_experts) for s in mlp]
+        if config.moe_shared_expert_intermediate_size:
+            out += [SHARED_EXPERT_PREFIX + s[len("mlp."):] for s in mlp]
+            if config.moe_shared_expert_gate:
+                out.append(SHARED_EXPERT_GATE_SUFFIX)
     return out
 
 
@@ -123,13 +132,18 @@ def _dense_block_suffixes(config: GPTConfig) -> List[str]:
         if suffix in _NORM_BIASES and not config.has_norm_bias:
             continue
         if suffix.endswith(".bias") and suffix not in _NORM_BIASES and not config.add_bias_linear:
-            continue
+            if not (config.add_qkv_bias and suffix == "self_attention.query_key_value.bias"):
+                continue
         out.append(suffix)
     return out
 
 
-def _block_shape(suffix: str, c: GPTConfig, expert: bool = False) -> Tuple[int, ...]:
+def _block_shape(suffix: str, c: GPTConfig, expert: bool = False, shared: bool = False) -> Tuple[int, ...]:
     h = c.hidden_size
+    if shared:
+        return {"mlp.dense_h_to_4h.weight": (c.shared_expert_mlp_in_size(), h),
+                "mlp.dense_h_to_4h.bias": (c.shared_expert_mlp_in_size(),),
+                "mlp.dense_4h_to_h.weight": (h, c.moe_shared_expert_intermediate_size)}.get(suffix, (h,))
     if expert:
         return {"mlp.dense_h_to_4h.weight": (c.moe_mlp_in_size(), h), "mlp.dense_h_to_4h.bias": (c.moe_mlp_in_size(),),
                 "mlp.dense_4h_to_h.weight": (h, c.moe_ffn_hidden_size)}.get(suffix, (h,))
@@ -178,8 +192,14 @@ def param_spec(name: str, config: GPTConfig) -> ParamSpec:
     if index.isdigit():
         i = int(index)
         if is_block_index(i, config.num_layers) and suffix in block_suffixes(config, i):
-            if suffix == MOE_ROUTER_SUFFIX:
-                return ParamSpec(name, (config.num_experts, h), None, "normal")
+            if suffix in (MOE_ROUTER_SUFFIX, SHARED_EXPERT_GATE_SUFFIX):
+                rows = config.num_experts if suffix == MOE_ROUTER_SUFFIX else 1
+                return ParamSpec(name, (rows, h), None, "normal")
+            if suffix.startswith(SHARED_EXPERT_PREFIX):
+                mlp = "mlp." + suffix[len(SHARED_EXPERT_PREFIX):]
+                dim, init = BLOCK_PARAMS[mlp]
+                sub_params = 2 if config.swiglu and mlp in SWIGLU_SUFFIXES else 1
+                return ParamSpec(name, _block_shape(mlp, config, shared=True), dim, init, sub_params=sub_params)
             expert = parse_expert_suffix(suffix)
             if expert is not None:
                 mlp = expert[1]

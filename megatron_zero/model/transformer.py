@@ -236,7 +236,7 @@ class ParallelAttention(nn.Module):
         self.dropout_p, self.backend = config.attention_dropout, config.attention_backend
         self.recompute_core = config.recompute_granularity == "selective"
         bias, sp = config.add_bias_linear, sequence_parallel_active(config, tp_group)
-        self.query_key_value = ColumnParallelLinear(h, config.qkv_size, tp_group, bias=bias,
+        self.query_key_value = ColumnParallelLinear(h, config.qkv_size, tp_group, bias=bias or config.add_qkv_bias,
                                                     params_dtype=config.params_dtype, sequence_parallel=sp)
         self.dense = RowParallelLinear(h, h, tp_group, bias=bias, input_is_parallel=True,
                                        params_dtype=config.params_dtype, sequence_parallel=sp)

@@ -19,10 +19,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .dispatch import ExpertParallelExchange, permute, unpermute
 from .capacity_gating import capacity_route
+from .dispatch import ExpertParallelExchange, permute, unpermute
 from .grouped_mlp import GroupedMLP
 from .router import route
+from .shared_expert import add_shared_expert, build_shared_expert
 from .token_dropping import kept_pairs
 
 
@@ -104,11 +105,13 @@ class DeepSpeedMoE(nn.Module):
 
 
 class MoELayer(nn.Module):
-    """A block's `mlp` when the block is an MoE layer (parameter names: `mlp.deepspeed_moe.*`)."""
+    """A block's `mlp` when the block is an MoE layer (parameter names: `mlp.deepspeed_moe.*`, and with a
+    shared expert `mlp.shared_expert.*`, `mlp.shared_expert_gate.weight`: shared_expert.py)."""
 
     def __init__(self, config, tp_group=None, ep_group=None, mlp_class=None):
         super().__init__()
         self.deepspeed_moe = DeepSpeedMoE(config, tp_group, ep_group, mlp_class)
+        self.shared_expert, self.shared_expert_gate = build_shared_expert(config, tp_group, mlp_class)
 
     def forward(self, x):
-        return self.deepspeed_moe(x)
+        return add_shared_expert(self.deepspeed_moe(x), x, self.shared_expert, self.shared_expert_gate)

@@ -156,13 +156,20 @@ def imported_flags(checkpoint: str) -> List[str]:
 
 
 def save_tiny_hf(path: str, kind: str = "llama", seed: int = 0, **overrides) -> str:
-    """A random LlamaForCausalLM / MistralForCausalLM of TINY's sizes and ByteTokenizer's 257 ids, built from a
-    transformers config (nothing downloaded) and saved to `path` with save_pretrained."""
+    """A random LlamaForCausalLM / MistralForCausalLM (or MoE: MixtralForCausalLM, Qwen2MoeForCausalLM with 4
+    experts, top-2) of TINY's sizes and ByteTokenizer's 257 ids, built from a transformers config (nothing
+    downloaded) and saved to `path` with save_pretrained."""
     import torch
     import transformers
 
     config_class, model_class = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-                                 "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[kind]
+                                 "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+                                 "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+                                 "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM)}[kind]
+    moe = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
+           "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                             shared_expert_intermediate_size=48)}.get(kind, {})
+    overrides = {**moe, **overrides}
     fields = dict(vocab_size=257, hidden_size=TINY["hidden-size"], intermediate_size=64,
                   num_hidden_layers=TINY["num-layers"], num_attention_heads=TINY["num-attention-heads"],
                   num_key_value_heads=2, max_position_embeddings=TINY["seq-length"], rms_norm_eps=1e-6,

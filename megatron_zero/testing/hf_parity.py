@@ -44,12 +44,14 @@ def hf_tensors(path):
     return out
 
 
-def first_loss(tp, pp, ckpt, config):
-    """Load the import at this layout (weights only), run one training step; return the loss before it."""
-    state = build_parallel_state(tp=tp, pp=pp)
+def first_loss(tp, pp, ckpt, config, ep=1):
+    """Load the import at this layout (weights only; `ep`: expert-parallel, carved out of DP), run one training
+    step; return the loss before it (every DP rank feeds the same micro-batches)."""
+    state = build_parallel_state(tp=tp, pp=pp, ep=ep)
     model = build_gpt_stage(config, state)
     opt = ZeroOptimizer(param_groups(model, 0.0), dp_group=state.dp_group, stage=1, lr=1e-3,
-                        mp_group=state.mp_group, tp_rank=state.tp_rank, module=model)
+                        mp_group=state.mp_group, tp_rank=state.tp_rank, module=model,
+                        expert_dp_group=state.expert_dp_group)
     client = load_universal_checkpoint(ckpt, state, model, opt)
     assert client["iteration"] == 0 and client["weights_only"]
     toks = tokens(4)

@@ -49,7 +49,7 @@ def flags(config: GPTConfig) -> List[str]:
 
 # config fields that other architectures switch (absent from GPTConfig before they exist), at GPT-2's values
 GPT2_SWITCHES = {"normalization": "LayerNorm", "position_embedding_type": "learned_absolute", "swiglu": False,
-                 "untie_embeddings_and_output_weights": False, "add_bias_linear": True}
+                 "untie_embeddings_and_output_weights": False, "add_bias_linear": True, "num_experts": None}
 
 
 def matches(config: GPTConfig) -> bool:

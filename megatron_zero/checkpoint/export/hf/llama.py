@@ -76,7 +76,7 @@ def flags(config: GPTConfig) -> List[str]:
 
 def matches(config: GPTConfig) -> bool:
     return (config.normalization == "RMSNorm" and config.position_embedding_type == "rope" and config.swiglu
-            and config.rotary_percent == 1.0)
+            and config.rotary_percent == 1.0 and config.num_experts is None and not config.add_qkv_bias)
 
 
 def hf_config(config: GPTConfig) -> dict:
@@ -116,19 +116,31 @@ def _gate_up(name: str, hf_names) -> TensorMapping:
     return TensorMapping(name, tuple(hf_names), lambda ts: torch.cat(ts), lambda t: list(t.chunk(2)))
 
 
-def tensor_mappings(config: GPTConfig) -> List[TensorMapping]:
+def mlp_mappings(ours: str, hf: str, kinds, names=("gate_proj", "up_proj", "down_proj")) -> List[TensorMapping]:
+    """A SwiGLU MLP: ours `{ours}dense_h_to_4h.*` = [gate; up], `{ours}dense_4h_to_h.*` = down, under `hf`."""
+    gate, up, down = names
+    return ([_gate_up(f"{ours}dense_h_to_4h.{k}", [f"{hf}{gate}.{k}", f"{hf}{up}.{k}"]) for k in kinds]
+            + [same(f"{ours}dense_4h_to_h.{k}", f"{hf}{down}.{k}") for k in kinds])
+
+
+def dense_block_mlp(config: GPTConfig, block: int, ours: str, hf: str) -> List[TensorMapping]:
+    """Block `block`'s MLP (ours: `{i}.`, HF: `model.layers.{b}.`)."""
+    return mlp_mappings(ours + "mlp.", hf + "mlp.", ("weight", "bias") if config.add_bias_linear else ("weight",))
+
+
+def tensor_mappings(config: GPTConfig, block_mlp=dense_block_mlp) -> List[TensorMapping]:
+    """`block_mlp(config, block, our prefix, HF prefix)`: a block's MLP mappings (an MoE architecture's own)."""
     out = [same(word_embeddings_name(config), "model.embed_tokens.weight")]
     kinds = ("weight", "bias") if config.add_bias_linear else ("weight",)
+    qkv_kinds = ("weight", "bias") if config.add_bias_linear or config.add_qkv_bias else ("weight",)
     for b in range(config.num_layers):
         i, h = f"{block_layer_index(b)}.", f"model.layers.{b}."
         out.append(same(i + "input_layernorm.weight", h + "input_layernorm.weight"))
         out += [_qkv(i + f"self_attention.query_key_value.{k}", [h + f"self_attn.{p}_proj.{k}" for p in "qkv"],
-                     config) for k in kinds]
+                     config) for k in qkv_kinds]
         out += [same(i + f"self_attention.dense.{k}", h + f"self_attn.o_proj.{k}") for k in kinds]
         out.append(same(i + "post_attention_layernorm.weight", h + "post_attention_layernorm.weight"))
-        out += [_gate_up(i + f"mlp.dense_h_to_4h.{k}", [h + f"mlp.gate_proj.{k}", h + f"mlp.up_proj.{k}"])
-                for k in kinds]
-        out += [same(i + f"mlp.dense_4h_to_h.{k}", h + f"mlp.down_proj.{k}") for k in kinds]
+        out += block_mlp(config, b, i, h)
     out.append(same(f"{final_norm_index(config.num_layers)}.weight", "model.norm.weight"))
     if config.untie_embeddings_and_output_weights:
         out.append(same(lm_head_name(config), "lm_head.weight"))
