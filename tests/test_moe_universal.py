@@ -1,0 +1,92 @@
+"""Reshaping MoE checkpoints: a run saved at EP2 x DP4 (expert-DP 2) ZeRO-1, converted with
+ds_to_universal (or loaded directly, reshaped), resumed at another EP, DP, TP, PP and ZeRO stage.
+
+The universal files hold every expert under its global id, bit-identical to the fp32 masters and Adam
+moments the saving ranks' optimizers owned (each expert's fragments gathered from its expert-DP group).
+Each resume's losses match the single-process reference's, which never stopped, to model_rtol of one
+step's path (megatron_zero/testing/tolerances.py), as tests/test_moe_parity.py holds the uninterrupted
+runs to."""
+import os
+
+import pytest
+import torch
+
+from megatron_zero.checkpoint.reshape.universal_convert import convert_to_universal
+from megatron_zero.checkpoint.storage.tensor_io import load_file
+from megatron_zero.testing import run_ranks
+from megatron_zero.testing.moe_reshape import SAVE_AT, moe_run
+from megatron_zero.testing.moe_train import GBS, STEPS, moe_config, reference_run
+from megatron_zero.testing.tolerances import assert_losses_close, gpt_path_length, model_rtol
+
+pytestmark = pytest.mark.multirank
+
+SAVED = dict(tp=1, pp=1, dp=4, ep=2, stage=1, mb=2)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("moe_universal"))
+    cfg = moe_config(False)
+    results = run_ranks(moe_run, 4, cfg, SAVED["tp"], SAVED["pp"], SAVED["ep"], SAVED["stage"], SAVED["mb"], root,
+                        steps=SAVE_AT, timeout=600)
+    src = os.path.join(root, f"global_step{SAVE_AT}")
+    out = src + "_universal"
+    summary = convert_to_universal(src, out, merge_workers=1, progress=False)
+    assert summary["mismatched"] == []
+    ref_losses, _ = reference_run(cfg, SAVED["dp"], SAVED["mb"])
+    for losses, _, _ in results:  # the run that saved is itself the reference's, to its step
+        assert_losses_close([losses[s] for s in range(SAVE_AT)], ref_losses[:SAVE_AT], _rtol(cfg), "saved run loss")
+    return {"cfg": cfg, "results": results, "src": src, "universal": out, "reference": ref_losses}
+
+
+def _rtol(cfg):
+    return model_rtol(gpt_path_length(cfg, GBS * cfg.seq_length))
+
+
+def test_moe_universal_files_hold_what_the_ranks_held(saved):
+    """Every expert of every MoE layer, and every dense parameter, under its global name: fp32 master and
+    both moments equal, bit for bit, to the fragments the saving ranks owned (TP1: TP form is full form)."""
+    owned = {}
+    for _, frags, _ in saved["results"]:
+        for name, pieces in frags.items():
+            owned.setdefault(name, []).extend(pieces)
+    cfg = saved["cfg"]
+    experts = {n for n in owned if ".deepspeed_experts." in n}
+    assert len(experts) == cfg.num_layers * cfg.num_experts * 4  # GeLU experts: two weights, two biases
+    zero = os.path.join(saved["universal"], "zero")
+    assert set(os.listdir(zero)) - {"optimizer_state.pt"} == set(owned)
+    for name, pieces in owned.items():
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            full = load_file(os.path.join(zero, name, f"{key}.pt"))["param"].reshape(-1)
+            total = sum(f[key].numel() for _, f in pieces)
+            assert total >= full.numel(), (name, key, total)  # the vocabulary's padded rows are cut
+            flat = torch.full((total,), float("nan"))
+            for start, f in pieces:
+                flat.narrow(0, start, f[key].numel()).copy_(f[key])
+            assert torch.equal(full, flat[:full.numel()]), (name, key)
+        assert int(load_file(os.path.join(zero, name, "step.pt"))) == SAVE_AT
+
+
+TARGETS = {  # name: (tp, pp, dp, ep, zero stage, micro-batch, universal or reshaped)
+    "ep1_dp2_zero2": (1, 1, 2, 1, 2, 2, "universal"),
+    "ep4_dp4_zero1": (1, 1, 4, 4, 1, 2, "universal"),
+    "ep2_tp2_dp2_zero1": (2, 1, 2, 2, 1, 2, "universal"),
+    "ep2_pp2_dp2_zero2": (1, 2, 2, 2, 2, 1, "universal"),
+    "ep1_dp1_zero1_ga8": (1, 1, 1, 1, 1, 1, "universal"),
+    "reshaped_ep1_tp2_zero1": (2, 1, 1, 1, 1, 2, "reshaped"),
+    "reshaped_ep4_dp4_zero2": (1, 1, 4, 4, 2, 2, "reshaped"),
+}
+DEFAULT_TIER = {"ep1_dp2_zero2"}
+
+
+@pytest.mark.parametrize("name", [n if n in DEFAULT_TIER else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in TARGETS])
+def test_moe_resume_at_another_layout(saved, name):
+    tp, pp, dp, ep, stage, mb, kind = TARGETS[name]
+    load = saved["universal"] if kind == "universal" else saved["src"]
+    results = run_ranks(moe_run, tp * pp * dp, saved["cfg"], tp, pp, ep, stage, mb, None, load, kind,
+                        timeout=600)
+    want = saved["reference"][SAVE_AT:]
+    for losses, _, _ in results:
+        assert sorted(losses) == list(range(SAVE_AT, STEPS))
+        assert_losses_close([losses[s] for s in range(SAVE_AT, STEPS)], want, _rtol(saved["cfg"]), f"{name} loss")
