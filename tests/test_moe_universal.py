@@ -90,3 +90,15 @@ def test_moe_resume_at_another_layout(saved, name):
     for losses, _, _ in results:
         assert sorted(losses) == list(range(SAVE_AT, STEPS))
         assert_losses_close([losses[s] for s in range(SAVE_AT, STEPS)], want, _rtol(saved["cfg"]), f"{name} loss")
+
+
+def test_moe_zero_to_fp32_consolidates_every_expert(saved):
+    """tools/zero_to_fp32.py's consolidation of the plain MoE checkpoint: every expert, the universal
+    file's fp32 tensors exactly."""
+    from megatron_zero.checkpoint.export.consolidate import get_fp32_state_dict
+    sd = get_fp32_state_dict(saved["src"])
+    zero = os.path.join(saved["universal"], "zero")
+    assert set(sd) == set(os.listdir(zero)) - {"optimizer_state.pt"}
+    assert sum(".deepspeed_experts." in n for n in sd) == saved["cfg"].num_layers * saved["cfg"].num_experts * 4
+    for name, t in sd.items():
+        assert torch.equal(t, load_file(os.path.join(zero, name, "fp32.pt"))["param"]), name
