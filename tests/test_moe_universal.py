@@ -103,3 +103,14 @@ def test_moe_zero_to_fp32_consolidates_every_expert(saved):
     assert sum(".deepspeed_experts." in n for n in sd) == saved["cfg"].num_layers * saved["cfg"].num_experts * 4
     for name, t in sd.items():
         assert torch.equal(t, load_file(os.path.join(zero, name, "fp32.pt"))["param"]), name
+
+
+def test_moe_checkpoint_zero_to_fp32_script(saved):
+    """The zero_to_fp32.py a checkpoint carries (standalone, torch only): the same tensors."""
+    from megatron_zero.checkpoint.export.consolidate import get_fp32_state_dict
+    from megatron_zero.checkpoint.export.standalone_zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    want = get_fp32_state_dict(saved["src"])
+    got = get_fp32_state_dict_from_zero_checkpoint(saved["src"])
+    assert set(got) == set(want)
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name
