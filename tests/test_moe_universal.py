@@ -15,7 +15,8 @@ from megatron_zero.checkpoint.reshape.universal_convert import convert_to_univer
 from megatron_zero.checkpoint.storage.tensor_io import load_file
 from megatron_zero.testing import run_ranks
 from megatron_zero.testing.moe_reshape import SAVE_AT, moe_run, reference_resumed
-from megatron_zero.testing.moe_train import GBS, STEPS, moe_config, reference_run
+from megatron_zero.testing.moe_train import GBS, MOE, STEPS, moe_config, reference_run
+from megatron_zero.testing.tiny_gpt import tiny_gpt_config
 from megatron_zero.testing.tolerances import assert_losses_close, gpt_path_length, model_rtol
 
 pytestmark = pytest.mark.multirank
@@ -23,10 +24,7 @@ pytestmark = pytest.mark.multirank
 SAVED = dict(tp=1, pp=1, dp=4, ep=2, stage=1, mb=2)
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("moe_universal"))
-    cfg = moe_config(False)
+def _save_and_convert(root: str, cfg) -> dict:
     results = run_ranks(moe_run, 4, cfg, SAVED["tp"], SAVED["pp"], SAVED["ep"], SAVED["stage"], SAVED["mb"], root,
                         steps=SAVE_AT, timeout=600)
     src = os.path.join(root, f"global_step{SAVE_AT}")
@@ -39,13 +37,30 @@ def saved(tmp_path_factory):
     return {"cfg": cfg, "results": results, "src": src, "universal": out, "reference": ref_losses}
 
 
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """4 experts (2 per EP rank), 4 MoE layers: each EP rank's expert group halves over expert-DP between
+    experts."""
+    return _save_and_convert(str(tmp_path_factory.mktemp("moe_universal")), moe_config(False))
+
+
+@pytest.fixture(scope="module")
+def straddled(tmp_path_factory):
+    """2 experts (1 per EP rank), 3 MoE layers: each EP rank's expert group (3 experts' parameters) halves
+    over expert-DP inside the middle layer's expert, whose parameters two ZeRO files then share."""
+    cfg = tiny_gpt_config(num_layers=3, **{**MOE, "num_experts": 2})
+    return _save_and_convert(str(tmp_path_factory.mktemp("moe_straddled")), cfg)
+
+
 def _rtol(cfg):
     return model_rtol(gpt_path_length(cfg, GBS * cfg.seq_length))
 
 
-def test_moe_universal_files_hold_what_the_ranks_held(saved):
+@pytest.mark.parametrize("which", ["straddled", pytest.param("saved", marks=pytest.mark.slow)])
+def test_moe_universal_files_hold_what_the_ranks_held(request, which):
     """Every expert of every MoE layer, and every dense parameter, under its global name: fp32 master and
     both moments equal, bit for bit, to the fragments the saving ranks owned (TP1: TP form is full form)."""
+    saved = request.getfixturevalue(which)
     owned = {}
     for _, frags, _ in saved["results"]:
         for name, pieces in frags.items():
@@ -53,6 +68,8 @@ def test_moe_universal_files_hold_what_the_ranks_held(saved):
     cfg = saved["cfg"]
     experts = {n for n in owned if ".deepspeed_experts." in n}
     assert len(experts) == cfg.num_layers * cfg.num_experts * 4  # GeLU experts: two weights, two biases
+    if which == "straddled":  # the point of this checkpoint: an expert parameter in two ranks' ZeRO files
+        assert any(len(owned[n]) > 1 for n in experts)
     zero = os.path.join(saved["universal"], "zero")
     assert set(os.listdir(zero)) - {"optimizer_state.pt"} == set(owned)
     for name, pieces in owned.items():
@@ -76,12 +93,20 @@ TARGETS = {  # name: (tp, pp, dp, ep, zero stage, micro-batch, universal or resh
     "reshaped_ep1_tp2_zero1": (2, 1, 1, 1, 1, 2, "reshaped"),
     "reshaped_ep4_dp4_zero2": (1, 1, 4, 4, 2, 2, "reshaped"),
 }
-DEFAULT_TIER = {"ep1_dp2_zero2"}
 
 
-@pytest.mark.parametrize("name", [n if n in DEFAULT_TIER else pytest.param(n, marks=pytest.mark.slow)
-                                  for n in TARGETS])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(TARGETS))
 def test_moe_resume_at_another_layout(saved, name):
+    check_resume(saved, name)
+
+
+@pytest.mark.slow
+def test_moe_resume_straddled_at_expert_parallel_1(straddled):
+    check_resume(straddled, "ep1_dp2_zero2")
+
+
+def check_resume(saved, name):
     tp, pp, dp, ep, stage, mb, kind = TARGETS[name]
     load = saved["universal"] if kind == "universal" else saved["src"]
     results = run_ranks(moe_run, tp * pp * dp, saved["cfg"], tp, pp, ep, stage, mb, None, load, kind,
@@ -93,7 +118,8 @@ def test_moe_resume_at_another_layout(saved, name):
         assert_losses_close([losses[s] for s in range(SAVE_AT, STEPS)], want, _rtol(saved["cfg"]), f"{name} loss")
 
 
-def test_moe_zero_to_fp32_consolidates_every_expert(saved):
+def test_moe_zero_to_fp32_consolidates_every_expert(straddled):
+    saved = straddled
     """tools/zero_to_fp32.py's consolidation of the plain MoE checkpoint: every expert, the universal
     file's fp32 tensors exactly."""
     from megatron_zero.checkpoint.export.consolidate import get_fp32_state_dict
@@ -105,7 +131,8 @@ def test_moe_zero_to_fp32_consolidates_every_expert(saved):
         assert torch.equal(t, load_file(os.path.join(zero, name, "fp32.pt"))["param"]), name
 
 
-def test_moe_checkpoint_zero_to_fp32_script(saved):
+def test_moe_checkpoint_zero_to_fp32_script(straddled):
+    saved = straddled
     """The zero_to_fp32.py a checkpoint carries (standalone, torch only): the same tensors."""
     from megatron_zero.checkpoint.export.consolidate import get_fp32_state_dict
     from megatron_zero.checkpoint.export.standalone_zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
