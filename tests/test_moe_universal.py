@@ -90,6 +90,7 @@ TARGETS = {  # name: (tp, pp, dp, ep, zero stage, micro-batch, universal or resh
     "ep2_tp2_dp2_zero1": (2, 1, 2, 2, 1, 2, "universal"),
     "ep2_pp2_dp2_zero2": (1, 2, 2, 2, 2, 1, "universal"),
     "ep1_dp1_zero1_ga8": (1, 1, 1, 1, 1, 1, "universal"),
+    "ep1_dp2_zero3": (1, 1, 2, 1, 3, 2, "universal"),  # ZeRO-3 with EP > 1 is refused (training too)
     "reshaped_ep1_tp2_zero1": (2, 1, 1, 1, 1, 2, "reshaped"),
     "reshaped_ep4_dp4_zero2": (1, 1, 4, 4, 2, 2, "reshaped"),
 }
