@@ -24,17 +24,17 @@ pytestmark = pytest.mark.multirank
 SAVED = dict(tp=1, pp=1, dp=4, ep=2, stage=1, mb=2)
 
 
-def _save_and_convert(root: str, cfg) -> dict:
-    results = run_ranks(moe_run, 4, cfg, SAVED["tp"], SAVED["pp"], SAVED["ep"], SAVED["stage"], SAVED["mb"], root,
-                        steps=SAVE_AT, timeout=600)
+def _save_and_convert(root: str, cfg, layout: dict = SAVED) -> dict:
+    results = run_ranks(moe_run, layout["tp"] * layout["pp"] * layout["dp"], cfg, layout["tp"], layout["pp"],
+                        layout["ep"], layout["stage"], layout["mb"], root, steps=SAVE_AT, timeout=600)
     src = os.path.join(root, f"global_step{SAVE_AT}")
     out = src + "_universal"
     summary = convert_to_universal(src, out, merge_workers=1, progress=False)
     assert summary["mismatched"] == []
-    ref_losses, _ = reference_run(cfg, SAVED["dp"], SAVED["mb"])
+    ref_losses, _ = reference_run(cfg, layout["dp"], layout["mb"])
     for losses, _, _ in results:  # the run that saved is itself the reference's, to its step
         assert_losses_close([losses[s] for s in range(SAVE_AT)], ref_losses[:SAVE_AT], _rtol(cfg), "saved run loss")
-    return {"cfg": cfg, "results": results, "src": src, "universal": out, "reference": ref_losses}
+    return {"cfg": cfg, "results": results, "src": src, "universal": out, "reference": ref_losses, "layout": layout}
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +50,13 @@ def straddled(tmp_path_factory):
     over expert-DP inside the middle layer's expert, whose parameters two ZeRO files then share."""
     cfg = tiny_gpt_config(num_layers=3, **{**MOE, "num_experts": 2})
     return _save_and_convert(str(tmp_path_factory.mktemp("moe_straddled")), cfg)
+
+
+@pytest.fixture(scope="module")
+def tp2_llama(tmp_path_factory):
+    """Llama (SwiGLU experts: [gate; up] merged half by half over TP) saved at TP2 x DP2 x EP2 ZeRO-2."""
+    return _save_and_convert(str(tmp_path_factory.mktemp("moe_tp2_llama")), moe_config(True),
+                             dict(tp=2, pp=1, dp=2, ep=2, stage=2, mb=2))
 
 
 def _rtol(cfg):
@@ -107,13 +114,21 @@ def test_moe_resume_straddled_at_expert_parallel_1(straddled):
     check_resume(straddled, "ep1_dp2_zero2")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ep1_dp2_zero2", "reshaped_ep4_dp4_zero2"])
+def test_moe_tp2_llama_resume(tp2_llama, name):
+    """The experts' TP slices merged (universal) or re-split (reshaped) from a TP2 source."""
+    check_resume(tp2_llama, name)
+
+
 def check_resume(saved, name):
     tp, pp, dp, ep, stage, mb, kind = TARGETS[name]
     load = saved["universal"] if kind == "universal" else saved["src"]
     results = run_ranks(moe_run, tp * pp * dp, saved["cfg"], tp, pp, ep, stage, mb, None, load, kind,
                         timeout=600)
-    want = saved["reference"][SAVE_AT:] if (dp, mb) == (SAVED["dp"], SAVED["mb"]) else \
-        reference_resumed(saved["cfg"], (SAVED["dp"], SAVED["mb"]), (dp, mb))[SAVE_AT:]
+    before = (saved["layout"]["dp"], saved["layout"]["mb"])
+    want = saved["reference"][SAVE_AT:] if (dp, mb) == before else \
+        reference_resumed(saved["cfg"], before, (dp, mb))[SAVE_AT:]
     for losses, _, _ in results:
         assert sorted(losses) == list(range(SAVE_AT, STEPS))
         assert_losses_close([losses[s] for s in range(SAVE_AT, STEPS)], want, _rtol(saved["cfg"]), f"{name} loss")
