@@ -4,7 +4,8 @@
     python tools/ds_to_universal.py --input_folder <save>/global_step10 \
         --output_folder <save>/global_step10_universal [--num_merge_workers 2] [--num_extract_workers 2]
 
-DeepSpeed's flags. The conversion is one pass with no intermediate files, so
+An MoE checkpoint (expert parallelism, DeepSpeed-MoE's expert files) converts with every expert's fp32
+master and Adam moments under its global id (docs/moe.md). DeepSpeed's flags. The conversion is one pass with no intermediate files, so
 --keep_temp_folder has nothing to keep (accepted for compatibility). --no_strict keeps TP
 rank 0's copy of a TP-replicated parameter whose copies differ, with a warning, instead of
 stopping. --inject_missing_state is accepted: a checkpoint without universal_checkpoint_info

@@ -15,7 +15,8 @@
 The chosen directory is opened once (manifest read, sizes checked) and that opened checkpoint is what
 the model check (`check`) and the loader read.
 A ZeRO checkpoint saved at this TP x PP x DP and ZeRO stage family loads as saved (load.py); saved at
-another, it is reshaped while loading (universal_load.py), as a universal checkpoint always is.
+another (an MoE checkpoint's EP included), it is reshaped while loading (universal_load.py), as a universal
+checkpoint always is.
 """
 from __future__ import annotations
 
@@ -126,10 +127,6 @@ def resume_checkpoint(path: str, state, model, optimizer, load_optimizer: bool =
         check(point.checkpoint)
     this_layout = f"{state.layout}, ZeRO-{optimizer.stage}"
     opened = point.checkpoint
-    moe = getattr(model.config, "num_experts", None) is not None
-    if point.universal and moe and not read_head(opened, verify).get("weights_only"):  # an import: weights by name
-        raise CheckpointError("--universal-checkpoint with MoE layers (--num-experts) is not implemented; resume the "
-                              "plain checkpoint at the TP, PP, DP, EP and ZeRO stage it was saved at")
     if point.universal:
         client = load_universal_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify,
                                            checkpoint=opened)
@@ -139,11 +136,6 @@ def resume_checkpoint(path: str, state, model, optimizer, load_optimizer: bool =
     here = saved_layout(state, model)  # an interleaved pipeline holds other layers: reshaped
     same_stage_family = (opened.meta.get("zero_stage", optimizer.stage) == 3) == (optimizer.stage == 3)
     if (saved is not None and (saved != here or not same_stage_family)) or megatron_deepspeed_layout(opened):
-        if moe:
-            raise CheckpointError(f"the MoE checkpoint {point.directory} was saved at {_layout_text(saved)}, ZeRO-"
-                                  f"{opened.meta.get('zero_stage')} and this run is {_layout_text(here)}, ZeRO-"
-                                  f"{optimizer.stage}; reshaping MoE checkpoints is not implemented: resume at the "
-                                  "layout it was saved at")
         client = load_reshaped_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify,
                                           checkpoint=opened)
         log(loaded_line(point.directory, "plain", client, this_layout))
@@ -169,10 +161,6 @@ def megatron_deepspeed_layout(checkpoint, verify: bool = True) -> bool:
     if shapes is None:
         return isinstance(head.get("optimizer"), dict)
     return is_module_layout(n for g in shapes for n in g)
-
-
-def _layout_text(layout: dict) -> str:
-    return " x ".join(f"{k.upper()}={v}" for k, v in layout.items())
 
 
 def refuse_fresh_start_over(save_dir: str) -> None:

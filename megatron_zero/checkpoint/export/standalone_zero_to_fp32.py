@@ -20,7 +20,8 @@ model-parallel rank the fp32 masters are reassembled from the DP partitions in t
 `param_shapes`; then pipeline stages are merged by name and TP pieces joined as the checkpoint's
 `universal_checkpoint_info` says (replicated: taken once; row-parallel: dim 1; others: dim 0, the
 two halves of a SwiGLU [gate; up] each joined on their own; the vocabulary trimmed to
-`original_vocab_size`). Shards are memory-mapped, not read whole, and unpickled safely (weights
+`original_vocab_size`). An MoE checkpoint's expert groups (partitioned over expert-DP, each EP rank its
+own experts) give every expert under its global id. Shards are memory-mapped, not read whole, and unpickled safely (weights
 only, plus safe_pickle.py's allow-list): a file referring to any other global is refused with a
 sentence, and nothing in it runs. Before a file is read, its size and checksum are checked against
 the checkpoint's manifest.json (as the package's reader does): a damaged, truncated or unlisted file
@@ -139,6 +140,35 @@ def _model_file(path, mp):
     raise FileNotFoundError(f"no model-states file for model-parallel rank {mp} in {path}")
 
 
+_EXPERT = re.compile(r"^(\d+\.mlp\.deepspeed_moe\.experts\.deepspeed_experts\.)(\d+)(\..+)$")
+
+
+def _expert_count(path):
+    """The experts of an MoE checkpoint: the global ids its layer_*_expert_* files name."""
+    return len({m.group(1) for m in (re.match(r"^layer_\d+_expert_(\d+)_mp_rank_\d+_model_states\.pt$", f)
+                                     for f in os.listdir(path)) if m})
+
+
+def _merge_expert_group(opts, g, group, ep, experts):
+    """An expert group of an expert-parallel checkpoint: DP rank d holds EP rank d % ep's experts (global ids
+    shifted by (d % ep) x experts / ep from those of `group`, which DP rank 0 listed), partitioned over the
+    DP ranks d, d + ep, ...: each EP rank's flat is those partitions concatenated."""
+    out = OrderedDict()
+    for e in range(ep):
+        flat = torch.cat([opts[d]["single_partition_of_fp32_groups"][g].reshape(-1) for d in range(e, len(opts), ep)])
+        offset = 0
+        for name, shape in group.items():
+            m = _EXPERT.match(name)
+            if m is None:
+                raise ValueError(f"the optimizer group {g} is partitioned over {len(opts) // ep} of {len(opts)} "
+                                 f"DP ranks (expert parallelism) but holds {name}, which is no expert")
+            n = math.prod(shape)
+            name = f"{m.group(1)}{int(m.group(2)) + e * experts // ep}{m.group(3)}"
+            out[name] = flat[offset:offset + n].view(tuple(shape)).clone()
+            offset += n
+    return out
+
+
 def _merge_dp(reader, mp):
     """name -> fp32 tensor (this model-parallel rank's local shapes), and the model-states dict."""
     path = reader.path
@@ -155,8 +185,11 @@ def _merge_dp(reader, mp):
         raise ValueError(f"expected {count} optimizer-state files for model-parallel rank {mp} in {path}, "
                          f"found {len(files)}")
     out = OrderedDict()
+    counts = opts[0]["partition_count"] if isinstance(opts[0]["partition_count"], (list, tuple)) else None
     for g, group in enumerate(shapes):
-        if stage <= 2:
+        if stage <= 2 and counts is not None and counts[g] < len(opts):  # experts, over expert-DP (see below)
+            out.update(_merge_expert_group(opts, g, group, len(opts) // counts[g], _expert_count(path)))
+        elif stage <= 2:
             flat = torch.cat([o["single_partition_of_fp32_groups"][g].reshape(-1) for o in opts])
             offset = 0
             for name, shape in group.items():
@@ -183,9 +216,6 @@ def _matches(patterns, name):
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None, verify=True):
     path = _resolve(checkpoint_dir, tag)
-    if any(re.match(r"^layer_\d+_expert_\d+_mp_rank_\d+_model_states\.pt$", f) for f in os.listdir(path)):
-        raise ValueError(f"{path} holds MoE expert files (layer_*_expert_*); consolidating MoE checkpoints is not "
-                         "implemented: resume it with pretrain_gpt.py at the layout it was saved at")
     reader = _Reader(path, verify)
     first = reader.load(_model_file(path, 0))
     mp_size = int(first.get("mp_world_size", 1) or 1)

@@ -11,6 +11,8 @@ dimension). For any other name, DeepSpeed's pattern lists in the checkpoint's
 `universal_checkpoint_info` decide, exactly as deepspeed.checkpoint.ds_to_universal does.
 A tensor of two sub-parameters (SwiGLU's [gate; up], DeepSpeed's
 `parameter_with_2_sub_params_cat_dim_0`) is merged block by block: [gate_0..gate_n; up_0..up_n].
+An MoE block's experts (`{i}.mlp.deepspeed_moe.experts.deepspeed_experts.{e}.*`, global ids) merge as the
+dense MLP's parameters do; its router (`{i}.mlp.deepspeed_moe.gate.wg.weight`) is TP-replicated.
 """
 from __future__ import annotations
 
@@ -18,8 +20,8 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from ...model.params import (BLOCK_PARAMS, LM_HEAD_SUFFIX, POSITION_EMBEDDINGS, UNTIED_POSITION_EMBEDDINGS,
-                            UNTIED_WORD_EMBEDDINGS, WORD_EMBEDDINGS)
+from ...model.params import (BLOCK_PARAMS, LM_HEAD_SUFFIX, MOE_ROUTER_SUFFIX, POSITION_EMBEDDINGS,
+                            UNTIED_POSITION_EMBEDDINGS, UNTIED_WORD_EMBEDDINGS, WORD_EMBEDDINGS, parse_expert_suffix)
 from ..format import ROW_PARALLEL_PATTERNS, SUB_PARAMS_PATTERNS, TO_AVERAGE_PATTERNS, TP_REPLICATED_PATTERNS, VOCAB_PATTERNS
 _LM_HEAD = re.compile(r"\d+\." + re.escape(LM_HEAD_SUFFIX) + "$")
 
@@ -43,6 +45,11 @@ def gpt_rule(name: str, info: Optional[dict]) -> Optional[MergeRule]:
         return MergeRule(None)
     index, _, suffix = name.partition(".")
     if index.isdigit():
+        if suffix == MOE_ROUTER_SUFFIX:
+            return MergeRule(None)  # the router: replicated across TP ranks
+        expert = parse_expert_suffix(suffix)
+        if expert is not None:  # an expert: merged as the dense MLP parameter it stands for
+            return gpt_rule(f"{index}.{expert[1]}", info)
         if suffix in BLOCK_PARAMS:
             sub_params = 2 if _matches((info or {}).get(SUB_PARAMS_PATTERNS), name) else 1
             return MergeRule(BLOCK_PARAMS[suffix][0], sub_params=sub_params)

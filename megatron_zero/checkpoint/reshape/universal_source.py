@@ -5,6 +5,8 @@
     with src.stage(pp) as reader:                   # that stage's TP x DP optimizer files, memory-mapped
         full = reader.assemble(name, "fp32")        # the universal (full, unpadded) tensor
 
+An MoE checkpoint's experts are parameters like the others, each under its global id, its
+fragments in the ZeRO files of the DP ranks holding it (expert_source.py).
 Files are read through reader.py (checksums verified as read, safe unpickling; DeepSpeed's
 classes load as stand-ins without deepspeed installed) and memory-mapped; a stage's files are
 unmapped when its `with` block ends. The layout comes from the file names and the model-state
@@ -22,11 +24,12 @@ from ...topology import Layout
 from ...zero.partition import zero3_group_offsets
 from ...model.sharding import merge_sub_params
 from ..errors import CheckpointError
-from ..format import (EXPERT_FILE, LAYER_FILE, MODEL_FILE, SUB_PARAMS_PATTERNS, UNIVERSAL_CHECKPOINT_INFO, ZERO3_MODEL_FILE, ZERO_FILE,
+from ..format import (LAYER_FILE, MODEL_FILE, SUB_PARAMS_PATTERNS, UNIVERSAL_CHECKPOINT_INFO, ZERO3_MODEL_FILE, ZERO_FILE,
                      header_tp_pp)
 from ..storage.reader import Checkpoint, open_directory
 from ..megatron_deepspeed import QKV_SUFFIXES, ours_names, qkv_heads, qkv_to_ours, writes_qkv_blocks
 from .dense_source import DenseStates
+from .expert_source import all_expert_shapes, expert_ids, partition_counts
 from .universal_info import MergeRule, merge_rule
 
 
@@ -62,16 +65,16 @@ class SourceCheckpoint:
             m = ZERO_FILE.match(f)
             if m:
                 self.zero_files[(int(m.group(2)), int(m.group(1)))] = f  # (mp, dp) -> name
-        if any(EXPERT_FILE.match(f) for f in files):
-            raise CheckpointError(f"{directory} holds MoE expert files (layer_*_expert_*); converting, consolidating "
-                                  "or reshaping MoE checkpoints is not implemented: resume it with pretrain_gpt.py at "
-                                  "the layout it was saved at")
+        self.expert_ids = expert_ids(files)  # an MoE checkpoint's global expert ids (expert_source.py)
         self.model_files = {int(m.group(1)): f for f in files for m in [MODEL_FILE.match(f)] if m}
         self.layer_files = [f for f in files if LAYER_FILE.match(f)]
         self.saved_names: Dict[int, Dict[str, str]] = {}  # mp -> our name -> the name in its files
         self.dense = None  # dense_source.DenseStates: a checkpoint without ZeRO (stage 0 in DeepSpeed's engine)
         if not self.zero_files:
             self.dense = DenseStates.find(self)
+            if self.dense is not None and self.expert_ids:
+                raise CheckpointError(f"{directory} holds MoE expert files (layer_*_expert_*) but no ZeRO optimizer "
+                                      "files; reshaping an MoE checkpoint without them is not implemented")
             if self.dense is None:
                 raise CheckpointError(f"{directory} holds no ZeRO optimizer files (zero_pp_rank_*_mp_rank_*_optim_states"
                                       ".pt) and no optimizer state in its model-states files; it is not a checkpoint "
@@ -105,7 +108,9 @@ class SourceCheckpoint:
                 renamed = ours_names(head, [n for g in groups for n in g])
                 back = {saved: ours for ours, saved in renamed.items()}
                 self.saved_names[mp] = dict(renamed)
-                self.param_shapes[mp] = [OrderedDict((back[n], s) for n, s in g.items()) for g in groups]
+                self.param_shapes[mp] = all_expert_shapes(
+                    [OrderedDict((back[n], s) for n, s in g.items()) for g in groups], self.expert_ids,
+                    self.files.path(shape_files[mp]))
             del sd
         self.head = head
         self.info = _with_swiglu_patterns(head.get(UNIVERSAL_CHECKPOINT_INFO) or {}, head.get("args"))
@@ -230,7 +235,10 @@ class StageReader:
         for d in range(self.src.layout.dp):
             start, n = self._fragments(name, tp, d)
             if n:
-                pieces.append(self._flat(self.opt[(tp, d)], g, key).narrow(0, start, n))
+                osd = self.opt[(tp, d)]
+                pieces.append(self._flat(osd, g, key).narrow(0, start, n))
+                if self.src.zero_stage < 3 and partition_counts(osd)[min(g, len(partition_counts(osd)) - 1)] == 1:
+                    break  # not partitioned (ZeRO 0): every rank holding the group holds it whole
         total = sum(p.numel() for p in pieces)
         if total != _numel(shape):
             raise CheckpointError(f"the fragments of {name} ({key}) on TP rank {tp}, stage {self.pp} hold {total} "

@@ -1,0 +1,98 @@
+"""One rank of a tiny MoE run that saves a checkpoint, or resumes from a universal or plain one at
+another layout, for the MoE reshape tests (tests/test_moe_universal.py). The run is moe_train's
+`parallel_run` (the same batches, hyperparameters and clipping) with a save and a load; it reports the
+loss of each step by its index, and at the save the fp32 fragments this rank's optimizer owned."""
+import torch
+import torch.distributed as dist
+
+from ..checkpoint import save_checkpoint
+from ..checkpoint.reshape.universal_load import load_reshaped_checkpoint, load_universal_checkpoint
+from ..model.gpt import reference_model
+from ..moe import reset_aux_losses, set_aux_loss_scale
+from ..pipeline.gpt_stage import activation_shape, build_gpt_stage, make_forward_step, sync_tied_embedding_grads
+from ..pipeline.p2p import P2P
+from ..pipeline.schedule import broadcast_loss, forward_backward
+from ..topology import build_parallel_state
+from ..zero import ZeroOptimizer
+from .moe_train import CLIP, GBS, HP, STEPS, global_batch, micro_slices
+
+SAVE_AT = 5
+
+
+def owned_state(opt) -> dict:
+    """{name: [(offset in the parameter, {'fp32', 'exp_avg', 'exp_avg_sq'} fragment)]} this rank owns."""
+    out = {}
+    with opt.optimizer.paged() as masters:
+        for gi, group in enumerate(opt.named_groups):
+            name_of = {id(p): n for n, p in group}
+            st = opt.optimizer.state(gi)
+            for p, in_param, in_part, numel in opt.impl.owned_ranges(gi):
+                frag = {"fp32": masters[gi].narrow(0, in_part, numel).clone(),
+                        **{k: st[k].narrow(0, in_part, numel).clone() for k in ("exp_avg", "exp_avg_sq")}}
+                out.setdefault(name_of[id(p)], []).append((in_param, frag))
+    return out
+
+
+def moe_run(cfg, tp: int, pp: int, ep: int, stage: int, mb: int, save_dir=None, load=None, load_kind="universal",
+            steps: int = STEPS):
+    """-> (per-step losses {step: loss}, the fragments owned at the save or None, this rank's coordinates)."""
+    state = build_parallel_state(tp=tp, pp=pp, ep=ep)
+    model = build_gpt_stage(cfg, state)
+    opt = ZeroOptimizer(list(model.named_parameters()), dp_group=state.dp_group, stage=stage, clip_grad=CLIP,
+                        mp_group=state.mp_group, tp_rank=state.tp_rank, module=model, bucket_size=4000,
+                        expert_dp_group=state.expert_dp_group, **HP)
+    p2p = P2P(state.prev_rank, state.next_rank, activation_shape(mb, cfg), torch.float32)
+    start = 0
+    if load is not None:
+        loader = load_universal_checkpoint if load_kind == "universal" else load_reshaped_checkpoint
+        start = loader(load, state, model, opt)["iteration"]
+    slices = micro_slices(state.dp_size, mb)
+    m = GBS // (mb * state.dp_size)
+    losses, saved = {}, None
+    for step in range(start, steps):
+        tokens, labels = global_batch(step)
+        micro = [{"tokens": tokens[slices[j, state.dp_rank]], "labels": labels[slices[j, state.dp_rank]]}
+                 for j in range(m)]
+        set_aux_loss_scale(opt.loss_scale / m)
+        out = forward_backward(make_forward_step(model, micro, state), m, p2p, state.pp_rank, pp,
+                               backward_loss=opt.backward, before_last_backward=opt.arm_grad_reduce)
+        sync_tied_embedding_grads(model, state)
+        updated, _ = opt.step()
+        assert updated
+        losses[step] = broadcast_loss(out, state.is_last_stage, state.layout.pp_group(state.rank)[-1],
+                                      state.pp_group, state.dp_group)
+        if save_dir is not None and step + 1 == SAVE_AT:
+            save_checkpoint(save_dir, step + 1, state, model, opt,
+                            {"iteration": step + 1, "consumed_train_samples": (step + 1) * GBS,
+                             "args": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                                      "expert_model_parallel_size": ep, "global_batch_size": GBS,
+                                      "micro_batch_size": mb, "num_experts": cfg.num_experts}})
+            saved = owned_state(opt)
+    opt.wait_params()
+    reset_aux_losses()
+    dist.barrier()
+    return losses, saved, state.layout.coords(state.rank)
+
+
+def reference_resumed(cfg, saved: tuple, resumed: tuple, steps: int = STEPS):
+    """The single-process reference of a run saved at (DP, micro-batch) `saved` and resumed at `resumed`:
+    the aux losses are per micro-batch of a DP rank's tokens, so each step sums the micro-batches its
+    layout had (moe_train.reference_run's loop, the slicing switched at SAVE_AT). -> per-step losses."""
+    model = reference_model(cfg)
+    opt = torch.optim.AdamW(model.parameters(), **HP)
+    losses = []
+    for step in range(steps):
+        slices = micro_slices(*(saved if step < SAVE_AT else resumed))
+        tokens, labels = global_batch(step)
+        set_aux_loss_scale(1.0 / len(slices))
+        total = 0.0
+        for rows in slices.values():
+            loss = model(tokens[rows], labels=labels[rows]) / len(slices)
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    reset_aux_losses()
+    return losses
