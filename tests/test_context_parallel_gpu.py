@@ -12,7 +12,9 @@ only moves tensors, which the two-GPU test drives over NCCL.
 
 Tolerances: fp32 as tests/test_context_parallel_attention.py (normwise model_rtol(4 (d + s))). bf16: both
 sides get the same bf16 inputs, the reference computes in fp32 and the comm types accumulate in fp32 and
-round once to bf16 at the end (2^-8 relative, normwise), so the bound is 2^-8 plus the fp32 one.
+round once to bf16 at the end (2^-8 relative, normwise), so the bound is 2^-8 plus the fp32 one. With
+attention dropout (fp32) the reference applies the same hashed masks (identical-mask construction) and the
+bound is the one without dropout.
 
 Two GPUs: pretrain_gpt.py at --context-parallel-size 2 over NCCL, each --cp-comm-type, logs the loss curve
 of one GPU within relative 1e-5 (fp32, TF32 off; the same bound as tests/test_gpu_training.py's layouts).
@@ -26,7 +28,7 @@ import threading
 import pytest
 import torch
 
-from megatron_zero.context_parallel import all_gather_attention, ring_attention, slice_sequence_for_cp
+from megatron_zero.context_parallel import all_gather_attention, block_attention, ring_attention, slice_sequence_for_cp
 from megatron_zero.model.attention_core import attention_core
 from megatron_zero.model.transformer import expand_kv_heads
 from megatron_zero.testing.launch import losses_from_log, model_flags, torchrun
@@ -102,15 +104,23 @@ def inputs(device, dtype):
     return [t.to(device=device, dtype=dtype) for t in (q, k, v, dout)]
 
 
-def reference(q, k, v, dout):
-    """The whole-sequence causal attention in fp32 on the same (possibly bf16-valued) inputs."""
+def reference(q, k, v, dout, dropout=None):
+    """The whole-sequence causal attention in fp32 on the same (possibly bf16-valued) inputs; with `dropout`,
+    its masks (block_attention.keep_mask) on the probabilities."""
     q, k, v = (t.detach().float().clone().requires_grad_() for t in (q, k, v))
-    out = attention_core(q, expand_kv_heads(k, HEADS), expand_kv_heads(v, HEADS), "unfused", 0.0, True)
+    ke, ve = expand_kv_heads(k, HEADS), expand_kv_heads(v, HEADS)
+    if dropout is None:
+        out = attention_core(q, ke, ve, "unfused", 0.0, True)
+    else:
+        pos = torch.arange(SEQ, device=q.device)
+        scores = (q @ ke.transpose(-2, -1) / D ** 0.5).masked_fill(pos[None, :] > pos[:, None], float("-inf"))
+        keep = block_attention.keep_mask(dropout, B, HEADS, pos, pos)
+        out = (torch.softmax(scores, dim=-1) * keep / (1 - dropout.p)) @ ve
     out.backward(dout.float())
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def run_threads(cp, comm_type, q, k, v, dout, monkeypatch):
+def run_threads(cp, comm_type, q, k, v, dout, monkeypatch, dropout=None):
     mail, coll = Mailboxes(cp), Collectives(cp)
     monkeypatch.setattr(ring_attention, "_ring_exchange", mail.exchange)
     monkeypatch.setattr(all_gather_attention, "shm_comm", coll)
@@ -122,10 +132,10 @@ def run_threads(cp, comm_type, q, k, v, dout, monkeypatch):
             mine = [slice_sequence_for_cp(t, cp, r, dim=2) for t in (q, k, v, dout)]
             ctx = Ctx()
             if comm_type == "p2p":
-                out = ring_attention.RingAttention.forward(ctx, *mine[:3], SEQ, None, list(range(cp)), r)
+                out = ring_attention.RingAttention.forward(ctx, *mine[:3], SEQ, None, list(range(cp)), r, dropout)
                 grads = ring_attention.RingAttention.backward(ctx, mine[3])
             else:
-                out = all_gather_attention.AllGatherAttention.forward(ctx, *mine[:3], SEQ, None, cp, r)
+                out = all_gather_attention.AllGatherAttention.forward(ctx, *mine[:3], SEQ, None, cp, r, dropout)
                 grads = all_gather_attention.AllGatherAttention.backward(ctx, mine[3])
             results[r] = (out, *grads[:3])
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
@@ -142,13 +152,15 @@ def run_threads(cp, comm_type, q, k, v, dout, monkeypatch):
     return results
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype,dropout", [(torch.float32, None), (torch.bfloat16, None),
+                                           (torch.float32, block_attention.Dropout(0.3, 99))],
+                         ids=["fp32", "bf16", "fp32-dropout"])
 @pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
 @pytest.mark.parametrize("cp", [2, 4])
-def test_comm_type_attention_on_the_device(device, cp, comm_type, dtype, monkeypatch):
+def test_comm_type_attention_on_the_device(device, cp, comm_type, dtype, dropout, monkeypatch):
     q, k, v, dout = inputs(device, dtype)
-    want = reference(q, k, v, dout)
-    per_rank = run_threads(cp, comm_type, q, k, v, dout, monkeypatch)
+    want = reference(q, k, v, dout, dropout)
+    per_rank = run_threads(cp, comm_type, q, k, v, dout, monkeypatch, dropout)
     rtol = model_rtol(4 * (D + SEQ)) + (BF16_ROUNDING if dtype == torch.bfloat16 else 0.0)
     for name, index in (("out", 0), ("dq", 1), ("dk", 2), ("dv", 3)):
         got = torch.cat([per_rank[r][index] for r in range(cp)], dim=2)
