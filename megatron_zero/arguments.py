@@ -719,9 +719,7 @@ def _validate_context_parallel(args, tp: int):
              "which does not divide them; use p2p or all_gather")
     refused = [(args.zero_hpz_partition_size > 1, "--zero-hpz-partition-size")]
     if kind != "a2a":  # p2p and all_gather compute attention blocks themselves; a2a runs --attention-backend's
-        refused += [(args.attention_dropout > 0, f"--attention-dropout {args.attention_dropout} (use 0, or "
-                                                 "--cp-comm-type a2a)"),
-                    (args.attention_backend != "auto", f"--attention-backend {args.attention_backend} (it applies "
+        refused += [(args.attention_backend != "auto", f"--attention-backend {args.attention_backend} (it applies "
                                                        "to --cp-comm-type a2a)")]
     for refuse, flag in refused:
         _require(not refuse, f"--context-parallel-size {cp} with --cp-comm-type {kind} cannot be combined with {flag}")

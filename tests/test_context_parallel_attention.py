@@ -2,12 +2,20 @@
 and backward, fp32: CP 2 and 4, grouped-query (2 KV groups for 4 query heads) and plain multi-head, and
 the load-balanced chunking as pure functions. The attention is a short chain of sums (scores over the head
 dim d, the softmax and context over s keys; backward the same again), so both sides are fp32 evaluations
-of one expression in another order: normwise within model_rtol(n), n = 4 (d + s)."""
+of one expression in another order: normwise within model_rtol(n), n = 4 (d + s).
+
+Attention dropout (p2p and all_gather): the mask of probability (i, j) is a hash of (seed, sample, head,
+positions i and j), so the reference applies the same mask to the whole sequence's softmax (identical-mask
+construction) and the bound is the one without dropout; the mask's kept share is checked against the
+binomial distribution."""
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_zero.context_parallel import block_attention, context_parallel_attention, cp_positions, slice_sequence_for_cp
+from megatron_zero.context_parallel import (all_gather_attention, block_attention, context_parallel_attention,
+                                            cp_positions, ring_attention, slice_sequence_for_cp)
 from megatron_zero.model.attention_core import attention_core
 from megatron_zero.model.transformer import expand_kv_heads
 from megatron_zero.testing import run_ranks
@@ -42,9 +50,21 @@ def unfused(q, k, v):
     return attention_core(q, k, v, "unfused", 0.0, True)
 
 
-def reference(groups):
+DROPOUT = block_attention.Dropout(0.3, 1234)
+
+
+def dropped_attention(q, k, v):
+    """The whole-sequence causal attention with DROPOUT's masks on the probabilities."""
+    scores = torch.matmul(q, k.transpose(-2, -1)) / D ** 0.5
+    scores = scores.masked_fill(torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1), float("-inf"))
+    positions = torch.arange(SEQ)
+    keep = block_attention.keep_mask(DROPOUT, B, HEADS, positions, positions)
+    return torch.matmul(torch.softmax(scores, dim=-1) * keep / (1 - DROPOUT.p), v)
+
+
+def reference(groups, dropout=False):
     q, k, v, dout = (t.requires_grad_() for t in inputs(groups))
-    out = unfused(q, expand_kv_heads(k, HEADS), expand_kv_heads(v, HEADS))
+    out = (dropped_attention if dropout else unfused)(q, expand_kv_heads(k, HEADS), expand_kv_heads(v, HEADS))
     out.backward(dout.detach())
     return out.detach(), q.grad, k.grad, v.grad
 
@@ -55,17 +75,24 @@ def cp_run():
     block_attention.QUERY_ROWS = 3
     cp, r = dist.get_world_size(), dist.get_rank()
     out = {}
-    for case in CASES:
-        comm_type, groups = case
+    ranks = list(range(cp))
+    for case in CASES + DROPOUT_CASES:
+        comm_type, groups = case[:2]
         q, k, v, dout = (slice_sequence_for_cp(t, cp, r, dim=2) for t in inputs(groups))
         q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-        context = context_parallel_attention(q, k, v, dist.group.WORLD, comm_type, core=unfused)
+        if case in DROPOUT_CASES and comm_type == "p2p":
+            context = ring_attention.ring_attention(q, k, v, SEQ, dist.group.WORLD, ranks, r, DROPOUT)
+        elif case in DROPOUT_CASES:
+            context = all_gather_attention.all_gather_attention(q, k, v, SEQ, dist.group.WORLD, cp, r, DROPOUT)
+        else:
+            context = context_parallel_attention(q, k, v, dist.group.WORLD, comm_type, core=unfused)
         context.backward(dout)
         out[case] = (context.detach(), q.grad, k.grad, v.grad)
     return out
 
 
 CASES = [(comm_type, groups) for comm_type in ("p2p", "all_gather", "a2a") for groups in (2, 4)]
+DROPOUT_CASES = [(comm_type, 2, "dropout") for comm_type in ("p2p", "all_gather")]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["cp2", "cp4"])
@@ -73,16 +100,31 @@ def cp_runs(request):
     return request.param, run_ranks(cp_run, request.param)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"{c}-groups{g}" for c, g in CASES])
+@pytest.mark.parametrize("case", CASES + DROPOUT_CASES, ids=["-".join(map(str, c)) for c in CASES + DROPOUT_CASES])
 def test_matches_whole_sequence_attention(cp_runs, case):
     cp, per_rank = cp_runs
-    comm_type, groups = case
-    want = reference(groups)
+    comm_type, groups = case[:2]
+    want = reference(groups, dropout=case in DROPOUT_CASES)
     rtol = model_rtol(4 * (D + SEQ))
     for name, index in (("out", 0), ("dq", 1), ("dk", 2), ("dv", 3)):
         got = torch.cat([per_rank[r][case][index] for r in range(cp)], dim=2)
         mine = torch.cat([slice_sequence_for_cp(want[index], cp, r, dim=2) for r in range(cp)], dim=2)
         assert_close_normwise(got, mine, rtol, f"{comm_type} CP{cp} groups {groups} {name}")
+
+def test_dropout_masks_keep_the_share_1_minus_p():
+    """Over 2 x 4 x 256 x 256 draws the kept share is within 6 binomial standard deviations of 1 - p, and
+    masks of another seed, head or position differ."""
+    positions = torch.arange(256)
+    keep = block_attention.keep_mask(DROPOUT, 2, 4, positions, positions)
+    n, p = keep.numel(), DROPOUT.p
+    assert abs(keep.float().mean().item() - (1 - p)) <= 6 * (p * (1 - p) / n) ** 0.5
+    other = block_attention.keep_mask(block_attention.Dropout(p, 1235), 2, 4, positions, positions)
+    assert 0.3 < (keep != other).float().mean().item() < 0.5  # independent masks differ in 2 p (1 - p) = 0.42
+    assert 0.3 < (keep[:, 0] != keep[:, 1]).float().mean().item() < 0.5
+    assert 0.3 < (keep[..., :128, :] != keep[..., 128:, :]).float().mean().item() < 0.5
+    assert torch.equal(keep[..., 5:9, 100:140], block_attention.keep_mask(DROPOUT, 2, 4, positions[5:9],
+                                                                          positions[100:140]))
+
 
 def test_each_cp_rank_draws_its_own_dropout_masks():
     from megatron_zero.tensor_parallel import get_rng_tracker
@@ -97,3 +139,45 @@ def test_each_cp_rank_draws_its_own_dropout_masks():
     without_cp = draws(tp_rank=1, pp_rank=1)
     assert all(torch.equal(a, b) for a, b in zip(draws(tp_rank=1, pp_rank=1, cp_rank=0), without_cp))
     assert not any(torch.equal(a, b) for a, b in zip(draws(tp_rank=1, pp_rank=1, cp_rank=1), without_cp))
+
+
+def dropout_gradients():
+    """A 2-layer Llama at CP2 with attention dropout 0.3: the gradients without recomputation, with selective
+    and with full recomputation, each from the same RNG state."""
+    from megatron_zero.model.gpt import GPTModel
+    from megatron_zero.tensor_parallel.random import model_parallel_seed
+    from megatron_zero.testing.tiny_gpt import tiny_llama_config
+    from megatron_zero.topology import build_parallel_state
+
+    state = build_parallel_state(cp=2)
+    whole = torch.randint(0, 100, (1, 17), generator=torch.Generator().manual_seed(3))
+    tokens, labels = (slice_sequence_for_cp(t, 2, state.cp_rank) for t in (whole[:, :-1], whole[:, 1:]))
+    grads = []
+    for recompute in ({}, dict(recompute_granularity="selective"),
+                      dict(recompute_granularity="full", recompute_method="uniform")):
+        for comm_type in ("p2p", "all_gather"):
+            model_parallel_seed(5, cp_rank=state.cp_rank)
+            config = tiny_llama_config(2, seq_length=16, max_position_embeddings=16, attention_dropout=0.3,
+                                       cp_comm_type=comm_type, **recompute)
+            net = GPTModel(config, cp_group=state.cp_group)
+            model_parallel_seed(6, cp_rank=state.cp_rank)
+            net(tokens, labels=labels).backward()
+            grads.append(torch.cat([p.grad.flatten() for p in net.parameters()]))
+            if not recompute:  # and without dropout, to see that it acts
+                model_parallel_seed(5, cp_rank=state.cp_rank)
+                net = GPTModel(dataclasses.replace(config, attention_dropout=0.0), cp_group=state.cp_group)
+                net(tokens, labels=labels).backward()
+                grads.append(torch.cat([p.grad.flatten() for p in net.parameters()]))
+    return grads
+
+
+def test_dropout_masks_are_replayed_by_recomputation():
+    """The seed is drawn inside the RNG tracker's fork, which recomputation restores: selective and full
+    recomputation give the gradients of the run without it (fp32: the same operations, bit for bit, except
+    the recomputed forward's reductions, which run the same kernels on the same inputs)."""
+    for grads in run_ranks(dropout_gradients, 2):
+        none_p2p, no_dropout_p2p, none_ag, no_dropout_ag = grads[:4]
+        assert not torch.equal(none_p2p, no_dropout_p2p) and not torch.equal(none_ag, no_dropout_ag)
+        for i, got in enumerate(grads[4:]):
+            want = none_p2p if i % 2 == 0 else none_ag
+            assert torch.equal(got, want), i

@@ -44,3 +44,15 @@ def test_resume_reshaped(run, layout):
 @pytest.mark.slow
 def test_resume_universal_at_cp1(run):
     run.assert_matches(run.resume("universal", {"context-parallel-size": 1}), RESHAPED_REL)
+
+
+@pytest.mark.slow
+def test_attention_dropout_with_p2p_resumes_as_saved(tmp_path):
+    """--attention-dropout 0.1 at CP2 (p2p): trains, and resumed as saved it draws the same masks (the RNG
+    tracker's states are in the checkpoint), so the losses are bit-identical. Default-tier cover:
+    tests/test_context_parallel_attention.py (the masks against the whole-sequence reference, replay)."""
+    data = text_data(str(tmp_path / "text"))
+    run = CliResume(str(tmp_path), lambda *changes: cli_flags(data, str(tmp_path / "cache"), "llama", *changes,
+                                                              {"attention-dropout": 0.1}),
+                    {"context-parallel-size": 2, "zero-stage": 1}, nproc=2)
+    run.assert_matches(run.resume("as saved"), AS_SAVED_REL)

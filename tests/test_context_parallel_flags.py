@@ -19,6 +19,10 @@ def test_cp_divides_the_world_and_dp_counts_data_replicas():
     ulysses = parse_args(with_flags(BASE, context_parallel_size=2, cp_comm_type="a2a", attention_backend="flash",
                                     attention_dropout=0), world_size=2)
     assert (ulysses.cp_comm_type, ulysses.attention_backend) == ("a2a", "flash")
+    for comm_type in ("p2p", "all_gather"):  # attention dropout in the blocks they compute
+        dropped = parse_args(with_flags(BASE, context_parallel_size=2, cp_comm_type=comm_type, attention_dropout=0.1),
+                             world_size=2)
+        assert (dropped.cp_comm_type, dropped.attention_dropout) == (comm_type, 0.1)
 
 
 def test_layout_order_is_tp_cp_dp_pp():
@@ -44,7 +48,6 @@ def test_layout_order_is_tp_cp_dp_pp():
     (dict(cp_comm_type="a2a+p2p"), 1, ["--cp-comm-type a2a+p2p", "p2p", "all_gather"]),
     (dict(context_parallel_size=4, tensor_model_parallel_size=2, cp_comm_type="a2a"), 8,
      ["--cp-comm-type a2a", "2 attention heads", "--context-parallel-size 4"]),
-    (dict(context_parallel_size=2, attention_dropout=0.1), 2, ["--context-parallel-size 2", "--attention-dropout"]),
     (dict(context_parallel_size=2, attention_backend="flash"), 2, ["--attention-backend flash"]),
     (dict(context_parallel_size=2, zero_hpz_partition_size=2), 4, ["--zero-hpz-partition-size"]),
 ])

@@ -63,6 +63,7 @@ def test_plan_for_one_gpu_lists_every_promised_step(tmp_path):
     assert steps[names[2]] == [sys.executable, "setup.py", "build_ext", "--inplace"]  # the python it was given
     assert any(n.startswith("tests: test_gpu_training.py -m gpu") for n in names)
     assert any(n.startswith("tests: test_ops_cuda.py -m gpu") for n in names)
+    assert any(n.startswith("tests: test_context_parallel_gpu.py -m gpu") for n in names)
     one = " ".join(steps["train 1 GPU: TP1 bf16, fused kernels, full recompute, flash attention"])
     for flag in ("--bf16", "--require-fused-kernels", "--recompute-granularity full", "--attention-backend flash"):
         assert flag in one, flag

@@ -7,7 +7,9 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from ..tensor_parallel import get_rng_tracker
 from .all_gather_attention import all_gather_attention
+from .block_attention import Dropout
 from .ring_attention import ring_attention
 from .ulysses_attention import ulysses_attention
 
@@ -15,19 +17,26 @@ CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group, comm_type: str,
-                               core: Optional[Callable] = None):
+                               core: Optional[Callable] = None, dropout_p: float = 0.0):
     """Causal attention of this CP rank's queries over the whole sequence: q [b, heads, s / cp, d], k and v
     [b, groups, s / cp, d] (the KV heads, not expanded) -> context [b, heads, s / cp, d]. `core(q, k, v)`:
     the whole-sequence attention a2a runs (model/attention_core.py's, with its backend and dropout); p2p
-    and all_gather compute their blocks themselves and take no dropout."""
+    and all_gather compute their blocks themselves, with attention dropout `dropout_p` (0 in eval): the
+    masks hash a seed drawn from the RNG tracker's per-TP-rank stream (per CP rank too: model_parallel_seed),
+    which recomputation replays (block_attention.keep_mask)."""
     if comm_type == "a2a":
         if core is None:
             raise ValueError("--cp-comm-type a2a needs the whole-sequence attention core")
         return ulysses_attention(q, k, v, cp_group, core)
     cp, cp_rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
     seq_length = q.shape[2] * cp
+    dropout = None
+    if dropout_p > 0:
+        with get_rng_tracker().fork():
+            dropout = Dropout(dropout_p, int(torch.randint(2**31 - 1, (1,))))  # the CPU generator: no device sync
     if comm_type == "p2p":
-        return ring_attention(q, k, v, seq_length, cp_group, dist.get_process_group_ranks(cp_group), cp_rank)
+        return ring_attention(q, k, v, seq_length, cp_group, dist.get_process_group_ranks(cp_group), cp_rank,
+                              dropout)
     if comm_type == "all_gather":
-        return all_gather_attention(q, k, v, seq_length, cp_group, cp, cp_rank)
+        return all_gather_attention(q, k, v, seq_length, cp_group, cp, cp_rank, dropout)
     raise ValueError(f"--cp-comm-type must be one of {', '.join(CP_COMM_TYPES)}, got {comm_type!r}")

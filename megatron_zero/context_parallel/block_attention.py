@@ -8,14 +8,51 @@ key of a block has lse_b = -inf and out_b = 0, which `merge` ignores. The backwa
 final lse and delta = rowsum(dout * out) only (FlashAttention's recomputation), so nothing s x s is kept
 between forward and backward; both run by QUERY_ROWS queries at a time, so the transient scores are
 [b, h, QUERY_ROWS, keys of the block], not the block's whole square.
+
+Attention dropout (`Dropout`): whether probability (i, j) of head h of sample b is kept is a hash of
+(seed, b, h, position i, position j), so the mask does not depend on how the keys are cut into blocks or
+which rank computes a block, and the backward draws the same mask again without storing it. The
+log-sum-exp is taken before dropout (as FlashAttention does), so blocks merge as without it.
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
 QUERY_ROWS = 128  # queries per piece of a block: bounds the scores held at once
+
+
+_MASK31 = (1 << 31) - 1
+_MIX = ((1103515245, 12345), (2654435761 & _MASK31, 40503), (2246822519 & _MASK31, 3266489917 & _MASK31))
+
+
+class Dropout(NamedTuple):
+    """Attention dropout of a block computation: drop probability p, and the seed its masks hash."""
+    p: float
+    seed: int
+
+
+def keep_mask(dropout: Dropout, b: int, h: int, q_pos, k_pos) -> torch.Tensor:
+    """[b, h, len(q_pos), len(k_pos)] bool: which probabilities survive, a function of (seed, sample, head,
+    query position, key position) only (31-bit integer mixing rounds: no int64 overflow)."""
+    dev = q_pos.device
+    x = (torch.arange(b, device=dev).view(b, 1, 1, 1) * 1000003 + torch.arange(h, device=dev).view(1, h, 1, 1)
+         * 8191 + dropout.seed) & _MASK31
+    x = (x * 69069 + q_pos.view(1, 1, -1, 1)) & _MASK31
+    x = (x * 69069 + k_pos.view(1, 1, 1, -1)) & _MASK31
+    for mul, add in _MIX:
+        x = x ^ (x >> 15)
+        x = (x * mul + add) & _MASK31
+    x = x ^ (x >> 16)
+    return x >= int(dropout.p * (_MASK31 + 1))
+
+
+def _dropped(p, dropout: Optional[Dropout], q_pos, k_pos):
+    """p with dropout's mask applied and the kept entries scaled by 1 / (1 - p) (p itself without dropout)."""
+    if dropout is None or dropout.p == 0:
+        return p
+    return p * keep_mask(dropout, p.shape[0], p.shape[1], q_pos, k_pos) / (1.0 - dropout.p)
 
 
 def _scores(q, k, q_pos, k_pos, scale):
@@ -23,7 +60,8 @@ def _scores(q, k, q_pos, k_pos, scale):
     return s.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
 
 
-def block_forward(q, k, v, q_pos, k_pos, scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+def block_forward(q, k, v, q_pos, k_pos, scale: float,
+                  dropout: Optional[Dropout] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """q [b, h, sq, d], k and v [b, h, sk, d] (heads expanded), positions [sq] and [sk]
     -> out [b, h, sq, d] (fp32), lse [b, h, sq] (fp32; -inf where a query sees none of these keys).
     By QUERY_ROWS queries at a time, so the scores held at once are [b, h, QUERY_ROWS, sk]."""
@@ -32,7 +70,7 @@ def block_forward(q, k, v, q_pos, k_pos, scale: float) -> Tuple[torch.Tensor, to
         s = _scores(q[:, :, rows], k, q_pos[rows], k_pos, scale)
         lse = torch.logsumexp(s, dim=-1)
         p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1))
-        outs.append(torch.matmul(p, v.float()))
+        outs.append(torch.matmul(_dropped(p, dropout, q_pos[rows], k_pos), v.float()))
         lses.append(lse)
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
@@ -44,7 +82,7 @@ def merge(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torc
     lse.copy_(new)
 
 
-def block_backward(q, k, v, q_pos, k_pos, scale: float, lse, dout, delta):
+def block_backward(q, k, v, q_pos, k_pos, scale: float, lse, dout, delta, dropout: Optional[Dropout] = None):
     """Gradients of one block given the final lse [b, h, sq] and delta = rowsum(dout * out) [b, h, sq]:
     -> dq [b, h, sq, d], dk and dv [b, h, sk, d] (fp32). By QUERY_ROWS queries at a time."""
     kf, vf = k.float(), v.float()
@@ -54,8 +92,9 @@ def block_backward(q, k, v, q_pos, k_pos, scale: float, lse, dout, delta):
     for rows in _row_blocks(q.shape[2]):
         qr, do = q[:, :, rows].float(), dout[:, :, rows].float()
         p = torch.exp(_scores(qr, k, q_pos[rows], k_pos, scale) - lse[:, :, rows].unsqueeze(-1))
-        dv += torch.matmul(p.transpose(-2, -1), do)
-        ds = p * (torch.matmul(do, vf.transpose(-2, -1)) - delta[:, :, rows].unsqueeze(-1))
+        dv += torch.matmul(_dropped(p, dropout, q_pos[rows], k_pos).transpose(-2, -1), do)
+        dp = _dropped(torch.matmul(do, vf.transpose(-2, -1)), dropout, q_pos[rows], k_pos)
+        ds = p * (dp - delta[:, :, rows].unsqueeze(-1))
         dq[:, :, rows] = torch.matmul(ds, kf) * scale
         dk += torch.matmul(ds.transpose(-2, -1), qr) * scale
     return dq, dk, dv

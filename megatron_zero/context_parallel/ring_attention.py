@@ -53,7 +53,7 @@ def _step_blocks(step: int, src: int, cp_rank: int, chunk: int):
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, seq_length: int, group, ranks, cp_rank: int):
+    def forward(ctx, q, k, v, seq_length: int, group, ranks, cp_rank: int, dropout=None):
         cp, heads, groups = len(ranks), q.shape[1], k.shape[1]
         scale, chunk = 1.0 / math.sqrt(q.shape[-1]), q.shape[2] // 2
         positions = [cp_positions(seq_length, cp, j, q.device) for j in range(cp)]
@@ -67,7 +67,7 @@ class RingAttention(torch.autograd.Function):
             rows, cols = _step_blocks(step, src, cp_rank, chunk)
             out_b, lse_b = block_forward(q[:, :, rows], expand_heads(kv[0][:, :, cols], heads),
                                          expand_heads(kv[1][:, :, cols], heads), positions[cp_rank][rows],
-                                         positions[src][cols], scale)
+                                         positions[src][cols], scale, dropout)
             if step == 0:
                 out, lse = out_b, lse_b
             else:
@@ -76,13 +76,13 @@ class RingAttention(torch.autograd.Function):
                 _wait(requests)
                 kv = incoming
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.meta = (seq_length, group, ranks, cp_rank, groups, heads)
+        ctx.meta = (seq_length, group, ranks, cp_rank, groups, heads, dropout)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        seq_length, group, ranks, cp_rank, groups, heads = ctx.meta
+        seq_length, group, ranks, cp_rank, groups, heads, dropout = ctx.meta
         cp, scale, chunk = len(ranks), 1.0 / math.sqrt(q.shape[-1]), q.shape[2] // 2
         positions = [cp_positions(seq_length, cp, j, q.device) for j in range(cp)]
         delta = (dout.float() * out).sum(dim=-1)
@@ -98,7 +98,7 @@ class RingAttention(torch.autograd.Function):
             dq_b, dk_b, dv_b = block_backward(q[:, :, rows], expand_heads(kv[0][:, :, cols], heads),
                                               expand_heads(kv[1][:, :, cols], heads), positions[cp_rank][rows],
                                               positions[src][cols], scale, lse[:, :, rows], dout[:, :, rows],
-                                              delta[:, :, rows])
+                                              delta[:, :, rows], dropout)
             dq[:, :, rows] += dq_b
             grad = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
             grad[0][:, :, cols] = sum_heads(dk_b, groups)
@@ -112,9 +112,10 @@ class RingAttention(torch.autograd.Function):
                 _wait(requests)
                 kv = incoming
         _wait(grad_requests)  # after CP hops: my own block's dK/dV from every rank
-        return dq.to(q.dtype), grad_in[0].to(k.dtype), grad_in[1].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), grad_in[0].to(k.dtype), grad_in[1].to(v.dtype), None, None, None, None, None
 
 
-def ring_attention(q, k, v, seq_length: int, group, ranks, cp_rank: int):
-    """q [b, heads, 2c, d], k and v [b, groups, 2c, d] of this CP rank's chunks -> context [b, heads, 2c, d]."""
-    return RingAttention.apply(q, k, v, seq_length, group, ranks, cp_rank)
+def ring_attention(q, k, v, seq_length: int, group, ranks, cp_rank: int, dropout=None):
+    """q [b, heads, 2c, d], k and v [b, groups, 2c, d] of this CP rank's chunks -> context [b, heads, 2c, d];
+    `dropout`: block_attention.Dropout or None."""
+    return RingAttention.apply(q, k, v, seq_length, group, ranks, cp_rank, dropout)
