@@ -33,7 +33,7 @@ from megatron_zero.testing import run_ranks
 from megatron_zero.testing.tiny_gpt import tiny_gpt_config, tiny_llama_config
 from megatron_zero.testing.tolerances import (AdamWeightBound, assert_losses_close, assert_within, global_norm_rtol,
                                               gpt_path_length, model_rtol)
-from megatron_zero.testing.train_step import pipeline_train_step
+from megatron_zero.testing.train_step import train_steps
 from megatron_zero.topology import build_parallel_state
 from megatron_zero.training import param_groups
 from megatron_zero.zero import ZeroOptimizer
@@ -161,17 +161,9 @@ def train_layout(kind, tp, pp, stage, offload):
     opt = ZeroOptimizer(param_groups(model, HP["weight_decay"], True), dp_group=state.dp_group, stage=stage,
                         clip_grad=CLIP, mp_group=state.mp_group, tp_rank=state.tp_rank, module=model, lr=LR,
                         offload=offload, **HP)
-    per_rank = GLOBAL_BATCH // state.dp_size
     p2p = P2P(state.prev_rank, state.next_rank, activation_shape(1, cfg), torch.float32)
-    losses, norms = [], []
-    for step in range(STEPS):
-        tokens, labels = batch(step)
-        mine = slice(state.dp_rank * per_rank, (state.dp_rank + 1) * per_rank)
-        micro = [{"tokens": tokens[mine][j:j + 1], "labels": labels[mine][j:j + 1]} for j in range(per_rank)]
-        lr, own = lrs(step)
-        loss, norm = pipeline_train_step(model, opt, state, p2p, micro, lr=lr, decoupled_lr=own)
-        losses.append(loss)
-        norms.append(norm)
+    losses, norms = train_steps(model, opt, state, p2p, batch, STEPS, GLOBAL_BATCH,
+                                lambda step: dict(zip(("lr", "decoupled_lr"), lrs(step))))
     weights = {n: p.detach().float().clone() for n, p in model.named_parameters()} if stage < 3 else {}
     return state.layout.coords(state.rank), losses, norms, weights
 

@@ -32,7 +32,7 @@ from megatron_zero.testing import run_ranks
 from megatron_zero.testing.tiny_gpt import tiny_gpt_config, tiny_llama_config
 from megatron_zero.testing.tolerances import (AdamWeightBound, assert_losses_close, assert_within, global_norm_rtol,
                                               gpt_path_length, model_rtol)
-from megatron_zero.testing.train_step import pipeline_train_step
+from megatron_zero.testing.train_step import train_steps
 from megatron_zero.topology import build_parallel_state
 from megatron_zero.training import param_groups
 from megatron_zero.zero import ZeroOptimizer
@@ -169,16 +169,8 @@ def train_layout(norm, tp, pp, stage, sp):
     opt = ZeroOptimizer(param_groups(model, HP["weight_decay"]), dp_group=state.dp_group, stage=stage,
                         clip_grad=CLIP, mp_group=state.mp_group, tp_rank=state.tp_rank, module=model,
                         lr=HP["lr"], betas=HP["betas"], eps=HP["eps"], weight_decay=HP["weight_decay"])
-    per_rank = GLOBAL_BATCH // state.dp_size
     p2p = P2P(state.prev_rank, state.next_rank, activation_shape(1, cfg, tp), torch.float32)
-    losses, norms = [], []
-    for step in range(STEPS):
-        tokens, labels = batch(step, GLOBAL_BATCH)
-        mine = slice(state.dp_rank * per_rank, (state.dp_rank + 1) * per_rank)
-        micro = [{"tokens": tokens[mine][j:j + 1], "labels": labels[mine][j:j + 1]} for j in range(per_rank)]
-        loss, norm_ = pipeline_train_step(model, opt, state, p2p, micro)
-        losses.append(loss)
-        norms.append(norm_)
+    losses, norms = train_steps(model, opt, state, p2p, lambda step: batch(step, GLOBAL_BATCH), STEPS, GLOBAL_BATCH)
     weights = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     return state.layout.coords(state.rank), losses, norms, weights
 

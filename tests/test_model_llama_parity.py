@@ -16,7 +16,7 @@ from megatron_zero.model.sharding import gather_state_dicts, gather_tensor
 from megatron_zero.pipeline.gpt_stage import activation_shape, build_gpt_stage
 from megatron_zero.pipeline.p2p import P2P
 from megatron_zero.testing import run_ranks
-from megatron_zero.testing.train_step import pipeline_train_step
+from megatron_zero.testing.train_step import train_steps
 from megatron_zero.testing.tiny_gpt import tiny_llama_config
 from megatron_zero.testing.tolerances import (AdamWeightBound, assert_losses_close, assert_within, global_norm_rtol,
                                               gpt_path_length, model_rtol)
@@ -92,17 +92,9 @@ def train_layout(tp, pp, stage, groups, dtype):
                         mp_group=state.mp_group, tp_rank=state.tp_rank, bucket_size=3000, dtype=dtype,
                         module=model, persistence_threshold=100, loss_scaler={"dynamic": False, "static_scale": 1024.0},
                         **HP)
-    per_rank = GLOBAL_BATCH // state.dp_size
     p2p = P2P(state.prev_rank, state.next_rank, activation_shape(1, cfg),
               HALF.get(dtype, torch.float32))
-    losses, norms = [], []
-    for step in range(STEPS):
-        tokens, labels = batch(step)
-        mine = slice(state.dp_rank * per_rank, (state.dp_rank + 1) * per_rank)
-        micro = [{"tokens": tokens[mine][j:j + 1], "labels": labels[mine][j:j + 1]} for j in range(per_rank)]
-        loss, norm = pipeline_train_step(model, opt, state, p2p, micro)
-        losses.append(loss)
-        norms.append(norm)
+    losses, norms = train_steps(model, opt, state, p2p, batch, STEPS, GLOBAL_BATCH)
     weights = {n: p.detach().float().clone() for n, p in model.named_parameters()} if stage < 3 else {}
     return state.layout.coords(state.rank), losses, norms, weights
 

@@ -18,3 +18,20 @@ def pipeline_train_step(model, optimizer, state, p2p, micro, **step_kwargs):
     loss = broadcast_loss(out, state.is_last_stage, state.layout.pp_group(state.rank)[-1], state.pp_group,
                           state.dp_group)
     return loss, norm
+
+
+def train_steps(model, optimizer, state, p2p, batch, steps: int, global_batch: int, step_kwargs=None):
+    """`steps` pipeline_train_steps of the global batches batch(step) -> (tokens, labels), each [global_batch, s]:
+    this DP rank's rows, one sample a micro-batch. step_kwargs(step): that step's optimizer arguments.
+    -> (losses, gradient norms)."""
+    per_rank = global_batch // state.dp_size
+    mine = slice(state.dp_rank * per_rank, (state.dp_rank + 1) * per_rank)
+    losses, norms = [], []
+    for step in range(steps):
+        tokens, labels = batch(step)
+        micro = [{"tokens": tokens[mine][j:j + 1], "labels": labels[mine][j:j + 1]} for j in range(per_rank)]
+        loss, norm = pipeline_train_step(model, optimizer, state, p2p, micro,
+                                         **(step_kwargs(step) if step_kwargs else {}))
+        losses.append(loss)
+        norms.append(norm)
+    return losses, norms
