@@ -9,12 +9,11 @@ from ..checkpoint import save_checkpoint
 from ..checkpoint.reshape.universal_load import load_reshaped_checkpoint, load_universal_checkpoint
 from ..model.gpt import reference_model
 from ..moe import reset_aux_losses, set_aux_loss_scale
-from ..pipeline.gpt_stage import activation_shape, build_gpt_stage, make_forward_step, sync_tied_embedding_grads
+from ..pipeline.gpt_stage import activation_shape, build_gpt_stage
 from ..pipeline.p2p import P2P
-from ..pipeline.schedule import broadcast_loss, forward_backward
 from ..topology import build_parallel_state
 from ..zero import ZeroOptimizer
-from .moe_train import CLIP, GBS, HP, STEPS, global_batch, micro_slices
+from .moe_train import CLIP, GBS, HP, STEPS, global_batch, micro_slices, train_step
 
 SAVE_AT = 5
 
@@ -46,21 +45,9 @@ def moe_run(cfg, tp: int, pp: int, ep: int, stage: int, mb: int, save_dir=None, 
     if load is not None:
         loader = load_universal_checkpoint if load_kind == "universal" else load_reshaped_checkpoint
         start = loader(load, state, model, opt)["iteration"]
-    slices = micro_slices(state.dp_size, mb)
-    m = GBS // (mb * state.dp_size)
     losses, saved = {}, None
     for step in range(start, steps):
-        tokens, labels = global_batch(step)
-        micro = [{"tokens": tokens[slices[j, state.dp_rank]], "labels": labels[slices[j, state.dp_rank]]}
-                 for j in range(m)]
-        set_aux_loss_scale(opt.loss_scale / m)
-        out = forward_backward(make_forward_step(model, micro, state), m, p2p, state.pp_rank, pp,
-                               backward_loss=opt.backward, before_last_backward=opt.arm_grad_reduce)
-        sync_tied_embedding_grads(model, state)
-        updated, _ = opt.step()
-        assert updated
-        losses[step] = broadcast_loss(out, state.is_last_stage, state.layout.pp_group(state.rank)[-1],
-                                      state.pp_group, state.dp_group)
+        losses[step] = train_step(model, opt, state, p2p, step, mb)[0]
         if save_dir is not None and step + 1 == SAVE_AT:
             save_checkpoint(save_dir, step + 1, state, model, opt,
                             {"iteration": step + 1, "consumed_train_samples": (step + 1) * GBS,

@@ -63,6 +63,25 @@ def reference_run(cfg, dp: int, mb: int, steps: int = STEPS, seed=None):
     return losses, norms
 
 
+def train_step(model, opt, state, p2p, step: int, mb: int):
+    """One step of global batch `step` on this stage: this DP rank's micro-batches of `mb` samples through the
+    pipeline schedule, the aux losses scaled as training.py does, the ZeRO step. -> (loss on every rank, norm)."""
+    tokens, labels = global_batch(step)
+    slices = micro_slices(state.dp_size, mb)
+    m = GBS // (mb * state.dp_size)
+    micro = [{"tokens": tokens[slices[j, state.dp_rank]], "labels": labels[slices[j, state.dp_rank]]}
+             for j in range(m)]
+    set_aux_loss_scale(opt.loss_scale / m)
+    out = forward_backward(make_forward_step(model, micro, state), m, p2p, state.pp_rank, state.pp_size,
+                           backward_loss=opt.backward, before_last_backward=opt.arm_grad_reduce)
+    sync_tied_embedding_grads(model, state)
+    updated, norm = opt.step()
+    assert updated
+    loss = broadcast_loss(out, state.is_last_stage, state.layout.pp_group(state.rank)[-1], state.pp_group,
+                          state.dp_group)
+    return loss, norm
+
+
 def parallel_run(cfg, tp: int, pp: int, ep: int, stage: int, mb: int, steps: int = STEPS, overlap: bool = False,
                  bucket_size: int = 4000, seed=None):
     """`overlap`: --overlap-grad-reduce and --overlap-param-gather. `seed`: as reference_run's."""
@@ -75,21 +94,10 @@ def parallel_run(cfg, tp: int, pp: int, ep: int, stage: int, mb: int, steps: int
                         bucket_size=bucket_size, expert_dp_group=state.expert_dp_group,
                         overlap_grad_reduce=overlap, overlap_param_gather=overlap, **HP)
     p2p = P2P(state.prev_rank, state.next_rank, activation_shape(mb, cfg), torch.float32)
-    slices = micro_slices(state.dp_size, mb)
-    m = GBS // (mb * state.dp_size)
     losses, norms = [], []
     for step in range(steps):
-        tokens, labels = global_batch(step)
-        micro = [{"tokens": tokens[slices[j, state.dp_rank]], "labels": labels[slices[j, state.dp_rank]]}
-                 for j in range(m)]
-        set_aux_loss_scale(opt.loss_scale / m)
-        out = forward_backward(make_forward_step(model, micro, state), m, p2p, state.pp_rank, pp,
-                               backward_loss=opt.backward, before_last_backward=opt.arm_grad_reduce)
-        sync_tied_embedding_grads(model, state)
-        updated, norm = opt.step()
-        assert updated
-        losses.append(broadcast_loss(out, state.is_last_stage, state.layout.pp_group(state.rank)[-1],
-                                     state.pp_group, state.dp_group))
+        loss, norm = train_step(model, opt, state, p2p, step, mb)
+        losses.append(loss)
         norms.append(norm)
     opt.wait_params()
     reset_aux_losses()
