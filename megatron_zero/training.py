@@ -200,7 +200,8 @@ class Trainer:
         backward counts), rides in the step's norm all-reduce; the sums are left in optimizer.summed_votes."""
         s, timers = self.state, self.log.timers
         self.model.train()
-        set_aux_loss_scale(self.optimizer.loss_scale / len(micro))  # the MoE losses weigh as the LM loss does
+        # the MoE losses weigh as the LM loss does (a CP rank's share of a sequence's, times CP as its LM loss)
+        set_aux_loss_scale(self.optimizer.loss_scale * s.cp_size / len(micro))
         with timers("forward-backward", 1):
             step = timers.timed(make_forward_step(self.model, micro, s), "forward-compute", 2)
             losses = self.forward_backward(step, len(micro), self.train_p2p, s.pp_rank, s.pp_size,
@@ -425,7 +426,7 @@ class Trainer:
         self.moe_metrics.iteration(num_micro_batches)
         if p.iteration % a.log_interval != 0 and p.iteration != a.train_iters:
             return
-        values = self.moe_metrics.report(s.pp_group, s.dp_group, s.dp_size)
+        values = self.moe_metrics.report(s.pp_group, s.dp_group, s.data_parallel_size)
         for name, value in values.items():
             self.log.scalars.scalar(name, value, p.iteration, p.consumed_train_samples)
         self._log(f" iteration {p.iteration:8d} | " + " | ".join(f"{k}: {v:.6E}" for k, v in values.items()) + " |")

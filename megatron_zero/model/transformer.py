@@ -304,7 +304,7 @@ class ParallelTransformerLayer(nn.Module):
         self.post_attention_layernorm = build_norm(config, tp_group)
         if config.is_moe_layer(block):
             from ..moe import MoELayer
-            self.mlp = MoELayer(config, tp_group, ep_group, ParallelMLP)
+            self.mlp = MoELayer(config, tp_group, ep_group, ParallelMLP, cp_group)
         else:
             self.mlp = ParallelMLP(config, tp_group)
 

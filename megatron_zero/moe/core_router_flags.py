@@ -29,6 +29,9 @@ def check_core_router_flags(args, require) -> None:
     require(capacity is None or args.moe_capacity_factor is None,
             "--moe-expert-capacity-factor (Megatron-Core's capacity) and DeepSpeed-MoE's capacity gating flags "
             "(--moe-train-capacity-factor, --topk, ...) configure two different routers; give one family")
-    require(args.moe_router_load_balancing_type != "seq_aux_loss" or args.context_parallel_size == 1,
-            "--moe-router-load-balancing-type seq_aux_loss with --context-parallel-size "
-            f"{args.context_parallel_size} is not implemented (it needs each sequence's routing over the CP group)")
+    cp = args.context_parallel_size
+    require(cp == 1 or (capacity is None and args.moe_capacity_factor is None),
+            f"--context-parallel-size {cp} with an expert capacity ("
+            f"{'--moe-expert-capacity-factor' if capacity is not None else '--moe-train-capacity-factor'}) is not "
+            "implemented: the capacity counts each sequence's tokens, which context parallelism splits over ranks; "
+            "train dropless or without context parallelism")

@@ -60,9 +60,9 @@ class Gate(nn.Module):
 
 
 class DeepSpeedMoE(nn.Module):
-    def __init__(self, config, tp_group, ep_group, mlp_class):
+    def __init__(self, config, tp_group, ep_group, mlp_class, cp_group=None):
         super().__init__()
-        self.config, self.ep_group = config, ep_group
+        self.config, self.ep_group, self.cp_group = config, ep_group, cp_group
         ep = dist.get_world_size(ep_group) if ep_group is not None else 1
         ep_rank = dist.get_rank(ep_group) if ep_group is not None else 0
         if config.num_experts % ep:
@@ -81,7 +81,8 @@ class DeepSpeedMoE(nn.Module):
         if c.moe_capacity_factor is None:
             weights, expert_ids = route(logits, c.moe_router_topk, c.moe_router_pre_softmax,
                                         c.moe_router_load_balancing_type, c.moe_aux_loss_coeff, c.moe_z_loss_coeff,
-                                        c.moe_router_score_function, c.moe_router_topk_scaling_factor, shape[0])
+                                        c.moe_router_score_function, c.moe_router_topk_scaling_factor, shape[0],
+                                        self.cp_group)
             if c.moe_expert_capacity_factor is not None:  # Megatron-Core's capacity (token_dropping.py)
                 kept = kept_pairs(weights, expert_ids, c.num_experts, c.moe_expert_capacity_factor,
                                   c.moe_token_drop_policy, shape[0])
@@ -108,9 +109,9 @@ class MoELayer(nn.Module):
     """A block's `mlp` when the block is an MoE layer (parameter names: `mlp.deepspeed_moe.*`, and with a
     shared expert `mlp.shared_expert.*`, `mlp.shared_expert_gate.weight`: shared_expert.py)."""
 
-    def __init__(self, config, tp_group=None, ep_group=None, mlp_class=None):
+    def __init__(self, config, tp_group=None, ep_group=None, mlp_class=None, cp_group=None):
         super().__init__()
-        self.deepspeed_moe = DeepSpeedMoE(config, tp_group, ep_group, mlp_class)
+        self.deepspeed_moe = DeepSpeedMoE(config, tp_group, ep_group, mlp_class, cp_group)
         self.shared_expert, self.shared_expert_gate = build_shared_expert(config, tp_group, mlp_class)
 
     def forward(self, x):

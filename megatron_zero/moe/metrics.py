@@ -35,7 +35,9 @@ class MoEMetrics:
         self.iterations += 1
 
     def report(self, pp_group, dp_group, dp: int) -> Optional[Dict[str, float]]:
-        """name -> the interval's mean (a collective over PP and DP: every rank calls it at each log line)."""
+        """name -> the interval's mean (a collective over PP and DP: every rank calls it at each log line).
+        `dp_group` is the gradient-reduction group (DP x CP); `dp` the data replicas: a CP rank's values are
+        its share of its sequences' losses (router.py), which the group's sum completes."""
         sums = self.sums.clone()
         for group in (pp_group, dp_group):
             if group is not None and dist.get_world_size(group) > 1:

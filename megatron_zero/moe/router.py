@@ -7,6 +7,10 @@
         aux = c * E / (T^2 k) * sum_e (sum_t softmax(logits)_te) * tokens_routed_to_e
     sequence-level (seq_aux_loss): that loss of each sequence alone (T: its tokens), averaged over the batch
     z-loss (--moe-z-loss-coeff c_z): c_z * mean_t logsumexp(logits_t)^2
+    context parallelism (`reduce_group`: the CP group, each rank routing its chunks of every sequence):
+        tokens_routed_to_e (per sequence for seq_aux_loss) summed over the group, T the whole sequence's,
+        and the probabilities this rank's only: the group's losses sum to the whole sequence's loss
+        (Megatron-Core's tp_cp reduce group); the z-loss coefficient is divided by the group's size
     --moe-router-score-function sigmoid: top-k of sigmoid(logits), normalised to sum 1 (k > 1); the aux
         losses then take sigmoid(logits) normalised over all E; --moe-router-topk-scaling-factor s: the
         router weights times s
@@ -16,16 +20,19 @@ backward, adds the loss's gradient times the current scale (Megatron's MoEAuxLos
 training step sets that scale once per global batch to loss_scale / micro-batches
 (`set_aux_loss_scale`), so the aux losses are weighted as the language-model loss is under gradient
 accumulation, pipelining (the loss of a middle stage's layer never crosses a stage boundary) and
-fp16 loss scaling. Each layer's values (divided by their coefficients, as Megatron logs them) are
-summed into `aux_losses()` for the log, until `reset_aux_losses()`; a layer run again by full
-recompute (model/recompute.py) in backward is not counted a second time.
+fp16 loss scaling; under context parallelism the scale is also multiplied by the CP size, as the
+language-model loss of a CP rank is (Megatron-Core's schedule does the same). Each layer's values
+(divided by their coefficients, as Megatron logs them) are summed into `aux_losses()` for the log,
+until `reset_aux_losses()`; a layer run again by full recompute (model/recompute.py) in backward is not counted a second time.
 """
 from __future__ import annotations
 
 from typing import Dict
 
 import torch
+import torch.distributed as dist
 
+from .. import shm_comm
 from ..model.recompute import is_recomputing
 
 _SCALE = {"value": 1.0}
@@ -69,9 +76,11 @@ class AuxLossScaler(torch.autograd.Function):
 
 
 def switch_load_balancing_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor, topk: int,
-                               coeff: float) -> torch.Tensor:
-    """Megatron-Core's switch_load_balancing_loss_func: probs [T, E] over all experts, counts [E]."""
-    tokens, experts = probs.shape
+                               coeff: float, tokens: int = 0) -> torch.Tensor:
+    """Megatron-Core's switch_load_balancing_loss_func: probs [T_local, E] over all experts, counts [E] of
+    all `tokens` (default T_local)."""
+    experts = probs.shape[1]
+    tokens = tokens or probs.shape[0]
     return torch.sum(probs.sum(dim=0) * tokens_per_expert) * (experts * coeff / (tokens * tokens * topk))
 
 
@@ -80,12 +89,13 @@ def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
 
 
 def seq_load_balancing_loss(scores: torch.Tensor, tokens_per_expert: torch.Tensor, batch: int, topk: int,
-                            coeff: float) -> torch.Tensor:
+                            coeff: float, parts: int = 1) -> torch.Tensor:
     """Megatron-Core's seq_aux_loss: the switch loss of each sequence on its own, averaged over the batch.
-    scores [b s, E] (batch-major), tokens_per_expert [b, E] (each sequence's routing)."""
+    scores [b s, E] (batch-major; s: this rank's `1 / parts` of each sequence), tokens_per_expert [b, E]
+    (each whole sequence's routing)."""
     tokens, experts = scores.shape
-    seq = tokens // batch
-    per_seq = scores.view(batch, seq, experts).sum(dim=1)
+    per_seq = scores.view(batch, tokens // batch, experts).sum(dim=1)
+    seq = tokens // batch * parts
     return torch.sum(per_seq * tokens_per_expert) * (experts * coeff / (topk * seq * seq)) / batch
 
 
@@ -116,12 +126,22 @@ def scores_for_aux_loss(logits: torch.Tensor, topk: int, score_function: str) ->
     return scores, torch.topk(scores, topk, dim=-1)[1]
 
 
+def _summed(counts: torch.Tensor, group) -> torch.Tensor:
+    """The routing counts of the whole `group` (a collective; no gradient flows through counts)."""
+    if group is not None:
+        shm_comm.all_reduce(counts, group)
+    return counts
+
+
 def route(logits: torch.Tensor, topk: int, pre_softmax: bool, balancing: str, aux_coeff: float,
-          z_coeff, score_function: str = "softmax", scaling_factor=None, batch: int = 1) -> tuple:
+          z_coeff, score_function: str = "softmax", scaling_factor=None, batch: int = 1,
+          reduce_group=None) -> tuple:
     """logits [T, E] (fp32, T = batch x seq tokens, batch-major) -> (weights [T, k], expert ids [T, k]) with
-    the aux losses attached to `weights`."""
+    the aux losses attached to `weights`. `reduce_group`: the ranks holding the other parts of these
+    sequences (context parallelism), None: the sequences are whole here."""
+    parts = dist.get_world_size(reduce_group) if reduce_group is not None else 1
     if z_coeff:
-        zl = z_loss(logits, z_coeff)
+        zl = z_loss(logits, z_coeff / parts)
         track("z_loss", zl / z_coeff)
         logits = AuxLossScaler.apply(logits, zl)
     weights, experts = scores_and_choice(logits, topk, pre_softmax, score_function, scaling_factor)
@@ -131,13 +151,15 @@ def route(logits: torch.Tensor, topk: int, pre_softmax: bool, balancing: str, au
             counts = torch.zeros(logits.shape[1], dtype=logits.dtype, device=logits.device)
             counts.scatter_add_(0, chosen.reshape(-1), torch.ones(chosen.numel(), dtype=logits.dtype,
                                                                    device=logits.device))
-            aux = switch_load_balancing_loss(scores, counts, topk, aux_coeff)
+            aux = switch_load_balancing_loss(scores, _summed(counts, reduce_group), topk, aux_coeff,
+                                             logits.shape[0] * parts)
             track("load_balancing_loss", aux / aux_coeff)
         else:
             counts = torch.zeros(batch, logits.shape[0] // batch, logits.shape[1], dtype=logits.dtype,
                                  device=logits.device)
             counts.scatter_(2, chosen.view(batch, -1, topk), 1.0)
-            aux = seq_load_balancing_loss(scores, counts.sum(dim=1), batch, topk, aux_coeff)
+            aux = seq_load_balancing_loss(scores, _summed(counts.sum(dim=1), reduce_group), batch, topk,
+                                          aux_coeff, parts)
             track("seq_load_balancing_loss", aux / aux_coeff)
         weights = AuxLossScaler.apply(weights, aux)
     return weights, experts

@@ -133,9 +133,13 @@ class CliResume:
     def resume(self, how: str = "as saved", layout: Optional[dict] = None) -> Dict[int, float]:
         """The losses of a run resumed `how` ("as saved", "reshaped", "universal") at `layout` (changes to
         the saved one)."""
+        return logged_losses(self.resume_run(how, layout))
+
+    def resume_run(self, how: str = "as saved", layout: Optional[dict] = None) -> subprocess.CompletedProcess:
+        """That resumed run itself (its whole log)."""
         load = {"load": self.universal, "universal-checkpoint": True} if how == "universal" else \
             {"load": self.checkpoint}
-        return logged_losses(self._run(load, layout or {}))
+        return self._run(load, layout or {})
 
     def assert_matches(self, resumed: Dict[int, float], rel: float) -> None:
         """Every iteration after the checkpoint's, within `rel` of the uninterrupted run (0: bit-identical)."""

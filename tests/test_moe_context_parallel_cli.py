@@ -1,0 +1,36 @@
+"""MoE with context parallelism through pretrain_gpt.py, as users run it: a Llama with MoE layers (4 experts
+top-2, switch aux loss and z-loss) at CP2 on 2 ranks for 6 iterations, saving at 3, resumed reshaped while
+loading at CP1 (DP2): iterations 4-6 log the uninterrupted run's language-model loss within relative 1e-5
+(tests/test_cli_resume.py's bound: 7 printed digits, fp32 sums reordered by another layout), and the MoE
+losses of the log interval (the CP ranks' shares summed) the uninterrupted run's within 1e-5 too. The CP2
+run's aux losses enter its gradients scaled by CP, as its language-model loss does; without that factor the
+resumed losses drift from the uninterrupted run's past the bound."""
+import re
+
+import pytest
+
+from megatron_zero.testing.cli import CliResume, cli_flags, logged_losses, text_data
+
+pytestmark = [pytest.mark.multirank, pytest.mark.slow]
+
+MOE = {"num-experts": 4, "moe-router-topk": 2, "moe-aux-loss-coeff": 1e-2, "moe-z-loss-coeff": 1e-3,
+       "moe-layer-freq": 2}
+REL = 1e-5
+
+
+def moe_losses(stdout: str):
+    return [(float(a), float(b)) for a, b in
+            re.findall(r"load_balancing_loss: ([0-9.E+-]+) \| z_loss: ([0-9.E+-]+)", stdout)]
+
+
+def test_moe_cp2_resumes_at_cp1(tmp_path):
+    data = text_data(str(tmp_path / "text"))
+    run = CliResume(str(tmp_path), lambda *changes: cli_flags(data, str(tmp_path / "cache"), "llama", MOE, *changes),
+                    {"context-parallel-size": 2, "zero-stage": 1}, nproc=2)
+    resumed_run = run.resume_run("reshaped", {"context-parallel-size": 1})
+    run.assert_matches(logged_losses(resumed_run), REL)
+    saved, resumed = moe_losses(run.stdout), moe_losses(resumed_run.stdout)
+    assert len(saved) == 6 and len(resumed) == 3, (saved, resumed)
+    for want, got in zip(saved[3:], resumed):
+        for w, g in zip(want, got):
+            assert abs(g - w) <= REL * abs(w), (saved, resumed)
