@@ -38,7 +38,8 @@ from typing import Dict, List
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
 GPU_TEST_FILES = ("test_ops_cuda.py", "test_gpu_training.py", "test_zero_offload.py", "test_zero_offload_upload.py",
-                  "test_checkpoint_staging.py", "test_universal_deepspeed.py", "test_context_parallel_gpu.py")
+                  "test_checkpoint_staging.py", "test_universal_deepspeed.py", "test_context_parallel_gpu.py",
+                  "test_moe_gpu.py", "test_moe_grouped_gemm.py")
 MODULES = ("numpy", "crc32c", "safetensors", "pytest", "setuptools", "tokenizers", "sentencepiece", "tensorboard")
 NEEDED = ("numpy", "crc32c", "pytest", "setuptools")  # training, checkpoints, the tests, the build
 
