@@ -127,7 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="split each sequence over this many ranks (docs/context_parallel.md)")
     g.add_argument("--cp-comm-type", type=str, default="p2p",
-                   help="how context-parallel ranks exchange K/V: p2p (ring), all_gather or a2a (Ulysses)")
+                   help="how context-parallel ranks exchange K/V: p2p (ring), all_gather, a2a (Ulysses) or a2a+p2p "
+                        "(a2a within groups of consecutive CP ranks, a ring across them)")
+    g.add_argument("--hierarchical-context-parallel-sizes", type=int, nargs="+", default=None,
+                   help="--cp-comm-type a2a+p2p: the all-to-all group's size and the ring's, their product CP")
     g.add_argument("--pipeline-partition-method", choices=["uniform", "parameters"], default="uniform")
     g.add_argument("--pipeline-partition", type=str, default=None,
                    help="explicit transformer layers per pipeline stage, e.g. 3,5")
@@ -678,7 +681,7 @@ def _validate_memory_flags(args, tp: int):
              "which does not divide it")
 
 
-CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 
 
 def _ulysses_as_context_parallel(args):
@@ -698,11 +701,33 @@ def _ulysses_as_context_parallel(args):
     args.context_parallel_size, args.cp_comm_type = ds, "a2a"
 
 
+def cp_a2a_size(args) -> int:
+    """The all-to-all group's size of --cp-comm-type a2a+p2p (build_parallel_state's cp_a2a); 0 otherwise."""
+    return args.hierarchical_context_parallel_sizes[0] if args.cp_comm_type == "a2a+p2p" else 0
+
+
+def _validate_hierarchical_cp(args, tp: int):
+    """--hierarchical-context-parallel-sizes A P with --cp-comm-type a2a+p2p (Megatron-Core's meaning)."""
+    cp, kind, sizes = args.context_parallel_size, args.cp_comm_type, args.hierarchical_context_parallel_sizes
+    if kind != "a2a+p2p":
+        _require(sizes is None, f"--hierarchical-context-parallel-sizes applies to --cp-comm-type a2a+p2p, not {kind}")
+        return
+    _require(sizes is not None and len(sizes) == 2 and min(sizes) >= 1 and sizes[0] * sizes[1] == cp,
+             f"--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P: the all-to-all group's size "
+             f"and the ring's, with A x P = --context-parallel-size {cp} (given: {sizes})")
+    heads = args.num_attention_heads // tp
+    _require(heads % sizes[0] == 0,
+             f"--cp-comm-type a2a+p2p scatters each tensor-parallel rank's {heads} attention heads "
+             f"(--num-attention-heads {args.num_attention_heads} / --tensor-model-parallel-size {tp}) over the "
+             f"all-to-all size {sizes[0]} of --hierarchical-context-parallel-sizes, which does not divide them")
+
+
 def _validate_context_parallel(args, tp: int):
     """--context-parallel-size and --cp-comm-type: the layouts and the compositions context parallelism has."""
     cp, kind = args.context_parallel_size, args.cp_comm_type
     _require(kind in CP_COMM_TYPES, f"--cp-comm-type {kind} is not available; use p2p (ring exchange of K/V), "
-             "all_gather or a2a (Ulysses' head scatter); a2a+p2p is not implemented")
+             "all_gather, a2a (Ulysses' head scatter) or a2a+p2p (a2a within groups, a ring across them)")
+    _validate_hierarchical_cp(args, tp)
     if cp == 1:
         return
     seq = args.seq_length

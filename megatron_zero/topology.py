@@ -176,6 +176,19 @@ class Layout:
 GROUP_KINDS = ("tp", "dp", "pp", "mp", "embedding")
 
 
+def hierarchical_cp_ranks(cp_ranks: List[int], a2a: int) -> Tuple[List[List[int]], List[List[int]]]:
+    """--cp-comm-type a2a+p2p's groups within one CP group (Megatron-Core's create_hierarchical_groups with
+    sizes [a2a, cp / a2a]): the all-to-all groups of `a2a` consecutive CP ranks, and the ring groups of the
+    ranks holding the same place in them."""
+    cp = len(cp_ranks)
+    if a2a < 1 or cp % a2a:
+        raise TopologyError(f"--hierarchical-context-parallel-sizes: the all-to-all size {a2a} must divide "
+                            f"--context-parallel-size {cp}")
+    a2a_groups = [cp_ranks[j:j + a2a] for j in range(0, cp, a2a)]
+    p2p_groups = [cp_ranks[i::a2a] for i in range(a2a)]
+    return a2a_groups, p2p_groups
+
+
 @dataclass
 class ParallelState:
     """One rank's view of the layout: its coordinates and its process groups."""
@@ -224,6 +237,11 @@ class ParallelState:
     def cp_group(self):
         """The context-parallel group; None when CP = 1."""
         return self.groups.get("cp")
+
+    @property
+    def cp_hierarchy(self):
+        """--cp-comm-type a2a+p2p: (this rank's all-to-all group, its ring group); None otherwise."""
+        return (self.groups["cp_a2a"], self.groups["cp_p2p"]) if "cp_a2a" in self.groups else None
 
     @property
     def data_parallel_rank(self) -> int:
@@ -284,9 +302,10 @@ class ParallelState:
         return self.layout.next_stage_rank(self.rank)
 
 
-def build_parallel_state(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> ParallelState:
+def build_parallel_state(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, cp_a2a: int = 0) -> ParallelState:
     """Create every group on an initialised torch.distributed world (with ep > 1 also the expert-parallel
-    and expert-data-parallel groups, after the others).
+    and expert-data-parallel groups, after the others; with cp_a2a, --cp-comm-type a2a+p2p's all-to-all
+    groups of `cp_a2a` consecutive CP ranks and ring groups within each CP group, last).
 
     Every rank must call this with the same sizes: each group is created by all
     ranks in the same order, as torch.distributed requires.
@@ -312,6 +331,13 @@ def build_parallel_state(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> 
             for ranks in layout.all_groups(kind, ep):
                 group = dist.new_group(ranks)
                 if ranks == mine:
+                    groups[kind] = group
+    if cp_a2a:
+        levels = [hierarchical_cp_ranks(cp_ranks, cp_a2a) for cp_ranks in layout.all_groups("cp")]
+        for kind, level in (("cp_a2a", 0), ("cp_p2p", 1)):
+            for ranks in (g for per_cp_group in levels for g in per_cp_group[level]):
+                group = dist.new_group(ranks)
+                if rank in ranks:
                     groups[kind] = group
     return ParallelState(layout=layout, rank=rank, groups=groups, ep_size=ep)
 

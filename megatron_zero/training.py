@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint as ckpt
-from .arguments import ArgumentError, args_to_dict, parse_args
+from .arguments import ArgumentError, args_to_dict, cp_a2a_size, parse_args
 from .checkpoint.compat import check_checkpoint_compat
 from .checkpoint.storage.lock import hold_save_lock
 from .checkpoint.preflight import check_save_dir, checkpoint_bytes
@@ -452,7 +452,8 @@ def pretrain(argv=None) -> int:
         init_distributed(backend, args.distributed_timeout_minutes)
         lock = hold_save_lock(args.save) if args.save else None
         state = build_parallel_state(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                     cp=args.context_parallel_size, ep=args.expert_model_parallel_size)
+                                     cp=args.context_parallel_size, ep=args.expert_model_parallel_size,
+                                     cp_a2a=cp_a2a_size(args))
         trainer = Trainer(args, state, device)
         code = trainer.train()
     except (ArgumentError, LaunchError, DeviceError, DataError, ckpt.CheckpointError, RunStopped) as err:

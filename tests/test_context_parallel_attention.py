@@ -1,4 +1,4 @@
-"""Context-parallel attention (ring p2p and all-gather) against the whole-sequence causal attention, forward
+"""Context-parallel attention (ring p2p, all-gather, a2a and hierarchical a2a+p2p) against the whole-sequence causal attention, forward
 and backward, fp32: CP 2 and 4, grouped-query (2 KV groups for 4 query heads) and plain multi-head, and
 the load-balanced chunking as pure functions. The attention is a short chain of sums (scores over the head
 dim d, the softmax and context over s keys; backward the same again), so both sides are fp32 evaluations
@@ -7,7 +7,10 @@ of one expression in another order: normwise within model_rtol(n), n = 4 (d + s)
 Attention dropout (p2p and all_gather): the mask of probability (i, j) is a hash of (seed, sample, head,
 positions i and j), so the reference applies the same mask to the whole sequence's softmax (identical-mask
 construction) and the bound is the one without dropout; the mask's kept share is checked against the
-binomial distribution."""
+binomial distribution.
+
+a2a+p2p runs with all-to-all groups of A = 1 and 2 consecutive ranks (at CP4, A = 2: two groups, each then a
+ring of 2), the groups built by topology.hierarchical_cp_ranks as build_parallel_state builds them."""
 import dataclasses
 
 import pytest
@@ -20,6 +23,7 @@ from megatron_zero.model.attention_core import attention_core
 from megatron_zero.model.transformer import expand_kv_heads
 from megatron_zero.testing import run_ranks
 from megatron_zero.testing.tolerances import assert_close_normwise, model_rtol
+from megatron_zero.topology import hierarchical_cp_ranks
 
 B, HEADS, SEQ, D = 2, 4, 16, 8
 
@@ -76,7 +80,8 @@ def cp_run():
     cp, r = dist.get_world_size(), dist.get_rank()
     out = {}
     ranks = list(range(cp))
-    for case in CASES + DROPOUT_CASES:
+    hierarchy = {a: _hierarchy(ranks, a, r) for a in sorted({case[2] for case in HIERARCHICAL})}
+    for case in CASES + DROPOUT_CASES + HIERARCHICAL:
         comm_type, groups = case[:2]
         q, k, v, dout = (slice_sequence_for_cp(t, cp, r, dim=2) for t in inputs(groups))
         q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
@@ -84,6 +89,8 @@ def cp_run():
             context = ring_attention.ring_attention(q, k, v, SEQ, dist.group.WORLD, ranks, r, DROPOUT)
         elif case in DROPOUT_CASES:
             context = all_gather_attention.all_gather_attention(q, k, v, SEQ, dist.group.WORLD, cp, r, DROPOUT)
+        elif case in HIERARCHICAL:
+            context = context_parallel_attention(q, k, v, dist.group.WORLD, comm_type, hierarchy=hierarchy[case[2]])
         else:
             context = context_parallel_attention(q, k, v, dist.group.WORLD, comm_type, core=unfused)
         context.backward(dout)
@@ -93,6 +100,17 @@ def cp_run():
 
 CASES = [(comm_type, groups) for comm_type in ("p2p", "all_gather", "a2a") for groups in (2, 4)]
 DROPOUT_CASES = [(comm_type, 2, "dropout") for comm_type in ("p2p", "all_gather")]
+HIERARCHICAL = [("a2a+p2p", groups, a) for groups in (2, 4) for a in (1, 2)]  # a: the all-to-all group's size
+
+
+def _hierarchy(ranks, a, rank):
+    """(all-to-all group, ring group) of `rank`; every rank creates every group in the same order."""
+    a2a_groups, p2p_groups = hierarchical_cp_ranks(ranks, a)
+    mine = []
+    for groups in (a2a_groups, p2p_groups):
+        made = [(g, dist.new_group(g)) for g in groups]
+        mine.append(next(group for g, group in made if rank in g))
+    return tuple(mine)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["cp2", "cp4"])
@@ -100,7 +118,10 @@ def cp_runs(request):
     return request.param, run_ranks(cp_run, request.param)
 
 
-@pytest.mark.parametrize("case", CASES + DROPOUT_CASES, ids=["-".join(map(str, c)) for c in CASES + DROPOUT_CASES])
+ALL = CASES + DROPOUT_CASES + HIERARCHICAL
+
+
+@pytest.mark.parametrize("case", ALL, ids=["-".join(map(str, c)) for c in ALL])
 def test_matches_whole_sequence_attention(cp_runs, case):
     cp, per_rank = cp_runs
     comm_type, groups = case[:2]

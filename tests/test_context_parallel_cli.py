@@ -56,3 +56,16 @@ def test_attention_dropout_with_p2p_resumes_as_saved(tmp_path):
                                                               {"attention-dropout": 0.1}),
                     {"context-parallel-size": 2, "zero-stage": 1}, nproc=2)
     run.assert_matches(run.resume("as saved"), AS_SAVED_REL)
+
+
+@pytest.mark.slow
+def test_hierarchical_a2a_p2p_resumes_at_cp1(tmp_path):
+    """--cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 2 at CP4 (all-to-all groups of 2, rings
+    of 2) trains, and its checkpoint resumed at CP1 (DP4) logs its losses within RESHAPED_REL. Default-tier
+    cover: tests/test_context_parallel_parity.py (a2a+p2p against the reference)."""
+    data = text_data(str(tmp_path / "text"))
+    run = CliResume(str(tmp_path), lambda *changes: cli_flags(data, str(tmp_path / "cache"), "llama", *changes),
+                    {"context-parallel-size": 4, "cp-comm-type": "a2a+p2p",
+                     "hierarchical-context-parallel-sizes": [2, 2], "zero-stage": 1}, nproc=4)
+    run.assert_matches(run.resume("reshaped", {"context-parallel-size": 1, "cp-comm-type": "p2p",
+                                               "hierarchical-context-parallel-sizes": None}), RESHAPED_REL)

@@ -2,9 +2,9 @@
 parallelism does not have refused in one sentence naming the flag."""
 import pytest
 
-from megatron_zero.arguments import parse_args
+from megatron_zero.arguments import cp_a2a_size, parse_args
 from megatron_zero.testing.flag_checks import BASE, refused, with_flags
-from megatron_zero.topology import Layout
+from megatron_zero.topology import Layout, hierarchical_cp_ranks
 
 
 def test_cp_divides_the_world_and_dp_counts_data_replicas():
@@ -23,6 +23,16 @@ def test_cp_divides_the_world_and_dp_counts_data_replicas():
         dropped = parse_args(with_flags(BASE, context_parallel_size=2, cp_comm_type=comm_type, attention_dropout=0.1),
                              world_size=2)
         assert (dropped.cp_comm_type, dropped.attention_dropout) == (comm_type, 0.1)
+    hierarchical = parse_args(with_flags(BASE, context_parallel_size=4, cp_comm_type="a2a+p2p", attention_dropout=0.1,
+                                         hierarchical_context_parallel_sizes=[2, 2]), world_size=4)
+    assert (hierarchical.cp_comm_type, cp_a2a_size(hierarchical), cp_a2a_size(ulysses)) == ("a2a+p2p", 2, 0)
+
+
+def test_hierarchical_groups_are_megatron_cores():
+    """create_hierarchical_groups' levels for sizes [2, 4] of 8 ranks: pairs, then strided fours."""
+    a2a, p2p = hierarchical_cp_ranks([10, 11, 12, 13, 14, 15, 16, 17], 2)
+    assert a2a == [[10, 11], [12, 13], [14, 15], [16, 17]]
+    assert p2p == [[10, 12, 14, 16], [11, 13, 15, 17]]
 
 
 def test_layout_order_is_tp_cp_dp_pp():
@@ -45,7 +55,15 @@ def test_layout_order_is_tp_cp_dp_pp():
     (dict(context_parallel_size=2, tensor_model_parallel_size=4, sequence_parallel=True, seq_length=20,
           max_position_embeddings=20, global_batch_size=2), 8,
      ["--sequence-parallel", "10 tokens", "--tensor-model-parallel-size 4"]),
-    (dict(cp_comm_type="a2a+p2p"), 1, ["--cp-comm-type a2a+p2p", "p2p", "all_gather"]),
+    (dict(cp_comm_type="a2a+p4p"), 1, ["--cp-comm-type a2a+p4p", "p2p", "all_gather"]),
+    (dict(context_parallel_size=4, cp_comm_type="a2a+p2p"), 4,
+     ["--hierarchical-context-parallel-sizes A P", "--context-parallel-size 4"]),
+    (dict(context_parallel_size=4, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[2, 3]), 4,
+     ["A x P = --context-parallel-size 4", "[2, 3]"]),
+    (dict(context_parallel_size=4, tensor_model_parallel_size=2, cp_comm_type="a2a+p2p",
+          hierarchical_context_parallel_sizes=[4, 1]), 8, ["2 attention heads", "all-to-all size 4"]),
+    (dict(context_parallel_size=2, hierarchical_context_parallel_sizes=[2, 1]), 2,
+     ["--hierarchical-context-parallel-sizes applies to --cp-comm-type a2a+p2p, not p2p"]),
     (dict(context_parallel_size=4, tensor_model_parallel_size=2, cp_comm_type="a2a"), 8,
      ["--cp-comm-type a2a", "2 attention heads", "--context-parallel-size 4"]),
     (dict(context_parallel_size=2, attention_backend="flash"), 2, ["--attention-backend flash"]),

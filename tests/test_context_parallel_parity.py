@@ -1,7 +1,8 @@
 """Context parallelism against the single-process reference with torch.optim.AdamW, fp32: GPT-2 and a
 Llama (RoPE, grouped-query attention with 2 KV groups, SwiGLU, RMSNorm, untied) at CP4, CP2 x TP2 with
 sequence parallelism, CP2 x PP2 and CP2 x DP2 on ZeRO-3, each --cp-comm-type (p2p ring, all_gather, a2a:
-Ulysses' all-to-all, at CP4, CP2 x TP2 and CP2 x PP2); and
+Ulysses' all-to-all, at CP4, CP2 x TP2 and CP2 x PP2; a2a+p2p at CP4 as two all-to-all groups of 2 and
+rings of 2, also with full recomputation on ZeRO-2); and
 composed with full and selective recomputation and the interleaved pipeline (4 layers, 2 chunks per
 rank). bf16 and fp16 (static loss scale 1024) layouts track the fp32 reference within 3 %, as in
 tests/test_model_llama_parity.py.
@@ -42,10 +43,12 @@ LAYOUTS = [
     (1, 1, 4, 1, "a2a", ""), (2, 1, 2, 2, "a2a", ""), (1, 2, 2, 1, "a2a", ""),  # Ulysses: CP4, x TP2, x PP2
     (2, 1, 2, 1, "p2p", "full"), (1, 1, 4, 2, "all_gather", "selective"),  # recomputation
     (1, 1, 2, 1, "a2a", "selective"),
+    (1, 1, 4, 1, "a2a+p2p", ""), (1, 1, 4, 2, "a2a+p2p", "full"),  # hierarchical: a2a groups of 2, a ring of 2
     (1, 2, 2, 1, "p2p", "interleaved"),                                # 2 model chunks per pipeline rank
     (2, 1, 2, 1, "p2p", "bf16"), (1, 2, 2, 2, "all_gather", "fp16"),   # half precision
 ]
 MODELS = ("gpt", "llama")
+HIERARCHICAL_A2A = 2  # --hierarchical-context-parallel-sizes 2 CP/2 (the groups are built at every layout)
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 HALF_TOLERANCE = 0.03
 RECOMPUTE = {"full": dict(recompute_granularity="full", recompute_method="uniform"),
@@ -100,7 +103,7 @@ def reference_run(model, num_layers):
 
 def train_layout(states, model, tp, pp, cp, stage, comm_type, other):
     if (tp, pp, cp) not in states:  # each layout's groups once (every group holds file descriptors)
-        states[(tp, pp, cp)] = build_parallel_state(tp=tp, pp=pp, cp=cp)
+        states[(tp, pp, cp)] = build_parallel_state(tp=tp, pp=pp, cp=cp, cp_a2a=HIERARCHICAL_A2A)
     state = states[(tp, pp, cp)]
     cfg = config(model, layers(other), comm_type, tp > 1, other)
     vp = 2 if other == "interleaved" else 1

@@ -1,5 +1,6 @@
 """The attention core of a context-parallel rank: `--cp-comm-type` picks how K/V reach the queries (p2p: a ring;
-all_gather: every rank gathers them; a2a: heads scattered, sequences gathered, Ulysses)."""
+all_gather: every rank gathers them; a2a: heads scattered, sequences gathered, Ulysses; a2a+p2p: a2a within
+groups of consecutive CP ranks, then a ring across the groups)."""
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -10,20 +11,22 @@ import torch.distributed as dist
 from ..tensor_parallel import get_rng_tracker
 from .all_gather_attention import all_gather_attention
 from .block_attention import Dropout
+from .hierarchical_attention import hierarchical_attention
 from .ring_attention import ring_attention
 from .ulysses_attention import ulysses_attention
 
-CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group, comm_type: str,
-                               core: Optional[Callable] = None, dropout_p: float = 0.0):
+                               core: Optional[Callable] = None, dropout_p: float = 0.0, hierarchy=None):
     """Causal attention of this CP rank's queries over the whole sequence: q [b, heads, s / cp, d], k and v
     [b, groups, s / cp, d] (the KV heads, not expanded) -> context [b, heads, s / cp, d]. `core(q, k, v)`:
     the whole-sequence attention a2a runs (model/attention_core.py's, with its backend and dropout); p2p
     and all_gather compute their blocks themselves, with attention dropout `dropout_p` (0 in eval): the
     masks hash a seed drawn from the RNG tracker's per-TP-rank stream (per CP rank too: model_parallel_seed),
-    which recomputation replays (block_attention.keep_mask)."""
+    which recomputation replays (block_attention.keep_mask). a2a+p2p: `hierarchy` is (the all-to-all group,
+    the ring group) of this rank (topology.py's cp_a2a and cp_p2p groups)."""
     if comm_type == "a2a":
         if core is None:
             raise ValueError("--cp-comm-type a2a needs the whole-sequence attention core")
@@ -37,6 +40,10 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if comm_type == "p2p":
         return ring_attention(q, k, v, seq_length, cp_group, dist.get_process_group_ranks(cp_group), cp_rank,
                               dropout)
+    if comm_type == "a2a+p2p":
+        if hierarchy is None:
+            raise ValueError("--cp-comm-type a2a+p2p needs the all-to-all and ring groups of the CP group")
+        return hierarchical_attention(q, k, v, seq_length, *hierarchy, dropout)
     if comm_type == "all_gather":
         return all_gather_attention(q, k, v, seq_length, cp_group, cp, cp_rank, dropout)
     raise ValueError(f"--cp-comm-type must be one of {', '.join(CP_COMM_TYPES)}, got {comm_type!r}")

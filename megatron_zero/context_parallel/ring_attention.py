@@ -103,6 +103,9 @@ class RingAttention(torch.autograd.Function):
             grad = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
             grad[0][:, :, cols] = sum_heads(dk_b, groups)
             grad[1][:, :, cols] = sum_heads(dv_b, groups)
+            if cp == 1:  # a ring of one rank (a2a+p2p with one all-to-all group): nothing travels
+                grad_in = grad
+                continue
             if grad_requests is not None:  # the accumulator of block src from the ranks before me
                 _wait(grad_requests)
                 grad += grad_in
@@ -111,7 +114,8 @@ class RingAttention(torch.autograd.Function):
             if step + 1 < cp:
                 _wait(requests)
                 kv = incoming
-        _wait(grad_requests)  # after CP hops: my own block's dK/dV from every rank
+        if grad_requests is not None:
+            _wait(grad_requests)  # after CP hops: my own block's dK/dV from every rank
         return dq.to(q.dtype), grad_in[0].to(k.dtype), grad_in[1].to(v.dtype), None, None, None, None, None
 
 

@@ -31,7 +31,7 @@ from .transformer import Embedding, LMHead, ParallelTransformerLayer, build_norm
 
 class GPTModel(nn.Module):
     def __init__(self, config: GPTConfig, tp_group=None, layer_indices: Optional[Iterable[int]] = None,
-                 cp_group=None, ep_group=None):
+                 cp_group=None, ep_group=None, cp_hierarchy=None):
         super().__init__()
         L = config.num_layers
         self.config, self.tp_group, self.cp_group = config, tp_group, cp_group
@@ -53,7 +53,7 @@ class GPTModel(nn.Module):
                 self.add_module(str(i), Embedding(config, tp_group, cp_group))
             elif kind == "block":
                 self.add_module(str(i), ParallelTransformerLayer(config, tp_group, cp_group, block_number(i),
-                                                                 ep_group))
+                                                                 ep_group, cp_hierarchy))
             elif kind == "final_norm":
                 self.add_module(str(i), build_norm(config, tp_group))
             elif kind == "lm_head" and not self.tied:

@@ -226,10 +226,11 @@ class ParallelAttention(nn.Module):
     """Causal self-attention; each TP rank owns num_heads / tp whole query heads (see QKVSplit).
     The core (softmax(q k^T) v) is one of the backends of attention_core.py."""
 
-    def __init__(self, config: GPTConfig, tp_group=None, cp_group=None):
+    def __init__(self, config: GPTConfig, tp_group=None, cp_group=None, cp_hierarchy=None):
         super().__init__()
         h = config.hidden_size
         self.head_dim, self.cp_group, self.cp_comm_type = config.head_dim, cp_group, config.cp_comm_type
+        self.cp_hierarchy = cp_hierarchy  # a2a+p2p: (all-to-all group, ring group)
         self.split_qkv = QKVSplit(config, tp_group)
         self.local_heads = self.split_qkv.local_heads
         self.rotary = RotaryEmbedding(config) if config.position_embedding_type == "rope" else None
@@ -250,7 +251,7 @@ class ParallelAttention(nn.Module):
         core = partial(attention_core, backend=self.backend, dropout_p=self.dropout_p, training=self.training)
         if self.cp_group is not None:  # only the KV heads travel; expanded where they are used
             core = partial(context_parallel_attention, cp_group=self.cp_group, comm_type=self.cp_comm_type,
-                           core=core, dropout_p=self.dropout_p if self.training else 0.0)
+                           core=core, dropout_p=self.dropout_p if self.training else 0.0, hierarchy=self.cp_hierarchy)
         else:
             k, v = expand_kv_heads(k, self.local_heads), expand_kv_heads(v, self.local_heads)
         context = checkpoint(core, q, k, v) if self.recompute_core else core(q, k, v)
@@ -295,12 +296,13 @@ class ParallelTransformerLayer(nn.Module):
     spread over `ep_group`, None: all here).
     """
 
-    def __init__(self, config: GPTConfig, tp_group=None, cp_group=None, block: int = 0, ep_group=None):
+    def __init__(self, config: GPTConfig, tp_group=None, cp_group=None, block: int = 0, ep_group=None,
+                 cp_hierarchy=None):
         super().__init__()
         self.hidden_dropout = config.hidden_dropout
         self.sequence_parallel = sequence_parallel_active(config, tp_group)
         self.input_layernorm = build_norm(config, tp_group)
-        self.self_attention = ParallelAttention(config, tp_group, cp_group)
+        self.self_attention = ParallelAttention(config, tp_group, cp_group, cp_hierarchy)
         self.post_attention_layernorm = build_norm(config, tp_group)
         if config.is_moe_layer(block):
             from ..moe import MoELayer

@@ -7,7 +7,8 @@ BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"
 
 
 def with_flags(base, **changes):
-    """`base` with each flag of `changes` (python_name=value) set or appended (True: a switch)."""
+    """`base` with each flag of `changes` (python_name=value) set or appended (True: a switch; a list: the
+    values of an nargs flag, appended)."""
     argv = list(base)
     for key, value in changes.items():
         flag = "--" + key.replace("_", "-")
@@ -15,7 +16,8 @@ def with_flags(base, **changes):
             i = argv.index(flag)
             argv[i + 1] = str(value)
         else:
-            argv += [flag] + ([] if value is True else [str(value)])
+            values = [] if value is True else [str(v) for v in value] if isinstance(value, list) else [str(value)]
+            argv += [flag] + values
     return argv
 
 

@@ -30,11 +30,14 @@ def model_flags(data, tok, **extra) -> List[str]:
 
 
 def flags_argv(flags) -> List[str]:
-    """{"flag-name": value} -> argv; True is a switch, None and False leave the flag out."""
+    """{"flag-name": value} -> argv; True is a switch, None and False leave the flag out, a list gives an
+    nargs flag its values."""
     argv = []
     for k, v in flags.items():
         if v is True:
             argv.append(f"--{k}")
+        elif isinstance(v, list):
+            argv += [f"--{k}"] + [str(x) for x in v]
         elif v is not None and v is not False:
             argv += [f"--{k}", str(v)]
     return argv
