@@ -21,7 +21,7 @@ import torch
 
 from ..consolidate import fp32_source, resolve_checkpoint_dir, write_safetensors_shards
 from ...errors import CheckpointError
-from ...format import EXPERT_FILE, MODEL_FILE
+from ...format import MODEL_FILE
 from ...storage.reader import open_directory
 from ...saved_config import saved_args, saved_config
 from ...reshape.universal_load import find_universal_dir
@@ -56,9 +56,6 @@ def export_hf(checkpoint_dir: str, output_dir: str, dtype: str = "fp32", max_sha
     directory = resolve_checkpoint_dir(checkpoint_dir, tag)
     if not os.path.isdir(directory):
         raise CheckpointError(f"the checkpoint directory {directory} does not exist")
-    if any(EXPERT_FILE.match(f) for f in os.listdir(directory)):
-        raise CheckpointError(f"{directory} holds MoE expert files (layer_*_expert_*); exporting MoE checkpoints to "
-                              "Hugging Face is not implemented")
     config = saved_config(*shape_reader(directory, verify), saved_args(directory, verify), num_heads, where=directory)
     head = _head(directory, verify)
     module = for_config(config, architecture or head.get("hf_architecture"))
