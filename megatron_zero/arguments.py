@@ -584,8 +584,6 @@ def _validate_moe(args, tp: int, dp: int):
              "--moe-token-dispatcher-type allgather is not implemented; use alltoall (the same result)")
     _require(not (args.sequence_parallel and tp > 1),
              "--sequence-parallel with MoE layers (--num-experts) is not implemented; drop --sequence-parallel")
-    _require(args.num_layers_per_virtual_pipeline_stage is None,
-             "--num-layers-per-virtual-pipeline-stage (interleaved pipelining) with MoE layers is not implemented")
     _require(not args.save_16bit_model, "--save-16bit-model with MoE layers (--num-experts) is not implemented")
     if ep > 1:
         _require(args.zero_stage in (0, 1, 2), f"--expert-model-parallel-size {ep} runs with --zero-stage 0, 1 "
