@@ -585,8 +585,9 @@ def _validate_moe(args, tp: int, dp: int):
              "--num-layers-per-virtual-pipeline-stage (interleaved pipelining) with MoE layers is not implemented")
     _require(not args.save_16bit_model, "--save-16bit-model with MoE layers (--num-experts) is not implemented")
     if ep > 1:
-        _require(args.zero_stage in (0, 1, 2), f"--expert-model-parallel-size {ep} runs with --zero-stage 0, 1 "
-                 f"or 2, not {args.zero_stage}")
+        _require(not (args.zero_quantized_weights or args.zero_quantized_gradients or args.zero_hpz_partition_size > 1),
+                 f"--expert-model-parallel-size {ep} runs without ZeRO++ (--zero-quantized-weights, "
+                 "--zero-quantized-gradients, --zero-hpz-partition-size); drop those flags")
         _require(args.offload == "none" and not args.zero_nvme_offload_path,
                  f"--expert-model-parallel-size {ep} runs without optimizer offload")
 

@@ -1,0 +1,52 @@
+"""ZeRO-3 with expert parallelism (zero/expert_stage3.py) against the single-process reference (fp32, dropless,
+aux and z losses on, clipping active): each step's loss and global gradient norm to model_rtol of one step's path
+(megatron_zero/testing/tolerances.py) at EP2 x DP2 (expert-DP 1) and EP2 x DP4 (expert-DP 2: the experts
+partitioned, gathered and reduce-scattered over two ranks), GPT and Llama, with and without prefetching; the
+weight matrices are gathered per unit (moe_train's ZERO3_PERSIST)."""
+import pytest
+
+from megatron_zero.model.gpt import reference_model
+from megatron_zero.testing import run_ranks
+from megatron_zero.testing.moe_train import GBS, moe_config, parallel_run, reference_run
+from megatron_zero.testing.tolerances import assert_losses_close, global_norm_rtol, gpt_path_length, model_rtol
+
+STEPS = 4
+LAYOUTS = {  # name: (dp, ep, llama, prefetch)
+    "ep2_dp2_zero3": (2, 2, False, True),
+    "ep2_dp4_zero3": (4, 2, False, True),
+    "ep2_dp4_zero3_llama_no_prefetch": (4, 2, True, False),
+}
+
+
+@pytest.mark.multirank
+@pytest.mark.slow  # each > 30 s on 2 to 4 ranks
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_moe_zero3_expert_parallel_matches_reference(name):
+    dp, ep, llama, prefetch = LAYOUTS[name]
+    cfg = moe_config(llama)
+    ref_losses, ref_norms = reference_run(cfg, dp, 2, STEPS)
+    results = run_ranks(parallel_run, dp, cfg, 1, 1, ep, 3, 2, STEPS, prefetch=prefetch, timeout=600)
+    rtol = model_rtol(gpt_path_length(cfg, GBS * cfg.seq_length))
+    count = sum(p.numel() for p in reference_model(cfg).parameters())  # the squares the global norm sums
+    for losses, norms in results:
+        assert_losses_close(losses, ref_losses, rtol, f"{name} loss")
+        assert_losses_close(norms, ref_norms, global_norm_rtol(rtol, count), f"{name} grad norm")
+
+
+def test_expert_parallel_stage3_implements_the_protocol():
+    import torch
+
+    from megatron_zero.device import HOST
+    from megatron_zero.zero.expert_stage import split_expert_groups
+    from megatron_zero.zero.expert_stage3 import ExpertParallelStage3
+    from megatron_zero.zero.stage_interface import ZeroStage
+
+    model = reference_model(moe_config())
+    dense, _, expert, _ = split_expert_groups([list(model.named_parameters())], [{}])
+    stage = ExpertParallelStage3(dense, expert, None, None, torch.float32, 4000, model, HOST, persistence_threshold=0)
+    assert isinstance(stage, ZeroStage)
+    assert len(stage.initial_masters) == 2 and stage.group_partition_counts() == [1, 1]
+    assert all(p.ds_owner is stage.expert for _, p in expert[0]) and stage.expert._storage is stage.dense._storage
+    names = [[n for n, _ in g] for g in dense + expert]
+    assert set(stage.slice_mappings(names)[1]) == set(names[1])
+    stage.remove_hooks()
