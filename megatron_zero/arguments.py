@@ -583,7 +583,6 @@ def _validate_moe(args, tp: int, dp: int):
              "--sequence-parallel with MoE layers (--num-experts) is not implemented; drop --sequence-parallel")
     _require(args.num_layers_per_virtual_pipeline_stage is None,
              "--num-layers-per-virtual-pipeline-stage (interleaved pipelining) with MoE layers is not implemented")
-    _require(not args.save_16bit_model, "--save-16bit-model with MoE layers (--num-experts) is not implemented")
     if ep > 1:
         _require(not (args.zero_quantized_weights or args.zero_quantized_gradients or args.zero_hpz_partition_size > 1),
                  f"--expert-model-parallel-size {ep} runs without ZeRO++ (--zero-quantized-weights, "

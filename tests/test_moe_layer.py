@@ -109,7 +109,6 @@ MOE_ARGS = {"num_experts": 4, "moe_aux_loss_coeff": 0.01}
     ({**MOE_ARGS, "expert_model_parallel_size": 2, "zero_stage": 3, "zero_quantized_weights": True}, 2,
      "runs without ZeRO++"),
     ({**MOE_ARGS, "tensor_model_parallel_size": 2, "sequence_parallel": True}, 2, "--sequence-parallel"),
-    ({**MOE_ARGS, "save_16bit_model": True}, 1, "--save-16bit-model"),
 ])
 def test_moe_layouts_outside_the_implemented_are_refused(changes, world, message, capsys):
     assert message in refused(with_flags(BASE, **changes), world, capsys)

@@ -4,7 +4,8 @@ bit-identical to the fragments the saving ranks' optimizers owned), consolidated
 standalone script a checkpoint carries), resumed as saved and out to EP1 x ZeRO-1 (universal and reshaped). And a
 TP2 x PP2 x DP2 x EP2 ZeRO-1 checkpoint resumed into ZeRO-3 at EP2 (universal and reshaped). Each resume's losses
 match the single-process reference that never stopped, to model_rtol of one step's path (as
-tests/test_moe_universal.py holds its resumes)."""
+tests/test_moe_universal.py holds its resumes). The 16-bit model --save-16bit-model writes from either holds every
+expert: the fp32 masters cast."""
 import os
 
 import pytest
@@ -117,3 +118,49 @@ def check_resume(saved, name):
     for losses, _, _ in results:
         assert sorted(losses) == list(range(SAVE_AT, STEPS))
         assert_losses_close([losses[s] for s in range(SAVE_AT, STEPS)], want, _rtol(saved["cfg"]), f"{name} loss")
+
+
+def _masters(results) -> dict:
+    """name -> the full fp32 master the saving ranks' optimizers held (TP1: the TP form is the full form)."""
+    owned = {}
+    for _, frags, _ in results:
+        for name, pieces in frags.items():
+            owned.setdefault(name, []).extend(pieces)
+    out = {}
+    for name, pieces in owned.items():
+        flat = torch.full((sum(f["fp32"].numel() for _, f in pieces),), float("nan"))
+        for start, f in pieces:
+            flat.narrow(0, start, f["fp32"].numel()).copy_(f["fp32"])
+        out[name] = flat
+    return out
+
+
+def test_moe_save_16bit_model_holds_every_expert(zero3, tp2_pp2, tmp_path):
+    """save_16bit_model (what --save-16bit-model runs after each save) of the ZeRO-3 EP2 x DP4 checkpoint: every
+    parameter and every expert under its global id, equal to the fp32 masters the ranks held cast to bf16, bit for
+    bit, read back by load_consolidated; of the TP2 x PP2 x DP2 x EP2 ZeRO-1 one, the same bytes as
+    tools/zero_to_fp32.py --dtype bf16 writes offline."""
+    import subprocess
+    import sys
+
+    from megatron_zero.checkpoint.export.consolidate import get_fp32_state_dict, load_consolidated
+    from megatron_zero.checkpoint.export.save_16bit import save_16bit_model
+    from megatron_zero.testing.launch import ROOT
+
+    cfg = zero3["cfg"]
+    got = load_consolidated(save_16bit_model(zero3["src"], torch.bfloat16))
+    masters = _masters(zero3["results"])
+    assert set(got) == set(masters)
+    assert sum(".deepspeed_experts." in n for n in got) == cfg.num_layers * cfg.num_experts * 4
+    for name, t in got.items():
+        assert t.dtype == torch.bfloat16 and torch.equal(t.reshape(-1), masters[name][:t.numel()].to(torch.bfloat16)), name
+    got = load_consolidated(save_16bit_model(tp2_pp2["src"], torch.bfloat16))
+    want = get_fp32_state_dict(tp2_pp2["src"])
+    assert set(got) == set(want) and sum(".deepspeed_experts." in n for n in got) == cfg.num_layers * cfg.num_experts * 4
+    assert all(torch.equal(got[n], t.to(torch.bfloat16)) for n, t in want.items())
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "zero_to_fp32.py"), tp2_pp2["src"],
+                           str(tmp_path / "offline"), "--safe_serialization", "--dtype", "bf16", "--quiet"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    offline = load_consolidated(str(tmp_path / "offline"))
+    assert set(offline) == set(got) and all(torch.equal(offline[n], t) for n, t in got.items())
