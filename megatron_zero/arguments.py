@@ -587,8 +587,6 @@ def _validate_moe(args, tp: int, dp: int):
         _require(not (args.zero_quantized_weights or args.zero_quantized_gradients or args.zero_hpz_partition_size > 1),
                  f"--expert-model-parallel-size {ep} runs without ZeRO++ (--zero-quantized-weights, "
                  "--zero-quantized-gradients, --zero-hpz-partition-size); drop those flags")
-        _require(args.offload == "none" and not args.zero_nvme_offload_path,
-                 f"--expert-model-parallel-size {ep} runs without optimizer offload")
 
 
 def _validate_shared_expert(args, tp: int):

@@ -2,7 +2,8 @@
 aux and z losses on, clipping active): each step's loss and global gradient norm to model_rtol of one step's path
 (megatron_zero/testing/tolerances.py) at EP2 x DP2 (expert-DP 1) and EP2 x DP4 (expert-DP 2: the experts
 partitioned, gathered and reduce-scattered over two ranks), GPT and Llama, with and without prefetching; the
-weight matrices are gathered per unit (moe_train's ZERO3_PERSIST)."""
+weight matrices are gathered per unit (moe_train's ZERO3_PERSIST). With the optimizer offloaded (CPU, NVMe) at
+ZeRO-3 and ZeRO-1, EP2 x DP4."""
 import pytest
 
 from megatron_zero.model.gpt import reference_model
@@ -11,21 +12,25 @@ from megatron_zero.testing.moe_train import GBS, moe_config, parallel_run, refer
 from megatron_zero.testing.tolerances import assert_losses_close, global_norm_rtol, gpt_path_length, model_rtol
 
 STEPS = 4
-LAYOUTS = {  # name: (dp, ep, llama, prefetch)
-    "ep2_dp2_zero3": (2, 2, False, True),
-    "ep2_dp4_zero3": (4, 2, False, True),
-    "ep2_dp4_zero3_llama_no_prefetch": (4, 2, True, False),
+LAYOUTS = {  # name: (dp, ep, llama, prefetch, zero stage, optimizer offload)
+    "ep2_dp2_zero3": (2, 2, False, True, 3, "none"),
+    "ep2_dp4_zero3": (4, 2, False, True, 3, "none"),
+    "ep2_dp4_zero3_llama_no_prefetch": (4, 2, True, False, 3, "none"),
+    "ep2_dp4_zero3_cpu_offload": (4, 2, False, True, 3, "cpu"),
+    "ep2_dp4_zero3_nvme_offload": (4, 2, False, True, 3, "nvme"),
+    "ep2_dp4_zero1_cpu_offload": (4, 2, False, True, 1, "cpu"),
 }
 
 
 @pytest.mark.multirank
 @pytest.mark.slow  # each > 30 s on 2 to 4 ranks
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_moe_zero3_expert_parallel_matches_reference(name):
-    dp, ep, llama, prefetch = LAYOUTS[name]
+def test_moe_zero3_expert_parallel_matches_reference(name, tmp_path):
+    dp, ep, llama, prefetch, stage, offload = LAYOUTS[name]
     cfg = moe_config(llama)
     ref_losses, ref_norms = reference_run(cfg, dp, 2, STEPS)
-    results = run_ranks(parallel_run, dp, cfg, 1, 1, ep, 3, 2, STEPS, prefetch=prefetch, timeout=600)
+    results = run_ranks(parallel_run, dp, cfg, 1, 1, ep, stage, 2, STEPS, prefetch=prefetch, offload=offload,
+                        nvme_path=str(tmp_path), timeout=600)
     rtol = model_rtol(gpt_path_length(cfg, GBS * cfg.seq_length))
     count = sum(p.numel() for p in reference_model(cfg).parameters())  # the squares the global norm sums
     for losses, norms in results:
@@ -50,3 +55,15 @@ def test_expert_parallel_stage3_implements_the_protocol():
     names = [[n for n, _ in g] for g in dense + expert]
     assert set(stage.slice_mappings(names)[1]) == set(names[1])
     stage.remove_hooks()
+
+
+def test_zero3_and_offload_with_expert_parallelism_parse(capsys):
+    from megatron_zero.arguments import parse_args
+    from megatron_zero.testing.flag_checks import BASE, refused, with_flags
+
+    moe = {"num_experts": 4, "expert_model_parallel_size": 2}
+    args = parse_args(with_flags(BASE, **moe, zero_stage=3, save_16bit_model=True), world_size=2)
+    assert (args.zero_stage, args.expert_model_parallel_size, args.save_16bit_model) == (3, 2, True)
+    assert parse_args(with_flags(BASE, **moe, zero_stage=2, cpu_optimizer=True), world_size=2).offload == "cpu"
+    for zeropp in ({"zero_quantized_gradients": True}, {"zero_hpz_partition_size": 2}):
+        assert "runs without ZeRO++" in refused(with_flags(BASE, **moe, zero_stage=3, **zeropp), 2, capsys)

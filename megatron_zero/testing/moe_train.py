@@ -84,9 +84,10 @@ def train_step(model, opt, state, p2p, step: int, mb: int):
 
 
 def parallel_run(cfg, tp: int, pp: int, ep: int, stage: int, mb: int, steps: int = STEPS, overlap: bool = False,
-                 bucket_size: int = 4000, seed=None, prefetch: bool = True):
+                 bucket_size: int = 4000, seed=None, prefetch: bool = True, offload: str = "none", nvme_path=None):
     """`overlap`: --overlap-grad-reduce and --overlap-param-gather. `seed`: as reference_run's. ZeRO-3: the
-    weight matrices gathered per unit (ZERO3_PERSIST), the next unit's prefetched unless `prefetch` is off."""
+    weight matrices gathered per unit (ZERO3_PERSIST), the next unit's prefetched unless `prefetch` is off.
+    `offload`: the optimizer's ("cpu", "nvme" with `nvme_path`)."""
     state = build_parallel_state(tp=tp, pp=pp, ep=ep)
     model = build_gpt_stage(cfg, state)
     if seed is not None:
@@ -95,7 +96,7 @@ def parallel_run(cfg, tp: int, pp: int, ep: int, stage: int, mb: int, steps: int
                         mp_group=state.mp_group, tp_rank=state.tp_rank, module=model,
                         bucket_size=bucket_size, expert_dp_group=state.expert_dp_group,
                         overlap_grad_reduce=overlap, overlap_param_gather=overlap, prefetch=prefetch,
-                        **(ZERO3_PERSIST if stage == 3 else {}), **HP)
+                        offload=offload, nvme_path=nvme_path, **(ZERO3_PERSIST if stage == 3 else {}), **HP)
     p2p = P2P(state.prev_rank, state.next_rank, activation_shape(mb, cfg), torch.float32)
     losses, norms = [], []
     for step in range(steps):

@@ -81,8 +81,6 @@ class ZeroOptimizer:
             raise ValueError("grad_reduce_in_bf16 applies to ZeRO stages 0-2")
         if expert_dp_group is not None:  # expert parallelism: expert parameters over their own group
             from .expert_stage import ExpertParallelStage, split_expert_groups
-            if offload != "none":
-                raise ValueError("expert parallelism (--expert-model-parallel-size > 1) runs without optimizer offload")
             if stage == 3 and (quantized_weights or quantized_gradients or hpz_group is not None):
                 raise ValueError("ZeRO++ (quantized weights or gradients, hpZ) runs without expert parallelism")
             dense, hparams, expert, expert_hp = split_expert_groups(self.named_groups, hparams)
