@@ -1,7 +1,8 @@
 """ZeRO-3 with expert parallelism (zero/expert_stage3.py) against the single-process reference (fp32, dropless,
 aux and z losses on, clipping active): each step's loss and global gradient norm to model_rtol of one step's path
 (megatron_zero/testing/tolerances.py) at EP2 x DP2 (expert-DP 1) and EP2 x DP4 (expert-DP 2: the experts
-partitioned, gathered and reduce-scattered over two ranks), GPT and Llama, with and without prefetching; the
+partitioned, gathered and reduce-scattered over two ranks), GPT and Llama, with and without prefetching, EP2 x TP2,
+EP2 x PP2, full recompute; the
 weight matrices are gathered per unit (moe_train's ZERO3_PERSIST). With the optimizer offloaded (CPU, NVMe) at
 ZeRO-3 and ZeRO-1, EP2 x DP4."""
 import pytest
@@ -12,13 +13,16 @@ from megatron_zero.testing.moe_train import GBS, moe_config, parallel_run, refer
 from megatron_zero.testing.tolerances import assert_losses_close, global_norm_rtol, gpt_path_length, model_rtol
 
 STEPS = 4
-LAYOUTS = {  # name: (dp, ep, llama, prefetch, zero stage, optimizer offload)
-    "ep2_dp2_zero3": (2, 2, False, True, 3, "none"),
-    "ep2_dp4_zero3": (4, 2, False, True, 3, "none"),
-    "ep2_dp4_zero3_llama_no_prefetch": (4, 2, True, False, 3, "none"),
-    "ep2_dp4_zero3_cpu_offload": (4, 2, False, True, 3, "cpu"),
-    "ep2_dp4_zero3_nvme_offload": (4, 2, False, True, 3, "nvme"),
-    "ep2_dp4_zero1_cpu_offload": (4, 2, False, True, 1, "cpu"),
+LAYOUTS = {  # name: (tp, pp, dp, llama, prefetch, zero stage, optimizer offload); EP 2 throughout
+    "ep2_dp2_zero3": (1, 1, 2, False, True, 3, "none"),
+    "ep2_dp4_zero3": (1, 1, 4, False, True, 3, "none"),
+    "ep2_dp4_zero3_llama_no_prefetch": (1, 1, 4, True, False, 3, "none"),
+    "ep2_tp2_dp2_zero3_llama": (2, 1, 2, True, True, 3, "none"),
+    "ep2_pp2_dp2_zero3_llama": (1, 2, 2, True, True, 3, "none"),
+    "ep2_dp4_zero3_llama_full_recompute": (1, 1, 4, True, True, 3, "none"),
+    "ep2_dp4_zero3_cpu_offload": (1, 1, 4, False, True, 3, "cpu"),
+    "ep2_dp4_zero3_nvme_offload": (1, 1, 4, False, True, 3, "nvme"),
+    "ep2_dp4_zero1_cpu_offload": (1, 1, 4, False, True, 1, "cpu"),
 }
 
 
@@ -26,11 +30,13 @@ LAYOUTS = {  # name: (dp, ep, llama, prefetch, zero stage, optimizer offload)
 @pytest.mark.slow  # each > 30 s on 2 to 4 ranks
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_moe_zero3_expert_parallel_matches_reference(name, tmp_path):
-    dp, ep, llama, prefetch, stage, offload = LAYOUTS[name]
-    cfg = moe_config(llama)
-    ref_losses, ref_norms = reference_run(cfg, dp, 2, STEPS)
-    results = run_ranks(parallel_run, dp, cfg, 1, 1, ep, stage, 2, STEPS, prefetch=prefetch, offload=offload,
-                        nvme_path=str(tmp_path), timeout=600)
+    tp, pp, dp, llama, prefetch, stage, offload = LAYOUTS[name]
+    mb = 1 if pp > 1 else 2
+    cfg = moe_config(llama, **({"recompute_granularity": "full", "recompute_method": "uniform"}
+                               if "recompute" in name else {}))
+    ref_losses, ref_norms = reference_run(cfg, dp, mb, STEPS)
+    results = run_ranks(parallel_run, tp * pp * dp, cfg, tp, pp, 2, stage, mb, STEPS, prefetch=prefetch,
+                        offload=offload, nvme_path=str(tmp_path), timeout=600)
     rtol = model_rtol(gpt_path_length(cfg, GBS * cfg.seq_length))
     count = sum(p.numel() for p in reference_model(cfg).parameters())  # the squares the global norm sums
     for losses, norms in results:
