@@ -1,11 +1,11 @@
 """MoE checkpoints at ZeRO-3 with expert parallelism (zero/expert_stage3.py): saved at EP2 x DP4 (expert-DP 2),
 with DeepSpeed-MoE's per-expert files; converted by ds_to_universal (every expert's fp32 master and Adam moments
 bit-identical to the fragments the saving ranks' optimizers owned), consolidated by zero_to_fp32 (ours and the
-standalone script a checkpoint carries), resumed as saved and out to EP1 x ZeRO-1 (universal and reshaped). And a
-TP2 x PP2 x DP2 x EP2 ZeRO-1 checkpoint resumed into ZeRO-3 at EP2 (universal and reshaped). Each resume's losses
-match the single-process reference that never stopped, to model_rtol of one step's path (as
-tests/test_moe_universal.py holds its resumes). The 16-bit model --save-16bit-model writes from either holds every
-expert: the fp32 masters cast."""
+standalone script a checkpoint carries), resumed as saved (also into an NVMe-offloaded optimizer) and out to
+EP1 x ZeRO-1 (universal and reshaped). And a TP2 x PP2 x DP2 x EP2 ZeRO-1 checkpoint resumed into ZeRO-3 at EP2
+(universal and reshaped). Each resume's losses match the single-process reference that never stopped, to
+model_rtol of one step's path (as tests/test_moe_universal.py holds its resumes). The 16-bit model
+--save-16bit-model writes from either holds every expert: the fp32 masters cast."""
 import os
 
 import pytest
@@ -91,6 +91,7 @@ def test_moe_zero3_checkpoint_files_and_universal(zero3):
 
 TARGETS = {  # name: (tp, pp, dp, ep, zero stage, micro-batch, how it loads)
     "as_saved_zero3_ep2": (1, 1, 4, 2, 3, 2, "same"),
+    "as_saved_zero3_ep2_nvme_offload": (1, 1, 4, 2, 3, 2, "same"),
     "universal_ep1_dp2_zero1": (1, 1, 2, 1, 1, 2, "universal"),
     "reshaped_ep1_dp2_zero1": (1, 1, 2, 1, 1, 2, "reshaped"),
     "universal_zero3_ep2_dp4": (1, 1, 4, 2, 3, 2, "universal"),
@@ -98,9 +99,10 @@ TARGETS = {  # name: (tp, pp, dp, ep, zero stage, micro-batch, how it loads)
 }
 
 
-@pytest.mark.parametrize("name", ["as_saved_zero3_ep2", "universal_ep1_dp2_zero1", "reshaped_ep1_dp2_zero1"])
-def test_moe_zero3_resumes(zero3, name):
-    check_resume(zero3, name)
+@pytest.mark.parametrize("name", ["as_saved_zero3_ep2", "as_saved_zero3_ep2_nvme_offload", "universal_ep1_dp2_zero1",
+                                  "reshaped_ep1_dp2_zero1"])
+def test_moe_zero3_resumes(zero3, name, tmp_path):
+    check_resume(zero3, name, nvme_path=str(tmp_path) if "nvme" in name else None)
 
 
 @pytest.mark.parametrize("name", ["universal_zero3_ep2_dp4", "reshaped_zero3_ep2_dp4"])
@@ -108,10 +110,11 @@ def test_moe_tp2_pp2_resumes_at_zero3(tp2_pp2, name):
     check_resume(tp2_pp2, name)
 
 
-def check_resume(saved, name):
+def check_resume(saved, name, nvme_path=None):
     tp, pp, dp, ep, stage, mb, kind = TARGETS[name]
     load = saved["universal"] if kind == "universal" else saved["src"]
-    results = run_ranks(moe_run, tp * pp * dp, saved["cfg"], tp, pp, ep, stage, mb, None, load, kind, timeout=900)
+    results = run_ranks(moe_run, tp * pp * dp, saved["cfg"], tp, pp, ep, stage, mb, None, load, kind, timeout=900,
+                        offload="nvme" if nvme_path else "none", nvme_path=nvme_path)
     before = (saved["layout"]["dp"], saved["layout"]["mb"])
     want = saved["reference"][SAVE_AT:] if (dp, mb) == before else \
         reference_resumed(saved["cfg"], before, (dp, mb))[SAVE_AT:]

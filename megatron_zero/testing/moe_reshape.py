@@ -36,14 +36,16 @@ def owned_state(opt) -> dict:
 
 
 def moe_run(cfg, tp: int, pp: int, ep: int, stage: int, mb: int, save_dir=None, load=None, load_kind="universal",
-            steps: int = STEPS):
-    """`load_kind`: "universal", "reshaped" (another layout) or "same" (load_checkpoint at the layout saved).
+            steps: int = STEPS, offload: str = "none", nvme_path=None):
+    """`load_kind`: "universal", "reshaped" (another layout) or "same" (load_checkpoint at the layout saved);
+    `offload`: the optimizer's ("cpu", "nvme" with `nvme_path`).
     -> (per-step losses {step: loss}, the fragments owned at the save or None, this rank's coordinates)."""
     state = build_parallel_state(tp=tp, pp=pp, ep=ep)
     model = build_gpt_stage(cfg, state)
     opt = ZeroOptimizer(list(model.named_parameters()), dp_group=state.dp_group, stage=stage, clip_grad=CLIP,
                         mp_group=state.mp_group, tp_rank=state.tp_rank, module=model, bucket_size=4000,
-                        expert_dp_group=state.expert_dp_group, **(ZERO3_PERSIST if stage == 3 else {}), **HP)
+                        expert_dp_group=state.expert_dp_group, offload=offload, nvme_path=nvme_path,
+                        **(ZERO3_PERSIST if stage == 3 else {}), **HP)
     p2p = P2P(state.prev_rank, state.next_rank, activation_shape(mb, cfg), torch.float32)
     start = 0
     if load is not None:
