@@ -584,12 +584,10 @@ def _validate_moe(args, tp: int, dp: int):
              "--moe-token-dispatcher-type allgather is not implemented; use alltoall (the same result)")
     _require(not (args.sequence_parallel and tp > 1),
              "--sequence-parallel with MoE layers (--num-experts) is not implemented; drop --sequence-parallel")
-    _require(not args.save_16bit_model, "--save-16bit-model with MoE layers (--num-experts) is not implemented")
     if ep > 1:
-        _require(args.zero_stage in (0, 1, 2), f"--expert-model-parallel-size {ep} runs with --zero-stage 0, 1 "
-                 f"or 2, not {args.zero_stage}")
-        _require(args.offload == "none" and not args.zero_nvme_offload_path,
-                 f"--expert-model-parallel-size {ep} runs without optimizer offload")
+        _require(not (args.zero_quantized_weights or args.zero_quantized_gradients or args.zero_hpz_partition_size > 1),
+                 f"--expert-model-parallel-size {ep} runs without ZeRO++ (--zero-quantized-weights, "
+                 "--zero-quantized-gradients, --zero-hpz-partition-size); drop those flags")
 
 
 def _validate_shared_expert(args, tp: int):

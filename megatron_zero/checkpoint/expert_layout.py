@@ -6,7 +6,10 @@ M counts the model's MoE layers from 0 (DeepSpeed's moe_layer_id), E is the glob
 model-parallel rank (TP x PP) as in every other file; the names inside carry the global expert id
 (`{i}.mlp.deepspeed_moe.experts.deepspeed_experts.{E}.*`). The layer files hold everything else of a
 block, the router included. Each expert's files are written by the first rank of its
-expert-data-parallel group, and read by every rank holding that expert. The optimizer files keep
+expert-data-parallel group, and read by every rank holding that expert. At ZeRO-3 (no layer files: the
+weights load from the fp32 masters) the expert files are written too, each MoE layer's experts gathered
+over expert-DP in turn (`zero3_expert_files`): they name the experts for the reshape readers and hold
+DeepSpeed-MoE's per-expert weights. The optimizer files keep
 DeepSpeed's per-rank names: with expert parallelism each holds the dense groups' partition (over DP)
 then the expert groups' (over expert-DP) (zero/expert_stage.py).
 """
@@ -38,6 +41,22 @@ def expert_files(model_sd: Dict, config, mp_rank: int) -> "OrderedDict[str, Orde
             layer, expert = _layer_expert(name, config)
             out.setdefault(expert_file_name(moe_layer_id(config, layer), expert, mp_rank), OrderedDict())[name] = tensor
     return out
+
+
+def zero3_expert_files(model, config, mp_rank: int, writes: bool) -> "OrderedDict[str, OrderedDict]":
+    """expert_files of a ZeRO-3 model: collective over each expert's group (its stage, `p.ds_owner`), one MoE
+    layer at a time; the rank that `writes` keeps copies of the gathered weights, the others nothing."""
+    by_layer: "OrderedDict[str, list]" = OrderedDict()
+    for name, p in model.named_parameters():
+        if is_expert_param(name):
+            by_layer.setdefault(name.partition(".")[0], []).append((name, p))
+    weights: "OrderedDict[str, object]" = OrderedDict()
+    for named in by_layer.values():
+        owner = named[0][1].ds_owner
+        with owner.gathered_params([p for _, p in named]):
+            if writes:
+                weights.update((n, p.detach().clone()) for n, p in named)
+    return expert_files(weights, config, mp_rank) if writes else OrderedDict()
 
 
 def _layer_expert(name: str, config) -> Tuple[int, int]:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..topology import ParallelState
-from .expert_layout import expert_files, without_experts
+from .expert_layout import expert_files, without_experts, zero3_expert_files
 from .deepspeed_layout import assign_layers_to_dp, engine_state, layer_state_dicts, universal_checkpoint_info
 from .megatron_deepspeed_save import megatron_deepspeed_plan
 from .format import CHECKPOINT_VERSION, DS_VERSION, layer_file_name, model_states_name, optim_states_name
@@ -84,6 +84,8 @@ def build_plan(iteration: int, state: ParallelState, model, optimizer, client: d
         states["universal_checkpoint_info"] = universal_checkpoint_info(config, config.padded_vocab_size(state.tp_size))
         states.update({k: v for k, v in client.items() if k not in states})
         plan.append((model_states_name(mp, stage, dp_rank), states))
+    if stage == 3 and config.num_experts is not None:  # the DeepSpeed-MoE files at ZeRO-3 too (expert_layout.py)
+        plan += list(zero3_expert_files(model, config, mp, writes=dp_rank < state.ep_size).items())
     if stage < 3:
         model_sd = model.state_dict()
         if config.num_experts is not None:  # experts in their own files, by the first rank of their expert-DP group

@@ -2,10 +2,12 @@
 another layout, for the MoE reshape tests (tests/test_moe_universal.py). The run is moe_train's
 `parallel_run` (the same batches, hyperparameters and clipping) with a save and a load; it reports the
 loss of each step by its index, and at the save the fp32 fragments this rank's optimizer owned."""
+import os
+
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import save_checkpoint
+from ..checkpoint import load_checkpoint, save_checkpoint
 from ..checkpoint.reshape.universal_load import load_reshaped_checkpoint, load_universal_checkpoint
 from ..model.gpt import reference_model
 from ..moe import reset_aux_losses, set_aux_loss_scale
@@ -14,6 +16,7 @@ from ..pipeline.p2p import P2P
 from ..topology import build_parallel_state
 from ..zero import ZeroOptimizer
 from .moe_train import CLIP, GBS, HP, STEPS, global_batch, micro_slices, train_step
+from .toy_zero import ZERO3_PERSIST
 
 SAVE_AT = 5
 
@@ -33,17 +36,21 @@ def owned_state(opt) -> dict:
 
 
 def moe_run(cfg, tp: int, pp: int, ep: int, stage: int, mb: int, save_dir=None, load=None, load_kind="universal",
-            steps: int = STEPS):
-    """-> (per-step losses {step: loss}, the fragments owned at the save or None, this rank's coordinates)."""
+            steps: int = STEPS, offload: str = "none", nvme_path=None):
+    """`load_kind`: "universal", "reshaped" (another layout) or "same" (load_checkpoint at the layout saved);
+    `offload`: the optimizer's ("cpu", "nvme" with `nvme_path`).
+    -> (per-step losses {step: loss}, the fragments owned at the save or None, this rank's coordinates)."""
     state = build_parallel_state(tp=tp, pp=pp, ep=ep)
     model = build_gpt_stage(cfg, state)
     opt = ZeroOptimizer(list(model.named_parameters()), dp_group=state.dp_group, stage=stage, clip_grad=CLIP,
                         mp_group=state.mp_group, tp_rank=state.tp_rank, module=model, bucket_size=4000,
-                        expert_dp_group=state.expert_dp_group, **HP)
+                        expert_dp_group=state.expert_dp_group, offload=offload, nvme_path=nvme_path,
+                        **(ZERO3_PERSIST if stage == 3 else {}), **HP)
     p2p = P2P(state.prev_rank, state.next_rank, activation_shape(mb, cfg), torch.float32)
     start = 0
     if load is not None:
-        loader = load_universal_checkpoint if load_kind == "universal" else load_reshaped_checkpoint
+        loader = {"universal": load_universal_checkpoint, "reshaped": load_reshaped_checkpoint,
+                  "same": lambda d, *a: load_checkpoint(os.path.dirname(d), *a, tag=os.path.basename(d))}[load_kind]
         start = loader(load, state, model, opt)["iteration"]
     losses, saved = {}, None
     for step in range(start, steps):

@@ -1,6 +1,6 @@
 """Tiny MoE GPT / Llama runs for the expert-parallel parity tests: the single-process reference model
 fed the same micro-batches (`reference_run`), and one rank of a TP x PP x DP (EP carved out of DP) ZeRO
-1/2 run (`parallel_run`, under run_ranks). Both report the loss and the global gradient norm (before
+1/2/3 run (`parallel_run`, under run_ranks). Both report the loss and the global gradient norm (before
 clipping) of every step; clipping is on, so the norm also moves the update."""
 import torch
 
@@ -12,6 +12,7 @@ from ..pipeline.schedule import broadcast_loss, forward_backward
 from ..topology import build_parallel_state
 from ..zero import ZeroOptimizer
 from .tiny_gpt import tiny_gpt_config, tiny_llama_config
+from .toy_zero import ZERO3_PERSIST
 
 GBS, STEPS, CLIP = 8, 10, 0.5
 HP = dict(lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -83,8 +84,10 @@ def train_step(model, opt, state, p2p, step: int, mb: int):
 
 
 def parallel_run(cfg, tp: int, pp: int, ep: int, stage: int, mb: int, steps: int = STEPS, overlap: bool = False,
-                 bucket_size: int = 4000, seed=None):
-    """`overlap`: --overlap-grad-reduce and --overlap-param-gather. `seed`: as reference_run's."""
+                 bucket_size: int = 4000, seed=None, prefetch: bool = True, offload: str = "none", nvme_path=None):
+    """`overlap`: --overlap-grad-reduce and --overlap-param-gather. `seed`: as reference_run's. ZeRO-3: the
+    weight matrices gathered per unit (ZERO3_PERSIST), the next unit's prefetched unless `prefetch` is off.
+    `offload`: the optimizer's ("cpu", "nvme" with `nvme_path`)."""
     state = build_parallel_state(tp=tp, pp=pp, ep=ep)
     model = build_gpt_stage(cfg, state)
     if seed is not None:
@@ -92,7 +95,8 @@ def parallel_run(cfg, tp: int, pp: int, ep: int, stage: int, mb: int, steps: int
     opt = ZeroOptimizer(list(model.named_parameters()), dp_group=state.dp_group, stage=stage, clip_grad=CLIP,
                         mp_group=state.mp_group, tp_rank=state.tp_rank, module=model,
                         bucket_size=bucket_size, expert_dp_group=state.expert_dp_group,
-                        overlap_grad_reduce=overlap, overlap_param_gather=overlap, **HP)
+                        overlap_grad_reduce=overlap, overlap_param_gather=overlap, prefetch=prefetch,
+                        offload=offload, nvme_path=nvme_path, **(ZERO3_PERSIST if stage == 3 else {}), **HP)
     p2p = P2P(state.prev_rank, state.next_rank, activation_shape(mb, cfg), torch.float32)
     losses, norms = [], []
     for step in range(steps):

@@ -10,7 +10,8 @@ Stage 0/1/2 (what DeepSpeed's zero_to_fp32.py and ds_to_universal.py read):
 Stage 3:
   fp32_flat_groups (per-parameter chunks, each padded to ceil(numel/dp)), optimizer_state_dict
   (the same torch AdamW state_dict), zero_stage, partition_count, loss_scaler, dynamic_loss_scale,
-  overflow.
+  overflow. With expert parallelism (expert groups chunked over expert-DP) also partition_count as a
+  list per group and param_slice_mappings (each parameter's real elements in the rank's flat group).
 Tensors are the live buffers (not copies) except under NVMe offload, where they are read
 from the files; save them before the next step.
 """
@@ -35,14 +36,17 @@ def state_dict(opt) -> dict:
         common = {"loss_scaler": opt.loss_scaler.state_dict(),
                   "dynamic_loss_scale": opt.loss_scaler.dynamic, "overflow": opt.overflow,
                   "partition_count": opt.partition_count, "ds_version": DS_VERSION}
+        counts = getattr(opt.impl, "group_partition_counts", None)
         if opt.stage == 3:
+            # with expert parallelism (zero/expert_stage3.py) the expert groups are chunked over expert-DP:
+            # a count per group, and where each parameter's real elements lie in this rank's flat group
+            experts = {"partition_count": counts(), "param_slice_mappings": opt.param_slice_mappings()} if counts else {}
             return {**common, "zero_stage": 3, "optimizer_state_dict": base,
-                    "fp32_flat_groups": [m.data for m in masters]}
+                    "fp32_flat_groups": [m.data for m in masters], **experts}
         paddings = opt.impl.group_paddings()
         lean = [m.data[:m.numel() - pad] for m, pad in zip(masters, paddings)]
         # DeepSpeed's stage 1/2 records one partition count per param group (its ds_to_universal needs the list)
         # (with expert parallelism the expert groups' count is the expert-DP size: zero/expert_stage.py)
-        counts = getattr(opt.impl, "group_partition_counts", None)
         common["partition_count"] = counts() if counts else [opt.partition_count] * len(masters)
         return {**common, "zero_stage": opt.stage, "clip_grad": opt.clip_grad,
                 "base_optimizer_state": base, "single_partition_of_fp32_groups": lean,

@@ -81,16 +81,21 @@ class ZeroOptimizer:
             raise ValueError("grad_reduce_in_bf16 applies to ZeRO stages 0-2")
         if expert_dp_group is not None:  # expert parallelism: expert parameters over their own group
             from .expert_stage import ExpertParallelStage, split_expert_groups
-            if stage not in (0, 1, 2) or offload != "none":
-                raise ValueError("expert parallelism (--expert-model-parallel-size > 1) runs with ZeRO stage 0, 1 or 2, "
-                                 "without optimizer offload")
+            if stage == 3 and (quantized_weights or quantized_gradients or hpz_group is not None):
+                raise ValueError("ZeRO++ (quantized weights or gradients, hpZ) runs without expert parallelism")
             dense, hparams, expert, expert_hp = split_expert_groups(self.named_groups, hparams)
             self.named_groups, hparams = dense + expert, hparams + expert_hp
             self.names = [[n for n, _ in g] for g in self.named_groups]
-            self.impl = ExpertParallelStage(dense, expert, dp_group, expert_dp_group, stage, self.dtype,
-                                            bucket_size, self.device, grad_reduce_dtype=reduce_dtype,
-                                            overlap_grad_reduce=overlap_grad_reduce,
-                                            overlap_param_gather=overlap_param_gather, module=module)
+            if stage == 3:
+                from .expert_stage3 import ExpertParallelStage3
+                self.impl = ExpertParallelStage3(dense, expert, dp_group, expert_dp_group, self.dtype, bucket_size,
+                                                 module, self.device, layers=layers, prefetch=prefetch,
+                                                 persistence_threshold=persistence_threshold)
+            else:
+                self.impl = ExpertParallelStage(dense, expert, dp_group, expert_dp_group, stage, self.dtype,
+                                                bucket_size, self.device, grad_reduce_dtype=reduce_dtype,
+                                                overlap_grad_reduce=overlap_grad_reduce,
+                                                overlap_param_gather=overlap_param_gather, module=module)
         elif stage == 3:
             from .stage3 import Stage3
             from .stage3_zeropp import Stage3ZeroPP

@@ -45,7 +45,7 @@ class _PreBackward(torch.autograd.Function):
 
 class Stage3(GatherMixin):
     def __init__(self, groups, dp_group, dtype, bucket_size, module=None, layers=None, prefetch=True,
-                 entry_points=("lm_logits",), persistence_threshold=100_000, device=HOST):
+                 entry_points=("lm_logits",), persistence_threshold=100_000, device=HOST, storage_map=None):
         if module is None:
             raise ValueError("ZeRO stage 3 needs module= (the model), to gather each layer's parameters "
                              "around its forward and backward")
@@ -55,7 +55,10 @@ class Stage3(GatherMixin):
         self.bucket_size = int(bucket_size)
         self.groups = [[p for _, p in g] for g in groups]
         self.offsets = [zero3_group_offsets([(n, p.numel()) for n, p in g], self.dp) for g in groups]
-        self.initial_masters, self.grad_parts, self._storage, self.shards = [], [], {}, []
+        # gathered storage -> its parameter (the saved-tensor hooks' map; shared by the two halves of
+        # expert_stage3.py, whose hooks nest, so either half's hooks find the other's parameters)
+        self._storage = storage_map if storage_map is not None else {}
+        self.initial_masters, self.grad_parts, self.shards = [], [], []
         self.peak_param_numel = self.gather_calls = 0
         self.comm_bytes = {"all_gather": 0, "reduce_scatter": 0}  # sent by this rank
         for gi, (g, offs) in enumerate(zip(groups, self.offsets)):
@@ -71,7 +74,7 @@ class Stage3(GatherMixin):
                 p.ds_numel, p.ds_shape, p.ds_per, p.ds_where = p.numel(), p.shape, per, (gi, off)
                 p.ds_shard = shards[off:off + per]
                 p.ds_shard.copy_(chunk)
-                p.ds_rc, p.ds_inflight, p.ds_persistent = 0, None, False
+                p.ds_rc, p.ds_inflight, p.ds_persistent, p.ds_owner = 0, None, False, self
                 p.data = torch.empty(0, dtype=dtype, device=device)
             self.initial_masters.append(master)
             self.shards.append(shards)

@@ -145,8 +145,21 @@ class GatherMixin:
             return packed
         p, size, stride, offset = packed
         if p.data.numel() == 0:
-            self._materialize(p)
+            p.ds_owner._materialize(p)  # the stage that partitions it (over its own group)
         return p.data.as_strided(size, stride, offset)
+
+    @contextmanager
+    def gathered_params(self, params):
+        """`params` (of this stage) gathered for the duration, in one all-gather (a collective over its group)."""
+        self._gather(params)
+        for p in params:
+            p.ds_rc += 1
+        try:
+            yield
+        finally:
+            for p in params:
+                p.ds_rc -= 1
+                self._release(p)
 
     @contextmanager
     def gathered(self):

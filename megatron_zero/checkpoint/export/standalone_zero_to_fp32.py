@@ -149,13 +149,18 @@ def _expert_count(path):
                                      for f in os.listdir(path)) if m})
 
 
-def _merge_expert_group(opts, g, group, ep, experts):
+def _merge_expert_group(opts, g, group, ep, experts, stage):
     """An expert group of an expert-parallel checkpoint: DP rank d holds EP rank d % ep's experts (global ids
     shifted by (d % ep) x experts / ep from those of `group`, which DP rank 0 listed), partitioned over the
-    DP ranks d, d + ep, ...: each EP rank's flat is those partitions concatenated."""
+    DP ranks d, d + ep, ...: at stage 1/2 each EP rank's flat is those partitions concatenated; at stage 3
+    each parameter is cut into chunks of ceil(numel / expert-DP), one per rank, in order."""
     out = OrderedDict()
     for e in range(ep):
-        flat = torch.cat([opts[d]["single_partition_of_fp32_groups"][g].reshape(-1) for d in range(e, len(opts), ep)])
+        ranks = range(e, len(opts), ep)
+        if stage <= 2:
+            flat = torch.cat([opts[d]["single_partition_of_fp32_groups"][g].reshape(-1) for d in ranks])
+        else:
+            flats = [opts[d]["fp32_flat_groups"][g].reshape(-1) for d in ranks]
         offset = 0
         for name, shape in group.items():
             m = _EXPERT.match(name)
@@ -164,8 +169,13 @@ def _merge_expert_group(opts, g, group, ep, experts):
                                  f"DP ranks (expert parallelism) but holds {name}, which is no expert")
             n = math.prod(shape)
             name = f"{m.group(1)}{int(m.group(2)) + e * experts // ep}{m.group(3)}"
-            out[name] = flat[offset:offset + n].view(tuple(shape)).clone()
-            offset += n
+            if stage <= 2:
+                out[name] = flat[offset:offset + n].view(tuple(shape)).clone()
+                offset += n
+            else:
+                per = -(-n // len(flats))
+                out[name] = torch.cat([f[offset:offset + per] for f in flats])[:n].view(tuple(shape)).clone()
+                offset += per
     return out
 
 
@@ -187,8 +197,8 @@ def _merge_dp(reader, mp):
     out = OrderedDict()
     counts = opts[0]["partition_count"] if isinstance(opts[0]["partition_count"], (list, tuple)) else None
     for g, group in enumerate(shapes):
-        if stage <= 2 and counts is not None and counts[g] < len(opts):  # experts, over expert-DP (see below)
-            out.update(_merge_expert_group(opts, g, group, len(opts) // counts[g], _expert_count(path)))
+        if counts is not None and counts[g] < len(opts):  # experts, over expert-DP (see below)
+            out.update(_merge_expert_group(opts, g, group, len(opts) // counts[g], _expert_count(path), stage))
         elif stage <= 2:
             flat = torch.cat([o["single_partition_of_fp32_groups"][g].reshape(-1) for o in opts])
             offset = 0

@@ -26,7 +26,7 @@ from ...model.params import param_spec
 from ...model.sharding import shard_tensor
 from ...zero.universal_state import set_state_from_params
 from ..errors import CheckpointError
-from ..format import LATEST_UNIVERSAL, STATE_KEYS, SUB_PARAMS_KEY, header_tp_pp, rank_rng_state
+from ..format import LATEST_UNIVERSAL, STATE_KEYS, SUB_PARAMS_KEY, header_tp_pp, model_states_name, rank_rng_state
 from ..megatron_deepspeed import client_from_megatron_deepspeed, is_megatron_deepspeed_client
 from ..storage.reader import Checkpoint, open_directory
 from .universal_source import SourceCheckpoint
@@ -120,6 +120,8 @@ class ReshapedFiles:
 
     def model_states(self, mp_rank: int) -> Optional[dict]:
         name = self.src.model_files.get(mp_rank)
+        if name is None and self.src.files.has(model_states_name(mp_rank, 3, 0)):  # a ZeRO-3 source
+            name = model_states_name(mp_rank, 3, 0)
         return self.src.files.load(name, mmap=False) if name else None
 
     def close(self):

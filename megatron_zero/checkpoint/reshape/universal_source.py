@@ -6,7 +6,8 @@
         full = reader.assemble(name, "fp32")        # the universal (full, unpadded) tensor
 
 An MoE checkpoint's experts are parameters like the others, each under its global id, its
-fragments in the ZeRO files of the DP ranks holding it (expert_source.py).
+fragments in the ZeRO files of the DP ranks holding it (expert_source.py); at ZeRO-3 with expert
+parallelism the files' `param_slice_mappings` say where (the expert groups are chunked over expert-DP).
 Files are read through reader.py (checksums verified as read, safe unpickling; DeepSpeed's
 classes load as stand-ins without deepspeed installed) and memory-mapped; a stage's files are
 unmapped when its `with` block ends. The layout comes from the file names and the model-state
@@ -209,7 +210,7 @@ class StageReader:
     def _fragments(self, name: str, tp: int, d: int) -> Tuple[int, int]:
         """(start, numel) of `name` in DP rank d's flat group."""
         g = self.group_of[tp][name]
-        if self.src.zero_stage == 3:
+        if self.src.zero_stage == 3 and "param_slice_mappings" not in self.opt[(tp, d)]:
             key = (tp, g)
             if key not in self._z3:
                 shapes = self.src.param_shapes[self.mps[tp]][g]
