@@ -572,9 +572,6 @@ def _validate_moe(args, tp: int, dp: int):
     _require(args.moe_ffn_hidden_size >= 1 and args.moe_ffn_hidden_size % tp == 0,
              f"--moe-ffn-hidden-size {args.moe_ffn_hidden_size} is not a positive multiple of "
              f"--tensor-model-parallel-size {tp}")
-    _require(args.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss", "none"),
-             f"--moe-router-load-balancing-type {args.moe_router_load_balancing_type} is not implemented; "
-             "use aux_loss, seq_aux_loss or none")
     check_core_router_flags(args, _require)
     _require(args.moe_aux_loss_coeff >= 0 and (args.moe_z_loss_coeff or 0) >= 0,
              "--moe-aux-loss-coeff and --moe-z-loss-coeff must not be negative")

@@ -17,7 +17,7 @@ RECOMPUTE_METHODS = ("uniform", "block")
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
-MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
+MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none", "sinkhorn")
 
 
 def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
@@ -162,6 +162,8 @@ class GPTConfig:
         if self.moe_router_load_balancing_type not in MOE_LOAD_BALANCING_TYPES:
             raise ValueError(f"moe_router_load_balancing_type {self.moe_router_load_balancing_type!r} is not one "
                              f"of {MOE_LOAD_BALANCING_TYPES}")
+        if self.moe_router_load_balancing_type == "sinkhorn" and self.moe_aux_loss_coeff > 0:
+            raise ValueError("sinkhorn routing balances without an aux loss; set moe_aux_loss_coeff 0")
         if self.moe_token_dispatcher_type not in ("alltoall", "allgather"):
             raise ValueError(f"moe_token_dispatcher_type {self.moe_token_dispatcher_type!r} is not alltoall or allgather")
 

@@ -1,5 +1,6 @@
 """Megatron-Core's router flags beyond the dropless top-k: the score function, the top-k scaling factor,
-the sequence-level aux loss and the expert capacity (router.py, token_dropping.py; docs/moe.md).
+the sequence-level aux loss, Sinkhorn routing and the expert capacity (router.py, sinkhorn.py, token_dropping.py;
+docs/moe.md).
 Declared here and checked by arguments.py's MoE validation; their model fields keep the flags' names."""
 from __future__ import annotations
 
@@ -29,6 +30,13 @@ def check_core_router_flags(args, require) -> None:
     require(capacity is None or args.moe_capacity_factor is None,
             "--moe-expert-capacity-factor (Megatron-Core's capacity) and DeepSpeed-MoE's capacity gating flags "
             "(--moe-train-capacity-factor, --topk, ...) configure two different routers; give one family")
+    if args.moe_router_load_balancing_type == "sinkhorn":  # Megatron-Core asserts the first, ignores the others
+        for given, flag in ((args.moe_aux_loss_coeff > 0, f"--moe-aux-loss-coeff {args.moe_aux_loss_coeff}"),
+                            (args.moe_router_score_function != "softmax", "--moe-router-score-function sigmoid"),
+                            (args.moe_router_pre_softmax, "--moe-router-pre-softmax"),
+                            (args.moe_router_topk_scaling_factor is not None, "--moe-router-topk-scaling-factor")):
+            require(not given, f"{flag} does not apply to --moe-router-load-balancing-type sinkhorn (its weights are "
+                    "sigmoid or softmax of the logits at the Sinkhorn-balanced top-k, with no aux loss); drop it")
     require(args.moe_router_load_balancing_type != "seq_aux_loss" or args.context_parallel_size == 1,
             "--moe-router-load-balancing-type seq_aux_loss with --context-parallel-size "
             f"{args.context_parallel_size} is not implemented (it needs each sequence's routing over the CP group)")

@@ -83,7 +83,7 @@ class DeepSpeedMoE(nn.Module):
         if c.moe_capacity_factor is None:
             weights, expert_ids = route(logits, c.moe_router_topk, c.moe_router_pre_softmax,
                                         c.moe_router_load_balancing_type, c.moe_aux_loss_coeff, c.moe_z_loss_coeff,
-                                        c.moe_router_score_function, c.moe_router_topk_scaling_factor, shape[0])
+                                        c.moe_router_score_function, c.moe_router_topk_scaling_factor, shape[0], self.training)
             if c.moe_expert_capacity_factor is not None:  # Megatron-Core's capacity (token_dropping.py)
                 kept = kept_pairs(weights, expert_ids, c.num_experts, c.moe_expert_capacity_factor,
                                   c.moe_token_drop_policy, shape[0])

@@ -7,6 +7,7 @@
         aux = c * E / (T^2 k) * sum_e (sum_t softmax(logits)_te) * tokens_routed_to_e
     sequence-level (seq_aux_loss): that loss of each sequence alone (T: its tokens), averaged over the batch
     z-loss (--moe-z-loss-coeff c_z): c_z * mean_t logsumexp(logits_t)^2
+    sinkhorn: top-k of the Sinkhorn-balanced scores in training, weights from sigmoid / softmax (sinkhorn.py)
     --moe-router-score-function sigmoid: top-k of sigmoid(logits), normalised to sum 1 (k > 1); the aux
         losses then take sigmoid(logits) normalised over all E; --moe-router-topk-scaling-factor s: the
         router weights times s
@@ -27,6 +28,7 @@ from typing import Dict
 import torch
 
 from ..model.recompute import is_recomputing
+from .sinkhorn import sinkhorn_routing
 
 _SCALE = {"value": 1.0}
 _TRACKED: Dict[str, torch.Tensor] = {}
@@ -117,13 +119,16 @@ def scores_for_aux_loss(logits: torch.Tensor, topk: int, score_function: str) ->
 
 
 def route(logits: torch.Tensor, topk: int, pre_softmax: bool, balancing: str, aux_coeff: float,
-          z_coeff, score_function: str = "softmax", scaling_factor=None, batch: int = 1) -> tuple:
+          z_coeff, score_function: str = "softmax", scaling_factor=None, batch: int = 1, training: bool = True) -> tuple:
     """logits [T, E] (fp32, T = batch x seq tokens, batch-major) -> (weights [T, k], expert ids [T, k]) with
-    the aux losses attached to `weights`."""
+    the aux losses attached to `weights`. `training`: Sinkhorn routing chooses by the balanced scores only
+    in training (sinkhorn.py)."""
     if z_coeff:
         zl = z_loss(logits, z_coeff)
         track("z_loss", zl / z_coeff)
         logits = AuxLossScaler.apply(logits, zl)
+    if balancing == "sinkhorn":
+        return sinkhorn_routing(logits, topk, training)
     weights, experts = scores_and_choice(logits, topk, pre_softmax, score_function, scaling_factor)
     if balancing in ("aux_loss", "seq_aux_loss") and aux_coeff > 0:
         scores, chosen = scores_for_aux_loss(logits, topk, score_function)
