@@ -9,15 +9,17 @@ dispatch per token as the number of experts E and top-k grow, and each rank's me
     model whose MLP is k x --ffn wide (the same active parameters per token: k experts of width F against
     one MLP of width k F), everything else equal. The two models' steps alternate (one warm-up each), so both
     share the machine's noise; the median over --reps steps.
-(b) dispatch, timed alone, forward and backward: router logits and top-k (with the aux loss), the per-expert
-    counts, permute, the alltoall to the experts' owners and back (the experts themselves left out: rows
-    return unchanged), unpermute with the router weights; on 2 gloo ranks at EP2 (counts exchange and
-    variable-split all_to_all_single) and at EP1 on one rank (no exchange); the router's logits matmul
-    (h E multiply-adds a token, the one part that must grow with E) also timed alone. --tokens tokens a rank, over
-    E = 4..64 at k = 2, then over k = 1..8 at E = 64. Microseconds per token, the slowest rank, median of
-    --reps; the baseline is the first row of each sweep. Beside it, the experts' own compute on the same
-    rows (the per-expert loop of grouped_mlp.py, what runs on the CPU and wherever grouped_mm does not):
-    the same FLOPs at every E, one pair of matmuls per expert.
+(b) dispatch, timed alone, forward and backward, in two parts: the router (logits x W_g^T, top-k and softmax,
+    the aux loss's softmax over all E: h E + O(E) operations a token, the part that must grow with E), and
+    the move (the per-expert counts, permute, the all-to-all to the experts' owners and back, unpermute with
+    the router weights; the experts left out, rows return unchanged), on 2 gloo ranks at EP2 (counts
+    exchange and variable-split all_to_all_single) and at EP1 (no exchange). --tokens tokens a rank, over
+    E = 4..64 at k = 2, then over k = 1..8 at E = 64. Microseconds per token, the slowest rank, the fastest
+    of --reps runs with the rows' runs interleaved (on a shared machine the medians of these millisecond
+    runs move several-fold with the load; the fastest is the least disturbed); the baseline is the first
+    row of each sweep. The move handles T k rows whatever E is: flat in E at fixed T k, linear in k. Beside
+    it, the experts' own compute on the same rows (the per-expert loop of grouped_mlp.py, what runs on the
+    CPU and wherever grouped_mm does not): the same FLOPs at every E, one pair of matmuls per expert.
 (c) memory by EP on 4 gloo ranks (DP 4, expert parallelism carved out of it), the same Llama MoE, ZeRO
     stage 0 (every rank keeps the Adam moments of what it holds) and 1: bytes of parameters, gradients and
     optimizer state (fp32 master where kept, exp_avg, exp_avg_sq) a rank holds after a step (ZeroOptimizer's
@@ -63,7 +65,7 @@ MIB = 2 ** 20
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tables", default="a,b,c", help="which tables: a (throughput), b (dispatch), c (memory)")
-    p.add_argument("--reps", type=int, default=5, help="timed repetitions per row (median)")
+    p.add_argument("--reps", type=int, default=7, help="timed repetitions per row")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=128)
@@ -138,11 +140,16 @@ def throughput(a):
     return rows
 
 
-def dispatch_once(x, wg, topk, group, local):
-    """Router, permute, the alltoall there and back (`group` None: none), unpermute; forward and backward."""
-    logits = F.linear(x, wg).float()
-    weights, ids = route(logits, topk, False, "aux_loss", 1e-2, None)
-    counts = torch.bincount(ids.reshape(-1), minlength=wg.shape[0])
+def router_once(x, wg, topk):
+    """The router: logits, top-k and softmax, the aux loss (softmax over all E); forward and backward."""
+    weights, _ = route(F.linear(x, wg).float(), topk, False, "aux_loss", 1e-2, None)
+    weights.sum().backward()
+
+
+def move_once(x, weights, ids, experts, group, local):
+    """The per-expert counts, permute, the alltoall there and back (`group` None: none), unpermute with the
+    router weights; forward and backward."""
+    counts = torch.bincount(ids.reshape(-1), minlength=experts)
     if group is None:
         rows, order, token_of_row = permute(x, ids, int(counts.sum()))
         out = rows
@@ -153,57 +160,66 @@ def dispatch_once(x, wg, topk, group, local):
     unpermute(out, weights, order, token_of_row, x.shape[0]).sum().backward()
 
 
-def timed(fn, reps, group=None):
-    """Median seconds of fn() over reps (after a warm-up), the slowest rank of `group`'s."""
-    fn()
-    times = []
-    for _ in range(reps):
-        if group is not None:
-            dist.barrier(group)
-        start = time.perf_counter()
+def interleaved(fns, reps, group=None):
+    """Seconds of each of fns: the fastest of `reps` runs after a warm-up, the runs of all fns interleaved
+    (each rep runs every fn once), so that the machine's load falls on every row alike; with `group`, each
+    run starts at a barrier and the slowest rank's time counts."""
+    for fn in fns:
         fn()
-        times.append(time.perf_counter() - start)
-    t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    best = [float("inf")] * len(fns)
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            if group is not None:
+                dist.barrier(group)
+            start = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - start)
+    t = torch.tensor(best, dtype=torch.float64)
     if group is not None:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t)
+    return t.tolist()
 
 
 def dispatch_rank(a, sweep):
-    """On each of 2 ranks: [(E, k, tokens, EP1 s, EP2 s, router logits s)] for every (E, k) of the sweep."""
+    """On each of 2 ranks: [(E, k, tokens, router s, EP1 move s, EP2 move s)] for every (E, k) of the sweep."""
     torch.set_num_threads(a.threads)
     group = dist.group.WORLD
     ep = dist.get_world_size()
-    out = []
+    fns = []
     for experts, topk, tokens in sweep:
         g = torch.Generator().manual_seed(dist.get_rank())
         x = torch.randn(tokens, a.hidden, generator=g).requires_grad_()
         wg = (torch.randn(experts, a.hidden, generator=g) / a.hidden ** 0.5).requires_grad_()
-        one = timed(lambda: dispatch_once(x, wg, topk, None, experts), a.reps)
-        two = timed(lambda: dispatch_once(x, wg, topk, group, experts // ep), a.reps, group)
-        logits = timed(lambda: F.linear(x, wg).float().sum().backward(), a.reps)
-        reset_aux_losses()
-        out.append((experts, topk, tokens, one, two, logits))
-    return out
+        with torch.no_grad():
+            weights, ids = route(F.linear(x, wg).float(), topk, False, "none", 0.0, None)
+        weights.requires_grad_()
+        fns += [lambda x=x, wg=wg, k=topk: router_once(x, wg, k),
+                lambda x=x, w=weights, i=ids, e=experts: move_once(x, w, i, e, None, e),
+                lambda x=x, w=weights, i=ids, e=experts: move_once(x, w, i, e, group, e // ep)]
+    times = interleaved(fns, a.reps, group)
+    reset_aux_losses()
+    return [row + tuple(times[3 * i:3 * i + 3]) for i, row in enumerate(sweep)]
 
 
-def expert_compute(a, experts, topk, tokens):
+def expert_compute(a, sweep):
     """Seconds of the per-expert loop (grouped_mlp.py's CPU path) forward and backward on tokens x k rows
-    spread evenly over `experts` experts of width --ffn (GeLU, with biases)."""
-    cfg = config(a, True, False, experts=experts)
-    torch.manual_seed(0)
-    module = Experts(cfg, None, range(experts), ParallelMLP)
-    rows = torch.randn(tokens * topk, a.hidden).requires_grad_()
-    counts = [tokens * topk // experts] * experts
-    counts[-1] += tokens * topk - sum(counts)
-    return timed(lambda: module(rows, counts).sum().backward(), a.reps)
+    spread evenly over E experts of width --ffn (GeLU, with biases), for every (E, k, tokens) of the sweep."""
+    fns = []
+    for experts, topk, tokens in sweep:
+        torch.manual_seed(0)
+        module = Experts(config(a, True, False, experts=experts), None, range(experts), ParallelMLP)
+        rows = torch.randn(tokens * topk, a.hidden).requires_grad_()
+        counts = [tokens * topk // experts] * experts
+        counts[-1] += tokens * topk - sum(counts)
+        fns.append(lambda m=module, r=rows, c=counts: m(r, c).sum().backward())
+    return interleaved(fns, a.reps)
 
 
 def dispatch_tables(a):
     sweep = [(e, a.topk, a.tokens) for e in EXPERT_SWEEP] + [(max(EXPERT_SWEEP), k, a.tokens) for k in TOPK_SWEEP]
     measured = run_ranks(dispatch_rank, 2, a, sweep, timeout=900)[0]
     torch.set_num_threads(a.threads)
-    return [row + (expert_compute(a, row[0], row[1], row[2]),) for row in measured]
+    return [row + (t,) for row, t in zip(measured, expert_compute(a, sweep))]
 
 
 def _vmhwm_reset():
@@ -261,7 +277,7 @@ def main(argv=None):
     print(machine())
     print(f"# {a.layers} layers, hidden {a.hidden}, {a.heads} heads, seq {a.seq}, batch {a.batch}, vocab {a.vocab}; "
           f"MoE: {a.experts} experts of ffn {a.ffn}, top-{a.topk}, grouped GEMM; dense: ffn {a.ffn * a.topk}; "
-          f"fp32, {a.threads} thread(s) a process, median of {a.reps}")
+          f"fp32, {a.threads} thread(s) a process, {a.reps} reps")
     if "a" in a.tables:
         print("\n(a) training step tokens/s: MoE against the dense model of equal active parameters")
         print("| model | active params MoE | active params dense | MoE tokens/s | dense tokens/s | MoE / dense |")
@@ -270,17 +286,17 @@ def main(argv=None):
             print(f"| {name} | {am:,} | {ad:,} | {sm:,.0f} | {sd:,.0f} | {r:.2f} |")
     if "b" in a.tables:
         rows = dispatch_tables(a)
-        print(f"\n(b) dispatch (router + permute + alltoall + unpermute, forward and backward) per token, "
-              f"{a.tokens} tokens a rank; experts' compute (per-expert loop) beside it")
-        print("| E | k | EP1 dispatch us/token | EP2 dispatch us/token | EP2 / first row | of which router logits "
-              "us/token | experts us/token | experts / first row |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-        for i, (e, k, t, one, two, logits, comp) in enumerate(rows):
+        print(f"\n(b) dispatch per token, forward and backward, {a.tokens} tokens a rank: the router, and the "
+              "permutation with (EP2) or without (EP1) the all-to-all; the experts' compute (per-expert loop) beside it")
+        print("| E | k | router us/token | / first row | EP1 permute + unpermute us/token | / first row | "
+              "EP2 permute + alltoall + unpermute us/token | / first row | experts us/token | / first row |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for i, (e, k, t, *times) in enumerate(rows):
             base = rows[0] if i < len(EXPERT_SWEEP) else rows[len(EXPERT_SWEEP)]
             if i == len(EXPERT_SWEEP):
-                print("| | | | | | | | |")
-            print(f"| {e} | {k} | {one / t * 1e6:.2f} | {two / t * 1e6:.2f} | {two / base[4]:.2f} | "
-                  f"{logits / t * 1e6:.2f} | {comp / t * 1e6:.2f} | {comp / base[6]:.2f} |")
+                print("|" + " |" * 10)
+            print(f"| {e} | {k} | " + " | ".join(f"{v / t * 1e6:.2f} | {v / b:.2f}" for v, b in zip(times, base[3:]))
+                  + " |")
     if "c" in a.tables:
         print(f"\n(c) memory a rank holds (MiB; the largest rank) by EP, 4 ranks (DP 4), Llama MoE "
               f"{a.experts} experts; ratio: optimizer state and peak to EP1's")
