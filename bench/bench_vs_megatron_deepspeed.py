@@ -9,8 +9,9 @@ LayerNorm path crashes on the CPU), GeLU MLP, learned positions, tied embeddings
 4, global batch 16 (4096 tokens a step), Adam lr 1e-3, gradient clipping 1.0, on the same indexed dataset
 (tools/build_corpus.py's .bin/.idx) and SentencePiece model (GPTSentencePieceTokenizer on both sides), one
 thread per rank, gloo, launched with torchrun. Layouts: DP2 with ZeRO-1 on both sides, TP2, PP2, TP2xPP2
-(ZeRO stage 0 on both sides where DP is 1). Megatron-DeepSpeed runs through DeepSpeed with its documented CPU
-flags (bench/peers/setup_megatron_deepspeed.sh; why each is needed: bench/peers/README.md).
+(ZeRO stage 0 on both sides where DP is 1); dp2moe: DP2 ZeRO-1 with every second MLP a DeepSpeed-MoE layer of
+4 experts over EP2, Megatron-DeepSpeed's MoE flags on both sides (LAYOUT_FLAGS). Megatron-DeepSpeed runs through
+DeepSpeed with its documented CPU flags (bench/peers/setup_megatron_deepspeed.sh; why each is needed: bench/peers/README.md).
 
 Each launch trains `--warmup + --iters` iterations, logging every iteration; both print Megatron's
 "elapsed time per iteration (ms)", the wall time of the iteration on the last rank. The first `--warmup`
@@ -41,8 +42,16 @@ MODEL = {"num-layers": 4, "hidden-size": 256, "num-attention-heads": 8, "seq-len
          "eval-iters": 0, "eval-interval": 10 ** 6, "split": "100,0,0",
          "tokenizer-type": "GPTSentencePieceTokenizer"}
 TOKENS_PER_ITER = 16 * 256
-LAYOUTS = {"dp2": (1, 1, 2), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "tp2pp2": (2, 2, 1), "tp1": (1, 1, 1)}  # tp, pp, dp
-LABELS = {"dp2": "DP2 ZeRO-1", "tp2": "TP2", "pp2": "PP2", "tp2pp2": "TP2 x PP2", "tp1": "one rank"}
+LAYOUTS = {"dp2": (1, 1, 2), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "tp2pp2": (2, 2, 1), "tp1": (1, 1, 1),
+           "dp2moe": (1, 1, 2)}  # tp, pp, dp
+LABELS = {"dp2": "DP2 ZeRO-1", "tp2": "TP2", "pp2": "PP2", "tp2pp2": "TP2 x PP2", "tp1": "one rank",
+          "dp2moe": "MoE EP2 x DP2 ZeRO-1"}
+# dp2moe: every second MLP (--expert-interval's default, 2) a DeepSpeed-MoE layer, Megatron-DeepSpeed's flags on
+# both sides (its examples_deepspeed/MoE scripts' gating: top-2, capacity factor 1, min capacity 4, aux loss
+# 0.01), 4 experts over EP2 with their own parameter group
+LAYOUT_FLAGS = {"dp2moe": ["--num-experts", "4", "--moe-expert-parallel-size", "2", "--topk", "2",
+                           "--moe-loss-coeff", "0.01", "--moe-train-capacity-factor", "1.0", "--moe-min-capacity", "4",
+                           "--create-moe-param-group"]}
 # Megatron-DeepSpeed's flags for a CPU (bench/peers/README.md): no fused CUDA kernels, gloo, RMSNorm
 MDS_CPU_FLAGS = ["--distributed-backend", "gloo", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
                  "--no-bias-dropout-fusion", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm"]
@@ -181,8 +190,9 @@ def main():
             res = {"ours": [], "mds": []}
             for rep in range(a.reps):
                 for side in (("ours", "mds") if rep % 2 == 0 else ("mds", "ours")):
-                    cmd, cwd = (ours_cmd(layout, data, n) if side == "ours" else
-                                mds_cmd(layout, data, n, a.mds_dir, a.mds_python, work))
+                    extra = LAYOUT_FLAGS.get(layout, ())
+                    cmd, cwd = (ours_cmd(layout, data, n, extra=extra) if side == "ours" else
+                                mds_cmd(layout, data, n, a.mds_dir, a.mds_python, work, extra=extra))
                     tps, loss = measure(run(cmd, cwd, tp * pp * dp, a.torch_extensions_dir, a.timeout),
                                         a.warmup, a.iters)
                     res[side].append((tps, loss))

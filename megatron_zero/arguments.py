@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the local experts' matmuls as one grouped GEMM each (torch's grouped_mm on CUDA bf16; "
                         "the same parameters and checkpoints)")
     g.add_argument("--moe-token-dispatcher-type", choices=["alltoall", "allgather"], default="alltoall",
-                   help="alltoall: variable-size all-to-all over the expert-parallel group (the one implemented)")
+                   help="alltoall: variable-size all-to-all over the expert-parallel group; allgather: the tokens "
+                        "all-gathered over it, the outputs reduce-scattered back (the same result)")
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
                    help="a shared expert MLP of this width that every token goes through, added to the routed "
                         "experts' output (tensor-parallel like the dense MLP, not expert-parallel)")
@@ -574,14 +575,9 @@ def _validate_moe(args, tp: int, dp: int):
     _require(args.moe_ffn_hidden_size >= 1 and args.moe_ffn_hidden_size % tp == 0,
              f"--moe-ffn-hidden-size {args.moe_ffn_hidden_size} is not a positive multiple of "
              f"--tensor-model-parallel-size {tp}")
-    _require(args.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss", "none"),
-             f"--moe-router-load-balancing-type {args.moe_router_load_balancing_type} is not implemented; "
-             "use aux_loss, seq_aux_loss or none")
     check_core_router_flags(args, _require)
     _require(args.moe_aux_loss_coeff >= 0 and (args.moe_z_loss_coeff or 0) >= 0,
              "--moe-aux-loss-coeff and --moe-z-loss-coeff must not be negative")
-    _require(args.moe_token_dispatcher_type == "alltoall",
-             "--moe-token-dispatcher-type allgather is not implemented; use alltoall (the same result)")
     _require(not (args.sequence_parallel and tp > 1),
              "--sequence-parallel with MoE layers (--num-experts) is not implemented; drop --sequence-parallel")
     if ep > 1:

@@ -169,7 +169,6 @@ def test_core_router_flags_parse():
     ({**MOE_ARGS, "moe_expert_capacity_factor": 1.0, "moe_train_capacity_factor": 1.0}, "two different routers"),
     ({"moe_expert_capacity_factor": 1.0}, "give --num-experts"),
     ({**MOE_ARGS, "moe_expert_capacity_factor": 1.0, "context_parallel_size": 2}, "--context-parallel-size 2 with an"),
-    ({**MOE_ARGS, "moe_router_load_balancing_type": "sinkhorn"}, "sinkhorn is not implemented"),
 ])
 def test_core_router_flags_refused(changes, message, capsys):
     assert message in refused(with_flags(BASE, **changes), 2, capsys)

@@ -17,7 +17,7 @@ RECOMPUTE_METHODS = ("uniform", "block")
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
-MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
+MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none", "sinkhorn")
 
 
 def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
@@ -62,6 +62,7 @@ class GPTConfig:
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: Optional[float] = None
     moe_grouped_gemm: bool = False                   # the local experts as one grouped GEMM (moe/grouped_mlp.py)
+    moe_token_dispatcher_type: str = "alltoall"      # or "allgather" (moe/allgather_dispatch.py): the same result
     moe_router_score_function: str = "softmax"       # or "sigmoid" (moe/router.py)
     moe_router_topk_scaling_factor: Optional[float] = None  # router weights times this
     # Megatron-Core's capacity (moe/token_dropping.py): None -> dropless
@@ -161,6 +162,10 @@ class GPTConfig:
         if self.moe_router_load_balancing_type not in MOE_LOAD_BALANCING_TYPES:
             raise ValueError(f"moe_router_load_balancing_type {self.moe_router_load_balancing_type!r} is not one "
                              f"of {MOE_LOAD_BALANCING_TYPES}")
+        if self.moe_router_load_balancing_type == "sinkhorn" and self.moe_aux_loss_coeff > 0:
+            raise ValueError("sinkhorn routing balances without an aux loss; set moe_aux_loss_coeff 0")
+        if self.moe_token_dispatcher_type not in ("alltoall", "allgather"):
+            raise ValueError(f"moe_token_dispatcher_type {self.moe_token_dispatcher_type!r} is not alltoall or allgather")
 
     def is_moe_layer(self, block: int) -> bool:
         """Whether transformer block `block` (0-based) has an MoE layer in place of its MLP (Megatron-Core's
@@ -236,3 +241,4 @@ MOE_FIELDS = ("num_experts", "moe_layer_freq", "moe_layer_offset", "moe_ffn_hidd
               "moe_drop_tokens", "moe_top2_2nd_expert_sampling", "moe_router_score_function",
               "moe_router_topk_scaling_factor", "moe_expert_capacity_factor", "moe_token_drop_policy",
               "moe_pad_expert_input_to_capacity", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
+MOE_FIELDS += ("moe_token_dispatcher_type",)

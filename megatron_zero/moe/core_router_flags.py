@@ -1,5 +1,6 @@
 """Megatron-Core's router flags beyond the dropless top-k: the score function, the top-k scaling factor,
-the sequence-level aux loss and the expert capacity (router.py, token_dropping.py; docs/moe.md).
+the sequence-level aux loss, Sinkhorn routing and the expert capacity (router.py, sinkhorn.py, token_dropping.py;
+docs/moe.md).
 Declared here and checked by arguments.py's MoE validation; their model fields keep the flags' names."""
 from __future__ import annotations
 
@@ -35,3 +36,10 @@ def check_core_router_flags(args, require) -> None:
             f"{'--moe-expert-capacity-factor' if capacity is not None else '--moe-train-capacity-factor'}) is not "
             "implemented: the capacity counts each sequence's tokens, which context parallelism splits over ranks; "
             "train dropless or without context parallelism")
+    if args.moe_router_load_balancing_type == "sinkhorn":  # Megatron-Core asserts the first, ignores the others
+        for given, flag in ((args.moe_aux_loss_coeff > 0, f"--moe-aux-loss-coeff {args.moe_aux_loss_coeff}"),
+                            (args.moe_router_score_function != "softmax", "--moe-router-score-function sigmoid"),
+                            (args.moe_router_pre_softmax, "--moe-router-pre-softmax"),
+                            (args.moe_router_topk_scaling_factor is not None, "--moe-router-topk-scaling-factor")):
+            require(not given, f"{flag} does not apply to --moe-router-load-balancing-type sinkhorn (its weights are "
+                    "sigmoid or softmax of the logits at the Sinkhorn-balanced top-k, with no aux loss); drop it")

@@ -10,7 +10,8 @@ capacity, token_dropping.py), or with `moe_capacity_factor` set
 DeepSpeed-MoE's capacity gating (capacity_gating.py: tokens past an expert's capacity are dropped, their
 MoE output is zero). The experts run one after another on their contiguous runs of rows (a loop over
 the local experts, never over tokens), or with `moe_grouped_gemm` all together as one grouped GEMM per
-matmul (grouped_mlp.py; the same parameters).
+matmul (grouped_mlp.py; the same parameters). Dispatch over the EP group: the all-to-all (dispatch.py), or
+with `moe_token_dispatcher_type` "allgather" Megatron-Core's all-gather dispatcher (allgather_dispatch.py).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .allgather_dispatch import allgather_dispatch
 from .capacity_gating import capacity_route
 from .dispatch import ExpertParallelExchange, permute, unpermute
 from .grouped_mlp import GroupedMLP
@@ -82,7 +84,7 @@ class DeepSpeedMoE(nn.Module):
             weights, expert_ids = route(logits, c.moe_router_topk, c.moe_router_pre_softmax,
                                         c.moe_router_load_balancing_type, c.moe_aux_loss_coeff, c.moe_z_loss_coeff,
                                         c.moe_router_score_function, c.moe_router_topk_scaling_factor, shape[0],
-                                        self.cp_group)
+                                        self.training, self.cp_group)
             if c.moe_expert_capacity_factor is not None:  # Megatron-Core's capacity (token_dropping.py)
                 kept = kept_pairs(weights, expert_ids, c.num_experts, c.moe_expert_capacity_factor,
                                   c.moe_token_drop_policy, shape[0])
@@ -93,6 +95,9 @@ class DeepSpeedMoE(nn.Module):
                 logits, c.moe_router_topk, factor, c.moe_min_capacity, c.moe_drop_tokens, c.moe_use_rts,
                 c.moe_top2_2nd_expert_sampling, c.moe_aux_loss_coeff)
             expert_ids = torch.where(kept, expert_ids, c.num_experts)  # dropped: sorted past every expert
+        if self.ep_group is not None and c.moe_token_dispatcher_type == "allgather":
+            out = allgather_dispatch(tokens, weights, expert_ids, self.experts, self.ep_group, self.first, self.local)
+            return out.view(shape)
         counts = torch.bincount(expert_ids.reshape(-1), minlength=c.num_experts + 1)[:c.num_experts]
         if self.ep_group is None:
             rows_per_expert = counts.tolist()  # the layer's one host read

@@ -11,6 +11,7 @@
         tokens_routed_to_e (per sequence for seq_aux_loss) summed over the group, T the whole sequence's,
         and the probabilities this rank's only: the group's losses sum to the whole sequence's loss
         (Megatron-Core's tp_cp reduce group); the z-loss coefficient is divided by the group's size
+    sinkhorn: top-k of the Sinkhorn-balanced scores in training, weights from sigmoid / softmax (sinkhorn.py)
     --moe-router-score-function sigmoid: top-k of sigmoid(logits), normalised to sum 1 (k > 1); the aux
         losses then take sigmoid(logits) normalised over all E; --moe-router-topk-scaling-factor s: the
         router weights times s
@@ -34,6 +35,7 @@ import torch.distributed as dist
 
 from .. import shm_comm
 from ..model.recompute import is_recomputing
+from .sinkhorn import sinkhorn_routing
 
 _SCALE = {"value": 1.0}
 _TRACKED: Dict[str, torch.Tensor] = {}
@@ -134,16 +136,19 @@ def _summed(counts: torch.Tensor, group) -> torch.Tensor:
 
 
 def route(logits: torch.Tensor, topk: int, pre_softmax: bool, balancing: str, aux_coeff: float,
-          z_coeff, score_function: str = "softmax", scaling_factor=None, batch: int = 1,
+          z_coeff, score_function: str = "softmax", scaling_factor=None, batch: int = 1, training: bool = True,
           reduce_group=None) -> tuple:
     """logits [T, E] (fp32, T = batch x seq tokens, batch-major) -> (weights [T, k], expert ids [T, k]) with
-    the aux losses attached to `weights`. `reduce_group`: the ranks holding the other parts of these
-    sequences (context parallelism), None: the sequences are whole here."""
+    the aux losses attached to `weights`. `training`: Sinkhorn routing chooses by the balanced scores only
+    in training (sinkhorn.py). `reduce_group`: the ranks holding the other parts of these sequences (context
+    parallelism), None: the sequences are whole here."""
     parts = dist.get_world_size(reduce_group) if reduce_group is not None else 1
     if z_coeff:
         zl = z_loss(logits, z_coeff / parts)
         track("z_loss", zl / z_coeff)
         logits = AuxLossScaler.apply(logits, zl)
+    if balancing == "sinkhorn":
+        return sinkhorn_routing(logits, topk, training)
     weights, experts = scores_and_choice(logits, topk, pre_softmax, score_function, scaling_factor)
     if balancing in ("aux_loss", "seq_aux_loss") and aux_coeff > 0:
         scores, chosen = scores_for_aux_loss(logits, topk, score_function)
