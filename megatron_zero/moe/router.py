@@ -16,8 +16,11 @@ backward, adds the loss's gradient times the current scale (Megatron's MoEAuxLos
 training step sets that scale once per global batch to loss_scale / micro-batches
 (`set_aux_loss_scale`), so the aux losses are weighted as the language-model loss is under gradient
 accumulation, pipelining (the loss of a middle stage's layer never crosses a stage boundary) and
-fp16 loss scaling. Each layer's values (divided by their coefficients, as Megatron logs them) are
-summed into `aux_losses()` for the log, until `reset_aux_losses()`; a layer run again by full
+fp16 loss scaling. With sequence parallelism (`sp_group`) each TP rank routes its own tokens: the
+per-expert counts are summed over the group and T counts every rank's tokens, so each rank's loss is its
+tokens' share of the micro-batch's loss and its gradient that loss's (Megatron-Core's tp_cp reduce and
+z-loss coefficient / TP); the logged values are the sums over the group. Each layer's values (divided by
+their coefficients, as Megatron logs them) are summed into `aux_losses()` for the log, until `reset_aux_losses()`; a layer run again by full
 recompute (model/recompute.py) in backward is not counted a second time.
 """
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 from typing import Dict
 
 import torch
+import torch.distributed as dist
 
 from ..model.recompute import is_recomputing
 
@@ -69,14 +73,32 @@ class AuxLossScaler(torch.autograd.Function):
 
 
 def switch_load_balancing_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor, topk: int,
-                               coeff: float) -> torch.Tensor:
-    """Megatron-Core's switch_load_balancing_loss_func: probs [T, E] over all experts, counts [E]."""
-    tokens, experts = probs.shape
+                               coeff: float, tokens=None) -> torch.Tensor:
+    """Megatron-Core's switch_load_balancing_loss_func: probs [T, E] over all experts, counts [E]
+    (`tokens`: T when probs holds only this rank's share of them)."""
+    experts = probs.shape[1]
+    tokens = probs.shape[0] if tokens is None else tokens
     return torch.sum(probs.sum(dim=0) * tokens_per_expert) * (experts * coeff / (tokens * tokens * topk))
 
 
-def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
-    return torch.mean(torch.square(torch.logsumexp(logits, dim=-1))) * coeff
+def z_loss(logits: torch.Tensor, coeff: float, tokens=None) -> torch.Tensor:
+    if tokens is None:
+        return torch.mean(torch.square(torch.logsumexp(logits, dim=-1))) * coeff
+    return torch.sum(torch.square(torch.logsumexp(logits, dim=-1))) * (coeff / tokens)
+
+
+def _group_sum(value: torch.Tensor, group) -> torch.Tensor:
+    """`value` summed over `group` (no gradient; None: unchanged)."""
+    if group is None:
+        return value
+    value = value.detach().clone()
+    dist.all_reduce(value, group=group)
+    return value
+
+
+def _track_sum(name: str, value: torch.Tensor, group) -> None:
+    if not is_recomputing():
+        track(name, _group_sum(value, group))
 
 
 def seq_load_balancing_loss(scores: torch.Tensor, tokens_per_expert: torch.Tensor, batch: int, topk: int,
@@ -117,12 +139,14 @@ def scores_for_aux_loss(logits: torch.Tensor, topk: int, score_function: str) ->
 
 
 def route(logits: torch.Tensor, topk: int, pre_softmax: bool, balancing: str, aux_coeff: float,
-          z_coeff, score_function: str = "softmax", scaling_factor=None, batch: int = 1) -> tuple:
+          z_coeff, score_function: str = "softmax", scaling_factor=None, batch: int = 1, sp_group=None) -> tuple:
     """logits [T, E] (fp32, T = batch x seq tokens, batch-major) -> (weights [T, k], expert ids [T, k]) with
-    the aux losses attached to `weights`."""
+    the aux losses attached to `weights`. `sp_group`: the sequence-parallel group whose ranks hold the
+    micro-batch's other tokens (the aux_loss and z-loss only)."""
+    tokens = logits.shape[0] * dist.get_world_size(sp_group) if sp_group is not None else None
     if z_coeff:
-        zl = z_loss(logits, z_coeff)
-        track("z_loss", zl / z_coeff)
+        zl = z_loss(logits, z_coeff, tokens)
+        _track_sum("z_loss", zl / z_coeff, sp_group)
         logits = AuxLossScaler.apply(logits, zl)
     weights, experts = scores_and_choice(logits, topk, pre_softmax, score_function, scaling_factor)
     if balancing in ("aux_loss", "seq_aux_loss") and aux_coeff > 0:
@@ -131,8 +155,8 @@ def route(logits: torch.Tensor, topk: int, pre_softmax: bool, balancing: str, au
             counts = torch.zeros(logits.shape[1], dtype=logits.dtype, device=logits.device)
             counts.scatter_add_(0, chosen.reshape(-1), torch.ones(chosen.numel(), dtype=logits.dtype,
                                                                    device=logits.device))
-            aux = switch_load_balancing_loss(scores, counts, topk, aux_coeff)
-            track("load_balancing_loss", aux / aux_coeff)
+            aux = switch_load_balancing_loss(scores, _group_sum(counts, sp_group), topk, aux_coeff, tokens)
+            _track_sum("load_balancing_loss", aux / aux_coeff, sp_group)
         else:
             counts = torch.zeros(batch, logits.shape[0] // batch, logits.shape[1], dtype=logits.dtype,
                                  device=logits.device)

@@ -83,9 +83,10 @@ def train_step(model, opt, state, p2p, step: int, mb: int):
 
 
 def parallel_run(cfg, tp: int, pp: int, ep: int, stage: int, mb: int, steps: int = STEPS, overlap: bool = False,
-                 bucket_size: int = 4000, seed=None):
-    """`overlap`: --overlap-grad-reduce and --overlap-param-gather. `seed`: as reference_run's."""
-    state = build_parallel_state(tp=tp, pp=pp, ep=ep)
+                 bucket_size: int = 4000, seed=None, etp=None):
+    """`overlap`: --overlap-grad-reduce and --overlap-param-gather. `seed`: as reference_run's. `etp`:
+    --expert-tensor-parallel-size (None: TP)."""
+    state = build_parallel_state(tp=tp, pp=pp, ep=ep, etp=etp)
     model = build_gpt_stage(cfg, state)
     if seed is not None:
         torch.manual_seed(seed)
