@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refused: the shared expert runs after the routed experts, not overlapped with dispatch")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="ranks the experts are spread over, carved out of the data-parallel ranks")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="ranks each expert is tensor-parallel over (default --tensor-model-parallel-size); other "
+                        "than TP the expert groups are carved out of TP x DP, as Megatron-Core does (docs/moe.md)")
 
     add_core_router_flags(g)
     add_deepspeed_moe_flags(p)
@@ -554,6 +557,7 @@ def _validate_moe(args, tp: int, dp: int):
     ep, experts = args.expert_model_parallel_size, args.num_experts
     _require(ep >= 1, f"--expert-model-parallel-size {ep} must be at least 1")
     _validate_shared_expert(args, tp)
+    _validate_expert_tensor_parallel(args, tp, dp)
     if experts is None:
         _require(ep == 1, f"--expert-model-parallel-size {ep} needs MoE layers; give --num-experts")
         _require(args.moe_expert_capacity_factor is None, "--moe-expert-capacity-factor configures MoE layers; "
@@ -568,9 +572,10 @@ def _validate_moe(args, tp: int, dp: int):
     _require(args.moe_layer_freq >= 1, f"--moe-layer-freq {args.moe_layer_freq} must be at least 1")
     if args.moe_ffn_hidden_size is None:
         args.moe_ffn_hidden_size = args.ffn_hidden_size
-    _require(args.moe_ffn_hidden_size >= 1 and args.moe_ffn_hidden_size % tp == 0,
+    etp = args.expert_tensor_parallel_size
+    _require(args.moe_ffn_hidden_size >= 1 and args.moe_ffn_hidden_size % etp == 0,
              f"--moe-ffn-hidden-size {args.moe_ffn_hidden_size} is not a positive multiple of "
-             f"--tensor-model-parallel-size {tp}")
+             f"--expert-tensor-parallel-size {etp}" + (" (default: --tensor-model-parallel-size)" if etp == tp else ""))
     _require(args.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss", "none"),
              f"--moe-router-load-balancing-type {args.moe_router_load_balancing_type} is not implemented; "
              "use aux_loss, seq_aux_loss or none")
@@ -579,8 +584,7 @@ def _validate_moe(args, tp: int, dp: int):
              "--moe-aux-loss-coeff and --moe-z-loss-coeff must not be negative")
     _require(args.moe_token_dispatcher_type == "alltoall",
              "--moe-token-dispatcher-type allgather is not implemented; use alltoall (the same result)")
-    _require(not (args.sequence_parallel and tp > 1),
-             "--sequence-parallel with MoE layers (--num-experts) is not implemented; drop --sequence-parallel")
+    _validate_moe_sequence_parallel(args, tp)
     _require(args.num_layers_per_virtual_pipeline_stage is None,
              "--num-layers-per-virtual-pipeline-stage (interleaved pipelining) with MoE layers is not implemented")
     _require(not args.save_16bit_model, "--save-16bit-model with MoE layers (--num-experts) is not implemented")
@@ -589,6 +593,43 @@ def _validate_moe(args, tp: int, dp: int):
                  f"or 2, not {args.zero_stage}")
         _require(args.offload == "none" and not args.zero_nvme_offload_path,
                  f"--expert-model-parallel-size {ep} runs without optimizer offload")
+
+
+def _validate_expert_tensor_parallel(args, tp: int, dp: int):
+    """--expert-tensor-parallel-size (default TP): the expert groups carved out of TP x DP (topology.py)."""
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = tp
+    etp, ep = args.expert_tensor_parallel_size, args.expert_model_parallel_size
+    if etp == tp:
+        return
+    _require(etp >= 1, f"--expert-tensor-parallel-size {etp} must be at least 1")
+    _require(args.num_experts is not None, f"--expert-tensor-parallel-size {etp} splits the experts of MoE layers; "
+             "give --num-experts")
+    _require((tp * dp) % (etp * ep) == 0,
+             f"--expert-tensor-parallel-size {etp} x --expert-model-parallel-size {ep} must divide TP x DP = {tp * dp}: "
+             "the experts' tensor-, expert- and expert-data-parallel groups are carved out of those ranks")
+    _require(tp == 1 or args.sequence_parallel,
+             f"--expert-tensor-parallel-size {etp} other than --tensor-model-parallel-size {tp} needs "
+             "--sequence-parallel: each TP rank then routes its own tokens (Megatron-Core's rule)")
+    _require(args.context_parallel_size == 1, f"--expert-tensor-parallel-size {etp} other than TP with "
+             f"--context-parallel-size {args.context_parallel_size} is not available")
+    _require(args.zero_stage in (0, 1, 2) and args.offload == "none" and not args.zero_nvme_offload_path,
+             f"--expert-tensor-parallel-size {etp} other than TP runs with --zero-stage 0, 1 or 2 and without "
+             "optimizer offload")
+    _require(not args.save and not args.load,
+             f"--expert-tensor-parallel-size {etp} other than --tensor-model-parallel-size {tp} with --save or --load "
+             "is not available: checkpoints hold experts split by TP; train at the default ETP = TP to save")
+
+
+def _validate_moe_sequence_parallel(args, tp: int):
+    """--sequence-parallel with MoE layers: each TP rank routes its own sequence chunk (moe/layer.py)."""
+    if not (args.sequence_parallel and tp > 1):
+        return
+    _require(args.moe_router_load_balancing_type != "seq_aux_loss" and args.moe_expert_capacity_factor is None
+             and args.moe_capacity_factor is None,
+             "--sequence-parallel with MoE layers routes each TP rank's sequence chunk alone; "
+             "--moe-router-load-balancing-type seq_aux_loss and expert capacity (--moe-expert-capacity-factor, "
+             "DeepSpeed-MoE's capacity flags) are not available with it")
 
 
 def _validate_shared_expert(args, tp: int):

@@ -451,7 +451,8 @@ def pretrain(argv=None) -> int:
         init_distributed(backend, args.distributed_timeout_minutes)
         lock = hold_save_lock(args.save) if args.save else None
         state = build_parallel_state(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                     cp=args.context_parallel_size, ep=args.expert_model_parallel_size)
+                                     cp=args.context_parallel_size, ep=args.expert_model_parallel_size,
+                                     etp=args.expert_tensor_parallel_size)
         trainer = Trainer(args, state, device)
         code = trainer.train()
     except (ArgumentError, LaunchError, DeviceError, DataError, ckpt.CheckpointError, RunStopped) as err:
