@@ -565,7 +565,8 @@ def _validate_moe(args, tp: int, dp: int):
         return
     _require(experts >= 1 and experts % ep == 0,
              f"--num-experts {experts} must be a positive multiple of --expert-model-parallel-size {ep}")
-    _require(dp % ep == 0, f"--expert-model-parallel-size {ep} must divide the data-parallel size {dp}: expert "
+    _require(args.expert_tensor_parallel_size != tp or dp % ep == 0,
+             f"--expert-model-parallel-size {ep} must divide the data-parallel size {dp}: expert "
              "parallelism is carved out of the data-parallel ranks")
     _require(1 <= args.moe_router_topk <= experts,
              f"--moe-router-topk {args.moe_router_topk} must lie in 1..--num-experts {experts}")
