@@ -1,0 +1,51 @@
+"""Sequence parallelism and --expert-tensor-parallel-size with MoE through pretrain_gpt.py, as users run them:
+4 ranks at TP2 x DP2, EP2, --sequence-parallel (each TP rank routes its sequence chunk), 4 experts top-2
+with the aux and z losses, saving at iteration 2. The checkpoint resumes as saved bit-identically and
+without --sequence-parallel to roundoff (sequence parallelism changes no parameter); the same run at
+--expert-tensor-parallel-size 1 (every expert whole, on ranks carved out of TP x DP as Megatron-Core does)
+gives the same losses to roundoff; the MoE losses are logged."""
+import pytest
+
+from megatron_zero.model.config import GPTConfig
+from megatron_zero.testing.cli import CliResume, cli_flags, logged_losses, pretrain_cli, text_data
+from megatron_zero.testing.tolerances import gpt_path_length, model_rtol
+
+pytestmark = [pytest.mark.multirank, pytest.mark.slow]
+
+MOE = {"num-experts": 4, "moe-router-topk": 2, "moe-aux-loss-coeff": 1e-2, "moe-z-loss-coeff": 1e-3,
+       "expert-model-parallel-size": 2, "sequence-parallel": True}
+LAYOUT = {"tensor-model-parallel-size": 2, "zero-stage": 1}
+
+
+def _rtol():
+    """model_rtol of one step's path of the tiny model (TINY of megatron_zero/testing/cli.py): another
+    layout sums in another order (TP partial sums, the experts' gradients over another expert-DP group)."""
+    cfg = GPTConfig(vocab_size=257, hidden_size=32, num_layers=2, num_attention_heads=4, seq_length=16,
+                    max_position_embeddings=16)
+    return model_rtol(gpt_path_length(cfg, 8 * 16))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_etp_cli")
+    data = text_data(root / "text")
+    cache = str(root / "cache")
+    return CliResume(str(root), lambda *changes: cli_flags(data, cache, "gpt2", MOE, *changes), LAYOUT,
+                     nproc=4, iters=4, save_at=2)
+
+
+def test_moe_sequence_parallel_logs_and_resumes_as_saved(run):
+    assert "load_balancing_loss" in run.stdout and "z_loss" in run.stdout
+    run.assert_matches(run.resume("as saved"), 0.0)
+
+
+def test_moe_sequence_parallel_checkpoint_resumes_without_it(run):
+    run.assert_matches(run.resume("as saved", {"sequence-parallel": False}), _rtol())
+
+
+def test_moe_expert_tensor_parallel_1_matches_expert_tensor_parallel_2(run):
+    etp1 = logged_losses(pretrain_cli(4, run.flags({"train-iters": run.iters}, LAYOUT,
+                                                   {"expert-tensor-parallel-size": 1})))
+    assert sorted(etp1) == sorted(run.losses)
+    for it, loss in etp1.items():
+        assert abs(loss - run.losses[it]) <= _rtol() * abs(run.losses[it]), (it, loss, run.losses)
