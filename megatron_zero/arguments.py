@@ -617,9 +617,9 @@ def _validate_expert_tensor_parallel(args, tp: int, dp: int):
     _require(args.zero_stage in (0, 1, 2) and args.offload == "none" and not args.zero_nvme_offload_path,
              f"--expert-tensor-parallel-size {etp} other than TP runs with --zero-stage 0, 1 or 2 and without "
              "optimizer offload")
-    _require(not args.save and not args.load,
-             f"--expert-tensor-parallel-size {etp} other than --tensor-model-parallel-size {tp} with --save or --load "
-             "is not available: checkpoints hold experts split by TP; train at the default ETP = TP to save")
+    _require(not args.universal_checkpoint,
+             f"--expert-tensor-parallel-size {etp} other than --tensor-model-parallel-size {tp} with "
+             "--universal-checkpoint is not available: a universal checkpoint's experts load split by TP")
 
 
 def _validate_moe_sequence_parallel(args, tp: int):

@@ -239,6 +239,17 @@ class ParallelState:
         return self.groups.get("expert_tp") if self.etp_size not in (None, self.layout.tp) else None
 
     @property
+    def expert_dp_rank(self) -> int:
+        """This rank's place in its expert-data-parallel group (dp // EP at ETP = TP)."""
+        return self.layout.expert_coords(self.rank, self.ep_size, self.etp_size)[2]
+
+    @property
+    def expert_mp_rank(self) -> int:
+        """The model-parallel index of this rank's expert slices: pp * ETP + expert-TP rank (mp_rank at ETP = TP)."""
+        etp = self.etp_size or self.layout.tp
+        return self.pp_rank * etp + self.layout.expert_coords(self.rank, self.ep_size, etp)[0]
+
+    @property
     def tp_rank(self) -> int:
         return self.layout.coords(self.rank)[2]
 

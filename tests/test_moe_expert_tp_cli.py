@@ -3,11 +3,19 @@
 with the aux and z losses, saving at iteration 2. The checkpoint resumes as saved bit-identically and
 without --sequence-parallel to roundoff (sequence parallelism changes no parameter); the same run at
 --expert-tensor-parallel-size 1 (every expert whole, on ranks carved out of TP x DP as Megatron-Core does)
-gives the same losses to roundoff; the MoE losses are logged."""
+gives the same losses to roundoff; the MoE losses are logged. A run at --expert-tensor-parallel-size 1
+saves its experts whole (expert files numbered pp x ETP + etp: mp_rank 00 only), records ETP in the
+layout and resumes as saved bit-identically; loading it at ETP = TP, or converting it with
+tools/ds_to_universal.py, is refused in one sentence (the reshaping readers merge expert slices by TP)."""
+import os
+import subprocess
+import sys
+
 import pytest
 
 from megatron_zero.model.config import GPTConfig
 from megatron_zero.testing.cli import CliResume, cli_flags, logged_losses, pretrain_cli, text_data
+from megatron_zero.testing.launch import ROOT, torchrun
 from megatron_zero.testing.tolerances import gpt_path_length, model_rtol
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
@@ -49,3 +57,31 @@ def test_moe_expert_tensor_parallel_1_matches_expert_tensor_parallel_2(run):
     assert sorted(etp1) == sorted(run.losses)
     for it, loss in etp1.items():
         assert abs(loss - run.losses[it]) <= _rtol() * abs(run.losses[it]), (it, loss, run.losses)
+
+
+@pytest.fixture(scope="module")
+def run_etp1(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_etp1_cli")
+    data = text_data(root / "text")
+    cache = str(root / "cache")
+    return CliResume(str(root), lambda *changes: cli_flags(data, cache, "gpt2", MOE, *changes),
+                     {**LAYOUT, "expert-tensor-parallel-size": 1}, nproc=4, iters=4, save_at=2)
+
+
+def test_moe_expert_tensor_parallel_1_saves_and_resumes_as_saved(run_etp1):
+    files = set(os.listdir(run_etp1.checkpoint))
+    assert {f"layer_{m}_expert_{e}_mp_rank_00_model_states.pt" for m in range(2) for e in range(4)} <= files
+    assert not any(f.startswith("layer_") and "_expert_" in f and "mp_rank_01" in f for f in files), sorted(files)
+    run_etp1.assert_matches(run_etp1.resume("as saved"), 0.0)
+
+
+def test_moe_expert_tensor_parallel_1_checkpoint_reshape_refused(run_etp1, tmp_path):
+    done = torchrun(4, run_etp1.flags({"train-iters": run_etp1.iters}, LAYOUT, {"load": run_etp1.checkpoint}))
+    assert done.returncode != 0
+    assert "resumes only on the layout it was saved at" in done.stderr and "Traceback" not in done.stderr
+    converted = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "ds_to_universal.py"), "--input_folder",
+                                run_etp1.checkpoint, "--output_folder", str(tmp_path / "u")],
+                               capture_output=True, text=True, timeout=180)
+    assert converted.returncode != 0
+    assert "cannot be reshaped" in converted.stderr + converted.stdout
+    assert "Traceback" not in converted.stderr + converted.stdout

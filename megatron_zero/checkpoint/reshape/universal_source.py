@@ -25,7 +25,7 @@ from ...zero.partition import zero3_group_offsets
 from ...model.sharding import merge_sub_params
 from ..errors import CheckpointError
 from ..format import (LAYER_FILE, MODEL_FILE, SUB_PARAMS_PATTERNS, UNIVERSAL_CHECKPOINT_INFO, ZERO3_MODEL_FILE, ZERO_FILE,
-                     header_tp_pp)
+                     header_args, header_tp_pp)
 from ..storage.reader import Checkpoint, open_directory
 from ..megatron_deepspeed import QKV_SUFFIXES, ours_names, qkv_heads, qkv_to_ours, writes_qkv_blocks
 from .dense_source import DenseStates
@@ -113,6 +113,11 @@ class SourceCheckpoint:
                     self.files.path(shape_files[mp]))
             del sd
         self.head = head
+        saved_args = header_args(head)
+        if saved_args.get("expert_tensor_parallel_size") not in (None, saved_args.get("tensor_model_parallel_size")):
+            raise CheckpointError(f"{directory} was saved at --expert-tensor-parallel-size "
+                                  f"{saved_args['expert_tensor_parallel_size']} (not TP): its expert slices cannot be "
+                                  "reshaped; resume it on the layout it was saved at")
         self.info = _with_swiglu_patterns(head.get(UNIVERSAL_CHECKPOINT_INFO) or {}, head.get("args"))
         self.layout = Layout(*self._tp_pp(head, len(mps)), dp=len(dps))
         self.qkv_blocks = writes_qkv_blocks(head)  # Megatron-DeepSpeed's [Q; K; V] per TP rank
