@@ -107,7 +107,8 @@ MOE_ARGS = {"num_experts": 4, "moe_aux_loss_coeff": 0.01}
     ({**MOE_ARGS, "moe_router_load_balancing_type": "sinkhorn"}, 1, "sinkhorn is not implemented"),
     ({**MOE_ARGS, "moe_token_dispatcher_type": "allgather"}, 1, "allgather is not implemented"),
     ({**MOE_ARGS, "expert_model_parallel_size": 2, "zero_stage": 3}, 2, "--zero-stage 0, 1 or 2"),
-    ({**MOE_ARGS, "tensor_model_parallel_size": 2, "sequence_parallel": True}, 2, "--sequence-parallel"),
+    ({**MOE_ARGS, "tensor_model_parallel_size": 2, "sequence_parallel": True,
+      "moe_router_load_balancing_type": "seq_aux_loss"}, 2, "--sequence-parallel"),
     ({**MOE_ARGS, "save_16bit_model": True}, 1, "--save-16bit-model"),
 ])
 def test_moe_layouts_outside_the_implemented_are_refused(changes, world, message, capsys):
