@@ -78,7 +78,9 @@ def test_moe_expert_tensor_parallel_1_saves_and_resumes_as_saved(run_etp1):
 def test_moe_expert_tensor_parallel_1_checkpoint_reshape_refused(run_etp1, tmp_path):
     done = torchrun(4, run_etp1.flags({"train-iters": run_etp1.iters}, LAYOUT, {"load": run_etp1.checkpoint}))
     assert done.returncode != 0
-    assert "resumes only on the layout it was saved at" in done.stderr and "Traceback" not in done.stderr
+    assert "resumes only on the layout it was saved at" in done.stderr
+    # one sentence from one rank, first (torchrun then reports the exit status in its own words)
+    assert done.stderr.startswith("pretrain_gpt.py: error: ") and done.stderr.count("pretrain_gpt.py: error") == 1
     converted = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "ds_to_universal.py"), "--input_folder",
                                 run_etp1.checkpoint, "--output_folder", str(tmp_path / "u")],
                                capture_output=True, text=True, timeout=180)
