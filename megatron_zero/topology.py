@@ -163,7 +163,8 @@ class Layout:
         i = dp * self.tp + tp
         return i % etp, (i // etp) % ep, i // (etp * ep)
 
-    def _expert_rank(self, pp: int, etp_rank: int, ep_rank: int, edp_rank: int, ep: int, etp: int) -> int:
+    def expert_rank(self, pp: int, etp_rank: int, ep_rank: int, edp_rank: int, ep: int, etp: int) -> int:
+        """The global rank of expert coordinates (etp, ep, edp) in stage pp (the inverse of expert_coords)."""
         i = (edp_rank * ep + ep_rank) * etp + etp_rank
         return self.rank(pp, i // self.tp, i % self.tp)
 
@@ -175,7 +176,7 @@ class Layout:
         members = []
         for c in range(size):
             coords[axis] = c
-            members.append(self._expert_rank(pp, *coords, ep, etp))
+            members.append(self.expert_rank(pp, *coords, ep, etp))
         return members
 
     def expert_tp_group(self, rank: int, ep: int, etp: Optional[int] = None) -> List[int]:

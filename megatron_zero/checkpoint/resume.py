@@ -149,17 +149,14 @@ def resume_checkpoint(path: str, state, model, optimizer, load_optimizer: bool =
 
 
 def _refuse_expert_tp_reshape(point, saved: Optional[dict], here: dict) -> None:
-    """A checkpoint saved at an expert-tensor-parallel size other than TP resumes only as saved; a run at one
-    loads only such a checkpoint (the reshaping readers merge expert slices by TP)."""
-    saved_etp = (saved or {}).get("etp")
-    if (saved_etp is None and "etp" not in here) or (not point.universal and saved == here):
+    """A run at an expert-tensor-parallel size other than TP loads only a checkpoint saved on its layout (the
+    reshaping loader slices experts by TP); a checkpoint saved at one is read at any layout with ETP = TP."""
+    if "etp" not in here or (not point.universal and saved == here):
         return
-    what = (f"was saved at --expert-tensor-parallel-size {saved_etp}" if saved_etp is not None
-            else "holds experts split by TP")
-    run = f"TP={here['tp']} x PP={here['pp']} x DP={here['dp']} x EP={here.get('ep', 1)} x ETP={here.get('etp', here['tp'])}"
-    raise CheckpointError(f"the checkpoint {point.directory} {what} and this run is {run}: a checkpoint with an "
-                          "expert-tensor-parallel size other than TP resumes only on the layout it was saved at, "
-                          "and a run at one loads only such a checkpoint")
+    run = f"TP={here['tp']} x PP={here['pp']} x DP={here['dp']} x EP={here.get('ep', 1)} x ETP={here['etp']}"
+    raise CheckpointError(f"the checkpoint {point.directory} was saved on another layout than this run's {run}: "
+                          "a run at an expert-tensor-parallel size other than TP resumes only a checkpoint saved on "
+                          "its own layout; resume it at --expert-tensor-parallel-size equal to TP")
 
 
 def megatron_deepspeed_layout(checkpoint, verify: bool = True) -> bool:
