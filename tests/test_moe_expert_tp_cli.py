@@ -6,14 +6,17 @@ without --sequence-parallel to roundoff (sequence parallelism changes no paramet
 gives the same losses to roundoff; the MoE losses are logged. A run at --expert-tensor-parallel-size 1
 saves its experts whole (expert files numbered pp x ETP + etp: mp_rank 00 only), records ETP in the
 layout and resumes as saved bit-identically, and at ETP = TP (reshaped while loading, and through
-tools/ds_to_universal.py and --universal-checkpoint: the experts' slices merged by ETP) to roundoff; a run at
-ETP 1 loading a checkpoint of another layout is refused in one sentence."""
+tools/ds_to_universal.py and --universal-checkpoint: the experts' slices merged by ETP) to roundoff;
+tools/zero_to_fp32.py consolidates it; a run at ETP 1 loading a checkpoint of another layout, and the
+checkpoint's own copy of zero_to_fp32.py, are refused in one sentence."""
 import os
+import subprocess
+import sys
 
 import pytest
 
 from megatron_zero.model.config import GPTConfig
-from megatron_zero.testing.cli import CliResume, cli_flags, logged_losses, pretrain_cli, text_data
+from megatron_zero.testing.cli import CliResume, cli_flags, logged_losses, pretrain_cli, text_data, tool
 from megatron_zero.testing.launch import torchrun
 from megatron_zero.testing.tolerances import gpt_path_length, model_rtol
 
@@ -91,3 +94,22 @@ def test_moe_expert_tensor_parallel_1_run_loads_only_its_own_layout(run, run_etp
     assert "resumes only a checkpoint saved on its own layout" in done.stderr
     # one sentence from one rank, first (torchrun then reports the exit status in its own words)
     assert done.stderr.startswith("pretrain_gpt.py: error: ") and done.stderr.count("pretrain_gpt.py: error") == 1
+
+
+def test_moe_expert_tensor_parallel_1_checkpoint_consolidates(run_etp1, tmp_path):
+    """tools/zero_to_fp32.py gives every expert whole, equal to the universal checkpoint's fp32 (the same
+    merge); the checkpoint's own copy of zero_to_fp32.py (which merges experts by TP) refuses in one sentence."""
+    import torch
+
+    tool("zero_to_fp32.py", run_etp1.checkpoint, tmp_path / "fp32", "--quiet")
+    consolidated = torch.load(tmp_path / "fp32" / "pytorch_model.bin", weights_only=True)
+    for i in (2, 3):
+        for e in range(4):
+            name = f"{i}.mlp.deepspeed_moe.experts.deepspeed_experts.{e}.dense_h_to_4h.weight"
+            universal = torch.load(os.path.join(run_etp1.universal, "zero", name, "fp32.pt"), weights_only=True)
+            universal = universal["param"] if isinstance(universal, dict) else universal
+            assert torch.equal(consolidated[name], universal), name
+    copied = subprocess.run([sys.executable, os.path.join(run_etp1.checkpoint, "zero_to_fp32.py"), run_etp1.checkpoint,
+                             str(tmp_path / "copied")], capture_output=True, text=True, timeout=180)
+    assert copied.returncode != 0
+    assert "was saved at --expert-tensor-parallel-size 1" in copied.stderr and "Traceback" not in copied.stderr
