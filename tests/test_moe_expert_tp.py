@@ -6,7 +6,8 @@ parity with the single-process reference (fp32, dropless, aux and z losses on, c
 step's loss and global gradient norm to model_rtol of one step's path: EP2 x TP2 with sequence parallelism
 (ETP = TP, each TP rank routing its sequence chunk, the experts' rows gathered and reduce-scattered over
 TP), EP4 x DP4 with ETP 1 under TP2 (8 ranks, GeLU experts with biases), and Llama at TP2 x DP2 with ETP 1,
-EP 1 on ZeRO-2 with a gated shared expert (every expert whole on every rank, reduced over expert-DP 4)."""
+EP 1 on ZeRO-2 with a gated shared expert (every expert whole on every rank, reduced over expert-DP 4), and
+TP2 x DP2 with sequence parallelism on ZeRO-3 (no EP)."""
 import pytest
 
 from megatron_zero.model.gpt import reference_model
@@ -82,6 +83,7 @@ LAYOUTS = {  # name: (tp, dp, ep, etp, zero stage, micro-batch, llama, config ov
     "ep4_dp4_etp1_tp2_sp_zero1": (2, 4, 4, 1, 1, 1, False, {}),
     "etp1_tp2_dp2_sp_zero2_llama_shared_gate": (2, 2, 1, 1, 2, 2, True, dict(
         moe_shared_expert_intermediate_size=64, moe_shared_expert_gate=True)),
+    "tp2_dp2_sp_zero3": (2, 2, 1, 2, 3, 2, False, {}),  # ZeRO-3 gathers the experts the ETP path reads directly
 }
 DEFAULT_TIER = {"ep2_tp2_sp_zero1"}  # ~15 s on 4 ranks; the others 25 s and more
 STEPS = 3
