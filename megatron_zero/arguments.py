@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refused: the shared expert runs after the routed experts, not overlapped with dispatch")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="ranks the experts are spread over, carved out of the data-parallel ranks")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="ranks each expert is tensor-parallel over (default --tensor-model-parallel-size); other "
+                        "than TP the expert groups are carved out of TP x DP, as Megatron-Core does (docs/moe.md)")
 
     add_core_router_flags(g)
     add_deepspeed_moe_flags(p)
@@ -558,6 +561,7 @@ def _validate_moe(args, tp: int, dp: int):
     ep, experts = args.expert_model_parallel_size, args.num_experts
     _require(ep >= 1, f"--expert-model-parallel-size {ep} must be at least 1")
     _validate_shared_expert(args, tp)
+    _validate_expert_tensor_parallel(args, tp, dp)
     if experts is None:
         _require(ep == 1, f"--expert-model-parallel-size {ep} needs MoE layers; give --num-experts")
         _require(args.moe_expert_capacity_factor is None, "--moe-expert-capacity-factor configures MoE layers; "
@@ -565,25 +569,68 @@ def _validate_moe(args, tp: int, dp: int):
         return
     _require(experts >= 1 and experts % ep == 0,
              f"--num-experts {experts} must be a positive multiple of --expert-model-parallel-size {ep}")
-    _require(dp % ep == 0, f"--expert-model-parallel-size {ep} must divide the data-parallel size {dp}: expert "
+    _require(args.expert_tensor_parallel_size != tp or dp % ep == 0,
+             f"--expert-model-parallel-size {ep} must divide the data-parallel size {dp}: expert "
              "parallelism is carved out of the data-parallel ranks")
     _require(1 <= args.moe_router_topk <= experts,
              f"--moe-router-topk {args.moe_router_topk} must lie in 1..--num-experts {experts}")
     _require(args.moe_layer_freq >= 1, f"--moe-layer-freq {args.moe_layer_freq} must be at least 1")
     if args.moe_ffn_hidden_size is None:
         args.moe_ffn_hidden_size = args.ffn_hidden_size
-    _require(args.moe_ffn_hidden_size >= 1 and args.moe_ffn_hidden_size % tp == 0,
+    etp = args.expert_tensor_parallel_size
+    _require(args.moe_ffn_hidden_size >= 1 and args.moe_ffn_hidden_size % etp == 0,
              f"--moe-ffn-hidden-size {args.moe_ffn_hidden_size} is not a positive multiple of "
-             f"--tensor-model-parallel-size {tp}")
+             f"--expert-tensor-parallel-size {etp}" + (" (default: --tensor-model-parallel-size)" if etp == tp else ""))
     check_core_router_flags(args, _require)
     _require(args.moe_aux_loss_coeff >= 0 and (args.moe_z_loss_coeff or 0) >= 0,
              "--moe-aux-loss-coeff and --moe-z-loss-coeff must not be negative")
-    _require(not (args.sequence_parallel and tp > 1),
-             "--sequence-parallel with MoE layers (--num-experts) is not implemented; drop --sequence-parallel")
+    _validate_moe_sequence_parallel(args, tp)
     if ep > 1:
         _require(not (args.zero_quantized_weights or args.zero_quantized_gradients or args.zero_hpz_partition_size > 1),
                  f"--expert-model-parallel-size {ep} runs without ZeRO++ (--zero-quantized-weights, "
                  "--zero-quantized-gradients, --zero-hpz-partition-size); drop those flags")
+
+
+def _validate_expert_tensor_parallel(args, tp: int, dp: int):
+    """--expert-tensor-parallel-size (default TP): the expert groups carved out of TP x DP (topology.py)."""
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = tp
+    etp, ep = args.expert_tensor_parallel_size, args.expert_model_parallel_size
+    if etp == tp:
+        return
+    _require(etp >= 1, f"--expert-tensor-parallel-size {etp} must be at least 1")
+    _require(args.num_experts is not None, f"--expert-tensor-parallel-size {etp} splits the experts of MoE layers; "
+             "give --num-experts")
+    _require((tp * dp) % (etp * ep) == 0,
+             f"--expert-tensor-parallel-size {etp} x --expert-model-parallel-size {ep} must divide TP x DP = {tp * dp}: "
+             "the experts' tensor-, expert- and expert-data-parallel groups are carved out of those ranks")
+    _require(tp == 1 or args.sequence_parallel,
+             f"--expert-tensor-parallel-size {etp} other than --tensor-model-parallel-size {tp} needs "
+             "--sequence-parallel: each TP rank then routes its own tokens (Megatron-Core's rule)")
+    _require(args.context_parallel_size == 1, f"--expert-tensor-parallel-size {etp} other than TP with "
+             f"--context-parallel-size {args.context_parallel_size} is not available")
+    _require(args.zero_stage in (0, 1, 2) and args.offload == "none" and not args.zero_nvme_offload_path,
+             f"--expert-tensor-parallel-size {etp} other than TP runs with --zero-stage 0, 1 or 2 and without "
+             "optimizer offload")
+    _require(not args.universal_checkpoint,
+             f"--expert-tensor-parallel-size {etp} other than --tensor-model-parallel-size {tp} with "
+             "--universal-checkpoint is not available: a universal checkpoint's experts load split by TP")
+    _require(args.moe_token_dispatcher_type == "alltoall", f"--moe-token-dispatcher-type allgather with "
+             f"--expert-tensor-parallel-size {etp} other than TP is not available; use alltoall")
+
+
+def _validate_moe_sequence_parallel(args, tp: int):
+    """--sequence-parallel with MoE layers: each TP rank routes its own sequence chunk (moe/layer.py)."""
+    if not (args.sequence_parallel and tp > 1):
+        return
+    _require(args.moe_router_load_balancing_type != "seq_aux_loss" and args.moe_expert_capacity_factor is None
+             and args.moe_capacity_factor is None,
+             "--sequence-parallel with MoE layers routes each TP rank's sequence chunk alone; "
+             "--moe-router-load-balancing-type seq_aux_loss and expert capacity (--moe-expert-capacity-factor, "
+             "DeepSpeed-MoE's capacity flags) are not available with it")
+    _require(args.moe_token_dispatcher_type == "alltoall",
+             "--moe-token-dispatcher-type allgather runs experts whole on every TP rank's same tokens; with "
+             "--sequence-parallel use alltoall")
 
 
 def _validate_shared_expert(args, tp: int):

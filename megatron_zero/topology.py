@@ -133,28 +133,66 @@ class Layout:
                 groups.append(list(g))
         return groups
 
-    # ---- expert parallelism (carved out of DP, as Megatron-Core does) ------
-    def check_expert_parallel(self, ep: int) -> None:
-        """Refuse, in one sentence, an expert-parallel size this layout cannot hold."""
+    # ---- expert parallelism (carved out of TP x DP, as Megatron-Core does) ----
+    # Megatron-Core's expert RankGenerator (order tp-ep-dp-pp, no CP): within a pipeline stage, stage rank
+    # i = dp * TP + tp has expert coordinates etp = i % ETP, ep = (i // ETP) % EP, edp = i // (ETP x EP)
+    # (ETP x EP x EDP = TP x DP). At ETP = TP that is ep = dp % EP, edp = dp // EP: EP consecutive DP ranks.
+    def check_expert_parallel(self, ep: int, etp: Optional[int] = None) -> None:
+        """Refuse, in one sentence, an expert-parallel (and expert-tensor-parallel) size this layout cannot hold."""
+        etp = self.tp if etp is None else etp
         if ep > 1 and self.cp > 1:
             raise TopologyError(f"--expert-model-parallel-size {ep} with --context-parallel-size {self.cp} is not "
                                 "available: expert parallelism is carved out of data parallelism without context "
                                 "parallelism")
-        if not isinstance(ep, int) or ep < 1 or self.dp % ep:
+        if etp == self.tp and (not isinstance(ep, int) or ep < 1 or self.dp % ep):
             raise TopologyError(f"--expert-model-parallel-size {ep} must divide the data-parallel size {self.dp} "
                                 f"({self}): expert parallelism is carved out of data parallelism")
+        if etp != self.tp and self.cp > 1:
+            raise TopologyError(f"--expert-tensor-parallel-size {etp} with --context-parallel-size {self.cp} is not "
+                                "available: the expert groups are carved out of TP x DP without context parallelism")
+        if not isinstance(etp, int) or etp < 1 or not isinstance(ep, int) or ep < 1 \
+                or (self.tp * self.dp) % (etp * ep):
+            raise TopologyError(f"--expert-tensor-parallel-size {etp} x --expert-model-parallel-size {ep} must divide "
+                                f"TP x DP = {self.tp * self.dp} of each pipeline stage ({self}): the experts' "
+                                "tensor-, expert- and expert-data-parallel groups are carved out of those ranks")
 
-    def ep_group(self, rank: int, ep: int) -> List[int]:
-        """The expert-parallel group: `ep` consecutive DP ranks (dp // ep alike), each holding E / ep experts."""
+    def expert_coords(self, rank: int, ep: int, etp: Optional[int] = None) -> Tuple[int, int, int]:
+        """(etp, ep, edp) coordinates of a rank within its pipeline stage."""
+        etp = self.tp if etp is None else etp
         pp, dp, tp = self.coords(rank)
-        first = dp - dp % ep
-        return [self.rank(pp, d, tp) for d in range(first, first + ep)]
+        i = dp * self.tp + tp
+        return i % etp, (i // etp) % ep, i // (etp * ep)
 
-    def expert_dp_group(self, rank: int, ep: int) -> List[int]:
-        """The expert-data-parallel group: the DP ranks holding the same experts (dp % ep alike), over which
-        expert gradients are reduced and expert optimizer state is partitioned."""
-        pp, dp, tp = self.coords(rank)
-        return [self.rank(pp, d, tp) for d in range(dp % ep, self.dp, ep)]
+    def expert_rank(self, pp: int, etp_rank: int, ep_rank: int, edp_rank: int, ep: int, etp: int) -> int:
+        """The global rank of expert coordinates (etp, ep, edp) in stage pp (the inverse of expert_coords)."""
+        i = (edp_rank * ep + ep_rank) * etp + etp_rank
+        return self.rank(pp, i // self.tp, i % self.tp)
+
+    def _expert_group(self, rank: int, ep: int, etp: Optional[int], axis: int) -> List[int]:
+        etp = self.tp if etp is None else etp
+        pp = self.coords(rank)[0]
+        coords = list(self.expert_coords(rank, ep, etp))
+        size = (etp, ep, self.tp * self.dp // (etp * ep))[axis]
+        members = []
+        for c in range(size):
+            coords[axis] = c
+            members.append(self.expert_rank(pp, *coords, ep, etp))
+        return members
+
+    def expert_tp_group(self, rank: int, ep: int, etp: Optional[int] = None) -> List[int]:
+        """The experts' tensor-parallel group: ETP consecutive ranks of a stage, holding slices of the same
+        experts (the TP group itself at ETP = TP)."""
+        return self._expert_group(rank, ep, etp, 0)
+
+    def ep_group(self, rank: int, ep: int, etp: Optional[int] = None) -> List[int]:
+        """The expert-parallel group: `ep` ranks ETP apart (at ETP = TP: consecutive DP ranks, dp // ep alike),
+        each holding E / ep experts."""
+        return self._expert_group(rank, ep, etp, 1)
+
+    def expert_dp_group(self, rank: int, ep: int, etp: Optional[int] = None) -> List[int]:
+        """The expert-data-parallel group: the ranks holding the same expert slices (at ETP = TP: the DP ranks
+        with dp % ep alike), over which expert gradients are reduced and expert optimizer state is partitioned."""
+        return self._expert_group(rank, ep, etp, 2)
 
     # ---- pipeline neighbours ----------------------------------------------
     def prev_stage_rank(self, rank: int) -> Optional[int]:
@@ -196,7 +234,8 @@ class ParallelState:
     layout: Layout
     rank: int
     groups: dict  # kind -> torch.distributed ProcessGroup
-    ep_size: int = 1  # expert-parallel size; > 1: groups has "ep" and "expert_dp"
+    ep_size: int = 1  # expert-parallel size; > 1 (or etp_size != TP): groups has "ep", "expert_dp", "expert_tp"
+    etp_size: Optional[int] = None  # expert-tensor-parallel size (None: TP)
 
     @property
     def ep_group(self):
@@ -207,6 +246,22 @@ class ParallelState:
     def expert_dp_group(self):
         """The expert-data-parallel group (None without expert parallelism: experts reduce over DP)."""
         return self.groups.get("expert_dp")
+
+    @property
+    def expert_tp_group(self):
+        """The experts' tensor-parallel group where it differs from the TP group (None at ETP = TP)."""
+        return self.groups.get("expert_tp") if self.etp_size not in (None, self.layout.tp) else None
+
+    @property
+    def expert_dp_rank(self) -> int:
+        """This rank's place in its expert-data-parallel group (dp // EP at ETP = TP)."""
+        return self.layout.expert_coords(self.rank, self.ep_size, self.etp_size)[2]
+
+    @property
+    def expert_mp_rank(self) -> int:
+        """The model-parallel index of this rank's expert slices: pp * ETP + expert-TP rank (mp_rank at ETP = TP)."""
+        etp = self.etp_size or self.layout.tp
+        return self.pp_rank * etp + self.layout.expert_coords(self.rank, self.ep_size, etp)[0]
 
     @property
     def tp_rank(self) -> int:
@@ -302,10 +357,12 @@ class ParallelState:
         return self.layout.next_stage_rank(self.rank)
 
 
-def build_parallel_state(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, cp_a2a: int = 0) -> ParallelState:
-    """Create every group on an initialised torch.distributed world (with ep > 1 also the expert-parallel
-    and expert-data-parallel groups, after the others; with cp_a2a, --cp-comm-type a2a+p2p's all-to-all
-    groups of `cp_a2a` consecutive CP ranks and ring groups within each CP group, last).
+def build_parallel_state(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, etp: Optional[int] = None,
+                         cp_a2a: int = 0) -> ParallelState:
+    """Create every group on an initialised torch.distributed world (with ep > 1, or an expert-tensor-parallel
+    size `etp` other than tp, also the expert-parallel, expert-data-parallel and expert-tensor-parallel groups,
+    after the others; with cp_a2a, --cp-comm-type a2a+p2p's all-to-all groups of `cp_a2a` consecutive CP
+    ranks and ring groups within each CP group, last).
 
     Every rank must call this with the same sizes: each group is created by all
     ranks in the same order, as torch.distributed requires.
@@ -316,7 +373,8 @@ def build_parallel_state(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, cp_
         raise RuntimeError("build_parallel_state needs torch.distributed initialised first "
                            "(megatron_zero.distributed.init_distributed)")
     layout = Layout.from_world(dist.get_world_size(), tp=tp, pp=pp, cp=cp)
-    layout.check_expert_parallel(ep)
+    etp = tp if etp is None else etp
+    layout.check_expert_parallel(ep, etp)
     rank = dist.get_rank()
     groups = {}
     for kind in GROUP_KINDS + (("cp",) if cp > 1 else ()):
@@ -325,10 +383,10 @@ def build_parallel_state(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, cp_
             group = dist.new_group(ranks)
             if ranks == mine:
                 groups[kind] = group
-    if ep > 1:
-        for kind in ("ep", "expert_dp"):
-            mine = getattr(layout, f"{kind}_group")(rank, ep)
-            for ranks in layout.all_groups(kind, ep):
+    if ep > 1 or etp != tp:
+        for kind in ("ep", "expert_dp") + (("expert_tp",) if etp != tp else ()):
+            mine = getattr(layout, f"{kind}_group")(rank, ep, etp)
+            for ranks in layout.all_groups(kind, ep, etp):
                 group = dist.new_group(ranks)
                 if ranks == mine:
                     groups[kind] = group
@@ -339,7 +397,7 @@ def build_parallel_state(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, cp_
                 group = dist.new_group(ranks)
                 if rank in ranks:
                     groups[kind] = group
-    return ParallelState(layout=layout, rank=rank, groups=groups, ep_size=ep)
+    return ParallelState(layout=layout, rank=rank, groups=groups, ep_size=ep, etp_size=etp)
 
 
 def build_hpz_group(layout: Layout, rank: int, size: int):

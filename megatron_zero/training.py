@@ -453,7 +453,7 @@ def pretrain(argv=None) -> int:
         lock = hold_save_lock(args.save) if args.save else None
         state = build_parallel_state(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                      cp=args.context_parallel_size, ep=args.expert_model_parallel_size,
-                                     cp_a2a=cp_a2a_size(args))
+                                     etp=args.expert_tensor_parallel_size, cp_a2a=cp_a2a_size(args))
         trainer = Trainer(args, state, device)
         code = trainer.train()
     except (ArgumentError, LaunchError, DeviceError, DataError, ckpt.CheckpointError, RunStopped) as err:

@@ -106,7 +106,10 @@ MOE_ARGS = {"num_experts": 4, "moe_aux_loss_coeff": 0.01}
     ({**MOE_ARGS, "moe_router_topk": 5}, 1, "--moe-router-topk 5"),
     ({**MOE_ARGS, "expert_model_parallel_size": 2, "zero_stage": 3, "zero_quantized_weights": True}, 2,
      "runs without ZeRO++"),
-    ({**MOE_ARGS, "tensor_model_parallel_size": 2, "sequence_parallel": True}, 2, "--sequence-parallel"),
+    ({**MOE_ARGS, "tensor_model_parallel_size": 2, "sequence_parallel": True,
+      "moe_router_load_balancing_type": "seq_aux_loss"}, 2, "--sequence-parallel"),
+    ({**MOE_ARGS, "tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_model_parallel_size": 2,
+      "moe_token_dispatcher_type": "allgather"}, 4, "with --sequence-parallel use alltoall"),
 ])
 def test_moe_layouts_outside_the_implemented_are_refused(changes, world, message, capsys):
     assert message in refused(with_flags(BASE, **changes), world, capsys)

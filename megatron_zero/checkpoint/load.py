@@ -39,12 +39,14 @@ ENGINE_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_pa
 def _check_layout(ckpt: Checkpoint, states: dict, name: str, state: ParallelState, need_same_dp: bool):
     saved = ckpt.meta.get("layout") or {"dp": states.get("dp_world_size"), "mp": states.get("mp_world_size")}
     lay = state.layout
-    here = {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "ep": getattr(state, "ep_size", 1)}
+    here = {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "ep": getattr(state, "ep_size", 1),
+            "etp": getattr(state, "etp_size", None) or lay.tp}
     if "tp" in saved:
-        saved = {"cp": 1, "ep": 1, **saved}
-        differs = [k for k in ("tp", "pp", "ep") + (("dp", "cp") if need_same_dp else ()) if saved[k] != here[k]]
+        saved = {"cp": 1, "ep": 1, "etp": saved["tp"], **saved}
+        differs = [k for k in ("tp", "pp", "ep", "etp") + (("dp", "cp") if need_same_dp else ()) if saved[k] != here[k]]
         what = f"TP={saved['tp']} x PP={saved['pp']} x DP={saved['dp']}" + (
-            f" x CP={saved['cp']}" if saved["cp"] > 1 else "") + (f" x EP={saved['ep']}" if saved["ep"] > 1 else "")
+            f" x CP={saved['cp']}" if saved["cp"] > 1 else "") + (f" x EP={saved['ep']}" if saved["ep"] > 1 else "") + (
+            f" x ETP={saved['etp']}" if saved["etp"] != saved["tp"] else "")
     else:
         differs = (["mp"] if saved["mp"] != lay.mp_size else []) + (["dp"] if need_same_dp and
                                                                     saved["dp"] != lay.dp_cp else [])
@@ -87,6 +89,7 @@ def _load_experts(ckpt: Checkpoint, model, mp_rank: int, device: torch.device, s
 
 
 def _load_layers(ckpt: Checkpoint, model, tp_rank: int, device: torch.device, mp_rank: int = 0):
+    """`mp_rank`: the model-parallel index of this rank's expert slices (pp x ETP + etp)."""
     indices = list(model.layer_indices)
     if hasattr(model, "tied_modules") and 1 not in indices:
         indices = [1] + indices  # a last stage's copy of the tied embedding comes from layer_01
@@ -160,7 +163,7 @@ def load_checkpoint(load_dir: str, state: ParallelState, model, optimizer, load_
     _check_layout(ckpt, states, ms_name, state, need_same_dp=load_optimizer or stage == 3)
     _check_shapes(states["param_shapes"], model, optimizer, ckpt.path(ms_name))
     if stage < 3:
-        _load_layers(ckpt, model, state.tp_rank, model_device, mp)
+        _load_layers(ckpt, model, state.tp_rank, model_device, getattr(state, "expert_mp_rank", mp))
     bf16 = optimizer.dtype == torch.bfloat16
     opt_name = optim_states_name(dp, mp, bf16)
     if not ckpt.has(opt_name) and ckpt.has(optim_states_name(dp, mp, not bf16)):

@@ -127,13 +127,14 @@ def resume_checkpoint(path: str, state, model, optimizer, load_optimizer: bool =
         check(point.checkpoint)
     this_layout = f"{state.layout}, ZeRO-{optimizer.stage}"
     opened = point.checkpoint
+    saved = opened.meta.get("layout")
+    here = saved_layout(state, model)  # an interleaved pipeline holds other layers: reshaped
+    _refuse_expert_tp_reshape(point, saved, here)
     if point.universal:
         client = load_universal_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify,
                                            checkpoint=opened)
         log(loaded_line(point.directory, "universal", client, this_layout))
         return client
-    saved = opened.meta.get("layout")
-    here = saved_layout(state, model)  # an interleaved pipeline holds other layers: reshaped
     same_stage_family = (opened.meta.get("zero_stage", optimizer.stage) == 3) == (optimizer.stage == 3)
     if (saved is not None and (saved != here or not same_stage_family)) or megatron_deepspeed_layout(opened):
         client = load_reshaped_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify,
@@ -145,6 +146,17 @@ def resume_checkpoint(path: str, state, model, optimizer, load_optimizer: bool =
                              checkpoint=opened)
     log(loaded_line(point.directory, "plain", client))
     return client
+
+
+def _refuse_expert_tp_reshape(point, saved: Optional[dict], here: dict) -> None:
+    """A run at an expert-tensor-parallel size other than TP loads only a checkpoint saved on its layout (the
+    reshaping loader slices experts by TP); a checkpoint saved at one is read at any layout with ETP = TP."""
+    if "etp" not in here or (not point.universal and saved == here):
+        return
+    run = f"TP={here['tp']} x PP={here['pp']} x DP={here['dp']} x EP={here.get('ep', 1)} x ETP={here['etp']}"
+    raise CheckpointError(f"the checkpoint {point.directory} was saved on another layout than this run's {run}: "
+                          "a run at an expert-tensor-parallel size other than TP resumes only a checkpoint saved on "
+                          "its own layout; resume it at --expert-tensor-parallel-size equal to TP")
 
 
 def megatron_deepspeed_layout(checkpoint, verify: bool = True) -> bool:

@@ -89,8 +89,8 @@ def build_plan(iteration: int, state: ParallelState, model, optimizer, client: d
     if stage < 3:
         model_sd = model.state_dict()
         if config.num_experts is not None:  # experts in their own files, by the first rank of their expert-DP group
-            if dp_rank < state.ep_size:
-                plan += list(expert_files(model_sd, config, mp).items())
+            if _expert_dp_rank(state) == 0:  # named by the expert slices' model-parallel rank (pp x ETP + etp)
+                plan += list(expert_files(model_sd, config, getattr(state, "expert_mp_rank", mp)).items())
             model_sd = without_experts(model_sd)
         layers = layer_state_dicts(model_sd, model.layer_indices)
         nbytes = {i: sum(t.numel() * t.element_size() for t in sd.values()) for i, sd in layers.items()}
@@ -105,12 +105,19 @@ def build_plan(iteration: int, state: ParallelState, model, optimizer, client: d
 def saved_layout(state: ParallelState, model) -> dict:
     """The layout a checkpoint records (and a resume compares): TP, PP, DP, the model chunks per
     pipeline rank ("vp") of an interleaved pipeline, the context-parallel size ("cp": the ZeRO files
-    then number DP x CP per model-parallel rank) and the expert-parallel size ("ep"), each above 1."""
+    then number DP x CP per model-parallel rank) and the expert-parallel size ("ep"), each above 1, and the
+    expert-tensor-parallel size ("etp") where it is not TP (expert files then numbered pp x ETP + etp)."""
     layout = state.layout
     vp = len(getattr(model, "chunks", [None]))
     ep = getattr(state, "ep_size", 1)
+    etp = getattr(state, "etp_size", None) or layout.tp
     return {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, **({"vp": vp} if vp > 1 else {}),
-            **({"cp": layout.cp} if layout.cp > 1 else {}), **({"ep": ep} if ep > 1 else {})}
+            **({"cp": layout.cp} if layout.cp > 1 else {}), **({"ep": ep} if ep > 1 else {}),
+            **({"etp": etp} if etp != layout.tp else {})}
+
+
+def _expert_dp_rank(state) -> int:
+    return state.expert_dp_rank if hasattr(state, "expert_dp_rank") else state.dp_rank // getattr(state, "ep_size", 1)
 
 
 def save_checkpoint(save_dir: str, iteration: int, state: ParallelState, model, optimizer, client_state: dict,

@@ -211,11 +211,13 @@ class GPTConfig:
         multiple = self.make_vocab_size_divisible_by * tp
         return -(-self.vocab_size // multiple) * multiple
 
-    def check_tp(self, tp: int) -> None:
-        """Raise one clear sentence if this model cannot be split `tp` ways."""
+    def check_tp(self, tp: int, etp: Optional[int] = None) -> None:
+        """Raise one clear sentence if this model cannot be split `tp` ways (its experts `etp` ways, default tp)."""
         sizes = [("num_attention_heads", self.num_attention_heads), ("ffn_hidden_size", self.ffn_hidden_size)]
         if self.num_experts is not None:
-            sizes.append(("moe_ffn_hidden_size", self.moe_ffn_hidden_size))
+            if self.moe_ffn_hidden_size % (etp or tp) != 0:
+                raise ValueError(f"moe_ffn_hidden_size {self.moe_ffn_hidden_size} is not divisible by the "
+                                 f"expert-tensor-parallel size {etp or tp}")
             if self.moe_shared_expert_intermediate_size is not None:
                 sizes.append(("moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size))
         for what, n in sizes:
@@ -226,9 +228,6 @@ class GPTConfig:
             raise ValueError(f"num_query_groups {groups} and the tensor-parallel size {tp} must divide one another")
         if self.qkv_size % tp != 0:
             raise ValueError(f"the fused QKV size {self.qkv_size} is not divisible by the tensor-parallel size {tp}")
-        if self.sequence_parallel and self.num_experts is not None and tp > 1:
-            raise ValueError("--sequence-parallel with MoE layers (--num-experts) is not supported; "
-                             "drop --sequence-parallel")
         if self.sequence_parallel and self.seq_length % tp != 0:
             raise ValueError(f"seq_length {self.seq_length} is not divisible by the tensor-parallel size {tp}, "
                              "which sequence parallelism splits it over")

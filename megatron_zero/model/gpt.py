@@ -31,12 +31,12 @@ from .transformer import Embedding, LMHead, ParallelTransformerLayer, build_norm
 
 class GPTModel(nn.Module):
     def __init__(self, config: GPTConfig, tp_group=None, layer_indices: Optional[Iterable[int]] = None,
-                 cp_group=None, ep_group=None, cp_hierarchy=None):
+                 cp_group=None, ep_group=None, etp_group=None, cp_hierarchy=None):
         super().__init__()
         L = config.num_layers
         self.config, self.tp_group, self.cp_group = config, tp_group, cp_group
         self.tp, self.tp_rank = tp_world_size(tp_group), tp_rank_in(tp_group)
-        config.check_tp(self.tp)
+        config.check_tp(self.tp, tp_world_size(etp_group) if etp_group is not None else None)
         all_layers = range(num_pipeline_layers(L))
         self.layer_indices = list(all_layers if layer_indices is None else layer_indices)
         if not self.layer_indices or self.layer_indices != sorted(set(self.layer_indices)) \
@@ -53,7 +53,7 @@ class GPTModel(nn.Module):
                 self.add_module(str(i), Embedding(config, tp_group, cp_group))
             elif kind == "block":
                 self.add_module(str(i), ParallelTransformerLayer(config, tp_group, cp_group, block_number(i),
-                                                                 ep_group, cp_hierarchy))
+                                                                 ep_group, etp_group, cp_hierarchy))
             elif kind == "final_norm":
                 self.add_module(str(i), build_norm(config, tp_group))
             elif kind == "lm_head" and not self.tied:

@@ -41,7 +41,9 @@ def full_init_tensor(name: str, config: GPTConfig) -> torch.Tensor:
 
 @torch.no_grad()
 def initialize_parameters(model: torch.nn.Module, config: GPTConfig, tp: int, tp_rank: int) -> None:
-    """Fill every parameter of `model` with its TP rank's slice of the full initial weights."""
+    """Fill every parameter of `model` with its TP rank's slice of the full initial weights (an expert's:
+    its expert-tensor-parallel rank's slice, moe/layer.py)."""
     for name, param in model.named_parameters():
-        local = shard_tensor(full_init_tensor(name, config), param_spec(name, config), config, tp, tp_rank)
+        split = (getattr(param, "expert_tp_size", tp), getattr(param, "expert_tp_rank", tp_rank))
+        local = shard_tensor(full_init_tensor(name, config), param_spec(name, config), config, *split)
         param.copy_(local)

@@ -293,11 +293,11 @@ class ParallelTransformerLayer(nn.Module):
 
     Hidden dropout is replicated over TP, or with sequence parallelism drawn per rank on its chunk.
     Block `block` (0-based) has an MoE layer as its `mlp` where config.is_moe_layer(block) (its experts
-    spread over `ep_group`, None: all here).
+    spread over `ep_group`, None: all here; tensor-parallel over `etp_group`, None: over tp_group).
     """
 
     def __init__(self, config: GPTConfig, tp_group=None, cp_group=None, block: int = 0, ep_group=None,
-                 cp_hierarchy=None):
+                 etp_group=None, cp_hierarchy=None):
         super().__init__()
         self.hidden_dropout = config.hidden_dropout
         self.sequence_parallel = sequence_parallel_active(config, tp_group)
@@ -306,7 +306,7 @@ class ParallelTransformerLayer(nn.Module):
         self.post_attention_layernorm = build_norm(config, tp_group)
         if config.is_moe_layer(block):
             from ..moe import MoELayer
-            self.mlp = MoELayer(config, tp_group, ep_group, ParallelMLP, cp_group)
+            self.mlp = MoELayer(config, tp_group, ep_group, ParallelMLP, etp_group, cp_group)
         else:
             self.mlp = ParallelMLP(config, tp_group)
 

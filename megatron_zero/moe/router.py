@@ -22,9 +22,14 @@ training step sets that scale once per global batch to loss_scale / micro-batche
 (`set_aux_loss_scale`), so the aux losses are weighted as the language-model loss is under gradient
 accumulation, pipelining (the loss of a middle stage's layer never crosses a stage boundary) and
 fp16 loss scaling; under context parallelism the scale is also multiplied by the CP size, as the
-language-model loss of a CP rank is (Megatron-Core's schedule does the same). Each layer's values
-(divided by their coefficients, as Megatron logs them) are summed into `aux_losses()` for the log,
-until `reset_aux_losses()`; a layer run again by full recompute (model/recompute.py) in backward is not counted a second time.
+language-model loss of a CP rank is (Megatron-Core's schedule does the same). With sequence parallelism
+(`sp_group`) each TP rank routes its own tokens: the per-expert counts are summed over the group and T
+counts every rank's tokens, so each rank's loss is its tokens' share of the micro-batch's loss (Megatron-Core's
+tp_cp reduce and z-loss coefficient / TP) and the router's gradient is summed over TP; the logged values
+are the sums over that group (over CP the log sums them, metrics.py). Each layer's values (divided by
+their coefficients, as Megatron logs them) are summed into `aux_losses()` for the log, until
+`reset_aux_losses()`; a layer run again by full recompute (model/recompute.py) in backward is not counted
+a second time.
 """
 from __future__ import annotations
 
@@ -80,7 +85,7 @@ class AuxLossScaler(torch.autograd.Function):
 def switch_load_balancing_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor, topk: int,
                                coeff: float, tokens: int = 0) -> torch.Tensor:
     """Megatron-Core's switch_load_balancing_loss_func: probs [T_local, E] over all experts, counts [E] of
-    all `tokens` (default T_local)."""
+    all `tokens` (default T_local: the probabilities of every token are here)."""
     experts = probs.shape[1]
     tokens = tokens or probs.shape[0]
     return torch.sum(probs.sum(dim=0) * tokens_per_expert) * (experts * coeff / (tokens * tokens * topk))
@@ -88,6 +93,24 @@ def switch_load_balancing_loss(probs: torch.Tensor, tokens_per_expert: torch.Ten
 
 def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
     return torch.mean(torch.square(torch.logsumexp(logits, dim=-1))) * coeff
+
+
+def _size(group) -> int:
+    return dist.get_world_size(group) if group is not None else 1
+
+
+def _group_sum(value: torch.Tensor, group) -> torch.Tensor:
+    """`value` summed over `group` (a collective; no gradient; None: unchanged)."""
+    if group is None:
+        return value
+    value = value.detach().clone()
+    shm_comm.all_reduce(value, group)
+    return value
+
+
+def _track_sum(name: str, value: torch.Tensor, group) -> None:
+    if not is_recomputing():
+        track(name, _group_sum(value, group))
 
 
 def seq_load_balancing_loss(scores: torch.Tensor, tokens_per_expert: torch.Tensor, batch: int, topk: int,
@@ -128,24 +151,18 @@ def scores_for_aux_loss(logits: torch.Tensor, topk: int, score_function: str) ->
     return scores, torch.topk(scores, topk, dim=-1)[1]
 
 
-def _summed(counts: torch.Tensor, group) -> torch.Tensor:
-    """The routing counts of the whole `group` (a collective; no gradient flows through counts)."""
-    if group is not None:
-        shm_comm.all_reduce(counts, group)
-    return counts
-
-
 def route(logits: torch.Tensor, topk: int, pre_softmax: bool, balancing: str, aux_coeff: float,
           z_coeff, score_function: str = "softmax", scaling_factor=None, batch: int = 1, training: bool = True,
-          reduce_group=None) -> tuple:
+          reduce_group=None, sp_group=None) -> tuple:
     """logits [T, E] (fp32, T = batch x seq tokens, batch-major) -> (weights [T, k], expert ids [T, k]) with
     the aux losses attached to `weights`. `training`: Sinkhorn routing chooses by the balanced scores only
-    in training (sinkhorn.py). `reduce_group`: the ranks holding the other parts of these sequences (context
-    parallelism), None: the sequences are whole here."""
-    parts = dist.get_world_size(reduce_group) if reduce_group is not None else 1
+    in training (sinkhorn.py). The ranks holding the other tokens of these micro-batches: `reduce_group`
+    (context parallelism: the other chunks of the sequences) and `sp_group` (sequence parallelism); None:
+    all are here. Megatron-Core's tp_cp group is the two together."""
+    parts = _size(reduce_group) * _size(sp_group)
     if z_coeff:
         zl = z_loss(logits, z_coeff / parts)
-        track("z_loss", zl / z_coeff)
+        _track_sum("z_loss", zl / z_coeff, sp_group)
         logits = AuxLossScaler.apply(logits, zl)
     if balancing == "sinkhorn":
         return sinkhorn_routing(logits, topk, training)
@@ -156,14 +173,14 @@ def route(logits: torch.Tensor, topk: int, pre_softmax: bool, balancing: str, au
             counts = torch.zeros(logits.shape[1], dtype=logits.dtype, device=logits.device)
             counts.scatter_add_(0, chosen.reshape(-1), torch.ones(chosen.numel(), dtype=logits.dtype,
                                                                    device=logits.device))
-            aux = switch_load_balancing_loss(scores, _summed(counts, reduce_group), topk, aux_coeff,
-                                             logits.shape[0] * parts)
-            track("load_balancing_loss", aux / aux_coeff)
+            counts = _group_sum(_group_sum(counts, sp_group), reduce_group)
+            aux = switch_load_balancing_loss(scores, counts, topk, aux_coeff, logits.shape[0] * parts)
+            _track_sum("load_balancing_loss", aux / aux_coeff, sp_group)
         else:
             counts = torch.zeros(batch, logits.shape[0] // batch, logits.shape[1], dtype=logits.dtype,
                                  device=logits.device)
             counts.scatter_(2, chosen.view(batch, -1, topk), 1.0)
-            aux = seq_load_balancing_loss(scores, _summed(counts.sum(dim=1), reduce_group), batch, topk,
+            aux = seq_load_balancing_loss(scores, _group_sum(counts.sum(dim=1), reduce_group), batch, topk,
                                           aux_coeff, parts)
             track("seq_load_balancing_loss", aux / aux_coeff)
         weights = AuxLossScaler.apply(weights, aux)

@@ -15,16 +15,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..tensor_parallel.layers import sequence_parallel_param, sum_sequence_parallel_grad
+from ..tensor_parallel.utils import tp_world_size
+
 
 class SharedExpertGate(nn.Module):
     """`weight` [1, h]: the shared expert's output is scaled by sigmoid(x weight^T) (init.py fills it)."""
 
-    def __init__(self, config):
+    def __init__(self, config, sp_group=None):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(1, config.hidden_size, dtype=config.params_dtype))
+        self.sp_group = sp_group  # sequence parallelism: this rank's tokens' gradient, summed over TP
+        if sp_group is not None:
+            sequence_parallel_param(self.weight)
 
     def forward(self, x: torch.Tensor, shared_out: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(F.linear(x, self.weight)) * shared_out
+        return torch.sigmoid(F.linear(x, sum_sequence_parallel_grad(self.weight, self.sp_group))) * shared_out
 
 
 def build_shared_expert(config, tp_group, mlp_class):
@@ -33,7 +39,8 @@ def build_shared_expert(config, tp_group, mlp_class):
     if not size:
         return None, None
     mlp = mlp_class(config, tp_group, ffn_hidden_size=size)
-    return mlp, (SharedExpertGate(config) if config.moe_shared_expert_gate else None)
+    sp_group = tp_group if config.sequence_parallel and tp_world_size(tp_group) > 1 else None
+    return mlp, (SharedExpertGate(config, sp_group) if config.moe_shared_expert_gate else None)
 
 
 def add_shared_expert(routed: torch.Tensor, x: torch.Tensor, mlp, gate) -> torch.Tensor:

@@ -49,7 +49,8 @@ def build_gpt_stage(config, state: ParallelState, partition_method: str = "unifo
     tp_group = state.tp_group if state.tp_size > 1 else None
     with device:  # the default device for the modules' own tensors
         model = GPTModel(config, tp_group, layer_indices=[i for start, end in chunks for i in range(start, end)],
-                         cp_group=state.cp_group, ep_group=state.ep_group, cp_hierarchy=state.cp_hierarchy)
+                         cp_group=state.cp_group, ep_group=state.ep_group, etp_group=state.expert_tp_group,
+                         cp_hierarchy=state.cp_hierarchy)
     if state.pp_size > 1 and hasattr(model, "tied_modules"):
         for param in model.tied_modules.parameters():
             param.zero_defer_reduce = True  # ZeRO reduces it after sync_tied_embedding_grads

@@ -84,11 +84,12 @@ def train_step(model, opt, state, p2p, step: int, mb: int):
 
 
 def parallel_run(cfg, tp: int, pp: int, ep: int, stage: int, mb: int, steps: int = STEPS, overlap: bool = False,
-                 bucket_size: int = 4000, seed=None, prefetch: bool = True, offload: str = "none", nvme_path=None):
+                 bucket_size: int = 4000, seed=None, prefetch: bool = True, offload: str = "none", nvme_path=None,
+                 etp=None):
     """`overlap`: --overlap-grad-reduce and --overlap-param-gather. `seed`: as reference_run's. ZeRO-3: the
     weight matrices gathered per unit (ZERO3_PERSIST), the next unit's prefetched unless `prefetch` is off.
-    `offload`: the optimizer's ("cpu", "nvme" with `nvme_path`)."""
-    state = build_parallel_state(tp=tp, pp=pp, ep=ep)
+    `offload`: the optimizer's ("cpu", "nvme" with `nvme_path`). `etp`: --expert-tensor-parallel-size (None: TP)."""
+    state = build_parallel_state(tp=tp, pp=pp, ep=ep, etp=etp)
     model = build_gpt_stage(cfg, state)
     if seed is not None:
         torch.manual_seed(seed)

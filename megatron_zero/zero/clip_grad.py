@@ -19,12 +19,13 @@ import torch.distributed as dist
 
 
 def counts_in_norm(param: torch.Tensor, tp_rank: int) -> bool:
-    """Does this rank's copy of ``param`` contribute to the global gradient norm?"""
+    """Does this rank's copy of ``param`` contribute to the global gradient norm? (An expert's replicated
+    parameter: its expert-tensor-parallel rank 0's copy, moe/layer.py.)"""
     if getattr(param, "shared", False):
         return False
     if getattr(param, "tensor_model_parallel", False):
         return True
-    return tp_rank == 0
+    return getattr(param, "expert_tp_rank", tp_rank) == 0
 
 
 def norms_fp64(tensors: List[torch.Tensor]) -> List[torch.Tensor]:

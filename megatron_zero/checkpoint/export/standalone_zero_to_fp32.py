@@ -233,6 +233,10 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None, verify=Tr
     args = first.get("args")
     tp = (args.get if isinstance(args, dict) else lambda k, d: getattr(args, k, d))("tensor_model_parallel_size", 1)
     tp = int(tp or 1)
+    etp = (args.get if isinstance(args, dict) else lambda k, d: getattr(args, k, d))("expert_tensor_parallel_size", None)
+    if etp not in (None, tp):
+        raise ValueError(f"{path} was saved at --expert-tensor-parallel-size {etp}, not the tensor-parallel size {tp}; "
+                         "consolidate it with megatron_zero's tools/zero_to_fp32.py, which merges expert slices by it")
     pieces = OrderedDict()  # name -> [piece per TP rank]
     for mp in range(mp_size):
         sd, _ = _merge_dp(reader, mp)

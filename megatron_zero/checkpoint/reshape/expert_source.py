@@ -6,6 +6,9 @@ of their own ZeRO files (zero/expert_stage.py: dense groups, then expert groups,
 expert-data-parallel group). `all_expert_shapes` adds, beside each listed expert parameter, the same
 parameter of every other expert the checkpoint's DeepSpeed-MoE files name (all experts of a layer have
 one shape), so a StageReader finds each expert's fragments in the ZeRO files of the DP ranks holding it.
+A checkpoint saved at an expert-tensor-parallel size other than TP (its args' `expert_tensor_parallel_size`)
+holds each expert in ETP slices, slice e on the ranks of expert-TP rank e (topology.py's expert carving):
+the StageReader merges an expert's slices by ETP, each gathered from its expert-DP group's files.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ def expert_ids(files: Iterable[str]) -> List[int]:
     return sorted({int(m.group(2)) for m in map(EXPERT_FILE.match, files) if m})
 
 
-def _expert_of(name: str):
+def expert_of(name: str):
     index, _, suffix = name.partition(".")
     parsed = parse_expert_suffix(suffix) if index.isdigit() else None
     return None if parsed is None else (index, parsed[0], parsed[1])
@@ -33,7 +36,7 @@ def _expert_of(name: str):
 def all_expert_shapes(groups: List["OrderedDict[str, torch.Size]"], ids: List[int], where: str
                       ) -> List["OrderedDict[str, torch.Size]"]:
     """`groups` (one file's param_shapes, our names) with every expert in `ids` beside the listed ones."""
-    listed = {e for g in groups for n in g for e in [_expert_of(n)] if e is not None}
+    listed = {e for g in groups for n in g for e in [expert_of(n)] if e is not None}
     if not listed:
         return groups
     missing = sorted({e for _, e, _ in listed} - set(ids))
@@ -44,7 +47,7 @@ def all_expert_shapes(groups: List["OrderedDict[str, torch.Size]"], ids: List[in
     for g in groups:
         expanded: "OrderedDict[str, torch.Size]" = OrderedDict(g)
         for name, shape in g.items():
-            parsed = _expert_of(name)
+            parsed = expert_of(name)
             if parsed is not None:
                 index, _, mlp = parsed
                 for e in ids:

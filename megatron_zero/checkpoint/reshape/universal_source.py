@@ -26,11 +26,11 @@ from ...zero.partition import zero3_group_offsets
 from ...model.sharding import merge_sub_params
 from ..errors import CheckpointError
 from ..format import (LAYER_FILE, MODEL_FILE, SUB_PARAMS_PATTERNS, UNIVERSAL_CHECKPOINT_INFO, ZERO3_MODEL_FILE, ZERO_FILE,
-                     header_tp_pp)
+                     header_args, header_tp_pp)
 from ..storage.reader import Checkpoint, open_directory
 from ..megatron_deepspeed import QKV_SUFFIXES, ours_names, qkv_heads, qkv_to_ours, writes_qkv_blocks
 from .dense_source import DenseStates
-from .expert_source import all_expert_shapes, expert_ids, partition_counts
+from .expert_source import expert_of, all_expert_shapes, expert_ids, partition_counts
 from .universal_info import MergeRule, merge_rule
 
 
@@ -116,6 +116,11 @@ class SourceCheckpoint:
         self.head = head
         self.info = _with_swiglu_patterns(head.get(UNIVERSAL_CHECKPOINT_INFO) or {}, head.get("args"))
         self.layout = Layout(*self._tp_pp(head, len(mps)), dp=len(dps))
+        saved_args = header_args(head)  # experts split over another ETP than TP: their slices by ETP (topology.py)
+        self.expert_tp = int(saved_args.get("expert_tensor_parallel_size") or self.layout.tp)
+        self.expert_ep = int(saved_args.get("expert_model_parallel_size") or 1)
+        if self.expert_tp != self.layout.tp:
+            self.layout.check_expert_parallel(self.expert_ep, self.expert_tp)
         self.qkv_blocks = writes_qkv_blocks(head)  # Megatron-DeepSpeed's [Q; K; V] per TP rank
         if self.dense is not None:
             self.dense.read_layout(self, mps)
@@ -194,7 +199,29 @@ class StageReader:
     def names(self) -> List[str]:
         return [n for n, pp in self.src.params if pp == self.pp]
 
+    def split(self, name: str) -> int:
+        """How many slices `name` was saved in: ETP for an expert's, else TP."""
+        src = self.src
+        return src.expert_tp if src.expert_tp != src.layout.tp and expert_of(name) is not None else src.layout.tp
+
+    def holders(self, name: str, tp: int) -> List[Tuple[int, int]]:
+        """The (tp, dp) files that may hold slice `tp` of `name`, in the order its fragments concatenate:
+        the DP ranks of TP rank tp, or for an expert split by ETP other than TP its expert-DP group's ranks
+        (etp = tp, in expert-DP order; only its EP rank's hold it)."""
+        src, lay = self.src, self.src.layout
+        if self.split(name) == lay.tp:
+            return [(tp, d) for d in range(lay.dp)]
+        etp, ep = src.expert_tp, src.expert_ep
+        out = []
+        for edp in range(lay.tp * lay.dp // (etp * ep)):
+            for e in range(ep):
+                _, d, t = lay.coords(lay.expert_rank(self.pp, tp, e, edp, ep, etp))
+                out.append((t, d))
+        return out
+
     def local_shape(self, name: str, tp: int) -> torch.Size:
+        if self.split(name) != self.src.layout.tp:
+            tp = 0  # ETP slices of one shape, listed beside every expert (expert_source.py)
         mp = self.mps[tp]
         return self.src.param_shapes[mp][self.group_of[tp][name]][name]
 
@@ -230,13 +257,13 @@ class StageReader:
 
     def saved_slice(self, name: str, key: str, tp: int) -> torch.Tensor:
         """TP rank tp's piece of `name` as saved, gathered from every DP rank's fragment."""
-        g = self.group_of[tp][name]
         shape = self.local_shape(name, tp)
         pieces = []
-        for d in range(self.src.layout.dp):
-            start, n = self._fragments(name, tp, d)
+        for t, d in self.holders(name, tp):
+            start, n = self._fragments(name, t, d)
             if n:
-                osd = self.opt[(tp, d)]
+                g = self.group_of[t][name]
+                osd = self.opt[(t, d)]
                 pieces.append(self._flat(osd, g, key).narrow(0, start, n))
                 if self.src.zero_stage < 3 and partition_counts(osd)[min(g, len(partition_counts(osd)) - 1)] == 1:
                     break  # not partitioned (ZeRO 0): every rank holding the group holds it whole
@@ -257,7 +284,7 @@ class StageReader:
     def assemble(self, name: str, key: str) -> Tuple[torch.Tensor, MergeRule]:
         """The universal tensor of `name` for state `key` (fp32, exp_avg, exp_avg_sq) and its merge rule."""
         rule = self.src.rule(name)
-        tp = self.src.layout.tp
+        tp = self.split(name)
         if rule.cat_dim is None:
             full = self.tp_slice(name, key, 0)
             if rule.average and tp > 1:
