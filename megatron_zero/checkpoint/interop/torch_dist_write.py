@@ -7,12 +7,16 @@ torch.distributed.checkpoint's FileSystemWriter, `common.pt` (Megatron-LM's args
 and `metadata.json`, which is what Megatron-Core's `dist_checkpointing.load` (and Megatron-LM's `--load` with
 `--ckpt-format torch_dist`) reads at any TP. Names and layouts are mcore_names.py's; each transformer layer is
 one chunk of the stacked `decoder.layers.*` tensor, as Megatron-Core writes them, so the writer holds one
-layer's tensor at a time: the save plan is made from shapes alone and each chunk is read from the source when
-torch's writer asks for it (`resolve_data`). The vocabulary is padded with zero rows to
-make_vocab_size_divisible_by x `target_tp` (Megatron's rule; the padded size goes into the args). Adam's moments
-go in as `optimizer.state.exp_avg|exp_avg_sq.<key>` and the step as `optimizer.state.common_step`
-(FP32Optimizer's layout). The linear layers' `_extra_state` (None, Megatron-Core's local layers) is written per
-layer, since Megatron-Core's default strictness expects every key its model asks for.
+layer's tensor at a time (one expert's, for an MoE layer's experts): the save plan is made from shapes alone
+and each chunk is read from the source when torch's writer asks for it (`resolve_data`). The vocabulary is
+padded with zero rows to make_vocab_size_divisible_by x `target_tp` (Megatron's rule; the padded size goes into
+the args). Adam's moments go in as `optimizer.state.exp_avg|exp_avg_sq.<key>` and the step as
+`optimizer.state.common_step` (FP32Optimizer's layout). MoE blocks: the router, each expert
+(`mlp.experts.experts.linear_fc1.weight` [L, E, ...], one chunk per layer and expert, under global ids:
+Megatron-Core loads it at any EP) and the shared expert; dense and MoE blocks mixed (--moe-layer-freq N > 1)
+are saved one key per layer (`decoder.layers.<i>.*`), as Megatron-Core's TransformerBlock saves them. The
+linear layers' `_extra_state` (None, Megatron-Core's local layers) is written per layer (and expert), since
+Megatron-Core's default strictness expects every key its model asks for.
 """
 from __future__ import annotations
 
@@ -116,12 +120,24 @@ def megatron_args(config, args: dict, target_tp: int) -> Namespace:
                         "make_vocab_size_divisible_by": c.make_vocab_size_divisible_by,
                         "padded_vocab_size": c.padded_vocab_size(target_tp),
                         "tensor_model_parallel_size": target_tp, "pipeline_model_parallel_size": 1,
-                        "ckpt_format": "torch_dist"})
+                        "ckpt_format": "torch_dist", **moe_args(c)})
+
+
+def moe_args(config) -> dict:
+    """Megatron-LM's MoE args: its --moe-layer-freq counts from layer 0, so another first MoE layer is a list."""
+    c = config
+    if not c.num_experts:
+        return {"num_experts": None}
+    freq = c.moe_layer_freq if c.moe_layer_offset == 0 else [int(c.is_moe_layer(i)) for i in range(c.num_layers)]
+    return {"num_experts": c.num_experts, "moe_layer_freq": freq, "moe_ffn_hidden_size": c.moe_ffn_hidden_size,
+            "moe_router_topk": c.moe_router_topk,
+            "moe_shared_expert_intermediate_size": c.moe_shared_expert_intermediate_size,
+            "moe_shared_expert_gate": c.moe_shared_expert_gate, "expert_model_parallel_size": 1}
 
 
 def per_layer(config) -> bool:
     """Whether Megatron-Core saves this model's blocks one key per layer (`decoder.layers.<i>.*`): dense and MoE
-    blocks mixed (its TransformerBlock's non-homogeneous layers), else stacked on dim 0."""
+    blocks mixed (its TransformerBlock's non-homogeneous layers: --moe-layer-freq other than 1), else stacked."""
     return bool(config.num_experts) and config.moe_layer_freq > 1
 
 
