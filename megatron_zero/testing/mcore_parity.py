@@ -10,7 +10,7 @@ from ..checkpoint.interop.torch_dist import TorchDistFiles
 from ..checkpoint.reshape.universal_load import load_from, load_universal_checkpoint
 from ..model.config import GPTConfig
 from ..model.gpt import reference_model
-from ..model.sharding import shard_state_dict
+from ..model.sharding import gather_state_dicts, shard_state_dict
 from ..pipeline.gpt_stage import (activation_shape, build_gpt_stage, grad_reduce_arming, make_forward_step,
                                   sync_tied_embedding_grads)
 from ..pipeline.p2p import P2P
@@ -89,3 +89,16 @@ def reference_logits(full: dict, cfg: GPTConfig, k: int) -> torch.Tensor:
     model.load_state_dict(shard_state_dict(full, cfg, 1, 0))
     with torch.no_grad():
         return model(batch(k)[0])[..., :cfg.vocab_size]
+
+
+def gathered(results, cfg: GPTConfig, which: int) -> dict:
+    """Full-form weights from every rank's load_and_step result (`which`: 2 loaded, 3 stepped): each
+    (pipeline stage, DP rank)'s TP shards gathered, the DP ranks' together, so expert-parallel ranks
+    each add their own experts (the dense parameters are the same on every DP rank)."""
+    groups = {}
+    for r in sorted(results, key=lambda r: r[0][2]):
+        groups.setdefault((r[0][0], r[0][1]), []).append(r[which])
+    full = {}
+    for shards in groups.values():
+        full.update(gather_state_dicts(shards, cfg))
+    return full
