@@ -66,18 +66,18 @@ def megatron_args(arch: str, tp: int, moe: bool = False, ep: int = 1) -> Namespa
 
 def _dense_args(a: dict, tp: int) -> dict:
     return dict(num_layers=SIZES["num_layers"], hidden_size=SIZES["hidden_size"],
-                     num_attention_heads=SIZES["num_attention_heads"], ffn_hidden_size=SIZES["ffn_hidden_size"],
-                     seq_length=SIZES["seq_length"], max_position_embeddings=SIZES["seq_length"],
-                     padded_vocab_size=SIZES["vocab_size"], make_vocab_size_divisible_by=1,
-                     tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, data_parallel_size=1,
-                     normalization=a["normalization"], position_embedding_type=a["position_embedding_type"],
-                     swiglu=a["swiglu"], group_query_attention=a["num_query_groups"] < SIZES["num_attention_heads"],
-                     num_query_groups=a["num_query_groups"], add_bias_linear=a["add_bias_linear"],
-                     untie_embeddings_and_output_weights=a["untie_embeddings_and_output_weights"],
-                     rotary_base=10000, rotary_percent=1.0, layernorm_epsilon=1e-5, norm_epsilon=1e-5,
-                     lr=LR, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS, weight_decay=WEIGHT_DECAY,
-                     micro_batch_size=SIZES["batch"], global_batch_size=SIZES["batch"], iteration=1,
-                     ckpt_format="torch_dist", use_distributed_optimizer=False)
+                num_attention_heads=SIZES["num_attention_heads"], ffn_hidden_size=SIZES["ffn_hidden_size"],
+                seq_length=SIZES["seq_length"], max_position_embeddings=SIZES["seq_length"],
+                padded_vocab_size=SIZES["vocab_size"], make_vocab_size_divisible_by=1,
+                tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, data_parallel_size=1,
+                normalization=a["normalization"], position_embedding_type=a["position_embedding_type"],
+                swiglu=a["swiglu"], group_query_attention=a["num_query_groups"] < SIZES["num_attention_heads"],
+                num_query_groups=a["num_query_groups"], add_bias_linear=a["add_bias_linear"],
+                untie_embeddings_and_output_weights=a["untie_embeddings_and_output_weights"],
+                rotary_base=10000, rotary_percent=1.0, layernorm_epsilon=1e-5, norm_epsilon=1e-5,
+                lr=LR, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS, weight_decay=WEIGHT_DECAY,
+                micro_batch_size=SIZES["batch"], global_batch_size=SIZES["batch"], iteration=1,
+                ckpt_format="torch_dist", use_distributed_optimizer=False)
 
 
 def _shim_cuda():
