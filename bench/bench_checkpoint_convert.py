@@ -1,10 +1,15 @@
 """Peak RSS and time of tools/convert_checkpoint.py conversions on a Llama-style model (default ~0.1B parameters;
---layers/--hidden/--vocab to scale), against the size of the model: the converters read one layer at a time.
+--layers/--hidden/--ffn/--query-groups/--vocab to scale), against the size of the model and against torch's own
+`torch.distributed.checkpoint.format_utils.dcp_to_torch_save` on the same torch_dist checkpoint in the same run.
 
     python bench/bench_checkpoint_convert.py [--layers 8 --hidden 1024 --vocab 32000] [--dir /tmp/x]
+    python bench/bench_checkpoint_convert.py --layers 22 --hidden 2048 --ffn 5632 --query-groups 4   # 1.1B (TinyLlama)
 
 Each conversion runs in its own process (its own ru_maxrss, imports included: the `import only` row is that
-floor); the source is a universal checkpoint of random weights and moments written first.
+floor); the source is a universal checkpoint of random weights and Adam moments written first. The ratio
+columns divide by the dcp_to_torch_save row (which reads the whole checkpoint into memory, then torch.saves
+it); each output is removed once measured, so the disk holds the source, the torch_dist checkpoint and one
+output at a time.
 """
 import argparse
 import os
@@ -39,6 +44,8 @@ def main():
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--ffn", type=int, default=None, help="SwiGLU width (default: Megatron's for --hidden)")
+    p.add_argument("--query-groups", type=int, default=None, help="default: hidden / 256")
     p.add_argument("--dir", default=None)
     a = p.parse_args()
     import torch
@@ -49,7 +56,7 @@ def main():
     from megatron_zero.model.params import param_names, param_spec
 
     cfg = GPTConfig(vocab_size=a.vocab, hidden_size=a.hidden, num_layers=a.layers, num_attention_heads=a.hidden // 64,
-                    num_query_groups=max(1, a.hidden // 256), seq_length=2048, max_position_embeddings=2048,
+                    num_query_groups=a.query_groups or max(1, a.hidden // 256), ffn_hidden_size=a.ffn, seq_length=2048, max_position_embeddings=2048,
                     normalization="RMSNorm", position_embedding_type="rope", swiglu=True, add_bias_linear=False,
                     untie_embeddings_and_output_weights=True, make_vocab_size_divisible_by=128)
 
@@ -70,19 +77,42 @@ def main():
     write_universal(Random(), cfg, {"iteration": 10, "args": config_args(cfg),
                                     "universal_checkpoint_info": {"original_vocab_size": cfg.vocab_size}}, src, "bench")
     tool = os.path.join(ROOT, "tools", "convert_checkpoint.py")
+    td, out = os.path.join(root, "td"), os.path.join(root, "out")
+
+    def convert(*argv, keep=False):
+        r = _child([tool, *argv])
+        if not keep:
+            shutil.rmtree(out, ignore_errors=True)
+        return r
     rows = [("import only", _child(["import torch, torch.distributed.checkpoint"]))]
-    rows.append(("universal -> torch_dist", _child([tool, "--from", "universal", "--to", "torch_dist", "--input", src,
-                                                   "--output", os.path.join(root, "td")])))
-    rows.append(("torch_dist -> universal", _child([tool, "--from", "torch_dist", "--to", "universal", "--input",
-                                                   os.path.join(root, "td"), "--output", os.path.join(root, "u2", "x"),
-                                                   "--vocab-size", str(a.vocab)])))
-    rows.append(("universal -> dcp (in memory)", _child([tool, "--from", "universal", "--to", "dcp", "--input", src,
-                                                        "--output", os.path.join(root, "titan")])))
+    rows.append(("universal -> torch_dist", convert("--from", "universal", "--to", "torch_dist", "--input", src,
+                                                    "--output", td, keep=True)))
+    baseline = ("from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
+                f"dcp_to_torch_save({os.path.join(td, 'iter_0000010')!r}, {os.path.join(root, 'out.pt')!r})")
+    try:
+        rows.append(("dcp_to_torch_save (torch_dist)", _child([baseline])))
+    except SystemExit as e:  # e.g. killed for memory: said in the table, the rest still measured
+        print(f"dcp_to_torch_save failed: {str(e)[-500:]}")
+        rows.append(("dcp_to_torch_save (torch_dist)", (float("nan"), float("nan"))))
+    if os.path.exists(os.path.join(root, "out.pt")):
+        os.remove(os.path.join(root, "out.pt"))
+    rows.append(("torch_dist -> universal", convert("--from", "torch_dist", "--to", "universal", "--input", td,
+                                                    "--output", os.path.join(out, "x"), "--vocab-size", str(a.vocab))))
+    shutil.rmtree(td, ignore_errors=True)
+    titan = os.path.join(root, "titan")
+    rows.append(("universal -> dcp (in memory)", convert("--from", "universal", "--to", "dcp", "--input", src,
+                                                        "--output", titan, keep=True)))
+    rows.append(("dcp -> universal", convert("--from", "dcp", "--to", "universal", "--input",
+                                             os.path.join(titan, "step-10"),
+                                             "--output", os.path.join(out, "x"), "--vocab-size", str(a.vocab),
+                                             "--num-attention-heads", str(cfg.num_attention_heads))))
+    shutil.rmtree(titan, ignore_errors=True)
+    base_sec, base_rss = rows[2][1]
     print(f"model: {numel / 1e6:.1f}M parameters, {numel * 4 / 2**20:.0f} MiB per fp32 state (x3 with Adam), "
           f"largest tensor {largest:.0f} MiB")
-    print(f"{'conversion':32s} {'seconds':>8s} {'peak RSS MiB':>13s}")
+    print(f"{'conversion':32s} {'seconds':>8s} {'peak RSS MiB':>13s} {'time / baseline':>16s} {'RSS / baseline':>15s}")
     for what, (sec, rss) in rows:
-        print(f"{what:32s} {sec:8.1f} {rss:13.0f}")
+        print(f"{what:32s} {sec:8.1f} {rss:13.0f} {sec / base_sec:16.2f} {rss / base_rss:15.2f}")
     if a.dir is None:
         shutil.rmtree(root, ignore_errors=True)
 

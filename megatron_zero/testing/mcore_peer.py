@@ -9,6 +9,12 @@
     python -m megatron_zero.testing.mcore_peer load DIR OUT --arch gpt|llama --tp 2
         loads the torch_dist checkpoint DIR with megatron-core's dist_checkpointing.load at that TP and writes
         its logits on batch(1) to OUT.
+    --moe --ep N (with save or load): the mixture-of-experts variant (`MOE`: 4 experts, top-2, the allgather
+        dispatcher, no biases; GPT: MoE in every other layer, Llama: in every layer with a gated shared
+        expert) on N expert-parallel ranks (TP 1, DP N). save then also writes DIR/singleton: the same model
+        saved with Megatron-Core's `singleton_local_shards` metadata (one key per expert, SwiGLU halves apart).
+        With EP > 1 the two steps are not a data-parallel run's (FP32Optimizer reduces no gradients): the
+        checkpoint and the logits are Megatron-Core's all the same, the step after loading is not compared.
 
 The model (`SIZES`, `ARCH`) and the batches are what the tests build on our side too. Megatron-Core needs CUDA
 in places where a CPU run does not: `torch.cuda.current_device` and `torch.cuda.synchronize` are replaced in
@@ -33,6 +39,14 @@ ARCH = {
                   untie_embeddings_and_output_weights=True, add_bias_linear=False),
 }
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-2, (0.9, 0.95), 1e-8, 0.0
+MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32)
+MOE_ARCH = {"gpt": dict(moe_layer_freq=2), "llama": dict(moe_layer_freq=1, moe_shared_expert_intermediate_size=48,
+                                                       moe_shared_expert_gate=True)}
+
+
+def arch_settings(arch: str, moe: bool) -> dict:
+    """The model's settings (our GPTConfig's names): ARCH, and with `moe` MOE and MOE_ARCH, without biases."""
+    return {**ARCH[arch], **(dict(MOE, **MOE_ARCH[arch], add_bias_linear=False) if moe else {})}
 
 
 def batch(k: int):
@@ -42,22 +56,28 @@ def batch(k: int):
     return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
-def megatron_args(arch: str, tp: int) -> Namespace:
+def megatron_args(arch: str, tp: int, moe: bool = False, ep: int = 1) -> Namespace:
     """The args Megatron-LM records in common.pt, as much of them as describes this model and run."""
-    a = ARCH[arch]
-    return Namespace(num_layers=SIZES["num_layers"], hidden_size=SIZES["hidden_size"],
-                     num_attention_heads=SIZES["num_attention_heads"], ffn_hidden_size=SIZES["ffn_hidden_size"],
-                     seq_length=SIZES["seq_length"], max_position_embeddings=SIZES["seq_length"],
-                     padded_vocab_size=SIZES["vocab_size"], make_vocab_size_divisible_by=1,
-                     tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, data_parallel_size=1,
-                     normalization=a["normalization"], position_embedding_type=a["position_embedding_type"],
-                     swiglu=a["swiglu"], group_query_attention=a["num_query_groups"] < SIZES["num_attention_heads"],
-                     num_query_groups=a["num_query_groups"], add_bias_linear=a["add_bias_linear"],
-                     untie_embeddings_and_output_weights=a["untie_embeddings_and_output_weights"],
-                     rotary_base=10000, rotary_percent=1.0, layernorm_epsilon=1e-5, norm_epsilon=1e-5,
-                     lr=LR, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS, weight_decay=WEIGHT_DECAY,
-                     micro_batch_size=SIZES["batch"], global_batch_size=SIZES["batch"], iteration=1,
-                     ckpt_format="torch_dist", use_distributed_optimizer=False)
+    a = arch_settings(arch, moe)
+    extra = dict(MOE, **MOE_ARCH[arch], expert_model_parallel_size=ep, moe_token_dispatcher_type="allgather",
+                 data_parallel_size=ep) if moe else {}
+    return Namespace(**extra, **{k: v for k, v in _dense_args(a, tp).items() if k not in extra})
+
+
+def _dense_args(a: dict, tp: int) -> dict:
+    return dict(num_layers=SIZES["num_layers"], hidden_size=SIZES["hidden_size"],
+                num_attention_heads=SIZES["num_attention_heads"], ffn_hidden_size=SIZES["ffn_hidden_size"],
+                seq_length=SIZES["seq_length"], max_position_embeddings=SIZES["seq_length"],
+                padded_vocab_size=SIZES["vocab_size"], make_vocab_size_divisible_by=1,
+                tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, data_parallel_size=1,
+                normalization=a["normalization"], position_embedding_type=a["position_embedding_type"],
+                swiglu=a["swiglu"], group_query_attention=a["num_query_groups"] < SIZES["num_attention_heads"],
+                num_query_groups=a["num_query_groups"], add_bias_linear=a["add_bias_linear"],
+                untie_embeddings_and_output_weights=a["untie_embeddings_and_output_weights"],
+                rotary_base=10000, rotary_percent=1.0, layernorm_epsilon=1e-5, norm_epsilon=1e-5,
+                lr=LR, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS, weight_decay=WEIGHT_DECAY,
+                micro_batch_size=SIZES["batch"], global_batch_size=SIZES["batch"], iteration=1,
+                ckpt_format="torch_dist", use_distributed_optimizer=False)
 
 
 def _shim_cuda():
@@ -72,12 +92,21 @@ def _shim_cuda():
     torch.tensor = tensor
 
 
-def build(arch: str):
+def build(arch: str, moe: bool = False):
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
-    a = ARCH[arch]
+    a = arch_settings(arch, moe)
+    moe_config = {}
+    if moe:
+        from megatron.core.transformer.moe import moe_utils
+        moe_utils.te_general_gemm = None  # Transformer Engine's GEMM: not on this machine
+        moe_config = dict(num_moe_experts=MOE["num_experts"], moe_router_topk=MOE["moe_router_topk"],
+                          moe_ffn_hidden_size=MOE["moe_ffn_hidden_size"], moe_token_dispatcher_type="allgather",
+                          moe_layer_freq=a["moe_layer_freq"], moe_aux_loss_coeff=0.0,
+                          moe_shared_expert_intermediate_size=a.get("moe_shared_expert_intermediate_size"),
+                          moe_shared_expert_gate=a.get("moe_shared_expert_gate", False))
     gelu = partial(torch.nn.functional.gelu, approximate="tanh")
     config = TransformerConfig(
         num_layers=SIZES["num_layers"], hidden_size=SIZES["hidden_size"],
@@ -87,8 +116,10 @@ def build(arch: str):
         add_bias_linear=a["add_bias_linear"], hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=True, bias_activation_fusion=False, masked_softmax_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
-        persist_layer_norm=False, init_method_std=0.02)
-    model = GPTModel(config, get_gpt_layer_local_spec(normalization=a["normalization"]),
+        persist_layer_norm=False, init_method_std=0.02, **moe_config)
+    spec = (get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=a["normalization"])
+            if moe else get_gpt_layer_local_spec(normalization=a["normalization"]))
+    model = GPTModel(config, spec,
                      vocab_size=SIZES["vocab_size"], max_sequence_length=SIZES["seq_length"],
                      share_embeddings_and_output_weights=not a["untie_embeddings_and_output_weights"],
                      position_embedding_type=a["position_embedding_type"])
@@ -132,7 +163,24 @@ def _save_legacy(root: str, model, opt, arch: str, tp: int, rank: int):
     dist.barrier()
 
 
-def _rank(rank: int, world: int, port: int, mode: str, directory: str, out: str, arch: str):
+def _save_singleton(root: str, model, opt, arch: str, world: int, rank: int):
+    """The same state with `singleton_local_shards` (Megatron-LM's fully reshardable layout): per-layer and
+    per-expert keys, SwiGLU's halves as `_w` / `_v`."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    ckpt = os.path.join(root, "iter_0000001")
+    if rank == 0:
+        os.makedirs(ckpt, exist_ok=True)
+        with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write("1")
+    dist.barrier()
+    model_sd = model.sharded_state_dict(metadata={"singleton_local_shards": True})
+    dist_checkpointing.save({"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd),
+                             "args": megatron_args(arch, 1, True, world), "iteration": 1, "checkpoint_version": 3.0,
+                             "num_floating_point_operations_so_far": 0}, ckpt)
+
+
+def _rank(rank: int, world: int, port: int, mode: str, directory: str, out: str, arch: str, moe: bool = False):
     _shim_cuda()
     import torch.distributed as dist
     from megatron.core import dist_checkpointing, parallel_state
@@ -141,10 +189,14 @@ def _rank(rank: int, world: int, port: int, mode: str, directory: str, out: str,
     from megatron.core.tensor_parallel import random as mc_random
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    if moe:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=world)
+    else:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     torch.manual_seed(1234)
     mc_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    model = build(arch)
+    model = build(arch, moe)
+    tp = 1 if moe else world
     if mode == "load":
         state = dist_checkpointing.load({"model": model.sharded_state_dict()}, directory)
         model.load_state_dict(state["model"])
@@ -167,15 +219,18 @@ def _rank(rank: int, world: int, port: int, mode: str, directory: str, out: str,
                     opt.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
     opt = FP32Optimizer(inner, config, init_state)
     train_step(model, opt, 0)
-    _save_legacy(os.path.join(directory, "legacy"), model, opt, arch, world, rank)
+    if not moe:
+        _save_legacy(os.path.join(directory, "legacy"), model, opt, arch, world, rank)
     model_sd = model.sharded_state_dict()
     ckpt = os.path.join(directory, "iter_0000001")
     if rank == 0:
         os.makedirs(ckpt, exist_ok=True)
     dist.barrier()
     dist_checkpointing.save({"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd),
-                             "args": megatron_args(arch, world), "iteration": 1, "checkpoint_version": 3.0,
+                             "args": megatron_args(arch, tp, moe, world if moe else 1), "iteration": 1, "checkpoint_version": 3.0,
                              "num_floating_point_operations_so_far": 0}, ckpt)
+    if moe:
+        _save_singleton(os.path.join(directory, "singleton"), model, opt, arch, world, rank)
     before = logits(model, 1)
     loss = train_step(model, opt, 1)
     after = logits(model, 2)
@@ -200,8 +255,11 @@ def main(argv=None):
     p.add_argument("--arch", choices=tuple(ARCH), default="gpt")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--port", type=int, default=29517)
+    p.add_argument("--moe", action="store_true")
+    p.add_argument("--ep", type=int, default=1)
     a = p.parse_args(argv)
-    torch.multiprocessing.spawn(_rank, args=(a.tp, a.port, a.mode, a.directory, a.out, a.arch), nprocs=a.tp)
+    world = a.ep if a.moe else a.tp
+    torch.multiprocessing.spawn(_rank, args=(world, a.port, a.mode, a.directory, a.out, a.arch, a.moe), nprocs=world)
 
 
 if __name__ == "__main__":

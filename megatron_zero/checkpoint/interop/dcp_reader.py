@@ -4,6 +4,7 @@
     r.shape("a.weight")             # torch.Size, or None when the checkpoint has no such tensor
     r.read("a.weight")              # the whole tensor (global shape), fp32 or as saved
     r.read("layers.w", index=3)     # only [3] of a tensor stacked on dim 0: the saved chunks overlapping it
+    r.read("experts.w", (3, 1))     # only [3, 1] of a tensor stacked on dims 0 and 1 (layers, experts)
 
 No process group is needed or used (`no_dist=True`): each caller reads the keys it needs, which is what
 lets every rank of a run read only its own parameters. A slice is planned with torch's public
@@ -12,7 +13,7 @@ lets every rank of a run read only its own parameters. A slice is planned with t
 from __future__ import annotations
 
 import warnings
-from typing import Optional
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -57,20 +58,21 @@ class DcpReader:
         md = self.tensors.get(fqn)
         return None if md is None else md.size
 
-    def read(self, fqn: str, index: Optional[int] = None) -> torch.Tensor:
+    def read(self, fqn: str, index: Union[None, int, Tuple[int, ...]] = None) -> torch.Tensor:
         md = self.tensors.get(fqn)
         if md is None:
             raise CheckpointError(f"{self.directory} holds no tensor {fqn}")
+        index = () if index is None else (index,) if isinstance(index, int) else tuple(index)
         size = list(md.size)
         offsets = [0] * len(size)
-        if index is not None:
-            if not 0 <= index < size[0]:
-                raise CheckpointError(f"{self.directory}: {fqn} stacks {size[0]} entries on dim 0, not {index + 1}")
-            offsets[0], size[0] = index, 1
+        for dim, i in enumerate(index):
+            if not 0 <= i < size[dim]:
+                raise CheckpointError(f"{self.directory}: {fqn} stacks {size[dim]} entries on dim {dim}, not {i + 1}")
+            offsets[dim], size[dim] = i, 1
         out = torch.empty(size, dtype=md.properties.dtype)
         chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(size))
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
             dcp.load({fqn: out}, storage_reader=self.storage, planner=_ChunkPlanner({fqn: chunk}),
                      no_dist=True)
-        return out[0] if index is not None else out
+        return out.reshape(size[len(index):])

@@ -17,8 +17,20 @@ under the linear layer they feed, whichever spec built the model (the Transforme
     word / position embeddings               embedding.word_embeddings.weight, embedding.position_embeddings.weight
     {L+3}.lm_head.weight (untied)            output_layer.weight
 
-Both fused layouts agree with ours, so tensors map one to one. Keys this table does not name (MoE
-experts and router, q/k layernorm, multi-token prediction) are refused by `unmapped`, naming the key.
+An MoE block (mcore_location; Megatron-Core's SequentialMLP, GroupedMLP and TEGroupedMLP all save these):
+    {i}.mlp.deepspeed_moe.gate.wg.weight      mlp.router.weight                        [L, E, h]
+    {i}.mlp.deepspeed_moe.experts.deepspeed_experts.{e}.dense_h_to_4h.*
+                                             mlp.experts.experts.linear_fc1.*          [L, E, ...]
+    ... .{e}.dense_4h_to_h.*                  mlp.experts.experts.linear_fc2.*          [L, E, ...]
+    {i}.mlp.shared_expert.dense_h_to_4h|dense_4h_to_h.*
+                                             mlp.shared_experts.linear_fc1|linear_fc2.*
+    {i}.mlp.shared_expert_gate.weight         mlp.shared_experts.gate_weight            [L, 1, h]
+    {i}.post_attention_layernorm.*           mlp.linear_fc1.layer_norm_* (local spec), or pre_mlp_layernorm.*
+
+Both fused layouts agree with ours, so tensors map one to one. The stacked form is `mcore_location`'s;
+torch_dist.py also finds the per-layer and per-expert forms Megatron-Core writes otherwise. Keys no
+parameter maps to (the router's expert bias, q/k layernorm, multi-token prediction) are refused by
+`unmapped`, naming the key.
 """
 from __future__ import annotations
 
@@ -26,7 +38,8 @@ from typing import Iterable, List, Optional, Tuple
 
 from ...model.config import GPTConfig
 from ...model.layer_indices import block_number, final_norm_index, is_block_index
-from ...model.params import lm_head_name, param_names, position_embeddings_name, word_embeddings_name
+from ...model.params import (lm_head_name, param_names, parse_expert_suffix, position_embeddings_name,
+                             word_embeddings_name)
 
 BLOCK = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
@@ -42,13 +55,47 @@ BLOCK = {
     "mlp.dense_4h_to_h.weight": "mlp.linear_fc2.weight",
     "mlp.dense_4h_to_h.bias": "mlp.linear_fc2.bias",
 }
+MOE_BLOCK = {
+    "mlp.deepspeed_moe.gate.wg.weight": "mlp.router.weight",
+    "mlp.shared_expert.dense_h_to_4h.weight": "mlp.shared_experts.linear_fc1.weight",
+    "mlp.shared_expert.dense_h_to_4h.bias": "mlp.shared_experts.linear_fc1.bias",
+    "mlp.shared_expert.dense_4h_to_h.weight": "mlp.shared_experts.linear_fc2.weight",
+    "mlp.shared_expert.dense_4h_to_h.bias": "mlp.shared_experts.linear_fc2.bias",
+    "mlp.shared_expert_gate.weight": "mlp.shared_experts.gate_weight",
+}
+EXPERT_MLP = {"mlp.dense_h_to_4h.weight": "linear_fc1.weight", "mlp.dense_h_to_4h.bias": "linear_fc1.bias",
+              "mlp.dense_4h_to_h.weight": "linear_fc2.weight", "mlp.dense_4h_to_h.bias": "linear_fc2.bias"}
+EXPERTS = "mlp.experts.experts."
 LAYERS = "decoder.layers."
 OPTIMIZER_PREFIX = "optimizer.state."
 EXPERT_MARKERS = (".mlp.experts.", ".mlp.router.", ".mlp.shared_experts.")
 
 
 def mcore_key(name: str, config: GPTConfig) -> Tuple[str, Optional[int]]:
-    """Megatron-Core's key for our parameter `name` and, for a block's, its layer in the stack."""
+    """Megatron-Core's key for our parameter `name` and, for a block's, its layer in the stack (dense
+    parameters: an expert's key stacks experts too, see mcore_location)."""
+    key, index = mcore_location(name, config)
+    if len(index) > 1:
+        raise ValueError(f"{name!r} is an expert's parameter: its Megatron-Core tensor stacks layers and experts")
+    return key, (index[0] if index else None)
+
+
+def mcore_location(name: str, config: GPTConfig) -> Tuple[str, Tuple[int, ...]]:
+    """Megatron-Core's stacked key for our parameter `name` and its index there: () for a tensor of its own,
+    (layer,) for a block's, (layer, expert) for an expert's."""
+    index, _, suffix = name.partition(".")
+    if index.isdigit() and is_block_index(int(index), config.num_layers):
+        layer = block_number(int(index))
+        parsed = parse_expert_suffix(suffix)
+        if parsed is not None and parsed[1] in EXPERT_MLP:
+            return LAYERS + EXPERTS + EXPERT_MLP[parsed[1]], (layer, parsed[0])
+        if suffix in MOE_BLOCK:
+            return LAYERS + MOE_BLOCK[suffix], (layer,)
+    key, layer = _dense_key(name, config)
+    return key, (() if layer is None else (layer,))
+
+
+def _dense_key(name: str, config: GPTConfig) -> Tuple[str, Optional[int]]:
     if name == word_embeddings_name(config):
         return "embedding.word_embeddings.weight", None
     if name == position_embeddings_name(config):
@@ -67,16 +114,17 @@ def mcore_keys(config: GPTConfig) -> List[str]:
     """Every Megatron-Core tensor key this model's parameters map to, in first-use order."""
     seen = []
     for name in param_names(config):
-        key, _ = mcore_key(name, config)
+        key, _ = mcore_location(name, config)
         if key not in seen:
             seen.append(key)
     return seen
 
 
-def unmapped(keys: Iterable[str], config: GPTConfig) -> List[str]:
+def unmapped(keys: Iterable[str], config: GPTConfig, known: Optional[Iterable[str]] = None) -> List[str]:
     """The model keys among `keys` that no parameter of ours maps to (optimizer state, `_extra_state`
-    and the output layer of a tied model, which Megatron-Core saves as the embedding's replica, aside)."""
-    known = set(mcore_keys(config))
+    and the output layer of a tied model, which Megatron-Core saves as the embedding's replica, aside);
+    `known`: the keys our parameters were found under (default: the stacked forms, mcore_keys)."""
+    known = set(mcore_keys(config) if known is None else known)
     out = []
     for key in keys:
         if key.startswith(OPTIMIZER_PREFIX) or "_extra_state" in key or key in known:
@@ -90,7 +138,8 @@ def unmapped(keys: Iterable[str], config: GPTConfig) -> List[str]:
 def refusal(key: str, where: str) -> str:
     """One sentence for a key that cannot be mapped."""
     if any(m in "." + key for m in EXPERT_MARKERS):
-        return (f"{where} holds the mixture-of-experts tensor {key}, which this trainer does not map yet "
-                "(dense GPT and Llama models only)")
+        return (f"{where} holds the mixture-of-experts tensor {key}, which no parameter of this model maps to "
+                "(the router's expert bias is not built here; otherwise the checkpoint's args describe another "
+                "model: --num-experts, --moe-layer-freq, the shared expert)")
     return (f"{where} holds {key}, which no parameter of this model maps to (a layer type or architecture "
             "this trainer does not build, or flags that describe another model)")

@@ -48,8 +48,8 @@ def legacy_files(directory: str) -> Dict[Tuple[int, int], str]:
         if not m:
             continue
         if m.group(3) is not None:
-            raise CheckpointError(f"{os.path.join(directory, n)} is an expert-parallel rank's file; mixture-of-experts "
-                                  "checkpoints are not mapped yet (dense GPT and Llama models only)")
+            raise CheckpointError(f"{os.path.join(directory, n)} is an expert-parallel rank's file; legacy "
+                                  "mixture-of-experts checkpoints are not read (save with --ckpt-format torch_dist)")
         out[(int(m.group(1)), int(m.group(2) or 0))] = os.path.join(directory, n, LEGACY_FILE)
     tps = sorted({t for t, _ in out})
     pps = sorted({p for _, p in out})
@@ -73,6 +73,10 @@ def _param_order(model: dict) -> list:
 class LegacyFiles:
     def __init__(self, directory: str, config):
         self.directory, self.config = directory, config
+        if config.num_experts:
+            raise CheckpointError(f"{directory} is a legacy checkpoint of a mixture-of-experts model "
+                                  "(decoder.layers.N.mlp.experts.local_experts.*), which is not read; save it with "
+                                  "--ckpt-format torch_dist, whose expert tensors are")
         paths = legacy_files(directory)
         self.tp = 1 + max(t for t, _ in paths)
         self.pp = 1 + max(p for _, p in paths)

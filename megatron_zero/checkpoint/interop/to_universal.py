@@ -40,7 +40,19 @@ def config_from_common(common: dict, vocab_size: Optional[int], where: str):
     if not vocab:
         raise CheckpointError(f"{where}/common.pt records no padded_vocab_size; pass --vocab-size")
     settings = {k: v for k, v in model_settings(args).items() if v is not None}
+    if isinstance(args.get("moe_layer_freq"), (list, tuple)):
+        settings.update(layer_pattern(list(args["moe_layer_freq"]), where))
     return config_from_args({**args, **settings}, int(vocab)), args
+
+
+def layer_pattern(pattern: list, where: str) -> dict:
+    """Megatron-LM's --moe-layer-freq as a list (1: an MoE layer) as our moe_layer_freq and moe_layer_offset."""
+    for freq in range(1, len(pattern) + 1):
+        for offset in range(freq):
+            if pattern == [int(i % freq == offset) for i in range(len(pattern))]:
+                return {"moe_layer_freq": freq, "moe_layer_offset": offset}
+    raise CheckpointError(f"{where}/common.pt records --moe-layer-freq {pattern}, which is not every N-th layer "
+                          "from one offset; only such patterns are built here")
 
 
 def torch_dist_to_universal(src: str, out: str, vocab_size: Optional[int] = None) -> dict:

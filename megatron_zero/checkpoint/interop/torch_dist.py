@@ -10,7 +10,9 @@ one layer's slice of the stacked tensor (dcp_reader.py), takes its TP slice and 
 is bounded by one layer's tensor (plus the saved chunks it overlaps), never the model.
 
 What is read, and from where:
-- weights: the model keys (mcore_names.py); the fp32 master is `optimizer.state.fp32_param.<key>` where a
+- weights: the model keys (mcore_names.py), in whichever of Megatron-Core's forms the checkpoint has them
+  (stacked, per layer, per expert, GLU halves: mcore_forms.py); experts under their global ids, whatever
+  expert-parallel layout wrote them; the fp32 master is `optimizer.state.fp32_param.<key>` where a
   mixed-precision run saved one, else the weight itself (FP32Optimizer: the weights are the masters);
 - Adam moments: `optimizer.state.exp_avg.<key>`, `optimizer.state.exp_avg_sq.<key>`; a checkpoint without
   them (saved with --no-save-optim) loads weights only, with fresh moments, as an import does;
@@ -31,7 +33,11 @@ from ..errors import CheckpointError
 from ..format import header_args
 from ..storage.safe_pickle import RefusedGlobal, safe_load
 from .dcp_reader import DcpReader
-from .mcore_names import OPTIMIZER_PREFIX, mcore_key, refusal, unmapped
+import torch
+
+from ...model.params import param_names
+from .mcore_forms import locate
+from .mcore_names import OPTIMIZER_PREFIX, mcore_location, refusal, unmapped
 
 
 def read_common(directory: str) -> dict:
@@ -82,7 +88,13 @@ class TorchDistFiles:
         self.reader = DcpReader(directory)
         self.common = read_common(directory)
         where = f"the torch_dist checkpoint {directory}"
-        extra = unmapped(self.reader.tensors, config)
+        self.parts = {}  # our name -> where its weight is (mcore_forms.locate)
+        for name in param_names(config):
+            key, index = mcore_location(name, config)
+            found = locate(self.reader.tensors, key, index, config.num_layers, config.num_experts)
+            if found is not None:
+                self.parts[name] = found
+        extra = unmapped(self.reader.tensors, config, {f for parts in self.parts.values() for f, _, _ in parts})
         if extra:
             raise CheckpointError(refusal(extra[0], where) + (f" (and {len(extra) - 1} more keys)" if len(extra) > 1
                                                               else ""))
@@ -95,18 +107,26 @@ class TorchDistFiles:
         master = f"{OPTIMIZER_PREFIX}fp32_param.{key}"
         return master if master in self.reader.tensors else key
 
-    def full(self, name: str, which: str):
-        spec = param_spec(name, self.config)
-        key, layer = mcore_key(name, self.config)
-        fqn = self._fqn(key, which)
+    def _read(self, fqn: str, index, dims, name: str) -> torch.Tensor:
         shape = self.reader.shape(fqn)
         if shape is None:
             raise CheckpointError(f"the torch_dist checkpoint {self.directory} has no {fqn} (for our {name})")
-        expected = (self.config.num_layers,) if layer is not None else ()
-        if tuple(shape[:len(expected)]) != expected:
-            raise CheckpointError(f"{self.directory}: {fqn} stacks {shape[0]} layers but this model has "
-                                  f"{self.config.num_layers} (--num-layers differs from the checkpoint's)")
-        t = self.reader.read(fqn, layer).float()
+        for saved, want, what, flag in zip(shape[:len(dims)], dims, ("layers", "experts"),
+                                           ("--num-layers", "--num-experts")):
+            if saved != want:
+                raise CheckpointError(f"{self.directory}: {fqn} stacks {saved} {what} but this model has {want} "
+                                      f"({flag} differs from the checkpoint's)")
+        return self.reader.read(fqn, index).float()
+
+    def full(self, name: str, which: str):
+        spec = param_spec(name, self.config)
+        parts = self.parts.get(name)
+        if parts is None:
+            key, _ = mcore_location(name, self.config)
+            raise CheckpointError(f"the torch_dist checkpoint {self.directory} has no {self._fqn(key, which)} "
+                                  f"(for our {name})")
+        t = torch.cat([self._read(self._fqn(f, which), index, dims, name) for f, index, dims in parts])
+        fqn = self._fqn(parts[0][0], which)
         if spec.is_vocab:
             if t.shape[0] < spec.full_shape[0]:
                 raise CheckpointError(f"{self.directory}: {fqn} has {t.shape[0]} vocabulary rows, fewer than this "

@@ -7,12 +7,16 @@ torch.distributed.checkpoint's FileSystemWriter, `common.pt` (Megatron-LM's args
 and `metadata.json`, which is what Megatron-Core's `dist_checkpointing.load` (and Megatron-LM's `--load` with
 `--ckpt-format torch_dist`) reads at any TP. Names and layouts are mcore_names.py's; each transformer layer is
 one chunk of the stacked `decoder.layers.*` tensor, as Megatron-Core writes them, so the writer holds one
-layer's tensor at a time: the save plan is made from shapes alone and each chunk is read from the source when
-torch's writer asks for it (`resolve_data`). The vocabulary is padded with zero rows to
-make_vocab_size_divisible_by x `target_tp` (Megatron's rule; the padded size goes into the args). Adam's moments
-go in as `optimizer.state.exp_avg|exp_avg_sq.<key>` and the step as `optimizer.state.common_step`
-(FP32Optimizer's layout). The linear layers' `_extra_state` (None, Megatron-Core's local layers) is written per
-layer, since Megatron-Core's default strictness expects every key its model asks for.
+layer's tensor at a time (one expert's, for an MoE layer's experts): the save plan is made from shapes alone
+and each chunk is read from the source when torch's writer asks for it (`resolve_data`). The vocabulary is
+padded with zero rows to make_vocab_size_divisible_by x `target_tp` (Megatron's rule; the padded size goes into
+the args). Adam's moments go in as `optimizer.state.exp_avg|exp_avg_sq.<key>` and the step as
+`optimizer.state.common_step` (FP32Optimizer's layout). MoE blocks: the router, each expert
+(`mlp.experts.experts.linear_fc1.weight` [L, E, ...], one chunk per layer and expert, under global ids:
+Megatron-Core loads it at any EP) and the shared expert; dense and MoE blocks mixed (--moe-layer-freq N > 1)
+are saved one key per layer (`decoder.layers.<i>.*`), as Megatron-Core's TransformerBlock saves them. The
+linear layers' `_extra_state` (None, Megatron-Core's local layers) is written per layer (and expert), since
+Megatron-Core's default strictness expects every key its model asks for.
 """
 from __future__ import annotations
 
@@ -36,15 +40,19 @@ from ..format import LATEST_ITERATION, STATE_KEYS, UNIVERSAL_CHECKPOINT_INFO, he
 from ..reshape.universal_load import ReshapedFiles, UniversalFiles, find_universal_dir
 from ..saved_config import config_from_args
 from ..storage.reader import open_directory
-from .mcore_names import LAYERS, OPTIMIZER_PREFIX, mcore_key
+from .mcore_names import EXPERTS, LAYERS, OPTIMIZER_PREFIX, mcore_location
 
-EXTRA_STATE_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+ATTENTION_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj")
+DENSE_LINEARS = ("mlp.linear_fc1", "mlp.linear_fc2")
+MOE_LINEARS = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
+EXPERT_LINEARS = (EXPERTS + "linear_fc1", EXPERTS + "linear_fc2")
 MCORE_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                   "common_backend_version": 1}
 
 
 class _StreamingPlanner(DefaultSavePlanner):
-    """Plans from (fqn, offsets, sizes) alone; `produce(fqn, layer)` makes a chunk when the writer needs it."""
+    """Plans from (fqn, index, global size) alone (the chunk is [index] of the leading dimensions);
+    `produce(fqn, index)` makes a chunk when the writer needs it."""
 
     def __init__(self, chunks, blobs, produce):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=False)
@@ -52,13 +60,13 @@ class _StreamingPlanner(DefaultSavePlanner):
 
     def create_local_plan(self) -> SavePlan:
         items, self.layer_of = [], {}
-        for fqn, layer, global_size in self.chunks:
+        for fqn, index, global_size in self.chunks:
             offsets = [0] * len(global_size)
             sizes = list(global_size)
-            if layer is not None:
-                offsets[0], sizes[0] = layer, 1
+            for dim, i in enumerate(index):
+                offsets[dim], sizes[dim] = i, 1
             props = TensorProperties(dtype=torch.float32)
-            self.layer_of[(fqn, tuple(offsets))] = layer
+            self.layer_of[(fqn, tuple(offsets))] = index
             items.append(WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
                                    tensor_data=TensorWriteData(ChunkStorageMetadata(torch.Size(offsets),
                                                                                     torch.Size(sizes)),
@@ -112,7 +120,51 @@ def megatron_args(config, args: dict, target_tp: int) -> Namespace:
                         "make_vocab_size_divisible_by": c.make_vocab_size_divisible_by,
                         "padded_vocab_size": c.padded_vocab_size(target_tp),
                         "tensor_model_parallel_size": target_tp, "pipeline_model_parallel_size": 1,
-                        "ckpt_format": "torch_dist"})
+                        "ckpt_format": "torch_dist", **moe_args(c)})
+
+
+def moe_args(config) -> dict:
+    """Megatron-LM's MoE args: its --moe-layer-freq counts from layer 0, so another first MoE layer is a list."""
+    c = config
+    if not c.num_experts:
+        return {"num_experts": None}
+    freq = c.moe_layer_freq if c.moe_layer_offset == 0 else [int(c.is_moe_layer(i)) for i in range(c.num_layers)]
+    return {"num_experts": c.num_experts, "moe_layer_freq": freq, "moe_ffn_hidden_size": c.moe_ffn_hidden_size,
+            "moe_router_topk": c.moe_router_topk,
+            "moe_shared_expert_intermediate_size": c.moe_shared_expert_intermediate_size,
+            "moe_shared_expert_gate": c.moe_shared_expert_gate, "expert_model_parallel_size": 1}
+
+
+def per_layer(config) -> bool:
+    """Whether Megatron-Core saves this model's blocks one key per layer (`decoder.layers.<i>.*`): dense and MoE
+    blocks mixed (its TransformerBlock's non-homogeneous layers: --moe-layer-freq other than 1), else stacked."""
+    return bool(config.num_experts) and config.moe_layer_freq > 1
+
+
+def saved_location(name: str, config, shape: tuple):
+    """(key, index, global size) under which Megatron-Core saves our parameter `name` of full shape `shape`."""
+    key, index = mcore_location(name, config)
+    lead = (config.num_layers, config.num_experts)[:len(index)]
+    if index and per_layer(config):
+        key, index, lead = f"{LAYERS}{index[0]}.{key[len(LAYERS):]}", index[1:], lead[1:]
+    return key, index, tuple(lead) + shape
+
+
+def extra_state_keys(config) -> list:
+    """The `_extra_state` objects Megatron-Core's local linear layers save (each a ShardedObject key)."""
+    L, E, out = config.num_layers, config.num_experts, []
+    for layer in range(L):
+        moe = config.is_moe_layer(layer)
+        linears = ATTENTION_LINEARS + ((MOE_LINEARS[:2] if config.moe_shared_expert_intermediate_size else ())
+                                       if moe else DENSE_LINEARS)
+        for linear in linears:
+            out.append(f"{LAYERS}{layer}.{linear}._extra_state/shard_0_1" if per_layer(config)
+                       else f"{LAYERS}{linear}._extra_state/shard_{layer}_{L}")
+        for linear in (EXPERT_LINEARS if moe else ()):
+            for e in range(E):
+                out.append(f"{LAYERS}{layer}.{linear}._extra_state/shard_{e}_{E}" if per_layer(config)
+                           else f"{LAYERS}{linear}._extra_state/shard_{layer}.{e}_{L}.{E}")
+    return out
 
 
 def write_torch_dist(source: str, out: str, target_tp: int = 1, verify: bool = True) -> dict:
@@ -125,36 +177,33 @@ def write_torch_dist(source: str, out: str, target_tp: int = 1, verify: bool = T
     if os.path.exists(directory):
         raise CheckpointError(f"{directory} already exists; choose another --output or remove it")
     names = param_names(config)
-    by_key = {}  # (mcore key, layer) -> our name
-    for name in names:
-        by_key[mcore_key(name, config)] = name
     padded = config.padded_vocab_size(target_tp)
-    chunks = []
-    for (key, layer), name in by_key.items():
+    by_key, chunks = {}, []  # (fqn, index) -> our name; (fqn, index, global size) of every saved chunk
+    for name in names:
         spec = param_spec(name, config)
         shape = (padded,) + spec.full_shape[1:] if spec.is_vocab else spec.full_shape
-        size = ((config.num_layers,) + tuple(shape)) if layer is not None else tuple(shape)
+        fqn, index, size = saved_location(name, config, tuple(shape))
+        by_key[(fqn, index)] = name
         for prefix in ("", f"{OPTIMIZER_PREFIX}exp_avg.", f"{OPTIMIZER_PREFIX}exp_avg_sq."):
-            chunks.append((prefix + key, layer, size))
+            chunks.append((prefix + fqn, index, size))
     blobs = {}
     buf = io.BytesIO()
     torch.save([None], buf)  # what Megatron-Core writes for a local linear layer (a list of its replicas)
-    for linear in EXTRA_STATE_LINEARS:
-        for layer in range(config.num_layers):
-            blobs[f"{LAYERS}{linear}._extra_state/shard_{layer}_{config.num_layers}"] = buf.getvalue()
+    for key in extra_state_keys(config):
+        blobs[key] = buf.getvalue()
     step = [0]
 
-    def produce(fqn, layer):
+    def produce(fqn, index):
         which = "fp32"
         for k in STATE_KEYS[1:]:
             if fqn.startswith(f"{OPTIMIZER_PREFIX}{k}."):
                 which, fqn = k, fqn[len(f"{OPTIMIZER_PREFIX}{k}."):]
-        name = by_key[(fqn, layer)]
+        name = by_key[(fqn, index)]
         full, _, _ = files.full(name, which)
         step[0] = files.step(name)
         if param_spec(name, config).is_vocab and full.shape[0] < padded:
             full = torch.cat([full, full.new_zeros((padded - full.shape[0],) + tuple(full.shape[1:]))])
-        return full.float().unsqueeze(0) if layer is not None else full.float()
+        return full.float().reshape((1,) * len(index) + tuple(full.shape))
 
     os.makedirs(directory)
     planner = _StreamingPlanner(chunks, blobs, produce)
