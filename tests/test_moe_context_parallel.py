@@ -12,7 +12,9 @@ at CP2 x DP2 then leaves its bound 37 times over by the third step.
 
 Layouts: GPT-2 (GeLU experts, MoE in every layer) at CP2 x DP2 (p2p, ZeRO-1) and CP4 (a2a); the Llama
 (SwiGLU experts in every other layer, RoPE, 2 KV groups) at CP2 x DP2 on ZeRO-3 (p2p), CP2 x PP2
-(all_gather), CP2 x DP2 with full recomputation, and with the sequence-level aux loss."""
+(all_gather), CP2 x DP2 with full recomputation, with the sequence-level aux loss, and CP2 x TP2 with
+sequence parallelism (each TP rank routing its part of the CP rank's chunks: the counts summed over TP and
+CP, Megatron-Core's tp_cp group)."""
 import pytest
 import torch
 
@@ -34,16 +36,19 @@ HP = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
 CLIP = 0.5
 FULL = dict(recompute_granularity="full", recompute_method="uniform")
 
-# (model, pp, cp, zero stage, cp comm type, other settings); TP 1, DP = 4 / (pp cp)
+# (model, pp, cp, zero stage, cp comm type, other settings); TP 1 (TP2 with sequence parallelism for "sp"),
+# DP = 4 / (tp pp cp)
 LAYOUTS = [
     ("gpt", 1, 2, 1, "p2p", ""), ("gpt", 1, 4, 2, "a2a", ""),
     ("llama", 1, 2, 3, "p2p", ""), ("llama", 2, 2, 1, "all_gather", ""),
     ("llama", 1, 2, 1, "p2p", "full"), ("llama", 1, 2, 2, "p2p", "seq_aux_loss"),
+    ("llama", 1, 2, 1, "p2p", "sp"),
 ]
 
 
 def config(model, comm_type="p2p", other=""):
-    extra = dict(seq_length=SEQ, max_position_embeddings=SEQ, cp_comm_type=comm_type, **(FULL if other == "full" else {}))
+    extra = dict(seq_length=SEQ, max_position_embeddings=SEQ, cp_comm_type=comm_type, sequence_parallel=other == "sp",
+                 **(FULL if other == "full" else {}))
     if other == "seq_aux_loss":
         extra["moe_router_load_balancing_type"] = "seq_aux_loss"
     return moe_config(model == "llama", **extra)
@@ -80,15 +85,16 @@ def reference_run(cfg):
 
 
 def train_layout(states, model, pp, cp, stage, comm_type, other):
-    if (pp, cp) not in states:  # each layout's groups once (every group holds file descriptors)
-        states[(pp, cp)] = build_parallel_state(pp=pp, cp=cp)
-    state = states[(pp, cp)]
+    tp = 2 if other == "sp" else 1
+    if (tp, pp, cp) not in states:  # each layout's groups once (every group holds file descriptors)
+        states[(tp, pp, cp)] = build_parallel_state(tp=tp, pp=pp, cp=cp)
+    state = states[(tp, pp, cp)]
     cfg = config(model, comm_type, other)
     net = build_gpt_stage(cfg, state)
     opt = ZeroOptimizer(list(net.named_parameters()), dp_group=state.dp_group, stage=stage, clip_grad=CLIP,
                         mp_group=state.mp_group, tp_rank=state.tp_rank, bucket_size=3000, module=net,
                         persistence_threshold=100, **HP)
-    p2p = stage_p2p(state, activation_shape(1, cfg, 1, cp), torch.float32)
+    p2p = stage_p2p(state, activation_shape(1, cfg, tp, cp), torch.float32)
     per_replica = GLOBAL_BATCH // state.data_parallel_size
     first = state.data_parallel_rank * per_replica
     losses, norms = [], []
