@@ -22,59 +22,31 @@ then across ranks), so the two dispatchers agree to fp32 reordering.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from .. import shm_comm
+from ..tensor_parallel.mappings import gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region
 from .dispatch import permute, unpermute
 
 
 def _gather(x: torch.Tensor, group) -> torch.Tensor:
-    out = x.new_empty((dist.get_world_size(group) * x.shape[0],) + tuple(x.shape[1:]))
-    shm_comm.all_gather_into_tensor(out, x.contiguous(), group)
-    return out
+    """[T, ...] on each rank -> [EP T, ...] in rank order; backward: each rank's rows summed over ranks (the
+    sequence-parallel mapping on x seen as one sequence of T tokens)."""
+    return gather_from_sequence_parallel_region(x.unsqueeze(0), group).squeeze(0)
 
 
 def _reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
-    out = x.new_empty((x.shape[0] // dist.get_world_size(group),) + tuple(x.shape[1:]))
-    shm_comm.reduce_scatter_tensor(out, x.contiguous(), group)
-    return out
-
-
-class GatherTokens(torch.autograd.Function):
-    """[T, ...] on each rank -> [EP T, ...] (rank order); backward: the sum over ranks of each rank's rows."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.group), None
-
-
-class ReduceScatterTokens(torch.autograd.Function):
     """[EP T, ...] on each rank -> this rank's T rows summed over ranks; backward: all-gather."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad, ctx.group), None
+    return reduce_scatter_to_sequence_parallel_region(x.unsqueeze(0), group).squeeze(0)
 
 
 def allgather_dispatch(tokens: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, experts, group,
                        first: int, local: int) -> torch.Tensor:
     """tokens [T, h], weights and expert_ids [T, k] (dropped pairs: id E) -> [T, h], the weighted sum of each
     token's experts' outputs. `experts(rows, rows_per_local_expert)`: this rank's experts [first, first + local)."""
-    all_tokens = GatherTokens.apply(tokens, group)
-    all_weights = GatherTokens.apply(weights, group)
+    all_tokens = _gather(tokens, group)
+    all_weights = _gather(weights, group)
     all_ids = _gather(expert_ids, group) - first
     local_ids = torch.where((all_ids >= 0) & (all_ids < local), all_ids, local)
     rows_per_expert = torch.bincount(local_ids.reshape(-1), minlength=local + 1)[:local].tolist()  # host read
     rows, order, token_of_row = permute(all_tokens, local_ids, sum(rows_per_expert))
     out = experts(rows, rows_per_expert)
-    return ReduceScatterTokens.apply(unpermute(out, all_weights, order, token_of_row, all_tokens.shape[0]), group)
+    return _reduce_scatter(unpermute(out, all_weights, order, token_of_row, all_tokens.shape[0]), group)

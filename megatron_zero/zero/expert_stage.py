@@ -25,6 +25,7 @@ from typing import List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .expert_halves import ExpertHalves
 from .stage12 import Stage12
 from .stage12_overlap import Stage12Overlap
 
@@ -41,7 +42,7 @@ def split_expert_groups(named_groups, hparams):
     return dense, list(hparams), expert, expert_hp
 
 
-class ExpertParallelStage:
+class ExpertParallelStage(ExpertHalves):
     def __init__(self, dense_groups: Sequence[Sequence[Tuple[str, torch.nn.Parameter]]], expert_groups,
                  dp_group, expert_dp_group, stage: int, dtype: torch.dtype, bucket_size: int,
                  device: torch.device, grad_reduce_dtype: torch.dtype = torch.float32,
@@ -54,18 +55,11 @@ class ExpertParallelStage:
         else:
             def half(groups, group):
                 return Stage12(groups, group, stage, dtype, bucket_size, device, grad_reduce_dtype=grad_reduce_dtype)
-        self.dense = half(dense_groups, dp_group)
-        self.expert = half(expert_groups, expert_dp_group)
+        self._init_halves(half(dense_groups, dp_group), half(expert_groups, expert_dp_group), len(dense_groups))
         self.overlapped = overlap_grad_reduce or overlap_param_gather
-        self.n_dense = len(dense_groups)
         self.norm_over_dp = stage == 0  # the optimizer sums the norm over DP (counts_in_norm_here)
         self._replica_rank = [dist.get_rank(g) if g is not None else 0 for g in (dp_group, expert_dp_group)]
         self.dp, self.reduce_dp, self.rank = self.dense.dp, self.dense.reduce_dp, self.dense.rank
-        self.initial_masters = self.dense.initial_masters + self.expert.initial_masters
-        del self.dense.initial_masters, self.expert.initial_masters
-
-    def _pick(self, gi: int):
-        return (self.dense, gi) if gi < self.n_dense else (self.expert, gi - self.n_dense)
 
     def counts_in_norm_here(self, gi: int) -> bool:
         """Whether this rank's gradients of group `gi` count in the norm summed over DP: at stage 0 one
@@ -87,28 +81,6 @@ class ExpertParallelStage:
         """The bucket collectives under way on either group."""
         return list(self.dense.buckets._in_flight) + list(self.expert.buckets._in_flight)
 
-    def finish_backward(self) -> None:
-        self.dense.finish_backward()
-        self.expert.finish_backward()
-
-    def grad_partitions(self) -> List[torch.Tensor]:
-        return self.dense.grad_partitions() + self.expert.grad_partitions()
-
-    def weight_slices(self) -> List[torch.Tensor]:
-        return self.dense.weight_slices() + self.expert.weight_slices()
-
-    def write_weights(self, masters: List[torch.Tensor]) -> None:
-        self.dense.write_weights(masters[:self.n_dense])
-        self.expert.write_weights(masters[self.n_dense:])
-
-    def zero_grad(self) -> None:
-        self.dense.zero_grad()
-        self.expert.zero_grad()
-
-    def owned_ranges(self, gi: int):
-        stage, i = self._pick(gi)
-        return stage.owned_ranges(i)
-
     def slice_mappings(self, names=None):
         return self.dense.slice_mappings() + self.expert.slice_mappings()
 
@@ -118,13 +90,3 @@ class ExpertParallelStage:
 
     def group_paddings(self) -> List[int]:
         return self.dense.group_paddings() + self.expert.group_paddings()
-
-    def grad_bytes(self) -> int:
-        return self.dense.grad_bytes() + self.expert.grad_bytes()
-
-    def param_bytes(self) -> int:
-        return self.dense.param_bytes() + self.expert.param_bytes()
-
-    def remove_hooks(self) -> None:
-        self.dense.remove_hooks()
-        self.expert.remove_hooks()

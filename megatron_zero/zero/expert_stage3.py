@@ -23,52 +23,26 @@ from typing import List
 
 import torch
 
+from .expert_halves import ExpertHalves
 from .partition import fragment_address
 from .stage3 import Stage3
 
 
-class ExpertParallelStage3:
+class ExpertParallelStage3(ExpertHalves):
     def __init__(self, dense_groups, expert_groups, dp_group, expert_dp_group, dtype: torch.dtype, bucket_size: int,
                  module, device: torch.device, layers=None, prefetch: bool = True,
                  persistence_threshold: int = 100_000):
-        self.dense = Stage3(dense_groups, dp_group, dtype, bucket_size, module=module, layers=layers,
-                            prefetch=prefetch, persistence_threshold=persistence_threshold, device=device)
-        self.expert = Stage3(expert_groups, expert_dp_group, dtype, bucket_size, module=module, layers=layers,
-                             prefetch=prefetch, persistence_threshold=persistence_threshold, device=device,
-                             storage_map=self.dense._storage)
-        self.n_dense = len(dense_groups)
+        dense = Stage3(dense_groups, dp_group, dtype, bucket_size, module=module, layers=layers,
+                       prefetch=prefetch, persistence_threshold=persistence_threshold, device=device)
+        expert = Stage3(expert_groups, expert_dp_group, dtype, bucket_size, module=module, layers=layers,
+                        prefetch=prefetch, persistence_threshold=persistence_threshold, device=device,
+                        storage_map=dense._storage)
+        self._init_halves(dense, expert, len(dense_groups))
         self.dp, self.reduce_dp, self.rank = self.dense.dp, self.dense.dp, self.dense.rank
-        self.initial_masters = self.dense.initial_masters + self.expert.initial_masters
-        del self.dense.initial_masters, self.expert.initial_masters
-
-    def _pick(self, gi: int):
-        return (self.dense, gi) if gi < self.n_dense else (self.expert, gi - self.n_dense)
 
     @property
     def halves(self):
         return self.dense, self.expert
-
-    def finish_backward(self) -> None:
-        self.dense.finish_backward()
-        self.expert.finish_backward()
-
-    def grad_partitions(self) -> List[torch.Tensor]:
-        return self.dense.grad_partitions() + self.expert.grad_partitions()
-
-    def weight_slices(self) -> List[torch.Tensor]:
-        return self.dense.weight_slices() + self.expert.weight_slices()
-
-    def write_weights(self, masters: List[torch.Tensor]) -> None:
-        self.dense.write_weights(masters[:self.n_dense])
-        self.expert.write_weights(masters[self.n_dense:])
-
-    def zero_grad(self) -> None:
-        self.dense.zero_grad()
-        self.expert.zero_grad()
-
-    def owned_ranges(self, gi: int):
-        stage, i = self._pick(gi)
-        return stage.owned_ranges(i)
 
     def slice_mappings(self, names):
         """Per group: name -> fragment_address(numel, start) of this rank's real elements in its flat group (the
@@ -90,12 +64,6 @@ class ExpertParallelStage3:
         with self.dense.gathered(), self.expert.gathered():
             yield
 
-    def grad_bytes(self) -> int:
-        return self.dense.grad_bytes() + self.expert.grad_bytes()
-
-    def param_bytes(self) -> int:
-        return self.dense.param_bytes() + self.expert.param_bytes()
-
     @property
     def peak_param_numel(self) -> int:
         return self.dense.peak_param_numel + self.expert.peak_param_numel
@@ -103,7 +71,3 @@ class ExpertParallelStage3:
     @property
     def comm_bytes(self) -> dict:
         return {k: self.dense.comm_bytes[k] + self.expert.comm_bytes[k] for k in self.dense.comm_bytes}
-
-    def remove_hooks(self) -> None:
-        self.dense.remove_hooks()
-        self.expert.remove_hooks()
