@@ -569,9 +569,12 @@ def _validate_moe(args, tp: int, dp: int):
         return
     _require(experts >= 1 and experts % ep == 0,
              f"--num-experts {experts} must be a positive multiple of --expert-model-parallel-size {ep}")
-    _require(args.expert_tensor_parallel_size != tp or dp % ep == 0,
-             f"--expert-model-parallel-size {ep} must divide the data-parallel size {dp}: expert "
-             "parallelism is carved out of the data-parallel ranks")
+    cp = args.context_parallel_size
+    _require(args.expert_tensor_parallel_size != tp or (dp * cp) % ep == 0,
+             f"--expert-model-parallel-size {ep} must divide the data-parallel size {dp}"
+             + (f" x --context-parallel-size {cp} (= {dp * cp})" if cp > 1 else "")
+             + ": expert parallelism is carved out of the data-parallel" + (" and context-parallel" if cp > 1 else "")
+             + " ranks")
     _require(1 <= args.moe_router_topk <= experts,
              f"--moe-router-topk {args.moe_router_topk} must lie in 1..--num-experts {experts}")
     _require(args.moe_layer_freq >= 1, f"--moe-layer-freq {args.moe_layer_freq} must be at least 1")

@@ -133,28 +133,29 @@ class Layout:
                 groups.append(list(g))
         return groups
 
-    # ---- expert parallelism (carved out of TP x DP, as Megatron-Core does) ----
-    # Megatron-Core's expert RankGenerator (order tp-ep-dp-pp, no CP): within a pipeline stage, stage rank
-    # i = dp * TP + tp has expert coordinates etp = i % ETP, ep = (i // ETP) % EP, edp = i // (ETP x EP)
-    # (ETP x EP x EDP = TP x DP). At ETP = TP that is ep = dp % EP, edp = dp // EP: EP consecutive DP ranks.
+    # ---- expert parallelism (carved out of TP x CP x DP, as Megatron-Core does) ----
+    # Megatron-Core's expert RankGenerator (order tp-ep-dp-pp, no CP dimension: its data-parallel size is
+    # world / (ETP x EP x PP)): within a pipeline stage, stage rank i = d * TP + tp (d = dp * CP + cp, the
+    # DP x CP index of `coords`) has expert coordinates etp = i % ETP, ep = (i // ETP) % EP,
+    # edp = i // (ETP x EP) (ETP x EP x EDP = TP x CP x DP). At ETP = TP that is ep = d % EP, edp = d // EP:
+    # EP consecutive ranks of the DP x CP domain (with CP, EP spans the CP ranks first).
     def check_expert_parallel(self, ep: int, etp: Optional[int] = None) -> None:
         """Refuse, in one sentence, an expert-parallel (and expert-tensor-parallel) size this layout cannot hold."""
         etp = self.tp if etp is None else etp
-        if ep > 1 and self.cp > 1:
-            raise TopologyError(f"--expert-model-parallel-size {ep} with --context-parallel-size {self.cp} is not "
-                                "available: expert parallelism is carved out of data parallelism without context "
-                                "parallelism")
-        if etp == self.tp and (not isinstance(ep, int) or ep < 1 or self.dp % ep):
-            raise TopologyError(f"--expert-model-parallel-size {ep} must divide the data-parallel size {self.dp} "
-                                f"({self}): expert parallelism is carved out of data parallelism")
+        domain = "DP x CP" if self.cp > 1 else "DP"
+        if etp == self.tp and (not isinstance(ep, int) or ep < 1 or self.dp_cp % ep):
+            size = "data-parallel x context-parallel size" if self.cp > 1 else "data-parallel size"
+            raise TopologyError(f"--expert-model-parallel-size {ep} must divide the {size} {self.dp_cp} "
+                                f"({self}): expert parallelism is carved out of the {domain} ranks")
         if etp != self.tp and self.cp > 1:
             raise TopologyError(f"--expert-tensor-parallel-size {etp} with --context-parallel-size {self.cp} is not "
-                                "available: the expert groups are carved out of TP x DP without context parallelism")
+                                "available: give --expert-tensor-parallel-size equal to --tensor-model-parallel-size "
+                                f"{self.tp} with context parallelism")
         if not isinstance(etp, int) or etp < 1 or not isinstance(ep, int) or ep < 1 \
-                or (self.tp * self.dp) % (etp * ep):
+                or (self.tp * self.dp_cp) % (etp * ep):
             raise TopologyError(f"--expert-tensor-parallel-size {etp} x --expert-model-parallel-size {ep} must divide "
-                                f"TP x DP = {self.tp * self.dp} of each pipeline stage ({self}): the experts' "
-                                "tensor-, expert- and expert-data-parallel groups are carved out of those ranks")
+                                f"TP x {domain} = {self.tp * self.dp_cp} of each pipeline stage ({self}): the "
+                                "experts' tensor-, expert- and expert-data-parallel groups are carved out of those ranks")
 
     def expert_coords(self, rank: int, ep: int, etp: Optional[int] = None) -> Tuple[int, int, int]:
         """(etp, ep, edp) coordinates of a rank within its pipeline stage."""
@@ -172,7 +173,7 @@ class Layout:
         etp = self.tp if etp is None else etp
         pp = self.coords(rank)[0]
         coords = list(self.expert_coords(rank, ep, etp))
-        size = (etp, ep, self.tp * self.dp // (etp * ep))[axis]
+        size = (etp, ep, self.tp * self.dp_cp // (etp * ep))[axis]
         members = []
         for c in range(size):
             coords[axis] = c
@@ -185,13 +186,13 @@ class Layout:
         return self._expert_group(rank, ep, etp, 0)
 
     def ep_group(self, rank: int, ep: int, etp: Optional[int] = None) -> List[int]:
-        """The expert-parallel group: `ep` ranks ETP apart (at ETP = TP: consecutive DP ranks, dp // ep alike),
+        """The expert-parallel group: `ep` ranks ETP apart (at ETP = TP: consecutive DP x CP ranks, d // ep alike),
         each holding E / ep experts."""
         return self._expert_group(rank, ep, etp, 1)
 
     def expert_dp_group(self, rank: int, ep: int, etp: Optional[int] = None) -> List[int]:
         """The expert-data-parallel group: the ranks holding the same expert slices (at ETP = TP: the DP ranks
-        with dp % ep alike), over which expert gradients are reduced and expert optimizer state is partitioned."""
+        x CP ranks with d % ep alike), over which expert gradients are reduced and expert optimizer state is partitioned."""
         return self._expert_group(rank, ep, etp, 2)
 
     # ---- pipeline neighbours ----------------------------------------------
@@ -254,7 +255,7 @@ class ParallelState:
 
     @property
     def expert_dp_rank(self) -> int:
-        """This rank's place in its expert-data-parallel group (dp // EP at ETP = TP)."""
+        """This rank's place in its expert-data-parallel group (d // EP at ETP = TP, d the DP x CP index)."""
         return self.layout.expert_coords(self.rank, self.ep_size, self.etp_size)[2]
 
     @property

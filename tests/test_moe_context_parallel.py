@@ -14,7 +14,13 @@ Layouts: GPT-2 (GeLU experts, MoE in every layer) at CP2 x DP2 (p2p, ZeRO-1) and
 (SwiGLU experts in every other layer, RoPE, 2 KV groups) at CP2 x DP2 on ZeRO-3 (p2p), CP2 x PP2
 (all_gather), CP2 x DP2 with full recomputation, with the sequence-level aux loss, and CP2 x TP2 with
 sequence parallelism (each TP rank routing its part of the CP rank's chunks: the counts summed over TP and
-CP, Megatron-Core's tp_cp group)."""
+CP, Megatron-Core's tp_cp group).
+
+With expert parallelism the expert groups are carved out of the DP x CP ranks (Megatron-Core's expert rank
+order, no CP dimension): at EP2 x CP2 (DP 1) the EP group is the CP group, the tokens of both halves of each
+sequence exchanged by the all-to-all; GPT-2 on ZeRO-1 and the Llama on ZeRO-3. Slow, 8 ranks: EP2 x CP2 x DP2
+(expert-DP 2: expert gradients reduced over the ranks with the same experts, averaged as the dense ones over
+DP x CP) and EP4 x CP2 x DP2 (EP spanning CP and DP, expert-DP 1) on ZeRO-2."""
 import pytest
 import torch
 
@@ -37,13 +43,14 @@ CLIP = 0.5
 FULL = dict(recompute_granularity="full", recompute_method="uniform")
 
 # (model, pp, cp, zero stage, cp comm type, other settings); TP 1 (TP2 with sequence parallelism for "sp"),
-# DP = 4 / (tp pp cp)
+# EP 1 (EP N for "epN"), DP = world / (tp pp cp)
 LAYOUTS = [
     ("gpt", 1, 2, 1, "p2p", ""), ("gpt", 1, 4, 2, "a2a", ""),
     ("llama", 1, 2, 3, "p2p", ""), ("llama", 2, 2, 1, "all_gather", ""),
     ("llama", 1, 2, 1, "p2p", "full"), ("llama", 1, 2, 2, "p2p", "seq_aux_loss"),
-    ("llama", 1, 2, 1, "p2p", "sp"),
+    ("llama", 1, 2, 1, "p2p", "sp"), ("gpt", 1, 2, 1, "p2p", "ep2"), ("llama", 1, 2, 3, "p2p", "ep2"),
 ]
+WIDE_LAYOUTS = [("gpt", 1, 2, 1, "p2p", "ep2"), ("llama", 1, 2, 2, "p2p", "ep4")]  # 8 ranks, DP 2
 
 
 def config(model, comm_type="p2p", other=""):
@@ -86,14 +93,15 @@ def reference_run(cfg):
 
 def train_layout(states, model, pp, cp, stage, comm_type, other):
     tp = 2 if other == "sp" else 1
-    if (tp, pp, cp) not in states:  # each layout's groups once (every group holds file descriptors)
-        states[(tp, pp, cp)] = build_parallel_state(tp=tp, pp=pp, cp=cp)
-    state = states[(tp, pp, cp)]
+    ep = int(other[2:]) if other.startswith("ep") else 1
+    if (tp, pp, cp, ep) not in states:  # each layout's groups once (every group holds file descriptors)
+        states[(tp, pp, cp, ep)] = build_parallel_state(tp=tp, pp=pp, cp=cp, ep=ep)
+    state = states[(tp, pp, cp, ep)]
     cfg = config(model, comm_type, other)
     net = build_gpt_stage(cfg, state)
     opt = ZeroOptimizer(list(net.named_parameters()), dp_group=state.dp_group, stage=stage, clip_grad=CLIP,
                         mp_group=state.mp_group, tp_rank=state.tp_rank, bucket_size=3000, module=net,
-                        persistence_threshold=100, **HP)
+                        persistence_threshold=100, expert_dp_group=state.expert_dp_group, **HP)
     p2p = stage_p2p(state, activation_shape(1, cfg, tp, cp), torch.float32)
     per_replica = GLOBAL_BATCH // state.data_parallel_size
     first = state.data_parallel_rank * per_replica
@@ -126,8 +134,24 @@ def case_id(layout):
     return f"{model}-pp{p}-cp{c}-zero{z}-{k}" + (f"-{o}" if o else "")
 
 
+@pytest.fixture(scope="module")
+def wide_runs():
+    return run_ranks(every_layout, 2 * WORLD, WIDE_LAYOUTS, timeout=1800)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[case_id(layout) for layout in LAYOUTS])
 def test_moe_layout_matches_reference(runs, layout):
+    check_against_reference(runs, layout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", WIDE_LAYOUTS, ids=[case_id(layout) + "-dp2" for layout in WIDE_LAYOUTS])
+def test_moe_expert_parallel_dp2_matches_reference(wide_runs, layout):
+    check_against_reference(wide_runs, layout)
+
+
+def check_against_reference(runs, layout):
+    """Every rank's losses and gradient norms of `layout` against the reference's, per step."""
     model, other = layout[0], layout[-1]
     cfg = config(model, other=other)
     ref_losses, ref_norms = reference_run(cfg)
