@@ -37,6 +37,23 @@ def test_expert_groups_are_megatron_cores(tp, pp, dp, ep, etp):
             assert layout.expert_tp_group(r, ep, etp) == layout.tp_group(r)
 
 
+@pytest.mark.parametrize("tp,pp,dp,cp,ep", [(1, 1, 1, 2, 2), (1, 1, 2, 2, 2), (1, 1, 2, 2, 4), (2, 2, 1, 2, 2),
+                                          (2, 1, 2, 4, 8), (1, 2, 3, 2, 3)])
+def test_expert_groups_with_context_parallelism_are_megatron_cores(tp, pp, dp, cp, ep):
+    """With CP the expert groups are carved out of TP x CP x DP (ETP = TP): Megatron-Core's expert
+    RankGenerator has no CP dimension, its data-parallel size world / (ETP x EP x PP); its dense one the CP."""
+    parallel_state = pytest.importorskip("megatron.core.parallel_state")
+    layout = Layout(tp=tp, pp=pp, dp=dp, cp=cp)
+    dense = parallel_state.RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
+    assert sorted(layout.all_groups("cp")) == sorted(dense.get_ranks("cp"))
+    assert sorted(layout.all_groups("dp")) == sorted(dense.get_ranks("dp-cp"))
+    theirs = parallel_state.RankGenerator(tp=tp, ep=ep, dp=layout.world_size // (tp * ep * pp), pp=pp, cp=1,
+                                          order="tp-cp-ep-dp-pp")
+    layout.check_expert_parallel(ep)
+    for kind, name in (("expert_tp", "tp"), ("ep", "ep"), ("expert_dp", "dp")):
+        assert sorted(layout.all_groups(kind, ep)) == sorted(theirs.get_ranks(name)), kind
+
+
 def test_expert_layout_rules_refused():
     with pytest.raises(TopologyError, match="must divide TP x DP = 4"):
         Layout(tp=2, dp=2).check_expert_parallel(1, 3)
@@ -44,6 +61,8 @@ def test_expert_layout_rules_refused():
         Layout(tp=2, dp=2).check_expert_parallel(4)
     with pytest.raises(TopologyError, match="--context-parallel-size 2"):
         Layout(tp=2, dp=2, cp=2).check_expert_parallel(1, 1)
+    with pytest.raises(TopologyError, match="must divide the data-parallel x context-parallel size 4"):
+        Layout(dp=2, cp=2).check_expert_parallel(8)
 
 
 MOE = {"num_experts": 4, "tensor_model_parallel_size": 2}
