@@ -8,8 +8,8 @@ tokens reached it, so the optimizer's one factor 1 / (loss scale x DP) (the full
 `reduce_dp` below: DP x CP with context parallelism, whose ranks' losses are scaled by CP) averages it
 as it does the dense gradients (Megatron-Core's expert gradient scaling). Summed over the DP group,
 every expert element of the global norm counts once: experts differ across the expert-parallel ranks and
-are partitioned within the expert-DP group. At stage 0 every rank holds whole gradients (dense: all-
-reduced over DP; experts: over expert-DP), so the norm is still summed over DP with each replica counted
+are partitioned within the expert-DP group. At stage 0 every rank holds whole gradients (dense:
+all-reduced over DP; experts: over expert-DP), so the norm is still summed over DP with each replica counted
 once: dense groups on DP rank 0, expert groups on expert-DP rank 0 (`counts_in_norm_here`).
 
 With `overlap_grad_reduce` / `overlap_param_gather` both halves are Stage12Overlap (stage12_overlap.py):
