@@ -82,6 +82,10 @@ MOE = {"num_experts": 4, "tensor_model_parallel_size": 2}
       "universal_checkpoint": True}, 2, "with --universal-checkpoint is not available"),
     ({**MOE, "sequence_parallel": True, "expert_tensor_parallel_size": 1, "zero_stage": 3}, 2,
      "runs with --zero-stage 0, 1 or 2"),
+    ({"num_experts": 4, "context_parallel_size": 2, "expert_model_parallel_size": 4}, 2,
+     "--expert-model-parallel-size 4 must divide the data-parallel size 1 x --context-parallel-size 2 (= 2)"),
+    ({**MOE, "sequence_parallel": True, "context_parallel_size": 2, "expert_tensor_parallel_size": 1}, 4,
+     "other than TP with --context-parallel-size 2 is not available"),
 ])
 def test_expert_tensor_parallel_flags_refused(changes, world, message, capsys):
     assert message in refused(with_flags(BASE, **changes), world, capsys)
@@ -94,6 +98,9 @@ def test_sequence_parallel_and_expert_tensor_parallel_accepted():
                                  expert_model_parallel_size=2), world_size=4)
     assert (args.expert_tensor_parallel_size, args.expert_model_parallel_size) == (1, 2)
     assert parse_args(with_flags(BASE, **MOE), world_size=2).expert_tensor_parallel_size == 2  # default: TP
+    ep_cp = parse_args(with_flags(BASE, num_experts=4, context_parallel_size=2, expert_model_parallel_size=2),
+                       world_size=2)  # EP carved out of DP x CP
+    assert (ep_cp.expert_model_parallel_size, ep_cp.context_parallel_size, ep_cp.data_parallel_size) == (2, 2, 1)
 
 
 SLOW = pytest.mark.slow
