@@ -8,7 +8,8 @@ resumed losses drift from the uninterrupted run's past the bound.
 
 With expert parallelism: EP2 x CP2 on 4 ranks (DP 1, the EP group the CP group, the experts' files by
 expert-DP rank in DeepSpeed-MoE's layout), 6 iterations saving at 3, resumed as saved (bit-identical) and
-reshaped while loading at EP1 x CP1 (DP 4; within the same 1e-5)."""
+reshaped while loading at EP1 x CP1 (DP 4; within the same 1e-5), and converted by tools/ds_to_universal.py
+and loaded at EP4 x CP1 (DP 4, within 1e-5)."""
 import re
 
 import pytest
@@ -52,3 +53,5 @@ def test_moe_ep2_cp2_resumes_as_saved_and_at_ep1_cp1(tmp_path):
     for want, got in zip(saved[3:], resumed):
         for w, g in zip(want, got):
             assert abs(g - w) <= REL * abs(w), (saved, resumed)
+    universal = run.resume("universal", {"context-parallel-size": 1, "expert-model-parallel-size": 4})
+    run.assert_matches(universal, REL)  # tools/ds_to_universal.py, loaded at EP4 x DP4
