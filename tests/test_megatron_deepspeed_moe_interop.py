@@ -73,8 +73,8 @@ def test_megatron_deepspeed_moe_to_ours(tmp_path):
     mds = _loss_at_7(_run(b, data, "mds", work, ["--save", a, "--save-interval", "6", *SCHEDULE]))
     step6 = os.path.join(a, "global_step6")
     files = sorted(os.listdir(step6))
-    assert [f for f in files if f.startswith("layer_")] == [f"layer_0_expert_{e}_mp_rank_00_model_states.pt"
-                                                            for e in range(4)], files
+    assert [f for f in files if f.startswith("layer_")] == [  # 4 layers, every second an MoE layer
+        f"layer_{m}_expert_{e}_mp_rank_00_model_states.pt" for m in range(2) for e in range(4)], files
     loss = _loss_at_7(_run(b, data, "ours", work, ["--load", step6, "--save", ours, "--save-interval", "100",
                                                    *SCHEDULE]))
     assert abs(loss - mds) <= 1e-5, (loss, mds)
