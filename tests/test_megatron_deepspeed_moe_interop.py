@@ -5,20 +5,19 @@ ZeRO-1, --no-pipeline-parallel as its MoE examples require, every second MLP a D
 over EP 2, top-2, capacity factor 1, min capacity 4, aux loss 0.01, --create-moe-param-group), with the schedule
 of tests/test_megatron_deepspeed_interop.py (--weight-decay 0, no clipping: the reasons are there) and
 --disable-moe-top2-2nd-expert-sampling (the second expert's Gumbel draws come from each framework's default
-generator, whose stream differs between them; without sampling the gating is a function of the weights) and --disable-moe-token-dropping (with capacity 1.0
-our resumed iteration-7 loss differs from MDS's by ~2e-4: the capacity gating's dropped tokens differ from
-DeepSpeed 0.19.8's top2gating, docs/moe.md).
-MDS trains 7 iterations and saves at 6 and 7 (per-expert `layer_0_expert_{E}_mp_rank_00_model_states.pt` under
-global ids, the ZeRO files' expert groups under each EP rank's local ids). MDS's own resume of that checkpoint
+generator, whose stream differs between them; without sampling the gating is a function of the weights; tokens
+are dropped by capacity as the flags say). MDS trains 7 iterations and saves at 6 and 7 (per-expert
+`layer_{M}_expert_{E}_mp_rank_00_model_states.pt` under global ids, the ZeRO files' expert groups under each EP
+rank's local ids). MDS's own resume of that checkpoint
 fails on this CPU (DeepSpeed 0.19.8: its MoE branch of language_model.load_state_dict raises IndexError on the
-`encoderlayers.*` keys MDS's state_dict_for_save_checkpoint writes), so its uninterrupted iteration 7 is the
+`encoderlayers.*` keys its state_dict_for_save_checkpoint writes), so its uninterrupted iteration 7 is the
 reference, which a resume from the same state reproduces (dropout 0, no random gating). Ours resumes global_step6:
   --load at EP 2 (the layout saved)      the iteration-7 loss equals MDS's, and the weights after the step too
   --load at EP 1 (reshaped while loading), and through tools/ds_to_universal.py + --universal-checkpoint at EP 1:
                                          the same iteration-7 loss.
 Tolerances: losses 1e-5 (both print 7 significant digits; the forward passes agree to fp32 roundoff), weights
 1e-5 absolute (one Adam step of lr 8e-4 from equal states). Needs Megatron-DeepSpeed set up by
-bench/peers/setup_megatron_deepspeed.sh (its MoE save needs the shim that script installs with DeepSpeed >= 0.19);
+bench/peers/setup_megatron_deepspeed.sh (its MoE save needs the wrapper that script installs for DeepSpeed >= 0.19);
 skipped, saying so, without it.
 """
 import os
@@ -41,7 +40,7 @@ LAYOUT = "dp2moe"
 def _moe_flags(b, ep):
     flags = list(b.LAYOUT_FLAGS[LAYOUT])
     flags[flags.index("--moe-expert-parallel-size") + 1] = str(ep)
-    return flags + ["--disable-moe-top2-2nd-expert-sampling", "--disable-moe-token-dropping"]
+    return flags + ["--disable-moe-top2-2nd-expert-sampling"]
 
 
 def _run(b, data, side, work, extra, ep=2):
