@@ -168,6 +168,7 @@ def test_megatron_deepspeed_flags_choose_capacity_gating():
     ({**MDS, "moe_expert_parallel_size": 2, "expert_model_parallel_size": 4}, 4, "name one size twice"),
     ({**MDS, "moe_min_capacity": 10 ** 6}, 1, "exceeds the"),
     ({**MDS, "expert_interval": 99}, 1, "--expert-interval 99"),
+    ({**MDS, "save": "/tmp/x", "save_megatron_deepspeed_layout": True, "zero_stage": 1}, 1, "writes dense GPTs only"),
 ])
 def test_megatron_deepspeed_moe_mixes_are_refused(changes, world, message, capsys):
     assert message in refused(with_flags(BASE, **changes), world, capsys)
