@@ -441,6 +441,9 @@ def validate_args(args, world_size: int):
     _require(not (args.save_megatron_deepspeed_layout and args.apply_layernorm_1p and args.normalization == "RMSNorm"),
              "--save-megatron-deepspeed-layout with --apply-layernorm-1p needs --normalization LayerNorm: "
              "Megatron-DeepSpeed's RMSNorm ignores the switch and would read the zero-centred weights as gamma")
+    _require(not (args.save_megatron_deepspeed_layout and args.num_experts is not None),
+             "--save-megatron-deepspeed-layout writes dense GPTs only; save an MoE model without it (DeepSpeed-MoE's "
+             "file layout, which --load and tools/ds_to_universal.py read)")
     _require(args.log_interval >= 1 and args.eval_interval >= 1,
              "--log-interval and --eval-interval must be at least 1")
     _require(args.eval_iters >= 0, f"--eval-iters {args.eval_iters} must not be negative")

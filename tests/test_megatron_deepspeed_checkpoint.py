@@ -16,6 +16,8 @@ import torch
 from megatron_zero.checkpoint.megatron_deepspeed import client_from_megatron_deepspeed, qkv_from_ours, qkv_to_ours
 from megatron_zero.checkpoint.reshape.universal_convert import convert_to_universal
 from megatron_zero.checkpoint.resume import megatron_deepspeed_layout
+from megatron_zero.checkpoint.errors import CheckpointError
+from megatron_zero.checkpoint.reshape.expert_source import LocalExpertNames
 from megatron_zero.checkpoint.reshape.universal_source import SourceCheckpoint
 from megatron_zero.checkpoint.storage.safe_pickle import ModelType, safe_load
 from megatron_zero.checkpoint.storage.tensor_io import save_file
@@ -160,3 +162,15 @@ def test_loads_megatron_deepspeed_at_another_layout(tmp_path, kind, tp, pp, stag
     assert sorted(loaded) == sorted(full)
     for name, tensors in full.items():
         assert torch.equal(loaded[name], tensors[0]), name
+
+
+def test_deepspeed_engine_expert_names_are_local_to_their_ep_rank():
+    """Megatron-DeepSpeed's ZeRO files name experts by their id on the EP rank (DP rank d: EP rank d % EP); a
+    global id is found only in the files of its EP rank (Megatron-DeepSpeed itself: test_megatron_deepspeed_moe_interop)."""
+    names = LocalExpertNames(4, 2, "mp_rank_00_model_states.pt")
+    expert = "3.mlp.deepspeed_moe.experts.deepspeed_experts.{}.dense_h_to_4h.weight"
+    assert [names.on_rank(expert.format(e), 1) for e in range(4)] == [None, None, expert.format(0), expert.format(1)]
+    assert [names.on_rank(expert.format(e), 2) for e in range(4)] == [expert.format(0), expert.format(1), None, None]
+    assert names.on_rank("3.mlp.deepspeed_moe.gate.wg.weight", 1) == "3.mlp.deepspeed_moe.gate.wg.weight"
+    with pytest.raises(CheckpointError, match="3 experts over an expert-parallel size of 2"):
+        LocalExpertNames(3, 2, "mp_rank_00_model_states.pt")

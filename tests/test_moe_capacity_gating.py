@@ -88,13 +88,15 @@ def test_capacity_is_deepspeeds():
 
 def _dense_evaluation(moe, x, cfg, seed):
     """Every expert on every token, each token's output weighted by the gate (DeepSpeed's top-1: the gate
-    prob of a kept token), dropped tokens zero; plus DeepSpeed's l_aux x coeff."""
+    prob of a kept token), dropped tokens zero; plus DeepSpeed's l_aux x coeff. DeepSpeed gates the tokens in
+    Megatron-DeepSpeed's [s, b] order (capacity and random token selection depend on it), ours are [b, s]."""
     tokens = x.reshape(-1, cfg.hidden_size)
-    logits = F.linear(tokens, moe.gate.wg.weight).float()
+    b, s = x.shape[:2]
+    logits = F.linear(x.transpose(0, 1).reshape(-1, cfg.hidden_size), moe.gate.wg.weight).float()
     torch.manual_seed(seed)
     l_aux, combine, _, _ = sharded_moe.top1gating(logits, cfg.moe_capacity_factor, cfg.moe_min_capacity,
                                                   use_rts=True)
-    weights = combine.sum(dim=2)  # [T, E]
+    weights = combine.sum(dim=2).view(s, b, -1).transpose(0, 1).reshape(b * s, -1)  # [T, E], ours' order
     outs = torch.stack([e(tokens) for e in moe.experts.deepspeed_experts.values()], dim=1)  # [T, E, h]
     return (weights.unsqueeze(-1) * outs).sum(1).view_as(x), l_aux * cfg.moe_aux_loss_coeff, weights
 
@@ -166,6 +168,7 @@ def test_megatron_deepspeed_flags_choose_capacity_gating():
     ({**MDS, "moe_expert_parallel_size": 2, "expert_model_parallel_size": 4}, 4, "name one size twice"),
     ({**MDS, "moe_min_capacity": 10 ** 6}, 1, "exceeds the"),
     ({**MDS, "expert_interval": 99}, 1, "--expert-interval 99"),
+    ({**MDS, "save": "/tmp/x", "save_megatron_deepspeed_layout": True, "zero_stage": 1}, 1, "writes dense GPTs only"),
 ])
 def test_megatron_deepspeed_moe_mixes_are_refused(changes, world, message, capsys):
     assert message in refused(with_flags(BASE, **changes), world, capsys)

@@ -8,7 +8,9 @@
 #      with MDS_FULL_INSTALL=1 it pip-installs everything instead;
 #   3. shims it needs on the current packages, inside that venv: a stub `torchvision` (training.py imports
 #      vision code; PyPI torchvision does not load against CPU torch) and `deepspeed.compression.compress`
-#      (gone in DeepSpeed 0.19; only its compression features need it, never called here);
+#      (gone in DeepSpeed 0.19; only its compression features need it, never called here),
+#      and a wrapper of DeepSpeed 0.19's _save_moe_checkpoint (its MoE save reads `universal_checkpoint_info`
+#      as a module attribute, a method in MDS's GPTModel, and refuses it in MDS's client state);
 #   4. `make -C megatron/data` (its C++ dataset index helpers);
 #   5. the one-off JIT build of DeepSpeed's shm comm op (~5 minutes) into $TORCH_EXTENSIONS_DIR.
 # Usage: bash bench/peers/setup_megatron_deepspeed.sh   (env: MDS_GIT_DIR or MDS_SRC, MDS_DIR, MDS_VENV,
@@ -84,6 +86,54 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 sys.meta_path.append(_Finder())
 PY
 echo "import mds_compress_shim" > "$SITE/mds_compress_shim.pth"
+cat > "$SITE/mds_moe_save_shim.py" <<'PY'
+"""Let DeepSpeed >= 0.19's MoE checkpoint save take Megatron-DeepSpeed's client state.
+
+DeepSpeed 0.19's _save_moe_checkpoint reads `universal_checkpoint_info` as a dict attribute of the module
+(Megatron-DeepSpeed's GPTModel has a method of that name: "TypeError: 'method' object is not iterable") and
+refuses it as a client-state key (Megatron-DeepSpeed's checkpointing.py puts it there). The wrapper moves the
+client state's dict onto the module for the call, so the saved state holds it as DeepSpeed < 0.19 saved it."""
+import importlib.abc, importlib.util, sys
+
+KEY = "universal_checkpoint_info"
+
+def _patch(engine_module):
+    engine = engine_module.DeepSpeedEngine
+    original = engine._save_moe_checkpoint
+
+    def _save_moe_checkpoint(self, save_dir, tag, client_state={}, *args, **kwargs):
+        client_state = dict(client_state)
+        info = client_state.pop(KEY, None)
+        module = self.module
+        had = KEY in vars(module)
+        module.__dict__[KEY] = dict(info) if isinstance(info, dict) else None
+        try:
+            return original(self, save_dir, tag, client_state, *args, **kwargs)
+        finally:
+            if not had:
+                module.__dict__.pop(KEY, None)
+
+    engine._save_moe_checkpoint = _save_moe_checkpoint
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name != "deepspeed.runtime.engine":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        sys.meta_path.insert(0, self)
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def patched(module):
+            exec_module(module)
+            _patch(module)
+        loader.exec_module = patched
+        return spec
+
+sys.meta_path.insert(0, _Finder())
+PY
+echo "import mds_moe_save_shim" > "$SITE/mds_moe_save_shim.pth"
 
 # 4. dataset helpers
 PATH="$MDS_VENV/bin:$PATH" make -C "$MDS_DIR/megatron/data" >/dev/null

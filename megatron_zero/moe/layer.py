@@ -36,7 +36,7 @@ from .expert_tp import ExpertTensorParallelRows, experts_over_etp
 from .grouped_mlp import GroupedMLP
 from .router import route
 from .shared_expert import add_shared_expert, build_shared_expert
-from .token_dropping import kept_pairs
+from .token_dropping import kept_pairs, megatron_token_order
 
 
 class Experts(nn.Module):
@@ -125,9 +125,14 @@ class DeepSpeedMoE(nn.Module):
                 expert_ids = torch.where(kept, expert_ids, c.num_experts)
         else:
             factor = c.moe_capacity_factor if self.training else c.moe_eval_capacity_factor
-            weights, expert_ids, kept = capacity_route(
-                logits, c.moe_router_topk, factor, c.moe_min_capacity, c.moe_drop_tokens, c.moe_use_rts,
-                c.moe_top2_2nd_expert_sampling, c.moe_aux_loss_coeff)
+            # DeepSpeed gates Megatron-DeepSpeed's [s, b] tokens: its capacity keeps (and its random token
+            # selection draws) in that order, ours are [b, s]
+            order = megatron_token_order(shape[0], tokens.shape[0] // shape[0], logits.device)
+            routed = capacity_route(logits.index_select(0, order), c.moe_router_topk, factor, c.moe_min_capacity,
+                                    c.moe_drop_tokens, c.moe_use_rts, c.moe_top2_2nd_expert_sampling,
+                                    c.moe_aux_loss_coeff)
+            ours = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
+            weights, expert_ids, kept = (t.index_select(0, ours) for t in routed)
             expert_ids = torch.where(kept, expert_ids, c.num_experts)  # dropped: sorted past every expert
         if self.ep_group is not None and c.moe_token_dispatcher_type == "allgather":
             out = allgather_dispatch(tokens, weights, expert_ids, self.experts, self.ep_group, self.first, self.local)

@@ -9,6 +9,12 @@ one shape), so a StageReader finds each expert's fragments in the ZeRO files of 
 A checkpoint saved at an expert-tensor-parallel size other than TP (its args' `expert_tensor_parallel_size`)
 holds each expert in ETP slices, slice e on the ranks of expert-TP rank e (topology.py's expert carving):
 the StageReader merges an expert's slices by ETP, each gathered from its expert-DP group's files.
+
+DeepSpeed's engine itself (Megatron-DeepSpeed's MoE runs) names an expert in a rank's ZeRO files by its
+local id, the one its module has on that EP rank (`deepspeed_experts.{j}`, j < E / EP), while the
+`layer_*_expert_*` files and ours use global ids: `LocalExpertNames` maps a global name to the name it has
+in DP rank d's files (EP rank d % EP, DeepSpeed's expert-parallel groups of consecutive ranks), or to
+nothing on a rank of another EP rank.
 """
 from __future__ import annotations
 
@@ -60,3 +66,23 @@ def partition_counts(osd: Dict) -> List[int]:
     """Per optimizer group, the ranks its state is partitioned over (1: every rank holds it whole)."""
     count = osd.get("partition_count", 1)
     return list(count) if isinstance(count, (list, tuple)) else [count]
+
+
+class LocalExpertNames:
+    """Global expert names -> their local names in one DP rank's ZeRO files (DeepSpeed engine's naming)."""
+
+    def __init__(self, num_experts: int, ep: int, where: str):
+        if ep < 1 or num_experts % ep:
+            raise CheckpointError(f"{where} records {num_experts} experts over an expert-parallel size of {ep}, "
+                                  "which does not divide them")
+        self.ep, self.per_rank = ep, num_experts // ep
+
+    def on_rank(self, name: str, dp: int):
+        """`name` as DP rank dp's files name it, or None when that rank holds another EP rank's experts."""
+        parsed = expert_of(name)
+        if parsed is None:
+            return name
+        index, expert, mlp = parsed
+        if expert // self.per_rank != dp % self.ep:
+            return None
+        return f"{index}.{expert_suffix(expert % self.per_rank, mlp)}"

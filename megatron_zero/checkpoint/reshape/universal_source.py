@@ -30,7 +30,7 @@ from ..format import (LAYER_FILE, MODEL_FILE, SUB_PARAMS_PATTERNS, UNIVERSAL_CHE
 from ..storage.reader import Checkpoint, open_directory
 from ..megatron_deepspeed import QKV_SUFFIXES, ours_names, qkv_heads, qkv_to_ours, writes_qkv_blocks
 from .dense_source import DenseStates
-from .expert_source import expert_of, all_expert_shapes, expert_ids, partition_counts
+from .expert_source import LocalExpertNames, expert_of, all_expert_shapes, expert_ids, partition_counts
 from .universal_info import MergeRule, merge_rule
 
 
@@ -118,7 +118,12 @@ class SourceCheckpoint:
         self.layout = Layout(*self._tp_pp(head, len(mps)), dp=len(dps))
         saved_args = header_args(head)  # experts split over another ETP than TP: their slices by ETP (topology.py)
         self.expert_tp = int(saved_args.get("expert_tensor_parallel_size") or self.layout.tp)
-        self.expert_ep = int(saved_args.get("expert_model_parallel_size") or 1)
+        self.expert_ep = int(saved_args.get("expert_model_parallel_size") or saved_args.get("moe_expert_parallel_size")
+                             or 1)
+        self.local_experts = None  # DeepSpeed's engine names experts in its ZeRO files by local id (expert_source.py)
+        if self.expert_ids and self.zero_files and "train_state" not in head:
+            self.local_experts = LocalExpertNames(len(self.expert_ids), self.expert_ep,
+                                                  self.files.path(shape_files[mps[0]]))
         if self.expert_tp != self.layout.tp:
             self.layout.check_expert_parallel(self.expert_ep, self.expert_tp)
         self.qkv_blocks = writes_qkv_blocks(head)  # Megatron-DeepSpeed's [Q; K; V] per TP rank
@@ -134,8 +139,13 @@ class SourceCheckpoint:
                         seen.add(name)
                         self.params.append((name, pp))
 
-    def saved_name(self, mp: int, name: str) -> str:
-        """The name our parameter `name` has in model-parallel rank mp's files."""
+    def saved_name(self, mp: int, name: str, dp: Optional[int] = None) -> Optional[str]:
+        """The name our parameter `name` has in model-parallel rank mp's files (DP rank dp's ZeRO file: None
+        when that file holds another EP rank's experts)."""
+        if dp is not None and self.local_experts is not None:
+            name = self.local_experts.on_rank(name, dp)
+            if name is None:
+                return None
         return self.saved_names.get(mp, {}).get(name, name)
 
     def _tp_pp(self, head: dict, mp_size: int) -> Tuple[int, int]:
@@ -245,7 +255,8 @@ class StageReader:
             off, per = self._z3[key][name]
             numel = _numel(self.local_shape(name, tp))
             return off, max(0, min(per, numel - d * per))
-        frag = self.opt[(tp, d)]["param_slice_mappings"][g].get(self.src.saved_name(self.mps[tp], name))
+        saved = self.src.saved_name(self.mps[tp], name, d)
+        frag = None if saved is None else self.opt[(tp, d)]["param_slice_mappings"][g].get(saved)
         return (0, 0) if frag is None else (int(frag.start), int(frag.numel))
 
     def tp_slice(self, name: str, key: str, tp: int) -> torch.Tensor:
