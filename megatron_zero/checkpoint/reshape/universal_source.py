@@ -121,7 +121,8 @@ class SourceCheckpoint:
         self.expert_ep = int(saved_args.get("expert_model_parallel_size") or saved_args.get("moe_expert_parallel_size")
                              or 1)
         self.local_experts = None  # DeepSpeed's engine names experts in its ZeRO files by local id (expert_source.py)
-        if self.expert_ids and self.zero_files and "train_state" not in head:
+        if self.expert_ids and self.zero_files and writes_qkv_blocks(head):  # written by Megatron-DeepSpeed (ours
+            # writes its layout for dense models only: --save-megatron-deepspeed-layout refuses MoE)
             self.local_experts = LocalExpertNames(len(self.expert_ids), self.expert_ep,
                                                   self.files.path(shape_files[mps[0]]))
         if self.expert_tp != self.layout.tp:
