@@ -426,7 +426,8 @@ class Trainer:
         self.moe_metrics.iteration(num_micro_batches)
         if p.iteration % a.log_interval != 0 and p.iteration != a.train_iters:
             return
-        values = self.moe_metrics.report(s.pp_group, s.dp_group, s.data_parallel_size)
+        sp_group = s.tp_group if a.sequence_parallel and s.tp_size > 1 else None  # each TP rank's tokens' share
+        values = self.moe_metrics.report(s.pp_group, s.dp_group, s.data_parallel_size, sp_group)
         for name, value in values.items():
             self.log.scalars.scalar(name, value, p.iteration, p.consumed_train_samples)
         self._log(f" iteration {p.iteration:8d} | " + " | ".join(f"{k}: {v:.6E}" for k, v in values.items()) + " |")

@@ -34,12 +34,13 @@ class MoEMetrics:
         reset_aux_losses()
         self.iterations += 1
 
-    def report(self, pp_group, dp_group, dp: int) -> Optional[Dict[str, float]]:
+    def report(self, pp_group, dp_group, dp: int, sp_group=None) -> Optional[Dict[str, float]]:
         """name -> the interval's mean (a collective over PP and DP: every rank calls it at each log line).
         `dp_group` is the gradient-reduction group (DP x CP); `dp` the data replicas: a CP rank's values are
-        its share of its sequences' losses (router.py), which the group's sum completes."""
+        its share of its sequences' losses (router.py), which the group's sum completes; `sp_group`: the TP
+        group under sequence parallelism, whose ranks likewise hold shares of their micro-batches' losses."""
         sums = self.sums.clone()
-        for group in (pp_group, dp_group):
+        for group in (pp_group, dp_group, sp_group):
             if group is not None and dist.get_world_size(group) > 1:
                 dist.all_reduce(sums, group=group)
         values = (sums / (self.num_moe_layers * dp * max(1, self.iterations))).tolist()

@@ -25,8 +25,8 @@ fp16 loss scaling; under context parallelism the scale is also multiplied by the
 language-model loss of a CP rank is (Megatron-Core's schedule does the same). With sequence parallelism
 (`sp_group`) each TP rank routes its own tokens: the per-expert counts are summed over the group and T
 counts every rank's tokens, so each rank's loss is its tokens' share of the micro-batch's loss (Megatron-Core's
-tp_cp reduce and z-loss coefficient / TP) and the router's gradient is summed over TP; the logged values
-are the sums over that group (over CP the log sums them, metrics.py). Each layer's values (divided by
+tp_cp reduce and z-loss coefficient / TP) and the router's gradient is summed over TP; the log sums the
+ranks' shares over TP and CP when it reports (metrics.py), so the step runs no collective for it. Each layer's values (divided by
 their coefficients, as Megatron logs them) are summed into `aux_losses()` for the log, until
 `reset_aux_losses()`; a layer run again by full recompute (model/recompute.py) in backward is not counted
 a second time.
@@ -108,11 +108,6 @@ def _group_sum(value: torch.Tensor, group) -> torch.Tensor:
     return value
 
 
-def _track_sum(name: str, value: torch.Tensor, group) -> None:
-    if not is_recomputing():
-        track(name, _group_sum(value, group))
-
-
 def seq_load_balancing_loss(scores: torch.Tensor, tokens_per_expert: torch.Tensor, batch: int, topk: int,
                             coeff: float, parts: int = 1) -> torch.Tensor:
     """Megatron-Core's seq_aux_loss: the switch loss of each sequence on its own, averaged over the batch.
@@ -162,7 +157,7 @@ def route(logits: torch.Tensor, topk: int, pre_softmax: bool, balancing: str, au
     parts = _size(reduce_group) * _size(sp_group)
     if z_coeff:
         zl = z_loss(logits, z_coeff / parts)
-        _track_sum("z_loss", zl / z_coeff, sp_group)
+        track("z_loss", zl / z_coeff)
         logits = AuxLossScaler.apply(logits, zl)
     if balancing == "sinkhorn":
         return sinkhorn_routing(logits, topk, training)
@@ -175,7 +170,7 @@ def route(logits: torch.Tensor, topk: int, pre_softmax: bool, balancing: str, au
                                                                    device=logits.device))
             counts = _group_sum(_group_sum(counts, sp_group), reduce_group)
             aux = switch_load_balancing_loss(scores, counts, topk, aux_coeff, logits.shape[0] * parts)
-            _track_sum("load_balancing_loss", aux / aux_coeff, sp_group)
+            track("load_balancing_loss", aux / aux_coeff)
         else:
             counts = torch.zeros(batch, logits.shape[0] // batch, logits.shape[1], dtype=logits.dtype,
                                  device=logits.device)

@@ -9,13 +9,12 @@ import torch.distributed as dist
 
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..checkpoint.reshape.universal_load import load_reshaped_checkpoint, load_universal_checkpoint
-from ..model.gpt import reference_model
-from ..moe import reset_aux_losses, set_aux_loss_scale
+from ..moe import reset_aux_losses
 from ..pipeline.gpt_stage import activation_shape, build_gpt_stage
 from ..pipeline.p2p import P2P
 from ..topology import build_parallel_state
 from ..zero import ZeroOptimizer
-from .moe_train import CLIP, GBS, HP, STEPS, global_batch, micro_slices, train_step
+from .moe_train import CLIP, GBS, HP, STEPS, reference_run, train_step
 from .toy_zero import ZERO3_PERSIST
 
 SAVE_AT = 5
@@ -71,22 +70,5 @@ def moe_run(cfg, tp: int, pp: int, ep: int, stage: int, mb: int, save_dir=None, 
 def reference_resumed(cfg, saved: tuple, resumed: tuple, steps: int = STEPS):
     """The single-process reference of a run saved at (DP, micro-batch) `saved` and resumed at `resumed`:
     the aux losses are per micro-batch of a DP rank's tokens, so each step sums the micro-batches its
-    layout had (moe_train.reference_run's loop, the slicing switched at SAVE_AT). -> per-step losses."""
-    model = reference_model(cfg)
-    opt = torch.optim.AdamW(model.parameters(), **HP)
-    losses = []
-    for step in range(steps):
-        slices = micro_slices(*(saved if step < SAVE_AT else resumed))
-        tokens, labels = global_batch(step)
-        set_aux_loss_scale(1.0 / len(slices))
-        total = 0.0
-        for rows in slices.values():
-            loss = model(tokens[rows], labels=labels[rows]) / len(slices)
-            loss.backward()
-            total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    reset_aux_losses()
-    return losses
+    layout had (the slicing switched at SAVE_AT). -> per-step losses."""
+    return reference_run(cfg, *saved, steps, layout_at=lambda step: saved if step < SAVE_AT else resumed)[0]

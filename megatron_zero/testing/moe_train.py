@@ -39,16 +39,17 @@ def micro_slices(dp: int, mb: int):
     return {(j, r): slice(j * mb * dp + r * mb, j * mb * dp + (r + 1) * mb) for j in range(m) for r in range(dp)}
 
 
-def reference_run(cfg, dp: int, mb: int, steps: int = STEPS, seed=None):
+def reference_run(cfg, dp: int, mb: int, steps: int = STEPS, seed=None, layout_at=None):
     """The reference model on one process: each micro-batch of each DP rank in turn, loss / (DP x M).
-    `seed`: the default generator's seed once the model is built (what random token selection draws)."""
+    `seed`: the default generator's seed once the model is built (what random token selection draws).
+    `layout_at(step)`: that step's (DP, micro-batch) when it changes along the run (a resume elsewhere)."""
     model = reference_model(cfg)
     if seed is not None:
         torch.manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), **HP)
-    slices = micro_slices(dp, mb)
     losses, norms = [], []
     for step in range(steps):
+        slices = micro_slices(*(layout_at(step) if layout_at else (dp, mb)))
         tokens, labels = global_batch(step)
         set_aux_loss_scale(1.0 / len(slices))
         total = 0.0
