@@ -29,8 +29,8 @@ from .compat_flags import lr_increment
 from .context_parallel import slice_batch_for_cp
 from .data import DataError, GlobalBatchSampler, build_tokenizer, build_train_valid_test_datasets, collate_gpt
 from .device import DeviceError, backend_for, select_device, to_device, use_device
-from .distributed import (LaunchError, another_rank_failed, init_distributed, is_peer_failure, read_launch_env,
-                          record_peer_loss, report_failure, shutdown_distributed, stop_with_launcher)
+from .distributed import (LaunchError, another_rank_failed, init_distributed, is_peer_failure, lost_contact_line,
+                          read_launch_env, record_peer_loss, report_failure, shutdown_distributed, stop_with_launcher)
 from .exit_signal import ExitPolicy
 from .logger import format_eval_line
 from .throughput import gpt_flops_per_iteration
@@ -450,7 +450,7 @@ def pretrain(argv=None) -> int:
         device = select_device(args.device, launch.local_rank)
         backend = backend_for(device, args.distributed_backend)
         use_device(device)
-        init_distributed(backend, args.distributed_timeout_minutes)
+        init_distributed(backend, args.distributed_timeout_minutes, device=device)
         lock = hold_save_lock(args.save) if args.save else None
         state = build_parallel_state(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                      cp=args.context_parallel_size, ep=args.expert_model_parallel_size,
@@ -467,8 +467,7 @@ def pretrain(argv=None) -> int:
         if another_rank_failed():
             code = 2  # that rank has said why
         else:
-            lost = (f"rank {dist.get_rank()} lost contact with another rank ({str(err).splitlines()[0][:200]}); "
-                    "that rank's log says why")
+            lost = lost_contact_line(err)
             print(f"pretrain_gpt.py: error: {lost}", file=sys.stderr, flush=True)
             record_peer_loss(lost)  # the launcher names the rank that failed first, not this one
             code = 1

@@ -1,0 +1,40 @@
+"""torchrun --max-restarts as a user runs it: a worker SIGKILLed after a checkpoint, the launcher restarts every
+worker, and the run resumes from the newest checkpoint under --load by itself and finishes.
+
+Bit-identical after the resume: the restarted attempt is the same ranks running the same operations on the
+restored state (weights, Adam moments, lr schedule, data position, RNG), so each iteration the first attempt
+logged after the checkpoint is logged again with the same loss (fp32, one thread a rank; see
+tests/test_cli_resume.py).
+
+Before attempts formed their group from their own part of the launcher's store (distributed.attempt_store),
+the restarted workers read the gloo addresses the killed attempt had left in torchrun's store and hung in
+init_process_group until --distributed-timeout-minutes, then the job failed.
+"""
+import signal
+
+from megatron_zero.testing.launch import byte_data, tiny_flags
+from megatron_zero.testing.restarts import RestartJob, resumed_from
+
+
+def restart_flags(tmp_path, data, **changes):
+    return tiny_flags(tmp_path, data, **{"train-iters": 24, "save-interval": 10, "load": tmp_path / "ckpt",
+                                         "distributed-timeout-minutes": 1, **changes})
+
+
+def test_a_killed_worker_is_restarted_and_the_run_resumes_bit_identically(tmp_path):
+    data = byte_data(tmp_path / "bytes")
+    job = RestartJob(tmp_path, 2, restart_flags(tmp_path, data))
+    try:
+        job.wait_for(r"iteration +11/")  # the checkpoint at 10 is committed before iteration 11 runs
+        job.signal_rank(1, signal.SIGKILL)
+        assert job.finish() == 0, job.text()[-4000:]
+    finally:
+        job.kill()
+    text = job.text()
+    before, after = job.attempts()
+    resumed = int(resumed_from(text)[0].rsplit("global_step", 1)[1])
+    assert resumed >= 10 and max(after) == 24 and min(after) == resumed + 1, text[-4000:]
+    again = sorted(set(before) & set(after))
+    assert again, f"no iteration was logged by both attempts:\n{text[-4000:]}"
+    assert [before[i] for i in again] == [after[i] for i in again]
+    assert "Default process group has not been initialized" not in text
