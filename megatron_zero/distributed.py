@@ -266,18 +266,19 @@ def is_peer_failure(err: BaseException) -> bool:
         s in text for s in ("Connection closed by peer", "Connection reset by peer", "gloo/transport", "NCCL")))
 
 
-def _gone(pid: int) -> bool:
+def _state(pid: int) -> str:
+    """The process state letter of /proc/<pid>/stat ("Z" zombie, "T" stopped, ...); "X" where it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except OSError:
-        return True
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "X"
 
 
 def ranks_gone(environ: Optional[dict] = None) -> Dict[int, str]:
-    """{rank: its host} of the ranks of this attempt that are gone, as far as this rank can tell: those on its
-    own host whose process has exited (a rank elsewhere cannot be checked from here); {} where the store is
-    gone too."""
+    """{rank: where} of the ranks of this attempt that are gone or stopped, as far as this rank can tell: those
+    on its own host whose process has exited ("host") or is stopped ("host (stopped)": SIGSTOP, a debugger);
+    a rank elsewhere cannot be checked from here. {} where the store is gone too."""
     launch = read_launch_env(environ)
     store, here, found = _job_store(environ), socket.gethostname(), {}
     if store is None:
@@ -287,8 +288,11 @@ def ranks_gone(environ: Optional[dict] = None) -> Dict[int, str]:
             host, pid = store.get(f"{WHERE}{rank}").decode().rsplit(" ", 1)
         except (RuntimeError, ValueError):  # never registered (it died in start-up), or the store is gone
             continue
-        if rank != launch.rank and host == here and _gone(int(pid)):
+        state = _state(int(pid)) if rank != launch.rank and host == here else "R"
+        if state in ("Z", "X"):
             found[rank] = host
+        elif state in ("T", "t"):
+            found[rank] = f"{host} (stopped)"
     return found
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint as ckpt
-from .arguments import ArgumentError, args_to_dict, cp_a2a_size, parse_args
+from .arguments import ArgumentError, args_to_dict, cp_a2a_size
 from .checkpoint.compat import check_checkpoint_compat
 from .checkpoint.storage.lock import hold_save_lock
 from .checkpoint.preflight import check_save_dir, checkpoint_bytes
@@ -31,6 +31,7 @@ from .data import DataError, GlobalBatchSampler, build_tokenizer, build_train_va
 from .device import DeviceError, backend_for, select_device, to_device, use_device
 from .distributed import (LaunchError, another_rank_failed, init_distributed, is_peer_failure, lost_contact_line,
                           read_launch_env, record_peer_loss, report_failure, shutdown_distributed, stop_with_launcher)
+from .elastic.restart import parse_for_launch, resize_line
 from .exit_signal import ExitPolicy
 from .logger import format_eval_line
 from .throughput import gpt_flops_per_iteration
@@ -309,6 +310,8 @@ class Trainer:
                           "fresh optimizer (as --finetune)")
             return True
         self.progress = TrainState(**client["train_state"])
+        if resize_line(client, a):  # a restart at another world size
+            self._log(resize_line(client, a))
         self.lr_schedule.load_state_dict(client["lr_scheduler"])
         if not a.no_load_rng and client.get("rng_state") is not None:
             set_rng_state(client["rng_state"])
@@ -446,7 +449,7 @@ def pretrain(argv=None) -> int:
         launch = read_launch_env()
         if launch.source != "single":
             stop_with_launcher()
-        args = parse_args(argv, world_size=launch.world_size, report=launch.rank == 0)
+        args = parse_for_launch(argv, launch.rank, launch.world_size)
         device = select_device(args.device, launch.local_rank)
         backend = backend_for(device, args.distributed_backend)
         use_device(device)

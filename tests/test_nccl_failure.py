@@ -4,6 +4,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 import types
 
@@ -152,3 +153,32 @@ def test_the_launch_script_names_the_rank_that_was_killed(tmp_path):
     out = log.read_text()
     assert f"pretrain_torchrun: rank 1 (local rank 1, pid {ranks[1]}) failed first: killed by signal SIGKILL" in out, \
         out[-3000:]
+
+
+NCCL_START = """
+import torch, torch.distributed as dist
+from megatron_zero.distributed import init_distributed, shutdown_distributed
+init_distributed("nccl", 1.0)
+x = torch.ones(4, device="cuda")
+dist.all_reduce(x)
+dist.barrier()
+torch.cuda.synchronize()
+print("summed", x.sum().item())
+shutdown_distributed()
+"""
+
+
+@pytest.mark.gpu
+def test_a_one_rank_nccl_start_prints_no_device_warning():
+    """NCCL's two warnings about the rank's device (a barrier on "the device under current context", "Guessing
+    device ID based on global rank") do not appear: init_distributed names the device. This needs NCCL, so a
+    CUDA device, also under MEGATRON_ZERO_TEST_DEVICE=cpu."""
+    if not torch.cuda.is_available():
+        pytest.skip("NCCL needs a CUDA device")
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "PYTHONPATH": ROOT}
+    run = subprocess.run([sys.executable, "-c", NCCL_START], capture_output=True, text=True, env=env, timeout=300)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0 and "summed 4.0" in out, out[-3000:]
+    for warning in ("using the device under current context", "Guessing device ID"):
+        assert warning not in out, out[-3000:]

@@ -12,6 +12,8 @@ init_process_group until --distributed-timeout-minutes, then the job failed.
 """
 import signal
 
+import pytest
+
 from megatron_zero.testing.launch import byte_data, tiny_flags
 from megatron_zero.testing.restarts import RestartJob, resumed_from
 
@@ -38,3 +40,22 @@ def test_a_killed_worker_is_restarted_and_the_run_resumes_bit_identically(tmp_pa
     assert again, f"no iteration was logged by both attempts:\n{text[-4000:]}"
     assert [before[i] for i in again] == [after[i] for i in again]
     assert "Default process group has not been initialized" not in text
+
+
+@pytest.mark.slow  # covered in the default tier by the killed worker above (the same restart)
+def test_a_stopped_rank_ends_the_attempt_within_the_timeout_and_the_run_restarts(tmp_path):
+    """A rank stopped (SIGSTOP: a hung process) holds every other rank in a collective: the wait ends at
+    --distributed-timeout-minutes with one sentence naming the stopped rank, torchrun restarts the workers
+    (the stopped one killed), and the run resumes and finishes."""
+    data = byte_data(tmp_path / "bytes")
+    job = RestartJob(tmp_path, 2, restart_flags(tmp_path, data, **{"distributed-timeout-minutes": 0.25}))
+    try:
+        job.wait_for(r"iteration +11/")
+        job.signal_rank(1, signal.SIGSTOP)
+        job.wait_for(r"lost contact with rank 1 on \S+ \(stopped\)", 120)
+        assert job.finish() == 0, job.text()[-4000:]
+    finally:
+        job.kill()
+    before, after = job.attempts()
+    again = sorted(set(before) & set(after))
+    assert again and max(after) == 24 and [before[i] for i in again] == [after[i] for i in again]
