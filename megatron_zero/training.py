@@ -32,6 +32,7 @@ from .device import DeviceError, backend_for, select_device, to_device, use_devi
 from .distributed import (LaunchError, another_rank_failed, init_distributed, is_peer_failure, lost_contact_line,
                           read_launch_env, record_peer_loss, report_failure, shutdown_distributed, stop_with_launcher)
 from .elastic.restart import parse_for_launch, resize_line
+from .elastic.watchdog import StepWatchdog
 from .exit_signal import ExitPolicy
 from .logger import format_eval_line
 from .throughput import gpt_flops_per_iteration
@@ -444,7 +445,7 @@ def pretrain(argv=None) -> int:
     """Train as the flags say. Exit code 0 when done (or stopped by a signal, saved); 2 on bad input, or a run
     that stopped learning (stop_rules.py): one sentence from the rank that found it, the other ranks quiet
     (also 2); 1 when a rank lost contact with another that said nothing."""
-    lock = trainer = state = None
+    lock = trainer = state = dog = None
     try:
         launch = read_launch_env()
         if launch.source != "single":
@@ -459,6 +460,8 @@ def pretrain(argv=None) -> int:
                                      cp=args.context_parallel_size, ep=args.expert_model_parallel_size,
                                      etp=args.expert_tensor_parallel_size, cp_a2a=cp_a2a_size(args))
         trainer = Trainer(args, state, device)
+        if launch.world_size > 1:  # a wait on another rank that outlives its timeout still ends
+            dog = StepWatchdog(lambda t=trainer: t.progress.iteration, args.distributed_timeout_minutes)
         code = trainer.train()
     except (ArgumentError, LaunchError, DeviceError, DataError, ckpt.CheckpointError, RunStopped) as err:
         report_failure(str(err), lambda line: print(f"pretrain_gpt.py: error: {line}", file=sys.stderr, flush=True))
@@ -475,6 +478,8 @@ def pretrain(argv=None) -> int:
             record_peer_loss(lost)  # the launcher names the rank that failed first, not this one
             code = 1
     finally:
+        if dog is not None:
+            dog.stop()
         if lock is not None:
             lock.release()
         trainer = state = None  # their process groups are freed in shutdown_distributed

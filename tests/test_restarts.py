@@ -10,9 +10,13 @@ Before attempts formed their group from their own part of the launcher's store (
 the restarted workers read the gloo addresses the killed attempt had left in torchrun's store and hung in
 init_process_group until --distributed-timeout-minutes, then the job failed.
 """
+import os
 import signal
+import subprocess
+import sys
 
 import pytest
+from conftest import ROOT
 
 from megatron_zero.testing.launch import byte_data, tiny_flags
 from megatron_zero.testing.restarts import RestartJob, resumed_from
@@ -59,3 +63,24 @@ def test_a_stopped_rank_ends_the_attempt_within_the_timeout_and_the_run_restarts
     before, after = job.attempts()
     again = sorted(set(before) & set(after))
     assert again and max(after) == 24 and [before[i] for i in again] == [after[i] for i in again]
+
+
+WATCHED = """
+import time
+from megatron_zero.elastic.watchdog import StepWatchdog
+steps = iter([0, 1])
+StepWatchdog(lambda: next(steps, 1), timeout_minutes=0.01, poll_s=0.05)  # one step, then none
+time.sleep(60)
+print("still running")
+"""
+
+
+def test_a_job_whose_steps_stop_is_ended_by_the_watchdog():
+    """A wait that outlives its collective's timeout (seen: a gloo all-reduce whose peer was stopped) still
+    ends the rank after twice --distributed-timeout-minutes without a finished step, with the sentence of a
+    rank that lost contact and exit code 1, so torchrun restarts the job."""
+    run = subprocess.run([sys.executable, "-c", WATCHED], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert run.returncode == 1 and "still running" not in run.stdout, run.stderr[-2000:]
+    assert run.stderr.strip().startswith("pretrain_gpt.py: error: rank 0 on ") and (
+        "no training step finished in 1 s after iteration 1, twice --distributed-timeout-minutes" in run.stderr)
