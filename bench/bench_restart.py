@@ -1,7 +1,7 @@
 """What losing a worker costs under torchrun --max-restarts: iterations lost and seconds from the kill to the
 next training step, pretrain_gpt.py as a user runs it.
 
-    .venv/bin/python bench/bench_restart.py [--rounds 3] [--save-interval 10] [--kill-after 15]
+    .venv/bin/python bench/bench_restart.py [--rounds 3] [--save-interval 10] [--kill-after 15] [--local-interval 2]
 
 Each round is one 2-rank torchrun launch (gloo, OMP_NUM_THREADS=1, a byte-level 2-layer GPT, --save and
 --load on one directory every --save-interval iterations, --max-restarts 1). When the log shows iteration
@@ -11,6 +11,8 @@ Each round is one 2-rank torchrun launch (gloo, OMP_NUM_THREADS=1, a byte-level 
   - kill to next step: from the kill to the resumed attempt's first training line;
   - lost iterations: iterations the first attempt had finished after the checkpoint it resumes from
     (they are trained again).
+Each round runs twice, alternating: --save alone, then with the node-local tier every --local-interval
+iterations (--non-persistent-ckpt-type local, a directory beside --save).
 The table shows each round and the median. Start-up (importing torch, building the model) is most of the
 restart on this CPU; on a GPU cluster add NCCL's communicator set-up and the checkpoint read.
 """
@@ -30,10 +32,12 @@ from megatron_zero.testing.launch import byte_data, tiny_flags  # noqa: E402
 from megatron_zero.testing.restarts import RestartJob, resumed_from  # noqa: E402
 
 
-def one_round(where, save_interval: int, kill_after: int, iters: int) -> dict:
+def one_round(where, save_interval: int, kill_after: int, iters: int, local_interval=None) -> dict:
     data = byte_data(os.path.join(where, "bytes"))
+    local = {"non-persistent-save-interval": local_interval, "non-persistent-ckpt-type": "local",
+             "non-persistent-local-ckpt-dir": os.path.join(where, "local")} if local_interval else {}
     job = RestartJob(where, 2, tiny_flags(pathlib.Path(where), data, **{
-        "train-iters": iters, "save-interval": save_interval, "load": os.path.join(where, "ckpt")}))
+        "train-iters": iters, "save-interval": save_interval, "load": os.path.join(where, "ckpt"), **local}))
     try:
         job.wait_for(rf"iteration +{kill_after}/")
         killed = time.monotonic()
@@ -59,19 +63,22 @@ def main():
     p.add_argument("--save-interval", type=int, default=10)
     p.add_argument("--kill-after", type=int, default=15)
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--local-interval", type=int, default=2)
     a = p.parse_args()
-    rows = []
+    rows = {"--save alone": [], f"local tier every {a.local_interval}": []}
     for r in range(a.rounds):
-        with tempfile.TemporaryDirectory() as where:
-            rows.append(one_round(where, a.save_interval, a.kill_after, a.iters))
-        print(f"round {r + 1}: kill -> resumed attempt loaded {rows[-1]['restart_s']:.1f} s, "
-              f"kill -> next step {rows[-1]['next_step_s']:.1f} s, {rows[-1]['lost']} iterations lost", flush=True)
+        for name, local in zip(rows, (None, a.local_interval)):
+            with tempfile.TemporaryDirectory() as where:
+                rows[name].append(one_round(where, a.save_interval, a.kill_after, a.iters, local))
+            got = rows[name][-1]
+            print(f"round {r + 1}, {name}: kill -> resumed attempt loaded {got['restart_s']:.1f} s, kill -> next "
+                  f"step {got['next_step_s']:.1f} s, {got['lost']} iterations lost", flush=True)
     print(f"\n{platform.node()}, {os.cpu_count()} CPUs, --save-interval {a.save_interval}, kill after iteration "
-          f"{a.kill_after}")
-    print("| measure | median |\n|---|---|")
-    print(f"| kill -> resumed attempt loaded the checkpoint | {statistics.median(r['restart_s'] for r in rows):.1f} s |")
-    print(f"| kill -> next training step | {statistics.median(r['next_step_s'] for r in rows):.1f} s |")
-    print(f"| iterations lost | {statistics.median(r['lost'] for r in rows):g} |")
+          f"{a.kill_after}, medians of {a.rounds} rounds")
+    print("| | kill -> checkpoint loaded | kill -> next training step | iterations lost |\n|---|---|---|---|")
+    for name, got in rows.items():
+        print(f"| {name} | {statistics.median(r['restart_s'] for r in got):.1f} s | "
+              f"{statistics.median(r['next_step_s'] for r in got):.1f} s | {statistics.median(r['lost'] for r in got):g} |")
 
 
 if __name__ == "__main__":

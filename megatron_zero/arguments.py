@@ -19,6 +19,7 @@ from .compat_flags import CompatError, add_compat_flags, validate_compat
 from .deepspeed_config import DeepSpeedConfigError, apply_deepspeed_config
 from .flag_refusals import refusals, unknown_flag_sentence
 from .moe.core_router_flags import add_core_router_flags, check_core_router_flags
+from .elastic.flags import add_local_tier_flags, check_local_tier_flags
 from .moe.flags import DeepSpeedMoEError, add_deepspeed_moe_flags, apply_deepspeed_moe_flags
 from .model.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, default_ffn_hidden_size
 
@@ -306,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wandb-exp-name", type=str, default=None)
     g.add_argument("--wandb-save-dir", type=str, default=None, help="default: <--save>/wandb")
     add_compat_flags(p)
+    add_local_tier_flags(p)
     return p
 
 
@@ -313,6 +315,14 @@ def explicit_flags(args) -> set:
     """Destinations whose value differs from the parser's default (given on the command line)."""
     parser = build_parser()
     return {dest for dest, value in vars(args).items() if value != parser.get_default(dest)}
+
+
+def _check(check, args):
+    """A flags module's check (a ValueError sentence) as an ArgumentError."""
+    try:
+        check(args)
+    except ValueError as err:
+        raise ArgumentError(str(err)) from None
 
 
 def _require(cond: bool, sentence: str):
@@ -368,6 +378,7 @@ def validate_args(args, world_size: int):
              f"--tensor-model-parallel-size {tp}")
     _validate_architecture(args, tp)
     _validate_moe(args, tp, dp)
+    _check(check_local_tier_flags, args)
     _require(args.num_layers >= pp,
              f"--num-layers {args.num_layers} is fewer than --pipeline-model-parallel-size {pp}; "
              "every stage needs at least one layer")

@@ -31,6 +31,7 @@ from .data import DataError, GlobalBatchSampler, build_tokenizer, build_train_va
 from .device import DeviceError, backend_for, select_device, to_device, use_device
 from .distributed import (LaunchError, another_rank_failed, init_distributed, is_peer_failure, lost_contact_line,
                           read_launch_env, record_peer_loss, report_failure, shutdown_distributed, stop_with_launcher)
+from .elastic.local_tier import LocalTier, resume_dir
 from .elastic.restart import parse_for_launch, resize_line
 from .elastic.watchdog import StepWatchdog
 from .exit_signal import ExitPolicy
@@ -156,7 +157,9 @@ class Trainer:
         self.train_p2p = TimedCalls(self.p2p, self.log.timers("pipeline-p2p", 2))
         self.last_checkpoint = None  # the newest checkpoint loaded or saved: what a stopped run names
         self.hooks = StepHooks(args, self.device, state.rank)  # --manual-gc, --empty-unused-memory-level, --profile
-        resumed = bool(args.load) and self.load(args.load)
+        self.local_tier = LocalTier(args, state, state.layout.world_size)  # --non-persistent-save-interval
+        where = resume_dir(args, self._log)  # --load, or the local tier's newer copy
+        resumed = bool(where) and self.load(where)
         if args.save:
             if not resumed and not args.overwrite_checkpoints:
                 refuse_fresh_start_over(args.save)
@@ -396,6 +399,7 @@ class Trainer:
             elif save_weights_now:
                 self.hooks.before_eval_or_save()
                 self.save(weights_only=True)
+            self.local_tier.after_step(self, p.iteration, persistent_saved=bool(save_now))
             reason = policy.should_exit(p.iteration, self.optimizer.summed_votes)
             if reason:
                 self._log(f"exiting after iteration {p.iteration}: {reason}")

@@ -84,3 +84,30 @@ def test_a_job_whose_steps_stop_is_ended_by_the_watchdog():
     assert run.returncode == 1 and "still running" not in run.stdout, run.stderr[-2000:]
     assert run.stderr.strip().startswith("pretrain_gpt.py: error: rank 0 on ") and (
         "no training step finished in 1 s after iteration 1, twice --distributed-timeout-minutes" in run.stderr)
+
+
+@pytest.mark.slow  # the tier's save and load are the ordinary ones the default tier's resume tests cover
+def test_the_local_tier_loses_fewer_iterations_than_save_alone(tmp_path):
+    """--save every 10 iterations and the local tier every 2: a worker killed after iteration 15 resumes from
+    the local copy (iteration 14 or later), bit-identically; --save alone would resume from 10."""
+    data = byte_data(tmp_path / "bytes")
+    local = tmp_path / "local"
+    job = RestartJob(tmp_path, 2, restart_flags(tmp_path, data, **{
+        "non-persistent-save-interval": 2, "non-persistent-ckpt-type": "local",
+        "non-persistent-local-ckpt-dir": local}))
+    try:
+        job.wait_for(r"iteration +15/")
+        job.signal_rank(1, signal.SIGKILL)
+        assert job.finish() == 0, job.text()[-4000:]
+    finally:
+        job.kill()
+    text = job.text()
+    resumed = resumed_from(text)[0]
+    step = int(resumed.rsplit("global_step", 1)[1])
+    before, after = job.attempts()
+    assert step >= 14 and f"from {local / resumed}" in text, text[-4000:]
+    assert f"resuming from the local checkpoint tier {local} (iteration {step}), newer than --load" in text
+    assert max(before) - step < max(before) - 10  # fewer iterations trained again than from --save's
+    again = sorted(set(before) & set(after))
+    assert max(after) == 24 and [before[i] for i in again] == [after[i] for i in again]
+    assert sorted(os.listdir(local)) == ["global_step24", "latest", "latest_checkpointed_iteration.txt"]  # the newest
