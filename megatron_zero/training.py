@@ -361,8 +361,9 @@ class Trainer:
             loss, lr, updated, grad_norm = self.train_step(micro, policy.votes)
             p.iteration += 1
             p.consumed_train_samples += gbs
-            self.lr_schedule.step(lr_increment(a, gbs))  # 1, or this step's samples / tokens
-            if not updated:
+            if updated:  # as Megatron-LM (and DeepSpeed): a skipped step does not advance the schedule
+                self.lr_schedule.step(lr_increment(a, gbs))  # 1, or this step's samples / tokens
+            else:
                 p.skipped_iterations += 1
             self.hooks.after_step(p.iteration)
             self.log.iteration(p, gbs, loss, lr, grad_norm, self.optimizer.loss_scale, updated,
