@@ -91,14 +91,14 @@ def test_ctrl_c_saves_at_the_next_iteration_and_exits_zero(tmp_path):
     _check_saved_and_summarised(tmp_path, code, out)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # test_ctrl_c_saves_at_the_next_iteration_and_exits_zero: the same on one process
 @pytest.mark.multirank
 def test_ctrl_c_through_the_launch_script_saves_on_every_rank(tmp_path):
     code, out = _press_ctrl_c(tmp_path, 2, 1)
     _check_saved_and_summarised(tmp_path, code, out)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # tests/test_exit_and_throughput.py's test_ctrl_c_votes_once_then_interrupts: the second press
 @pytest.mark.multirank
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_a_second_ctrl_c_stops_at_once(tmp_path, ranks):

@@ -67,7 +67,7 @@ def test_no_mfu_field_without_a_peak():
     assert format_train_line(*args, mfu=0.3125).endswith("| tokens per second: 3200 | MFU: 31.25% |")
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the tests above pin each line's wording
 @pytest.mark.multirank
 def test_an_ep2_cp2_checkpoint_without_aux_loss_through_pretrain(tmp_path):
     data = text_data(str(tmp_path / "text"))
