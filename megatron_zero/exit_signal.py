@@ -6,16 +6,16 @@ thread), with or without --exit-signal-handler: the first one is a vote like SIG
 iteration, save, exit 0), and the rank that writes the log says so at once, in one line; a second one
 raises KeyboardInterrupt, which pretrain() turns into one line and exit code 130 (training.py). Under
 torchrun the terminal's Ctrl-C reaches torchrun, not the workers (each in a session of its own):
-torchrun passes it on when it shuts down (and, 30 s later, kills them), scripts/pretrain_torchrun.sh
-passes each one on and leaves torchrun running.
+torchrun passes it on when it shuts down (and kills them after its --shutdown-timeout, 30 s), while
+scripts/pretrain_torchrun.sh passes each one on and leaves torchrun running.
 
 A signal only sets a flag. --exit-interval needs no agreement (every rank counts the same
 iterations). The signal and the time limit do, since ranks see them at different moments: each rank's
 `votes()` (signal received, time limit reached) ride in the optimizer step's own all-reduce (the
 global gradient norm's, ZeroOptimizer.step(votes=...)), summed over every rank, and `should_exit`
 decides from those sums, so all ranks stop after the same iteration, save, and exit 0, at the cost
-of no collective and no host read of their own. Without a signal handler and a time limit there is
-nothing to vote on. `should_exit` without the sums all-reduces the votes itself (a collective).
+of no collective and no host read of their own. Without a signal handler, Ctrl-C's and a time limit
+there is nothing to vote on. `should_exit` without the sums all-reduces the votes itself (a collective).
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .device import HOST
+from .distributed import read_launch_env
 
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 CTRL_C_REASON = "Ctrl-C received"
@@ -42,10 +43,17 @@ def ctrl_c_line(saving: bool) -> str:
             + (" without saving" if saving else ""))
 
 
-def interrupted_line(last_checkpoint: Optional[str]) -> str:
-    """The one line of a run stopped at once by Ctrl-C (a second one, or one before training began)."""
-    return ("pretrain_gpt.py: stopped at once by Ctrl-C; " + (f"the last checkpoint is {last_checkpoint}, and nothing "
-            "after it was saved" if last_checkpoint else "no checkpoint was saved or loaded"))
+INTERRUPTED = 130  # the exit code of a run stopped at once by Ctrl-C (128 + SIGINT, as a shell reports it)
+
+
+def report_interrupt(last_checkpoint: Optional[str]) -> int:
+    """Say, from global rank 0 (on stderr), that the run stopped at once by Ctrl-C (a second one, or one before
+    training began) and what its last checkpoint is; -> INTERRUPTED."""
+    if read_launch_env().rank == 0:
+        print("pretrain_gpt.py: stopped at once by Ctrl-C; " + (
+            f"the last checkpoint is {last_checkpoint}, and nothing after it was saved" if last_checkpoint else
+            "no checkpoint was saved or loaded"), file=sys.stderr, flush=True)
+    return INTERRUPTED
 
 
 class ExitPolicy:

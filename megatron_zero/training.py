@@ -31,7 +31,7 @@ from .data import DataError, GlobalBatchSampler, build_tokenizer, build_train_va
 from .device import DeviceError, backend_for, select_device, to_device, use_device
 from .distributed import (LaunchError, another_rank_failed, init_distributed, is_peer_failure, read_launch_env,
                           record_peer_loss, report_failure, shutdown_distributed, stop_with_launcher)
-from .exit_signal import ExitPolicy, ctrl_c_line, interrupted_line
+from .exit_signal import INTERRUPTED, ExitPolicy, ctrl_c_line, report_interrupt
 from .logger import format_eval_line
 from .throughput import gpt_flops_per_iteration
 from .lr_schedule import build_lr_schedule, decoupled_lr
@@ -445,9 +445,9 @@ class Trainer:
 
 
 def pretrain(argv=None) -> int:
-    """Train as the flags say. Exit code 0 when done (or stopped by a signal, saved); 2 on bad input, or a run
-    that stopped learning (stop_rules.py): one sentence from the rank that found it, the other ranks quiet
-    (also 2); 1 when a rank lost contact with another that said nothing."""
+    """Train as the flags say. Exit code 0 when done (or stopped by a signal or Ctrl-C, saved); 2 on bad input, or
+    a run that stopped learning (stop_rules.py): one sentence from the rank that found it, the other ranks quiet
+    (also 2); 1 when a rank lost contact with another that said nothing; 130 when stopped at once by Ctrl-C."""
     lock = trainer = state = None
     try:
         launch = read_launch_env()
@@ -465,10 +465,7 @@ def pretrain(argv=None) -> int:
         trainer = Trainer(args, state, device)
         code = trainer.train()
     except KeyboardInterrupt:  # Ctrl-C before training, or a second one during it (exit_signal.py)
-        if read_launch_env().rank == 0:
-            print(interrupted_line(trainer.last_checkpoint if trainer is not None else None), file=sys.stderr,
-                  flush=True)
-        code = 130
+        code = report_interrupt(getattr(trainer, "last_checkpoint", None))
     except (ArgumentError, LaunchError, DeviceError, DataError, ckpt.CheckpointError, RunStopped) as err:
         report_failure(str(err), lambda line: print(f"pretrain_gpt.py: error: {line}", file=sys.stderr, flush=True))
         code = 2
@@ -488,7 +485,7 @@ def pretrain(argv=None) -> int:
         if lock is not None:
             lock.release()
         trainer = state = None  # their process groups are freed in shutdown_distributed
-    if code == 130 or code and dist.is_initialized() and dist.get_world_size() > 1:
+    if code == INTERRUPTED or code and dist.is_initialized() and dist.get_world_size() > 1:
         sys.stdout.flush()
         # peers may be gone: tearing the process group down would only wait on them; after Ctrl-C, at once (no
         # wait for a save's or the read-ahead's threads)
