@@ -54,7 +54,7 @@ $py tools/generate_text.py --load "$out/checkpoints" --tokenizer-model "$out/cor
 
 echo "== 6. the loss curve"
 plot=(tools/plot_loss.py "$out/tensorboard/tp2_pp2" "$out/tensorboard/tp1_dp4" --output "$out/loss.png"
-      --labels "TP2 x PP2, ZeRO-1" "TP1 x DP4, ZeRO-2, from the universal checkpoint")
+      --labels "TP2 x PP2 (ZeRO-1)" "TP1 x DP4 (ZeRO-2), resumed from the universal checkpoint")
 if $py -c "import matplotlib" 2>/dev/null; then
     $py "${plot[@]}"
     echo "loss curve: $out/loss.png"

@@ -48,10 +48,10 @@ def test_two_runs_one_resumed_make_one_png(tmp_path):
     out = tmp_path / "loss.png"
     run = _tool(tmp_path / "tp2_pp2", tmp_path / "tp1_dp4", "--labels", "TP2 x PP2", "TP1 x DP4", "--output", out)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.strip() == f"wrote {out}: the lm loss of TP2 x PP2, TP1 x DP4"
+    assert run.stdout.strip() == f"wrote {out}: the lm loss of TP2 x PP2; TP1 x DP4"
     assert out.read_bytes()[:8] == PNG_SIGNATURE
     shape, colours = _colours(out)
-    assert shape == (540, 960, 3) and colours["C0"] > 0.001 and colours["C1"] > 0.001, colours
+    assert min(shape[:2]) >= 400 and colours["C0"] > 0.001 and colours["C1"] > 0.001, (shape, colours)
 
 
 def test_refusals_are_one_sentence(tmp_path):

@@ -16,6 +16,7 @@ import pytest
 from megatron_zero.checkpoint.report import layout_here, loaded_line, saved_layout_text, saved_line
 from megatron_zero.logger import format_train_line
 from megatron_zero.moe.metrics import logged_names
+from megatron_zero.run_summary import RunSummary
 from megatron_zero.testing.cli import cli_flags, text_data
 from megatron_zero.testing.launch import torchrun
 from megatron_zero.topology import Layout
@@ -65,6 +66,26 @@ def test_no_mfu_field_without_a_peak():
     args = (12, 100, 96, 40.0, 1e-3, 8, 5.5, 1.0, 1.5, 0, 0, 3200.0, 0.002)
     assert format_train_line(*args).endswith("| tokens per second: 3200 |")
     assert format_train_line(*args, mfu=0.3125).endswith("| tokens per second: 3200 | MFU: 31.25% |")
+
+
+def test_the_summary_names_mfu_and_validation_where_known():
+    """A resumed run of 10 iterations of 8 x 64 tokens (one skipped), a peak of 1 TFLOP/s, evaluated: every field;
+    the CPU run of tests/test_ctrl_c.py has no peak, no evaluation and drives the line from the command line."""
+    start = SimpleNamespace(iteration=20, consumed_train_samples=160, skipped_iterations=1)
+    summary = RunSummary(start, 64, 1e9, 2, 1.0)
+    summary.start -= 4.0  # four seconds ago
+    summary.validated(30, 4.25)
+    end = SimpleNamespace(iteration=30, consumed_train_samples=240, skipped_iterations=2)
+    line = summary.line(end, (30, 4.5), "ckpt/global_step30")
+    found = re.fullmatch(r"training done: iterations 20 to 30 \(10 run, 1 skipped\), 5120 tokens in 4\.0 s \((\d+) "
+                         r"tokens/s, MFU ([0-9.]+)%\); final lm loss 4\.500000E\+00 \(iteration 30\); last validation "
+                         r"lm loss 4\.250000E\+00 \(iteration 30\); last checkpoint ckpt/global_step30", line)
+    assert found, line
+    seconds = 5120 / int(found.group(1))  # the elapsed time the line measured (4 s and the microseconds since)
+    assert float(found.group(2)) == pytest.approx(100 * 1e9 * 80 / seconds / 2 / 1e12, abs=0.006)
+    bare = summary.line(end, None, None)  # no loss read, nothing saved or loaded
+    assert "final lm loss" not in bare and bare.endswith("); last validation lm loss 4.250000E+00 (iteration 30); "
+                                                         "no checkpoint saved"), bare
 
 
 @pytest.mark.slow  # the tests above pin each line's wording

@@ -49,9 +49,8 @@ def plot(runs, labels, output: str) -> None:
     ax.set_xlabel("iteration")
     ax.set_ylabel("lm loss")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=9)
-    fig.tight_layout()
-    fig.savefig(output, format="png")
+    ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, frameon=False)  # below: the
+    fig.savefig(output, format="png", bbox_inches="tight")  # curves and the resume's note keep the plot
     plt.close(fig)
 
 
@@ -83,7 +82,7 @@ def main(argv=None) -> int:
             return fail(f"{directory} holds no '{TRAIN}' scalars: is it a run's --tensorboard-dir?")
         runs.append((train, valid))
     plot(runs, labels, a.output)
-    print(f"wrote {a.output}: the lm loss of {', '.join(labels)}")
+    print(f"wrote {a.output}: the lm loss of {'; '.join(labels)}")
     return 0
 
 
