@@ -205,18 +205,18 @@ def run_interleaved(sides, size, seq, device, batches, a):
     try:
         for name, make in sides:
             built.append(Side(name, make, size, seq, device, batches, a.warmup))
+        rounds = -(-a.steps // a.block)
+        for r in range(rounds):
+            n = min(a.block, a.steps - r * a.block)
+            for side in (built if r % 2 == 0 else built[::-1]):
+                others = sum(o.resident for o in built if o is not side)
+                side.block(batches, n, device, others)
     except torch.cuda.OutOfMemoryError:
         fits = False
     if not fits:  # outside the handler, so its traceback no longer holds the models
         built.clear()
         _release(device)
         return None
-    rounds = -(-a.steps // a.block)
-    for r in range(rounds):
-        n = min(a.block, a.steps - r * a.block)
-        for side in (built if r % 2 == 0 else built[::-1]):
-            others = sum(o.resident for o in built if o is not side)
-            side.block(batches, n, device, others)
     return {s.name: s for s in built}
 
 

@@ -51,6 +51,22 @@ def test_tiny_run_gives_every_side_a_row_timed_in_alternating_blocks(tmp_path, m
     assert saved["micro_batches"] == 2 and [r["side"] for r in saved["rows"]] == sides
 
 
+def test_sides_that_do_not_fit_together_run_one_after_the_other(monkeypatch, one_thread):
+    """An out-of-memory while the sides are built together: everything is freed and each side runs alone."""
+    calls = []
+
+    def ours_once_short_of_memory(*x):
+        calls.append(1)
+        if len(calls) == 1:  # the first build, beside the baseline
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return bench_gpu.ours_step(*x)
+
+    monkeypatch.setattr(bench_gpu, "SIDES", [bench_gpu.SIDES[0], ("ours", ours_once_short_of_memory, lambda s, a: True)])
+    rows = bench_gpu.main(TINY + ["--steps", "1", "--block", "1"])
+    assert [(r["side"], r["schedule"]) for r in rows] == [("baseline", "sequential"), ("ours", "sequential")]
+    assert all(r["step_s"] > 0 for r in rows) and len(calls) == 2
+
+
 def test_pretrain_row_flags_are_the_llama3_8b_shape_at_the_real_vocabulary():
     cfg = bench_gpu.config("llama3-8b", 8192, torch.bfloat16)
     flags = bench_gpu.pretrain_flags(cfg, 1, 8, 10, torch.device("cpu"))
