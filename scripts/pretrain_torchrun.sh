@@ -50,7 +50,7 @@ ends.addFilter(hold)
 # the handler that raises its SignalException; the one it installs here passes SIGINT over and raises for
 # the rest (a handler, not an ignored signal, which the workers would inherit).
 import torch.distributed.elastic.multiprocessing.api as torchrun_signals
-raise_on_signal = torchrun_signals._terminate_process_handler
+raise_on_signal = getattr(torchrun_signals, "_terminate_process_handler", None)
 
 
 def leave_ctrl_c_to_the_workers(signum, frame):
@@ -58,8 +58,9 @@ def leave_ctrl_c_to_the_workers(signum, frame):
         raise_on_signal(signum, frame)
 
 
-torchrun_signals._terminate_process_handler = leave_ctrl_c_to_the_workers
-signal.signal(signal.SIGINT, leave_ctrl_c_to_the_workers)
+if raise_on_signal is not None:  # another torch: its own handling (the workers still save; it adds a traceback)
+    torchrun_signals._terminate_process_handler = leave_ctrl_c_to_the_workers
+    signal.signal(signal.SIGINT, leave_ctrl_c_to_the_workers)
 try:
     run(parse_args(sys.argv[1:]))
 except ChildFailedError as failed:
