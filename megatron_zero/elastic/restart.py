@@ -1,7 +1,7 @@
 """A run that torchrun restarted (--max-restarts), perhaps at another world size (--nnodes MIN:MAX).
 
     args = parse_for_launch(argv, launch)   # the flags at this world size; refused: the sizes that work
-    resize_line(client, args)               # after a load at another DP: the one line saying what changed
+    note_resize(client, args, log)          # after a load at another DP: the one line saying what changed
 
 A restart resumes from the newest checkpoint under --load (checkpoint/resume.py; the same rule as any
 resume). At another world size TP, PP, CP and EP stay as the flags give them and DP takes the rest; the
@@ -93,3 +93,10 @@ def resize_line(client: dict, args) -> Optional[str]:
     again = " after a restart" if restart_count() else ""
     return (f"resuming at DP={dp}{again} (saved at DP={saved}): {per_step // dp} micro-batches a step instead "
             f"of {before}, the global batch of {args.global_batch_size} samples kept")
+
+
+def note_resize(client: dict, args, log) -> None:
+    """log(resize_line(...)) where there is one."""
+    line = resize_line(client, args)
+    if line:
+        log(line)

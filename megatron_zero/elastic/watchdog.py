@@ -9,8 +9,8 @@ reads the iteration counter; armed at the first finished step (start-up, loading
 long), it says which rank lost contact (distributed.lost_contact_line, naming a stopped or vanished rank on
 this host) and exits 1 from the process, as a broken collective would.
 
-    dog = StepWatchdog(lambda: trainer.progress.iteration, minutes)   # started
-    ...
+    watch_steps(trainer, minutes, world_size)   # a job of several ranks: started, ends with the trainer
+    dog = StepWatchdog(iteration, minutes)      # `iteration()`: the steps finished; None: stop watching
     dog.stop()
 """
 from __future__ import annotations
@@ -19,13 +19,14 @@ import os
 import sys
 import threading
 import time
-from typing import Callable
+import weakref
+from typing import Callable, Optional
 
 from ..distributed import lost_contact_line, record_peer_loss
 
 
 class StepWatchdog:
-    def __init__(self, iteration: Callable[[], int], timeout_minutes: float, poll_s: float = 1.0):
+    def __init__(self, iteration: Callable[[], Optional[int]], timeout_minutes: float, poll_s: float = 1.0):
         self.iteration, self.limit, self.poll = iteration, 2 * timeout_minutes * 60, poll_s
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="megatron_zero-step-watchdog", daemon=True)
@@ -35,6 +36,8 @@ class StepWatchdog:
         first, last, since = self.iteration(), None, time.monotonic()
         while not self.done.wait(self.poll):
             now = self.iteration()
+            if now is None:  # the run is over
+                return
             if now != last:
                 last, since = now, time.monotonic()
                 continue
@@ -53,3 +56,13 @@ class StepWatchdog:
     def stop(self):
         self.done.set()
         self.thread.join()
+
+
+def watch_steps(trainer, timeout_minutes: float, world_size: int) -> Optional[StepWatchdog]:
+    """A StepWatchdog on `trainer`'s iteration counter for a job of several ranks (a rank alone has no peer to
+    wait on), holding the trainer weakly: it stops once the trainer is freed, and does not keep its process
+    groups alive (distributed.shutdown_distributed)."""
+    if world_size <= 1:
+        return None
+    ref = weakref.ref(trainer)
+    return StepWatchdog(lambda: None if ref() is None else ref().progress.iteration, timeout_minutes)
