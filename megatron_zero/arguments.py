@@ -27,6 +27,19 @@ class ArgumentError(ValueError):
     """A flag or combination of flags that cannot work (one sentence)."""
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Each optional flag that takes a value shows its default after its help, "unset" for None unless the help
+    says what it defaults to; switches (no value) are off unless given."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.nargs == 0 or action.required or action.default is argparse.SUPPRESS or "%(default)" in text:
+            return text
+        if action.default is None:
+            return text if "default" in text else text + " (default: unset)"
+        return text + " (default: %(default)s)"
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, no usage dump
         raise ArgumentError(f"{message} (see --help)")
@@ -41,36 +54,56 @@ def _normalization(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="pretrain_gpt.py", description="Pretrain a GPT with TP x PP x ZeRO-DP.", allow_abbrev=False)
+    p = _Parser(prog="pretrain_gpt.py", description="Pretrain a GPT with TP x PP x ZeRO-DP.", allow_abbrev=False,
+                formatter_class=_HelpFormatter)
     g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, required=True)
-    g.add_argument("--hidden-size", type=int, required=True)
-    g.add_argument("--num-attention-heads", type=int, required=True)
-    g.add_argument("--ffn-hidden-size", type=int, default=None)
-    g.add_argument("--seq-length", type=int, required=True)
-    g.add_argument("--max-position-embeddings", type=int, default=None)
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--layernorm-epsilon", "--norm-epsilon", dest="layernorm_epsilon", type=float, default=1e-5)
-    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--num-layers", type=int, required=True,
+                   help="transformer layers of the model")
+    g.add_argument("--hidden-size", type=int, required=True,
+                   help="the transformer's hidden width h")
+    g.add_argument("--num-attention-heads", type=int, required=True,
+                   help="attention heads per layer (query heads with grouped-query attention)")
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="the MLP's inner width (default 4 x --hidden-size; with --swiglu 2/3 of that, rounded down to a multiple of 64)")
+    g.add_argument("--seq-length", type=int, required=True,
+                   help="tokens per training sample")
+    g.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="positions the learned position table holds (default --seq-length)")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary to a multiple of this x --tensor-model-parallel-size")
+    g.add_argument("--hidden-dropout", type=float, default=0.1,
+                   help="dropout probability after the attention and MLP outputs")
+    g.add_argument("--attention-dropout", type=float, default=0.1,
+                   help="dropout probability on the attention weights")
+    g.add_argument("--layernorm-epsilon", "--norm-epsilon", dest="layernorm_epsilon", type=float, default=1e-5,
+                   help="epsilon of LayerNorm / RMSNorm")
+    g.add_argument("--init-method-std", type=float, default=0.02,
+                   help="standard deviation of the normal weight initialisation (output projections scaled by 1/sqrt(2 x layers))")
 
     g = p.add_argument_group("architecture (GPT-2 by default; these give the Llama / Mistral family)")
-    g.add_argument("--normalization", type=_normalization, default="LayerNorm", metavar="{LayerNorm,RMSNorm}")
+    g.add_argument("--normalization", type=_normalization, default="LayerNorm", metavar="{LayerNorm,RMSNorm}",
+                   help="the norm of each layer and the final norm: LayerNorm (GPT-2) or RMSNorm (Llama), any case")
     g.add_argument("--apply-layernorm-1p", action="store_true",
                    help="zero-centred norm weights: each norm's weight w starts at 0 and the norm applies 1 + w "
                         "(Megatron-Core's zero_centered_gamma; LayerNorm and RMSNorm)")
-    g.add_argument("--position-embedding-type", choices=list(POSITION_EMBEDDING_TYPES), default="learned_absolute")
+    g.add_argument("--position-embedding-type", choices=list(POSITION_EMBEDDING_TYPES), default="learned_absolute",
+                   help="learned_absolute: a learned table (GPT-2); rope: rotary embeddings (Llama)")
     g.add_argument("--use-rotary-position-embeddings", dest="position_embedding_type", action="store_const",
                    const="rope", help="Megatron-DeepSpeed's spelling of --position-embedding-type rope")
-    g.add_argument("--rotary-base", type=int, default=10000)
-    g.add_argument("--rotary-percent", type=float, default=1.0)
-    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--rotary-base", type=int, default=10000,
+                   help="RoPE's base period theta")
+    g.add_argument("--rotary-percent", type=float, default=1.0,
+                   help="the fraction of each head's dimensions RoPE rotates")
+    g.add_argument("--swiglu", action="store_true",
+                   help="the MLP's activation is SwiGLU (two input projections, Llama) instead of GeLU")
     g.add_argument("--group-query-attention", action="store_true",
                    help="grouped-query attention with --num-query-groups (default 1) key/value heads")
-    g.add_argument("--num-query-groups", "--num-key-value-heads", dest="num_query_groups", type=int, default=None)
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
+    g.add_argument("--num-query-groups", "--num-key-value-heads", dest="num_query_groups", type=int, default=None,
+                   help="key/value heads of grouped-query attention (default: --num-attention-heads, or 1 with --group-query-attention)")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="an output layer of its own instead of the word embedding's transpose")
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
+                   help="no biases on the linear layers (Llama)")
     g.add_argument("--add-qkv-bias", action="store_true",
                    help="a bias on the QKV projection also with --disable-bias-linear (Qwen2)")
 
@@ -78,13 +111,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (none: a dense model)")
     g.add_argument("--moe-layer-freq", type=int, default=1, help="every N-th layer (0, N, 2N, ...) is an MoE layer")
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="an expert's width (default --ffn-hidden-size)")
-    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-router-topk", type=int, default=2,
+                   help="experts each token is routed to")
     g.add_argument("--moe-router-pre-softmax", action="store_true",
                    help="softmax over all experts before the top-k (default: top-k of the logits, then softmax)")
     g.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "none", "seq_aux_loss", "sinkhorn"],
-                   default="aux_loss")
+                   default="aux_loss",
+                   help="the router's load balancing: aux_loss (the switch loss per micro-batch), seq_aux_loss (per sequence), "
+                        "sinkhorn, or none")
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="the switch load-balancing loss's weight")
-    g.add_argument("--moe-z-loss-coeff", type=float, default=None)
+    g.add_argument("--moe-z-loss-coeff", type=float, default=None,
+                   help="the router z-loss's weight (default: no z-loss)")
     g.add_argument("--moe-grouped-gemm", action="store_true",
                    help="run the local experts' matmuls as one grouped GEMM each (torch's grouped_mm on CUDA bf16; "
                         "the same parameters and checkpoints)")
@@ -114,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="full recompute: chunks of --recompute-num-layers layers (uniform), or only the first "
                         "--recompute-num-layers layers of each pipeline stage (block)")
     g.add_argument("--recompute-num-layers", "--checkpoint-num-layers", dest="recompute_num_layers", type=int,
-                   default=1)
+                   default=1,
+                   help="full recompute: layers per recomputed chunk (uniform) or recomputed layers per stage (block)")
     g.add_argument("--checkpoint-activations", action="store_true",
                    help="Megatron-DeepSpeed's name for --recompute-granularity full --recompute-method uniform")
     g.add_argument("--attention-backend", choices=["auto", "flash", "fused", "unfused", "local"], default="auto",
@@ -126,8 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(the identity at TP 1, as in Megatron)")
 
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="ranks each layer's matrices are split over (Megatron's tensor parallelism)")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="pipeline stages the layers are split into")
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="split each sequence over this many ranks (docs/context_parallel.md)")
     g.add_argument("--cp-comm-type", type=str, default="p2p",
@@ -135,14 +175,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "(a2a within groups of consecutive CP ranks, a ring across them)")
     g.add_argument("--hierarchical-context-parallel-sizes", type=int, nargs="+", default=None,
                    help="--cp-comm-type a2a+p2p: the all-to-all group's size and the ring's, their product CP")
-    g.add_argument("--pipeline-partition-method", choices=["uniform", "parameters"], default="uniform")
+    g.add_argument("--pipeline-partition-method", choices=["uniform", "parameters"], default="uniform",
+                   help="how layers are spread over the stages without --pipeline-partition: uniform (equal counts) or parameters "
+                        "(balanced parameter counts)")
     g.add_argument("--pipeline-partition", type=str, default=None,
                    help="explicit transformer layers per pipeline stage, e.g. 3,5")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="interleaved 1F1B: each pipeline rank holds --num-layers / (PP x N) model chunks of N "
                         "layers (virtual stages); the micro-batches per step must be a multiple of PP")
-    g.add_argument("--micro-batch-size", type=int, default=None)
-    g.add_argument("--global-batch-size", type=int, default=None)
+    g.add_argument("--micro-batch-size", type=int, default=None,
+                   help="samples per forward/backward of one data-parallel rank")
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="samples per optimizer step over all data-parallel ranks (default --micro-batch-size x DP); the rest is "
+                        "gradient accumulation")
     g.add_argument("--rampup-batch-size", type=int, nargs=3, default=None,
                    metavar=("START", "INCREMENT", "SAMPLES"),
                    help="Megatron-LM's batch ramp-up (a --train-samples run): the global batch starts at START and "
@@ -151,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Megatron-LM's step-wise global batch: \"THRESHOLD:BATCH ...\", each batch size from its "
                         "threshold in tokens on (K/M/B/T suffixes; the first at 0; megatron_zero/batch_schedule.py); "
                         "one quoted word or several (as an unquoted array expansion in a script hands them over)")
-    g.add_argument("--zero-stage", type=int, default=1, choices=[0, 1, 2, 3])
+    g.add_argument("--zero-stage", type=int, default=1, choices=[0, 1, 2, 3],
+                   help="ZeRO stage: 0 replicated optimizer, 1 optimizer state, 2 also gradients, 3 also parameters partitioned over DP")
     g.add_argument("--cpu-optimizer", "--zero-cpu-offload", dest="offload", action="store_const", const="cpu",
                    default="none", help="keep fp32 masters and Adam state in host memory (ZeRO-Offload)")
     g.add_argument("--zero-param-persistence-threshold", type=int, default=100_000,
@@ -173,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--zero-hpz-partition-size", type=int, default=1,
                    help="ZeRO++ hpZ (ZeRO-3): backward re-gathers weights within blocks of this many DP ranks "
                         "(zero_hpz_partition_size; 1: off)")
-    g.add_argument("--deepspeed-config", "--deepspeed_config", dest="deepspeed_config", type=str, default=None)
+    g.add_argument("--deepspeed-config", "--deepspeed_config", dest="deepspeed_config", type=str, default=None,
+                   help="a DeepSpeed JSON whose batch sizes, ZeRO, precision, optimizer and scheduler settings fill the flags not given")
     p.set_defaults(deepspeed_scheduler=None)  # the JSON's `scheduler`, set by deepspeed_config.py
     g.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None,
                    help="default: nccl on CUDA, gloo on the CPU")
@@ -185,7 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where each rank trains: cuda:LOCAL_RANK when CUDA is present (auto), or forced")
     g.add_argument("--no-cuda", dest="device", action="store_const", const="cpu",
                    help="train on the CPU even where CUDA is present (same as --device cpu)")
-    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="how long a collective may wait for the other ranks before the run fails")
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="ZeRO 0-2 and the tied-embedding sum: reduce gradients in bfloat16 (half the bytes); "
                         "micro-batches are still accumulated in fp32")
@@ -194,31 +242,49 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: this rank's share of the node's cores (its CPU affinity / ranks per node)")
 
     g = p.add_argument_group("training")
-    g.add_argument("--train-iters", type=int, default=None)
-    g.add_argument("--train-samples", type=int, default=None)
-    g.add_argument("--lr", type=float, default=None)
-    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--train-iters", type=int, default=None,
+                   help="optimizer steps to train for (or --train-samples)")
+    g.add_argument("--train-samples", type=int, default=None,
+                   help="samples to train on (or --train-iters); the step count follows from the global batch")
+    g.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate")
+    g.add_argument("--min-lr", type=float, default=0.0,
+                   help="the learning rate's floor at the end of decay")
     g.add_argument("--decoupled-lr", type=float, default=None,
                    help="the word embedding's and output layer's own peak learning rate (Megatron's); they follow "
                         "the same warm-up and decay")
     g.add_argument("--decoupled-min-lr", type=float, default=None,
                    help="their floor, with --decoupled-lr (default --min-lr)")
-    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
-    g.add_argument("--lr-decay-iters", type=int, default=None)
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--bf16", action="store_true")
-    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear",
+                   help="the learning rate's decay after warm-up")
+    g.add_argument("--lr-decay-iters", type=int, default=None,
+                   help="steps over which the learning rate decays (default --train-iters)")
+    g.add_argument("--lr-warmup-iters", type=int, default=0,
+                   help="steps of linear warm-up from 0 to --lr")
+    g.add_argument("--weight-decay", type=float, default=0.01,
+                   help="AdamW's decoupled weight decay on matrices and embeddings (none on biases and norms)")
+    g.add_argument("--clip-grad", type=float, default=1.0,
+                   help="clip the global gradient L2 norm to this (0: no clipping)")
+    g.add_argument("--adam-beta1", type=float, default=0.9,
+                   help="Adam's first-moment decay")
+    g.add_argument("--adam-beta2", type=float, default=0.999,
+                   help="Adam's second-moment decay")
+    g.add_argument("--adam-eps", type=float, default=1e-8,
+                   help="Adam's epsilon")
+    g.add_argument("--bf16", action="store_true",
+                   help="train in bfloat16 with fp32 master weights")
+    g.add_argument("--fp16", action="store_true",
+                   help="train in float16 with fp32 master weights and loss scaling")
     g.add_argument("--loss-scale", type=float, default=None, help="static loss scale of --fp16 (default: dynamic) or --bf16 (default: none), "
                    "as Megatron-LM")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16)
-    g.add_argument("--loss-scale-window", type=int, default=1000)
-    g.add_argument("--min-loss-scale", type=float, default=1.0)
-    g.add_argument("--hysteresis", type=int, default=2)
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16,
+                   help="--fp16's dynamic loss scale at the start (rounded down to a power of 2)")
+    g.add_argument("--loss-scale-window", type=int, default=1000,
+                   help="steps without overflow before the dynamic loss scale doubles")
+    g.add_argument("--min-loss-scale", type=float, default=1.0,
+                   help="the dynamic loss scale's floor")
+    g.add_argument("--hysteresis", type=int, default=2,
+                   help="overflows tolerated before the dynamic loss scale halves")
     g.add_argument("--max-consecutive-skipped-iterations", type=int, default=50, metavar="N",
                    help="stop the run (exit 2, nothing saved) after N optimizer steps in a row skipped for "
                         "overflowing gradients; 0: never (megatron_zero/stop_rules.py says why 50)")
@@ -226,33 +292,50 @@ def build_parser() -> argparse.ArgumentParser:
                    default=True, help="stop the run (exit 2, nothing saved) on an inf/NaN loss, or inf/NaN "
                                       "gradients where the loss scale is not dynamic (the default)")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
-                   action="store_false")
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--exit-interval", type=int, default=None)
-    g.add_argument("--exit-duration-in-mins", type=float, default=None)
-    g.add_argument("--exit-signal-handler", action="store_true")
+                   action="store_false",
+                   help="keep training through inf/NaN losses and gradients")
+    g.add_argument("--seed", type=int, default=1234,
+                   help="random seed (weights, dropout, data order)")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="save (with --save) and stop after any step that is a multiple of this")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="save (with --save) and stop once the run has lasted this many minutes")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM or SIGUSR1 finish the step, save (with --save) and stop")
 
     g = p.add_argument_group("fusions")
-    g.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false")
-    g.add_argument("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false")
-    g.add_argument("--no-persist-layer-norm", dest="persist_layer_norm", action="store_false")
-    g.add_argument("--no-rope-fusion", dest="rope_fusion", action="store_false")
+    g.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false",
+                   help="use the unfused causal softmax instead of the fused kernel")
+    g.add_argument("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false",
+                   help="use the unfused bias + GeLU instead of the fused kernel")
+    g.add_argument("--no-persist-layer-norm", dest="persist_layer_norm", action="store_false",
+                   help="use the unfused LayerNorm instead of the fused kernel")
+    g.add_argument("--no-rope-fusion", dest="rope_fusion", action="store_false",
+                   help="use the unfused RoPE instead of the fused kernel")
     g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion",
-                   action="store_false")
+                   action="store_false",
+                   help="accumulate weight gradients through autograd instead of straight into the fp32 gradient buffer")
     g.add_argument("--require-fused-kernels", action="store_true",
                    help="refuse to start unless every compiled kernel the chosen device uses is built and loads "
                         "(CUDA: megatron_zero._C_cuda; CPU: the C++ CPU kernels; with offload also the CPU Adam)")
 
     g = p.add_argument_group("data")
-    g.add_argument("--data-path", nargs="*", default=None)
-    g.add_argument("--split", type=str, default="969,30,1")
-    g.add_argument("--data-cache-path", type=str, default=None)
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="Megatron .bin/.idx dataset prefixes, optionally with weights (weight prefix weight prefix ...); none: a mock "
+                        "dataset")
+    g.add_argument("--split", type=str, default="969,30,1",
+                   help="train,validation,test proportions of the documents")
+    g.add_argument("--data-cache-path", type=str, default=None,
+                   help="where the dataset's sample index files are cached (default: beside the data)")
     g.add_argument("--tokenizer-type", type=str, default=None,
                    help="default: GPT2BPETokenizer with --vocab-file and --merge-file (as Megatron-LM), else "
                         "SentencePieceTokenizer")
-    g.add_argument("--tokenizer-model", type=str, default=None)
-    g.add_argument("--vocab-file", type=str, default=None)
-    g.add_argument("--merge-file", type=str, default=None)
+    g.add_argument("--tokenizer-model", type=str, default=None,
+                   help="SentencePiece, TikTokenizer or Hugging Face tokenizer model file or directory")
+    g.add_argument("--vocab-file", type=str, default=None,
+                   help="GPT-2 BPE vocabulary (vocab.json)")
+    g.add_argument("--merge-file", type=str, default=None,
+                   help="GPT-2 BPE merges (merges.txt)")
     g.add_argument("--vocab-size", type=int, default=None,
                    help="NullTokenizer's vocabulary; TikTokenizer's (default 131072, special tokens included)")
     g.add_argument("--tiktoken-pattern", choices=["v1", "v2"], default=None,
@@ -265,11 +348,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "<pad> <cls> <sep>), then <SPECIAL_k> fillers")
 
     g = p.add_argument_group("checkpointing and logging")
-    g.add_argument("--save", type=str, default=None)
-    g.add_argument("--load", type=str, default=None)
-    g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--keep-last-k", type=int, default=None)
-    g.add_argument("--async-save", action="store_true")
+    g.add_argument("--save", type=str, default=None,
+                   help="directory checkpoints are written to")
+    g.add_argument("--load", type=str, default=None,
+                   help="checkpoint directory to resume from (ours, Megatron-DeepSpeed's, Megatron-LM's, or universal); equal to --save"
+                        " it may not exist yet")
+    g.add_argument("--save-interval", type=int, default=None,
+                   help="steps between checkpoints (also one at the end)")
+    g.add_argument("--keep-last-k", type=int, default=None,
+                   help="keep only the newest K checkpoints under --save")
+    g.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in a background thread while training goes on")
     g.add_argument("--save-megatron-deepspeed-layout", action="store_true",
                    help="write checkpoints Megatron-DeepSpeed's own --load resumes at this layout: at PP 1 its "
                         "--no-pipeline-parallel layout (weights nested in mp_rank_*'s module), at PP > 1 its pipeline "
@@ -278,32 +367,46 @@ def build_parser() -> argparse.ArgumentParser:
                    help="each save also writes <tag>/model_16bit/*.safetensors: the consolidated model in the "
                         "training dtype, bf16 when training in fp32 (DeepSpeed's "
                         "zero_optimization.stage3_gather_16bit_weights_on_model_save)")
-    g.add_argument("--universal-checkpoint", action="store_true")
+    g.add_argument("--universal-checkpoint", action="store_true",
+                   help="load --load as a universal checkpoint (any layout, ds_to_universal.py's format)")
     g.add_argument("--ckpt-format", choices=("torch_dist", "torch"), default=None,
                    help="the format of the Megatron-LM checkpoint --load names (torch_dist: Megatron-Core's "
                         "distributed checkpoint; torch: legacy mp_rank_* files); without it the format is detected. "
                         "Saves are in this trainer's layout: tools/convert_checkpoint.py --to torch_dist converts them")
-    g.add_argument("--no-load-optim", action="store_true")
-    g.add_argument("--no-load-rng", action="store_true")
-    g.add_argument("--finetune", action="store_true")
+    g.add_argument("--no-load-optim", action="store_true",
+                   help="load the weights but not the optimizer state")
+    g.add_argument("--no-load-rng", action="store_true",
+                   help="do not restore the random number generators' states")
+    g.add_argument("--finetune", action="store_true",
+                   help="load the weights only: fresh optimizer, schedule and iteration 0")
     g.add_argument("--overwrite-checkpoints", action="store_true",
                    help="start from scratch even though --save holds checkpoints (they are overwritten)")
     add_verify_flag(g)
-    g.add_argument("--eval-interval", type=int, default=1000)
-    g.add_argument("--eval-iters", type=int, default=10)
-    g.add_argument("--log-interval", type=int, default=100)
-    g.add_argument("--tensorboard-dir", type=str, default=None)
+    g.add_argument("--eval-interval", type=int, default=1000,
+                   help="steps between validation runs")
+    g.add_argument("--eval-iters", type=int, default=10,
+                   help="validation batches per evaluation (0: no evaluation)")
+    g.add_argument("--log-interval", type=int, default=100,
+                   help="steps between log lines")
+    g.add_argument("--tensorboard-dir", type=str, default=None,
+                   help="directory TensorBoard event files are written to (rank 0)")
     g.add_argument("--log-params-norm", action="store_true", help="log the L2 norm of the weights (a collective)")
-    g.add_argument("--log-memory-to-tensorboard", action="store_true")
-    g.add_argument("--log-world-size-to-tensorboard", action="store_true")
-    g.add_argument("--log-timers-to-tensorboard", action="store_true")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true",
+                   help="write the device's memory statistics to TensorBoard")
+    g.add_argument("--log-world-size-to-tensorboard", action="store_true",
+                   help="write the world size to TensorBoard")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="write the --timing-log-level timers to TensorBoard")
     g.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2],
                    help="0: no timers; 1: forward-backward and optimizer; 2: also forward, backward, communication")
-    g.add_argument("--timing-log-option", choices=["max", "minmax", "all"], default="minmax")
+    g.add_argument("--timing-log-option", choices=["max", "minmax", "all"], default="minmax",
+                   help="timers over ranks: their maximum, their minimum and maximum, or every rank's")
     g.add_argument("--peak-tflops", type=float, default=None,
                    help="peak TFLOP/s of one device for the training dtype, for MFU (known for H100/H200/A100/V100)")
-    g.add_argument("--wandb-project", type=str, default=None)
-    g.add_argument("--wandb-exp-name", type=str, default=None)
+    g.add_argument("--wandb-project", type=str, default=None,
+                   help="Weights & Biases project to log to (needs wandb)")
+    g.add_argument("--wandb-exp-name", type=str, default=None,
+                   help="the Weights & Biases run's name")
     g.add_argument("--wandb-save-dir", type=str, default=None, help="default: <--save>/wandb")
     add_compat_flags(p)
     return p

@@ -97,8 +97,10 @@ def add_compat_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--profile", action="store_true",
                    help="torch.profiler trace of iterations --profile-step-start to --profile-step-end, written "
                         "under --tensorboard-dir (TensorBoard's profiler plugin reads it)")
-    g.add_argument("--profile-step-start", type=int, default=10)
-    g.add_argument("--profile-step-end", type=int, default=12)
+    g.add_argument("--profile-step-start", type=int, default=10,
+                   help="the first profiled iteration")
+    g.add_argument("--profile-step-end", type=int, default=12,
+                   help="the iteration the profiler stops before")
     g.add_argument("--profile-ranks", type=int, nargs="+", default=[0], help="global ranks that profile")
 
 
