@@ -18,13 +18,10 @@ from .checkpoint.storage.reader import add_verify_flag
 from .compat_flags import CompatError, add_compat_flags, validate_compat
 from .deepspeed_config import DeepSpeedConfigError, apply_deepspeed_config
 from .flag_refusals import refusals, unknown_flag_sentence
-from .moe.core_router_flags import add_core_router_flags, check_core_router_flags
-from .moe.flags import DeepSpeedMoEError, add_deepspeed_moe_flags, apply_deepspeed_moe_flags
+from .config.errors import ArgumentError
+from .config.moe_deepspeed import add_deepspeed_moe_flags, apply_deepspeed_moe_flags
+from .config.moe_router import add_core_router_flags, check_core_router_flags
 from .model.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, default_ffn_hidden_size
-
-
-class ArgumentError(ValueError):
-    """A flag or combination of flags that cannot work (one sentence)."""
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -660,10 +657,7 @@ def _validate_architecture(args, tp: int):
 
 def _validate_moe(args, tp: int, dp: int):
     """The MoE flags this trainer implements, and the layouts it runs them at (docs/moe.md)."""
-    try:
-        apply_deepspeed_moe_flags(args, explicit_flags(args))
-    except DeepSpeedMoEError as err:
-        raise ArgumentError(str(err)) from None
+    apply_deepspeed_moe_flags(args, explicit_flags(args))
     ep, experts = args.expert_model_parallel_size, args.num_experts
     _require(ep >= 1, f"--expert-model-parallel-size {ep} must be at least 1")
     _validate_shared_expert(args, tp)
@@ -690,7 +684,7 @@ def _validate_moe(args, tp: int, dp: int):
     _require(args.moe_ffn_hidden_size >= 1 and args.moe_ffn_hidden_size % etp == 0,
              f"--moe-ffn-hidden-size {args.moe_ffn_hidden_size} is not a positive multiple of "
              f"--expert-tensor-parallel-size {etp}" + (" (default: --tensor-model-parallel-size)" if etp == tp else ""))
-    check_core_router_flags(args, _require)
+    check_core_router_flags(args)
     _require(args.moe_aux_loss_coeff >= 0 and (args.moe_z_loss_coeff or 0) >= 0,
              "--moe-aux-loss-coeff and --moe-z-loss-coeff must not be negative")
     _validate_moe_sequence_parallel(args, tp)

@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch
 
+from ..moe.expert_counts import check_expert_counts
+
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused")
@@ -129,10 +131,7 @@ class GPTConfig:
     def _check_moe(self) -> None:
         if self.num_experts is None:
             return
-        if self.num_experts < 1:
-            raise ValueError(f"num_experts {self.num_experts} must be at least 1")
-        if not 1 <= self.moe_router_topk <= self.num_experts:
-            raise ValueError(f"moe_router_topk {self.moe_router_topk} must lie in 1..num_experts ({self.num_experts})")
+        check_expert_counts(self.num_experts, self.moe_router_topk)
         if self.moe_layer_freq < 1 or not 0 <= self.moe_layer_offset < self.moe_layer_freq:
             raise ValueError(f"moe_layer_freq {self.moe_layer_freq} must be at least 1 and moe_layer_offset "
                              f"{self.moe_layer_offset} lie in 0..moe_layer_freq - 1")

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..device import has_grouped_mm, ints_to_device
-from ..model import functional
+from .. import ops
 from ..reduce_scatter import all_gather_into_tensor, reduce_scatter_tensor
 from ..tensor_parallel import copy_to_tensor_model_parallel_region
 from .dispatch import sort_by_expert
@@ -121,7 +121,7 @@ def experts_over_etp(experts, rows: torch.Tensor, exchange: ExpertTensorParallel
     y = grouped_linear(x, [m.weight for m in fc1], counts, offs, grouped)
     if fc1[0].bias is not None:  # column-parallel: this rank's slice of the bias
         y = y + rows_bias([m.bias for m in fc1], _expert_of_row(counts, x.device))
-    y = functional.swiglu(y) if swiglu else F.gelu(y, approximate="tanh")
+    y = ops.swiglu(y) if swiglu else F.gelu(y, approximate="tanh")
     out = exchange.scatter(grouped_linear(y, [m.weight for m in fc2], counts, offs, grouped))
     if fc2[0].bias is not None:  # replicated over ETP: added once, to this rank's own rows
         biases = [copy_to_tensor_model_parallel_region(m.bias, exchange.group) for m in fc2]

@@ -1,0 +1,1 @@
+"""Configuration: the command line's flags by area, their checks and derived values."""
