@@ -30,6 +30,7 @@ from ..device import has_grouped_mm, ints_to_device
 from .. import ops
 from ..reduce_scatter import all_gather_into_tensor, reduce_scatter_tensor
 from ..tensor_parallel import copy_to_tensor_model_parallel_region
+from ..tensor_parallel.conjugate import conjugate_pair
 from .dispatch import sort_by_expert
 from .grouped_mlp import grouped_linear, grouped_mm_fits, rows_bias
 
@@ -55,26 +56,7 @@ def reduce_scatter_rows(x: torch.Tensor, sizes: List[int], group) -> torch.Tenso
     return out[:sizes[dist.get_rank(group)]]
 
 
-class _GatherRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, sizes, group):
-        ctx.sizes, ctx.group = sizes, group
-        return gather_rows(x, sizes, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter_rows(grad, ctx.sizes, ctx.group), None, None
-
-
-class _ReduceScatterRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, sizes, group):
-        ctx.sizes, ctx.group = sizes, group
-        return reduce_scatter_rows(x, sizes, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return gather_rows(grad, ctx.sizes, ctx.group), None, None
+_GatherRows, _ReduceScatterRows = conjugate_pair(gather_rows, reduce_scatter_rows)  # each the other's backward
 
 
 class ExpertTensorParallelRows:
