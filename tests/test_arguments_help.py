@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_every_flag_has_help():
-    """Every flag of the parser, also those a feature's flags module declares (moe/flags.py, compat_flags.py, ...)."""
+    """Every flag of the parser, also those a feature's flags module declares (config/moe_deepspeed.py, compat_flags.py, ...)."""
     parser = build_parser()
     flags = [action for action in parser._actions if action.option_strings]
     undocumented = sorted(a.option_strings[0] for a in flags if not (a.help or "").strip())
