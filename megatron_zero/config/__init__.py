@@ -26,6 +26,7 @@ from typing import Callable, Iterable
 
 from ..batch_schedule import BatchScheduleError
 from ..deepspeed_config import DeepSpeedConfigError, apply_deepspeed_config
+from ..moe.expert_counts import ExpertCountError
 from ..topology import TopologyError
 from . import checkpointing, data, log, model, moe, optimizer, parallel, runtime, training
 from .errors import ArgumentError
@@ -41,11 +42,12 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 def validate(args, world_size: int, given: set, feature_checks: Iterable[Callable] = ()) -> None:
     """Check `args` (parsed flags) for `world_size` ranks and fill in the derived values. `given`: the
-    destinations set on the command line (they win over the DeepSpeed JSON). Other modules' errors (the
-    JSON's, the batch schedule's, the layout's) become ArgumentError here, once."""
+    destinations set on the command line (they win over the DeepSpeed JSON). The errors of the rules other
+    modules own (the JSON's, the batch schedule's, the layout's, the expert count's) become ArgumentError
+    here, once."""
     try:
         _validate(args, world_size, given, feature_checks)
-    except (DeepSpeedConfigError, BatchScheduleError, TopologyError) as err:
+    except (DeepSpeedConfigError, BatchScheduleError, TopologyError, ExpertCountError) as err:
         raise ArgumentError(str(err)) from None
 
 

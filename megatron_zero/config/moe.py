@@ -8,7 +8,7 @@ import argparse
 
 from ..moe.expert_counts import check_expert_counts
 from ..topology import Layout
-from .errors import ArgumentError, require
+from .errors import require
 from .moe_deepspeed import add_deepspeed_moe_flags, apply_deepspeed_moe_flags
 from .moe_router import add_core_router_flags, check_core_router_flags
 
@@ -71,11 +71,8 @@ def check(args, layout: Layout, given: set) -> None:
         require(args.moe_expert_capacity_factor is None, "--moe-expert-capacity-factor configures MoE layers; "
                 "give --num-experts")
         return
-    try:
-        check_expert_counts(experts, args.moe_router_topk, ep)
-        layout.check_expert_parallel(ep, etp)
-    except ValueError as err:
-        raise ArgumentError(str(err)) from None
+    check_expert_counts(experts, args.moe_router_topk, ep)
+    layout.check_expert_parallel(ep, etp)
     require(args.moe_layer_freq >= 1, f"--moe-layer-freq {args.moe_layer_freq} must be at least 1")
     if args.moe_ffn_hidden_size is None:
         args.moe_ffn_hidden_size = args.ffn_hidden_size
