@@ -1,8 +1,10 @@
-"""Flags of the node-local checkpoint tier, under Megatron-LM's names; declared here, registered from
-arguments.py (add_local_tier_flags) and checked by check_local_tier_flags."""
+"""Flags of the node-local checkpoint tier (elastic/local_tier.py), under Megatron-LM's names; declared here,
+registered from arguments.py (FEATURES) and checked by check_local_tier_flags."""
 from __future__ import annotations
 
 import argparse
+
+from .config.errors import ArgumentError
 
 
 def add_local_tier_flags(p: argparse.ArgumentParser) -> None:
@@ -18,16 +20,16 @@ def add_local_tier_flags(p: argparse.ArgumentParser) -> None:
 
 
 def check_local_tier_flags(args) -> None:
-    """One sentence (ValueError) for flags of the tier that cannot work together."""
+    """One sentence (ArgumentError) for flags of the tier that cannot work together."""
     interval, kind, where = (args.non_persistent_save_interval, args.non_persistent_ckpt_type,
                              args.non_persistent_local_ckpt_dir)
     if interval is None and kind is None and where is None:
         return
     if interval is None or interval < 1:
-        raise ValueError(f"--non-persistent-save-interval {interval} must be at least 1 with "
+        raise ArgumentError(f"--non-persistent-save-interval {interval} must be at least 1 with "
                          "--non-persistent-ckpt-type or --non-persistent-local-ckpt-dir" if interval is not None else
                          "--non-persistent-ckpt-type and --non-persistent-local-ckpt-dir need "
                          "--non-persistent-save-interval N: how often to save to the local tier")
     if kind != "local" or not where:
-        raise ValueError("--non-persistent-save-interval needs --non-persistent-ckpt-type local and "
+        raise ArgumentError("--non-persistent-save-interval needs --non-persistent-ckpt-type local and "
                          "--non-persistent-local-ckpt-dir DIR (a directory on fast node-local storage)")
