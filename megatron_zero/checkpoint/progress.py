@@ -41,7 +41,7 @@ class Progress:
         self.done, self.bytes, self.every_s = 0, 0, every_s
         self.start = self.last_print = time.monotonic()
         self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
-        self._tenth, self.bar = 0, None
+        self._tenth, self._shown, self.bar = 0, -1, None
         if self.tty:
             try:
                 from tqdm import tqdm
@@ -79,15 +79,21 @@ class Progress:
             return
         tenth, now = int(10 * self.fraction), time.monotonic()
         if tenth > self._tenth or now - self.last_print >= self.every_s:
-            self._tenth, self.last_print = tenth, now
-            print(self.line(), file=self.stream, flush=True)
+            self._print(tenth, now)
+
+    def _print(self, tenth: int, now: float) -> None:
+        self._tenth, self.last_print, self._shown = tenth, now, self.done
+        print(self.line(), file=self.stream, flush=True)
 
     def close(self) -> None:
+        """End the bar; off a terminal, the last line shows where the work ended if no line has yet."""
         if self.bar is not None:
             self.bar.close()
             self.bar = None
         elif self.tty:
             print(file=self.stream, flush=True)
+        elif self.enabled and self.done and self._shown != self.done:
+            self._print(10, time.monotonic())
 
     def summary(self) -> str:
         return summary(self.what, self.done, self.bytes, time.monotonic() - self.start)

@@ -70,7 +70,7 @@ class StreamingPlanner(DefaultSavePlanner):
 class StreamingWriter(dcp.FileSystemWriter):
     """FileSystemWriter's single-file layout, each item dropped as soon as it is in the file."""
 
-    def __init__(self, path: str, on_written: Optional[Callable[[int], None]] = None):
+    def __init__(self, path: str, on_written: Optional[Callable[[str, int], None]] = None):
         super().__init__(path, single_file_per_rank=True, thread_count=1)
         self.on_written = on_written
 
@@ -93,7 +93,7 @@ class StreamingWriter(dcp.FileSystemWriter):
                 results.append(WriteResult(index=item.index, size_in_bytes=length,
                                            storage_data=_StorageInfo(name, offset, length)))
                 if self.on_written is not None and item.type != WriteItemType.BYTE_IO:
-                    self.on_written(length)
+                    self.on_written(item.index.fqn, length)
             f.flush()
             if self.sync_files:
                 os.fsync(f.fileno())
@@ -103,8 +103,9 @@ class StreamingWriter(dcp.FileSystemWriter):
 
 
 def save_streamed(directory: str, chunks: List[Chunk], blobs: Dict[str, bytes], produce: Callable,
-                  on_written: Optional[Callable[[int], None]] = None) -> None:
-    """Write `directory` (created) as a one-process DCP checkpoint of `chunks` and `blobs`."""
+                  on_written: Optional[Callable[[str, int], None]] = None) -> None:
+    """Write `directory` (created) as a one-process DCP checkpoint of `chunks` and `blobs`; on_written(fqn, bytes)
+    after each tensor."""
     os.makedirs(directory, exist_ok=True)
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.simplefilter("ignore", UserWarning)

@@ -253,6 +253,9 @@ def write_titan(files, config, directory: str, step: int, consumed_samples: int 
     blobs = {"train_state.step": object_bytes(int(step)),
              "train_state.ntokens_seen": object_bytes(int(consumed_samples) * config.seq_length),
              "train_state.consumed_train_samples": object_bytes(int(consumed_samples))}
-    on_written = (lambda n: progress.update(1, n)) if progress is not None else None
+    def on_written(fqn, nbytes):
+        if progress is not None and not fqn.endswith(".step"):  # the weights and moments are what is counted
+            progress.update(1, nbytes)
+
     save_streamed(directory, [c for *_, c in chunks], blobs, produce, on_written)
     return len(param_names(config))

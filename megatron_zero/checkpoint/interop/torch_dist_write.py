@@ -178,7 +178,7 @@ def write_torch_dist(source: str, out: str, target_tp: int = 1, verify: bool = T
     bar = Progress("convert_checkpoint", len(chunks), progress, total_bytes=total)
     os.makedirs(directory)
     try:
-        save_streamed(directory, chunks, blobs, produce, lambda n: bar.update(1, n))
+        save_streamed(directory, chunks, blobs, produce, lambda fqn, n: bar.update(1, n))
     finally:
         bar.close()
         files.close()
