@@ -100,7 +100,7 @@ def main():
                                                     "--output", os.path.join(out, "x"), "--vocab-size", str(a.vocab))))
     shutil.rmtree(td, ignore_errors=True)
     titan = os.path.join(root, "titan")
-    rows.append(("universal -> dcp (in memory)", convert("--from", "universal", "--to", "dcp", "--input", src,
+    rows.append(("universal -> dcp", convert("--from", "universal", "--to", "dcp", "--input", src,
                                                         "--output", titan, keep=True)))
     rows.append(("dcp -> universal", convert("--from", "dcp", "--to", "universal", "--input",
                                              os.path.join(titan, "step-10"),
