@@ -2,7 +2,7 @@
 
     bar = Progress("convert_checkpoint", total=48, total_bytes=4 << 30)
     bar.update(1, nbytes)          # per tensor written
-    bar.close()                    # ends the bar; summary(...) is the closing line the tool prints
+    bar.close()                    # ends the bar; the tool then prints its closing summary (with rate(...))
 
 On a terminal: tqdm's bar when tqdm is installed, else one self-overwriting line. Otherwise (a log file, a pipe,
 a batch job) a plain line each time another tenth of the work is done, and at least every `every_s` seconds
@@ -10,7 +10,8 @@ while it runs:
 
     convert_checkpoint: 12/48 tensors (25%), 1.20/4.80 GiB, 95.3 MiB/s, ETA 0:00:38
 
-The fraction is of the bytes where their total is known, else of the tensors.
+The fraction is of the bytes where their total is known, else of the tensors (or parameters: `unit`). Off a
+terminal, close() adds a last line where the work ended if none was printed there.
 """
 from __future__ import annotations
 
@@ -28,15 +29,15 @@ def _rate(nbytes: int, seconds: float) -> str:
     return f"{nbytes / 2**20 / seconds:.1f} MiB/s" if seconds > 0 else "- MiB/s"
 
 
-def summary(what: str, tensors: int, nbytes: int, seconds: float) -> str:
-    """The closing line: what was done, how much, how long, how fast."""
-    return f"{what}: {tensors} tensors, {nbytes / 2**30:.2f} GiB in {seconds:.1f} s ({_rate(nbytes, seconds)})"
+def rate(nbytes: int, seconds: float) -> str:
+    """`nbytes` over `seconds` as the closing summaries print it."""
+    return _rate(nbytes, seconds)
 
 
 class Progress:
     def __init__(self, what: str, total: int, enabled: bool = True, total_bytes: Optional[int] = None,
-                 stream=None, every_s: float = 30.0):
-        self.what, self.total, self.total_bytes, self.enabled = what, total, total_bytes, enabled
+                 stream=None, every_s: float = 30.0, unit: str = "tensors"):
+        self.what, self.total, self.total_bytes, self.enabled, self.unit = what, total, total_bytes, enabled, unit
         self.stream = stream if stream is not None else sys.stderr
         self.done, self.bytes, self.every_s = 0, 0, every_s
         self.start = self.last_print = time.monotonic()
@@ -49,7 +50,7 @@ class Progress:
                 tqdm = None
             if tqdm is not None:
                 unit = dict(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024) if total_bytes else \
-                    dict(total=total, unit="tensor")
+                    dict(total=total, unit=unit)
                 self.bar = tqdm(desc=what, file=self.stream, dynamic_ncols=True, **unit)
 
     @property
@@ -63,7 +64,7 @@ class Progress:
         of_bytes = f"/{self.total_bytes / 2**30:.2f}" if self.total_bytes else ""
         f = self.fraction
         eta = _clock(elapsed * (1 - f) / f) if 0 < f < 1 else ("0:00:00" if f >= 1 else "?")
-        return (f"{self.what}: {self.done}/{self.total} tensors ({100 * f:.0f}%), {self.bytes / 2**30:.2f}{of_bytes} "
+        return (f"{self.what}: {self.done}/{self.total} {self.unit} ({100 * f:.0f}%), {self.bytes / 2**30:.2f}{of_bytes} "
                 f"GiB, {_rate(self.bytes, elapsed)}, ETA {eta}")
 
     def update(self, n: int, nbytes: int) -> None:
@@ -94,6 +95,3 @@ class Progress:
             print(file=self.stream, flush=True)
         elif self.enabled and self.done and self._shown != self.done:
             self._print(10, time.monotonic())
-
-    def summary(self) -> str:
-        return summary(self.what, self.done, self.bytes, time.monotonic() - self.start)
