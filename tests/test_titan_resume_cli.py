@@ -3,7 +3,7 @@
 (--to dcp) and back (--from dcp --to universal); --universal-checkpoint resumes it, and iterations 4-6 log the
 uninterrupted run's losses within 1e-5 relative (tests/test_cli_resume.py's bound for a universal resume: fp32
 sums in another order, printed to 7 digits). Before, the round trip lost the samples consumed: the resumed run
-read the data from its start and iteration 4's loss differed by far more (the issue's run: 7.412 against 7.606).
+read the data from its start and iteration 4's loss differed by far more (7.412 against 7.606 in one such run).
 """
 import os
 

@@ -97,8 +97,11 @@ def check_output(fmt: str, out: str, iteration: int, force: bool = False, flag: 
         latest = os.path.join(parent, LATEST_UNIVERSAL)
         if not os.path.isfile(latest):
             return
-        with open(latest) as f:
-            named = f.read().strip()
+        try:
+            with open(latest, "rb") as f:
+                named = f.read(4096).decode("utf-8").strip()
+        except UnicodeDecodeError:  # a damaged pointer names nothing to protect; the loaders say so themselves
+            return
         newer = _universal_iteration(os.path.join(parent, named))
         if newer is not None and newer > iteration:
             raise CheckpointError(f"{latest} names {named}, a universal checkpoint at iteration {newer}, and writing "
