@@ -5,7 +5,7 @@ The peak is the kernel's high-water mark (VmHWM, reset once the imports are done
 so nothing is sampled or timed. The model: 6 Llama layers of hidden 256 (ffn 1024), 3 x 22 MiB of weights and
 Adam moments, largest tensor 2 MiB. The bound, 4 x the largest tensor + 24 MiB: a tensor, its parts
 (torchtitan splits QKV and SwiGLU's halves), a read's copy, and what torch's DCP planner, the allocator and
-the page tables keep (measured 7-18 MiB, the same at 6, 12 and 24 layers). Before the writers streamed,
+the page tables keep (measured 7-18 MiB at 12 and at 24 layers: it does not grow with the model). Before the writers streamed,
 universal -> dcp grew with the model (its whole state in memory: 218 MiB at 12 layers).
 """
 import os

@@ -81,7 +81,7 @@ def tool_peak_growth(script: str, *args: str) -> int:
     import subprocess
     import sys
     run = subprocess.run([sys.executable, "-c", _TOOL_PEAK, script, *args], capture_output=True, text=True,
-                         timeout=300)
+                         timeout=900)
     if run.returncode or "PEAK_GROWTH_KB" not in run.stderr:
         raise AssertionError(f"{script} failed ({run.returncode}): {run.stderr[-2000:]}")
     return int(run.stderr.rsplit("PEAK_GROWTH_KB", 1)[1].split()[0]) * 1024
