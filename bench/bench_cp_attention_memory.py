@@ -26,18 +26,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from bench_activation_memory import M_MMAP_THRESHOLD, _status_bytes, mib  # noqa: E402  (bench/ is sys.path[0])
 from megatron_zero.context_parallel import context_parallel_attention  # noqa: E402
 from megatron_zero.testing import run_ranks  # noqa: E402
-
-M_MMAP_THRESHOLD = -3
-
-
-def _status_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {key}")
 
 
 def measure(seq, heads, head_dim, backend):
@@ -55,10 +46,6 @@ def measure(seq, heads, head_dim, backend):
         elapsed = time.perf_counter() - start
         peak = _status_bytes("VmHWM") - before
     return peak, elapsed, 3 * q.numel() * 4
-
-
-def mib(n):
-    return f"{n / 2**20:8.1f}"
 
 
 def main():
