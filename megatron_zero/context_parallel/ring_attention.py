@@ -85,9 +85,10 @@ class RingAttention(torch.autograd.Function):
             if step + 1 < cp:
                 _wait(requests)
                 kv = incoming
-        ctx.save_for_backward(q, k, v, out, lse)
+        result = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, result if flash else out, lse)  # flash: the kernel's backward takes q's dtype
         ctx.meta = (seq_length, group, ranks, cp_rank, groups, heads, dropout, saved if flash else None)
-        return out.to(q.dtype)
+        return result
 
     @staticmethod
     def backward(ctx, dout):
@@ -95,10 +96,8 @@ class RingAttention(torch.autograd.Function):
         seq_length, group, ranks, cp_rank, groups, heads, dropout, saved = ctx.meta
         cp, scale, chunk = len(ranks), 1.0 / math.sqrt(q.shape[-1]), q.shape[2] // 2
         positions = [cp_positions(seq_length, cp, j, q.device) for j in range(cp)]
-        if saved is None:
+        if saved is None:  # (the flash kernel's backward forms delta itself)
             delta = (dout.float() * out).sum(dim=-1)
-        else:  # the kernel takes the merged output in its own dtype and forms delta itself
-            out = out.to(q.dtype)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         grad_in = grad_requests = None
