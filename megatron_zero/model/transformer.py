@@ -251,7 +251,8 @@ class ParallelAttention(nn.Module):
         core = partial(attention_core, backend=self.backend, dropout_p=self.dropout_p, training=self.training)
         if self.cp_group is not None:  # only the KV heads travel; expanded where they are used
             core = partial(context_parallel_attention, cp_group=self.cp_group, comm_type=self.cp_comm_type,
-                           core=core, dropout_p=self.dropout_p if self.training else 0.0, hierarchy=self.cp_hierarchy)
+                           core=core, dropout_p=self.dropout_p if self.training else 0.0, hierarchy=self.cp_hierarchy,
+                           backend=self.backend)
         else:
             k, v = expand_kv_heads(k, self.local_heads), expand_kv_heads(v, self.local_heads)
         context = checkpoint(core, q, k, v) if self.recompute_core else core(q, k, v)
