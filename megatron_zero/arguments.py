@@ -20,6 +20,7 @@ from .deepspeed_config import DeepSpeedConfigError, apply_deepspeed_config
 from .flag_refusals import refusals, unknown_flag_sentence
 from .moe.core_router_flags import add_core_router_flags, check_core_router_flags
 from .moe.flags import DeepSpeedMoEError, add_deepspeed_moe_flags, apply_deepspeed_moe_flags
+from .tensor_parallel.loss_flags import add_loss_flags
 from .model.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, default_ffn_hidden_size
 
 
@@ -306,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wandb-exp-name", type=str, default=None)
     g.add_argument("--wandb-save-dir", type=str, default=None, help="default: <--save>/wandb")
     add_compat_flags(p)
+    add_loss_flags(p)
     return p
 
 
