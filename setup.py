@@ -35,8 +35,9 @@ setup(
     extras_require={
         "wandb": ["wandb>=0.16"],
         "tiktoken": ["tiktoken>=0.7"],  # --tokenizer-type TikTokenizer
+        "plot": ["matplotlib>=3.5"],  # tools/plot_loss.py, the loss curve scripts/demo.sh draws
         "test": ["pytest>=7", "ruff>=0.5", "deepspeed>=0.16", "megatron-core>=0.10", "transformers>=4.40",
-                 "wandb>=0.16", "tiktoken>=0.7"],
+                 "wandb>=0.16", "tiktoken>=0.7", "matplotlib>=3.5"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,
