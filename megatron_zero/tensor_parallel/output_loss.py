@@ -23,6 +23,11 @@ Memory beyond the inputs and the weight gradient: one chunk's fp32 logits (which
 place), a model-dtype copy of it in bf16/fp16, and [tokens, hidden] fp32 for the hidden gradient; the
 unfused path holds the whole logits and their exponentials (bench/bench_output_loss.py measures both).
 No host reads: chunk bounds come from shapes, targets are tested on the device.
+
+Why PyTorch ops and not a Triton kernel (Liger-Kernel's fused linear cross-entropy): the time is in the
+GEMMs, which here are all tokens x V/16 columns (cuBLAS-sized on a GPU; a token-chunked kernel runs
+small-M GEMMs), the same code is exact against the unfused loss and runs on the CPU test machines, and it
+is vocab-parallel under TP, which Liger's kernel is not. The cost is the backward's recompute of the logits.
 """
 from __future__ import annotations
 
