@@ -19,11 +19,10 @@ from typing import Optional
 
 import torch
 
-from ...model.architecture import model_settings
+from ...model.architecture import gpt_config, model_settings
 from ...model.params import param_names, param_spec
 from ..errors import CheckpointError
 from ..format import LATEST_UNIVERSAL, STATE_KEYS, SUB_PARAMS_KEY, UNIVERSAL_CHECKPOINT_INFO
-from ..saved_config import config_from_args
 from ..storage.manifest import write_manifest
 from ..storage.tensor_io import save_file
 from .megatron_layout import TORCH_DIST, find_megatron_checkpoint
@@ -42,7 +41,7 @@ def config_from_common(common: dict, vocab_size: Optional[int], where: str):
     settings = {k: v for k, v in model_settings(args).items() if v is not None}
     if isinstance(args.get("moe_layer_freq"), (list, tuple)):
         settings.update(layer_pattern(list(args["moe_layer_freq"]), where))
-    return config_from_args({**args, **settings}, int(vocab)), args
+    return gpt_config({**args, **settings}, int(vocab)), args
 
 
 def layer_pattern(pattern: list, where: str) -> dict:

@@ -33,12 +33,11 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from ...model.architecture import model_settings
+from ...model.architecture import gpt_config, model_settings
 from ...model.params import param_names, param_spec
 from ..errors import CheckpointError
 from ..format import LATEST_ITERATION, STATE_KEYS, UNIVERSAL_CHECKPOINT_INFO, header_args
 from ..reshape.universal_load import ReshapedFiles, UniversalFiles, find_universal_dir
-from ..saved_config import config_from_args
 from ..storage.reader import open_directory
 from .mcore_names import EXPERTS, LAYERS, OPTIMIZER_PREFIX, mcore_location
 
@@ -99,7 +98,7 @@ def source_config(head: dict, where: str):
         raise CheckpointError(f"{where} records no model args or original vocabulary size "
                               "(universal_checkpoint_info), so the model it holds is unknown")
     settings = {k: v for k, v in model_settings(args).items() if v is not None}
-    return config_from_args({**args, **settings}, int(vocab)), args
+    return gpt_config({**args, **settings}, int(vocab)), args
 
 
 def megatron_args(config, args: dict, target_tp: int) -> Namespace:
