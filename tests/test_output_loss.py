@@ -21,7 +21,7 @@ from megatron_zero.ops.fusion_flags import set_fusion_flags
 from megatron_zero.tensor_parallel import vocab_parallel_cross_entropy
 from megatron_zero.tensor_parallel.output_loss import chunk_columns, vocab_parallel_linear_cross_entropy
 from megatron_zero.testing import run_ranks
-from megatron_zero.testing.flag_checks import BASE
+from megatron_zero.testing.flag_checks import BASE, refused
 from megatron_zero.testing.loss_memory import peaks_in_subprocess
 from megatron_zero.testing.tolerances import assert_close_normwise, gpt_path_length, model_rtol
 from megatron_zero.testing.trainer_losses import resume_flags, train_losses
@@ -183,6 +183,12 @@ def test_flags_set_the_switch():
     assert parse_args(BASE + ["--cross-entropy-loss-fusion"], world_size=1).cross_entropy_loss_fusion is True
     args = parse_args(BASE + ["--no-cross-entropy-loss-fusion"], world_size=1)
     assert fusion_flags(args)["cross_entropy_loss_fusion"] is False  # what the Trainer sets
+    assert parse_args(BASE + ["--cross-entropy-fusion-impl", "native"], world_size=1).cross_entropy_loss_fusion
+
+
+def test_transformer_engine_cross_entropy_refused_in_one_line(capsys):
+    line = refused(BASE + ["--cross-entropy-fusion-impl", "te"], 1, capsys)
+    assert "--cross-entropy-fusion-impl" in line and "native" in line
 
 
 @pytest.mark.slow
