@@ -153,7 +153,7 @@ def saved_between_forward_and_backward(sp):
     return sum(storages.values()), x.numel() * 4
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # default tier: test_recompute_matches_no_recompute_at_tp2_pp2_with_dropout (SP + full recompute)
 def test_sequence_parallel_full_recompute_keeps_only_the_layer_input_shards():
     """What full recomputation keeps is each layer's input, and with sequence parallelism that is this rank's
     shard of the tokens, never a view holding the whole [b, s, h] (bench/bench_activation_memory.py's 9.9 MiB

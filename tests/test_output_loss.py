@@ -191,7 +191,7 @@ def test_transformer_engine_cross_entropy_refused_in_one_line(capsys):
     assert "--cross-entropy-fusion-impl" in line and "native" in line
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # default tier: test_fused_tp2_matches_unfused_tp1, test_model_two_stages_fused_matches_reference_unfused
 @pytest.mark.multirank
 def test_trainer_tp2_pp2_sequence_parallel_fused_matches_unfused(builtin_corpus, tmp_path):
     """The real Trainer at TP2 x PP2 with sequence parallelism, the loss fused (default) and not: the first
