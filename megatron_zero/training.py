@@ -91,7 +91,8 @@ def param_groups(model, weight_decay: float, decoupled: bool = False):
 def fusion_flags(args) -> dict:
     """Megatron's --no-*-fusion flags as megatron_zero.ops switches."""
     return {name: getattr(args, name) for name in ("masked_softmax_fusion", "bias_gelu_fusion", "persist_layer_norm",
-                                                   "rope_fusion", "gradient_accumulation_fusion")}
+                                                   "rope_fusion", "gradient_accumulation_fusion",
+                                                   "cross_entropy_loss_fusion")}
 
 
 class Trainer:
