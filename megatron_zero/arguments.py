@@ -19,6 +19,7 @@ from .compat_flags import CompatError, add_compat_flags, validate_compat
 from .deepspeed_config import DeepSpeedConfigError, apply_deepspeed_config
 from .flag_refusals import refusals, unknown_flag_sentence
 from .moe.core_router_flags import add_core_router_flags, check_core_router_flags
+from .fp8.flags import add_fp8_flags, check_fp8_flags
 from .moe.flags import DeepSpeedMoEError, add_deepspeed_moe_flags, apply_deepspeed_moe_flags
 from .model.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, default_ffn_hidden_size
 
@@ -306,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wandb-exp-name", type=str, default=None)
     g.add_argument("--wandb-save-dir", type=str, default=None, help="default: <--save>/wandb")
     add_compat_flags(p)
+    add_fp8_flags(p)
     return p
 
 
@@ -368,6 +370,7 @@ def validate_args(args, world_size: int):
              f"--tensor-model-parallel-size {tp}")
     _validate_architecture(args, tp)
     _validate_moe(args, tp, dp)
+    check_fp8_flags(args, _require)
     _require(args.num_layers >= pp,
              f"--num-layers {args.num_layers} is fewer than --pipeline-model-parallel-size {pp}; "
              "every stage needs at least one layer")

@@ -37,6 +37,7 @@ from .throughput import gpt_flops_per_iteration
 from .lr_schedule import build_lr_schedule, decoupled_lr
 from .model.architecture import architecture_kwargs
 from .model.params import is_embedding_or_output
+from .model.transforms import apply_model_transforms, model_converters
 from .model.config import MOE_FIELDS, GPTConfig
 from .ops import kernel_report, require_fused_kernels, set_fusion_flags
 from .pipeline.gpt_stage import (activation_shape, build_gpt_stage, grad_reduce_arming, make_forward_step,
@@ -114,8 +115,10 @@ class Trainer:
             recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
             recompute_num_layers=args.recompute_num_layers, attention_backend=args.attention_backend,
             sequence_parallel=args.sequence_parallel, cp_comm_type=args.cp_comm_type)
-        self.model = build_gpt_stage(self.config, state, args.pipeline_partition_method, args.pipeline_partition,
-                                     device=self.device, virtual_stages=args.virtual_pipeline_model_parallel_size)
+        self.model = apply_model_transforms(
+            build_gpt_stage(self.config, state, args.pipeline_partition_method, args.pipeline_partition,
+                            device=self.device, virtual_stages=args.virtual_pipeline_model_parallel_size),
+            model_converters(args, state, self.device))
         self.forward_backward = schedule_for(args.virtual_pipeline_model_parallel_size)
         loss_scaler = {"dynamic": args.loss_scale is None, "static_scale": args.loss_scale or 1.0,
                        "initial_scale_power": int(math.log2(args.initial_loss_scale)),
