@@ -115,10 +115,9 @@ class Trainer:
             recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
             recompute_num_layers=args.recompute_num_layers, attention_backend=args.attention_backend,
             sequence_parallel=args.sequence_parallel, cp_comm_type=args.cp_comm_type)
-        self.model = apply_model_transforms(
-            build_gpt_stage(self.config, state, args.pipeline_partition_method, args.pipeline_partition,
-                            device=self.device, virtual_stages=args.virtual_pipeline_model_parallel_size),
-            model_converters(args, state, self.device))
+        self.model = build_gpt_stage(self.config, state, args.pipeline_partition_method, args.pipeline_partition,
+                                     device=self.device, virtual_stages=args.virtual_pipeline_model_parallel_size)
+        self.transforms = apply_model_transforms(self.model, model_converters(args, state, self.device))
         self.forward_backward = schedule_for(args.virtual_pipeline_model_parallel_size)
         loss_scaler = {"dynamic": args.loss_scale is None, "static_scale": args.loss_scale or 1.0,
                        "initial_scale_power": int(math.log2(args.initial_loss_scale)),
@@ -342,6 +341,8 @@ class Trainer:
                   + (f" (global batch {self.batch.global_batch_size(p.consumed_train_samples)}, growing to "
                      f"{self.batch.final})" if self.batch.varies else ""))
         self._log(kernel_report())
+        for line in self.transforms:
+            self._log(line)
         self.log.start()
         saved_at = None
         rules = StopRules(a.max_consecutive_skipped_iterations, a.check_for_nan_in_loss_and_grad,

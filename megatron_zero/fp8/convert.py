@@ -30,8 +30,8 @@ class Float8Converter:
         self.settings, self.cp_group = settings, cp_group
         self.config = settings.linear_config()
 
-    def __call__(self, model: torch.nn.Module) -> int:
-        """Convert in place; returns how many layers were converted."""
+    def __call__(self, model: torch.nn.Module) -> str:
+        """Convert in place; the log line says what."""
         count = 0
         for name, module in model.named_modules():
             cls = type(module)
@@ -40,4 +40,7 @@ class Float8Converter:
                 module.fp8 = Float8Matmul(self.config, SPLIT[cls], module.tp_group, self.cp_group,
                                           self.settings.margin)
                 count += 1
-        return count
+        s = self.settings
+        return (f"FP8 ({s.format}, {s.recipe} scaling{', emulated' if s.emulate else ''}"
+                f"{f', margin {s.margin}' if s.margin else ''}): {count} linear layers of this stage's blocks run "
+                "their GEMMs through torchao's float8")

@@ -1,8 +1,9 @@
 """Model transforms: converters applied to a built model stage before its optimizer is made.
 
-    model = apply_model_transforms(build_gpt_stage(...), model_converters(args, state, device))
+    model = build_gpt_stage(...)
+    report = apply_model_transforms(model, model_converters(args, state, device))  # a line per converter
 
-A converter is a callable `converter(model)` with a `name`, changing modules in place and keeping every
+A converter is a callable `converter(model) -> str` (a line for the log), changing modules in place and keeping every
 parameter object (the optimizer, ZeRO's partitions and hooks, and the checkpoint's names are built from
 them next, so a converted model saves and loads as the unconverted one). They apply in the listed order:
 FP8 matmuls (megatron_zero/fp8) first; a converter that compiles each block comes after the ones that
@@ -14,7 +15,7 @@ from typing import Callable, List
 
 import torch
 
-Converter = Callable[[torch.nn.Module], object]
+Converter = Callable[[torch.nn.Module], str]
 
 
 def model_converters(args, state, device: torch.device) -> List[Converter]:
@@ -29,7 +30,6 @@ def model_converters(args, state, device: torch.device) -> List[Converter]:
     return converters
 
 
-def apply_model_transforms(model: torch.nn.Module, converters: List[Converter]) -> torch.nn.Module:
-    for convert in converters:
-        convert(model)
-    return model
+def apply_model_transforms(model: torch.nn.Module, converters: List[Converter]) -> List[str]:
+    """Apply each converter in turn, in place; their log lines."""
+    return [convert(model) for convert in converters]
