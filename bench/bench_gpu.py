@@ -2,7 +2,7 @@
 
     python bench/bench_gpu.py [--sizes 350M,1.3B,llama3-8b] [--seq 2048] [--micro-batch 4] [--steps 10]
                               [--warmup 3] [--peak-tflops N] [--device cuda] [--tiny] [--no-offload]
-                              [--llama-layers N] [--llama-micro-batch 1] [--json PATH]
+                              [--llama-layers N] [--llama-micro-batch 1] [--json PATH] [--fp8 RECIPE]
 
 The model is megatron_zero's GPTModel (dropout 0):
   350M: 24 layers, hidden 1024, 16 heads;   1.3B: 24 layers, hidden 2048, 16 heads (GPT-2 layout,
@@ -21,6 +21,9 @@ The model is megatron_zero's GPTModel (dropout 0):
             before step + copy): offload / offl-old is what the overlap gains;
   baseline: the same GPTModel in fp32 under torch.autocast(bf16), fusions off (the PyTorch ops),
             torch.optim.AdamW(fused=True): the plain PyTorch mixed-precision loop.
+  fp8:      ours with the blocks' linear layers in FP8 (--fp8 tensorwise|rowwise: torchao's float8, hybrid
+            format, as --fp8-format hybrid --fp8-recipe RECIPE; emulated where the device has no FP8
+            tensor cores): fp8 / ours is FP8's gain over bf16.
 Same random tokens, same AdamW hyper-parameters. tokens/s = micro-batch * seq / median step time;
 MFU = model FLOPs per step (megatron_zero.throughput, Megatron's count) / step time / the device's
 peak dense bf16 FLOP/s (a table of known GPUs, or --peak-tflops). The two sides alternate step
@@ -91,8 +94,13 @@ def build(size, seq, device, dtype):
         return GPTModel(cfg), cfg
 
 
-def ours_step(size, seq, device, offload="none", step_plus_copy=True):
+def ours_step(size, seq, device, offload="none", step_plus_copy=True, fp8=None):
     model, cfg = build(size, seq, device, torch.bfloat16)
+    if fp8:
+        from megatron_zero.fp8.convert import Float8Converter
+        from megatron_zero.fp8.settings import Float8Settings, has_fp8_tensor_cores
+
+        Float8Converter(Float8Settings("hybrid", fp8, emulate=not has_fp8_tensor_cores(device)), device)(model)
     opt = ZeroOptimizer(list(model.named_parameters()), stage=1, dtype="bf16", lr=1e-4, weight_decay=0.01,
                         clip_grad=1.0, device=device, offload=offload)
     if not step_plus_copy:  # write_weights brings the fp32 masters up after the whole CPU step
@@ -146,6 +154,8 @@ def build_parser():
                     help="llama3-8b: layers to build (default: as many as the free memory holds)")
     ap.add_argument("--llama-micro-batch", type=int, default=1)
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    ap.add_argument("--fp8", default=None, choices=["tensorwise", "rowwise"],
+                    help="add an fp8 row: ours with torchao's float8 GEMMs at this recipe (needs torchao)")
     return ap
 
 
@@ -180,6 +190,8 @@ def bench_size(size, seq, micro_batch, a, device, peak):
     """Every side of one model size, timed and printed; -> the rows (dicts) for --json."""
     gen = torch.Generator().manual_seed(0)
     sides = [("baseline", baseline_step), ("ours", ours_step)]
+    if a.fp8:
+        sides.append(("fp8", lambda *x: ours_step(*x, fp8=a.fp8)))
     if not a.no_offload and size != "llama3-8b":
         sides += [("offload", lambda *x: ours_step(*x, offload="cpu")),
                   ("offl-old", lambda *x: ours_step(*x, offload="cpu", step_plus_copy=False))]

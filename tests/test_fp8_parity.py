@@ -96,7 +96,7 @@ def _layout_and_broken(**layout):
 
 def _assert_layout(world, dp=1, scales=True, **layout):
     runs = run_ranks(_layout_and_broken, world, timeout=600, **layout)
-    reference = reference_run(Float8Settings("hybrid", layout.get("recipe", "tensorwise"), emulate=True))
+    reference = reference_run(Float8Settings("hybrid", layout.get("recipe", "tensorwise"), emulate=True), dp)
     for good, broken in runs:
         _check(good, reference, dp, scales)
         with pytest.raises(AssertionError):
@@ -110,14 +110,17 @@ def test_tp2_sequence_parallel_matches_one_process():
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 3])
 def test_tp2_dp2_zero_matches_one_process(stage):
+    """The default tier's claim (test_tp2_sequence_parallel_matches_one_process) with DP2 at ZeRO-1/3."""
     _assert_layout(4, dp=2, tp=2, stage=stage)
 
 
 @pytest.mark.slow
 def test_tp2_pp2_matches_one_process():
+    """The same claim with PP2 (the losses and norms; a pipeline casts in another order)."""
     _assert_layout(4, scales=False, tp=2, pp=2)
 
 
 @pytest.mark.slow
 def test_tp2_rowwise_matches_one_process():
+    """The same claim for the rowwise recipe."""
     _assert_layout(2, tp=2, sequence_parallel=True, recipe="rowwise")

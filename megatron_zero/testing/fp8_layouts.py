@@ -54,9 +54,12 @@ class _ScaleLog:
         matmul.amax_to_scale = self._inner
 
 
-def reference_run(settings, steps=STEPS):
+def reference_run(settings, dp=1, steps=STEPS):
     """The one-process FP8 model on every step's global batch, one sample a micro-batch (forward then backward
-    each, as the schedule at PP 1): per step the loss and gradient norm, per step and micro-batch the scales."""
+    each, as the schedule at PP 1): per step the loss and gradient norm, per step and micro-batch the scales.
+    The loss is normalised as a DP rank of a `dp`-way run does (by its micro-batch count; the gradients then
+    averaged over DP), so the output gradients, and their scales, are that rank's; the sums are the same
+    (dp a power of 2: exactly)."""
     model = reference_model(config())
     Float8Converter(settings, CPU)(model)
     opt = torch.optim.AdamW(model.parameters(), **HP)
@@ -67,10 +70,12 @@ def reference_run(settings, steps=STEPS):
         total, per_micro = 0.0, []
         for j in range(GLOBAL_BATCH):
             with _ScaleLog() as log:
-                loss = model(tokens[j:j + 1], labels=labels[j:j + 1]) / GLOBAL_BATCH
+                loss = model(tokens[j:j + 1], labels=labels[j:j + 1]) / (GLOBAL_BATCH // dp)
                 loss.backward()
-            total += loss.item()
+            total += loss.item() / dp
             per_micro.append(log.scales)
+        for p in model.parameters():
+            p.grad /= dp
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).item())
         opt.step()
         losses.append(total)
