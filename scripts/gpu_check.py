@@ -21,6 +21,7 @@ It uses the machine's own python and torch (no virtual environment): the kernels
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -39,7 +40,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
 GPU_TEST_FILES = ("test_ops_cuda.py", "test_gpu_training.py", "test_zero_offload.py", "test_zero_offload_upload.py",
                   "test_checkpoint_staging.py", "test_universal_deepspeed.py", "test_context_parallel_gpu.py",
-                  "test_moe_gpu.py", "test_moe_grouped_gemm.py")
+                  "test_moe_gpu.py", "test_moe_grouped_gemm.py", "test_fp8_gpu.py")
 MODULES = ("numpy", "crc32c", "safetensors", "pytest", "setuptools", "tokenizers", "sentencepiece", "tensorboard")
 NEEDED = ("numpy", "crc32c", "pytest", "setuptools")  # training, checkpoints, the tests, the build
 
@@ -181,9 +182,10 @@ def plan(ngpus: int, work: str) -> List[Step]:
                                              os.path.join(ROOT, "tests", name)], timeout=1800, kind="pytest")
               for name in GPU_TEST_FILES]
     steps += training_steps(ngpus, work) + checkpoint_steps(ngpus, work)
+    fp8 = ["--fp8", "tensorwise"] if importlib.util.find_spec("torchao") else []  # the fp8 row where torchao is
     steps.append(Step("bench/bench_gpu.py: 1.3B GPT and Llama-3-8B-shaped", [
         PY, os.path.join(ROOT, "bench", "bench_gpu.py"), "--sizes", "1.3B,llama3-8b", "--json",
-        os.path.join(work, "bench_gpu.json")], timeout=2400, kind="bench"))
+        os.path.join(work, "bench_gpu.json")] + fp8, timeout=2400, kind="bench"))
     return steps
 
 

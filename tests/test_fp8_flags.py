@@ -18,7 +18,7 @@ pytest.importorskip("torchao.float8")
     (dict(fp8_param_gather=True, fp8_format="hybrid"), ["--fp8-param-gather is refused", "FSDP2"]),
     (dict(fp8_emulate=True), ["--fp8-format turns on", "--fp8-emulate"]),
     (dict(fp8_format="e4m3", fp8_margin=-1), ["--fp8-margin -1"]),
-    (dict(fp8_format="e4m3", num_experts=4), ["--num-experts", "grouped GEMM"]),
+    (dict(fp8_format="e4m3", num_experts=4), ["--num-experts", "grouped-GEMM"]),
 ])
 def test_fp8_flags_refused_in_one_sentence(changes, words, capsys):
     err = refused(with_flags(BASE, **changes), 2, capsys)

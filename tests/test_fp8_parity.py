@@ -6,7 +6,7 @@ Multi-rank: every FP8 cast's scale, each step's loss and gradient norm equal the
 reference's within fp8_same_scale_rtol (megatron_zero/testing/tolerances.py says why that bound holds),
 and the same run with the amaxes not reduced over TP (or CP) fails that check: the check is what
 catches a scale taken from a shard. TP2 with SP runs in the default tier; DP2 at ZeRO-1 and ZeRO-3,
-PP2, CP2 and TP2 rowwise under `slow`.
+PP2 (TP2 x PP2), CP2 and TP2 rowwise under `slow`.
 """
 import pytest
 import torch
@@ -96,7 +96,8 @@ def _layout_and_broken(**layout):
 
 def _assert_layout(world, dp=1, scales=True, **layout):
     runs = run_ranks(_layout_and_broken, world, timeout=600, **layout)
-    reference = reference_run(Float8Settings("hybrid", layout.get("recipe", "tensorwise"), emulate=True), dp)
+    reference = reference_run(Float8Settings("hybrid", layout.get("recipe", "tensorwise"), emulate=True), dp,
+                              layout.get("cp", 1))
     for good, broken in runs:
         _check(good, reference, dp, scales)
         with pytest.raises(AssertionError):
@@ -118,6 +119,12 @@ def test_tp2_dp2_zero_matches_one_process(stage):
 def test_tp2_pp2_matches_one_process():
     """The same claim with PP2 (the losses and norms; a pipeline casts in another order)."""
     _assert_layout(4, scales=False, tp=2, pp=2)
+
+
+@pytest.mark.slow
+def test_cp2_matches_one_process():
+    """The same claim with CP2 (the tokens split: the activations' and output gradients' amaxes over CP)."""
+    _assert_layout(2, cp=2)
 
 
 @pytest.mark.slow

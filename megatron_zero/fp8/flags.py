@@ -40,8 +40,9 @@ def check_fp8_flags(args, require) -> Float8Settings:
         return None
     require(args.fp8_margin >= 0, f"--fp8-margin {args.fp8_margin} must not be negative")
     require(args.num_experts is None,
-            "--fp8-format with --num-experts: the experts' grouped GEMMs have no FP8 path here (torchao's FP8 "
-            "grouped GEMM for MoE training is a prototype, CUDA only); train the MoE model in --bf16")
+            "--fp8-format with --num-experts: FP8 experts are not built here (the grouped-GEMM and expert-TP "
+            "paths multiply the experts' weights outside the linear layers the FP8 converter replaces); train "
+            "the MoE model in --bf16")
     try:
         import_torchao_float8()
     except Float8Error as err:

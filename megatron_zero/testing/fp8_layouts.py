@@ -12,15 +12,16 @@ import torch.distributed as dist
 from ..fp8 import matmul
 from ..fp8.convert import Float8Converter
 from ..fp8.settings import Float8Settings
+from ..context_parallel import slice_batch_for_cp
 from ..model import reference_model
 from ..pipeline.gpt_stage import activation_shape, build_gpt_stage
 from ..pipeline.p2p import P2P
 from ..topology import build_parallel_state
 from ..zero import ZeroOptimizer
 from .tiny_gpt import tiny_llama_config
-from .train_step import train_steps
+from .train_step import pipeline_train_step
 
-STEPS, GLOBAL_BATCH = 2, 4
+STEPS, GLOBAL_BATCH = 2, 2
 HP = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
 CPU = torch.device("cpu")
 
@@ -54,12 +55,13 @@ class _ScaleLog:
         matmul.amax_to_scale = self._inner
 
 
-def reference_run(settings, dp=1, steps=STEPS):
+def reference_run(settings, dp=1, cp=1, steps=STEPS):
     """The one-process FP8 model on every step's global batch, one sample a micro-batch (forward then backward
     each, as the schedule at PP 1): per step the loss and gradient norm, per step and micro-batch the scales.
     The loss is normalised as a DP rank of a `dp`-way run does (by its micro-batch count; the gradients then
-    averaged over DP), so the output gradients, and their scales, are that rank's; the sums are the same
-    (dp a power of 2: exactly)."""
+    averaged over DP), and with `cp` as a CP rank's (its tokens' loss counted cp times, the gradients averaged
+    over DP x CP), so the output gradients, and their scales, are that rank's; the sums are the same (dp and
+    cp powers of 2: exactly)."""
     model = reference_model(config())
     Float8Converter(settings, CPU)(model)
     opt = torch.optim.AdamW(model.parameters(), **HP)
@@ -70,12 +72,12 @@ def reference_run(settings, dp=1, steps=STEPS):
         total, per_micro = 0.0, []
         for j in range(GLOBAL_BATCH):
             with _ScaleLog() as log:
-                loss = model(tokens[j:j + 1], labels=labels[j:j + 1]) / (GLOBAL_BATCH // dp)
+                loss = model(tokens[j:j + 1], labels=labels[j:j + 1]) * cp / (GLOBAL_BATCH // dp)
                 loss.backward()
-            total += loss.item() / dp
+            total += loss.item() / (dp * cp)
             per_micro.append(log.scales)
         for p in model.parameters():
-            p.grad /= dp
+            p.grad /= dp * cp
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).item())
         opt.step()
         losses.append(total)
@@ -107,12 +109,22 @@ def fp8_layout_run(tp=1, pp=1, cp=1, stage=1, sequence_parallel=False, recipe="t
         for m in model.modules():
             if getattr(m, "fp8", None) is not None:
                 m.fp8.cp_group = None
+    per_replica = GLOBAL_BATCH // state.data_parallel_size
+    first = state.data_parallel_rank * per_replica
+    losses, norms = [], []
     try:
         with _ScaleLog() as log:
-            losses, norms = train_steps(model, opt, state, p2p, batch, STEPS, GLOBAL_BATCH)
+            for step in range(STEPS):
+                tokens, labels = batch(step)
+                micro = [slice_batch_for_cp({"tokens": tokens[j:j + 1], "labels": labels[j:j + 1],
+                                             "loss_mask": torch.ones(1, labels.shape[1])}, cp, state.cp_rank)
+                         for j in range(first, first + per_replica)]
+                loss, norm = pipeline_train_step(model, opt, state, p2p, micro)
+                losses.append(loss)
+                norms.append(norm)
     finally:
         matmul.TP_SPLIT.clear()
         matmul.TP_SPLIT.update(saved)
     dist.barrier()
-    return {"dp_rank": state.dp_rank, "losses": losses, "norms": norms, "scales": log.scales}
+    return {"dp_rank": state.data_parallel_rank, "losses": losses, "norms": norms, "scales": log.scales}
 
