@@ -101,7 +101,7 @@ class BatchSchedule:
                 consumed += size
                 iterations += 1
             return iterations
-        return -(-train_samples // self.final)
+        return train_samples // self.final  # Megatron-LM's: a partial last batch is dropped
 
 
 def _count(text: str, flag: str) -> int:

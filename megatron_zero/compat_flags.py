@@ -186,7 +186,7 @@ def _schedule_units(args) -> None:
         args.lr_schedule_unit, per_step, decay, warmup = "iterations", 1, args.lr_decay_iters, args.lr_warmup_iters
     if args.lr_warmup_fraction is not None:
         _require(0 <= args.lr_warmup_fraction <= 1, f"--lr-warmup-fraction {args.lr_warmup_fraction} must lie in [0, 1]")
-        warmup = int(args.lr_warmup_fraction * decay)
+        warmup = args.lr_warmup_fraction * decay  # a float, as Megatron-LM's lr_warmup_steps
     args.lr_schedule_per_step, args.lr_schedule_warmup, args.lr_schedule_decay = per_step, warmup, decay
 
 

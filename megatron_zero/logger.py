@@ -2,7 +2,7 @@
 
 The train line is Megatron-LM's (timestamp, iteration, consumed samples, time per iteration, model
 TFLOP/s per rank, learning rate, batch size, the loss averaged over the iterations since the last
-line, loss scale, grad norm, skipped and nan counts) plus tokens per second and MFU. `ScalarLog`
+line, loss scale, grad norm, skipped and nan counts) plus tokens per second and MFU (where a peak is known). `ScalarLog`
 writes each scalar against the iteration and, for Megatron's "vs samples" tags, against consumed
 samples; wandb (--wandb-project) receives the iteration-indexed ones, as Megatron's wandb writer.
 """
@@ -30,8 +30,9 @@ def format_train_line(iteration: int, train_iters: int, consumed: int, ms_per_it
         line += f"params norm: {params_norm:.3f} | "
     line += (f"number of skipped iterations: {skipped:3d} | number of nan iterations: {nan_iters:3d} | "
              f"tokens per second: {tokens_per_s:.0f} | ")
-    line += f"MFU: {100 * mfu:.2f}% |" if mfu is not None else "MFU: n/a (no peak known; give --peak-tflops) |"
-    return line
+    if mfu is not None:  # without a known peak the field is left out (the start of the run says why once)
+        line += f"MFU: {100 * mfu:.2f}% |"
+    return line.rstrip(" ")
 
 
 def format_eval_line(iteration: int, loss: float, prefix: str = "validation") -> str:

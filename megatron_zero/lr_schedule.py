@@ -15,7 +15,9 @@ class LRSchedule:
         if decay_style not in ("constant", "linear", "cosine"):
             raise ValueError(f"lr decay style {decay_style!r} must be constant, linear or cosine")
         self.max_lr, self.min_lr = float(max_lr), float(min_lr)
-        self.warmup_steps, self.decay_steps = int(warmup_steps), int(decay_steps)
+        # warm-up may be fractional (--lr-warmup-fraction x decay: Megatron-LM keeps the product, not its floor)
+        self.warmup_steps = warmup_steps if isinstance(warmup_steps, float) else int(warmup_steps)
+        self.decay_steps = int(decay_steps)
         self.decay_style = decay_style
         self.num_steps = int(num_steps)
 

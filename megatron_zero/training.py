@@ -31,7 +31,7 @@ from .data import DataError, GlobalBatchSampler, build_tokenizer, build_train_va
 from .device import DeviceError, backend_for, select_device, to_device, use_device
 from .distributed import (LaunchError, another_rank_failed, init_distributed, is_peer_failure, read_launch_env,
                           record_peer_loss, report_failure, shutdown_distributed, stop_with_launcher)
-from .exit_signal import ExitPolicy
+from .exit_signal import INTERRUPTED, ExitPolicy, ctrl_c_line, report_interrupt
 from .logger import format_eval_line
 from .throughput import gpt_flops_per_iteration
 from .lr_schedule import build_lr_schedule, decoupled_lr
@@ -45,6 +45,7 @@ from .pipeline.gpt_stage import (activation_shape, build_gpt_stage, grad_reduce_
 from .pipeline.interleaved_schedule import schedule_for
 from .pipeline.schedule import broadcast_loss, reduce_loss
 from .rng_state import get_rng_state, set_rng_state
+from .run_summary import RunSummary
 from .shm_comm import set_shared_memory_comm
 from .stop_rules import RunStopped, StopRules
 from .step_hooks import StepHooks
@@ -54,7 +55,7 @@ from .timers import TimedCalls
 from .topology import build_hpz_group, build_parallel_state
 from .training_log import TrainingLog, architecture_name
 from .moe import reset_aux_losses, set_aux_loss_scale
-from .moe.metrics import NAMES, SEQ_NAMES, MoEMetrics
+from .moe.metrics import MoEMetrics, logged_names
 from .zero import ZeroOptimizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -139,8 +140,8 @@ class Trainer:
             grad_reduce_in_bf16=args.grad_reduce_in_bf16,
             cpu_optimizer_threads=args.cpu_optimizer_threads, expert_dp_group=state.expert_dp_group)
         moe_layers = sum(self.config.is_moe_layer(b) for b in range(self.config.num_layers))
-        self.moe_metrics = MoEMetrics(moe_layers, self.device, SEQ_NAMES if args.moe_router_load_balancing_type
-                                      == "seq_aux_loss" else NAMES) if moe_layers else None
+        logged = logged_names(self.config)  # the MoE losses the flags compute (none: no MoE log line)
+        self.moe_metrics = MoEMetrics(moe_layers, self.device, logged) if moe_layers and logged else None
         self.lr_schedule = build_lr_schedule(args)
         self.batch = args.batch_schedule  # the global batch of each iteration, from the samples consumed
         self.progress = TrainState()
@@ -258,8 +259,9 @@ class Trainer:
         seconds, directory = time.monotonic() - start, os.path.join(save_dir, tag)
         self.last_checkpoint = directory
         if self.is_writer:  # a synchronous save is committed on return: its manifest lists every file
-            self._log(async_started_line(directory, seconds) if a.async_save else
-                      saved_line(directory, seconds, checkpoint_size(directory)))
+            light = weights_only or a.no_save_optim
+            self._log(async_started_line(directory, seconds, light) if a.async_save else
+                      saved_line(directory, seconds, checkpoint_size(directory), light))
         if a.save_16bit_model:  # from the committed files, so an async save is waited for first
             ckpt.finalize_async_saves()
             save_16bit_model(os.path.join(a.save, tag), torch.bfloat16 if a.params_dtype == "fp32" else
@@ -319,7 +321,8 @@ class Trainer:
     # ---- the loop --------------------------------------------------------------------
     def train(self) -> int:
         a, s, p = self.args, self.state, self.progress
-        policy = ExitPolicy(a.exit_signal_handler, a.exit_duration_in_mins, a.exit_interval, device=self.device)
+        policy = ExitPolicy(a.exit_signal_handler, a.exit_duration_in_mins, a.exit_interval, device=self.device,
+                            ctrl_c=True, announce=ctrl_c_line(bool(a.save)) if self.is_writer else None)
         if p.iteration >= a.train_iters:  # a resume of a finished run: say so, and leave the checkpoint alone
             limit = (f"--train-iters {a.train_iters}; raise --train-iters above {p.iteration}"
                      if a.train_samples is None else
@@ -344,6 +347,7 @@ class Trainer:
         for line in self.transforms:
             self._log(line)
         self.log.start()
+        summary = RunSummary(p, a.seq_length, self.log.flops / a.global_batch_size, s.layout.world_size, self.log.peak)
         saved_at = None
         rules = StopRules(a.max_consecutive_skipped_iterations, a.check_for_nan_in_loss_and_grad,
                           self.optimizer.loss_scaler.dynamic)
@@ -365,8 +369,9 @@ class Trainer:
             loss, lr, updated, grad_norm = self.train_step(micro, policy.votes)
             p.iteration += 1
             p.consumed_train_samples += gbs
-            self.lr_schedule.step(lr_increment(a, gbs))  # 1, or this step's samples / tokens
-            if not updated:
+            if updated:  # as Megatron-LM (and DeepSpeed): a skipped step does not advance the schedule
+                self.lr_schedule.step(lr_increment(a, gbs))  # 1, or this step's samples / tokens
+            else:
                 p.skipped_iterations += 1
             self.hooks.after_step(p.iteration)
             self.log.iteration(p, gbs, loss, lr, grad_norm, self.optimizer.loss_scale, updated,
@@ -389,6 +394,7 @@ class Trainer:
                 self.log.scalars.scalar("lm loss validation ppl", math.exp(min(20.0, val)), p.iteration,
                                         p.consumed_train_samples)
                 self._log(format_eval_line(p.iteration, val))
+                summary.validated(p.iteration, val)
             if save_now:
                 self.hooks.before_eval_or_save()
                 self.save()
@@ -407,6 +413,7 @@ class Trainer:
         if a.save and saved_at != p.iteration:
             self.save()
         ckpt.finalize_async_saves()
+        self._log(summary.line(p, self.log.last_loss, self.last_checkpoint))
         policy.restore()
         self.hooks.close()
         self.prefetch.close()
@@ -442,9 +449,9 @@ class Trainer:
 
 
 def pretrain(argv=None) -> int:
-    """Train as the flags say. Exit code 0 when done (or stopped by a signal, saved); 2 on bad input, or a run
-    that stopped learning (stop_rules.py): one sentence from the rank that found it, the other ranks quiet
-    (also 2); 1 when a rank lost contact with another that said nothing."""
+    """Train as the flags say. Exit code 0 when done (or stopped by a signal or Ctrl-C, saved); 2 on bad input, or
+    a run that stopped learning (stop_rules.py): one sentence from the rank that found it, the other ranks quiet
+    (also 2); 1 when a rank lost contact with another that said nothing; 130 when stopped at once by Ctrl-C."""
     lock = trainer = state = None
     try:
         launch = read_launch_env()
@@ -461,6 +468,8 @@ def pretrain(argv=None) -> int:
                                      etp=args.expert_tensor_parallel_size, cp_a2a=cp_a2a_size(args))
         trainer = Trainer(args, state, device)
         code = trainer.train()
+    except KeyboardInterrupt:  # Ctrl-C before training, or a second one during it (exit_signal.py)
+        code = report_interrupt(getattr(trainer, "last_checkpoint", None))
     except (ArgumentError, LaunchError, DeviceError, DataError, ckpt.CheckpointError, RunStopped) as err:
         report_failure(str(err), lambda line: print(f"pretrain_gpt.py: error: {line}", file=sys.stderr, flush=True))
         code = 2
@@ -480,8 +489,10 @@ def pretrain(argv=None) -> int:
         if lock is not None:
             lock.release()
         trainer = state = None  # their process groups are freed in shutdown_distributed
-    if code and dist.is_initialized() and dist.get_world_size() > 1:
+    if code == INTERRUPTED or code and dist.is_initialized() and dist.get_world_size() > 1:
         sys.stdout.flush()
-        os._exit(code)  # peers may be gone: tearing the process group down would only wait on them
+        # peers may be gone: tearing the process group down would only wait on them; after Ctrl-C, at once (no
+        # wait for a save's or the read-ahead's threads)
+        os._exit(code)
     shutdown_distributed()
     return code

@@ -51,10 +51,15 @@ class TrainingLog:
         self._loss_sum, self._loss_count, self._iters, self._samples = 0.0, 0, 0, 0
         self._pending = []  # (iteration, consumed samples, loss on the device, updated) not yet read
         self.first_nonfinite_loss = None  # (iteration, loss) of the first inf/NaN loss read (stop_rules.py)
+        self.last_loss = None  # (iteration, loss) of the newest loss read (the run's summary)
         self._last = time.monotonic()
 
     def start(self):
-        """The clock for the first interval starts here (after loading and building the data)."""
+        """The clock for the first interval starts here (after loading and building the data); without a known
+        peak, one line says that MFU is left out of the log lines, and how to get it."""
+        if self.peak is None:
+            self.print(f"MFU is not reported: no peak TFLOP/s is known for {self.device.type} ({self.args.params_dtype}); "
+                       "give --peak-tflops to get it in every log line")
         self._last = time.monotonic()
 
     def iteration(self, progress, global_batch: int, loss: torch.Tensor, lr: float, grad_norm, loss_scale: float,
@@ -105,6 +110,7 @@ class TrainingLog:
         if not self._pending:
             return
         values = torch.cat([loss for _, _, loss, _ in self._pending]).tolist()
+        self.last_loss = (self._pending[-1][0], values[-1])
         for (it, samples, _, updated), loss in zip(self._pending, values):
             self.scalars.scalar("lm loss", loss, it, samples)
             if loss != loss:

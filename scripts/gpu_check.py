@@ -4,19 +4,26 @@
                                                3: no CUDA device, 2: bad usage)
     python scripts/gpu_check.py --plan N       print the steps for N GPUs, run nothing (also GPU_CHECK_DRY_RUN=1,
                                                with GPU_CHECK_GPUS=N)
+    python scripts/gpu_check.py --budget SECONDS REPORT.md
+                                               the same within SECONDS of wall time: each step's timeout is cut
+                                               to what is left, and the steps after it are reported as not run
+                                               (exit 4 when nothing failed but some did not run)
 
 It uses the machine's own python and torch (no virtual environment): the kernels are built in place
-(`setup.py build_ext --inplace`) and every step runs from this checkout (PYTHONPATH). The steps:
-  environment, python modules, kernel build, kernels present (--require-fused-kernels' rule), data (Python's
-  pydoc topics as bytes: tools/preprocess_data.py with the ByteTokenizer, no download, no SentencePiece),
-  the CUDA compile test and the `gpu`-marked tests (one step per file), short training runs per layout that
-  fits (1 GPU: TP1 bf16 with the fused kernels, full recompute, flash attention; a Llama-shaped run; offload;
-  >= 2 GPUs: TP2, PP2, DP2 with ZeRO-1/2/3, offload; >= 4: TP2 x PP2; >= 8: TP2 x PP2 x DP2), a save and a resume
-  (1 GPU: save, resume, tools/ds_to_universal.py, universal resume; >= 2: save at TP2, reshaped resume at DP2,
-  universal resume at PP2), and bench/bench_gpu.py (MFU of a 1.3B GPT and a Llama-3-8B-shaped model cut to
-  the layers that fit). While a step runs, the peak GPU memory (nvidia-smi) and each process's host RSS are
-  sampled; training steps report their last logged MFU, TFLOP/s per GPU and loss. Logs: GPU_CHECK_WORKDIR
-  (default runs/gpu_check)/logs.
+(`setup.py build_ext --inplace`) and every step runs from this checkout (PYTHONPATH). The steps, in priority
+order (a short GPU slot with --budget runs the first ones): environment, python modules, kernel build, kernels
+present (--require-fused-kernels' rule), data (Python's pydoc topics as bytes: tools/preprocess_data.py with the
+ByteTokenizer, no download, no SentencePiece), short training runs per layout that fits (1 GPU: TP1 bf16 with
+the fused kernels, full recompute, flash attention; a Llama-shaped run; offload; >= 2 GPUs: TP2, PP2, DP2 with
+ZeRO-1/2/3, offload; >= 4: TP2 x PP2; >= 8: TP2 x PP2 x DP2), a save and a resume (1 GPU: save, resume,
+tools/ds_to_universal.py, universal resume; >= 2: save at TP2, reshaped resume at DP2, universal resume at PP2),
+bench/bench_gpu.py (a 1.3B GPT and Llama-3-8B's shape at vocabulary 128256, seq 8192, cut to the layers that
+fit: ours, the plain PyTorch loop and pretrain_gpt.py on mock data, MFU and peak memory each), then the
+`gpu`-marked tests, one step per file, the files most likely to find something first (GPU_TEST_FILES), the
+CUDA compile test last (the build already compiled every kernel). While a step runs, the peak GPU memory
+(nvidia-smi) and each process's host RSS are sampled; training steps report their last logged MFU, TFLOP/s per
+GPU and loss. The report is rewritten after every step (a machine taken away mid-run leaves it). Logs:
+GPU_CHECK_WORKDIR (default runs/gpu_check)/logs.
 """
 from __future__ import annotations
 
@@ -38,9 +45,12 @@ from typing import Dict, List
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
-GPU_TEST_FILES = ("test_ops_cuda.py", "test_gpu_training.py", "test_zero_offload.py", "test_zero_offload_upload.py",
-                  "test_checkpoint_staging.py", "test_universal_deepspeed.py", "test_context_parallel_gpu.py",
-                  "test_moe_gpu.py", "test_moe_grouped_gemm.py", "test_fp8_gpu.py")
+# most likely to find something first: the training path with the kernels (its tests never ran on a GPU before
+# the first report), the kernels against their references, the offload's streams and pinned copies, checkpoints
+# through pinned memory, then the features each GPU test touches once (MoE, grouped GEMM, context parallelism)
+GPU_TEST_FILES = ("test_gpu_training.py", "test_ops_cuda.py", "test_zero_offload_upload.py", "test_checkpoint_staging.py",
+                  "test_moe_gpu.py", "test_moe_grouped_gemm.py", "test_context_parallel_gpu.py", "test_zero_offload.py",
+                  "test_fp8_gpu.py")
 MODULES = ("numpy", "crc32c", "safetensors", "pytest", "setuptools", "tokenizers", "sentencepiece", "tensorboard")
 NEEDED = ("numpy", "crc32c", "pytest", "setuptools")  # training, checkpoints, the tests, the build
 
@@ -62,6 +72,11 @@ class Outcome:
     seconds: float
     log: str
     metrics: Dict[str, object] = field(default_factory=dict)
+    ran: bool = True  # False: the budget was spent before the step's turn
+
+
+def not_run(step: Step, why: str) -> Outcome:
+    return Outcome(step, False, 0.0, "", {"note": f"not run: {why}"}, ran=False)
 
 
 def free_port() -> int:
@@ -174,18 +189,19 @@ def plan(ngpus: int, work: str) -> List[Step]:
              Step("data: Python's pydoc topics as JSONL", [PY, "-c", corpus]),
              Step("data: tools/preprocess_data.py, ByteTokenizer", [
                  PY, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", jsonl, "--output-prefix",
-                 os.path.join(work, "data", "pydoc"), "--tokenizer-type", "ByteTokenizer", "--append-eod"]),
-             Step("tests: test_cuda_compile.py (nvcc)", [PY, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                                                         os.path.join(ROOT, "tests", "test_cuda_compile.py")],
-                  kind="pytest")]
+                 os.path.join(work, "data", "pydoc"), "--tokenizer-type", "ByteTokenizer", "--append-eod"])]
+    steps += training_steps(ngpus, work) + checkpoint_steps(ngpus, work)
+    steps.append(Step("bench/bench_gpu.py: 1.3B GPT and Llama-3-8B shape (vocab 128256, seq 8192), ours / PyTorch / "
+                      "pretrain_gpt.py", [PY, os.path.join(ROOT, "bench", "bench_gpu.py"), "--sizes", "1.3B,llama3-8b",
+                                          "--steps", "4", "--warmup", "2", "--json", os.path.join(work, "bench_gpu.json")]
+                      + (["--fp8", "tensorwise"] if importlib.util.find_spec("torchao") else []),  # FP8's row
+                      timeout=2400, kind="bench"))
     steps += [Step(f"tests: {name} -m gpu", [PY, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "gpu",
                                              os.path.join(ROOT, "tests", name)], timeout=1800, kind="pytest")
               for name in GPU_TEST_FILES]
-    steps += training_steps(ngpus, work) + checkpoint_steps(ngpus, work)
-    fp8 = ["--fp8", "tensorwise"] if importlib.util.find_spec("torchao") else []  # the fp8 row where torchao is
-    steps.append(Step("bench/bench_gpu.py: 1.3B GPT and Llama-3-8B-shaped", [
-        PY, os.path.join(ROOT, "bench", "bench_gpu.py"), "--sizes", "1.3B,llama3-8b", "--json",
-        os.path.join(work, "bench_gpu.json")] + fp8, timeout=2400, kind="bench"))
+    steps.append(Step("tests: test_cuda_compile.py (nvcc)", [PY, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                                                             os.path.join(ROOT, "tests", "test_cuda_compile.py")],
+                      kind="pytest"))
     return steps
 
 
@@ -232,7 +248,9 @@ class Sampler(threading.Thread):
         return out
 
 
-def run_step(step: Step, index: int, logs: str) -> Outcome:
+def run_step(step: Step, index: int, logs: str, timeout: float = None) -> Outcome:
+    """Run one step (killed after `timeout` s, default the step's own) -> its outcome."""
+    timeout = step.timeout if timeout is None else timeout
     env = {**os.environ, **step.env, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.setdefault("MAX_JOBS", str(os.cpu_count() or 4))
     log_path = os.path.join(logs, f"{index:02d}-{re.sub(r'[^A-Za-z0-9]+', '_', step.name).strip('_')[:60]}.log")
@@ -245,16 +263,19 @@ def run_step(step: Step, index: int, logs: str) -> Outcome:
         sampler = Sampler(proc.pid)
         sampler.start()
         try:
-            code = proc.wait(timeout=step.timeout)
+            code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
             code = proc.wait()
-            log.write(f"\ngpu_check: killed after {step.timeout} s\n")
+            why = "its timeout" if timeout >= step.timeout else "the end of the budget"
+            log.write(f"\ngpu_check: killed after {timeout:.0f} s ({why})\n")
         sampler.done.set()
         sampler.join()
     with open(log_path) as f:
         text = f.read()
     metrics = {"peak GPU GiB": sampler.gpu_gib, "peak host RSS GiB": sampler.rss_gib, "log": log_path}
+    if "gpu_check: killed after" in text:
+        metrics["note"] = text.rsplit("gpu_check: ", 1)[1].strip()
     ok = code == 0
     if step.kind == "train":
         metrics.update(train_metrics(text))
@@ -283,20 +304,29 @@ def fmt(v, digits=1):
     return "-" if v is None else f"{v:.{digits}f}" if isinstance(v, float) else str(v)
 
 
-def write_report(path: str, outcomes: List[Outcome], ngpus: int, work: str, started: str):
+def summary(outcomes: List[Outcome]) -> str:
+    """'P/N steps passed[, F failed][, R not run]'."""
+    passed, failed = sum(o.ok for o in outcomes), sum(o.ran and not o.ok for o in outcomes)
+    left = sum(not o.ran for o in outcomes)
+    return f"{passed}/{len(outcomes)} steps passed" + (f", {failed} failed" if failed else "") + \
+        (f", {left} not run" if left else "")
+
+
+def write_report(path: str, outcomes: List[Outcome], ngpus: int, work: str, started: str, budget: float = None):
     env = outcomes[0].log.splitlines()[-1] if outcomes and outcomes[0].ok else "unknown"
     commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip() or "unknown"
-    passed = sum(o.ok for o in outcomes)
-    lines = [f"# GPU acceptance report ({passed}/{len(outcomes)} steps passed)", "",
-             f"- started {started}, host {platform.node()}, {ngpus} GPU(s); {env}",
+    limit = f"; budget {budget:.0f} s" if budget is not None else ""
+    lines = [f"# GPU acceptance report ({summary(outcomes)})", "",
+             f"- started {started}, host {platform.node()}, {ngpus} GPU(s){limit}; {env}",
              f"- commit {commit}; python {platform.python_version()}; logs under {work}/logs", "",
              "| # | step | result | time s | MFU % | TFLOP/s/GPU | lm loss | peak GPU GiB | peak host RSS GiB | notes |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for i, o in enumerate(outcomes, 1):
         m = o.metrics
-        notes = "; ".join(x for x in (o.step.note, m.get("tests", "")) if x)
-        lines.append(f"| {i} | {o.step.name} | {'PASS' if o.ok else 'FAIL'} | {o.seconds:.0f} | {fmt(m.get('MFU'), 2)} | "
+        notes = "; ".join(x for x in (o.step.note, m.get("tests", ""), m.get("note", "")) if x)
+        result = "PASS" if o.ok else "FAIL" if o.ran else "NOT RUN"
+        lines.append(f"| {i} | {o.step.name} | {result} | {o.seconds:.0f} | {fmt(m.get('MFU'), 2)} | "
                      f"{fmt(m.get('TFLOP/s/GPU'), 1)} | {fmt(m.get('lm loss'), 3)} | {fmt(m.get('peak GPU GiB'))} | "
                      f"{fmt(m.get('peak host RSS GiB'), 2)} | {notes} |")
     kernels = next((x for o in outcomes for x in o.log.splitlines() if x.startswith("kernels in use:")), None)
@@ -306,14 +336,16 @@ def write_report(path: str, outcomes: List[Outcome], ngpus: int, work: str, star
     if os.path.exists(bench):
         with open(bench) as f:
             data = json.load(f)
-        lines += ["", f"## bench/bench_gpu.py on {data['device']} (seq {data['seq']}, peak {data['peak_tflops']} "
-                  "TFLOP/s bf16)", "", "| model | side | layers | params | micro-batch | tokens/s | TFLOP/s | MFU % | "
-                  "peak GiB |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", f"## bench/bench_gpu.py on {data['device']} ({data['micro_batches']} micro-batches a step, peak "
+                  f"{data['peak_tflops']} TFLOP/s bf16)", "", "| model | side | layers | params | seq x micro-batch | "
+                  "tokens/s | TFLOP/s | MFU % | peak GiB | schedule |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in data["rows"]:
-            lines.append(f"| {r['model']} | {r['side']} | {r['layers']} | {r['params'] / 1e9:.2f}B | {r['micro_batch']} | "
-                         + (f"{r['error']} | | | |" if "error" in r else
-                            f"{r['tokens_per_s']:.0f} | {r['tflops']:.1f} | {fmt(r['mfu_percent'])} | {fmt(r['peak_gib'])} |"))
-    failed = [o for o in outcomes if not o.ok]
+            lines.append(f"| {r['model']} | {r['side']} | {r['layers']} | {r['params'] / 1e9:.2f}B | "
+                         f"{r['seq']} x {r['micro_batch']} | "
+                         + (f"{r['error']} | | | | |" if "error" in r else
+                            f"{r['tokens_per_s']:.0f} | {r['tflops']:.1f} | {fmt(r['mfu_percent'])} | "
+                            f"{fmt(r['peak_gib'])} | {r['schedule']} |"))
+    failed = [o for o in outcomes if o.ran and not o.ok]
     if failed:
         lines += ["", "## Failures (last 40 lines of each log)"]
         for o in failed:
@@ -330,36 +362,89 @@ def print_plan(steps: List[Step], ngpus: int):
         print(f"    $ {shlex.join(s.argv)}")
 
 
+USAGE = ("give the report's path (e.g. `bash scripts/gpu_check.sh REPORT.md`, optionally after --budget SECONDS), "
+         "or --plan N to list the steps for N GPUs")
+
+
+def parse(argv: List[str]):
+    """-> (report path or None, --plan count or None, --budget seconds or None); a str: the usage error."""
+    report, count, budget, rest = None, None, None, list(argv)
+    while rest:
+        a = rest.pop(0)
+        if a in ("--plan", "--budget"):
+            if not rest:
+                return f"{a} needs a value"
+            value = rest.pop(0)
+            if a == "--plan":
+                if not value.isdigit() or int(value) < 1:
+                    return f"--plan needs a GPU count of at least 1, got {value!r}"
+                count = int(value)
+            else:
+                try:
+                    budget = float(value)
+                except ValueError:
+                    budget = -1.0
+                if budget <= 0:
+                    return f"--budget needs a positive number of seconds, got {value!r}"
+        elif a.startswith("-") or report is not None:
+            return USAGE
+        else:
+            report = a
+    return report, count, budget
+
+
+def run_plan(steps: List[Step], report: str, ngpus: int, work: str, budget: float = None) -> List[Outcome]:
+    """Run the steps in order, the report rewritten after each; with a budget, each step's timeout is cut to the
+    seconds left and the steps after the budget is spent are reported as not run."""
+    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    logs = os.path.join(work, "logs")
+    os.makedirs(logs, exist_ok=True)
+    t0, outcomes = time.monotonic(), []
+    pending = lambda why: [not_run(s, why) for s in steps[len(outcomes):]]  # noqa: E731
+    write_report(report, pending("not yet"), ngpus, work, started, budget)  # the plan, before anything runs
+    for i, step in enumerate(steps, 1):
+        left = None if budget is None else budget - (time.monotonic() - t0)
+        if left is not None and left < 1:
+            break
+        print(f"gpu_check: [{i}] {step.name} ...", flush=True)
+        outcomes.append(run_step(step, i, logs, None if left is None else min(step.timeout, left)))
+        print(f"gpu_check: [{i}] {'PASS' if outcomes[-1].ok else 'FAIL'} in {outcomes[-1].seconds:.0f} s", flush=True)
+        write_report(report, outcomes + pending("not yet"), ngpus, work, started, budget)  # if the machine goes away
+    outcomes += pending(f"the budget of {budget:.0f} s was spent" if budget is not None else "not yet")
+    write_report(report, outcomes, ngpus, work, started, budget)
+    return outcomes
+
+
 def main(argv: List[str]) -> int:
     work = os.path.abspath(os.environ.get("GPU_CHECK_WORKDIR", os.path.join(ROOT, "runs", "gpu_check")))
-    dry = os.environ.get("GPU_CHECK_DRY_RUN", "") not in ("", "0")
-    if argv[:1] == ["--plan"] or dry:
-        count = argv[1] if argv[:1] == ["--plan"] and len(argv) > 1 else os.environ.get("GPU_CHECK_GPUS", "1")
-        if not count.isdigit() or int(count) < 1:
-            print(f"gpu_check.sh: --plan needs a GPU count of at least 1, got {count!r}", file=sys.stderr)
-            return 2
-        print_plan(plan(int(count), work), int(count))
-        return 0
-    if len(argv) != 1 or argv[0].startswith("-"):
-        print("gpu_check.sh: give the report's path (e.g. `bash scripts/gpu_check.sh REPORT.md`), or --plan N to "
-              "list the steps for N GPUs", file=sys.stderr)
+    parsed = parse(argv)
+    if isinstance(parsed, str):
+        print(f"gpu_check.sh: {parsed}", file=sys.stderr)
         return 2
-    report = os.path.abspath(argv[0])
+    report, count, budget = parsed
+    if os.environ.get("GPU_CHECK_DRY_RUN", "") not in ("", "0") and count is None:
+        env = os.environ.get("GPU_CHECK_GPUS", "1")
+        if not env.isdigit() or int(env) < 1:
+            print(f"gpu_check.sh: GPU_CHECK_GPUS needs a GPU count of at least 1, got {env!r}", file=sys.stderr)
+            return 2
+        count = int(env)
+    if count is not None:
+        print_plan(plan(count, work), count)
+        return 0
+    if report is None:
+        print(f"gpu_check.sh: {USAGE}", file=sys.stderr)
+        return 2
+    report = os.path.abspath(report)
     ngpus = cuda_devices()
     if ngpus == 0:
         return 3
-    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    logs = os.path.join(work, "logs")
     shutil.rmtree(os.path.join(work, "checkpoints"), ignore_errors=True)
-    os.makedirs(logs, exist_ok=True)
-    outcomes = []
-    for i, step in enumerate(plan(ngpus, work), 1):
-        print(f"gpu_check: [{i}] {step.name} ...", flush=True)
-        outcomes.append(run_step(step, i, logs))
-        print(f"gpu_check: [{i}] {'PASS' if outcomes[-1].ok else 'FAIL'} in {outcomes[-1].seconds:.0f} s", flush=True)
-        write_report(report, outcomes, ngpus, work, started)  # a report even if the machine goes away
-    print(f"gpu_check: {sum(o.ok for o in outcomes)}/{len(outcomes)} steps passed; report: {report}")
-    return 0 if all(o.ok for o in outcomes) else 1
+    outcomes = run_plan(plan(ngpus, work), report, ngpus, work, budget)
+    print(f"gpu_check: {summary(outcomes)}" + (f" within a budget of {budget:.0f} s" if budget else "")
+          + f"; report: {report}")
+    if any(o.ran and not o.ok for o in outcomes):
+        return 1
+    return 4 if any(not o.ran for o in outcomes) else 0
 
 
 def cuda_devices() -> int:

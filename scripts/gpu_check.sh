@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # The GPU acceptance run, one command on a machine with NVIDIA GPUs:
-#   bash scripts/gpu_check.sh REPORT.md     build the kernels in place against this machine's torch, run the
-#                                           gpu-marked tests, a short training run per layout that fits the GPUs,
-#                                           a save and a (reshaped / universal) resume, bench/bench_gpu.py; write
-#                                           REPORT.md (pass/fail per step, MFU, peak GPU memory, host RSS)
+#   bash scripts/gpu_check.sh REPORT.md     build the kernels in place against this machine's torch, run a short
+#                                           training run per layout that fits the GPUs, a save and a (reshaped /
+#                                           universal) resume, bench/bench_gpu.py, the gpu-marked tests, in that
+#                                           order; write REPORT.md (pass/fail per step, MFU, peak GPU memory, host
+#                                           RSS), rewritten after every step
+#   bash scripts/gpu_check.sh --budget 780 REPORT.md
+#                                           the same within 780 s: each step's timeout cut to what is left, the
+#                                           steps after the budget is spent listed in the report as not run
 #   bash scripts/gpu_check.sh --plan N      list the steps for N GPUs without running anything
 #                                           (also GPU_CHECK_DRY_RUN=1 GPU_CHECK_GPUS=N)
 # Uses the machine's python (PYTHON=..., default python3) and its torch, not a virtual environment; nothing is
-# downloaded. Exit status: 0 all steps passed, 1 a step failed, 2 bad usage, 3 no CUDA device (one sentence).
+# downloaded. Ends with the report's path and a one-line summary. Exit status: 0 all steps passed, 1 a step
+# failed, 2 bad usage, 3 no CUDA device (one sentence), 4 none failed but the budget left steps not run.
 # The steps and the report: scripts/gpu_check.py.
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

@@ -8,6 +8,10 @@
 # ChildFailedError traceback) is left out then and the job exits 2; any other failure keeps all of it,
 # preceded by one line naming the rank that failed first (megatron_zero.distributed.first_failure: a rank
 # that only lost contact with it is not the cause).
+# Ctrl-C (SIGINT, to this script's process group from a terminal) goes to the workers too, and torchrun leaves
+# it alone (it would stop the workers 30 s later and print a SignalException traceback): the first stops every
+# rank after the current iteration, saved, exit 0, the second at once, one line, exit 130 (torchrun's report of
+# the workers' ends left out, as for bad input).
 # OMP_NUM_THREADS defaults to 1 here (what torchrun sets, without its four-line warning about it).
 # Used by pretrain_local.sh, torchrun_node.sh and pretrain_slurm.sbatch (LAUNCHER=torchrun).
 set -uo pipefail
@@ -15,6 +19,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "${PYTHON:-$root/.venv/bin/python}" -c '
 import logging
+import signal
 import sys
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
@@ -41,9 +46,27 @@ class HoldBack(logging.Filter):
 ends = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
 hold = HoldBack()
 ends.addFilter(hold)
+# Ctrl-C: the script passes it on to the workers. torchrun (2.4 to 2.13) installs, for SIGINT among others,
+# the handler that raises its SignalException; the one it installs here passes SIGINT over and raises for
+# the rest (a handler, not an ignored signal, which the workers would inherit).
+import torch.distributed.elastic.multiprocessing.api as torchrun_signals
+raise_on_signal = getattr(torchrun_signals, "_terminate_process_handler", None)
+
+
+def leave_ctrl_c_to_the_workers(signum, frame):
+    if signum != signal.SIGINT:
+        raise_on_signal(signum, frame)
+
+
+if raise_on_signal is not None:  # another torch: its own handling (the workers still save; it adds a traceback)
+    torchrun_signals._terminate_process_handler = leave_ctrl_c_to_the_workers
+    signal.signal(signal.SIGINT, leave_ctrl_c_to_the_workers)
 try:
     run(parse_args(sys.argv[1:]))
 except ChildFailedError as failed:
+    codes = {f.exitcode for f in failed.failures.values()}
+    if 130 in codes and codes <= {130, -signal.SIGTERM}:  # stopped at once by Ctrl-C: rank 0 has said so
+        sys.exit(130)
     if all(f.exitcode != 2 for f in failed.failures.values()):
         from megatron_zero.distributed import first_failure
         print(f"pretrain_torchrun: {first_failure(failed.failures)}", file=sys.stderr, flush=True)
@@ -63,6 +86,12 @@ forward() {
     [ -n "$workers" ] && kill -TERM $workers 2>/dev/null
 }
 trap forward TERM
+forward_ctrl_c() {
+    local workers
+    workers=$(ps -o pid= --ppid "$launcher" 2>/dev/null | tr -s ' \n' ' ')
+    [ -n "$workers" ] && kill -INT $workers 2>/dev/null
+}
+trap forward_ctrl_c INT
 code=0
 while kill -0 "$launcher" 2>/dev/null; do
     wait "$launcher"

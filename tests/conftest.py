@@ -2,7 +2,10 @@
 
 Markers (registered in pyproject.toml): `multirank` is set here on every test of a module that spawns
 ranks (it binds `run_ranks` or defines a `torchrun` launcher), so `-m "not multirank"` runs the
-single-process tests alone; `gpu` tests are skipped, with the reason, where torch sees no CUDA device;
+single-process tests alone; `gpu` tests are skipped, with the reason, where torch sees no CUDA device, unless
+MEGATRON_ZERO_TEST_DEVICE names another device (`cpu`): then they run their logic there (gloo for NCCL, the CPU
+kernels for the CUDA ones), and only a test about CUDA itself (its kernels, streams, pinned memory: the `cuda_device`
+fixture, or its own check) skips, with the reason;
 `slurm` tests skip themselves when no cluster can be set up (tests/test_slurm.py); `slow` tests
 (scripts/test.sh leaves them out unless given --all or -m) each name the default-run test that covers their claim.
 """
@@ -17,8 +20,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def pytest_collection_modifyitems(config, items):
-    no_cuda = None if torch.cuda.is_available() else \
-        pytest.mark.skip(reason=f"needs a CUDA device; torch {torch.__version__} sees none")
+    forced = os.environ.get("MEGATRON_ZERO_TEST_DEVICE")
+    no_cuda = None if torch.cuda.is_available() or forced else \
+        pytest.mark.skip(reason=f"needs a CUDA device; torch {torch.__version__} sees none "
+                                "(MEGATRON_ZERO_TEST_DEVICE=cpu runs the tier's logic on the CPU)")
     for item in items:
         names = vars(item.module) if item.module is not None else {}
         if "run_ranks" in names or "torchrun" in names:
@@ -34,3 +39,13 @@ def builtin_corpus(tmp_path_factory):
     subprocess.run([sys.executable, os.path.join(ROOT, "tools", "build_corpus.py"), "--output-dir", str(out)],
                    check=True, capture_output=True)
     return str(out / "pydoc_text_document"), str(out / "tokenizer.model")
+
+
+@pytest.fixture
+def cuda_device():
+    """cuda:0 for a test about CUDA itself; skipped, with the reason, where torch sees no CUDA device (also under
+    MEGATRON_ZERO_TEST_DEVICE=cpu, which runs the rest of the GPU tier's logic on the CPU)."""
+    if not torch.cuda.is_available():
+        pytest.skip(f"about CUDA itself (streams, pinned memory, CUDA kernels); torch {torch.__version__} "
+                    f"(CUDA build: {torch.version.cuda}) sees no CUDA device")
+    return torch.device("cuda", 0)

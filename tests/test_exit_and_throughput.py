@@ -41,3 +41,19 @@ def test_flops_match_megatron_formula():
     B, s, L, h, V = 8, 1024, 24, 1024, 50304
     megatron = 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * h * L))
     assert abs(gpt_flops_per_iteration(B, s, L, h, V) - megatron) / megatron < 1e-12
+
+
+def test_ctrl_c_votes_once_then_interrupts(capfd):
+    """The first Ctrl-C is a vote to stop (named as Ctrl-C), said at once by the rank given a line to say; the
+    second raises KeyboardInterrupt (pretrain() turns it into one line and exit code 130)."""
+    policy = ExitPolicy(ctrl_c=True, announce="stopping")
+    try:
+        assert policy.votes() == (0.0, 0.0)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert policy.votes() == (1.0, 0.0) and policy.should_exit(3, [2.0, 0.0]) == "Ctrl-C received"
+        assert capfd.readouterr().out == "stopping\n"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        policy.restore()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

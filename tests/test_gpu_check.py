@@ -55,11 +55,27 @@ def _pretrain_argv(cmd):
     return nproc, cmd[i + 1:]
 
 
+def _kind(name):
+    """The priority class of a step of the plan, by its name."""
+    for prefix, kind in (("environment", 0), ("python modules", 0), ("build", 1), ("kernels present", 2), ("data", 2),
+                         ("train", 3), ("save", 3), ("resume", 3), ("reshaped", 3), ("universal", 3), ("tools/", 3),
+                         ("bench", 4), ("tests: test_cuda_compile", 6), ("tests", 5)):
+        if name.startswith(prefix):
+            return kind
+    raise AssertionError(f"a step of no known kind: {name}")
+
+
 def test_plan_for_one_gpu_lists_every_promised_step(tmp_path):
     steps = _plan(1, tmp_path)
     assert list(steps) == list(_plan(1, tmp_path, how="env"))  # GPU_CHECK_DRY_RUN=1 GPU_CHECK_GPUS=1: the same
     names = list(steps)
     assert names[:3] == ["environment", "python modules", "build the kernels (setup.py build_ext --inplace)"]
+    # priority order, for a budget that ends early: environment, build, kernels, training and checkpoints, the bench,
+    # then the test files most likely to find something (the training tier first), the compile test last
+    kinds = [_kind(n) for n in names]
+    assert kinds == sorted(kinds) and set(kinds) == set(range(7)), list(zip(kinds, names))
+    tests = [n.split()[1] for n in names if n.startswith("tests")]
+    assert tests[:2] == ["test_gpu_training.py", "test_ops_cuda.py"] and tests[-1] == "test_cuda_compile.py"
     assert steps[names[2]] == [sys.executable, "setup.py", "build_ext", "--inplace"]  # the python it was given
     assert any(n.startswith("tests: test_gpu_training.py -m gpu") for n in names)
     assert any(n.startswith("tests: test_ops_cuda.py -m gpu") for n in names)
@@ -70,7 +86,7 @@ def test_plan_for_one_gpu_lists_every_promised_step(tmp_path):
     assert [n for n in names if not n.startswith("tests") and ("save" in n or "resume" in n or "universal" in n)] == [
         "save (1 GPU, ZeRO-1)", "resume (1 GPU)", "tools/ds_to_universal.py global_step15",
         "universal resume (1 GPU, ZeRO-2)"]
-    bench = steps[names[-1]]
+    bench = next(c for n, c in steps.items() if n.startswith("bench"))
     assert bench[1].endswith("bench/bench_gpu.py") and "1.3B,llama3-8b" in bench
     assert not any("--nproc_per_node" in c for c in steps.values())
 
@@ -144,10 +160,46 @@ def test_report_records_each_steps_result_and_numbers(tmp_path, monkeypatch):
     report = tmp_path / "REPORT.md"
     assert gc.main([str(report)]) == 1
     text = report.read_text()
-    assert text.startswith("# GPU acceptance report (2/4 steps passed)")
+    assert text.startswith("# GPU acceptance report (2/4 steps passed, 2 failed)")
     rows = {r.split(" | ")[1]: r for r in text.splitlines() if r.startswith("| ") and " | " in r}
     assert "| PASS |" in rows["train 1 GPU: fake"] and "| 31.60 | 312.5 | 2.500 |" in rows["train 1 GPU: fake"]
     assert "| FAIL |" in rows["train 1 GPU: no training line"]  # exit 0 but it never trained
     assert "| FAIL |" in rows["tests: fake -m gpu"] and "3 passed, 1 failed" in rows["tests: fake -m gpu"]
     assert "## Failures" in text and "### train 1 GPU: no training line" in text and "nothing" in text
     assert len(os.listdir(tmp_path / "work" / "logs")) == 4
+
+
+def test_a_budget_cuts_the_running_step_and_reports_the_rest_as_not_run(tmp_path, monkeypatch, capsys):
+    """--budget 4: a quick step passes, a step that would take a minute is killed when the budget ends (its
+    timeout cut from 900 s), the steps after it are listed as not run; the report holds every step of the plan
+    from the start, and the run ends with the report's path and a one-line summary (exit 1: a step failed)."""
+    gc = _module(monkeypatch)
+    fake = [gc.Step("environment", ["true"]), gc.Step("train: a minute long", ["sleep", "60"], kind="train"),
+            gc.Step("bench: never reached", ["true"], kind="bench"),
+            gc.Step("tests: never reached -m gpu", ["true"], kind="pytest")]
+    seen = []
+    write = gc.write_report
+    monkeypatch.setattr(gc, "write_report", lambda path, outcomes, *a: seen.append([o.ran for o in outcomes])
+                        or write(path, outcomes, *a))
+    monkeypatch.setattr(gc, "plan", lambda ngpus, work: fake)
+    monkeypatch.setattr(gc, "cuda_devices", lambda: 1)
+    monkeypatch.setenv("GPU_CHECK_WORKDIR", str(tmp_path / "work"))
+    report = tmp_path / "REPORT.md"
+    assert gc.main(["--budget", "4", str(report)]) == 1
+    text = report.read_text()
+    assert text.startswith("# GPU acceptance report (1/4 steps passed, 1 failed, 2 not run)"), text
+    assert "budget 4 s" in text
+    rows = {r.split(" | ")[1]: r for r in text.splitlines() if r.startswith("| ") and " | " in r}
+    assert "| PASS |" in rows["environment"]
+    assert "| FAIL |" in rows["train: a minute long"] and "end of the budget" in rows["train: a minute long"]
+    for name in ("bench: never reached", "tests: never reached -m gpu"):
+        assert "| NOT RUN |" in rows[name] and "not run: the budget of 4 s was spent" in rows[name]
+    assert seen[0] == [False] * 4 and all(len(s) == 4 for s in seen)  # the whole plan listed before anything ran
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == f"gpu_check: 1/4 steps passed, 1 failed, 2 not run within a budget of 4 s; report: {report}"
+
+
+def test_budget_usage_errors_are_one_sentence(tmp_path):
+    for argv in (["--budget", "soon", "R.md"], ["--budget", "0", "R.md"], ["--budget"], ["R.md", "S.md"]):
+        run = _sh(*argv)
+        assert run.returncode == 2 and run.stderr.count("\n") == 1 and run.stdout == "", (argv, run.stderr)

@@ -67,11 +67,11 @@ def test_checkpoints_load_either_way(flag_on_save):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("swiglu", [False, True])
-def test_grouped_mm_in_bf16_matches_the_loop_on_a_gpu(swiglu):
+def test_grouped_mm_in_bf16_matches_the_loop_on_a_gpu(swiglu, cuda_device):
     """CUDA bf16: grouped_mm against the per-expert loop, output and every gradient. Both accumulate
     in fp32 and round each matmul's output to bf16 (u = 2^-8); the activation rounds once more, so the
     two differ by a few roundings of the values that formed an element: 8 u, relative to the tensor's size."""
-    device = torch.device("cuda")
+    device = cuda_device
     cfg = tiny_llama_config(swiglu=swiglu, add_bias_linear=not swiglu, hidden_size=64, moe_ffn_hidden_size=128,
                             num_experts=4, params_dtype=torch.bfloat16)
     torch.manual_seed(0)

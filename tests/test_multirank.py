@@ -58,3 +58,14 @@ def test_timeout_names_the_stuck_rank_and_its_stack():
     msg = str(err.value)
     assert "rank(s) [0] did not finish" in msg and "stuck_on_rank_zero" in msg
     assert time.monotonic() - start < 20
+
+
+def die_on_rank_two_while_others_connect():
+    if dist.get_rank() == 2:
+        os._exit(3)
+    raise RuntimeError("Connection closed by peer [127.0.0.1]:1 (what gloo says when a peer is gone)")
+
+
+def test_lost_connection_gives_way_to_the_rank_that_died():
+    with pytest.raises(RankFailure, match=r"rank 2 died with exit code 3"):
+        run_ranks(die_on_rank_two_while_others_connect, 4, timeout=60)

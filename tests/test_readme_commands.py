@@ -158,6 +158,9 @@ def test_the_main_job_runs_as_the_readme_says(tree):
     out = _run_block(tree, 0, skip=("scripts/test.sh",))
     assert re.search(r"iteration 35 \(TP1 x DP4, resumed from universal\): +lm loss: [0-9.E+-]+", out), out[-3000:]
     assert "demo finished" in out and "OMP_NUM_THREADS" not in out
+    assert re.search(r"^loss curve: runs/demo/loss\.png$", out, re.M), out[-3000:]  # matplotlib: requirements-test
+    with open(os.path.join(tree, "runs", "demo", "loss.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.slow  # test_every_command_names_what_exists_and_parses checks the same commands in the default tier

@@ -87,9 +87,9 @@ def test_mixture_of_experts_structure_is_compared_on_resume():
     def diffs(saved, here):
         return disagreements({"args": dict(saved)}, argparse.Namespace(**here), 257, lambda tp: 256 * tp)
 
-    assert diffs(base, moe) == ["--num-experts None in the checkpoint vs 4 here (None: no MoE layers)"]
-    assert diffs(moe, dict(moe, num_experts=8)) == ["--num-experts 4 in the checkpoint vs 8 here (None: no MoE "
-                                                    "layers)"]
+    assert diffs(base, moe) == ["--num-experts None (no MoE layers) in the checkpoint vs 4 here"]
+    assert diffs(moe, base) == ["--num-experts 4 in the checkpoint vs None (no MoE layers) here"]
+    assert diffs(moe, dict(moe, num_experts=8)) == ["--num-experts 4 in the checkpoint vs 8 here"]
     assert diffs(moe, dict(moe, moe_layer_freq=2, moe_ffn_hidden_size=32)) == [
         "--moe-layer-freq 1 in the checkpoint vs 2 here", "--moe-ffn-hidden-size 64 in the checkpoint vs 32 here"]
     assert diffs(moe, dict(moe, moe_router_topk=1)) == []

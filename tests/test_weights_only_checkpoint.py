@@ -93,4 +93,10 @@ def test_save_weights_interval_beside_full_saves(tmp_path):
     light_osd = _optim_file(ckpt / "weights_only" / "global_step3")["optimizer_state_dict"]
     full_osd = _optim_file(ckpt / "global_step4")["optimizer_state_dict"]
     assert light_osd["base_optimizer_state"]["state"] == {} and full_osd["base_optimizer_state"]["state"] != {}
-    assert len(re.findall(r"saved checkpoint", run.stdout)) == 6
+    saved = re.findall(r"^saved (checkpoint|weights-only checkpoint) (\S+) in [0-9.]+ s \((.*)\)$", run.stdout, re.M)
+    assert [(what, os.path.relpath(path, ckpt)) for what, path, _ in saved] == [
+        ("weights-only checkpoint", "weights_only/global_step1"), ("checkpoint", "global_step2"),
+        ("weights-only checkpoint", "weights_only/global_step3"), ("checkpoint", "global_step4"),
+        ("weights-only checkpoint", "weights_only/global_step5"), ("checkpoint", "global_step5")], run.stdout
+    assert all(note.endswith("; no optimizer state: a --load of it starts a fresh optimizer at iteration 0")
+               == (what != "checkpoint") for what, _, note in saved), saved

@@ -38,10 +38,10 @@ def test_chunked_offload_step_is_exact_and_matches_the_device_optimizer():
 
 
 @pytest.mark.gpu
-def test_offload_from_gpu_copies_on_a_side_stream_into_pinned_memory():
+def test_offload_from_gpu_copies_on_a_side_stream_into_pinned_memory(cuda_device):
     """Gradients on the GPU come down on the offload's copy stream, chunk by chunk, into pinned
     buffers; the result equals the same optimizer on the CPU bit for bit (same CPU math)."""
-    dev = torch.device("cuda", 0)
+    dev = cuda_device
     opt, got, _ = _run("cpu", chunk_numel=1000, device=dev)
     assert isinstance(opt.stream, torch.cuda.Stream) and all(s.is_pinned() for s in opt.grad_staging)
     _, want, _ = _run("cpu", chunk_numel=1000)

@@ -86,8 +86,10 @@ def disagreements(head: dict, args, vocab_size: int, padded_at) -> list:
             out.append(f"{key} {there[key]} in the checkpoint vs {here[key]} here")
     there_moe, here_moe = moe_settings(saved), moe_settings(args)
     if not _same(there_moe["num_experts"], here_moe["num_experts"]):
-        out.append(f"--num-experts {there_moe['num_experts']} in the checkpoint vs {here_moe['num_experts']} here "
-                   "(None: no MoE layers)")
+        def experts(n):
+            return f"{n}" if n is not None else "None (no MoE layers)"
+        out.append(f"--num-experts {experts(there_moe['num_experts'])} in the checkpoint vs "
+                   f"{experts(here_moe['num_experts'])} here")
     else:
         for key in MOE_STRUCTURE:
             a, b = there_moe.get(key), here_moe.get(key)

@@ -30,7 +30,7 @@ from .format import LATEST, MODEL_FILE, ZERO3_MODEL_FILE
 from .compat import read_head
 from .load import load_checkpoint
 from .megatron_deepspeed import is_module_layout, writes_qkv_blocks
-from .report import loaded_line
+from .report import layout_here, loaded_line
 from .save import saved_layout
 from .storage.manifest import MANIFEST
 from .storage.reader import Checkpoint, open_directory
@@ -125,7 +125,7 @@ def resume_checkpoint(path: str, state, model, optimizer, load_optimizer: bool =
         log(point.note)
     if check:
         check(point.checkpoint)
-    this_layout = f"{state.layout}, ZeRO-{optimizer.stage}"
+    this_layout = layout_here(state, optimizer.stage)
     opened = point.checkpoint
     saved = opened.meta.get("layout")
     here = saved_layout(state, model)  # an interleaved pipeline holds other layers: reshaped

@@ -19,6 +19,22 @@ NAMES = ("load_balancing_loss", "z_loss")
 SEQ_NAMES = ("seq_load_balancing_loss", "z_loss")  # --moe-router-load-balancing-type seq_aux_loss
 
 
+def logged_names(config) -> tuple:
+    """The losses the flags have the router compute, so the log shows only those: the balance loss with a
+    positive --moe-aux-loss-coeff (DeepSpeed-MoE's capacity gating's l_aux, or Megatron-Core's aux_loss /
+    seq_aux_loss; sinkhorn and none have none), the z-loss with --moe-z-loss-coeff (Megatron-Core's router).
+    A loss not computed is left out rather than logged as 0, which would read as a value."""
+    names = []
+    if config.moe_aux_loss_coeff and config.moe_aux_loss_coeff > 0:
+        if config.moe_capacity_factor is not None or config.moe_router_load_balancing_type == "aux_loss":
+            names.append("load_balancing_loss")
+        elif config.moe_router_load_balancing_type == "seq_aux_loss":
+            names.append("seq_load_balancing_loss")
+    if config.moe_z_loss_coeff and config.moe_capacity_factor is None:
+        names.append("z_loss")
+    return tuple(names)
+
+
 class MoEMetrics:
     def __init__(self, num_moe_layers: int, device: torch.device, names=NAMES):
         self.num_moe_layers, self.device, self.names = num_moe_layers, device, tuple(names)

@@ -9,7 +9,9 @@ Ranks are forked from a server process that has already imported torch, so a
 rank costs milliseconds to start, not seconds.
 
 Any rank's exception is raised in the caller as RankFailure carrying that rank's
-traceback; the other ranks are killed. A rank that dies without a word (signal,
+traceback; the other ranks are killed. A rank whose exception only says that it lost contact with
+another (a broken connection: a consequence) gives way for a moment to the cause: another rank's
+exception, or a rank that died. A rank that dies without a word (signal,
 os._exit) is reported with its exit code. Nothing hangs: after `timeout`
 seconds the ranks that have not finished are named, their Python stacks are
 dumped into the message, and every rank is killed.
@@ -68,8 +70,9 @@ def _worker(rank, world_size, port, fn, args, kwargs, results, threads, env, sta
         buf = io.BytesIO()
         torch.save(value, buf)
         results.put((rank, "ok", buf.getvalue()))
-    except BaseException:  # report everything, including SystemExit and KeyboardInterrupt
-        results.put((rank, "error", traceback.format_exc()))
+    except BaseException as err:  # report everything, including SystemExit and KeyboardInterrupt
+        from ..distributed import is_peer_failure
+        results.put((rank, "peer" if is_peer_failure(err) else "error", traceback.format_exc()))
     finally:
         from ..distributed import shutdown_distributed
         shutdown_distributed()
@@ -109,12 +112,31 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 300.0, thre
                         stuck = [r for r in range(world_size) if r not in done]
                         raise RankFailure(_stuck_message(fn, stuck, timeout, procs, stack_dir))
                     continue
-                if status == "error":
+                if status == "peer":
+                    _raise_cause(fn, procs, done, results, _PEER_GRACE_S)
+                if status in ("error", "peer"):
                     raise RankFailure(f"rank {rank} of {world_size} raised in {fn.__name__}:\n{payload}")
                 done[rank] = torch.load(io.BytesIO(payload), weights_only=False)
         finally:
             _kill(procs)
     return [done[r] for r in range(world_size)]
+
+
+_PEER_GRACE_S = 3.0  # how long a rank that lost contact waits for the rank it lost to be found
+
+
+def _raise_cause(fn, procs, done, results, grace):
+    """Raise the failure that a lost connection was a consequence of, if it shows within `grace` s."""
+    world_size = len(procs)
+    end = time.monotonic() + grace
+    while time.monotonic() < end:
+        try:
+            rank, status, payload = results.get(timeout=0.1)
+        except queue.Empty:
+            _check_silent_deaths(procs, done, results)
+            continue
+        if status == "error":
+            raise RankFailure(f"rank {rank} of {world_size} raised in {fn.__name__}:\n{payload}")
 
 
 def _check_silent_deaths(procs, done, results):
