@@ -1,6 +1,6 @@
 """Megatron-LM and Megatron-DeepSpeed flags that launch scripts carry, with their meaning here.
 
-`add_compat_flags(parser)` declares them; `validate_compat(args)` (from arguments.validate_args)
+`add_compat_flags(parser)` declares them; `validate_compat(args)` (a feature check of config.validate)
 checks them and turns them into what the trainer reads (schedule units, batch limits). A flag whose
 feature this build lacks is not declared here but refused in flag_refusals.py. A few are documented
 no-ops: each says in --help why it changes nothing here (what it asks for is what happens anyway).
@@ -10,9 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 
-
-class CompatError(ValueError):
-    """A compatibility flag that cannot work as given (one sentence)."""
+from .config.errors import require
 
 
 def _data_impl(text: str) -> str:
@@ -97,76 +95,73 @@ def add_compat_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--profile", action="store_true",
                    help="torch.profiler trace of iterations --profile-step-start to --profile-step-end, written "
                         "under --tensorboard-dir (TensorBoard's profiler plugin reads it)")
-    g.add_argument("--profile-step-start", type=int, default=10)
-    g.add_argument("--profile-step-end", type=int, default=12)
+    g.add_argument("--profile-step-start", type=int, default=10,
+                   help="the first profiled iteration")
+    g.add_argument("--profile-step-end", type=int, default=12,
+                   help="the iteration the profiler stops before")
     g.add_argument("--profile-ranks", type=int, nargs="+", default=[0], help="global ranks that profile")
-
-
-def _require(cond: bool, sentence: str):
-    if not cond:
-        raise CompatError(sentence)
 
 
 def validate_compat(args) -> None:
     """Check the compatibility flags and derive what the trainer reads: `lr_schedule_unit`
     (iterations, samples or tokens: the unit of warm-up, decay and the schedule's step count; each
     step adds 1, its global batch, or its global batch x --seq-length: `lr_increment`)."""
-    _require(not args.deepspeed or args.deepspeed_config,
-             "--deepspeed switches on the DeepSpeed engine, whose settings here come from --deepspeed_config; "
-             "give the JSON (or drop --deepspeed)")
-    _require(not args.deepspeed_activation_checkpointing or args.recompute_granularity is not None,
-             "--deepspeed-activation-checkpointing says how activations are recomputed and needs "
-             "--checkpoint-activations or --recompute-granularity")
-    _require(not args.no_pipeline_parallel or args.pipeline_model_parallel_size == 1,
-             f"--no-pipeline-parallel contradicts --pipeline-model-parallel-size {args.pipeline_model_parallel_size}"
-             "; drop one of them")
+    require(not args.deepspeed or args.deepspeed_config,
+            "--deepspeed switches on the DeepSpeed engine, whose settings here come from --deepspeed_config; "
+            "give the JSON (or drop --deepspeed)")
+    require(not args.deepspeed_activation_checkpointing or args.recompute_granularity is not None,
+            "--deepspeed-activation-checkpointing says how activations are recomputed and needs "
+            "--checkpoint-activations or --recompute-granularity")
+    require(not args.no_pipeline_parallel or args.pipeline_model_parallel_size == 1,
+            f"--no-pipeline-parallel contradicts --pipeline-model-parallel-size {args.pipeline_model_parallel_size}"
+            "; drop one of them")
     head_dim = args.hidden_size // args.num_attention_heads
-    _require(args.kv_channels is None or args.kv_channels == head_dim,
-             f"--kv-channels {args.kv_channels} differs from --hidden-size {args.hidden_size} / "
-             f"--num-attention-heads {args.num_attention_heads} = {head_dim}; a head dimension of its own is not "
-             "available in this build")
-    _require(args.add_position_embedding or args.position_embedding_type == "rope",
-             "--no-position-embedding leaves no position information without --position-embedding-type rope")
-    _require(args.manual_gc_interval >= 0, f"--manual-gc-interval {args.manual_gc_interval} must not be negative")
-    _require(args.manual_gc or not args.manual_gc_interval, "--manual-gc-interval needs --manual-gc")
-    _require(args.num_workers >= 0, f"--num-workers {args.num_workers} must not be negative")
-    _require(args.tensorboard_queue_size >= 1, f"--tensorboard-queue-size {args.tensorboard_queue_size} must be >= 1")
-    _require(not (args.mock_data and args.data_path),
-             "--mock-data trains on synthetic tokens and --data-path on a dataset; give one of them")
-    _require(args.save_weights_interval is None or (args.save_weights_interval >= 1 and args.save),
-             f"--save-weights-interval {args.save_weights_interval} needs --save and must be at least 1")
-    _require(not ((args.no_save_optim or args.no_save_rng) and not args.save),
-             "--no-save-optim / --no-save-rng say what checkpoints hold; give --save")
+    require(args.kv_channels is None or args.kv_channels == head_dim,
+            f"--kv-channels {args.kv_channels} differs from --hidden-size {args.hidden_size} / "
+            f"--num-attention-heads {args.num_attention_heads} = {head_dim}; a head dimension of its own is not "
+            "available in this build")
+    require(args.add_position_embedding or args.position_embedding_type == "rope",
+            "--no-position-embedding leaves no position information without --position-embedding-type rope")
+    require(args.manual_gc_interval >= 0, f"--manual-gc-interval {args.manual_gc_interval} must not be negative")
+    require(args.manual_gc or not args.manual_gc_interval, "--manual-gc-interval needs --manual-gc")
+    require(args.num_workers >= 0, f"--num-workers {args.num_workers} must not be negative")
+    require(args.tensorboard_queue_size >= 1, f"--tensorboard-queue-size {args.tensorboard_queue_size} must be >= 1")
+    require(not (args.mock_data and args.data_path),
+            "--mock-data trains on synthetic tokens and --data-path on a dataset; give one of them")
+    require(args.save_weights_interval is None or (args.save_weights_interval >= 1 and args.save),
+            f"--save-weights-interval {args.save_weights_interval} needs --save and must be at least 1")
+    require(not ((args.no_save_optim or args.no_save_rng) and not args.save),
+            "--no-save-optim / --no-save-rng say what checkpoints hold; give --save")
     if args.profile:
-        _require(args.tensorboard_dir is not None,
-                 "--profile writes its trace under --tensorboard-dir; give one")
-        _require(0 <= args.profile_step_start < args.profile_step_end,
-                 f"--profile-step-start {args.profile_step_start} must be below --profile-step-end "
-                 f"{args.profile_step_end}")
+        require(args.tensorboard_dir is not None,
+                "--profile writes its trace under --tensorboard-dir; give one")
+        require(0 <= args.profile_step_start < args.profile_step_end,
+                f"--profile-step-start {args.profile_step_start} must be below --profile-step-end "
+                f"{args.profile_step_end}")
     _schedule_units(args)
 
 
 def _schedule_units(args) -> None:
     gbs, seq = args.global_batch_size, args.seq_length
     if args.train_tokens is not None:
-        _require(args.train_tokens > 0, f"--train-tokens {args.train_tokens} must be positive")
+        require(args.train_tokens > 0, f"--train-tokens {args.train_tokens} must be positive")
         schedule = getattr(args, "batch_schedule", None)
         args.train_iters = min(args.train_iters, schedule.train_iters(-(-args.train_tokens // seq))
                                if schedule is not None and schedule.varies else
                                math.ceil(args.train_tokens / (gbs * seq)))
     tokens = args.lr_warmup_tokens is not None or args.lr_decay_tokens is not None
     samples = args.lr_warmup_samples or args.lr_decay_samples is not None
-    _require(not (tokens and samples), "the learning-rate schedule is in tokens (--lr-*-tokens) or in samples "
-             "(--lr-*-samples), not both")
-    _require(not samples or args.train_samples is not None,
-             "--lr-warmup-samples / --lr-decay-samples need --train-samples (a sample-based run)")
-    _require(not (args.lr_warmup_fraction is not None and (args.lr_warmup_iters or args.lr_warmup_samples
-                                                            or args.lr_warmup_tokens)),
-             "--lr-warmup-fraction replaces --lr-warmup-iters / -samples / -tokens; give one of them")
+    require(not (tokens and samples), "the learning-rate schedule is in tokens (--lr-*-tokens) or in samples "
+            "(--lr-*-samples), not both")
+    require(not samples or args.train_samples is not None,
+            "--lr-warmup-samples / --lr-decay-samples need --train-samples (a sample-based run)")
+    require(not (args.lr_warmup_fraction is not None and (args.lr_warmup_iters or args.lr_warmup_samples
+                                                           or args.lr_warmup_tokens)),
+            "--lr-warmup-fraction replaces --lr-warmup-iters / -samples / -tokens; give one of them")
     if getattr(args, "deepspeed_scheduler", None) is not None:  # the JSON's scheduler counts optimizer steps
-        _require(not (tokens or samples or args.lr_warmup_fraction is not None),
-                 "the --deepspeed_config JSON's scheduler replaces --lr-*-tokens, --lr-*-samples and "
-                 "--lr-warmup-fraction; give one or the other")
+        require(not (tokens or samples or args.lr_warmup_fraction is not None),
+                "the --deepspeed_config JSON's scheduler replaces --lr-*-tokens, --lr-*-samples and "
+                "--lr-warmup-fraction; give one or the other")
         args.lr_schedule_unit, args.lr_schedule_per_step = "iterations", 1
         args.lr_schedule_warmup, args.lr_schedule_decay = args.lr_warmup_iters, args.lr_decay_iters
         return
@@ -185,7 +180,7 @@ def _schedule_units(args) -> None:
     else:
         args.lr_schedule_unit, per_step, decay, warmup = "iterations", 1, args.lr_decay_iters, args.lr_warmup_iters
     if args.lr_warmup_fraction is not None:
-        _require(0 <= args.lr_warmup_fraction <= 1, f"--lr-warmup-fraction {args.lr_warmup_fraction} must lie in [0, 1]")
+        require(0 <= args.lr_warmup_fraction <= 1, f"--lr-warmup-fraction {args.lr_warmup_fraction} must lie in [0, 1]")
         warmup = args.lr_warmup_fraction * decay  # a float, as Megatron-LM's lr_warmup_steps
     args.lr_schedule_per_step, args.lr_schedule_warmup, args.lr_schedule_decay = per_step, warmup, decay
 

@@ -43,10 +43,10 @@ class Layout:
     @classmethod
     def from_world(cls, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1) -> "Layout":
         if world_size % (tp * pp * cp) != 0:
-            with_cp = f" x context-parallel size {cp}" if cp > 1 else ""
+            with_cp = f" x --context-parallel-size {cp}" if cp > 1 else ""
             raise TopologyError(
-                f"world size {world_size} is not divisible by tensor-parallel size {tp} "
-                f"x pipeline-parallel size {pp}{with_cp} (= {tp * pp * cp}); choose sizes whose product divides it")
+                f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+                f"--pipeline-model-parallel-size {pp}{with_cp} (= {tp * pp * cp}); choose sizes whose product divides it")
         return cls(tp=tp, pp=pp, dp=world_size // (tp * pp * cp), cp=cp)
 
     @property
@@ -144,13 +144,17 @@ class Layout:
         etp = self.tp if etp is None else etp
         domain = "DP x CP" if self.cp > 1 else "DP"
         if etp == self.tp and (not isinstance(ep, int) or ep < 1 or self.dp_cp % ep):
-            size = "data-parallel x context-parallel size" if self.cp > 1 else "data-parallel size"
-            raise TopologyError(f"--expert-model-parallel-size {ep} must divide the {size} {self.dp_cp} "
-                                f"({self}): expert parallelism is carved out of the {domain} ranks")
+            if self.cp == 1:
+                raise TopologyError(f"--expert-model-parallel-size {ep} must divide the data-parallel size {self.dp} "
+                                    f"({self}): expert parallelism is carved out of the DP ranks")
+            raise TopologyError(f"--expert-model-parallel-size {ep} must divide the data-parallel size {self.dp} x "
+                                f"--context-parallel-size {self.cp} (= {self.dp_cp}): expert parallelism is carved out "
+                                "of the DP x CP ranks, so it must divide the data-parallel x context-parallel size "
+                                f"{self.dp_cp} of {self}")
         if etp != self.tp and self.cp > 1:
-            raise TopologyError(f"--expert-tensor-parallel-size {etp} with --context-parallel-size {self.cp} is not "
-                                "available: give --expert-tensor-parallel-size equal to --tensor-model-parallel-size "
-                                f"{self.tp} with context parallelism")
+            raise TopologyError(f"--expert-tensor-parallel-size {etp} other than TP with --context-parallel-size "
+                                f"{self.cp} is not available: give --expert-tensor-parallel-size equal to "
+                                f"--tensor-model-parallel-size {self.tp} with context parallelism")
         if not isinstance(etp, int) or etp < 1 or not isinstance(ep, int) or ep < 1 \
                 or (self.tp * self.dp_cp) % (etp * ep):
             raise TopologyError(f"--expert-tensor-parallel-size {etp} x --expert-model-parallel-size {ep} must divide "

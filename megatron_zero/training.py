@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from . import checkpoint as ckpt
 from .arguments import ArgumentError, args_to_dict, cp_a2a_size, parse_args
+from .config.checkpointing import load_is_first_run
 from .checkpoint.compat import check_checkpoint_compat
 from .checkpoint.storage.lock import hold_save_lock
 from .checkpoint.preflight import check_save_dir, checkpoint_bytes
@@ -35,10 +36,9 @@ from .exit_signal import INTERRUPTED, ExitPolicy, ctrl_c_line, report_interrupt
 from .logger import format_eval_line
 from .throughput import gpt_flops_per_iteration
 from .lr_schedule import build_lr_schedule, decoupled_lr
-from .model.architecture import architecture_kwargs
+from .model.architecture import gpt_config
 from .model.params import is_embedding_or_output
 from .model.transforms import apply_model_transforms, model_converters
-from .model.config import MOE_FIELDS, GPTConfig
 from .ops import kernel_report, require_fused_kernels, set_fusion_flags
 from .pipeline.gpt_stage import (activation_shape, build_gpt_stage, grad_reduce_arming, make_forward_step,
                                  stage_p2p, sync_tied_embedding_grads)
@@ -105,17 +105,7 @@ class Trainer:
         self.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file,
                                          args.merge_file, args.vocab_size, args.tiktoken_pattern,
                                          args.tiktoken_num_special_tokens, args.tokenizer_special_tokens)
-        self.config = GPTConfig(
-            vocab_size=self.tokenizer.vocab_size, hidden_size=args.hidden_size, num_layers=args.num_layers,
-            num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
-            max_position_embeddings=args.max_position_embeddings, ffn_hidden_size=args.ffn_hidden_size,
-            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, hidden_dropout=args.hidden_dropout,
-            attention_dropout=args.attention_dropout, layernorm_epsilon=args.layernorm_epsilon,
-            init_method_std=args.init_method_std, seed=args.seed, **architecture_kwargs(vars(args)),
-            **{k: getattr(args, k) for k in MOE_FIELDS},
-            recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
-            recompute_num_layers=args.recompute_num_layers, attention_backend=args.attention_backend,
-            sequence_parallel=args.sequence_parallel, cp_comm_type=args.cp_comm_type)
+        self.config = gpt_config(args, self.tokenizer.vocab_size)
         self.model = build_gpt_stage(self.config, state, args.pipeline_partition_method, args.pipeline_partition,
                                      device=self.device, virtual_stages=args.virtual_pipeline_model_parallel_size)
         self.transforms = apply_model_transforms(self.model, model_converters(args, state, self.device))
@@ -292,7 +282,7 @@ class Trainer:
     def load(self, path) -> bool:
         """Resume from --load; False when it holds no checkpoint (a fresh start)."""
         a = self.args
-        if not os.path.isdir(path):  # only when --load is --save (arguments.py): the first run of a launch script
+        if load_is_first_run(a):
             self._log(f"--load {path} does not exist yet; starting from scratch")
             return False
 

@@ -10,13 +10,18 @@
             dcp              a torchtitan Llama step-N directory (torch.distributed.checkpoint)
     --to    universal        the hub: pretrain_gpt.py --load DIR --universal-checkpoint resumes it at any layout
             torch_dist       DIR/iter_N + latest_checkpointed_iteration.txt, for Megatron-LM / Megatron-Core
-                             (from deepspeed or universal; --target-tp pads the vocabulary for that TP)
+                             (--target-tp pads the vocabulary for that TP)
             dcp              DIR/step-N in torchtitan's Llama layout
-    (Hugging Face: tools/convert_from_hf.py and tools/convert_to_hf.py.)
+
+The conversions made: deepspeed | torch_dist | megatron_legacy | dcp -> universal; deepspeed | universal ->
+torch_dist; deepspeed | universal | torch_dist | megatron_legacy -> dcp. Hugging Face models: tools/convert_from_hf.py
+and tools/convert_to_hf.py.
 
 --vocab-size (torch_dist, legacy): the tokenizer's vocabulary, so Megatron's padded rows are dropped (default: kept).
 --num-attention-heads (dcp; required), --seq-length, --rotary-base, --norm-epsilon, --make-vocab-size-divisible-by:
-what a torchtitan checkpoint does not record. Anything that cannot be mapped is refused in one sentence naming it.
+what a torchtitan checkpoint does not record; --global-batch-size derives its samples consumed where it records
+none. An output that holds a newer iteration, or is a megatron_zero save directory, is refused unless --force.
+Anything that cannot be mapped is refused in one sentence naming it. Progress goes to stderr (--quiet: none).
 """
 import argparse
 import os
@@ -25,14 +30,15 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_zero.checkpoint.errors import CheckpointError  # noqa: E402
-
-FORMATS = ("deepspeed", "universal", "torch_dist", "megatron_legacy", "dcp", "hf")
+from megatron_zero.checkpoint.interop.convert import SINKS, SOURCES, pairs_text  # noqa: E402
 
 
 def parse_arguments(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--from", dest="src_format", choices=FORMATS, required=True)
-    p.add_argument("--to", dest="dst_format", choices=FORMATS, required=True)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=f"Conversions: {pairs_text()}. "
+                                "Hugging Face: tools/convert_from_hf.py, tools/convert_to_hf.py.")
+    p.add_argument("--from", dest="src_format", required=True, metavar="|".join(SOURCES),
+                   help="the format of --input")
+    p.add_argument("--to", dest="dst_format", required=True, metavar="|".join(SINKS), help="the format to write")
     p.add_argument("--input", required=True, help="the checkpoint to convert")
     p.add_argument("--output", required=True, help="the directory to create")
     p.add_argument("--vocab-size", type=int, default=None,
@@ -45,24 +51,33 @@ def parse_arguments(argv=None):
     p.add_argument("--norm-epsilon", type=float, default=1e-5, help="--from dcp: RMSNorm's epsilon")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="--from dcp: the padding rule the runs that load the result use")
+    p.add_argument("--global-batch-size", type=int, default=None,
+                   help="--from dcp: the run's global batch, so the samples consumed are iteration x it where the "
+                        "checkpoint records none (torchtitan's own records none)")
+    p.add_argument("--force", action="store_true",
+                   help="write even where --output holds a newer iteration or is a megatron_zero save directory "
+                        "(the checkpoint pointer there then names the converted iteration)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     a = parse_arguments(argv)
     try:
-        if "hf" in (a.src_format, a.dst_format):
-            raise CheckpointError(f"--from {a.src_format} --to {a.dst_format}: Hugging Face conversions are "
-                                  "tools/convert_from_hf.py and tools/convert_to_hf.py")
         from megatron_zero.checkpoint.interop.convert import convert
         titan = {k: getattr(a, k) for k in ("num_attention_heads", "seq_length", "rotary_base", "norm_epsilon",
                                             "make_vocab_size_divisible_by")} if a.src_format == "dcp" else {}
-        s = convert(a.src_format, a.dst_format, a.input, a.output, a.vocab_size, a.target_tp, **titan)
+        s = convert(a.src_format, a.dst_format, a.input, a.output, a.vocab_size, a.target_tp, force=a.force,
+                    progress=not a.quiet, global_batch_size=a.global_batch_size, **titan)
     except CheckpointError as e:
         print(f"convert_checkpoint.py: error: {e}", file=sys.stderr)
         return 2
-    print(f"converted {s['params']} parameters ({a.src_format} -> {a.dst_format}, iteration {s.get('iteration', 0)}) "
-          f"from {a.input} into {s.get('directory', a.output)} ({s['bytes'] / 2**20:.1f} MiB) in {s['seconds']:.1f} s")
+    if s.get("consumed"):
+        print(f"data position: {s['consumed']}")
+    rate = s["bytes"] / 2**20 / s["seconds"] if s["seconds"] > 0 else 0.0
+    print(f"converted {s['params']} parameters ({s['tensors']} tensors; {a.src_format} -> {a.dst_format}, iteration "
+          f"{s.get('iteration', 0)}) from {a.input} into {s.get('directory', a.output)} ({s['bytes'] / 2**20:.1f} MiB) "
+          f"in {s['seconds']:.1f} s, {rate:.1f} MiB/s")
     return 0
 
 

@@ -18,6 +18,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_zero.checkpoint.errors import CheckpointError  # noqa: E402
+from megatron_zero.checkpoint.progress import rate  # noqa: E402
 from megatron_zero.checkpoint.storage.reader import add_verify_flag  # noqa: E402
 from megatron_zero.checkpoint.reshape.universal_convert import convert_to_universal  # noqa: E402
 
@@ -33,7 +34,10 @@ def parse_arguments(argv=None):
     p.add_argument("--no_strict", dest="strict", action="store_false",
                    help="keep TP rank 0's copy of TP-replicated parameters that differ across TP ranks")
     p.add_argument("--inject_missing_state", action="store_true", help="accepted for compatibility")
-    p.add_argument("--quiet", action="store_true", help="no progress line")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--force", action="store_true",
+                   help="write even where the latest_universal beside the output names a newer universal checkpoint "
+                        "(it then names this one)")
     add_verify_flag(p)
     return p.parse_args(argv)
 
@@ -43,12 +47,13 @@ def main(argv=None) -> int:
     try:
         s = convert_to_universal(args.input_folder, args.output_folder, merge_workers=args.num_merge_workers,
                                  extract_workers=args.num_extract_workers, strict=args.strict,
-                                 progress=not args.quiet, verify=args.verify_checkpoint)
+                                 progress=not args.quiet, verify=args.verify_checkpoint, force=args.force)
     except CheckpointError as e:
         print(f"ds_to_universal.py: error: {e}", file=sys.stderr)
         return 2
     print(f"converted {s['params']} parameters of a ZeRO-{s['zero_stage']} {s['layout']} checkpoint "
-          f"({s['bytes'] / 2**20:.1f} MiB) into {args.output_folder} in {s['seconds']:.1f} s")
+          f"({s['bytes'] / 2**20:.1f} MiB) into {args.output_folder} in {s['seconds']:.1f} s, "
+          f"{rate(s['bytes'], s['seconds'])}")
     return 0
 
 

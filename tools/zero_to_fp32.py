@@ -10,6 +10,7 @@ checkpoints. Writes pytorch_model.bin, or safetensors shards with model.safetens
 import argparse
 import os
 import sys
+import time
 
 import torch
 
@@ -17,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_zero.checkpoint.export.consolidate import consolidate_fp32  # noqa: E402
 from megatron_zero.checkpoint.errors import CheckpointError  # noqa: E402
+from megatron_zero.checkpoint.progress import rate  # noqa: E402
 from megatron_zero.checkpoint.storage.reader import add_verify_flag  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -31,19 +33,21 @@ def main(argv=None) -> int:
     p.add_argument("-t", "--tag", default=None, help="checkpoint tag, e.g. global_step100 (default: `latest`)")
     p.add_argument("--exclude_frozen_parameters", action="store_true",
                    help="accepted for compatibility (our checkpoints hold no frozen parameters)")
-    p.add_argument("--quiet", action="store_true", help="no progress line")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
                    help="cast each parameter to this type as it is written (bf16/fp16: the 16-bit model)")
     add_verify_flag(p)
     a = p.parse_args(argv)
+    start = time.monotonic()
     try:
         out = consolidate_fp32(a.checkpoint_dir, a.output_dir, a.safe_serialization, a.max_shard_size, a.tag,
                                progress=not a.quiet, dtype=DTYPES[a.dtype], verify=a.verify_checkpoint)
     except (CheckpointError, ValueError) as e:
         print(f"zero_to_fp32.py: error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {out['params']} parameters ({out['bytes'] / 2**20:.1f} MiB) to {a.output_dir}: "
-          f"{', '.join(out['files'])}")
+    seconds = time.monotonic() - start
+    print(f"wrote {out['params']} parameters ({out['bytes'] / 2**20:.1f} MiB) to {a.output_dir} in {seconds:.1f} s, "
+          f"{rate(out['bytes'], seconds)}: {', '.join(out['files'])}")
     return 0
 
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import re
 from typing import Optional, Tuple
 
-DS_VERSION = "0.19.8"              # `ds_version`: the DeepSpeed release whose layout and keys we write
+from ..zero.checkpoint_state import DS_VERSION  # noqa: F401  (`ds_version`, written by the ZeRO optimizer state too)
+
 CHECKPOINT_VERSION = 3.0           # Megatron's `checkpoint_version`
 UNIVERSAL_CHECKPOINT_VERSION = 0.2  # `universal_checkpoint_info.universal_checkpoint_version`
 UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"

@@ -11,10 +11,9 @@ record its args), and the head count, which no shape shows, must come from the a
 from __future__ import annotations
 
 import os
-from dataclasses import fields
 from typing import Callable, Optional, Sequence
 
-from ..model.architecture import model_settings
+from ..model.architecture import gpt_config, model_settings
 from ..model.config import GPTConfig
 from ..model.layer_indices import block_layer_index
 from ..model.params import (POSITION_EMBEDDINGS, UNTIED_POSITION_EMBEDDINGS, UNTIED_WORD_EMBEDDINGS,
@@ -30,12 +29,6 @@ def saved_args(directory: str, verify: bool = True) -> dict:
     if not heads:
         return {}
     return header_args(open_directory(directory, verify).load(heads[0]))
-
-
-def config_from_args(args: dict, vocab_size: int) -> GPTConfig:
-    """Our model config from recorded args (flag dests) and the unpadded vocabulary size."""
-    keep = {f.name for f in fields(GPTConfig)} - {"vocab_size", "params_dtype"}
-    return GPTConfig(vocab_size=vocab_size, **{k: v for k, v in args.items() if k in keep and v is not None})
 
 
 def saved_config(names: Sequence[str], shape_of: Callable[[str], Sequence[int]], args: dict,
@@ -70,4 +63,4 @@ def saved_config(names: Sequence[str], shape_of: Callable[[str], Sequence[int]],
                               "embedding to read it from (a RoPE model); pass the training run's args")
     if "seq_length" not in recorded:
         sizes["seq_length"] = recorded.get("max_position_embeddings", sizes.get("max_position_embeddings"))
-    return config_from_args({**sizes, **recorded, "untie_embeddings_and_output_weights": untied}, vocab)
+    return gpt_config({**sizes, **recorded, "untie_embeddings_and_output_weights": untied}, vocab)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .block_attention import expand_heads
+from ..tensor_parallel.conjugate import conjugate_pair
 from .chunks import cp_positions
 
 
@@ -38,26 +39,7 @@ def _heads_to_seq(y: torch.Tensor, group, cp: int) -> torch.Tensor:
     return recv.transpose(0, 1).reshape(b, cp * m, whole // cp, d)
 
 
-class SeqToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, cp):
-        ctx.group, ctx.cp = group, cp
-        return _seq_to_heads(x, group, cp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _heads_to_seq(grad, ctx.group, ctx.cp), None, None
-
-
-class HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, group, cp):
-        ctx.group, ctx.cp = group, cp
-        return _heads_to_seq(y, group, cp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_heads(grad, ctx.group, ctx.cp), None, None
+SeqToHeads, HeadsToSeq = conjugate_pair(_seq_to_heads, _heads_to_seq)  # each the other's backward
 
 
 def ulysses_attention(q, k, v, group, core: Callable):

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import argparse
 
-from .settings import FORMATS, RECIPES, Float8Error, Float8Settings, import_torchao_float8
+from ..config.errors import require
+from .settings import FORMATS, RECIPES, Float8Error, import_torchao_float8
 
 
 def add_fp8_flags(p: argparse.ArgumentParser) -> None:
@@ -22,22 +23,22 @@ def add_fp8_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fp8-recipe", choices=RECIPES, default="tensorwise",
                    help="torchao's scaling: tensorwise (one scale per tensor, the fastest), rowwise (one per row, "
                         "power-of-2 scales), rowwise_with_gw_hp (rowwise, the weight gradient's GEMM in the "
-                        "training dtype); default tensorwise, the closest to Megatron-LM's default delayed")
+                        "training dtype); tensorwise is the closest to Megatron-LM's delayed scaling")
     g.add_argument("--fp8-margin", type=int, default=0,
-                   help="each scale divided by 2^margin: headroom below the FP8 maximum (Megatron-LM's, default 0)")
+                   help="each scale divided by 2^margin: headroom below the FP8 maximum (as Megatron-LM's)")
     g.add_argument("--fp8-emulate", action="store_true",
                    help="run the FP8 GEMMs emulated (the FP8 values multiplied in fp32): for a CPU or a GPU "
                         "without FP8 tensor cores (before compute capability 8.9), where FP8 is refused "
                         "otherwise; numerically FP8, not faster")
 
 
-def check_fp8_flags(args, require) -> Float8Settings:
-    """Refuse, in one sentence through `require(cond, sentence)`, what FP8 cannot do with the other flags."""
+def check_fp8_flags(args) -> None:
+    """Refuse, in one sentence (ArgumentError), what FP8 cannot do with the other flags."""
     if args.fp8_format is None:
         require(args.fp8_margin == 0 and not args.fp8_emulate and args.fp8_recipe == "tensorwise",
                 "--fp8-recipe, --fp8-margin and --fp8-emulate shape FP8 training, which --fp8-format turns on; "
                 "give --fp8-format e4m3 or hybrid, or drop them")
-        return None
+        return
     require(args.fp8_margin >= 0, f"--fp8-margin {args.fp8_margin} must not be negative")
     require(args.num_experts is None,
             "--fp8-format with --num-experts: FP8 experts are not built here (the grouped-GEMM and expert-TP "
@@ -47,4 +48,3 @@ def check_fp8_flags(args, require) -> Float8Settings:
         import_torchao_float8()
     except Float8Error as err:
         require(False, str(err))
-    return Float8Settings(args.fp8_format, args.fp8_recipe, args.fp8_margin, args.fp8_emulate)

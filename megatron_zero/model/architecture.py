@@ -1,7 +1,7 @@
 """The model a set of training arguments describes, in one spelling, whoever wrote the arguments.
 
     settings = model_settings(args)                  # parsed flags, or the args a checkpoint records
-    GPTConfig(..., **architecture_kwargs(args))      # the architecture switches, as GPTConfig's fields
+    config = gpt_config(args, vocab_size)            # GPTConfig: the one args -> model settings mapping
 
 Three writers record arguments: this trainer and its Hugging Face importer, Megatron-LM and
 Megatron-DeepSpeed. They spell some settings differently and leave some implied; every reader of
@@ -35,9 +35,10 @@ tensor shapes prefers those); the switches always get a value.
 """
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Optional
 
-from .config import NORMALIZATIONS, default_ffn_hidden_size
+from .config import NORMALIZATIONS, GPTConfig, default_ffn_hidden_size
 
 # the GPT-2 value of every architecture switch: what a checkpoint that does not record one holds
 SWITCHES = {"swiglu": False, "normalization": "LayerNorm", "untie_embeddings_and_output_weights": False,
@@ -118,3 +119,13 @@ def architecture_kwargs(args: dict) -> dict:
     in any writer's spelling: model/architecture.py); a checkpoint from before these flags existed gives GPT-2."""
     settings = model_settings(args)
     return {k: settings[k] for k in ARCHITECTURE_FIELDS if settings.get(k) is not None}
+
+
+def gpt_config(args, vocab_size: int) -> GPTConfig:
+    """GPTConfig from a training run's arguments (checked flags, or the args a checkpoint records, in any
+    writer's spelling) and the unpadded vocabulary size: each field from the argument of its name, the
+    architecture's through model_settings; a field the arguments lack (or hold as None) keeps its default."""
+    args = dict(args) if isinstance(args, dict) else dict(vars(args))
+    settings = {**args, **architecture_kwargs(args)}
+    keep = {f.name for f in fields(GPTConfig)} - {"vocab_size", "params_dtype"}
+    return GPTConfig(vocab_size=vocab_size, **{k: settings[k] for k in keep if settings.get(k) is not None})

@@ -25,7 +25,7 @@ only with dropout off. Where SDPA applies: with the dropout inactive (p = 0 or e
 any device, and on CUDA (whose flash / memory-efficient kernels implement dropout). On
 other devices torch has no fused kernel with dropout (it would fall back to its own s x s
 math kernel), so `auto` runs `unfused` there while attention dropout is active, and
-`flash` is refused with attention dropout on a machine without CUDA (arguments.py).
+`flash` is refused with attention dropout on a machine without CUDA (config/model.py).
 """
 from __future__ import annotations
 

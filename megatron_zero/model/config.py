@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch
 
+from ..moe.expert_counts import check_expert_counts
+
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused")
@@ -129,10 +131,7 @@ class GPTConfig:
     def _check_moe(self) -> None:
         if self.num_experts is None:
             return
-        if self.num_experts < 1:
-            raise ValueError(f"num_experts {self.num_experts} must be at least 1")
-        if not 1 <= self.moe_router_topk <= self.num_experts:
-            raise ValueError(f"moe_router_topk {self.moe_router_topk} must lie in 1..num_experts ({self.num_experts})")
+        check_expert_counts(self.num_experts, self.moe_router_topk)
         if self.moe_layer_freq < 1 or not 0 <= self.moe_layer_offset < self.moe_layer_freq:
             raise ValueError(f"moe_layer_freq {self.moe_layer_freq} must be at least 1 and moe_layer_offset "
                              f"{self.moe_layer_offset} lie in 0..moe_layer_freq - 1")
@@ -232,12 +231,3 @@ class GPTConfig:
             raise ValueError(f"seq_length {self.seq_length} is not divisible by the tensor-parallel size {tp}, "
                              "which sequence parallelism splits it over")
 
-
-# the MoE fields a run's arguments set (arguments.py's flags of the same names)
-MOE_FIELDS = ("num_experts", "moe_layer_freq", "moe_layer_offset", "moe_ffn_hidden_size", "moe_router_topk",
-              "moe_router_pre_softmax", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
-              "moe_grouped_gemm", "moe_capacity_factor", "moe_eval_capacity_factor", "moe_min_capacity",
-              "moe_drop_tokens", "moe_top2_2nd_expert_sampling", "moe_router_score_function",
-              "moe_router_topk_scaling_factor", "moe_expert_capacity_factor", "moe_token_drop_policy",
-              "moe_pad_expert_input_to_capacity", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
-MOE_FIELDS += ("moe_token_dispatcher_type",)

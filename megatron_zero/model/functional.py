@@ -5,7 +5,6 @@ and otherwise the PyTorch fallback of identical meaning.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .. import ops
 
@@ -24,9 +23,7 @@ def apply_rotary_pos_emb(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
 
 
 def swiglu(x: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for x = [gate, up] on the last dimension (Megatron's SwiGLU)."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return ops.swiglu(x)
 
 
 def scaled_upper_triang_masked_softmax(scores: torch.Tensor, scale: float, fused=None) -> torch.Tensor:

@@ -7,7 +7,7 @@
       block       the first N layers of the stage one by one; the others keep everything
 
 Built on torch.utils.checkpoint (use_reentrant=False), which restores the default CPU and
-device generators for the recompute (preserve_rng_state). `checkpoint` here restores the
+device generators for the recompute (preserve_rng_state). `checkpoint` (tensor_parallel/random.py) restores the
 TP RNG tracker's states as well, so dropout drawn inside `get_rng_tracker().fork()`
 (attention dropout, sequence-parallel dropout) draws the same masks on recompute: the
 gradients equal those without recomputation (tests/test_model_recompute.py). While a recompute
@@ -18,43 +18,9 @@ from __future__ import annotations
 from typing import Callable, List, Sequence, Tuple
 
 import torch
-import torch.utils.checkpoint
 from torch import nn
 
-from ..tensor_parallel import get_rng_tracker
-
-_RECOMPUTING = {"depth": 0}
-
-
-def is_recomputing() -> bool:
-    """Whether the layers running now are a checkpointed segment's recompute in backward."""
-    return _RECOMPUTING["depth"] > 0
-
-
-def checkpoint(fn: Callable, *args):
-    """fn(*args) without keeping its activations; backward recomputes them under the same RNG states."""
-    if not torch.is_grad_enabled():
-        return fn(*args)
-    tracker = get_rng_tracker()
-    at_forward = tracker.get_states()
-    calls = 0
-
-    def run(*inputs):
-        nonlocal calls
-        calls += 1
-        if calls == 1:
-            return fn(*inputs)
-        outside = tracker.get_states()  # the recompute happens in backward: put back what it finds
-        tracker.set_states(at_forward)
-        _RECOMPUTING["depth"] += 1
-        try:
-            return fn(*inputs)
-        finally:
-            _RECOMPUTING["depth"] -= 1
-            tracker.set_states(outside)
-
-    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
-
+from ..tensor_parallel.random import checkpoint
 
 def layer_segments(num_layers: int, method: str, recompute_num_layers: int) -> List[Tuple[int, int, bool]]:
     """(start, end, recompute) runs of a stage's `num_layers` layers for full recomputation."""

@@ -28,12 +28,12 @@ from ..tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabPar
                                gather_from_sequence_parallel_region,
                                get_rng_tracker, scatter_to_sequence_parallel_region)
 from ..tensor_parallel.layers import sequence_parallel_param, sum_sequence_parallel_grad
+from ..tensor_parallel.random import checkpoint
 from ..tensor_parallel.linear_async import linear_with_async_grad_all_reduce
 from ..tensor_parallel.utils import divide, set_tensor_model_parallel_attributes, tp_rank_in, tp_world_size
 from . import functional
 from .attention_core import attention_core
 from .config import GPTConfig
-from .recompute import checkpoint
 
 
 def sequence_parallel_active(config: GPTConfig, tp_group) -> bool:

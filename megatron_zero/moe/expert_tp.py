@@ -27,9 +27,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..device import has_grouped_mm, ints_to_device
-from ..model import functional
+from .. import ops
 from ..reduce_scatter import all_gather_into_tensor, reduce_scatter_tensor
 from ..tensor_parallel import copy_to_tensor_model_parallel_region
+from ..tensor_parallel.conjugate import conjugate_pair
 from .dispatch import sort_by_expert
 from .grouped_mlp import grouped_linear, grouped_mm_fits, rows_bias
 
@@ -55,26 +56,7 @@ def reduce_scatter_rows(x: torch.Tensor, sizes: List[int], group) -> torch.Tenso
     return out[:sizes[dist.get_rank(group)]]
 
 
-class _GatherRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, sizes, group):
-        ctx.sizes, ctx.group = sizes, group
-        return gather_rows(x, sizes, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter_rows(grad, ctx.sizes, ctx.group), None, None
-
-
-class _ReduceScatterRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, sizes, group):
-        ctx.sizes, ctx.group = sizes, group
-        return reduce_scatter_rows(x, sizes, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return gather_rows(grad, ctx.sizes, ctx.group), None, None
+_GatherRows, _ReduceScatterRows = conjugate_pair(gather_rows, reduce_scatter_rows)  # each the other's backward
 
 
 class ExpertTensorParallelRows:
@@ -121,7 +103,7 @@ def experts_over_etp(experts, rows: torch.Tensor, exchange: ExpertTensorParallel
     y = grouped_linear(x, [m.weight for m in fc1], counts, offs, grouped)
     if fc1[0].bias is not None:  # column-parallel: this rank's slice of the bias
         y = y + rows_bias([m.bias for m in fc1], _expert_of_row(counts, x.device))
-    y = functional.swiglu(y) if swiglu else F.gelu(y, approximate="tanh")
+    y = ops.swiglu(y) if swiglu else F.gelu(y, approximate="tanh")
     out = exchange.scatter(grouped_linear(y, [m.weight for m in fc2], counts, offs, grouped))
     if fc2[0].bias is not None:  # replicated over ETP: added once, to this rank's own rows
         biases = [copy_to_tensor_model_parallel_region(m.bias, exchange.group) for m in fc2]

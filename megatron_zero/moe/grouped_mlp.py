@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..device import has_grouped_mm, ints_to_device
-from ..model import functional
+from .. import ops
 from ..tensor_parallel import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
 
 ALIGN_BYTES = 16  # grouped_mm's stride rule: every row of its operands starts on a 16-byte boundary
@@ -75,7 +75,7 @@ class GroupedMLP:
         y = grouped_linear(x, [m.weight for m in fc1], counts, offs, grouped)
         if fc1[0].bias is not None:
             y = y + rows_bias([m.bias for m in fc1], expert_of_row)
-        y = functional.swiglu(y) if self.swiglu else F.gelu(y, approximate="tanh")
+        y = ops.swiglu(y) if self.swiglu else F.gelu(y, approximate="tanh")
         out = grouped_linear(y, [m.weight for m in fc2], counts, offs, grouped)
         out = reduce_from_tensor_model_parallel_region(out, self.tp_group)
         if fc2[0].bias is not None:

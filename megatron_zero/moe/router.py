@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from .. import shm_comm
-from ..model.recompute import is_recomputing
+from ..tensor_parallel.random import is_recomputing
 from .sinkhorn import sinkhorn_routing
 
 _SCALE = {"value": 1.0}

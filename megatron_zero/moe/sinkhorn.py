@@ -9,7 +9,7 @@
                  through it, never through the Sinkhorn scaling
 
 Megatron-Core asserts --moe-aux-loss-coeff 0 with it and does not read the score function, pre-softmax or
-the top-k scaling factor there; arguments.py refuses those beside sinkhorn. The z-loss applies before, as
+the top-k scaling factor there; config/moe_router.py refuses those beside sinkhorn. The z-loss applies before, as
 in Megatron-Core. The iteration runs until the mean change of the column factors is below 1e-4: each
 iteration reads that error on the host (Megatron-Core's loop), the one place the router syncs with it.
 """

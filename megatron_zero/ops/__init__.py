@@ -14,9 +14,11 @@ from .require import MissingKernelsError, require_fused_kernels
 from .rms_norm import rms_norm
 from .rope import apply_rotary_pos_emb, rotary_tables
 from .softmax import scaled_upper_triang_masked_softmax
+from .swiglu import swiglu
 
 __all__ = [
     "CPUAdamW", "FusionFlags", "MissingKernelsError", "MultiTensorAdamW", "adamw_step_", "apply_rotary_pos_emb",
     "available_kernels", "bias_gelu", "get_fusion_flags", "kernel_report", "layer_norm", "multi_tensor_adamw_",
     "require_fused_kernels", "rms_norm", "rotary_tables", "scaled_upper_triang_masked_softmax", "set_fusion_flags",
+    "swiglu",
 ]

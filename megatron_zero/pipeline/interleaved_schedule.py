@@ -5,7 +5,7 @@ micro-batch (k // pp v) pp + k mod pp, so micro-batches go through the chunks in
 backwards walk the chunks in reverse (`chunk_of`, `micro_batch_of`). Rank r first runs
 (pp - r - 1) 2 + (v - 1) pp forwards (warm-up; all M v when M = pp), then one forward one backward,
 then the cool-down backwards. The bubble shrinks by v against plain 1F1B (schedule.py) for v times
-the transfers; the number of micro-batches M must be a multiple of pp (arguments.py refuses others).
+the transfers; the number of micro-batches M must be a multiple of pp (config/parallel.py refuses others).
 
 Transfers go around the ring of pipeline ranks (gpt_stage.stage_p2p): the last rank's chunk k feeds
 the first rank's chunk k + 1. Each step is one `P2P.communicate` batch (send the output and the

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from .. import shm_comm
 from ..reduce_scatter import reduce_scatter
+from .conjugate import conjugate_pair
 from .utils import divide, split_along_dim, tp_rank_in, tp_world_size
 
 
@@ -87,95 +88,29 @@ def _reduce_scatter(x, group, dim):
     return out
 
 
-class _CopyToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+def _identity(x, group):
+    return x.view_as(x)
 
 
-class _ReduceFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+def _split_last(x, group):
+    return _split(x, group, -1)
 
 
-class _ScatterToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _split(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad, ctx.group, ctx.dim), None, None
+def _gather_last(x, group):
+    return _gather(x, group, -1)
 
 
-class _GatherFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim, output_grad_is_partial):
-        ctx.group, ctx.dim, ctx.partial = group, dim, output_grad_is_partial
-        return _gather(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.partial:
-            return _reduce_scatter(grad, ctx.group, ctx.dim), None, None, None
-        return _split(grad, ctx.group, ctx.dim), None, None, None
+def _reduce_scatter_last(x, group):
+    return _reduce_scatter(x, group, -1)
 
 
-class _ScatterToSequenceParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_tokens(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_tokens(grad, ctx.group), None
-
-
-class _GatherFromSequenceParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, output_grad_is_partial):
-        ctx.group, ctx.partial = group, output_grad_is_partial
-        return _gather_tokens(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.partial:
-            return _reduce_scatter_tokens(grad, ctx.group), None, None
-        return _split_tokens(grad, ctx.group), None, None
-
-
-class _ReduceScatterToSequenceParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_tokens(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_tokens(grad, ctx.group), None
-
-
-class _AllGatherLastDim(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.group, -1), None
+# each pair: the first's backward is the second's forward and the reverse (conjugate.py)
+_CopyToRegion, _ReduceFromRegion = conjugate_pair(_identity, _all_reduce)
+_ScatterToRegion, _GatherFromRegion = conjugate_pair(_split_last, _gather_last)
+_ReduceScatterLastDim, _AllGatherLastDim = conjugate_pair(_reduce_scatter_last, _gather_last)
+_ScatterToSequenceParallel, _GatherFromSequenceParallel = conjugate_pair(_split_tokens, _gather_tokens)
+_ReduceScatterToSequenceParallel, _GatherPartialFromSequenceParallel = conjugate_pair(_reduce_scatter_tokens,
+                                                                                     _gather_tokens)
 
 
 def _active(group) -> bool:
@@ -191,11 +126,11 @@ def reduce_from_tensor_model_parallel_region(x, group):
 
 
 def scatter_to_tensor_model_parallel_region(x, group):
-    return _ScatterToRegion.apply(x, group, -1) if _active(group) else x
+    return _ScatterToRegion.apply(x, group) if _active(group) else x
 
 
 def gather_from_tensor_model_parallel_region(x, group):
-    return _GatherFromRegion.apply(x, group, -1, False) if _active(group) else x
+    return _GatherFromRegion.apply(x, group) if _active(group) else x
 
 
 def scatter_to_sequence_parallel_region(x, group):
@@ -205,7 +140,10 @@ def scatter_to_sequence_parallel_region(x, group):
 def gather_from_sequence_parallel_region(x, group, tensor_parallel_output_grad=True):
     """All-gather the tokens. `tensor_parallel_output_grad`: the gradient arriving from the consumer
     (a column-parallel layer) is this rank's partial sum, so backward reduce-scatters it."""
-    return _GatherFromSequenceParallel.apply(x, group, tensor_parallel_output_grad) if _active(group) else x
+    if not _active(group):
+        return x
+    gather = _GatherPartialFromSequenceParallel if tensor_parallel_output_grad else _GatherFromSequenceParallel
+    return gather.apply(x, group)
 
 
 def reduce_scatter_to_sequence_parallel_region(x, group):

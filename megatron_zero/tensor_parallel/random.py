@@ -9,13 +9,17 @@ Megatron's scheme, on the CPU generator (and the CUDA one where there is a GPU):
   inside `get_rng_tracker().fork()`, which swaps that state in and out.
 
 `get_states()` / `set_states()` save and restore every tracked state (checkpointing).
+`checkpoint(fn, *args)` recomputes fn in backward under the tracker's states of the forward (activation
+recomputation); `is_recomputing()` says whether such a recompute runs now.
 """
 from __future__ import annotations
 
 import contextlib
 import random
+from typing import Callable
 
 import torch
+import torch.utils.checkpoint
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 
@@ -104,3 +108,36 @@ def model_parallel_seed(seed: int, tp_rank: int = 0, pp_rank: int = 0, cp_rank: 
     torch.manual_seed(base)
     _TRACKER.reset()
     _TRACKER.add(MODEL_PARALLEL_RNG, base + 2718 + tp_rank)
+
+
+_RECOMPUTING = {"depth": 0}
+
+
+def is_recomputing() -> bool:
+    """Whether the layers running now are a checkpointed segment's recompute in backward."""
+    return _RECOMPUTING["depth"] > 0
+
+
+def checkpoint(fn: Callable, *args):
+    """fn(*args) without keeping its activations; backward recomputes them under the same RNG states."""
+    if not torch.is_grad_enabled():
+        return fn(*args)
+    tracker = get_rng_tracker()
+    at_forward = tracker.get_states()
+    calls = 0
+
+    def run(*inputs):
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return fn(*inputs)
+        outside = tracker.get_states()  # the recompute happens in backward: put back what it finds
+        tracker.set_states(at_forward)
+        _RECOMPUTING["depth"] += 1
+        try:
+            return fn(*inputs)
+        finally:
+            _RECOMPUTING["depth"] -= 1
+            tracker.set_states(outside)
+
+    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)

@@ -51,3 +51,37 @@ def measured(fn, probe=lambda: (rss(),)):
         t.join()
     peak[:] = map(max, peak, probe())
     return (dt, *(max(0, p - b) for p, b in zip(peak, base)))
+
+
+# A tool's peak as the kernel counts it (VmHWM), reset once its imports are done, so the number is what the
+# work itself held: no sampling, nothing missed. Linux: /proc/self/clear_refs "5" resets the high-water mark.
+_TOOL_PEAK = """
+import re, runpy, sys
+import torch, torch.distributed.checkpoint  # noqa: F401  (imports are not the work)
+import megatron_zero.checkpoint.interop.convert, megatron_zero.checkpoint.interop.titan  # noqa: F401
+import megatron_zero.checkpoint.interop.torch_dist_write, megatron_zero.checkpoint.interop.to_universal  # noqa: F401
+def kb(field):
+    return int(re.search(field + r":\\s+(\\d+)", open("/proc/self/status").read()).group(1))
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+base = kb("VmRSS")
+sys.argv = sys.argv[1:]
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+except SystemExit as e:
+    if e.code:
+        raise
+print("PEAK_GROWTH_KB", kb("VmHWM") - base, file=sys.stderr)
+"""
+
+
+def tool_peak_growth(script: str, *args: str) -> int:
+    """Bytes the tool `script` (run in a fresh interpreter with `args`) held at its peak beyond what it held once
+    its imports were done: resident pages, anonymous and file-backed (mapped checkpoint files) alike."""
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, "-c", _TOOL_PEAK, script, *args], capture_output=True, text=True,
+                         timeout=900)
+    if run.returncode or "PEAK_GROWTH_KB" not in run.stderr:
+        raise AssertionError(f"{script} failed ({run.returncode}): {run.stderr[-2000:]}")
+    return int(run.stderr.rsplit("PEAK_GROWTH_KB", 1)[1].split()[0]) * 1024

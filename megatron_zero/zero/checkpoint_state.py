@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+DS_VERSION = "0.19.8"  # `ds_version`: the DeepSpeed release whose layout and keys we write (checkpoint/format.py)
+
 
 def _base_state(opt) -> dict:
     state, groups = {}, []
@@ -29,8 +31,6 @@ def _base_state(opt) -> dict:
 
 
 def state_dict(opt) -> dict:
-    from ..checkpoint.format import DS_VERSION  # here: the checkpoint package imports zero at import time
-
     with opt.optimizer.paged() as masters:
         base = _base_state(opt)
         common = {"loss_scaler": opt.loss_scaler.state_dict(),

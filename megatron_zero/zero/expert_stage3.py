@@ -14,7 +14,7 @@ element counts once.
 The halves' saved-tensor hooks nest (a block's forward enters both; autograd calls the innermost), so they
 share one map of gathered storage -> parameter, and a parameter saved for backward is re-gathered by the
 half that partitions it (`p.ds_owner`). ZeRO++ (quantized gathers and reduce-scatters, hpZ) runs without
-experts only (arguments.py refuses it with EP).
+experts only (config/moe.py refuses it with EP).
 """
 from __future__ import annotations
 

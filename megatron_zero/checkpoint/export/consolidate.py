@@ -31,7 +31,8 @@ from ..errors import CheckpointError
 from ..format import LATEST
 from ..storage.reader import open_directory
 from ..storage.torch_zip_writer import TensorBytesWriter, TorchZipWriter, cpu_contiguous
-from ..reshape.universal_convert import Progress, batches
+from ..progress import Progress
+from ..reshape.universal_convert import batches, param_numels
 from ..reshape.universal_load import find_universal_dir
 from ..reshape.universal_source import SourceCheckpoint
 
@@ -74,7 +75,7 @@ def fp32_source(checkpoint_dir: str, progress: bool = False,
         names = sorted(d for d in os.listdir(zero) if os.path.isdir(os.path.join(zero, d)))
 
         def from_universal():
-            bar = Progress("zero_to_fp32", len(names), progress)
+            bar = Progress("zero_to_fp32", len(names), progress, unit="parameters")
             for name in names:
                 t = files.load(f"zero/{name}/fp32.pt")["param"]
                 bar.update(1, t.numel() * t.element_size())
@@ -84,7 +85,8 @@ def fp32_source(checkpoint_dir: str, progress: bool = False,
     src = SourceCheckpoint(checkpoint_dir, verify=verify)
 
     def from_zero():
-        bar = Progress("zero_to_fp32", len(src.params), progress)
+        bar = Progress("zero_to_fp32", len(src.params), progress, unit="parameters",
+                       total_bytes=4 * sum(param_numels(src).values()))
         for pp, names in batches(src):  # a fresh mapping per batch: touched pages are released after it
             with src.stage(pp) as reader:
                 for name in names:

@@ -2,18 +2,23 @@
 per-parameter source and writing it out: the universal checkpoint is the hub.
 
     open_any(fmt, path, **model) -> (files, config, head)   # deepspeed | universal | torch_dist | megatron_legacy | dcp
-    convert(src_fmt, dst_fmt, src, out, **options) -> summary
+    convert(src_fmt, dst_fmt, src, out, **options) -> summary   # the pairs in PAIRS; check_pair refuses others
 
 Sources: a ZeRO checkpoint at any layout (ReshapedFiles), a universal one (UniversalFiles), Megatron-Core
 torch_dist (TorchDistFiles), Megatron-LM legacy (LegacyFiles), a torchtitan Llama DCP step directory
 (TitanFiles; it records no args, so sizes come from its shapes and the head count from `num_attention_heads`).
-Sinks: universal (to_universal.write_universal), torch_dist (torch_dist_write), dcp (titan.write_titan).
+Sinks: universal (to_universal.write_universal), torch_dist (torch_dist_write), dcp (titan.write_titan); each
+streams one tensor at a time and refuses an output that would move a checkpoint pointer back (output_guard.py).
+The --input is checked first to be in the format --from names (output_guard.detect_format), so a wrong or empty
+directory is one sentence saying what it is, before anything is opened.
 """
 from __future__ import annotations
 
 import os
 import time
 from typing import Optional
+
+import torch
 
 from ...model.config import GPTConfig
 from ..errors import CheckpointError
@@ -24,6 +29,9 @@ from .torch_dist import TorchDistFiles, megatron_head, read_common
 
 SOURCES = ("deepspeed", "universal", "torch_dist", "megatron_legacy", "dcp")
 SINKS = ("universal", "torch_dist", "dcp")
+PAIRS = {"universal": ("deepspeed", "torch_dist", "megatron_legacy", "dcp"),  # sink: the sources converted to it
+         "torch_dist": ("deepspeed", "universal"),
+         "dcp": ("deepspeed", "universal", "torch_dist", "megatron_legacy")}
 
 
 def titan_config(directory: str, num_attention_heads: Optional[int], seq_length: int, rotary_base: float,
@@ -57,7 +65,8 @@ def config_args(config: GPTConfig) -> dict:
     return {f: getattr(config, f) for f in fields}
 
 
-def open_any(fmt: str, path: str, vocab_size: Optional[int] = None, **titan):
+def open_any(fmt: str, path: str, vocab_size: Optional[int] = None, global_batch_size: Optional[int] = None,
+             **titan):
     """(per-parameter source, model config, header) of a checkpoint in format `fmt`."""
     if fmt in ("deepspeed", "universal"):
         from .torch_dist_write import open_source, source_config
@@ -90,7 +99,7 @@ def open_any(fmt: str, path: str, vocab_size: Optional[int] = None, **titan):
     if fmt == "dcp":
         from .titan import TitanFiles
         config = titan_config(path, **titan)
-        files = TitanFiles(path, config)
+        files = TitanFiles(path, config, global_batch_size)
         head = files.model_states(0)
         head["args"] = config_args(config)
         head[UNIVERSAL_CHECKPOINT_INFO] = {"original_vocab_size": config.vocab_size}
@@ -98,28 +107,73 @@ def open_any(fmt: str, path: str, vocab_size: Optional[int] = None, **titan):
     raise CheckpointError(f"--from {fmt} is not a format this tool reads; it reads {', '.join(SOURCES)}")
 
 
+def pairs_text() -> str:
+    """The conversions this tool makes, as --help and its refusals list them."""
+    return "; ".join(f"{' | '.join(src)} -> {dst}" for dst, src in PAIRS.items())
+
+
+def check_pair(src_fmt: str, dst_fmt: str) -> None:
+    hf = "Hugging Face models are converted by tools/convert_from_hf.py (into ours) and tools/convert_to_hf.py (out)"
+    for flag, fmt, known in (("--from", src_fmt, SOURCES), ("--to", dst_fmt, SINKS)):
+        if fmt == "hf":
+            raise CheckpointError(f"{flag} hf: {hf}; this tool converts {pairs_text()}")
+        if fmt not in known:
+            raise CheckpointError(f"{flag} {fmt} is not a format this tool knows; it converts {pairs_text()}")
+    if src_fmt not in PAIRS[dst_fmt]:
+        raise CheckpointError(f"--from {src_fmt} --to {dst_fmt} is not a conversion this tool makes; it converts "
+                              f"{pairs_text()}" + (" (convert to universal first, then from it)"
+                                                   if dst_fmt == "torch_dist" else ""))
+
+
+def check_source(src_fmt: str, src: str) -> None:
+    """Refuse a --input that is missing, empty, or in another format than --from says, naming what it is."""
+    from .output_guard import detect_format, name_format
+    if not os.path.isdir(src):
+        raise CheckpointError(f"--input {src} does not exist or is not a directory")
+    found = detect_format(src)
+    readable = {"deepspeed": ("deepspeed", "universal"), "universal": ("deepspeed", "universal")}.get(src_fmt,
+                                                                                                       (src_fmt,))
+    if found not in readable:
+        raise CheckpointError(f"--input {src} is {name_format(src)}, not what --from {src_fmt} reads"
+                              + (f"; pass --from {found}" if found in SOURCES else ""))
+
+
 def convert(src_fmt: str, dst_fmt: str, src: str, out: str, vocab_size: Optional[int] = None, target_tp: int = 1,
-            **titan) -> dict:
-    if dst_fmt not in SINKS:
-        raise CheckpointError(f"--to {dst_fmt} is not a format this tool writes; it writes {', '.join(SINKS)} "
-                              "(Hugging Face: tools/convert_to_hf.py from a universal or ZeRO checkpoint)")
-    if dst_fmt == "torch_dist" and src_fmt in ("deepspeed", "universal"):
+            force: bool = False, progress: bool = False, global_batch_size: Optional[int] = None, **titan) -> dict:
+    """Convert; the summary has params, tensors, bytes, seconds, iteration, directory and, where the data position
+    had to be found, `consumed` (one sentence saying how)."""
+    check_pair(src_fmt, dst_fmt)
+    if global_batch_size is not None and src_fmt != "dcp":
+        raise CheckpointError(f"--global-batch-size derives the samples consumed of a torchtitan checkpoint (--from "
+                              f"dcp); --from {src_fmt} records them")
+    check_source(src_fmt, src)
+    if dst_fmt == "torch_dist":
         from .torch_dist_write import write_torch_dist
-        return write_torch_dist(src, out, target_tp)
+        return write_torch_dist(src, out, target_tp, force=force, progress=progress)
     start = time.monotonic()
-    files, config, head = open_any(src_fmt, src, vocab_size, **titan)
+    files, config, head = open_any(src_fmt, src, vocab_size, global_batch_size=global_batch_size, **titan)
+    note = {"consumed": files.consumed_note} if src_fmt == "dcp" else {}
     if dst_fmt == "universal":
         from .to_universal import write_universal
-        return write_universal(files, config, head, out, src)
-    if dst_fmt == "dcp":
-        from .titan import write_titan
-        iteration = int(head.get("iteration", 0) or 0)
-        directory = os.path.join(out, f"step-{iteration}")
-        if os.path.exists(directory):
-            raise CheckpointError(f"{directory} already exists; choose another --output or remove it")
-        n = write_titan(files, config, directory, iteration)
+        return {**write_universal(files, config, head, out, src, force, progress), **note}
+    from ..progress import Progress
+    from .output_guard import check_output
+    from .titan import titan_chunks, write_titan
+    iteration = int(head.get("iteration", 0) or 0)
+    directory = os.path.join(out, f"step-{iteration}")
+    if os.path.exists(directory):
+        raise CheckpointError(f"{directory} already exists; choose another --output or remove it")
+    check_output("dcp", out, iteration, force)
+    chunks = titan_chunks(config)
+    bar = Progress("convert_checkpoint", len(chunks), progress,
+                   total_bytes=sum(4 * torch.Size(c.global_size).numel() for *_, c in chunks))
+    consumed = int((head.get("train_state") or {}).get("consumed_train_samples", head.get("consumed_train_samples"))
+                   or 0)
+    try:
+        n = write_titan(files, config, directory, iteration, consumed, bar)
+    finally:
+        bar.close()
         files.close()
-        return {"params": n, "iteration": iteration, "directory": directory, "seconds": time.monotonic() - start,
-                "bytes": sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))}
-    raise CheckpointError(f"--from {src_fmt} --to torch_dist is not made directly; convert to universal first, "
-                          "then --from universal --to torch_dist")
+    return {"params": n, "iteration": iteration, "directory": directory, "seconds": time.monotonic() - start,
+            "tensors": bar.done, "bytes": sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory)),
+            **note}

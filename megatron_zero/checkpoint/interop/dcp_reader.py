@@ -5,6 +5,7 @@
     r.read("a.weight")              # the whole tensor (global shape), fp32 or as saved
     r.read("layers.w", index=3)     # only [3] of a tensor stacked on dim 0: the saved chunks overlapping it
     r.read("experts.w", (3, 1))     # only [3, 1] of a tensor stacked on dims 0 and 1 (layers, experts)
+    r.read_object("train_state.step")   # a value saved as bytes (not a tensor), through the safe unpickler
 
 No process group is needed or used (`no_dist=True`): each caller reads the keys it needs, which is what
 lets every rank of a run read only its own parameters. A slice is planned with torch's public
@@ -12,14 +13,16 @@ lets every rank of a run read only its own parameters. A slice is planned with t
 """
 from __future__ import annotations
 
+import io
 import warnings
-from typing import Optional, Tuple, Union
+from typing import Any, Optional, Tuple, Union
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex,
+                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from ..errors import CheckpointError
@@ -42,6 +45,22 @@ class _ChunkPlanner(DefaultLoadPlanner):
         return self.state_dict[index.fqn]  # the chunk's own tensor: read items' dest offsets are relative to it
 
 
+class _BytesPlanner(DefaultLoadPlanner):
+    """Plans the read of one BYTE_IO item and keeps its bytes (unpickled by the caller, safely)."""
+
+    def __init__(self, fqn: str):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.fqn, self.data = fqn, None
+
+    def create_local_plan(self) -> LoadPlan:
+        zero = torch.Size((0,))
+        return LoadPlan([ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(self.fqn), dest_offsets=zero,
+                                  storage_index=MetadataIndex(self.fqn), storage_offsets=zero, lengths=zero)])
+
+    def load_bytes(self, read_item, value) -> None:
+        self.data = value.read()
+
+
 class DcpReader:
     def __init__(self, directory: str):
         self.directory = directory
@@ -53,6 +72,21 @@ class DcpReader:
                                   f"({type(e).__name__}: {e})") from e
         self.tensors = {k: v for k, v in self.metadata.state_dict_metadata.items()
                         if isinstance(v, TensorStorageMetadata)}
+        self.objects = {k for k, v in self.metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
+
+    def read_object(self, fqn: str) -> Any:
+        """A value DCP saved as bytes (an int, a dict, ...), unpickled with the safe loader."""
+        from ..storage.safe_pickle import RefusedGlobal, safe_load
+        if fqn not in self.objects:
+            raise CheckpointError(f"{self.directory} holds no value {fqn}")
+        planner = _BytesPlanner(fqn)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({}, storage_reader=self.storage, planner=planner, no_dist=True)
+        try:
+            return safe_load(io.BytesIO(planner.data), where=f"{self.directory}'s {fqn}")
+        except RefusedGlobal as e:
+            raise CheckpointError(str(e)) from None
 
     def shape(self, fqn: str) -> Optional[torch.Size]:
         md = self.tensors.get(fqn)

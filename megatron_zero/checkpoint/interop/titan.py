@@ -1,11 +1,14 @@
 """torchtitan's Llama checkpoints (torch DCP, `<dump>/checkpoint/step-N/`) to and from our parameters.
 
     files = TitanFiles(step_dir, config)            # the per-parameter source reshape/universal_load.load_from takes
-    write_titan(files, config, step_dir, step)      # any per-parameter source (universal, ZeRO, torch_dist) out
+    write_titan(files, config, step_dir, step, consumed_samples)   # any per-parameter source out, tensor by tensor
 
 The layout follows torchtitan 0.3.0's code (components/checkpointer/dcp.py, components/optimizer/utils.py,
 models/llama3): model tensors at the top level of the DCP state dict, the optimizer flattened by parameter name
-(`optimizer.state.<fqn>.exp_avg|exp_avg_sq|step`, `optimizer.param_groups.<fqn>.<key>`), `train_state.step`.
+(`optimizer.state.<fqn>.exp_avg|exp_avg_sq|step`, `optimizer.param_groups.<fqn>.<key>`), `train_state.step` and
+`train_state.ntokens_seen` (ints, saved as bytes). The data position goes as `train_state.consumed_train_samples`
+(ours; torchtitan's load reads only the keys it asks for); a checkpoint without it (torchtitan's own) gives
+iteration x global batch when the batch is given, said so, as for torch_dist.
 
     ours                                 torchtitan (0.3.0; earlier releases' names are read too)
     1.word_embeddings.weight             tok_embeddings.weight
@@ -25,16 +28,15 @@ biases); another architecture is refused in one sentence.
 """
 from __future__ import annotations
 
-import warnings
 from typing import List, Optional, Tuple
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from ...model.layer_indices import block_number, final_norm_index, is_block_index
 from ...model.params import lm_head_name, param_names, param_spec, word_embeddings_name
 from ..errors import CheckpointError
 from .dcp_reader import DcpReader
+from .dcp_stream import Chunk, object_bytes, save_streamed
 
 OLD_NAMES = {"attention.qkv_linear.wq.weight": "attention.wq.weight", "attention.qkv_linear.wk.weight":
              "attention.wk.weight", "attention.qkv_linear.wv.weight": "attention.wv.weight",
@@ -126,7 +128,7 @@ def _state_key(key: str, which: str) -> str:
 
 
 class TitanFiles:
-    def __init__(self, directory: str, config):
+    def __init__(self, directory: str, config, global_batch_size: Optional[int] = None):
         check_llama(config, directory)
         self.directory, self.config = directory, config
         self.reader = DcpReader(directory)
@@ -139,8 +141,27 @@ class TitanFiles:
                 raise CheckpointError(f"the torchtitan checkpoint {directory} holds {key}, which no parameter of this "
                                       "model maps to (another architecture, or flags that describe another model)")
         self.has_optimizer = any(k.startswith("optimizer.state.") and k.endswith(".exp_avg") for k in self.reader.tensors)
-        step = self.reader.shape("train_state.step")
-        self.iteration = int(self.reader.read("train_state.step")) if step is not None else 0
+        self.iteration = int(self._train_state("step") or 0)
+        self.consumed, self.consumed_note = self._consumed(global_batch_size)
+
+    def _train_state(self, key: str):
+        """train_state.<key>: torchtitan saves its ints as bytes (earlier writers here: a tensor); None if absent."""
+        fqn = f"train_state.{key}"
+        if fqn in self.reader.objects:
+            return self.reader.read_object(fqn)
+        return self.reader.read(fqn).item() if self.reader.shape(fqn) is not None else None
+
+    def _consumed(self, global_batch_size: Optional[int]) -> Tuple[int, str]:
+        """(samples consumed, how that number was found): recorded by our writer, else iteration x global batch."""
+        recorded = self._train_state("consumed_train_samples")
+        if recorded is not None:
+            return int(recorded), f"{int(recorded)} samples consumed, as the checkpoint records them"
+        if global_batch_size:
+            n = self.iteration * global_batch_size
+            return n, (f"{n} samples consumed, derived as iteration {self.iteration} x --global-batch-size "
+                       f"{global_batch_size} (the checkpoint records no sample count)")
+        return 0, ("the checkpoint records no sample count, so a resume starts the data from its beginning; pass "
+                   "--global-batch-size to derive it as iteration x global batch")
 
     def _ours(self, key: str) -> str:
         inverse = {v: k for k, v in OLD_NAMES.items()}
@@ -179,8 +200,8 @@ class TitanFiles:
         return {}
 
     def model_states(self, mp_rank: int) -> dict:
-        head = {"iteration": self.iteration, "train_state": {"iteration": self.iteration,
-                                                             "consumed_train_samples": 0},
+        head = {"iteration": self.iteration, "consumed_train_samples": self.consumed,
+                "train_state": {"iteration": self.iteration, "consumed_train_samples": self.consumed},
                 "lr_scheduler": {"num_steps": self.iteration}, "rng_state": None, "args": {}}
         if not self.has_optimizer:
             head["weights_only"] = True
@@ -190,22 +211,51 @@ class TitanFiles:
         pass
 
 
-def write_titan(files, config, directory: str, step: int, lr: Optional[float] = None) -> int:
-    """torchtitan's step-N directory from a per-parameter source (weights, moments, the Adam step)."""
-    check_llama(config, directory)
-    state = {}
+def titan_chunks(config) -> List[Tuple[str, str, int, Chunk]]:
+    """(our name, which state, part, the DCP chunk) for every tensor torchtitan's layout holds, from shapes alone."""
+    out = []
     for name in param_names(config):
-        keys = titan_keys(name, config)
+        meta = torch.empty(param_spec(name, config).full_shape, device="meta")
+        shapes = [tuple(t.shape) for t in to_titan(name, meta, config)]
         for which in ("fp32", "exp_avg", "exp_avg_sq"):
+            for part, (key, shape) in enumerate(zip(titan_keys(name, config), shapes)):
+                out.append((name, which, part, Chunk(_state_key(key, which), (), shape)))
+    return out
+
+
+def write_titan(files, config, directory: str, step: int, consumed_samples: int = 0, progress=None) -> int:
+    """torchtitan's step-N directory from a per-parameter source (weights, moments, the Adam step), streamed one
+    tensor at a time (dcp_stream.py). train_state holds torchtitan's `step` and `ntokens_seen` (the run's tokens,
+    consumed samples x sequence length) and our `consumed_train_samples`, which torchtitan's load ignores."""
+    check_llama(config, directory)
+    chunks, steps = titan_chunks(config), {}
+    where = {c.fqn: (name, which, part) for name, which, part, c in chunks}
+    for name in param_names(config):
+        for key in titan_keys(name, config):
+            fqn = f"optimizer.state.{key}.step"
+            where[fqn] = (name, "step", 0)
+            chunks.append((name, "step", 0, Chunk(fqn, (), ())))
+    held = {}  # the parts of the one full tensor being written, each dropped once written
+
+    def produce(fqn, index):
+        name, which, part = where[fqn]
+        if which == "step":
+            if name not in steps:
+                steps[name] = float(files.step(name))
+            return torch.tensor(steps[name])
+        if (name, which) not in held:
+            held.clear()
             full, _, _ = files.full(name, which)
-            for key, t in zip(keys, to_titan(name, full, config)):
-                state[_state_key(key, which)] = t.contiguous()
-        for key in keys:
-            state[f"optimizer.state.{key}.step"] = torch.tensor(float(files.step(name)))
-            if lr is not None:
-                state[f"optimizer.param_groups.{key}.lr"] = lr
-    state["train_state.step"] = torch.tensor(step, dtype=torch.int32)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(directory), no_dist=True)
+            held[(name, which)] = dict(enumerate(t.contiguous() for t in to_titan(name, full, config)))
+            del full
+        return held[(name, which)].pop(part)
+
+    blobs = {"train_state.step": object_bytes(int(step)),
+             "train_state.ntokens_seen": object_bytes(int(consumed_samples) * config.seq_length),
+             "train_state.consumed_train_samples": object_bytes(int(consumed_samples))}
+    def on_written(fqn, nbytes):
+        if progress is not None and not fqn.endswith(".step"):  # the weights and moments are what is counted
+            progress.update(1, nbytes)
+
+    save_streamed(directory, [c for *_, c in chunks], blobs, produce, on_written)
     return len(param_names(config))

@@ -19,14 +19,15 @@ from typing import Optional
 
 import torch
 
-from ...model.architecture import model_settings
+from ...model.architecture import gpt_config, model_settings
 from ...model.params import param_names, param_spec
 from ..errors import CheckpointError
 from ..format import LATEST_UNIVERSAL, STATE_KEYS, SUB_PARAMS_KEY, UNIVERSAL_CHECKPOINT_INFO
-from ..saved_config import config_from_args
+from ..progress import Progress
 from ..storage.manifest import write_manifest
 from ..storage.tensor_io import save_file
 from .megatron_layout import TORCH_DIST, find_megatron_checkpoint
+from .output_guard import check_output
 from .torch_dist import TorchDistFiles, megatron_head, read_common
 
 
@@ -42,7 +43,7 @@ def config_from_common(common: dict, vocab_size: Optional[int], where: str):
     settings = {k: v for k, v in model_settings(args).items() if v is not None}
     if isinstance(args.get("moe_layer_freq"), (list, tuple)):
         settings.update(layer_pattern(list(args["moe_layer_freq"]), where))
-    return config_from_args({**args, **settings}, int(vocab)), args
+    return gpt_config({**args, **settings}, int(vocab)), args
 
 
 def layer_pattern(pattern: list, where: str) -> dict:
@@ -55,7 +56,7 @@ def layer_pattern(pattern: list, where: str) -> dict:
                           "from one offset; only such patterns are built here")
 
 
-def torch_dist_to_universal(src: str, out: str, vocab_size: Optional[int] = None) -> dict:
+def torch_dist_to_universal(src: str, out: str, vocab_size: Optional[int] = None, force: bool = False) -> dict:
     found = find_megatron_checkpoint(src)
     if found is None or found[1] != TORCH_DIST:
         raise CheckpointError(f"{src} is not a Megatron-LM torch_dist checkpoint (an iter_XXXXXXX directory with "
@@ -67,17 +68,23 @@ def torch_dist_to_universal(src: str, out: str, vocab_size: Optional[int] = None
     head = megatron_head(common, files.has_optimizer)
     head[UNIVERSAL_CHECKPOINT_INFO] = {"original_vocab_size": config.vocab_size,
                                        "padded_vocab_size": args.get("padded_vocab_size")}
-    summary = write_universal(files, config, head, out, directory)
+    summary = write_universal(files, config, head, out, directory, force)
     summary["source"] = directory
     return summary
 
 
-def write_universal(files, config, head: dict, out: str, source: str) -> dict:
-    """Any per-parameter source (`full`, `step`, `has_optimizer`) as a universal checkpoint with header `head`."""
+def write_universal(files, config, head: dict, out: str, source: str, force: bool = False,
+                    progress: bool = False) -> dict:
+    """Any per-parameter source (`full`, `step`, `has_optimizer`) as a universal checkpoint with header `head`;
+    refused where `<parent>/latest_universal` names a newer one (output_guard.py) unless `force`."""
     start = time.monotonic()
     out = os.path.normpath(out)
     if os.path.exists(out):
         raise CheckpointError(f"the output folder {out} already exists; choose a new one or remove it")
+    check_output("universal", out, int(head.get("iteration", 0) or 0), force)
+    names = param_names(config)
+    numel = {n: torch.Size(param_spec(n, config).full_shape).numel() for n in names}
+    bar = Progress("convert_checkpoint", 3 * len(names), progress, total_bytes=12 * sum(numel.values()))
     tmp = f"{out}.tmp-{uuid.uuid4().hex[:8]}"
     os.makedirs(os.path.join(tmp, "zero"))
     written, total = {}, 0
@@ -87,9 +94,10 @@ def write_universal(files, config, head: dict, out: str, source: str) -> dict:
         size, checksum = save_file(obj, os.path.join(tmp, rel), fsync=False)
         written[rel] = {"size": size, "checksum": checksum}
         total += size
+        if isinstance(obj, dict) and "param" in obj:
+            bar.update(1, size)
 
     try:
-        names = param_names(config)
         keys = STATE_KEYS if files.has_optimizer else ("fp32",)
         for name in names:
             spec = param_spec(name, config)
@@ -118,8 +126,10 @@ def write_universal(files, config, head: dict, out: str, source: str) -> dict:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        bar.close()
     root, name = os.path.split(out)
     with open(os.path.join(root or ".", LATEST_UNIVERSAL), "w") as f:
         f.write(name)
-    return {"params": len(names), "bytes": total, "seconds": time.monotonic() - start,
+    return {"params": len(names), "bytes": total, "seconds": time.monotonic() - start, "tensors": bar.done,
             "iteration": head.get("iteration", 0)}

@@ -8,7 +8,8 @@ and `metadata.json`, which is what Megatron-Core's `dist_checkpointing.load` (an
 `--ckpt-format torch_dist`) reads at any TP. Names and layouts are mcore_names.py's; each transformer layer is
 one chunk of the stacked `decoder.layers.*` tensor, as Megatron-Core writes them, so the writer holds one
 layer's tensor at a time (one expert's, for an MoE layer's experts): the save plan is made from shapes alone
-and each chunk is read from the source when torch's writer asks for it (`resolve_data`). The vocabulary is
+and each chunk is read from the source when the writer asks for it, then dropped (dcp_stream.py). An output
+holding a newer iteration, or a megatron_zero save directory, is refused unless forced (output_guard.py). The vocabulary is
 padded with zero rows to make_vocab_size_divisible_by x `target_tp` (Megatron's rule; the padded size goes into
 the args). Adam's moments go in as `optimizer.state.exp_avg|exp_avg_sq.<key>` and the step as
 `optimizer.state.common_step` (FP32Optimizer's layout). MoE blocks: the router, each expert
@@ -24,23 +25,20 @@ import io
 import json
 import os
 import time
-import warnings
 from argparse import Namespace
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from ...model.architecture import model_settings
+from ...model.architecture import gpt_config, model_settings
 from ...model.params import param_names, param_spec
 from ..errors import CheckpointError
 from ..format import LATEST_ITERATION, STATE_KEYS, UNIVERSAL_CHECKPOINT_INFO, header_args
 from ..reshape.universal_load import ReshapedFiles, UniversalFiles, find_universal_dir
-from ..saved_config import config_from_args
+from ..progress import Progress
 from ..storage.reader import open_directory
+from .dcp_stream import Chunk, save_streamed
 from .mcore_names import EXPERTS, LAYERS, OPTIMIZER_PREFIX, mcore_location
+from .output_guard import check_output
 
 ATTENTION_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj")
 DENSE_LINEARS = ("mlp.linear_fc1", "mlp.linear_fc2")
@@ -48,38 +46,6 @@ MOE_LINEARS = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
 EXPERT_LINEARS = (EXPERTS + "linear_fc1", EXPERTS + "linear_fc2")
 MCORE_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                   "common_backend_version": 1}
-
-
-class _StreamingPlanner(DefaultSavePlanner):
-    """Plans from (fqn, index, global size) alone (the chunk is [index] of the leading dimensions);
-    `produce(fqn, index)` makes a chunk when the writer needs it."""
-
-    def __init__(self, chunks, blobs, produce):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=False)
-        self.chunks, self.blobs, self.produce = chunks, blobs, produce
-
-    def create_local_plan(self) -> SavePlan:
-        items, self.layer_of = [], {}
-        for fqn, index, global_size in self.chunks:
-            offsets = [0] * len(global_size)
-            sizes = list(global_size)
-            for dim, i in enumerate(index):
-                offsets[dim], sizes[dim] = i, 1
-            props = TensorProperties(dtype=torch.float32)
-            self.layer_of[(fqn, tuple(offsets))] = index
-            items.append(WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
-                                   tensor_data=TensorWriteData(ChunkStorageMetadata(torch.Size(offsets),
-                                                                                    torch.Size(sizes)),
-                                                               props, torch.Size(global_size))))
-        items += [WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO) for fqn in self.blobs]
-        self.plan = SavePlan(items)
-        return self.plan
-
-    def resolve_data(self, write_item: WriteItem):
-        fqn = write_item.index.fqn
-        if write_item.type == WriteItemType.BYTE_IO:
-            return io.BytesIO(self.blobs[fqn])
-        return self.produce(fqn, self.layer_of[(fqn, tuple(write_item.index.offset))])
 
 
 def open_source(path: str, verify: bool = True):
@@ -99,7 +65,7 @@ def source_config(head: dict, where: str):
         raise CheckpointError(f"{where} records no model args or original vocabulary size "
                               "(universal_checkpoint_info), so the model it holds is unknown")
     settings = {k: v for k, v in model_settings(args).items() if v is not None}
-    return config_from_args({**args, **settings}, int(vocab)), args
+    return gpt_config({**args, **settings}, int(vocab)), args
 
 
 def megatron_args(config, args: dict, target_tp: int) -> Namespace:
@@ -167,25 +133,28 @@ def extra_state_keys(config) -> list:
     return out
 
 
-def write_torch_dist(source: str, out: str, target_tp: int = 1, verify: bool = True) -> dict:
+def write_torch_dist(source: str, out: str, target_tp: int = 1, verify: bool = True, force: bool = False,
+                     progress: bool = False) -> dict:
     start = time.monotonic()
     files, head = open_source(source, verify)
     config, args = source_config(head, source)
     config.check_tp(target_tp)
     iteration = int(head.get("iteration", 0) or 0)
+    check_output("torch_dist", out, iteration, force)
     directory = os.path.join(out, f"iter_{iteration:07d}")
     if os.path.exists(directory):
         raise CheckpointError(f"{directory} already exists; choose another --output or remove it")
     names = param_names(config)
     padded = config.padded_vocab_size(target_tp)
-    by_key, chunks = {}, []  # (fqn, index) -> our name; (fqn, index, global size) of every saved chunk
+    by_key, chunks, total = {}, [], 0  # (fqn, index) -> our name; every saved chunk; their bytes
     for name in names:
         spec = param_spec(name, config)
         shape = (padded,) + spec.full_shape[1:] if spec.is_vocab else spec.full_shape
         fqn, index, size = saved_location(name, config, tuple(shape))
         by_key[(fqn, index)] = name
         for prefix in ("", f"{OPTIMIZER_PREFIX}exp_avg.", f"{OPTIMIZER_PREFIX}exp_avg_sq."):
-            chunks.append((prefix + fqn, index, size))
+            chunks.append(Chunk(prefix + fqn, index, size))
+            total += 4 * torch.Size(shape).numel()
     blobs = {}
     buf = io.BytesIO()
     torch.save([None], buf)  # what Megatron-Core writes for a local linear layer (a list of its replicas)
@@ -205,14 +174,12 @@ def write_torch_dist(source: str, out: str, target_tp: int = 1, verify: bool = T
             full = torch.cat([full, full.new_zeros((padded - full.shape[0],) + tuple(full.shape[1:]))])
         return full.float().reshape((1,) * len(index) + tuple(full.shape))
 
+    bar = Progress("convert_checkpoint", len(chunks), progress, total_bytes=total)
     os.makedirs(directory)
-    planner = _StreamingPlanner(chunks, blobs, produce)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.save({}, storage_writer=dcp.FileSystemWriter(directory, thread_count=1, single_file_per_rank=True),
-                     planner=planner, no_dist=True)
+        save_streamed(directory, chunks, blobs, produce, lambda fqn, n: bar.update(1, n))
     finally:
+        bar.close()
         files.close()
     common = {"args": megatron_args(config, args, target_tp), "iteration": iteration, "checkpoint_version": 3.0,
               "optimizer": {"state": {"common_step": torch.tensor(float(step[0]))},
@@ -223,6 +190,6 @@ def write_torch_dist(source: str, out: str, target_tp: int = 1, verify: bool = T
         json.dump(MCORE_METADATA, f)
     with open(os.path.join(out, LATEST_ITERATION), "w") as f:
         f.write(str(iteration))
-    return {"params": len(names), "iteration": iteration, "directory": directory,
+    return {"params": len(names), "iteration": iteration, "directory": directory, "tensors": bar.done,
             "bytes": sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory)),
             "seconds": time.monotonic() - start}

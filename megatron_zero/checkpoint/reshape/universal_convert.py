@@ -32,6 +32,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..errors import CheckpointError
+from ..interop.output_guard import check_output
+from ..progress import Progress
 from ..storage.checksum import file_checksum
 from ..format import LATEST_UNIVERSAL, STATE_KEYS, SUB_PARAMS_KEY
 from ..storage.manifest import write_manifest
@@ -40,34 +42,6 @@ from .universal_source import SourceCheckpoint, StageReader
 
 BATCH_ELEMENTS = 4 << 20  # per task: bounds the mapped pages a worker touches before it unmaps them
 _SRC: Optional[SourceCheckpoint] = None  # inherited by forked workers
-
-
-class Progress:
-    """One self-overwriting status line on stderr (a line every 10 % when stderr is not a terminal)."""
-
-    def __init__(self, what: str, total: int, enabled: bool = True):
-        self.what, self.total, self.done, self.bytes = what, total, 0, 0
-        self.start, self.enabled = time.monotonic(), enabled
-        self.tty = sys.stderr.isatty()
-        self._last_decile = -1
-
-    def update(self, n: int, nbytes: int):
-        self.done += n
-        self.bytes += nbytes
-        if not self.enabled:
-            return
-        line = (f"{self.what}: {self.done}/{self.total} parameters, {self.bytes / 2**30:.2f} GiB written, "
-                f"{time.monotonic() - self.start:.1f} s")
-        decile = 10 * self.done // max(1, self.total)
-        if self.tty:
-            print("\r" + line, end="", file=sys.stderr, flush=True)
-        elif decile != self._last_decile:
-            print(line, file=sys.stderr, flush=True)
-        self._last_decile = decile
-
-    def close(self):
-        if self.enabled and self.tty:
-            print(file=sys.stderr, flush=True)
 
 
 def universal_record(full: torch.Tensor, rule) -> dict:
@@ -173,21 +147,25 @@ def _copy_into(src: SourceCheckpoint, name: str, out: str) -> Dict[str, dict]:
 
 
 def convert_to_universal(input_folder: str, output_folder: str, merge_workers: int = 2, extract_workers: int = 1,
-                         strict: bool = True, progress: bool = True, verify: bool = True) -> dict:
+                         strict: bool = True, progress: bool = True, verify: bool = True, force: bool = False) -> dict:
     """Convert; returns {'params', 'bytes', 'seconds', 'layout', 'zero_stage', 'mismatched'}.
 
     Every source file read is verified against the source's manifest (verify=False: not); the
-    output gets a manifest of its own, listing every file it holds."""
+    output gets a manifest of its own, listing every file it holds. Refused where the latest_universal beside
+    it names a newer universal checkpoint (interop/output_guard.py), unless `force`."""
     global _SRC
     start = time.monotonic()
     src = SourceCheckpoint(input_folder, strict=strict, verify=verify)
     output_folder = os.path.normpath(output_folder)
     if os.path.exists(output_folder):
         raise CheckpointError(f"the output folder {output_folder} already exists; choose a new one or remove it")
+    check_output("universal", output_folder, src.iteration, force)
     tmp = f"{output_folder}.tmp-{uuid.uuid4().hex[:8]}"
     os.makedirs(os.path.join(tmp, "zero"))
     tasks = batches(src)
-    bar = Progress("ds_to_universal", len(src.params), progress)
+    states = 1 if src.head.get("weights_only") else len(STATE_KEYS)
+    bar = Progress("ds_to_universal", len(src.params), progress,
+                   total_bytes=4 * states * sum(param_numels(src).values()), unit="parameters")
     mismatched, files = [], {}
     _SRC = src
     try:
@@ -227,5 +205,5 @@ def convert_to_universal(input_folder: str, output_folder: str, merge_workers: i
     root, name = os.path.split(output_folder)
     with open(os.path.join(root or ".", LATEST_UNIVERSAL), "w") as f:
         f.write(name)
-    return {"params": len(src.params), "bytes": total_bytes, "seconds": time.monotonic() - start,
+    return {"params": len(src.params), "bytes": total_bytes, "seconds": time.monotonic() - start, "tensors": bar.done,
             "layout": str(src.layout), "zero_stage": src.zero_stage, "mismatched": mismatched}

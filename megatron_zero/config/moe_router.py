@@ -1,8 +1,10 @@
 """Megatron-Core's router flags beyond the dropless top-k: the score function, the top-k scaling factor,
 the sequence-level aux loss, Sinkhorn routing and the expert capacity (router.py, sinkhorn.py, token_dropping.py;
 docs/moe.md).
-Declared here and checked by arguments.py's MoE validation; their model fields keep the flags' names."""
+Declared here and checked with the other MoE flags (config/moe.py); their model fields keep the flags' names."""
 from __future__ import annotations
+
+from .errors import require
 
 
 def add_core_router_flags(g) -> None:
@@ -20,8 +22,8 @@ def add_core_router_flags(g) -> None:
                         "are the same, so here the experts run on their kept rows only")
 
 
-def check_core_router_flags(args, require) -> None:
-    """One sentence per refusal (`require(cond, sentence)`), as Megatron-Core's TransformerConfig asserts."""
+def check_core_router_flags(args) -> None:
+    """One sentence per refusal, as Megatron-Core's TransformerConfig asserts."""
     if args.moe_expert_capacity_factor is not None and args.moe_expert_capacity_factor < 0:
         args.moe_expert_capacity_factor = None  # Megatron-Core: a negative factor means dropless
     capacity = args.moe_expert_capacity_factor

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 
+from .errors import require
+
 GATING = (("--topk", "topk"), ("--expert-interval", "expert_interval"),
           ("--moe-train-capacity-factor", "moe_capacity_factor"),
           ("--moe-eval-capacity-factor", "moe_eval_capacity_factor"), ("--moe-min-capacity", "moe_min_capacity"),
@@ -27,10 +29,6 @@ CORE_ROUTER = (("--moe-router-topk", "moe_router_topk"), ("--moe-router-pre-soft
                ("--moe-expert-capacity-factor", "moe_expert_capacity_factor"),
                ("--moe-token-drop-policy", "moe_token_drop_policy"),
                ("--moe-pad-expert-input-to-capacity", "moe_pad_expert_input_to_capacity"))
-
-
-class DeepSpeedMoEError(ValueError):
-    """Megatron-DeepSpeed MoE flags that cannot work as given (one sentence)."""
 
 
 def add_deepspeed_moe_flags(p: argparse.ArgumentParser) -> None:
@@ -60,49 +58,44 @@ def add_deepspeed_moe_flags(p: argparse.ArgumentParser) -> None:
     p.set_defaults(moe_layer_offset=0)
 
 
-def _require(cond: bool, sentence: str) -> None:
-    if not cond:
-        raise DeepSpeedMoEError(sentence)
-
-
 def apply_deepspeed_moe_flags(args, given: set) -> None:
     """Fill the model's MoE fields from Megatron-DeepSpeed's flags (`given`: destinations set on the command
     line); with none of its gating flags, the capacity fields stay off (Megatron-Core's router)."""
     ep = args.moe_expert_parallel_size
     if ep is not None:
-        _require("expert_model_parallel_size" not in given or args.expert_model_parallel_size == ep,
-                 f"--moe-expert-parallel-size {ep} and --expert-model-parallel-size "
-                 f"{args.expert_model_parallel_size} name one size twice, differently; give one of them")
+        require("expert_model_parallel_size" not in given or args.expert_model_parallel_size == ep,
+                f"--moe-expert-parallel-size {ep} and --expert-model-parallel-size "
+                f"{args.expert_model_parallel_size} name one size twice, differently; give one of them")
         args.expert_model_parallel_size = ep
     if args.moe_min_capacity is None:
         args.moe_min_capacity = 4
     gating = [flag for flag, dest in GATING if dest in given]
     if not gating:
         return
-    _require(args.num_experts is not None, f"{gating[0]} configures MoE layers; give --num-experts")
+    require(args.num_experts is not None, f"{gating[0]} configures MoE layers; give --num-experts")
     core = [flag for flag, dest in CORE_ROUTER if dest in given]
-    _require(not core, f"{gating[0]} (DeepSpeed-MoE's capacity gating) and {core[0] if core else ''} "
-             "(Megatron-Core's dropless router) are flags of two different routers; give one family")
+    require(not core, f"{gating[0]} (DeepSpeed-MoE's capacity gating) and {core[0] if core else ''} "
+            "(Megatron-Core's dropless router) are flags of two different routers; give one family")
     k = 1 if args.topk is None else args.topk
-    _require(k in (1, 2), f"--topk {k}: DeepSpeed-MoE's capacity gating here routes to 1 or 2 experts "
-             "(its top-k gating for k > 2 is not implemented)")
+    require(k in (1, 2), f"--topk {k}: DeepSpeed-MoE's capacity gating here routes to 1 or 2 experts "
+            "(its top-k gating for k > 2 is not implemented)")
     interval = 2 if args.expert_interval is None else args.expert_interval
-    _require(1 <= interval <= args.num_layers, f"--expert-interval {interval} must lie in 1..--num-layers "
-             f"{args.num_layers} (an MoE layer in blocks N-1, 2N-1, ...)")
+    require(1 <= interval <= args.num_layers, f"--expert-interval {interval} must lie in 1..--num-layers "
+            f"{args.num_layers} (an MoE layer in blocks N-1, 2N-1, ...)")
     args.moe_capacity_factor = 1.0 if args.moe_capacity_factor is None else args.moe_capacity_factor
     if args.moe_eval_capacity_factor is None:
         args.moe_eval_capacity_factor = 1.0
-    _require(args.moe_capacity_factor > 0 and args.moe_eval_capacity_factor > 0 and args.moe_min_capacity >= 0,
-             f"--moe-train-capacity-factor {args.moe_capacity_factor} and --moe-eval-capacity-factor "
-             f"{args.moe_eval_capacity_factor} must be positive, --moe-min-capacity {args.moe_min_capacity} not "
-             "negative")
+    require(args.moe_capacity_factor > 0 and args.moe_eval_capacity_factor > 0 and args.moe_min_capacity >= 0,
+            f"--moe-train-capacity-factor {args.moe_capacity_factor} and --moe-eval-capacity-factor "
+            f"{args.moe_eval_capacity_factor} must be positive, --moe-min-capacity {args.moe_min_capacity} not "
+            "negative")
     tokens = args.micro_batch_size * args.seq_length // args.context_parallel_size
-    _require(k != 1 or tokens >= args.moe_min_capacity,
-             f"--moe-min-capacity {args.moe_min_capacity} exceeds the {tokens} tokens an MoE layer routes per "
-             "micro-batch (--micro-batch-size x --seq-length / --context-parallel-size), which DeepSpeed's top-1 "
-             "gating refuses too")
+    require(k != 1 or tokens >= args.moe_min_capacity,
+            f"--moe-min-capacity {args.moe_min_capacity} exceeds the {tokens} tokens an MoE layer routes per "
+            "micro-batch (--micro-batch-size x --seq-length / --context-parallel-size), which DeepSpeed's top-1 "
+            "gating refuses too")
     coeff = 0.1 if args.moe_loss_coeff is None else args.moe_loss_coeff
-    _require(coeff >= 0, f"--moe-loss-coeff {coeff} must not be negative")
+    require(coeff >= 0, f"--moe-loss-coeff {coeff} must not be negative")
     args.moe_router_topk, args.moe_aux_loss_coeff, args.moe_z_loss_coeff = k, coeff, None
     args.moe_router_pre_softmax, args.moe_router_load_balancing_type = False, "aux_loss"
     args.moe_layer_freq, args.moe_layer_offset = interval, interval - 1

@@ -1,0 +1,81 @@
+"""Configuration: every flag of pretrain_gpt.py, its checks and the values derived from it, by area.
+
+    flags (argparse: Megatron-LM's and Megatron-DeepSpeed's spellings and aliases)
+      + the DeepSpeed JSON (deepspeed_config.py: fills the flags not given)
+      -> validate(): each area's checks, once, in dependency order; derived values filled in
+      -> the checked namespace, read by
+           topology      Layout (the data-parallel size and every cross-degree rule; parallel.py builds it)
+           model         GPTConfig, by model/architecture.gpt_config (the one args -> model mapping,
+                         also for a checkpoint's saved args)
+           optimizer     ZeroOptimizer (training.py), its schedule (lr_schedule.py)
+           checkpoint    save/resume, and the resume check against the saved args (checkpoint/compat.py)
+
+Each area is a module that declares its flags (`add_flags(parser)`, each with help) and owns their
+checks: model.py, moe.py (with moe_deepspeed.py, moe_router.py), parallel.py, optimizer.py,
+training.py, data.py, checkpointing.py, log.py, runtime.py. A feature's own flags module plugs in
+through arguments.py's FEATURES: its `add_flags(parser)` and a `check(args)` that runs once the
+layout, model and run length are checked (compat_flags.py is one).
+
+A refusal is one sentence (errors.ArgumentError) naming the flags, their values and what would be right.
+Downstream code takes the checked values and does not check them again.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Callable, Iterable
+
+from ..batch_schedule import BatchScheduleError
+from ..deepspeed_config import DeepSpeedConfigError, apply_deepspeed_config
+from ..moe.expert_counts import ExpertCountError
+from ..topology import TopologyError
+from . import checkpointing, data, log, model, moe, optimizer, parallel, runtime, training
+from .errors import ArgumentError
+
+# the areas in --help's order
+AREAS = (model, moe, parallel, optimizer, training, data, checkpointing, log, runtime)
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    for area in AREAS:
+        area.add_flags(parser)
+
+
+def validate(args, world_size: int, given: set, feature_checks: Iterable[Callable] = ()) -> None:
+    """Check `args` (parsed flags) for `world_size` ranks and fill in the derived values. `given`: the
+    destinations set on the command line (they win over the DeepSpeed JSON). The errors of the rules other
+    modules own (the JSON's, the batch schedule's, the layout's, the expert count's) become ArgumentError
+    here, once."""
+    try:
+        _validate(args, world_size, given, feature_checks)
+    except (DeepSpeedConfigError, BatchScheduleError, TopologyError, ExpertCountError) as err:
+        raise ArgumentError(str(err)) from None
+
+
+def _validate(args, world_size: int, given: set, feature_checks: Iterable[Callable]) -> None:
+    model.check_sizes(args)
+    layout = parallel.check_layout(args, world_size, given)
+    if args.deepspeed_config:
+        apply_deepspeed_config(args, args.deepspeed_config, given)
+    parallel.check_batch(args, layout)
+    training.check_stop_rules(args)
+    model.check(args, layout.tp)
+    moe.check(args, layout, given)
+    parallel.check_pipeline(args, layout)
+    model.check_recompute(args, layout.tp)
+    parallel.check_context_parallel(args, layout.tp)
+    model.check_positions(args)
+    optimizer.check_precision(args)
+    training.check_length(args)
+    parallel.check_schedule_reachable(args)
+    optimizer.check_lr(args)
+    training.check_schedule(args)
+    data.check(args)
+    for check in feature_checks:
+        check(args)
+    checkpointing.check(args)
+    training.check_evaluation(args)
+    optimizer.check(args, layout.pp)
+    log.check(args)
+    optimizer.check_decoupled_lr(args)
+    runtime.check(args)
+    checkpointing.check_load(args)
