@@ -38,7 +38,7 @@ from .throughput import gpt_flops_per_iteration
 from .lr_schedule import build_lr_schedule, decoupled_lr
 from .model.architecture import gpt_config
 from .model.params import is_embedding_or_output
-from .model.transforms import apply_model_transforms, model_converters
+from .model_transforms import apply_model_transforms, model_converters
 from .ops import kernel_report, require_fused_kernels, set_fusion_flags
 from .pipeline.gpt_stage import (activation_shape, build_gpt_stage, grad_reduce_arming, make_forward_step,
                                  stage_p2p, sync_tied_embedding_grads)

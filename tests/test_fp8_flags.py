@@ -4,7 +4,7 @@ import torch
 
 from megatron_zero.arguments import parse_args
 from megatron_zero.fp8.settings import Float8Error, Float8Settings
-from megatron_zero.model.transforms import model_converters
+from megatron_zero.model_transforms import model_converters
 from megatron_zero.testing.flag_checks import BASE, refused, with_flags
 
 pytest.importorskip("torchao.float8")

@@ -1,6 +1,6 @@
 """The FP8 model converter: the transformer blocks' linear layers (QKV, projection, MLP) to FP8 matmuls.
 
-A model transform (megatron_zero/model/transforms.py): applied once to the built model stage, before the
+A model transform (megatron_zero/model_transforms.py): applied once to the built model stage, before the
 optimizer is made. Each ColumnParallelLinear / RowParallelLinear of a block becomes its Float8 subclass in
 place (the same module and parameters, as torchao's `convert_to_float8_training` swaps nn.Linear), with a
 Float8Matmul that knows the layer's TP split and the groups its scales are reduced over. The word

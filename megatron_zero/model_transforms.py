@@ -22,8 +22,8 @@ def model_converters(args, state, device: torch.device) -> List[Converter]:
     """The converters a run's flags ask for, in the order they apply."""
     converters: List[Converter] = []
     if getattr(args, "fp8_format", None):
-        from ..fp8.convert import Float8Converter
-        from ..fp8.settings import Float8Settings
+        from .fp8.convert import Float8Converter
+        from .fp8.settings import Float8Settings
 
         settings = Float8Settings(args.fp8_format, args.fp8_recipe, args.fp8_margin, args.fp8_emulate)
         converters.append(Float8Converter(settings, device, state.cp_group if state.cp_size > 1 else None))
