@@ -6,8 +6,9 @@
 A converter is a callable `converter(model) -> str` (a line for the log), changing modules in place and keeping every
 parameter object (the optimizer, ZeRO's partitions and hooks, and the checkpoint's names are built from
 them next, so a converted model saves and loads as the unconverted one). They apply in the listed order:
-FP8 matmuls (megatron_zero/fp8) first; a converter that compiles each block comes after the ones that
-change what a block computes. This is the one place the trainer changes a built model.
+FP8 matmuls (megatron_zero/fp8) first; the compile of each transformer layer (megatron_zero/compile,
+--compile-layers) last, after the ones that change what a layer computes. This is the one place the
+trainer changes a built model.
 """
 from __future__ import annotations
 
@@ -27,6 +28,10 @@ def model_converters(args, state, device: torch.device) -> List[Converter]:
 
         settings = Float8Settings(args.fp8_format, args.fp8_recipe, args.fp8_margin, args.fp8_emulate)
         converters.append(Float8Converter(settings, device, state.cp_group if state.cp_size > 1 else None))
+    if getattr(args, "compile_layers", False):  # last: it compiles what the converters before it built
+        from .compile.layers import CompileLayersConverter
+
+        converters.append(CompileLayersConverter(device, args.compile_mode))
     return converters
 
 

@@ -11,7 +11,7 @@ dtype, in both implementations.
 import torch
 
 from .fusion_flags import get_fusion_flags
-from .registry import extension_for
+from .registry import eager, extension_for
 
 
 class _FusedRMSNorm(torch.autograd.Function):
@@ -38,6 +38,9 @@ def _extension(x, weight, fused):
     return extension_for("rms_norm", x)
 
 
+_fused = eager(_FusedRMSNorm.apply)  # an extension: left to eager inside a compiled layer
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, fused=None,
              zero_centered_gamma: bool = False) -> torch.Tensor:
     """RMSNorm of x over its last dimension, with an affine weight, or 1 + weight (no bias)."""
@@ -45,7 +48,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, fused=Non
         weight = weight + 1
     ext = _extension(x, weight, fused)
     if ext is not None:
-        return _FusedRMSNorm.apply(x, weight, eps, ext)
+        return _fused(x, weight, eps, ext)
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype)

@@ -11,7 +11,7 @@ pass each way (its backward is the inverse rotation); Megatron's --no-rope-fusio
 import torch
 
 from .fusion_flags import use_fused
-from .registry import load, warn_fallback_once
+from .registry import eager, load, warn_fallback_once
 
 _EXT = "megatron_zero._C_cuda"
 
@@ -54,10 +54,13 @@ def _fused_ok(t, cos, sin, fused) -> bool:
     return True
 
 
+_fused = eager(_FusedRope.apply)  # an extension: left to eager inside a compiled layer
+
+
 def apply_rotary_pos_emb(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused=None) -> torch.Tensor:
     """Rotate the first cos.shape[-1] features of t [..., s, head_dim] by position (s is dim -2)."""
     if _fused_ok(t, cos, sin, fused):
-        return _FusedRope.apply(t, cos.contiguous(), sin.contiguous())
+        return _fused(t, cos.contiguous(), sin.contiguous())
     rot = cos.shape[-1]
     cos, sin = cos.to(t.dtype), sin.to(t.dtype)
     if rot == t.shape[-1]:

@@ -8,7 +8,7 @@ read only the kept part of each row; the fallback builds the mask.
 import torch
 
 from .fusion_flags import use_fused
-from .registry import extension_for
+from .registry import eager, extension_for
 
 
 class _FusedCausalSoftmax(torch.autograd.Function):
@@ -32,6 +32,9 @@ def causal_softmax_reference(x, scale):
     return torch.softmax(scores, dim=-1).to(x.dtype)
 
 
+_fused = eager(_FusedCausalSoftmax.apply)  # an extension: left to eager inside a compiled layer
+
+
 def scaled_upper_triang_masked_softmax(x, scale=1.0, fused=None):
     """Causal softmax of scale*x [batches, sq, sk] along the last dim (sq == sk)."""
     if x.dim() != 3 or x.shape[-1] != x.shape[-2]:
@@ -40,5 +43,5 @@ def scaled_upper_triang_masked_softmax(x, scale=1.0, fused=None):
     if use_fused("masked_softmax_fusion", fused) and scale > 0:
         ext = extension_for("scaled_upper_triang_masked_softmax", x)
         if ext is not None:
-            return _FusedCausalSoftmax.apply(x, float(scale), ext)
+            return _fused(x, float(scale), ext)
     return causal_softmax_reference(x, scale)

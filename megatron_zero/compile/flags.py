@@ -1,0 +1,37 @@
+"""--compile-layers and --compile-mode: torch.compile of each transformer layer (compile/layers.py).
+
+Megatron-LM has no such flag; the meaning is torchtitan's (its compile of each TransformerBlock), spelled as
+Megatron's flags are. Refused in one sentence: --compile-mode without --compile-layers (it would be ignored),
+and the modes that capture CUDA graphs (reduce-overhead, max-autotune) with ZeRO-3, which gathers each
+layer's weights into new memory at every forward where a CUDA graph replays fixed addresses.
+"""
+from __future__ import annotations
+
+import argparse
+
+from ..config.errors import require
+from .layers import MODES
+
+
+def add_compile_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("compiled layers (torch.compile of each transformer layer; docs/running.md)")
+    g.add_argument("--compile-layers", action="store_true",
+                   help="compile each transformer layer's forward with torch.compile (inductor), one layer at a "
+                        "time as torchtitan does; the embedding, output layer, loss, pipeline schedule, ZeRO "
+                        "and recomputation stay eager around them; the fused kernels run eagerly between the "
+                        "compiled pieces")
+    g.add_argument("--compile-mode", choices=MODES, default="default",
+                   help="torch.compile's mode for --compile-layers (reduce-overhead adds CUDA graphs)")
+
+
+def check_compile_flags(args) -> None:
+    """Refuse, in one sentence (ArgumentError), what compiled layers cannot do with the other flags."""
+    if not args.compile_layers:
+        require(args.compile_mode == "default",
+                f"--compile-mode {args.compile_mode} sets how --compile-layers compiles; give --compile-layers "
+                "or drop it")
+        return
+    require(args.zero_stage != 3 or args.compile_mode in ("default", "max-autotune-no-cudagraphs"),
+            f"--compile-mode {args.compile_mode} with --zero-stage 3: its CUDA graphs replay fixed weight "
+            "addresses, and ZeRO-3 gathers each layer's weights into new memory at every forward; use "
+            "--compile-mode default or max-autotune-no-cudagraphs")

@@ -1,0 +1,109 @@
+"""--compile-layers (megatron_zero/compile/layers.py): each transformer layer's forward compiled by inductor
+gives the eager layer's loss and gradients, fp32 on the CPU.
+
+Compiled and eager evaluate the same fp32 expressions; inductor fuses and reorders the reductions, so they
+differ by the roundoff of sums taken in another order: normwise within model_rtol of the step's dependency
+path (megatron_zero/testing/tolerances.py). The fused CPU kernels (bias-GeLU, causal softmax) stay on and
+run eagerly between the compiled pieces. Default tier: one rank, one layer. `slow`: the real Trainer with
+and without the flag at TP2 + SP, PP2, ZeRO-3 (DP2), full recompute, MoE and CP2, each iteration's loss.
+"""
+import pytest
+import torch
+import torch._dynamo.utils as dynamo_utils
+import torch.distributed as dist
+
+from megatron_zero.compile.layers import CompileLayersConverter
+from megatron_zero.model import reference_model
+from megatron_zero.testing.multirank import run_ranks
+from megatron_zero.testing.tiny_gpt import tiny_gpt_config
+from megatron_zero.testing.tolerances import (assert_close_normwise, assert_losses_close, gpt_path_length,
+                                              model_rtol)
+from megatron_zero.testing.trainer_losses import resume_flags
+
+CPU = torch.device("cpu")
+
+
+def test_one_layer_compiled_matches_eager():
+    cfg = tiny_gpt_config(num_layers=1, hidden_dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    eager, compiled = reference_model(cfg), reference_model(cfg)
+    compiled.load_state_dict(eager.state_dict())
+    dynamo_utils.counters.clear()
+    line = CompileLayersConverter(CPU)(compiled)
+    assert "1 transformer layers compiled" in line and "fused kernels bias_gelu" in line, line
+    assert list(compiled.state_dict()) == list(eager.state_dict())  # names unchanged: checkpoints as before
+    tokens = torch.randint(0, 100, (2, cfg.seq_length + 1), generator=torch.Generator().manual_seed(1))
+    results = []
+    for model in (eager, compiled):
+        loss = model(tokens[:, :-1], labels=tokens[:, 1:])
+        loss.backward()
+        results.append((loss.detach(), [p.grad for p in model.parameters()]))
+    assert dynamo_utils.counters["stats"]["unique_graphs"] > 0  # inductor did compile the layer
+    rtol = model_rtol(gpt_path_length(cfg, tokens[:, 1:].numel()))
+    (want_loss, want_grads), (loss, grads) = results
+    assert_close_normwise(loss, want_loss, rtol, "loss")
+    for name, g, w in zip([n for n, _ in eager.named_parameters()], grads, want_grads):
+        assert_close_normwise(g, w, rtol, name)
+
+
+def _trainer_losses(argv):
+    """The real Trainer with Megatron flags `argv` on this rank's group: the loss of every iteration."""
+    from megatron_zero.arguments import cp_a2a_size, parse_args
+    from megatron_zero.topology import build_parallel_state
+    from megatron_zero.training import Trainer
+
+    args = parse_args(argv, world_size=dist.get_world_size())
+    state = build_parallel_state(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                 cp=args.context_parallel_size, ep=args.expert_model_parallel_size,
+                                 etp=args.expert_tensor_parallel_size, cp_a2a=cp_a2a_size(args))
+    trainer = Trainer(args, state)
+    losses, step = [], trainer.train_step
+
+    def recording_step(micro, *rest):
+        out = step(micro, *rest)
+        losses.append(float(out[0]))
+        return out
+
+    trainer.train_step = recording_step
+    trainer.train()
+    return losses, trainer.transforms, gpt_path_length(trainer.config, GLOBAL_BATCH * SEQ)
+
+
+# (ranks, flags) of each layout; dropout off (the eager run's masks are the compiled run's anyway)
+LAYOUTS = {"tp2_sp": (2, {"tensor-model-parallel-size": 2, "sequence-parallel": True}),
+           "pp2": (2, {"pipeline-model-parallel-size": 2}),
+           "zero3_dp2": (2, {"zero-stage": 3, "zero-param-persistence-threshold": 0}),
+           "recompute": (1, {"recompute-granularity": "full", "recompute-method": "uniform",
+                             "recompute-num-layers": 1}),
+           "moe": (1, {"num-experts": 2, "moe-router-topk": 1}),
+           "cp2": (2, {"context-parallel-size": 2})}
+ITERS, GLOBAL_BATCH, SEQ = 3, 4, 32
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_layout_compiled_matches_eager(layout, builtin_corpus, tmp_path):
+    world, extra = LAYOUTS[layout]
+    flags = dict(extra, **{"train-iters": ITERS, "global-batch-size": GLOBAL_BATCH, "hidden-dropout": 0.0,
+                           "attention-dropout": 0.0, "seq-length": SEQ})
+    eager = resume_flags(builtin_corpus, tmp_path, 1, 1, 1, **flags)
+    compiled = resume_flags(builtin_corpus, tmp_path, 1, 1, 1, **flags, **{"compile-layers": True})
+    want, none, _ = run_ranks(_trainer_losses, world, eager, timeout=900)[-1]  # the last rank logs the loss
+    got, lines, path = run_ranks(_trainer_losses, world, compiled, timeout=900)[-1]
+    assert not none and any("transformer layers compiled" in line for line in lines), lines
+    assert len(want) == ITERS
+    assert_losses_close(got, want, model_rtol(path), "loss")
+
+
+def test_flags_refused_in_one_sentence():
+    from megatron_zero.arguments import ArgumentError, validate_args, parse_command_line
+
+    base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "8",
+            "--max-position-embeddings", "8", "--micro-batch-size", "1", "--global-batch-size", "2",
+            "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+    assert validate_args(parse_command_line(base + ["--compile-layers"]), 1).compile_layers
+    for extra, words in ((["--compile-mode", "max-autotune"], "give --compile-layers"),
+                         (["--compile-layers", "--compile-mode", "reduce-overhead", "--zero-stage", "3"],
+                          "fixed weight addresses")):
+        with pytest.raises(ArgumentError, match=words):
+            validate_args(parse_command_line(base + extra), 1)
