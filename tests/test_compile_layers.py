@@ -10,7 +10,6 @@ and without the flag at TP2 + SP, PP2, ZeRO-3 (DP2), full recompute, MoE and CP2
 import pytest
 import torch
 import torch._dynamo.utils as dynamo_utils
-import torch.distributed as dist
 
 from megatron_zero.compile.layers import CompileLayersConverter
 from megatron_zero.model import reference_model
@@ -18,7 +17,7 @@ from megatron_zero.testing.multirank import run_ranks
 from megatron_zero.testing.tiny_gpt import tiny_gpt_config
 from megatron_zero.testing.tolerances import (assert_close_normwise, assert_losses_close, gpt_path_length,
                                               model_rtol)
-from megatron_zero.testing.trainer_losses import resume_flags
+from megatron_zero.testing.trainer_losses import recorded_training, resume_flags
 
 CPU = torch.device("cpu")
 
@@ -47,25 +46,9 @@ def test_one_layer_compiled_matches_eager():
 
 
 def _trainer_losses(argv):
-    """The real Trainer with Megatron flags `argv` on this rank's group: the loss of every iteration."""
-    from megatron_zero.arguments import cp_a2a_size, parse_args
-    from megatron_zero.topology import build_parallel_state
-    from megatron_zero.training import Trainer
-
-    args = parse_args(argv, world_size=dist.get_world_size())
-    state = build_parallel_state(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                 cp=args.context_parallel_size, ep=args.expert_model_parallel_size,
-                                 etp=args.expert_tensor_parallel_size, cp_a2a=cp_a2a_size(args))
-    trainer = Trainer(args, state)
-    losses, step = [], trainer.train_step
-
-    def recording_step(micro, *rest):
-        out = step(micro, *rest)
-        losses.append(float(out[0]))
-        return out
-
-    trainer.train_step = recording_step
-    trainer.train()
+    """The real Trainer with Megatron flags `argv`: each iteration's loss, the transforms' log lines, and the
+    step's dependency path length (for the tolerance)."""
+    trainer, losses = recorded_training(argv)
     return losses, trainer.transforms, gpt_path_length(trainer.config, GLOBAL_BATCH * SEQ)
 
 

@@ -7,12 +7,24 @@ from .launch import model_flags
 
 def train_losses(argv, tp, pp):
     """Train with Megatron flags `argv` at TP x PP on this rank's group; -> the loss of every iteration run."""
-    from ..arguments import parse_args
+    return recorded_training(argv, tp, pp)[1]
+
+
+def recorded_training(argv, tp=None, pp=None):
+    """Train with Megatron flags `argv` on this rank's group, at TP x PP, or (None) at the layout the flags give
+    as pretrain_gpt.py builds it (CP and expert parallelism included); -> (the Trainer, each iteration's loss)."""
+    from ..arguments import cp_a2a_size, parse_args
     from ..topology import build_parallel_state
     from ..training import Trainer
 
     args = parse_args(argv, world_size=dist.get_world_size())
-    trainer = Trainer(args, build_parallel_state(tp, pp))
+    if tp is None:
+        state = build_parallel_state(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                     cp=args.context_parallel_size, ep=args.expert_model_parallel_size,
+                                     etp=args.expert_tensor_parallel_size, cp_a2a=cp_a2a_size(args))
+    else:
+        state = build_parallel_state(tp, pp)
+    trainer = Trainer(args, state)
     losses = []
     step = trainer.train_step
 
@@ -23,7 +35,7 @@ def train_losses(argv, tp, pp):
 
     trainer.train_step = recording_step
     trainer.train()
-    return losses
+    return trainer, losses
 
 
 def resume_flags(corpus, tmp_path, tp, pp, zero, **extra):
