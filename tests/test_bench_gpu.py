@@ -92,3 +92,11 @@ def test_tiny_run_times_pretrain_gpt_py_on_mock_data(tmp_path):
     assert list(rows) == ["pretrain_gpt.py", "baseline", "ours"]
     assert "error" not in rows["pretrain_gpt.py"] and rows["pretrain_gpt.py"]["step_s"] > 0, rows
     assert rows["pretrain_gpt.py"]["schedule"] == "own process"
+
+
+@pytest.mark.slow
+def test_compile_adds_the_compiled_row(one_thread):
+    """--compile: a row for ours with each transformer layer compiled (inductor compiles in the warm-up)."""
+    rows = bench_gpu.main(TINY + ["--steps", "1", "--block", "1", "--compile"])
+    assert [r["side"] for r in rows] == ["baseline", "ours", "compiled"]
+    assert all(r["step_s"] > 0 for r in rows), rows
