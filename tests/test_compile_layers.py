@@ -3,7 +3,8 @@ gives the eager layer's loss and gradients, fp32 on the CPU.
 
 Compiled and eager evaluate the same fp32 expressions; inductor fuses and reorders the reductions, so they
 differ by the roundoff of sums taken in another order: normwise within model_rtol of the step's dependency
-path (megatron_zero/testing/tolerances.py). The fused CPU kernels (bias-GeLU, causal softmax) stay on and
+path (megatron_zero/testing/tolerances.py); dropout's masks are eager's (inductor's fallback_random). The
+fused CPU kernels (bias-GeLU, causal softmax) stay on and
 run eagerly between the compiled pieces. Default tier: one rank, one layer. `slow`: the real Trainer with
 and without the flag at TP2 + SP, PP2, ZeRO-3 (DP2), full recompute, MoE and CP2, each iteration's loss.
 """
@@ -13,6 +14,7 @@ import torch._dynamo.utils as dynamo_utils
 
 from megatron_zero.compile.layers import CompileLayersConverter
 from megatron_zero.model import reference_model
+from megatron_zero.tensor_parallel.random import model_parallel_seed
 from megatron_zero.testing.multirank import run_ranks
 from megatron_zero.testing.tiny_gpt import tiny_gpt_config
 from megatron_zero.testing.tolerances import (assert_close_normwise, assert_losses_close, gpt_path_length,
@@ -23,7 +25,7 @@ CPU = torch.device("cpu")
 
 
 def test_one_layer_compiled_matches_eager():
-    cfg = tiny_gpt_config(num_layers=1, hidden_dropout=0.0, attention_dropout=0.0)
+    cfg = tiny_gpt_config(num_layers=1, hidden_dropout=0.1, attention_dropout=0.1)  # the same masks as eager
     torch.manual_seed(0)
     eager, compiled = reference_model(cfg), reference_model(cfg)
     compiled.load_state_dict(eager.state_dict())
@@ -34,6 +36,7 @@ def test_one_layer_compiled_matches_eager():
     tokens = torch.randint(0, 100, (2, cfg.seq_length + 1), generator=torch.Generator().manual_seed(1))
     results = []
     for model in (eager, compiled):
+        model_parallel_seed(5)  # the default generator and the RNG tracker's stream
         loss = model(tokens[:, :-1], labels=tokens[:, 1:])
         loss.backward()
         results.append((loss.detach(), [p.grad for p in model.parameters()]))

@@ -64,7 +64,7 @@ class CompileLayersConverter:
             block.forward = torch.compile(block.forward, mode=None if self.mode == "default" else self.mode,
                                           fullgraph=self.fullgraph)
         kernels = eager_kernels(self.device)
-        eager = [f"fused kernels {', '.join(kernels)}"] if kernels else []
+        eager = [f"the fused kernels {', '.join(kernels)} (where a layer calls them)"] if kernels else []
         if moe:
             eager.append(f"the router and expert dispatch of {moe} MoE layers")
         left = f"; left to eager inside them: {'; '.join(eager)}" if eager else ""
