@@ -93,3 +93,24 @@ def test_flags_refused_in_one_sentence():
                           "fixed weight addresses")):
         with pytest.raises(ArgumentError, match=words):
             validate_args(parse_command_line(base + extra), 1)
+
+
+@pytest.mark.slow
+def test_pretrain_gpt_py_with_compile_layers(tmp_path):
+    """pretrain_gpt.py --compile-layers on two ranks (TP2 + SP, a Llama with the fused kernels on) logs the
+    compiled layers once and trains to the eager run's losses."""
+    from megatron_zero.data.tokenizers import ByteTokenizer
+    from megatron_zero.testing.cli import TINY, cli_flags, logged_losses, pretrain_cli, text_data
+
+    data = text_data(str(tmp_path / "text"))
+    layout = {"tensor-model-parallel-size": 2, "sequence-parallel": True, "train-iters": 3}
+    eager = pretrain_cli(2, cli_flags(data, tmp_path / "cache", "llama", layout), timeout=900)
+    compiled = pretrain_cli(2, cli_flags(data, tmp_path / "cache", "llama", layout, {"compile-layers": True}),
+                            timeout=900)
+    assert compiled.stdout.count("compiled layers: 2 transformer layers compiled") == 1, compiled.stdout[-3000:]
+    want, got = logged_losses(eager), logged_losses(compiled)
+    assert sorted(want) == sorted(got) == [1, 2, 3]
+    cfg = tiny_gpt_config(num_layers=TINY["num-layers"], hidden_size=TINY["hidden-size"],
+                          seq_length=TINY["seq-length"], vocab_size=ByteTokenizer.vocab_size)
+    rtol = model_rtol(gpt_path_length(cfg, TINY["global-batch-size"] * TINY["seq-length"]))
+    assert_losses_close([got[i] for i in sorted(got)], [want[i] for i in sorted(want)], rtol, "loss")

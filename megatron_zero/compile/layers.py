@@ -7,15 +7,17 @@ were (the optimizer, ZeRO-3's gather/release hooks on the layer and the checkpoi
 layer), and those module hooks, activation recomputation around the layers and the pipeline schedule stay
 eager around the compiled forward.
 
-Left to eager inside a compiled layer (torch.compiler.disable), named once in the converter's log line:
-- the fused kernels (megatron_zero/ops), C++/CUDA extensions inductor cannot trace: each runs as a graph
-  break between compiled pieces, where its fusion flag and the device pick it;
+Left to eager inside a compiled layer (torch.compiler.disable, compile/eager.py):
+- the fused kernels (megatron_zero/ops), C++/CUDA extensions inductor cannot trace: each runs between the
+  compiled pieces, where its fusion flag and the device pick it (named once in the converter's log line);
+- the tensor-parallel collectives (TP/SP's conjugate pairs, the asynchronous gradient all-reduce), which may
+  go through the shared-memory transport (shm_comm.py) that dynamo must not trace;
 - an MoE layer's router and expert dispatch: its token counts per expert are data-dependent shapes that
-  would recompile every step; the layer's attention and norms compile.
+  would recompile every step; the layer's attention and norms compile (named in the log line).
+Context parallelism's attention exchange runs eagerly at a graph break where dynamo cannot trace it.
 With dropout on, inductor draws its random numbers as eager PyTorch does (torch._inductor.config.fallback_random),
 so the masks come from the same generators (the RNG tracker's per-TP-rank stream included) and a recomputed
-layer replays them. Collectives inside a layer (TP/SP's all-reduces and all-gathers, CP's ring exchange) are traced by dynamo
-or run eager at a graph break; either way they run as in the eager layer.
+layer replays them.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.registry import eager
+from ..compile.eager import eager
 
 
 class _BlockCausalAttention(torch.autograd.Function):

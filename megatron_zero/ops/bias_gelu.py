@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from .fusion_flags import use_fused
-from .registry import eager, extension_for
+from ..compile.eager import eager
+from .registry import extension_for
 
 
 class _FusedBiasGelu(torch.autograd.Function):

@@ -114,10 +114,3 @@ def warn_fallback_once(kernel: str, why: str) -> None:
         _warned.add(kernel)
         warnings.warn(f"megatron_zero.ops: {kernel} uses the PyTorch fallback: {why}", stacklevel=3)
 
-
-def eager(apply):
-    """A fused kernel's entry (its autograd.Function's apply) kept out of torch.compile's graphs: inductor cannot
-    trace a C++/CUDA extension, so inside a compiled layer (megatron_zero/compile/layers.py) it runs eagerly
-    between the compiled pieces."""
-    import torch
-    return torch.compiler.disable(apply)

@@ -11,7 +11,8 @@ dtype, in both implementations.
 import torch
 
 from .fusion_flags import get_fusion_flags
-from .registry import eager, extension_for
+from ..compile.eager import eager
+from .registry import extension_for
 
 
 class _FusedRMSNorm(torch.autograd.Function):

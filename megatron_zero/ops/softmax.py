@@ -8,7 +8,8 @@ read only the kept part of each row; the fallback builds the mask.
 import torch
 
 from .fusion_flags import use_fused
-from .registry import eager, extension_for
+from ..compile.eager import eager
+from .registry import extension_for
 
 
 class _FusedCausalSoftmax(torch.autograd.Function):

@@ -15,6 +15,8 @@ from typing import Callable, Tuple, Type
 
 import torch
 
+from ..compile.eager import eager
+
 
 def _function(name: str, forward: Callable, backward: Callable) -> Type[torch.autograd.Function]:
     def fwd(ctx, x, *args):
@@ -24,7 +26,9 @@ def _function(name: str, forward: Callable, backward: Callable) -> Type[torch.au
     def bwd(ctx, grad):
         return (backward(grad, *ctx.args),) + (None,) * len(ctx.args)
 
-    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
+    cls = type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
+    cls.apply = eager(cls.apply)  # a collective: eager inside a compiled layer (compile/eager.py)
+    return cls
 
 
 def conjugate_pair(f: Callable, g: Callable) -> Tuple[Type[torch.autograd.Function], Type[torch.autograd.Function]]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .. import shm_comm
+from ..compile.eager import eager
 
 
 class _LinearAsyncGradAllReduce(torch.autograd.Function):
@@ -36,6 +37,9 @@ class _LinearAsyncGradAllReduce(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
+_apply = eager(_LinearAsyncGradAllReduce.apply)  # an in-flight all-reduce: eager inside a compiled layer
+
+
 def linear_with_async_grad_all_reduce(x, weight, bias, group):
     """F.linear(copy_to_tensor_model_parallel_region(x, group), weight, bias), its backward overlapped."""
-    return _LinearAsyncGradAllReduce.apply(x, weight, bias, group)
+    return _apply(x, weight, bias, group)
