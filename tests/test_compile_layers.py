@@ -111,6 +111,7 @@ def test_pretrain_gpt_py_with_compile_layers(tmp_path):
     want, got = logged_losses(eager), logged_losses(compiled)
     assert sorted(want) == sorted(got) == [1, 2, 3]
     cfg = tiny_gpt_config(num_layers=TINY["num-layers"], hidden_size=TINY["hidden-size"],
-                          seq_length=TINY["seq-length"], vocab_size=ByteTokenizer.vocab_size)
+                          seq_length=TINY["seq-length"], max_position_embeddings=TINY["seq-length"],
+                          vocab_size=ByteTokenizer.vocab_size)
     rtol = model_rtol(gpt_path_length(cfg, TINY["global-batch-size"] * TINY["seq-length"]))
     assert_losses_close([got[i] for i in sorted(got)], [want[i] for i in sorted(want)], rtol, "loss")
