@@ -3,9 +3,9 @@ its forward compute (megatron_zero/testing/slow_rank.py sleeps there from a give
 that rank, with its host, at the log line after the slowdown, and no rank before it. Each rank's forward time
 is its own (the wall time per step is the same on every rank: the all-reduces make them wait for each other).
 
-The slowdown (0.25 s a forward step against the tiny model's few milliseconds) is far past --straggler-factor
-4, which is itself far past what a contended shared CPU does to two equal ranks (up to about 2x seen here):
-the test asserts which rank is named, never a time."""
+The slowdown (0.1 s a forward step against the tiny model's few milliseconds) is far past --straggler-factor
+4, which is itself far past what a contended shared CPU does to two equal ranks (up to about 2x seen here over
+fewer iterations than the 7 averaged here): the test asserts which rank is named, never a time."""
 import argparse
 import os
 import re
@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 import torch
 from conftest import ROOT
 
@@ -26,19 +27,20 @@ SLOW_RANK = os.path.join(ROOT, "megatron_zero", "testing", "slow_rank.py")
 REPORT = re.compile(r"straggler report \| .*")
 
 
+@pytest.mark.slow  # the default tier: the report's wiring in tests/test_training_log.py's run, its logic below
 def test_the_report_names_the_rank_made_slow_and_no_rank_before(tmp_path):
     data = byte_data(tmp_path / "bytes")
-    flags = tiny_flags(tmp_path, data, **{"train-iters": 8, "log-interval": 4, "save": None, "log-straggler": True,
+    flags = tiny_flags(tmp_path, data, **{"train-iters": 16, "log-interval": 8, "save": None, "log-straggler": True,
                                           "straggler-factor": 4})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(free_port()), SLOW_RANK] + flags
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SLOW_RANK": "1", "SLOW_SECONDS": "0.25", "SLOW_AFTER": "4"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SLOW_RANK": "1", "SLOW_SECONDS": "0.1", "SLOW_AFTER": "8"}
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     reports = REPORT.findall(run.stdout)
     assert len(reports) == 2, run.stdout[-3000:]
     host = socket.gethostname()
-    assert reports[0].endswith("no rank over 4x the median"), reports  # iterations 1-4: no slowdown
+    assert reports[0].endswith("no rank over 4x the median"), reports  # iterations 2-8 (the first is left out): no slowdown
     assert re.search(rf"slowest rank 1 \({re.escape(host)}\) .*over 4x the median: rank 1 \({re.escape(host)}\) "
                      r"[0-9.]+x$", reports[1]), reports
 
