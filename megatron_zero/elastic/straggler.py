@@ -14,8 +14,9 @@ At each log line one all-gather of (forward seconds, on/off) per rank, and the w
      (node3) 2.05, median 2.05 | over 1.5x the median: rank 1 (node7) 20.10x
 
 `--straggler-minmax-count N` names the N slowest and N fastest; a rank is named as a straggler when its time
-is over `--straggler-factor` times the median (the lower median for an even count, so of two ranks the faster
-is the yardstick). Ranks that wait on each other inside the forward (tensor, context or expert parallelism,
+is over `--straggler-factor` times the median of the ranks in its pipeline stage (stages do different work;
+the lower median for an even count, so of two ranks the faster is the yardstick). The process's first step
+(allocation, lazy initialisation) is left out. Ranks that wait on each other inside the forward (tensor, context or expert parallelism,
 ZeRO-3's weight gathers) share the slow rank's time, so the group shows slow together, as in Megatron-LM.
 
 `--disable-straggler-on-startup` starts with the report off; with `--straggler-ctrlr-port P` rank 0 listens
