@@ -9,7 +9,9 @@ dropout 0 so that every backend applies). Each configuration runs in a fresh pro
 ranks forked by run_ranks; TP2 rows measure rank 0, whose numbers equal rank 1's to within a
 page). glibc is told to serve every allocation above 64 KiB by its own mmap (mallopt
 M_MMAP_THRESHOLD, which also stops the threshold from drifting), so the resident set grows and
-shrinks with the tensors; after a warm-up step (seq 64) the kernel's high-water mark is reset
+shrinks with the tensors; after a warm-up step of the same size (which also grows shm_comm's shared-memory
+buffers of the TP collectives to what this step needs: resident pages too, which a smaller warm-up left to
+grow inside the measurement and counted as activations) the kernel's high-water mark is reset
 (/proc/self/clear_refs 5) and then
     held = resident bytes after forward - before (what the layers keep for backward, plus the output)
     peak = high-water mark during forward + backward - resident bytes before (all transients included:
@@ -37,19 +39,12 @@ from megatron_zero.model.gpt import GPTModel  # noqa: E402
 from megatron_zero.model.layer_indices import block_layer_index  # noqa: E402
 from megatron_zero.tensor_parallel import model_parallel_seed  # noqa: E402
 from megatron_zero.testing import run_ranks  # noqa: E402
+from megatron_zero.testing.host_memory import reset_high_water_mark, status_bytes  # noqa: E402
 from megatron_zero.topology import build_parallel_state  # noqa: E402
 
 M_MMAP_THRESHOLD = -3
 RECOMPUTE = {"none": {}, "selective": {"recompute_granularity": "selective"},
              "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}}
-
-
-def _status_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {key}")
 
 
 def measure(seq, layers, hidden, heads, backend, recompute, tp, sp):
@@ -62,18 +57,17 @@ def measure(seq, layers, hidden, heads, backend, recompute, tp, sp):
     model = GPTModel(config, state.tp_group if tp > 1 else None,
                      layer_indices=range(block_layer_index(0), block_layer_index(layers)))
     local = seq // tp if sp else seq
-    for s in (64 // tp if sp else 64, local):  # warm-up, then the measured step
+    for s in (local, local):  # warm-up, then the measured step
         x = torch.randn(1, s, hidden, requires_grad=True)
         grad = torch.randn(1, s, hidden)
         model.zero_grad(set_to_none=False)  # the warm-up allocated the parameter gradients: not counted
         gc.collect()
-        before = _status_bytes("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset the high-water mark
+        before = status_bytes("VmRSS")
+        reset_high_water_mark()
         y = model(x)
-        held = _status_bytes("VmRSS") - before
+        held = status_bytes("VmRSS") - before
         y.backward(grad)
-        peak = _status_bytes("VmHWM") - before
+        peak = status_bytes("VmHWM") - before
         del y
     return held, peak, local * hidden * 4
 

@@ -1,14 +1,19 @@
-"""Bytes each rank holds per ZeRO stage, beside the ZeRO paper's formulas adapted to fp32.
+"""Bytes each rank holds per ZeRO stage: in fp32 beside the ZeRO paper's formulas, and in bf16 as bytes per
+parameter beside Megatron-Core's distributed optimizer, on one rank and on N.
 
     .venv/bin/python bench/bench_zero_memory.py [--dp 2] [--layers 4] [--hidden 128]
 
-Measured on the CPU by summing the bytes of the tensors a rank holds (ZeroOptimizer's
-bookkeeping): model parameters (peak during a step for stage 3), gradients (peak of
-parameter .grad alive plus the reduced fp32 partition), optimizer state (fp32 master +
-exp_avg + exp_avg_sq). Paper (Rajbhandari et al. 2019, fig. 1) with mixed precision:
-stage 1: 2Ψ + 2Ψ + KΨ/N, stage 2: 2Ψ + (2+K)Ψ/N, stage 3: (2+2+K)Ψ/N, K = 12.
-In fp32 the weights and gradients are 4 bytes: params 4Ψ (4Ψ/N at stage 3), grads 4Ψ
-(4Ψ/N at stage 2/3), optimizer 12Ψ/N (master, m, v; the paper's K without the fp16 copy).
+Measured on the CPU by summing the bytes of the tensors a rank holds (ZeroOptimizer.memory_bytes, every
+tensor counted once however many views it has): model parameters (peak during a step for stage 3),
+gradients (the larger of what is held after backward and what is held after the step plus the peak of
+transient gradient tensors: ZeRO-2's open buckets, the contiguous copies a bucket of the fp32 buffer is
+reduce-scattered from), optimizer state (fp32 master + exp_avg + exp_avg_sq).
+Paper (Rajbhandari et al. 2019, fig. 1) with mixed precision: stage 1: 2Ψ + 2Ψ + KΨ/N, stage 2: 2Ψ +
+(2+K)Ψ/N, stage 3: (2+2+K)Ψ/N, K = 12. In fp32 the weights and gradients are 4 bytes: params 4Ψ (4Ψ/N at
+stage 3), grads 4Ψ (4Ψ/N at stage 2/3), optimizer 12Ψ/N (master, m, v; the paper's K without the fp16 copy).
+bf16 with fp32 gradient accumulation, per parameter: Megatron-Core's distributed optimizer (its ZeRO-1) holds
+2 (bf16 weights) + 4 (the fp32 gradient buffer, reduce-scattered in place) + 12/N (fp32 master and moments);
+plain data parallelism (our stage 0) 2 + 4 + 12 = 18.
 """
 import argparse
 import os
@@ -26,21 +31,21 @@ from megatron_zero.testing import run_ranks  # noqa: E402
 from megatron_zero.zero import ZeroOptimizer  # noqa: E402
 
 
-def config(layers, hidden):
+def config(layers, hidden, dtype="fp32"):
     return GPTConfig(vocab_size=1000, hidden_size=hidden, num_layers=layers, num_attention_heads=4, seq_length=64,
                      max_position_embeddings=64, make_vocab_size_divisible_by=8, hidden_dropout=0.0,
-                     attention_dropout=0.0)
+                     attention_dropout=0.0, params_dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
 
 
-def measure(layers, hidden, bucket):
+def measure(layers, hidden, bucket, dtype="fp32"):
     rank = dist.get_rank()
     out = {}
     for stage in (0, 1, 2, 3):
-        model = GPTModel(config(layers, hidden))
+        model = GPTModel(config(layers, hidden, dtype))
         psi = sum(p.numel() for p in model.parameters())
         layer = max(sum(p.numel() for p in m.parameters()) for n, m in model.named_children() if n.isdigit())
         opt = ZeroOptimizer(list(model.named_parameters()), dp_group=dist.group.WORLD, stage=stage,
-                            bucket_size=bucket, module=model, lr=1e-3)
+                            bucket_size=bucket, module=model, lr=1e-3, dtype=dtype)
         tokens = torch.randint(0, 1000, (2, 65), generator=torch.Generator().manual_seed(rank))
         peak_params = 0
         for _ in range(2):
@@ -51,11 +56,11 @@ def measure(layers, hidden, bucket):
         held = opt.memory_bytes()
         impl = opt.impl
         if stage == 3:
-            peak_params = sum(p.ds_shard.numel() * 4 for g in impl.groups for p in g) + impl.peak_param_numel * 4
+            size = 2 if dtype == "bf16" else 4
+            peak_params = sum(p.ds_shard.numel() * size for g in impl.groups for p in g) + impl.peak_param_numel * size
         else:
             peak_params = held["params"]
-        peak_grads = max(grads, impl.peak_grad_numel * 4 + (sum(g.numel() * 4 for g in impl.grad_parts)
-                                                          if getattr(impl, "grad_parts", None) else 0))
+        peak_grads = max(grads, held["grads"] + impl.peak_grad_numel * 4)
         out[stage] = dict(psi=psi, layer=layer, params=peak_params, grads=peak_grads, optim=held["optimizer_state"])
     return out
 
@@ -86,6 +91,18 @@ def main():
         fp, fg, fo = formulas(stage, psi, 1 if stage == 0 else a.dp, layer)
         print(f"| {stage} | {r['params'] / mb:.2f} ({fp / mb:.2f}) | {r['grads'] / mb:.2f} ({fg / mb:.2f}) | "
               f"{r['optim'] / mb:.2f} ({fo / mb:.2f}) | {r['optim'] / (12 * psi / a.dp):.4f} |")
+    print()
+    print(f"bf16 weights, fp32 gradient accumulation; bytes per parameter (Ψ = {psi:,}); Megatron-Core's distributed "
+          "optimizer at stage 1, plain data parallelism at stage 0, in parentheses")
+    print("| DP | stage | params | grads | optimizer | total (Megatron) |")
+    print("|---|---|---|---|---|---|")
+    for n in sorted({1, a.dp}):
+        res = run_ranks(measure, n, a.layers, a.hidden, a.bucket, "bf16", timeout=600)[0]
+        for stage, r in res.items():
+            total = (r["params"] + r["grads"] + r["optim"]) / psi
+            megatron = {0: " (18.00)", 1: f" ({2 + 4 + 12 / n:.2f})"}.get(stage, "")
+            print(f"| {n} | {stage} | {r['params'] / psi:.2f} | {r['grads'] / psi:.2f} | {r['optim'] / psi:.2f} | "
+                  f"{total:.2f}{megatron} |")
 
 
 if __name__ == "__main__":

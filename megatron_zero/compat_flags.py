@@ -46,9 +46,6 @@ def add_compat_flags(p: argparse.ArgumentParser) -> None:
                    dest="override_opt_param_scheduler", action="store_true",
                    help="no-op: on --load the schedule always comes from the flags (only its step count is "
                         "restored from the checkpoint)")
-    g.add_argument("--cross-entropy-loss-fusion", action="store_true",
-                   help="no-op: the loss is always the vocab-parallel cross entropy, with the compiled kernel "
-                        "where one is built (ops/exp_rows.py); there is no unfused variant to switch from")
     g.add_argument("--log-throughput", action="store_true",
                    help="no-op: the log line always carries throughput per GPU (TFLOP/s/GPU) here")
     g.add_argument("--kv-channels", type=int, default=None,

@@ -5,6 +5,13 @@ SLURM (srun, one task per GPU) sets SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID an
 SLURM_NODELIST/SLURM_JOB_NODELIST; the master address is the first host of the
 node list. The backend is nccl where CUDA is present, else gloo.
 
+Each launch attempt forms its process group from its own store (`attempt_store`): torchrun's agent hosts
+one TCPStore at MASTER_ADDR:MASTER_PORT for all the attempts of a run (its --max-restarts restarts and an
+elastic job's re-rendezvous), so the process groups' keys go under the attempt's
+TORCHELASTIC_RESTART_COUNT; otherwise a restarted attempt reads the addresses its killed predecessor left
+there and gloo/NCCL connect to processes that are gone. Where rank 0 hosts the store (SLURM, one process)
+it dies with the attempt. On NCCL the rank's GPU is bound and named to the process group (device_id).
+
 On NCCL a dead peer raises nothing: the others wait in their collective. Before the process group is
 made, `nccl_environment` turns on PyTorch's NCCL watchdog teardown (TORCH_NCCL_ASYNC_ERROR_HANDLING=1:
 a collective that fails or outlives --distributed-timeout-minutes aborts the communicators and ends
@@ -33,6 +40,7 @@ import datetime
 import os
 import re
 import signal
+import socket
 import sys
 from dataclasses import dataclass
 from typing import Dict, Optional
@@ -108,10 +116,37 @@ def nccl_environment(timeout_minutes: float) -> Dict[str, str]:
             "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(max(60, int(timeout_minutes * 60)))}
 
 
+def attempt_prefix(environ: Optional[dict] = None) -> str:
+    """The key prefix of this launch attempt in the launcher's store: torchrun's agent keeps one store for
+    every attempt of a run (its restarts and re-rendezvous), so keys left by an earlier attempt (gloo's
+    addresses, a subgroup's, a failure report) would be read by the next one; TORCHELASTIC_RESTART_COUNT
+    tells the attempts apart. Empty where the store dies with the attempt (rank 0 hosts it: SLURM, one
+    process, torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)."""
+    env = os.environ if environ is None else environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return ""
+    return f"megatron_zero/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+
+def attempt_store(launch: LaunchEnv, timeout: datetime.timedelta, environ: Optional[dict] = None,
+                  host: bool = True):
+    """A client of this attempt's key-value store (attempt_prefix); rank 0 hosts it where the launcher does
+    not (`host`: when forming the process group, not when looking up a report afterwards)."""
+    import torch.distributed as dist
+
+    prefix = attempt_prefix(environ)
+    store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size,
+                          is_master=host and not prefix and launch.rank == 0, timeout=timeout,
+                          wait_for_workers=False)
+    return dist.PrefixStore(prefix, store) if prefix else store
+
+
 def init_distributed(backend: Optional[str] = None, timeout_minutes: float = 10.0,
-                     environ: Optional[dict] = None) -> LaunchEnv:
-    """Initialise the default process group from the launch environment (idempotent); on NCCL with
-    nccl_environment's settings in os.environ first (ProcessGroupNCCL reads them when it is made)."""
+                     environ: Optional[dict] = None, device=None) -> LaunchEnv:
+    """Initialise the default process group from the launch environment of this attempt (attempt_store;
+    idempotent); on NCCL with nccl_environment's settings in os.environ first (ProcessGroupNCCL reads them when
+    it is made) and the rank's GPU (`device`, else cuda:<LOCAL_RANK>) bound before any collective and named to
+    the process group, so no collective guesses the device from the rank."""
     import torch
     import torch.distributed as dist
 
@@ -122,22 +157,25 @@ def init_distributed(backend: Optional[str] = None, timeout_minutes: float = 10.
     if dist.is_initialized():
         return launch
     backend = backend or default_backend()
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    bound = {}
     if backend == "nccl":
         for name, value in nccl_environment(timeout_minutes).items():
             os.environ.setdefault(name, value)
-        torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
-    dist.init_process_group(
-        backend=backend,
-        init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
-        rank=launch.rank,
-        world_size=launch.world_size,
-        timeout=datetime.timedelta(minutes=timeout_minutes),
-    )
+        if device is None or device.type != "cuda" or device.index is None:
+            device = torch.device("cuda", launch.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        bound = {"device_id": device}
+    store = attempt_store(launch, timeout, environ)
+    dist.init_process_group(backend=backend, store=store, rank=launch.rank, world_size=launch.world_size,
+                            timeout=timeout, **bound)
+    if launch.world_size > 1:  # where each rank runs, for the sentence of a rank that loses contact with it
+        store.set(f"{WHERE}{launch.rank}", f"{socket.gethostname()} {os.getpid()}")
     return launch
 
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-FAILURE_COUNT, FAILURE_MESSAGE = "megatron_zero/failures", "megatron_zero/failure"
+FAILURE_COUNT, FAILURE_MESSAGE, WHERE = "megatron_zero/failures", "megatron_zero/failure", "megatron_zero/where/"
 STORE_TIMEOUT = datetime.timedelta(seconds=5)
 
 
@@ -155,15 +193,13 @@ def stop_with_launcher(sig: int = signal.SIGTERM) -> bool:
 
 
 def _job_store(environ: Optional[dict] = None):
-    """A client of the job's TCPStore (torchrun's agent or rank 0 hosts it), or None."""
+    """A client of this attempt's store (attempt_store; torchrun's agent or rank 0 hosts it), or None."""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
-    launch = read_launch_env(environ)
     try:
-        return dist.TCPStore(launch.master_addr, launch.master_port, is_master=False, timeout=STORE_TIMEOUT,
-                             wait_for_workers=False)
+        return attempt_store(read_launch_env(environ), STORE_TIMEOUT, environ, host=False)
     except (RuntimeError, ValueError):  # the host of the store is gone
         return None
 
@@ -228,6 +264,50 @@ def is_peer_failure(err: BaseException) -> bool:
     text = str(err)
     return isinstance(err, dist.DistError) or (isinstance(err, RuntimeError) and any(
         s in text for s in ("Connection closed by peer", "Connection reset by peer", "gloo/transport", "NCCL")))
+
+
+def _state(pid: int) -> str:
+    """The process state letter of /proc/<pid>/stat ("Z" zombie, "T" stopped, ...); "X" where it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "X"
+
+
+def ranks_gone(environ: Optional[dict] = None) -> Dict[int, str]:
+    """{rank: where} of the ranks of this attempt that are gone or stopped, as far as this rank can tell: those
+    on its own host whose process has exited ("host") or is stopped ("host (stopped)": SIGSTOP, a debugger);
+    a rank elsewhere cannot be checked from here. {} where the store is gone too."""
+    launch = read_launch_env(environ)
+    store, here, found = _job_store(environ), socket.gethostname(), {}
+    if store is None:
+        return found
+    for rank in range(launch.world_size):
+        try:
+            host, pid = store.get(f"{WHERE}{rank}").decode().rsplit(" ", 1)
+        except (RuntimeError, ValueError):  # never registered (it died in start-up), or the store is gone
+            continue
+        state = _state(int(pid)) if rank != launch.rank and host == here else "R"
+        if state in ("Z", "X"):
+            found[rank] = host
+        elif state in ("T", "t"):
+            found[rank] = f"{host} (stopped)"
+    return found
+
+
+def lost_contact_line(err: BaseException, environ: Optional[dict] = None) -> str:
+    """The sentence of a rank whose collective broke because another went away: this rank by its launch
+    environment (there may be no process group, when it broke while being made), the ranks gone by name and
+    host where ranks_gone finds them."""
+    try:
+        launch = read_launch_env(environ)
+        me, gone = f"rank {launch.rank}", ranks_gone(environ)
+    except (LaunchError, RuntimeError, ValueError):
+        me, gone = "this rank", {}
+    other = ("another rank" if not gone else ", ".join(f"rank {r} on {h}" for r, h in sorted(gone.items())))
+    return (f"{me} on {socket.gethostname()} lost contact with {other} ({str(err).splitlines()[0][:200]}); "
+            + ("that rank's log says why" if len(gone) < 2 else "their logs say why"))
 
 
 class PeerLostError(RuntimeError):

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint as ckpt
-from .arguments import ArgumentError, args_to_dict, cp_a2a_size, parse_args
+from .arguments import ArgumentError, args_to_dict, cp_a2a_size
 from .config.checkpointing import load_is_first_run
 from .checkpoint.compat import check_checkpoint_compat
 from .checkpoint.storage.lock import hold_save_lock
@@ -30,8 +30,11 @@ from .compat_flags import lr_increment
 from .context_parallel import slice_batch_for_cp
 from .data import DataError, GlobalBatchSampler, build_tokenizer, build_train_valid_test_datasets, collate_gpt
 from .device import DeviceError, backend_for, select_device, to_device, use_device
-from .distributed import (LaunchError, another_rank_failed, init_distributed, is_peer_failure, read_launch_env,
-                          record_peer_loss, report_failure, shutdown_distributed, stop_with_launcher)
+from .distributed import (LaunchError, another_rank_failed, init_distributed, is_peer_failure, lost_contact_line,
+                          read_launch_env, record_peer_loss, report_failure, shutdown_distributed, stop_with_launcher)
+from .elastic.local_tier import LocalTier, resume_dir
+from .elastic.restart import note_resize, parse_for_launch
+from .elastic.watchdog import watch_steps
 from .exit_signal import INTERRUPTED, ExitPolicy, ctrl_c_line, report_interrupt
 from .logger import format_eval_line
 from .throughput import gpt_flops_per_iteration
@@ -89,7 +92,8 @@ def param_groups(model, weight_decay: float, decoupled: bool = False):
 def fusion_flags(args) -> dict:
     """Megatron's --no-*-fusion flags as megatron_zero.ops switches."""
     return {name: getattr(args, name) for name in ("masked_softmax_fusion", "bias_gelu_fusion", "persist_layer_norm",
-                                                   "rope_fusion", "gradient_accumulation_fusion")}
+                                                   "rope_fusion", "gradient_accumulation_fusion",
+                                                   "cross_entropy_loss_fusion")}
 
 
 class Trainer:
@@ -147,7 +151,8 @@ class Trainer:
         self.train_p2p = TimedCalls(self.p2p, self.log.timers("pipeline-p2p", 2))
         self.last_checkpoint = None  # the newest checkpoint loaded or saved: what a stopped run names
         self.hooks = StepHooks(args, self.device, state.rank)  # --manual-gc, --empty-unused-memory-level, --profile
-        resumed = bool(args.load) and self.load(args.load)
+        self.local_tier = LocalTier(args, state, state.layout.world_size)  # --non-persistent-save-interval
+        resumed = bool(where := resume_dir(args, self._log)) and self.load(where)  # or the local tier's newer copy
         if args.save:
             if not resumed and not args.overwrite_checkpoints:
                 refuse_fresh_start_over(args.save)
@@ -303,6 +308,7 @@ class Trainer:
                           "fresh optimizer (as --finetune)")
             return True
         self.progress = TrainState(**client["train_state"])
+        note_resize(client, a, self._log)  # a restart at another world size: the micro-batches a step
         self.lr_schedule.load_state_dict(client["lr_scheduler"])
         if not a.no_load_rng and client.get("rng_state") is not None:
             set_rng_state(client["rng_state"])
@@ -392,6 +398,7 @@ class Trainer:
             elif save_weights_now:
                 self.hooks.before_eval_or_save()
                 self.save(weights_only=True)
+            self.local_tier.after_step(self, p.iteration, persistent_saved=bool(save_now))
             reason = policy.should_exit(p.iteration, self.optimizer.summed_votes)
             if reason:
                 self._log(f"exiting after iteration {p.iteration}: {reason}")
@@ -447,16 +454,17 @@ def pretrain(argv=None) -> int:
         launch = read_launch_env()
         if launch.source != "single":
             stop_with_launcher()
-        args = parse_args(argv, world_size=launch.world_size, report=launch.rank == 0)
+        args = parse_for_launch(argv, launch.rank, launch.world_size)
         device = select_device(args.device, launch.local_rank)
         backend = backend_for(device, args.distributed_backend)
         use_device(device)
-        init_distributed(backend, args.distributed_timeout_minutes)
+        init_distributed(backend, args.distributed_timeout_minutes, device=device)
         lock = hold_save_lock(args.save) if args.save else None
         state = build_parallel_state(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                      cp=args.context_parallel_size, ep=args.expert_model_parallel_size,
                                      etp=args.expert_tensor_parallel_size, cp_a2a=cp_a2a_size(args))
         trainer = Trainer(args, state, device)
+        watch_steps(trainer, args.distributed_timeout_minutes, launch.world_size)  # a wait past its timeout ends
         code = trainer.train()
     except KeyboardInterrupt:  # Ctrl-C before training, or a second one during it (exit_signal.py)
         code = report_interrupt(getattr(trainer, "last_checkpoint", None))
@@ -470,8 +478,7 @@ def pretrain(argv=None) -> int:
         if another_rank_failed():
             code = 2  # that rank has said why
         else:
-            lost = (f"rank {dist.get_rank()} lost contact with another rank ({str(err).splitlines()[0][:200]}); "
-                    "that rank's log says why")
+            lost = lost_contact_line(err)
             print(f"pretrain_gpt.py: error: {lost}", file=sys.stderr, flush=True)
             record_peer_loss(lost)  # the launcher names the rank that failed first, not this one
             code = 1

@@ -9,6 +9,9 @@ positions i and j), so the reference applies the same mask to the whole sequence
 construction) and the bound is the one without dropout; the mask's kept share is checked against the
 binomial distribution.
 
+p2p and a2a+p2p run their blocks by torch's flash kernel (the default, `auto`) and, in the cases named
+"unfused", by block_attention's query pieces; the same bound holds for both.
+
 a2a+p2p runs with all-to-all groups of A = 1 and 2 consecutive ranks (at CP4, A = 2: two groups, each then a
 ring of 2), the groups built by topology.hierarchical_cp_ranks as build_parallel_state builds them."""
 import dataclasses
@@ -81,7 +84,7 @@ def cp_run():
     out = {}
     ranks = list(range(cp))
     hierarchy = {a: _hierarchy(ranks, a, r) for a in sorted({case[2] for case in HIERARCHICAL})}
-    for case in CASES + DROPOUT_CASES + HIERARCHICAL:
+    for case in ALL:
         comm_type, groups = case[:2]
         q, k, v, dout = (slice_sequence_for_cp(t, cp, r, dim=2) for t in inputs(groups))
         q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
@@ -89,10 +92,12 @@ def cp_run():
             context = ring_attention.ring_attention(q, k, v, SEQ, dist.group.WORLD, ranks, r, DROPOUT)
         elif case in DROPOUT_CASES:
             context = all_gather_attention.all_gather_attention(q, k, v, SEQ, dist.group.WORLD, cp, r, DROPOUT)
-        elif case in HIERARCHICAL:
-            context = context_parallel_attention(q, k, v, dist.group.WORLD, comm_type, hierarchy=hierarchy[case[2]])
+        elif comm_type == "a2a+p2p":
+            context = context_parallel_attention(q, k, v, dist.group.WORLD, comm_type, hierarchy=hierarchy[case[2]],
+                                                 backend=case[-1] if case in BLOCK_CASES else "auto")
         else:
-            context = context_parallel_attention(q, k, v, dist.group.WORLD, comm_type, core=unfused)
+            context = context_parallel_attention(q, k, v, dist.group.WORLD, comm_type, core=unfused,
+                                                 backend=case[-1] if case in BLOCK_CASES else "auto")
         context.backward(dout)
         out[case] = (context.detach(), q.grad, k.grad, v.grad)
     return out
@@ -101,6 +106,7 @@ def cp_run():
 CASES = [(comm_type, groups) for comm_type in ("p2p", "all_gather", "a2a") for groups in (2, 4)]
 DROPOUT_CASES = [(comm_type, 2, "dropout") for comm_type in ("p2p", "all_gather")]
 HIERARCHICAL = [("a2a+p2p", groups, a) for groups in (2, 4) for a in (1, 2)]  # a: the all-to-all group's size
+BLOCK_CASES = [("p2p", 2, "unfused"), ("a2a+p2p", 2, 2, "unfused")]  # the rings' blocks by query pieces
 
 
 def _hierarchy(ranks, a, rank):
@@ -118,7 +124,7 @@ def cp_runs(request):
     return request.param, run_ranks(cp_run, request.param)
 
 
-ALL = CASES + DROPOUT_CASES + HIERARCHICAL
+ALL = CASES + DROPOUT_CASES + HIERARCHICAL + BLOCK_CASES
 
 
 @pytest.mark.parametrize("case", ALL, ids=["-".join(map(str, c)) for c in ALL])

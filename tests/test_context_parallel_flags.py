@@ -23,6 +23,11 @@ def test_cp_divides_the_world_and_dp_counts_data_replicas():
         dropped = parse_args(with_flags(BASE, context_parallel_size=2, cp_comm_type=comm_type, attention_dropout=0.1),
                              world_size=2)
         assert (dropped.cp_comm_type, dropped.attention_dropout) == (comm_type, 0.1)
+    for comm_type, backend in (("p2p", "flash"), ("p2p", "unfused"), ("a2a+p2p", "unfused")):  # the ring's kernel
+        sizes = dict(hierarchical_context_parallel_sizes=[1, 2]) if comm_type == "a2a+p2p" else {}
+        ring = parse_args(with_flags(BASE, context_parallel_size=2, cp_comm_type=comm_type, attention_dropout=0,
+                                     attention_backend=backend, **sizes), world_size=2)
+        assert (ring.cp_comm_type, ring.attention_backend) == (comm_type, backend)
     hierarchical = parse_args(with_flags(BASE, context_parallel_size=4, cp_comm_type="a2a+p2p", attention_dropout=0.1,
                                          hierarchical_context_parallel_sizes=[2, 2]), world_size=4)
     assert (hierarchical.cp_comm_type, cp_a2a_size(hierarchical), cp_a2a_size(ulysses)) == ("a2a+p2p", 2, 0)
@@ -66,7 +71,11 @@ def test_layout_order_is_tp_cp_dp_pp():
      ["--hierarchical-context-parallel-sizes applies to --cp-comm-type a2a+p2p, not p2p"]),
     (dict(context_parallel_size=4, tensor_model_parallel_size=2, cp_comm_type="a2a"), 8,
      ["--cp-comm-type a2a", "2 attention heads", "--context-parallel-size 4"]),
-    (dict(context_parallel_size=2, attention_backend="flash"), 2, ["--attention-backend flash"]),
+    (dict(context_parallel_size=2, cp_comm_type="all_gather", attention_backend="flash"), 2,
+     ["--attention-backend flash", "all_gather"]),
+    (dict(context_parallel_size=2, attention_backend="fused"), 2, ["--attention-backend fused", "p2p"]),
+    (dict(context_parallel_size=2, attention_backend="flash", attention_dropout=0.1), 2,
+     ["--attention-backend flash with --attention-dropout", "auto"]),
     (dict(context_parallel_size=2, zero_hpz_partition_size=2), 4, ["--zero-hpz-partition-size"]),
 ])
 def test_refusals_are_one_sentence(changes, world, words, capsys):

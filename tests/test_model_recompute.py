@@ -126,3 +126,38 @@ def test_selective_recompute_of_sdpa_matches():
     assert torch.equal(loss, ref_loss)
     for name, g in ref_grads.items():
         assert torch.equal(grads[name], g), name
+
+
+def saved_between_forward_and_backward(sp):
+    """Bytes of the distinct storages a 4-layer TP2 stage (hidden dropout on, SDPA) keeps for backward under full
+    recomputation, one layer a segment; and one layer input's bytes on this rank."""
+    from megatron_zero.model import GPTConfig
+    from megatron_zero.model.layer_indices import block_layer_index
+
+    state = build_parallel_state(tp=2)
+    model_parallel_seed(1, state.tp_rank)
+    seq, hidden, layers = 256, 64, 4
+    config = GPTConfig(vocab_size=1024, hidden_size=hidden, num_layers=layers, num_attention_heads=4, seq_length=seq,
+                       max_position_embeddings=seq, hidden_dropout=0.1, attention_dropout=0.0, attention_backend="flash",
+                       sequence_parallel=sp, **VARIANTS["full-uniform-1"])
+    model = GPTModel(config, state.tp_group, layer_indices=range(block_layer_index(0), block_layer_index(layers)))
+    x = torch.randn(1, seq // 2 if sp else seq, hidden, requires_grad=True)
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x)
+    return sum(storages.values()), x.numel() * 4
+
+
+@pytest.mark.slow  # default tier: test_recompute_matches_no_recompute_at_tp2_pp2_with_dropout (SP + full recompute)
+def test_sequence_parallel_full_recompute_keeps_only_the_layer_input_shards():
+    """What full recomputation keeps is each layer's input, and with sequence parallelism that is this rank's
+    shard of the tokens, never a view holding the whole [b, s, h] (bench/bench_activation_memory.py's 9.9 MiB
+    against 5.1 was shm_comm's shared buffers growing inside its measurement, not activations)."""
+    for sp in (False, True):
+        for saved, layer_input in run_ranks(saved_between_forward_and_backward, 2, sp, timeout=120):
+            assert saved == 4 * layer_input, (sp, saved, layer_input)

@@ -4,7 +4,9 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
+import types
 
 import pytest
 import torch
@@ -20,17 +22,36 @@ from megatron_zero.testing.multirank import free_port
 WRAPPER = os.path.join(ROOT, "scripts", "pretrain_torchrun.sh")
 
 
-def _init_seeing_environment(monkeypatch, environ, backend, minutes):
-    """init_distributed(backend) with torch's process-group constructor replaced: -> (environment it saw, timeout)."""
-    seen = {}
+def _init_seeing(monkeypatch, environ, backend, minutes, launch=None, device=None, gpus=1):
+    """init_distributed(backend) with torch's process-group constructor (and the store) replaced:
+    -> (environment it saw, its keyword arguments, the device bound before it)."""
+    seen, bound = {}, []
     monkeypatch.setattr(os, "environ", environ)
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(distributed, "attempt_store", lambda *a, **kw: types.SimpleNamespace(set=lambda k, v: None))
     monkeypatch.setattr(dist, "init_process_group",
-                        lambda **kw: seen.update(environ=dict(os.environ), timeout=kw["timeout"]))
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
-    distributed.init_distributed(backend, timeout_minutes=minutes, environ={})
-    return seen["environ"], seen["timeout"].total_seconds()
+                        lambda **kw: seen.update(environ=dict(os.environ), kwargs=kw, bound=list(bound)))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "set_device", bound.append)
+    distributed.init_distributed(backend, timeout_minutes=minutes, environ=launch or {}, device=device)
+    return seen["environ"], seen["kwargs"], seen["bound"]
+
+
+def _init_seeing_environment(monkeypatch, environ, backend, minutes):
+    env, kwargs, _ = _init_seeing(monkeypatch, environ, backend, minutes)
+    return env, kwargs["timeout"].total_seconds()
+
+
+def test_nccl_is_given_the_ranks_device_before_any_collective(monkeypatch):
+    """device_id names the rank's GPU to the process group (no "Guessing device ID based on global rank", no
+    barrier on "the device under current context"), bound with set_device first."""
+    torchrun = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3"}
+    _, kwargs, bound = _init_seeing(monkeypatch, {}, "nccl", 10, launch=torchrun, gpus=4)
+    assert kwargs["device_id"] == torch.device("cuda", 3) and bound == [torch.device("cuda", 3)]
+    _, kwargs, bound = _init_seeing(monkeypatch, {}, "nccl", 10, launch=torchrun, device=torch.device("cuda", 1))
+    assert kwargs["device_id"] == torch.device("cuda", 1) and bound == [torch.device("cuda", 1)]  # --device's
+    _, kwargs, bound = _init_seeing(monkeypatch, {}, "gloo", 10, launch=torchrun)
+    assert "device_id" not in kwargs and bound == []
 
 
 def test_nccl_watchdog_settings_are_set_before_the_process_group_is_made(monkeypatch):
@@ -132,3 +153,32 @@ def test_the_launch_script_names_the_rank_that_was_killed(tmp_path):
     out = log.read_text()
     assert f"pretrain_torchrun: rank 1 (local rank 1, pid {ranks[1]}) failed first: killed by signal SIGKILL" in out, \
         out[-3000:]
+
+
+NCCL_START = """
+import torch, torch.distributed as dist
+from megatron_zero.distributed import init_distributed, shutdown_distributed
+init_distributed("nccl", 1.0)
+x = torch.ones(4, device="cuda")
+dist.all_reduce(x)
+dist.barrier()
+torch.cuda.synchronize()
+print("summed", x.sum().item())
+shutdown_distributed()
+"""
+
+
+@pytest.mark.gpu
+def test_a_one_rank_nccl_start_prints_no_device_warning():
+    """NCCL's two warnings about the rank's device (a barrier on "the device under current context", "Guessing
+    device ID based on global rank") do not appear: init_distributed names the device. This needs NCCL, so a
+    CUDA device, also under MEGATRON_ZERO_TEST_DEVICE=cpu."""
+    if not torch.cuda.is_available():
+        pytest.skip("NCCL needs a CUDA device")
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "PYTHONPATH": ROOT}
+    run = subprocess.run([sys.executable, "-c", NCCL_START], capture_output=True, text=True, env=env, timeout=300)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0 and "summed 4.0" in out, out[-3000:]
+    for warning in ("using the device under current context", "Guessing device ID"):
+        assert warning not in out, out[-3000:]

@@ -58,3 +58,41 @@ def test_bytes_per_rank():
         n_params = len(list(ToyGPT(layers=4).parameters()))
         # between steps: the fp32 shard (+ padding) and the persistent parameters, gathered
         assert rank_result[3]["params"] <= 4 * (psi / dp + n_params + persistent)
+
+
+def bf16_zero1_bytes():
+    """bf16 GPT, ZeRO-1 over every rank (in a process without a process group: one rank, no group): bytes
+    held after backward and after the step, and the flat size."""
+    import torch
+
+    from megatron_zero.model import GPTConfig, GPTModel
+    from megatron_zero.zero import ZeroOptimizer
+
+    config = GPTConfig(vocab_size=512, hidden_size=32, num_layers=2, num_attention_heads=4, seq_length=16,
+                       max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0,
+                       params_dtype=torch.bfloat16)
+    model = GPTModel(config)
+    opt = ZeroOptimizer(list(model.named_parameters()), stage=1, dtype="bf16",
+                        dp_group=dist.group.WORLD if dist.is_initialized() else None,
+                        bucket_size=2000, lr=1e-3)
+    tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
+    opt.backward(model(tokens[:, :-1], labels=tokens[:, 1:]))
+    after_backward = opt.memory_bytes()
+    opt.step()
+    return dict(after_backward=after_backward, after_step=opt.memory_bytes(),
+                padded=opt.impl.parts[0].padded_numel, psi=sum(p.numel() for p in model.parameters()))
+
+
+def test_bf16_zero1_bytes_per_parameter_are_megatrons():
+    """Megatron's distributed optimizer: bf16 weights (2), the fp32 gradient buffer (4), fp32 masters and two
+    moments over N ranks (12 / N): 18 bytes a parameter on one rank, 12 on two. The fp32 gradient partition
+    this rank's optimizer reads is its stretch of the accumulation buffer, not a second tensor (before:
+    4 / N more)."""
+    for dp in (1, 2):
+        for r in [bf16_zero1_bytes()] if dp == 1 else run_ranks(bf16_zero1_bytes, dp, timeout=120):
+            padded = r["padded"]
+            assert padded - r["psi"] < 2 * dp  # DeepSpeed's alignment padding only
+            assert r["after_backward"]["grads"] == 4 * padded, (dp, r)  # the buffer, nothing beside it
+            held = r["after_step"]  # (the moments exist from the first step on)
+            assert held == dict(params=2 * padded, grads=4 * padded, optimizer_state=12 * padded // dp), (dp, held)
+            assert sum(held.values()) == (18 if dp == 1 else 12) * padded

@@ -190,8 +190,14 @@ def check_context_parallel(args, tp: int) -> None:
             f"{args.num_attention_heads} / --tensor-model-parallel-size {tp}) over --context-parallel-size {cp}, "
             "which does not divide them; use p2p or all_gather")
     refused = [(args.zero_hpz_partition_size > 1, "--zero-hpz-partition-size")]
-    if kind != "a2a":  # p2p and all_gather compute attention blocks themselves; a2a runs --attention-backend's
+    if kind == "all_gather":  # computes attention blocks itself; a2a runs --attention-backend's core
         refused += [(args.attention_backend != "auto", f"--attention-backend {args.attention_backend} (it applies "
-                                                       "to --cp-comm-type a2a)")]
+                                                       "to --cp-comm-type a2a, p2p and a2a+p2p)")]
+    elif kind != "a2a":  # the ring's blocks: the flash kernel or block_attention's pieces (context_parallel/)
+        refused += [(args.attention_backend == "fused", "--attention-backend fused (no fused softmax over ring "
+                                                        "blocks; use flash, unfused or auto)"),
+                    (args.attention_backend == "flash" and args.attention_dropout > 0,
+                     "--attention-backend flash with --attention-dropout (the ring's flash kernel runs without "
+                     "dropout; auto draws the dropout masks by the block path)")]
     for refuse, flag in refused:
         require(not refuse, f"--context-parallel-size {cp} with --cp-comm-type {kind} cannot be combined with {flag}")

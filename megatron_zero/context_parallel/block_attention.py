@@ -1,5 +1,6 @@
 """Attention of some queries against one block of keys, by token positions, with its log-sum-exp: the
-pieces ring and all-gather context parallelism assemble (fp32 accumulation whatever the input dtype).
+pieces all-gather context parallelism assembles, and the ring where torch's flash kernel does not serve
+(flash_blocks.py; fp32 accumulation whatever the input dtype). `merge` combines the blocks of either.
 
 A query at position i sees a key at position j iff j <= i (causal). A block's partial result is
 (out_b, lse_b), out_b = softmax over the block's keys @ v, lse_b = log sum exp of the block's scores;

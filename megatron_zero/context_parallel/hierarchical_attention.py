@@ -31,9 +31,10 @@ def ring_order(a: int, local: int, device=None) -> torch.Tensor:
     return torch.cat(firsts + seconds)
 
 
-def hierarchical_attention(q, k, v, seq_length: int, a2a_group, p2p_group, dropout=None):
+def hierarchical_attention(q, k, v, seq_length: int, a2a_group, p2p_group, dropout=None, flash: bool = False):
     """q [b, heads, s / cp, d], k and v [b, groups, s / cp, d] of this CP rank's chunks -> context
-    [b, heads, s / cp, d]; `dropout`: block_attention.Dropout or None (the ring's masks)."""
+    [b, heads, s / cp, d]; `dropout`: block_attention.Dropout or None (the ring's masks); `flash`: the
+    ring's blocks by torch's flash kernel (ring_attention.py)."""
     a, heads = dist.get_world_size(a2a_group), q.shape[1]
     if heads % a:
         raise ValueError(f"a2a+p2p context parallelism scatters the {heads} attention heads of a tensor-parallel "
@@ -43,7 +44,7 @@ def hierarchical_attention(q, k, v, seq_length: int, a2a_group, p2p_group, dropo
     order = ring_order(a, q.shape[2], q.device)
     q, k, v = (SeqToHeads.apply(t, a2a_group, a)[:, :, order] for t in (q, k, v))
     context = ring_attention(q, k, v, seq_length, p2p_group, dist.get_process_group_ranks(p2p_group),
-                             dist.get_rank(p2p_group), dropout)
+                             dist.get_rank(p2p_group), dropout, flash)
     arrived = torch.empty_like(order)
     arrived[order] = torch.arange(order.numel(), device=q.device)
     return HeadsToSeq.apply(context[:, :, arrived], a2a_group, a)

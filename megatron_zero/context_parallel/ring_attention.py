@@ -15,6 +15,10 @@ with them one step behind (each rank adds its contribution to the block it holds
 after CP hops every rank holds the full dK/dV of its own block. Only the K/V heads travel (GQA: the
 groups, expanded to query heads locally), and the accumulator is fp32. Nothing s x s is saved: the
 backward recomputes each block's probabilities from q, k, v, the output and its log-sum-exp.
+
+Each block runs by one of two kernels (`flash`, chosen by attention.py): torch's flash kernel
+(flash_blocks.py: no [q, k] tensor at all; step 0 is its causal case, every later step its unmasked one)
+or block_attention's query pieces (scores of QUERY_ROWS queries at a time; attention dropout).
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import torch.distributed as dist
 
 from .block_attention import block_backward, block_forward, expand_heads, merge, sum_heads
 from .chunks import cp_positions
+from .flash_blocks import flash_backward, flash_forward
 
 KV_TAG, GRAD_TAG = 0, 1
 
@@ -53,21 +58,26 @@ def _step_blocks(step: int, src: int, cp_rank: int, chunk: int):
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, seq_length: int, group, ranks, cp_rank: int, dropout=None):
+    def forward(ctx, q, k, v, seq_length: int, group, ranks, cp_rank: int, dropout=None, flash=False):
         cp, heads, groups = len(ranks), q.shape[1], k.shape[1]
         scale, chunk = 1.0 / math.sqrt(q.shape[-1]), q.shape[2] // 2
         positions = [cp_positions(seq_length, cp, j, q.device) for j in range(cp)]
         kv = torch.stack([k, v])
         out = lse = None
+        saved = []  # flash: what each step's kernel backward needs besides the tensors
         for step in range(cp):
             src = (cp_rank - step) % cp
             if step + 1 < cp:
                 incoming = torch.empty_like(kv)
                 requests = _ring_exchange(kv, incoming, ranks, cp_rank, group, KV_TAG)
             rows, cols = _step_blocks(step, src, cp_rank, chunk)
-            out_b, lse_b = block_forward(q[:, :, rows], expand_heads(kv[0][:, :, cols], heads),
-                                         expand_heads(kv[1][:, :, cols], heads), positions[cp_rank][rows],
-                                         positions[src][cols], scale, dropout)
+            kb, vb = expand_heads(kv[0][:, :, cols], heads), expand_heads(kv[1][:, :, cols], heads)
+            if flash:
+                out_b, lse_b, meta = flash_forward(q[:, :, rows], kb, vb, step == 0, scale)
+                saved.append(meta)
+            else:
+                out_b, lse_b = block_forward(q[:, :, rows], kb, vb, positions[cp_rank][rows], positions[src][cols],
+                                             scale, dropout)
             if step == 0:
                 out, lse = out_b, lse_b
             else:
@@ -75,17 +85,19 @@ class RingAttention(torch.autograd.Function):
             if step + 1 < cp:
                 _wait(requests)
                 kv = incoming
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.meta = (seq_length, group, ranks, cp_rank, groups, heads, dropout)
-        return out.to(q.dtype)
+        result = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, result if flash else out, lse)  # flash: the kernel's backward takes q's dtype
+        ctx.meta = (seq_length, group, ranks, cp_rank, groups, heads, dropout, saved if flash else None)
+        return result
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        seq_length, group, ranks, cp_rank, groups, heads, dropout = ctx.meta
+        seq_length, group, ranks, cp_rank, groups, heads, dropout, saved = ctx.meta
         cp, scale, chunk = len(ranks), 1.0 / math.sqrt(q.shape[-1]), q.shape[2] // 2
         positions = [cp_positions(seq_length, cp, j, q.device) for j in range(cp)]
-        delta = (dout.float() * out).sum(dim=-1)
+        if saved is None:  # (the flash kernel's backward forms delta itself)
+            delta = (dout.float() * out).sum(dim=-1)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         grad_in = grad_requests = None
@@ -95,10 +107,15 @@ class RingAttention(torch.autograd.Function):
                 incoming = torch.empty_like(kv)
                 requests = _ring_exchange(kv, incoming, ranks, cp_rank, group, KV_TAG)
             rows, cols = _step_blocks(step, src, cp_rank, chunk)
-            dq_b, dk_b, dv_b = block_backward(q[:, :, rows], expand_heads(kv[0][:, :, cols], heads),
-                                              expand_heads(kv[1][:, :, cols], heads), positions[cp_rank][rows],
-                                              positions[src][cols], scale, lse[:, :, rows], dout[:, :, rows],
-                                              delta[:, :, rows], dropout)
+            kb, vb = expand_heads(kv[0][:, :, cols], heads), expand_heads(kv[1][:, :, cols], heads)
+            if saved is not None:
+                dq_b, dk_b, dv_b = (t.float() for t in flash_backward(dout[:, :, rows], q[:, :, rows], kb, vb,
+                                                                      out[:, :, rows], lse[:, :, rows], step == 0,
+                                                                      scale, saved[step]))
+            else:
+                dq_b, dk_b, dv_b = block_backward(q[:, :, rows], kb, vb, positions[cp_rank][rows],
+                                                  positions[src][cols], scale, lse[:, :, rows], dout[:, :, rows],
+                                                  delta[:, :, rows], dropout)
             dq[:, :, rows] += dq_b
             grad = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
             grad[0][:, :, cols] = sum_heads(dk_b, groups)
@@ -116,10 +133,13 @@ class RingAttention(torch.autograd.Function):
                 kv = incoming
         if grad_requests is not None:
             _wait(grad_requests)  # after CP hops: my own block's dK/dV from every rank
-        return dq.to(q.dtype), grad_in[0].to(k.dtype), grad_in[1].to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), grad_in[0].to(k.dtype), grad_in[1].to(v.dtype), None, None, None, None, None, None
 
 
-def ring_attention(q, k, v, seq_length: int, group, ranks, cp_rank: int, dropout=None):
+def ring_attention(q, k, v, seq_length: int, group, ranks, cp_rank: int, dropout=None, flash: bool = False):
     """q [b, heads, 2c, d], k and v [b, groups, 2c, d] of this CP rank's chunks -> context [b, heads, 2c, d];
-    `dropout`: block_attention.Dropout or None."""
-    return RingAttention.apply(q, k, v, seq_length, group, ranks, cp_rank, dropout)
+    `dropout`: block_attention.Dropout or None (the block path only); `flash`: each block by torch's flash
+    kernel (flash_blocks.py), which the caller has checked serves these inputs."""
+    if flash and dropout is not None:
+        raise ValueError("the flash path of ring attention has no attention dropout; use the block path")
+    return RingAttention.apply(q, k, v, seq_length, group, ranks, cp_rank, dropout, flash)

@@ -20,6 +20,7 @@ from typing import Iterable, Optional
 from torch import nn
 
 from .. import shm_comm
+from ..ops.fusion_flags import get_fusion_flags
 from ..tensor_parallel import vocab_parallel_cross_entropy
 from ..tensor_parallel.utils import tp_rank_in, tp_world_size
 from .config import GPTConfig
@@ -70,6 +71,16 @@ class GPTModel(nn.Module):
             return self.embedding.lm_logits(hidden)
         return self._modules[str(lm_head_index(self.config.num_layers))](hidden)
 
+    def output_losses(self, hidden, labels):
+        """Per-token cross-entropy [b, s] of the output layer; padded vocabulary never counts. Fused by
+        vocabulary chunks (--cross-entropy-loss-fusion, the default: no [tokens, vocab] logits), else the
+        vocab-parallel cross-entropy of the whole logits."""
+        if get_fusion_flags().cross_entropy_loss_fusion:
+            if self.tied:
+                return self.embedding.lm_losses(hidden, labels)
+            return self._modules[str(lm_head_index(self.config.num_layers))](hidden, labels)
+        return vocab_parallel_cross_entropy(self.output_logits(hidden), labels, self.tp_group, self.config.vocab_size)
+
     def chunk_blocks(self, chunk: int):
         """The transformer layers of model chunk `chunk`, in order (run together: model/recompute.py)."""
         L = self.config.num_layers
@@ -90,8 +101,9 @@ class GPTModel(nn.Module):
             if i == EMBEDDING_INDEX:
                 x = self.embedding(x)
             elif i == lm_head_index(L):
-                logits = self.output_logits(x)
-                return logits if labels is None else self.loss(logits, labels, loss_mask)
+                if labels is None:
+                    return self.output_logits(x)
+                return self.loss(self.output_losses(x, labels), loss_mask)
             elif layer_kind(i, L) == "final_norm":
                 x = self._modules[str(i)](x)
             elif is_block_index(i, L) and not blocks_done:  # the chunk's first block runs them all
@@ -99,13 +111,12 @@ class GPTModel(nn.Module):
                 blocks_done = True
         return x  # (layer 0, the input cast, has nothing to do in this layout)
 
-    def loss(self, logits, labels, loss_mask=None):
-        """Mean cross-entropy over tokens (weighted by loss_mask); padded vocabulary never counts.
+    def loss(self, losses, loss_mask=None):
+        """The mean of per-token losses (weighted by loss_mask).
 
         Context-parallel (Megatron's rule): CP x this rank's loss sum / the CP group's token count, so
         that the gradient reduction's average over DP x CP ranks is the mean over every token (each
         rank holds s / CP tokens, so without a mask that is this rank's own mean)."""
-        losses = vocab_parallel_cross_entropy(logits, labels, self.tp_group, self.config.vocab_size)
         if loss_mask is None:
             return losses.mean()
         loss_mask = loss_mask.to(losses.dtype)

@@ -30,6 +30,7 @@ from ..tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabPar
 from ..tensor_parallel.layers import sequence_parallel_param, sum_sequence_parallel_grad
 from ..tensor_parallel.random import checkpoint
 from ..tensor_parallel.linear_async import linear_with_async_grad_all_reduce
+from ..tensor_parallel.output_loss import vocab_parallel_linear_cross_entropy
 from ..tensor_parallel.utils import divide, set_tensor_model_parallel_attributes, tp_rank_in, tp_world_size
 from . import functional
 from .attention_core import attention_core
@@ -145,20 +146,30 @@ class Embedding(nn.Module):
             return linear_with_async_grad_all_reduce(hidden, self.word_embeddings.weight, None, self.tp_group)
         return F.linear(hidden, self.word_embeddings.weight)
 
+    def lm_losses(self, hidden, labels):
+        """Per-token losses [b, s] of the tied output layer, without its logits (tensor_parallel/output_loss.py)."""
+        return vocab_parallel_linear_cross_entropy(hidden, self.word_embeddings.weight, labels, self.tp_group,
+                                                   self.config.vocab_size, self.sequence_parallel)
+
 
 class LMHead(nn.Module):
     """The untied output layer (Megatron-DeepSpeed's LMHeadPipe): a vocab-parallel linear, no bias."""
 
     def __init__(self, config: GPTConfig, tp_group=None):
         super().__init__()
+        self.config, self.tp_group = config, tp_group
         padded = config.padded_vocab_size(tp_world_size(tp_group))
         self.lm_head = ColumnParallelLinear(config.hidden_size, padded, tp_group, bias=False,
                                             params_dtype=config.params_dtype,
                                             sequence_parallel=sequence_parallel_active(config, tp_group))
 
-    def forward(self, hidden):
-        """This TP rank's slice of the vocabulary logits [b, s, V_padded / tp] (whole sequence)."""
-        return self.lm_head(hidden)
+    def forward(self, hidden, labels=None):
+        """This TP rank's slice of the vocabulary logits [b, s, V_padded / tp] (whole sequence); given
+        `labels`, the per-token losses [b, s] instead, without the logits (tensor_parallel/output_loss.py)."""
+        if labels is None:
+            return self.lm_head(hidden)
+        return vocab_parallel_linear_cross_entropy(hidden, self.lm_head.weight, labels, self.tp_group,
+                                                   self.config.vocab_size, self.lm_head.sequence_parallel)
 
 
 class RotaryEmbedding:
@@ -251,7 +262,8 @@ class ParallelAttention(nn.Module):
         core = partial(attention_core, backend=self.backend, dropout_p=self.dropout_p, training=self.training)
         if self.cp_group is not None:  # only the KV heads travel; expanded where they are used
             core = partial(context_parallel_attention, cp_group=self.cp_group, comm_type=self.cp_comm_type,
-                           core=core, dropout_p=self.dropout_p if self.training else 0.0, hierarchy=self.cp_hierarchy)
+                           core=core, dropout_p=self.dropout_p if self.training else 0.0, hierarchy=self.cp_hierarchy,
+                           backend=self.backend)
         else:
             k, v = expand_kv_heads(k, self.local_heads), expand_kv_heads(v, self.local_heads)
         context = checkpoint(core, q, k, v) if self.recompute_core else core(q, k, v)

@@ -15,7 +15,8 @@ from ..ops.exp_rows import exp_shifted_rows
 from .utils import tp_rank_in, tp_world_size
 
 
-def _all_reduce(x, group, op=dist.ReduceOp.SUM):
+def all_reduce_over_tp(x, group, op=dist.ReduceOp.SUM):
+    """x reduced over the TP group in place (nothing to do at TP 1); returns x."""
     if tp_world_size(group) > 1:
         shm_comm.all_reduce(x, group, op)
     return x
@@ -32,14 +33,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             padded = torch.arange(start, start + local, device=logits.device) >= vocab_size
             logits = logits.masked_fill(padded, float("-inf"))
 
-        logits_max = _all_reduce(logits.amax(dim=-1), group, dist.ReduceOp.MAX)
+        logits_max = all_reduce_over_tp(logits.amax(dim=-1), group, dist.ReduceOp.MAX)
 
         outside = (target < start) | (target >= start + local)
         local_target = (target - start).masked_fill(outside, 0)
         predicted = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) - logits_max
         predicted = predicted.masked_fill(outside, 0.0)
         exp_logits, sum_exp = exp_shifted_rows(logits, logits_max)  # a new tensor, this function's own
-        predicted, sum_exp = _all_reduce(torch.stack([predicted, sum_exp]), group).unbind(0)
+        predicted, sum_exp = all_reduce_over_tp(torch.stack([predicted, sum_exp]), group).unbind(0)
         loss = sum_exp.log() - predicted
 
         ctx.save_for_backward(exp_logits, sum_exp, outside, local_target)

@@ -4,6 +4,8 @@
     anon_and_rss()                      # (RssAnon, VmRSS): anonymous pages are what a copy costs
     seconds, grown = measured(fn)       # peak growth of rss() during fn(), sampled every 2 ms
     seconds, anon, total = measured(fn, anon_and_rss)
+    status_bytes("VmHWM")               # one byte count of /proc/self/status (VmRSS, VmHWM, ...)
+    reset_high_water_mark()             # VmHWM back to the resident bytes now (/proc/self/clear_refs 5)
 
 Used by the tests and benches that state a host-memory bound. A 2 ms sampler can miss a spike
 shorter than that; the bounds it checks are about buffers that live for a whole save or load.
@@ -18,6 +20,19 @@ import time
 def rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {key}")
+
+
+def reset_high_water_mark() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def anon_and_rss():

@@ -11,9 +11,14 @@ counts the bucket's parameters down and launches it when the last is in:
 
 Rows are held one of two ways:
 
-    persistent (stages 0/1, gradient-accumulation fusion on): every bucket's rows lie in one fp32 buffer per
-        group, bucket after bucket (partition.strided_buckets), accumulating every micro-batch (Megatron's fp32
-        main_grad); each bucket is reduced once per step, straight into the partition.
+    persistent (stages 0/1, gradient-accumulation fusion on): one fp32 buffer per group in the flat parameter
+        order (Megatron's fp32 main_grad, DeepSpeed's partition layout), accumulating every micro-batch; rank
+        r's partition is the buffer's [r P, (r + 1) P), so this rank's fp32 gradient partition is a view of
+        the buffer, not a second tensor (Megatron's distributed optimizer: 4 bytes of gradient a parameter,
+        not 4 + 4 / dp). A bucket (partition.strided_buckets) is the same stretch of every partition: its rows
+        are a strided view of the buffer, copied into one contiguous input when the bucket is reduced (at
+        most MAX_IN_FLIGHT + 1 buckets' worth at once), and the reduce-scatter writes this rank's sum over its
+        own row of the buffer. With one partition the rows are contiguous and nothing is copied.
     transient (stage 2; stages 0/1 with --no-gradient-accumulation-fusion): a bucket's rows are allocated at
         its first gradient and freed once its result is added into the partition.
 
@@ -58,13 +63,16 @@ class GradBuckets:
         self.buffers: List[torch.Tensor] = []
         # (group, param index) -> [(bucket, ((offset in param, offset in rows, numel), ...))]
         self.routes: Dict[Tuple[int, int], List[Tuple[_Bucket, tuple]]] = {}
+        self.offsets = [part.offsets for part in parts]
         for gi, group_layouts in enumerate(layouts):
-            total = sum(self.dp * lay.width for lay in group_layouts)
-            buffer = torch.zeros(total, device=device) if persistent else None
-            base = 0
+            part = parts[gi]
+            buffer = torch.zeros(part.padded_numel, device=device) if persistent else None
             for lay in group_layouts:
-                rows = buffer[base:base + self.dp * lay.width] if persistent else None
-                base += self.dp * lay.width
+                rows = None
+                if persistent:  # strided buckets: the same stretch [lo, hi) of every partition
+                    if len(set(lay.lo)) != 1 or len(set(lay.hi)) != 1:
+                        raise ValueError("a persistent gradient buffer takes strided buckets (partition.strided_buckets)")
+                    rows = buffer.view(self.dp, part.partition_size)[:, lay.lo[0]:lay.hi[0]]
                 bucket = _Bucket(gi, lay, rows)
                 self.buckets.append(bucket)
                 pieces: Dict[int, list] = {}
@@ -73,17 +81,23 @@ class GradBuckets:
                 for i, ps in pieces.items():
                     self.routes.setdefault((gi, i), []).append((bucket, tuple(ps)))
             self.buffers.append(buffer)
-        # this rank's fp32 gradient partitions; with one partition the persistent buffer is one already
-        self.partitions = (list(self.buffers) if persistent and self.dp == 1 else
+        # this rank's fp32 gradient partitions: its stretch of the persistent buffer, or tensors of their own
+        self.partitions = ([b[slice(*p.bounds(rank))] for b, p in zip(self.buffers, parts)] if persistent else
                            [torch.zeros(p.partition_size, device=device) for p in parts])
         self._in_flight = deque()
         self.held_numel = 0  # gradient elements in transient rows not yet reduced
+        self.staged_numel = 0  # elements of persistent buckets' contiguous copies under way
         self.peak_numel = 0
 
     # ---- filling -------------------------------------------------------------------------
     def add(self, key: Tuple[int, int], grad: torch.Tensor) -> None:
         """Add one parameter's gradient into its buckets' rows."""
         flat = grad.detach().reshape(-1)
+        if self.persistent:  # the buffer is in parameter order: one add
+            gi, i = key
+            off = self.offsets[gi][i]
+            self.buffers[gi][off:off + flat.numel()].add_(flat)
+            return
         for bucket, pieces in self.routes.get(key, ()):
             if bucket.rows is None:
                 bucket.rows = torch.zeros(self.dp * bucket.layout.width, device=self.device)
@@ -120,10 +134,19 @@ class GradBuckets:
             self.held_numel -= bucket.numel
         lo, hi = lay.lo[self.rank], lay.hi[self.rank]
         target = self.partitions[bucket.gi][lo:hi]
-        data = rows if self.reduce_dtype == rows.dtype else rows.to(self.reduce_dtype)
+        if self.persistent:  # [dp, width] rows of the buffer: one contiguous input (a copy where dp > 1)
+            data = rows.reshape(-1) if self.reduce_dtype == rows.dtype else rows.to(self.reduce_dtype).reshape(-1)
+            if self.dp > 1 and data.data_ptr() == rows.data_ptr():
+                data = data.clone()  # one bucket spanning whole partitions: the collective must not read its output
+            if data.data_ptr() != rows.data_ptr():
+                self.staged_numel += data.numel()
+                self.peak_numel = max(self.peak_numel, self.held_numel + self.staged_numel)
+        else:
+            data = rows if self.reduce_dtype == rows.dtype else rows.to(self.reduce_dtype)
         work = None
         if self.dp > 1:
-            direct = self.persistent and data is rows and hi - lo == lay.width
+            # persistent: the result lands on this rank's own row of the buffer, which the input was copied from
+            direct = self.persistent and data.dtype == target.dtype
             result = target if direct else torch.empty(lay.width, dtype=data.dtype, device=self.device)
             work = self._reduce_scatter(result, data)
         else:
@@ -146,9 +169,11 @@ class GradBuckets:
         shm_comm.all_reduce(rows, self.group)
 
     def _land_oldest(self) -> None:
-        work, result, target, _ = self._in_flight.popleft()
+        work, result, target, data = self._in_flight.popleft()
         if work is not None:
             work.wait()
+        if self.persistent and data.data_ptr() != target.data_ptr():
+            self.staged_numel -= data.numel()
         n = target.numel()
         if n == 0 or (result.data_ptr() == target.data_ptr() and result.dtype == target.dtype):
             return  # nothing of this bucket is mine, or it was reduced in place

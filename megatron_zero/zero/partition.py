@@ -171,9 +171,9 @@ def _bucket(part: GroupPartition, lo: Sequence[int], hi: Sequence[int]) -> Bucke
 
 def strided_buckets(part: GroupPartition, bucket_size: int) -> List[BucketLayout]:
     """Stages 0/1: bucket k is ``[k * c, (k + 1) * c)`` of every rank's partition, c = bucket_size / dp.
-    Its rows have equal width, so a flat buffer laid out bucket after bucket, rank after rank, is every
-    bucket's reduce-scatter input as it lies, and rank r's result is a contiguous piece of its partition:
-    the bytes of one reduce-scatter of the whole group. (A bucket is complete only once backward has
+    Its rows have equal width: in the flat gradient buffer (parameter order) they are one strided view
+    [dp, width], and rank r's result is a contiguous piece of its partition: the bytes of one
+    reduce-scatter of the whole group. (A bucket is complete only once backward has
     reached its piece of the first partition: with this partition layout, which DeepSpeed's checkpoints
     fix, the buckets complete during the last 1/dp of backward.)"""
     size = part.partition_size

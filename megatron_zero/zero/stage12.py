@@ -7,10 +7,10 @@ Gradients go through grad_buckets.GradBuckets, one code path for every stage:
 
 - Stages 0/1 (gradient-accumulation fusion on, the default): as Megatron's fp32 ``main_grad``,
   a post-accumulate-grad hook adds each micro-batch's gradient, as soon as backward produces it,
-  into one persistent fp32 buffer per group and drops ``.grad``; at the step each bucket is
-  reduce-scattered (stage 0: all-reduced) straight into this rank's fp32 gradient partition,
-  bucket by bucket (partition.strided_buckets): the bytes of one reduce-scatter of the gradient,
-  never an all-reduce of it. --no-gradient-accumulation-fusion: ``.grad`` accumulates in the
+  into one persistent fp32 buffer per group and drops ``.grad``; this rank's fp32 gradient partition
+  is its stretch of that buffer (no second tensor); at the step each bucket is reduce-scattered
+  (stage 0: all-reduced) onto it, bucket by bucket (partition.strided_buckets): the bytes of one
+  reduce-scatter of the gradient, never an all-reduce of it. --no-gradient-accumulation-fusion: ``.grad`` accumulates in the
   model dtype and is added into the buckets at the step.
 - Stage 2: the hook adds each gradient into its bucket (consecutive parameters,
   partition.contiguous_buckets) and drops ``.grad``; a complete bucket is reduce-scattered and

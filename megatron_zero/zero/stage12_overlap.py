@@ -15,7 +15,7 @@ with ``async_op=True`` as soon as their last gradient is in, and backward goes o
 Parameters (``overlap_param_gather``, stage 1/2): after the step each group's updated
 partition is all-gathered in chunks of about ``bucket_size / dp`` elements of every rank's
 partition, async. A forward pre-hook on each unit (units.model_units: the model's children, containers
-expanded, and the ``lm_logits`` entry point) waits only for the chunks its parameters lie in, so the
+expanded, and the ``lm_logits`` and ``lm_losses`` entry points) waits only for the chunks its parameters lie in, so the
 gathers finish behind the forward of the units before. ``wait_params()`` waits for all
 (before a checkpoint is written or the weights are read).
 """
@@ -34,7 +34,7 @@ from .units import model_units
 class Stage12Overlap(Stage12):
     def __init__(self, groups, dp_group, stage: int, dtype: torch.dtype, bucket_size: int,
                  overlap_grad_reduce: bool = True, overlap_param_gather: bool = False, module=None,
-                 entry_points=("lm_logits",), device: torch.device = HOST,
+                 entry_points=("lm_logits", "lm_losses"), device: torch.device = HOST,
                  grad_reduce_dtype: torch.dtype = torch.float32):
         super().__init__(groups, dp_group, stage, dtype, bucket_size, device, overlap_grad_reduce=overlap_grad_reduce,
                          grad_reduce_dtype=grad_reduce_dtype)

@@ -12,7 +12,7 @@ before it); a unit is released again once every parameter of it has its gradient
 tensors that autograd saves for backward are saved as references to the parameter and rebuilt
 from the re-gathered data (saved-tensor hooks), so they do not pin the gathered storage.
 Gradients are reduce-scattered in buckets into this rank's fp32 chunk as they become ready.
-Methods named in ``entry_points`` (the tied embedding's ``lm_logits``) gather like a forward.
+Methods named in ``entry_points`` (the tied embedding's ``lm_logits`` and ``lm_losses``) gather like a forward.
 Parameters of at most ``persistence_threshold`` elements (DeepSpeed's
 stage3_param_persistence_threshold, default 1e5; 0: none) and parameters outside every unit
 are *persistent*: gathered once and kept, re-gathered (one all-gather) after each step.
@@ -45,7 +45,7 @@ class _PreBackward(torch.autograd.Function):
 
 class Stage3(GatherMixin):
     def __init__(self, groups, dp_group, dtype, bucket_size, module=None, layers=None, prefetch=True,
-                 entry_points=("lm_logits",), persistence_threshold=100_000, device=HOST, storage_map=None):
+                 entry_points=("lm_logits", "lm_losses"), persistence_threshold=100_000, device=HOST, storage_map=None):
         if module is None:
             raise ValueError("ZeRO stage 3 needs module= (the model), to gather each layer's parameters "
                              "around its forward and backward")
