@@ -42,6 +42,7 @@ from .throughput import gpt_flops_per_iteration
 from .lr_schedule import build_lr_schedule, decoupled_lr
 from .model.architecture import gpt_config
 from .model.params import is_embedding_or_output
+from .model_transforms import apply_model_transforms, model_converters
 from .ops import kernel_report, require_fused_kernels, set_fusion_flags
 from .pipeline.gpt_stage import (activation_shape, build_gpt_stage, grad_reduce_arming, make_forward_step,
                                  stage_p2p, sync_tied_embedding_grads)
@@ -112,6 +113,7 @@ class Trainer:
         self.config = gpt_config(args, self.tokenizer.vocab_size)
         self.model = build_gpt_stage(self.config, state, args.pipeline_partition_method, args.pipeline_partition,
                                      device=self.device, virtual_stages=args.virtual_pipeline_model_parallel_size)
+        self.transforms = apply_model_transforms(self.model, model_converters(args, state, self.device))
         self.forward_backward = schedule_for(args.virtual_pipeline_model_parallel_size)
         loss_scaler = {"dynamic": args.loss_scale is None, "static_scale": args.loss_scale or 1.0,
                        "initial_scale_power": int(math.log2(args.initial_loss_scale)),
@@ -342,6 +344,8 @@ class Trainer:
                   + (f" (global batch {self.batch.global_batch_size(p.consumed_train_samples)}, growing to "
                      f"{self.batch.final})" if self.batch.varies else ""))
         self._log(kernel_report())
+        for line in self.transforms:
+            self._log(line)
         self.log.start()
         summary = RunSummary(p, a.seq_length, self.log.flops / a.global_batch_size, s.layout.world_size, self.log.peak)
         saved_at = None
