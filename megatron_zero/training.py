@@ -34,7 +34,7 @@ from .distributed import (LaunchError, another_rank_failed, init_distributed, is
                           read_launch_env, record_peer_loss, report_failure, shutdown_distributed, stop_with_launcher)
 from .elastic.local_tier import LocalTier, resume_dir
 from .elastic.restart import note_resize, parse_for_launch
-from .elastic.straggler import StragglerReport
+from .elastic.straggler import straggler_report
 from .elastic.watchdog import watch_steps
 from .exit_signal import INTERRUPTED, ExitPolicy, ctrl_c_line, report_interrupt
 from .logger import format_eval_line
@@ -150,8 +150,7 @@ class Trainer:
         self.log = TrainingLog(args, state.layout.world_size, flops, next(self.model.parameters()).device,
                                self.is_writer, self._log)
         self.train_p2p = TimedCalls(self.p2p, self.log.timers("pipeline-p2p", 2))
-        self.log.straggler = StragglerReport(args, state.rank, state.layout.world_size, self.device, [
-            state.layout.coords(r)[0] for r in range(state.layout.world_size)]) if args.log_straggler else None
+        self.log.straggler = straggler_report(args, state, self.device)  # --log-straggler
         self.last_checkpoint = None  # the newest checkpoint loaded or saved: what a stopped run names
         self.hooks = StepHooks(args, self.device, state.rank)  # --manual-gc, --empty-unused-memory-level, --profile
         self.local_tier = LocalTier(args, state, state.layout.world_size)  # --non-persistent-save-interval

@@ -23,9 +23,9 @@ ZeRO-3's weight gathers) share the slow rank's time, so the group shows slow tog
 on port P and each connection (e.g. `curl host:P`) turns the report on or off at the next log line (every rank
 learns it in that line's all-gather).
 
-    report = StragglerReport(args, rank, world_size, device, stages)   # collective (the hosts)
-    step = report.timed(forward_step)                                   # per micro-batch
-    line = report.line()                                                # collective, at each log line
+    report = straggler_report(args, state, device)   # collective (the hosts); None without --log-straggler
+    step = report.timed(forward_step)                 # per micro-batch
+    line = report.line()                              # collective, at each log line
 """
 from __future__ import annotations
 
@@ -147,6 +147,14 @@ class StragglerReport:
             return " straggler report | off from the next iteration" if not self.on else None
         line = straggler_line([row[0] for row in table], self.hosts, self.stages, self.count, self.factor)
         return line + (" | off from the next iteration" if not self.on else "")
+
+
+def straggler_report(args, state, device: torch.device) -> Optional[StragglerReport]:
+    """The report of this rank (`state`: its ParallelState) when --log-straggler asks for one."""
+    if not args.log_straggler:
+        return None
+    size = state.layout.world_size
+    return StragglerReport(args, state.rank, size, device, [state.layout.coords(r)[0] for r in range(size)])
 
 
 def straggler_line(seconds: List[float], hosts: List[str], stages: List[int], count: int, factor: float) -> str:
