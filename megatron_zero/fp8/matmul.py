@@ -54,26 +54,29 @@ class Float8Matmul:
                                                        c.gemm_config_grad_weight)))
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return _Float8Linear.apply(x, weight, self)
+        return _Float8Linear.apply(x, weight, self, torch.is_grad_enabled())
 
     def cast(self, t: torch.Tensor, cast_config, role, axis: Optional[int], operand: str,
-             scale: Optional[torch.Tensor] = None):
+             scale: Optional[torch.Tensor] = None, record: bool = True):
         """(`t` (2-D) in FP8, its scale): the scale of the whole tensor's amax (along `axis` for rowwise:
-        axiswise), or under delayed scaling the history's (the amax then recorded); `scale` given: cast with it."""
+        axiswise), or under delayed scaling the history's (the amax then recorded, if `record`: not in a
+        forward without autograd, an evaluation's); `scale` given: cast with it."""
         if cast_config.scaling_type is ScalingType.DISABLED:
             return t, None
         tensorwise = cast_config.scaling_granularity is ScalingGranularity.TENSORWISE
         axis = None if tensorwise else axis  # torchao's: 0 or -1
-        if scale is None:
+        if scale is None and self.delayed is not None:
+            scale = self.delayed.scale_for(operand)
+            if record:
+                amax = tensor_to_amax(t)
+                self._reduce(amax, operand, True, None)
+                self.delayed.record(operand, amax, torch.finfo(cast_config.target_dtype).max)
+        elif scale is None:
             amax = tensor_to_amax(t, scaling_granularity=cast_config.scaling_granularity, axiswise_dim=axis)
             self._reduce(amax, operand, tensorwise, axis)
-            if self.delayed is not None:
-                scale = self.delayed.scale_for(operand)
-                self.delayed.record(operand, amax, torch.finfo(cast_config.target_dtype).max)
-            else:
-                scale = amax_to_scale(amax, cast_config.target_dtype, self.config.round_scales_to_power_of_2)
-                if self.margin:
-                    scale = scale * 2.0 ** -self.margin
+            scale = amax_to_scale(amax, cast_config.target_dtype, self.config.round_scales_to_power_of_2)
+            if self.margin:
+                scale = scale * 2.0 ** -self.margin
         return hp_tensor_and_scale_to_float8(t, scale, cast_config.target_dtype, self.mm_config, role, axis), scale
 
     def _reduce(self, amax: torch.Tensor, operand: str, tensorwise: bool, axis: Optional[int]) -> None:
@@ -90,13 +93,13 @@ class Float8Matmul:
 
 class _Float8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, mm: Float8Matmul):
+    def forward(ctx, x, weight, mm: Float8Matmul, training: bool):
         ctx.save_for_backward(x, weight)
         ctx.mm = mm
         c = mm.config
         x2 = x.reshape(-1, x.shape[-1])
-        x8, sx = mm.cast(x2, c.cast_config_input, GemmInputRole.INPUT, -1, "x")
-        w8, sw = mm.cast(weight.t(), c.cast_config_weight, GemmInputRole.WEIGHT, 0, "w")
+        x8, sx = mm.cast(x2, c.cast_config_input, GemmInputRole.INPUT, -1, "x", record=training)
+        w8, sw = mm.cast(weight.t(), c.cast_config_weight, GemmInputRole.WEIGHT, 0, "w", record=training)
         ctx.scales = (sx, sw) if mm.delayed is not None else (None, None)  # delayed: the backward recasts with them
         return torch.mm(x8, w8).reshape(*x.shape[:-1], weight.shape[0])
 
@@ -115,4 +118,4 @@ class _Float8Linear(torch.autograd.Function):
         x8, _ = mm.cast(x.reshape(-1, x.shape[-1]), c.cast_config_input_for_grad_weight, GemmInputRole.INPUT, 0, "x",
                         sx)
         grad_w = torch.mm(g8.t(), x8)
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, None
