@@ -4,8 +4,9 @@ One rank: over 4 steps of 2 micro-batches, the FP8 model's losses and every laye
 bit, a reference written here in plain torch from Transformer Engine's algorithm: per layer and operand (input,
 weight, output gradient) a cast multiplies by the current scale (1 at first), then that cast's amax joins the
 operand's record and the next scale is fp8_max / (the max of the last L amaxes, or the last one) / 2^margin,
-the previous scale kept for an amax of 0; a forward without autograd (evaluation) records nothing. The history survives a checkpoint's scaling state bit-exactly
-(tests/test_fp8_checkpoint_cli.py does it through pretrain_gpt.py).
+the previous scale kept for an amax of 0; a forward without autograd (evaluation) records nothing.
+The history survives a checkpoint's scaling state bit-exactly (tests/test_fp8_checkpoint_cli.py does it through
+pretrain_gpt.py).
 TP2 with SP and TP2 x DP2 (slow): losses, gradient norms and each layer's final scales equal the
 one-process delayed reference within fp8_same_scale_rtol, and fail it with the amaxes not reduced over TP
 (and DP).
