@@ -34,6 +34,7 @@ from .distributed import (LaunchError, another_rank_failed, init_distributed, is
                           read_launch_env, record_peer_loss, report_failure, shutdown_distributed, stop_with_launcher)
 from .elastic.local_tier import LocalTier, resume_dir
 from .elastic.restart import note_resize, parse_for_launch
+from .elastic.straggler import straggler_report
 from .elastic.watchdog import watch_steps
 from .exit_signal import INTERRUPTED, ExitPolicy, ctrl_c_line, report_interrupt
 from .logger import format_eval_line
@@ -41,6 +42,7 @@ from .throughput import gpt_flops_per_iteration
 from .lr_schedule import build_lr_schedule, decoupled_lr
 from .model.architecture import gpt_config
 from .model.params import is_embedding_or_output
+from .model_transforms import apply_model_transforms, model_converters
 from .ops import kernel_report, require_fused_kernels, set_fusion_flags
 from .pipeline.gpt_stage import (activation_shape, build_gpt_stage, grad_reduce_arming, make_forward_step,
                                  stage_p2p, sync_tied_embedding_grads)
@@ -111,6 +113,7 @@ class Trainer:
         self.config = gpt_config(args, self.tokenizer.vocab_size)
         self.model = build_gpt_stage(self.config, state, args.pipeline_partition_method, args.pipeline_partition,
                                      device=self.device, virtual_stages=args.virtual_pipeline_model_parallel_size)
+        self.transforms = apply_model_transforms(self.model, model_converters(args, state, self.device))
         self.forward_backward = schedule_for(args.virtual_pipeline_model_parallel_size)
         loss_scaler = {"dynamic": args.loss_scale is None, "static_scale": args.loss_scale or 1.0,
                        "initial_scale_power": int(math.log2(args.initial_loss_scale)),
@@ -147,6 +150,7 @@ class Trainer:
         self.log = TrainingLog(args, state.layout.world_size, flops, next(self.model.parameters()).device,
                                self.is_writer, self._log)
         self.train_p2p = TimedCalls(self.p2p, self.log.timers("pipeline-p2p", 2))
+        self.log.straggler = straggler_report(args, state, self.device)  # --log-straggler
         self.last_checkpoint = None  # the newest checkpoint loaded or saved: what a stopped run names
         self.hooks = StepHooks(args, self.device, state.rank)  # --manual-gc, --empty-unused-memory-level, --profile
         self.local_tier = LocalTier(args, state, state.layout.world_size)  # --non-persistent-save-interval
@@ -200,6 +204,7 @@ class Trainer:
         set_aux_loss_scale(self.optimizer.loss_scale * s.cp_size / len(micro))
         with timers("forward-backward", 1):
             step = timers.timed(make_forward_step(self.model, micro, s), "forward-compute", 2)
+            step = self.log.straggler.timed(step) if self.log.straggler else step  # --log-straggler
             losses = self.forward_backward(step, len(micro), self.train_p2p, s.pp_rank, s.pp_size,
                                            backward_loss=self.optimizer.backward,
                                            before_last_backward=grad_reduce_arming(self.model, self.optimizer))
@@ -338,6 +343,8 @@ class Trainer:
                   + (f" (global batch {self.batch.global_batch_size(p.consumed_train_samples)}, growing to "
                      f"{self.batch.final})" if self.batch.varies else ""))
         self._log(kernel_report())
+        for line in self.transforms:
+            self._log(line)
         self.log.start()
         summary = RunSummary(p, a.seq_length, self.log.flops / a.global_batch_size, s.layout.world_size, self.log.peak)
         saved_at = None
