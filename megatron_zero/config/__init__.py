@@ -22,6 +22,7 @@ Downstream code takes the checked values and does not check them again.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from ..batch_schedule import BatchScheduleError
@@ -29,7 +30,10 @@ from ..deepspeed_config import DeepSpeedConfigError, apply_deepspeed_config
 from ..moe.expert_counts import ExpertCountError
 from ..topology import TopologyError
 from . import checkpointing, data, log, model, moe, optimizer, parallel, runtime, training
+from .checkpointing import CheckpointConfig
 from .errors import ArgumentError
+from .optimizer import OptimizerConfig
+from .parallel import ParallelConfig
 
 # the areas in --help's order
 AREAS = (model, moe, parallel, optimizer, training, data, checkpointing, log, runtime)
@@ -40,15 +44,30 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         area.add_flags(parser)
 
 
-def validate(args, world_size: int, given: set, feature_checks: Iterable[Callable] = ()) -> None:
-    """Check `args` (parsed flags) for `world_size` ranks and fill in the derived values. `given`: the
-    destinations set on the command line (they win over the DeepSpeed JSON). The errors of the rules other
-    modules own (the JSON's, the batch schedule's, the layout's, the expert count's) become ArgumentError
-    here, once."""
+@dataclass(frozen=True)
+class Config:
+    """The typed sections of a checked run (fields.py: each section's fields declare its flags)."""
+    parallel: ParallelConfig
+    optimizer: OptimizerConfig
+    checkpoint: CheckpointConfig
+
+
+def from_args(args) -> Config:
+    """The typed sections of a namespace `validate` has checked."""
+    return Config(parallel=ParallelConfig.from_args(args), optimizer=OptimizerConfig.from_args(args),
+                  checkpoint=CheckpointConfig.from_args(args))
+
+
+def validate(args, world_size: int, given: set, feature_checks: Iterable[Callable] = ()) -> Config:
+    """Check `args` (parsed flags) for `world_size` ranks, fill in the derived values and return the typed
+    sections. `given`: the destinations set on the command line (they win over the DeepSpeed JSON). The errors
+    of the rules other modules own (the JSON's, the batch schedule's, the layout's, the expert count's) become
+    ArgumentError here, once."""
     try:
         _validate(args, world_size, given, feature_checks)
     except (DeepSpeedConfigError, BatchScheduleError, TopologyError, ExpertCountError) as err:
         raise ArgumentError(str(err)) from None
+    return from_args(args)
 
 
 def _validate(args, world_size: int, given: set, feature_checks: Iterable[Callable]) -> None:
