@@ -84,16 +84,16 @@ class Trainer:
         `sections`: the typed configuration of the checked `args` (config.from_args(args) when not given)."""
         self.args, self.state = args, state
         self.sections = sections if sections is not None else config.from_args(args)
-        par = self.sections.parallel
-        self.device = device if device is not None else select_device(args.device, read_launch_env().local_rank)
+        par, run, data = self.sections.parallel, self.sections.runtime, self.sections.data
+        self.device = device if device is not None else select_device(run.device, read_launch_env().local_rank)
         set_fusion_flags(**fusion_flags(args))
-        if args.require_fused_kernels:  # before anything is built: refuse in one sentence
-            require_fused_kernels(self.device, offload=args.offload != "none")
-        set_shared_memory_comm(args.shared_memory_all_reduce)
-        model_parallel_seed(args.seed, state.tp_rank, state.pp_rank, state.cp_rank)
-        self.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file,
-                                         args.merge_file, args.vocab_size, args.tiktoken_pattern,
-                                         args.tiktoken_num_special_tokens, args.tokenizer_special_tokens)
+        if run.require_fused_kernels:  # before anything is built: refuse in one sentence
+            require_fused_kernels(self.device, offload=self.sections.optimizer.offload != "none")
+        set_shared_memory_comm(run.shared_memory_all_reduce)
+        model_parallel_seed(self.sections.training.seed, state.tp_rank, state.pp_rank, state.cp_rank)
+        self.tokenizer = build_tokenizer(data.tokenizer_type, data.tokenizer_model, data.vocab_file, data.merge_file,
+                                         data.vocab_size, data.tiktoken_pattern, data.tiktoken_num_special_tokens,
+                                         data.tokenizer_special_tokens)
         self.config = gpt_config(args, self.tokenizer.vocab_size)
         self.model = build_gpt_stage(self.config, state, par.pipeline_partition_method, par.pipeline_partition,
                                      device=self.device, virtual_stages=par.virtual_pipeline_model_parallel_size)
@@ -128,12 +128,12 @@ class Trainer:
 
     # ---- data ------------------------------------------------------------------------
     def _build_data(self):
-        a = self.args
-        gbs = a.global_batch_size
-        evals = (a.train_iters // a.eval_interval + 1) * a.eval_iters
-        sizes = [a.train_iters * gbs, evals * gbs if a.eval_iters else 0, a.eval_iters * gbs]
+        a, t, d = self.args, self.sections.training, self.sections.data
+        gbs = self.sections.parallel.global_batch_size
+        evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters
+        sizes = [t.train_iters * gbs, evals * gbs if t.eval_iters else 0, t.eval_iters * gbs]
         self.train_ds, self.valid_ds, _ = build_train_valid_test_datasets(
-            a.data_path, a.split, a.seq_length, a.seed, sizes, cache_dir=a.data_cache_path,
+            d.data_path, d.split, a.seq_length, t.seed, sizes, cache_dir=d.data_cache_path,
             vocab_size=self.tokenizer.vocab_size, mock=a.mock_data, mmap_bin=a.mmap_bin_files)
         # reader threads touch numpy only (torch in a side thread crashes under torch.profiler on the CPU)
         self.prefetch = BatchPrefetcher(lambda idx: [self.train_ds[i] for i in idx], a.num_workers)

@@ -31,9 +31,13 @@ from ..moe.expert_counts import ExpertCountError
 from ..topology import TopologyError
 from . import checkpointing, data, log, model, moe, optimizer, parallel, runtime, training
 from .checkpointing import CheckpointConfig
+from .data import DataConfig
 from .errors import ArgumentError
+from .log import LogConfig
 from .optimizer import OptimizerConfig
 from .parallel import ParallelConfig
+from .runtime import RuntimeConfig
+from .training import TrainingConfig
 
 # the areas in --help's order
 AREAS = (model, moe, parallel, optimizer, training, data, checkpointing, log, runtime)
@@ -49,13 +53,20 @@ class Config:
     """The typed sections of a checked run (fields.py: each section's fields declare its flags)."""
     parallel: ParallelConfig
     optimizer: OptimizerConfig
+    training: TrainingConfig
+    data: DataConfig
     checkpoint: CheckpointConfig
+    log: LogConfig
+    runtime: RuntimeConfig
+
+
+SECTIONS = {"parallel": ParallelConfig, "optimizer": OptimizerConfig, "training": TrainingConfig, "data": DataConfig,
+            "checkpoint": CheckpointConfig, "log": LogConfig, "runtime": RuntimeConfig}
 
 
 def from_args(args) -> Config:
     """The typed sections of a namespace `validate` has checked."""
-    return Config(parallel=ParallelConfig.from_args(args), optimizer=OptimizerConfig.from_args(args),
-                  checkpoint=CheckpointConfig.from_args(args))
+    return Config(**{name: cls.from_args(args) for name, cls in SECTIONS.items()})
 
 
 def validate(args, world_size: int, given: set, feature_checks: Iterable[Callable] = ()) -> Config:

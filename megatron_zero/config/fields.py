@@ -14,7 +14,8 @@ A field is one of
                                                  metavar, const, type); the parse type comes from the field's
                                                  annotation (int, float, str; Optional[X] and List[X] as X)
                                                  unless `type` says otherwise (a flag parsed from text into
-                                                 something else by its check)
+                                                 something else by its check); also=(...): more flags of the
+                                                 same destination (--no-X, an alias storing a constant)
     shared(declare, doc)                         a flag declared by a function other parsers share (tools/);
                                                  the section calls it in the field's place
     derived(doc, value=None)                     no flag: a value the checks fill in on the namespace (read
@@ -38,6 +39,7 @@ class _Flag:
     names: tuple
     group: Optional[str]
     argparse: dict
+    also: tuple  # more declarations of the same destination: dicts of names, help and argparse keywords
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,10 +54,12 @@ class _Derived:
     value: Optional[Callable]
 
 
-def flag(help: str, default=None, *, names: tuple = (), group: Optional[str] = None, **argparse_kwargs):
-    """A field declaring a flag (see the module's docstring)."""
-    return dataclasses.field(default=default,
-                             metadata={_KIND: _Flag(help, tuple(names), group, dict(argparse_kwargs))})
+def flag(help: str, default=None, *, names: tuple = (), group: Optional[str] = None, also: tuple = (),
+         **argparse_kwargs):
+    """A field declaring a flag (see the module's docstring). `also`: other flags of the same destination (a
+    --no-X beside --X, an alias that stores a constant), each a dict of `names`, `help` and argparse keywords."""
+    return dataclasses.field(default=default, metadata={
+        _KIND: _Flag(help, tuple(names), group, dict(argparse_kwargs), tuple(also))})
 
 
 def shared(declare: Callable, doc: str, default=None):
@@ -82,7 +86,7 @@ def section(title: str):
             if kind is None:
                 raise TypeError(f"{cls.__name__}.{f.name} is neither a flag(...) nor derived(...): declare its flag "
                                 "and help, or say how it is derived")
-            if isinstance(kind, _Flag) and not kind.help.strip():
+            if isinstance(kind, _Flag) and not all(h.strip() for h in [kind.help] + [a["help"] for a in kind.also]):
                 raise TypeError(f"{cls.__name__}.{f.name}'s flag has no help text")
         cls.TITLE = title
         cls.from_args = classmethod(_from_args)
@@ -128,8 +132,11 @@ def add_section_flags(parser: argparse.ArgumentParser, cls) -> None:
             if kwargs.get("action") not in _SWITCHES:
                 kwargs.setdefault("type", _parse_type(hints[f.name]))
             names = kind.names or ("--" + f.name.replace("_", "-"),)
-            group(kind.group or cls.TITLE).add_argument(*names, dest=f.name, default=f.default, help=kind.help,
-                                                        **kwargs)
+            target = group(kind.group or cls.TITLE)
+            target.add_argument(*names, dest=f.name, default=f.default, help=kind.help, **kwargs)
+            for other in kind.also:
+                other = dict(other)
+                target.add_argument(*other.pop("names"), dest=f.name, **other)
 
 
 def flag_fields(cls) -> list:
