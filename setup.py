@@ -35,9 +35,10 @@ setup(
     extras_require={
         "wandb": ["wandb>=0.16"],
         "tiktoken": ["tiktoken>=0.7"],  # --tokenizer-type TikTokenizer
+        "fp8": ["torchao>=0.18"],  # --fp8-format: torchao's float8 training (docs/fp8.md)
         "plot": ["matplotlib>=3.5"],  # tools/plot_loss.py, the loss curve scripts/demo.sh draws
         "test": ["pytest>=7", "ruff>=0.5", "deepspeed>=0.16", "megatron-core>=0.10", "transformers>=4.40",
-                 "wandb>=0.16", "tiktoken>=0.7", "matplotlib>=3.5"],
+                 "wandb>=0.16", "tiktoken>=0.7", "matplotlib>=3.5", "torchao>=0.18"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -3,7 +3,7 @@
     python bench/bench_gpu.py [--sizes 1.3B,llama3-8b] [--seq 2048] [--llama-seq 8192] [--micro-batch 4]
                               [--llama-micro-batch 1] [--micro-batches 8] [--steps 6] [--warmup 2] [--block 2]
                               [--peak-tflops N] [--device cuda] [--tiny] [--no-offload] [--no-pretrain]
-                              [--llama-layers N] [--json PATH]
+                              [--llama-layers N] [--json PATH] [--fp8 tensorwise|rowwise]
 
 The model is megatron_zero's GPTModel (dropout 0):
   350M: 24 layers, hidden 1024, 16 heads;   1.3B: 24 layers, hidden 2048, 16 heads (GPT-2 layout,
@@ -24,6 +24,9 @@ step (its cost amortised as in training). The sides (`SIDES`, one factory each; 
             upload overlapping the CPU's step of the next: zero/offload.py's step + copy);
   offl-old: the same, the weights going up only after the whole CPU step (in write_weights, as
             before step + copy): offload / offl-old is what the overlap gains;
+  fp8:      ours with the blocks' linear layers in FP8 (--fp8 RECIPE: torchao's float8, hybrid format,
+            as --fp8-format hybrid --fp8-recipe RECIPE; emulated where the device has no FP8 tensor
+            cores): fp8 / ours is FP8's gain over bf16 (docs/fp8.md);
   pretrain_gpt.py: the same shape through the product's own path, `pretrain_gpt.py --mock-data
             --tokenizer-type NullTokenizer --vocab-size V-1` (the NullTokenizer adds the end-of-document
             id: V tokens), bf16, ZeRO-1, global batch = micro-batch x --micro-batches, in a process of
@@ -115,8 +118,13 @@ def build(size, seq, device, dtype):
         return GPTModel(cfg), cfg
 
 
-def ours_step(size, seq, device, offload="none", step_plus_copy=True):
+def ours_step(size, seq, device, offload="none", step_plus_copy=True, fp8=None):
     model, cfg = build(size, seq, device, torch.bfloat16)
+    if fp8:  # the model transform pretrain_gpt.py --fp8-format hybrid --fp8-recipe fp8 applies
+        from megatron_zero.fp8.convert import Float8Converter
+        from megatron_zero.fp8.settings import Float8Settings, has_fp8_tensor_cores
+
+        Float8Converter(Float8Settings("hybrid", fp8, emulate=not has_fp8_tensor_cores(device)), device)(model)
     opt = ZeroOptimizer(list(model.named_parameters()), stage=1, dtype="bf16", lr=1e-4, weight_decay=0.01,
                         clip_grad=1.0, device=device, offload=offload)
     if not step_plus_copy:  # write_weights brings the fp32 masters up after the whole CPU step
@@ -152,7 +160,9 @@ SIDES = [("baseline", baseline_step, lambda size, a: True),
          ("ours", ours_step, lambda size, a: True),
          ("offload", lambda *x: ours_step(*x, offload="cpu"), lambda size, a: not a.no_offload and size != "llama3-8b"),
          ("offl-old", lambda *x: ours_step(*x, offload="cpu", step_plus_copy=False),
-          lambda size, a: not a.no_offload and size != "llama3-8b")]
+          lambda size, a: not a.no_offload and size != "llama3-8b"),
+         ("fp8", lambda *x: ours_step(*x, fp8=FP8_RECIPE[0]), lambda size, a: a.fp8 is not None)]
+FP8_RECIPE = [None]  # --fp8, for the fp8 side
 
 
 def timed(step, batches, n, device):
@@ -309,12 +319,15 @@ def build_parser():
     ap.add_argument("--llama-layers", type=int, default=None,
                     help="llama3-8b: layers to build (default: as many as the free memory holds)")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    ap.add_argument("--fp8", default=None, choices=["tensorwise", "rowwise"],
+                    help="add an fp8 row: ours with torchao's float8 GEMMs at this recipe (needs torchao)")
     return ap
 
 
 def main(argv=None):
     ap = build_parser()
     a = ap.parse_args(argv)
+    FP8_RECIPE[0] = a.fp8
     unknown = [s for s in a.sizes.split(",") if s not in SIZES]
     if unknown:
         ap.error(f"--sizes {a.sizes}: {', '.join(unknown)} is not one of {', '.join(SIZES)}")

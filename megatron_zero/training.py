@@ -41,6 +41,7 @@ from .logger import format_eval_line
 from .throughput import gpt_flops_per_iteration
 from .lr_schedule import build_lr_schedule, decoupled_lr
 from .model.architecture import gpt_config
+from .model_transforms import apply_model_transforms, model_converters
 from .ops import kernel_report, require_fused_kernels, set_fusion_flags
 from .pipeline.gpt_stage import (activation_shape, build_gpt_stage, grad_reduce_arming, make_forward_step,
                                  stage_p2p, sync_tied_embedding_grads)
@@ -97,6 +98,7 @@ class Trainer:
         self.config = gpt_config(args, self.tokenizer.vocab_size)
         self.model = build_gpt_stage(self.config, state, par.pipeline_partition_method, par.pipeline_partition,
                                      device=self.device, virtual_stages=par.virtual_pipeline_model_parallel_size)
+        self.transforms = apply_model_transforms(self.model, model_converters(args, state, self.device))
         self.forward_backward = schedule_for(par.virtual_pipeline_model_parallel_size)
         self.optimizer = build_optimizer(self.model, self.sections.optimizer, state, self.device)
         moe_layers = sum(self.config.is_moe_layer(b) for b in range(self.config.num_layers))
@@ -306,6 +308,8 @@ class Trainer:
                   + (f" (global batch {self.batch.global_batch_size(p.consumed_train_samples)}, growing to "
                      f"{self.batch.final})" if self.batch.varies else ""))
         self._log(kernel_report())
+        for line in self.transforms:
+            self._log(line)
         self.log.start()
         summary = RunSummary(p, a.seq_length, self.log.flops / a.global_batch_size, s.layout.world_size, self.log.peak)
         saved_at = None

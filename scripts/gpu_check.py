@@ -28,6 +28,7 @@ GPU_CHECK_WORKDIR (default runs/gpu_check)/logs.
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -48,7 +49,8 @@ PY = sys.executable
 # the first report), the kernels against their references, the offload's streams and pinned copies, checkpoints
 # through pinned memory, then the features each GPU test touches once (MoE, grouped GEMM, context parallelism)
 GPU_TEST_FILES = ("test_gpu_training.py", "test_ops_cuda.py", "test_zero_offload_upload.py", "test_checkpoint_staging.py",
-                  "test_moe_gpu.py", "test_moe_grouped_gemm.py", "test_context_parallel_gpu.py", "test_zero_offload.py")
+                  "test_moe_gpu.py", "test_moe_grouped_gemm.py", "test_context_parallel_gpu.py", "test_zero_offload.py",
+                  "test_fp8_gpu.py")
 MODULES = ("numpy", "crc32c", "safetensors", "pytest", "setuptools", "tokenizers", "sentencepiece", "tensorboard")
 NEEDED = ("numpy", "crc32c", "pytest", "setuptools")  # training, checkpoints, the tests, the build
 
@@ -191,7 +193,8 @@ def plan(ngpus: int, work: str) -> List[Step]:
     steps += training_steps(ngpus, work) + checkpoint_steps(ngpus, work)
     steps.append(Step("bench/bench_gpu.py: 1.3B GPT and Llama-3-8B shape (vocab 128256, seq 8192), ours / PyTorch / "
                       "pretrain_gpt.py", [PY, os.path.join(ROOT, "bench", "bench_gpu.py"), "--sizes", "1.3B,llama3-8b",
-                                          "--steps", "4", "--warmup", "2", "--json", os.path.join(work, "bench_gpu.json")],
+                                          "--steps", "4", "--warmup", "2", "--json", os.path.join(work, "bench_gpu.json")]
+                      + (["--fp8", "tensorwise"] if importlib.util.find_spec("torchao") else []),  # FP8's row
                       timeout=2400, kind="bench"))
     steps += [Step(f"tests: {name} -m gpu", [PY, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "gpu",
                                              os.path.join(ROOT, "tests", name)], timeout=1800, kind="pytest")

@@ -3,8 +3,9 @@
 Cut down means: sizes (layers, hidden, heads, sequence, batch, vocabulary) and parallel sizes made
 small enough for at most 2 CPU ranks, paths pointed at the built-in corpus (its SentencePiece model,
 or a GPT-2 BPE vocab/merges trained on it, with the corpus preprocessed by that tokenizer), the flags
-the parser refuses removed (tests/test_launch_script_flags.py pins which), --train-iters 5, and
---distributed-backend nccl replaced by gloo (the CPU's). Every other flag is the script's own.
+the parser refuses removed (tests/test_launch_script_flags.py pins which), --train-iters 5,
+--distributed-backend nccl replaced by gloo (the CPU's), and --fp8-emulate added to an --fp8-format script
+(the CPU has no FP8 tensor cores). Every other flag is the script's own.
 """
 import os
 import re
@@ -91,6 +92,8 @@ def cut_down_argv(name, corpus, tmp_path):
     for flag, value in {**SMALL, **cut}.items():
         if flag in present or any(t.startswith(flag + "=") for t in argv):
             argv = replace_flag(argv, flag, value)
+    if "--fp8-format" in present:  # FP8 on the CPU: torchao's emulated GEMMs
+        argv = argv + ["--fp8-emulate"]
     if "--train-samples" in present:  # a sample-based script: 5 iterations of the cut global batch
         argv = replace_flag(argv, "--train-samples", str(5 * int(cut["--global-batch-size"])))
     return ranks, argv
@@ -128,6 +131,8 @@ def test_cut_down_script_trains_five_iterations(name, corpus, tmp_path):
         assert "the global batch grows to 4 (4 micro-batches per step) at iteration 2" in run.stdout, run.stdout[-2000:]
     if "--decoupled-lr" in argv:  # train_llama3_8b_h100_fp8.sh: the embedding and output layer's own lr
         assert "decoupled learning rate:" in run.stdout, run.stdout[-2000:]
+    if "--fp8-format" in argv:  # train_llama3_8b_h100_fp8.sh: the blocks' linear layers in FP8
+        assert "FP8 (hybrid, tensorwise scaling, emulated): 8 linear layers" in run.stdout, run.stdout[-2000:]
     if "--profile" in argv:  # train_llama3_8b_h100_fp8.sh: a torch.profiler trace under --tensorboard-dir
         traces = [f for _, _, files in os.walk(tmp_path / "tb") for f in files if f.endswith(".pt.trace.json")]
         assert len(traces) == 1, traces

@@ -60,16 +60,19 @@ class ColumnParallelLinear(nn.Module):
         self.bias = set_tensor_model_parallel_attributes(_param(local, dtype=params_dtype), True, 0) if bias else None
 
     def forward(self, x):
-        bias = None if self.skip_bias_add else self.bias
-        if self.sequence_parallel:
-            y = F.linear(gather_from_sequence_parallel_region(x, self.tp_group), self.weight, bias)
-        elif tp_world_size(self.tp_group) > 1:
-            y = linear_with_async_grad_all_reduce(x, self.weight, bias, self.tp_group)
-        else:
-            y = F.linear(x, self.weight, bias)
+        y = self._linear(x, None if self.skip_bias_add else self.bias)
         if self.gather_output:
             y = gather_from_tensor_model_parallel_region(y, self.tp_group)
         return (y, self.bias) if self.skip_bias_add else y
+
+    def _linear(self, x, bias):
+        """This rank's output features from the (sequence-parallel or replicated) input; a model transform
+        may replace it (megatron_zero/fp8)."""
+        if self.sequence_parallel:
+            return F.linear(gather_from_sequence_parallel_region(x, self.tp_group), self.weight, bias)
+        if tp_world_size(self.tp_group) > 1:
+            return linear_with_async_grad_all_reduce(x, self.weight, bias, self.tp_group)
+        return F.linear(x, self.weight, bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -96,13 +99,17 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
         if self.sequence_parallel:
-            y = reduce_scatter_to_sequence_parallel_region(F.linear(x, self.weight), self.tp_group)
+            y = reduce_scatter_to_sequence_parallel_region(self._matmul(x), self.tp_group)
         else:
-            y = reduce_from_tensor_model_parallel_region(F.linear(x, self.weight), self.tp_group)
+            y = reduce_from_tensor_model_parallel_region(self._matmul(x), self.tp_group)
         bias = None if self.bias is None else sum_sequence_parallel_grad(self.bias, self.tp_group)
         if self.skip_bias_add:
             return y, bias
         return y if bias is None else y + bias
+
+    def _matmul(self, x):
+        """This rank's partial product, before the sum over TP; a model transform may replace it."""
+        return F.linear(x, self.weight)
 
 
 class VocabParallelEmbedding(nn.Module):

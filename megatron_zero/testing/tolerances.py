@@ -139,3 +139,20 @@ class AdamWeightBound:
     def bounds(self) -> dict:
         """name -> the per-element bound, float32 like the weights (for the same gather as theirs)."""
         return {name: b.float() for name, b in self.bound.items()}
+
+
+def fp8_same_scale_rtol(config, tokens: int) -> float:
+    """Two FP8 training steps whose every cast uses the same scale (a layout against the one-process FP8
+    model, megatron_zero/fp8/matmul.py reducing each amax over the groups that split its tensor).
+
+    A cast is then the same function on both sides: x -> round_fp8(x * scale) / scale. Inputs that differ
+    by fp32 roundoff (the layout's other summation order, bounded by `model_rtol` normwise) give the same
+    FP8 value unless an element lies within that roundoff of an FP8 rounding boundary; with p mantissa bits
+    the boundaries are 2^-p |x| apart (e4m3: 2^-3, e5m2: 2^-2), so an element crosses one with probability
+    about delta / 2^-p (delta ~ 1e-5: ~1e-4 per element), and then moves by one FP8 spacing. Without such a
+    crossing the two steps differ by fp32 roundoff only, so the bound is model_rtol's over the step's path,
+    for the loss, the gradient norm and each scale (fp8_max / amax: an amax is one element of the tensor,
+    the largest, whose relative roundoff the normwise bound covers). A crossing shows as a failure of
+    that size; a scale taken from a shard's own amax instead of the whole tensor's differs by the ratio of
+    the two amaxes, O(1), and moves every FP8 value of the shard (tests/test_fp8_parity.py checks both)."""
+    return model_rtol(gpt_path_length(config, tokens))

@@ -1,0 +1,94 @@
+"""The FP8 matmul of a tensor-parallel linear layer: torchao's float8 casts and GEMMs, scales over TP and CP.
+
+y = x W^T with x [M, K] (M the tokens) and W [N, K], as torchao's `matmul_with_hp_or_float8_args`: the
+forward casts x and W to FP8 and multiplies; the backward casts the output gradient g and again W and x
+(each cast with its own scaling: `Float8LinearConfig`'s six cast configs) for grad_x = g W and
+grad_W = g^T x. Each cast's scale is fp8_max / amax (torchao's `amax_to_scale`), divided by 2^margin.
+
+The difference from torchao's module is where the amax is taken. One process computes it over the whole
+tensor (tensorwise) or along one dimension (rowwise: per row of x, per output feature of W, ...). Here a
+layer holds a shard: a column-parallel layer splits N over TP (its W and g are shards), a row-parallel layer
+splits K (its x and W are shards), and context parallelism splits M (x and g hold this rank's tokens). An
+amax whose reduction runs along a split dimension is all-reduced (MAX) over that dimension's group, as
+torchao's DTensor path does for a sharded weight; the scales are then the one-process scales, and each rank
+casts its shard exactly as one process would. Along a dimension that is not split no communication is
+needed (a per-row amax over K of a column-parallel input is already whole).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torchao.float8.config import ScalingGranularity, ScalingType
+from torchao.float8.float8_training_tensor import (GemmInputRole, LinearMMConfig, ScaledMMConfig,
+                                                   hp_tensor_and_scale_to_float8)
+from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
+
+# the dimension of each operand split over TP, in x [M, K], W^T [K, N], g [M, N] (None: whole)
+TP_SPLIT = {"column": {"x": None, "w": 1, "g": 1}, "row": {"x": 1, "w": 0, "g": None}}
+TOKENS = 0  # x and g hold this CP rank's tokens along dim 0
+
+
+@dataclass
+class Float8Matmul:
+    """One layer's FP8 matmul: torchao's config, the layer's TP split and the groups the amaxes reduce over."""
+    config: object  # torchao Float8LinearConfig
+    split: str  # "column" or "row"
+    tp_group: Optional[dist.ProcessGroup] = None
+    cp_group: Optional[dist.ProcessGroup] = None
+    margin: int = 0
+
+    def __post_init__(self):
+        c = self.config
+        self.mm_config = LinearMMConfig(*(ScaledMMConfig(c.emulate, gemm.use_fast_accum, False, c.pad_inner_dim)
+                                          for gemm in (c.gemm_config_output, c.gemm_config_grad_input,
+                                                       c.gemm_config_grad_weight)))
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return _Float8Linear.apply(x, weight, self)
+
+    def cast(self, t: torch.Tensor, cast_config, role, axis: Optional[int], operand: str):
+        """`t` (2-D) in FP8 with the scale of the whole tensor's amax, along `axis` for rowwise (axiswise)."""
+        if cast_config.scaling_type is ScalingType.DISABLED:
+            return t
+        tensorwise = cast_config.scaling_granularity is ScalingGranularity.TENSORWISE
+        axis = None if tensorwise else axis  # torchao's: 0 or -1
+        amax = tensor_to_amax(t, scaling_granularity=cast_config.scaling_granularity, axiswise_dim=axis)
+        along = None if tensorwise else axis % 2
+        tp_dim = TP_SPLIT[self.split][operand]
+        if self.tp_group is not None and tp_dim is not None and (tensorwise or along == tp_dim):
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.tp_group)
+        if self.cp_group is not None and operand != "w" and (tensorwise or along == TOKENS):
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.cp_group)
+        scale = amax_to_scale(amax, cast_config.target_dtype, self.config.round_scales_to_power_of_2)
+        if self.margin:
+            scale = scale * 2.0 ** -self.margin
+        return hp_tensor_and_scale_to_float8(t, scale, cast_config.target_dtype, self.mm_config, role, axis)
+
+
+class _Float8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, mm: Float8Matmul):
+        ctx.save_for_backward(x, weight)
+        ctx.mm = mm
+        c = mm.config
+        x2 = x.reshape(-1, x.shape[-1])
+        x8 = mm.cast(x2, c.cast_config_input, GemmInputRole.INPUT, -1, "x")
+        w8 = mm.cast(weight.t(), c.cast_config_weight, GemmInputRole.WEIGHT, 0, "w")
+        return torch.mm(x8, w8).reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        mm = ctx.mm
+        c = mm.config
+        g = grad.reshape(-1, grad.shape[-1])
+        g8 = mm.cast(g, c.cast_config_grad_output, GemmInputRole.GRAD_OUTPUT, -1, "g")
+        w8 = mm.cast(weight.t(), c.cast_config_weight_for_grad_input, GemmInputRole.WEIGHT, -1, "w")
+        grad_x = torch.mm(g8, w8.t()).reshape(*grad.shape[:-1], weight.shape[1])
+        g8 = mm.cast(g, c.cast_config_grad_output_for_grad_weight, GemmInputRole.GRAD_OUTPUT, 0, "g")
+        x8 = mm.cast(x.reshape(-1, x.shape[-1]), c.cast_config_input_for_grad_weight, GemmInputRole.INPUT, 0, "x")
+        grad_w = torch.mm(g8.t(), x8)
+        return grad_x, grad_w, None

@@ -1,0 +1,130 @@
+"""FP8 (emulated) training at one layout against the one-process FP8 reference, for tests/test_fp8_parity.py.
+
+`fp8_layout_run(layout, broken)` runs on every rank of a run_ranks world: the tiny Llama converted to FP8,
+STEPS steps of ZeRO at the layout, and on each rank the one-process FP8 model (reference_model, converted the
+same way, torch.optim.AdamW) on the same micro-batches in the same order. Every FP8 cast's scale is recorded
+(torchao's amax_to_scale, wrapped) in call order, for both. `broken`: the amaxes are not reduced over the
+groups that split them (the bug the tests must catch).
+"""
+import torch
+import torch.distributed as dist
+
+from ..fp8 import matmul
+from ..fp8.convert import Float8Converter
+from ..fp8.settings import Float8Settings
+from ..context_parallel import slice_batch_for_cp
+from ..model import reference_model
+from ..pipeline.gpt_stage import activation_shape, build_gpt_stage
+from ..pipeline.p2p import P2P
+from ..topology import build_parallel_state
+from ..zero import ZeroOptimizer
+from .tiny_gpt import tiny_llama_config
+from .train_step import pipeline_train_step
+
+STEPS, GLOBAL_BATCH = 2, 2
+HP = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+CPU = torch.device("cpu")
+
+
+def config(sequence_parallel=False):
+    return tiny_llama_config(num_layers=2, seq_length=16, max_position_embeddings=16,
+                             sequence_parallel=sequence_parallel)
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(700 + step)
+    tokens = torch.randint(0, 100, (GLOBAL_BATCH, 17), generator=g)
+    return tokens[:, :-1], tokens[:, 1:].contiguous()
+
+
+class _ScaleLog:
+    """Every scale torchao's amax_to_scale returns, in call order, while installed."""
+
+    def __init__(self):
+        self.scales, self._inner = [], matmul.amax_to_scale
+
+    def __enter__(self):
+        def record(*args, **kwargs):
+            scale = self._inner(*args, **kwargs)
+            self.scales.append(scale.detach().clone())
+            return scale
+        matmul.amax_to_scale = record
+        return self
+
+    def __exit__(self, *exc):
+        matmul.amax_to_scale = self._inner
+
+
+def reference_run(settings, dp=1, cp=1, steps=STEPS):
+    """The one-process FP8 model on every step's global batch, one sample a micro-batch (forward then backward
+    each, as the schedule at PP 1): per step the loss and gradient norm, per step and micro-batch the scales.
+    The loss is normalised as a DP rank of a `dp`-way run does (by its micro-batch count; the gradients then
+    averaged over DP), and with `cp` as a CP rank's (its tokens' loss counted cp times, the gradients averaged
+    over DP x CP), so the output gradients, and their scales, are that rank's; the sums are the same (dp and
+    cp powers of 2: exactly)."""
+    model = reference_model(config())
+    Float8Converter(settings, CPU)(model)
+    opt = torch.optim.AdamW(model.parameters(), **HP)
+    losses, norms, scales = [], [], []
+    for step in range(steps):
+        tokens, labels = batch(step)
+        opt.zero_grad()
+        total, per_micro = 0.0, []
+        for j in range(GLOBAL_BATCH):
+            with _ScaleLog() as log:
+                loss = model(tokens[j:j + 1], labels=labels[j:j + 1]) * cp / (GLOBAL_BATCH // dp)
+                loss.backward()
+            total += loss.item() / (dp * cp)
+            per_micro.append(log.scales)
+        for p in model.parameters():
+            p.grad /= dp * cp
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).item())
+        opt.step()
+        losses.append(total)
+        scales.append(per_micro)
+    return losses, norms, scales
+
+
+def expected_scales(reference_scales, dp_rank, dp_size):
+    """The scales a DP rank casts with, in its call order at PP 1: its micro-batches' in the reference."""
+    per_rank = GLOBAL_BATCH // dp_size
+    return [s for step in reference_scales for j in range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+            for s in step[j]]
+
+
+def fp8_layout_run(tp=1, pp=1, cp=1, stage=1, sequence_parallel=False, recipe="tensorwise", broken=False):
+    """-> this rank's DP rank, per-step losses and gradient norms, and its scales in call order."""
+    state = build_parallel_state(tp=tp, pp=pp, cp=cp)
+    settings = Float8Settings("hybrid", recipe, 0, emulate=True)
+    cfg = config(sequence_parallel and tp > 1)
+    model = build_gpt_stage(cfg, state)
+    Float8Converter(settings, CPU, state.cp_group if cp > 1 else None)(model)
+    opt = ZeroOptimizer(list(model.named_parameters()), dp_group=state.dp_group, stage=stage, clip_grad=1e9,
+                        mp_group=state.mp_group, tp_rank=state.tp_rank, module=model, **HP)
+    p2p = P2P(state.prev_rank, state.next_rank, activation_shape(1, cfg, state.tp_size, state.cp_size),
+              torch.float32)
+    saved = dict(matmul.TP_SPLIT)
+    if broken:  # the amax of every shard its own: no reduction over TP (nor CP)
+        matmul.TP_SPLIT.update({k: {"x": None, "w": None, "g": None} for k in matmul.TP_SPLIT})
+        for m in model.modules():
+            if getattr(m, "fp8", None) is not None:
+                m.fp8.cp_group = None
+    per_replica = GLOBAL_BATCH // state.data_parallel_size
+    first = state.data_parallel_rank * per_replica
+    losses, norms = [], []
+    try:
+        with _ScaleLog() as log:
+            for step in range(STEPS):
+                tokens, labels = batch(step)
+                micro = [slice_batch_for_cp({"tokens": tokens[j:j + 1], "labels": labels[j:j + 1],
+                                             "loss_mask": torch.ones(1, labels.shape[1])}, cp, state.cp_rank)
+                         for j in range(first, first + per_replica)]
+                loss, norm = pipeline_train_step(model, opt, state, p2p, micro)
+                losses.append(loss)
+                norms.append(norm)
+    finally:
+        matmul.TP_SPLIT.clear()
+        matmul.TP_SPLIT.update(saved)
+    dist.barrier()
+    return {"dp_rank": state.data_parallel_rank, "losses": losses, "norms": norms, "scales": log.scales}
+
