@@ -158,3 +158,18 @@ def test_a_field_without_a_flag_or_help_is_refused():
         twice: int = derived("twice the width", value=lambda args: 2 * args.width)
 
     assert Fine.from_args(type("Args", (), {"width": 4})) == Fine(width=4, twice=8)
+
+
+def test_the_resume_check_compares_typed_model_settings():
+    """A checkpoint's recorded args (a dict, in another writer's spelling) and the run's flags become the same
+    typed ModelSettings where they describe the same model, and differ in the field where they do not."""
+    from megatron_zero.model.architecture import ModelSettings
+
+    here = ModelSettings.from_args(arguments.parse_args(with_flags(BASE, use_rotary_position_embeddings=True)))
+    recorded = {**arguments.args_to_dict(arguments.parse_args(BASE)), "position_embedding_type": None,
+                "use_rotary_position_embeddings": True, "add_position_embedding": False, "norm_epsilon": 1e-5,
+                "layernorm_epsilon": None}  # Megatron-DeepSpeed's spelling of a RoPE model
+    assert ModelSettings.from_args(recorded) == here and here.position_embedding_type == "rope"
+    wider = ModelSettings.from_args({**recorded, "hidden_size": 128})
+    assert [f.name for f in dataclasses.fields(here) if getattr(here, f.name) != getattr(wider, f.name)] == \
+        ["hidden_size"]
