@@ -3,15 +3,18 @@
     flags (argparse: Megatron-LM's and Megatron-DeepSpeed's spellings and aliases)
       + the DeepSpeed JSON (deepspeed_config.py: fills the flags not given)
       -> validate(): each area's checks, once, in dependency order; derived values filled in
-      -> the checked namespace, read by
-           topology      Layout (the data-parallel size and every cross-degree rule; parallel.py builds it)
+      -> the checked namespace -> from_args(): Config, the typed sections (frozen; derived values as fields)
+           topology      ParallelConfig: build_parallel_state(**degrees()), layout() (topology.Layout: the
+                         data-parallel size and every cross-degree rule; check_layout builds it first)
            model         GPTConfig, by model/architecture.gpt_config (the one args -> model mapping,
                          also for a checkpoint's saved args)
-           optimizer     ZeroOptimizer (training.py), its schedule (lr_schedule.py)
-           checkpoint    save/resume, and the resume check against the saved args (checkpoint/compat.py)
+           optimizer     OptimizerConfig -> ZeroOptimizer (optimizer_setup.py); the schedule (lr_schedule.py)
+                         still reads the namespace
+           checkpoint    CheckpointConfig: save/resume (training.py); the resume check compares the saved args'
+                         and the run's model/architecture.ModelSettings (checkpoint/compat.py)
 
-Each area is a module that declares its flags (`add_flags(parser)`, each with help) and owns their
-checks: model.py, moe.py (with moe_deepspeed.py, moe_router.py), parallel.py, optimizer.py,
+Each area is a module that declares its flags (`add_flags(parser)`, each with help; where the area has a
+typed section, generated from the section's fields: fields.py) and owns their checks: model.py, moe.py (with moe_deepspeed.py, moe_router.py), parallel.py, optimizer.py,
 training.py, data.py, checkpointing.py, log.py, runtime.py. A feature's own flags module plugs in
 through arguments.py's FEATURES: its `add_flags(parser)` and a `check(args)` that runs once the
 layout, model and run length are checked (compat_flags.py is one).
