@@ -14,8 +14,9 @@
                          and the run's model/architecture.ModelSettings (checkpoint/compat.py)
 
 Each area is a module that declares its flags (`add_flags(parser)`, each with help; where the area has a
-typed section, generated from the section's fields: fields.py) and owns their checks: model.py, moe.py (with moe_deepspeed.py, moe_router.py), parallel.py, optimizer.py,
-training.py, data.py, checkpointing.py, log.py, runtime.py. A feature's own flags module plugs in
+typed section, generated from the section's fields: fields.py) and owns their checks: model.py, moe.py
+(with moe_deepspeed.py, moe_router.py), parallel.py, optimizer.py, training.py, data.py, checkpointing.py,
+log.py, runtime.py. A feature's own flags module plugs in
 through arguments.py's FEATURES: its `add_flags(parser)` and a `check(args)` that runs once the
 layout, model and run length are checked (compat_flags.py is one).
 
