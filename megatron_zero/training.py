@@ -285,14 +285,15 @@ class Trainer:
     # ---- the loop --------------------------------------------------------------------
     def train(self) -> int:
         a, s, p = self.args, self.state, self.progress
-        policy = ExitPolicy(a.exit_signal_handler, a.exit_duration_in_mins, a.exit_interval, device=self.device,
-                            ctrl_c=True, announce=ctrl_c_line(bool(a.save)) if self.is_writer else None)
-        if p.iteration >= a.train_iters:  # a resume of a finished run: say so, and leave the checkpoint alone
-            limit = (f"--train-iters {a.train_iters}; raise --train-iters above {p.iteration}"
-                     if a.train_samples is None else
-                     f"--train-samples {a.train_samples} ({a.train_iters} iterations); raise --train-samples above "
+        t, c, o = self.sections.training, self.sections.checkpoint, self.sections.optimizer
+        policy = ExitPolicy(t.exit_signal_handler, t.exit_duration_in_mins, t.exit_interval, device=self.device,
+                            ctrl_c=True, announce=ctrl_c_line(bool(c.save)) if self.is_writer else None)
+        if p.iteration >= t.train_iters:  # a resume of a finished run: say so, and leave the checkpoint alone
+            limit = (f"--train-iters {t.train_iters}; raise --train-iters above {p.iteration}"
+                     if t.train_samples is None else
+                     f"--train-samples {t.train_samples} ({t.train_iters} iterations); raise --train-samples above "
                      f"{p.consumed_train_samples}")
-            self._log(f"nothing to train: the checkpoint loaded from --load {a.load} is at iteration {p.iteration}, "
+            self._log(f"nothing to train: the checkpoint loaded from --load {c.load} is at iteration {p.iteration}, "
                       f"at or past {limit} to train on")
             policy.restore()
             self.hooks.close()
@@ -302,7 +303,7 @@ class Trainer:
             f" with {self.config.num_experts} experts per MoE layer" + (f" (EP={s.ep_size})" if s.ep_size > 1 else ""))
         self._log(f"training a {self.config.num_layers}-layer {architecture_name(self.config)} model{experts} on "
                   f"{s.layout}, "
-                  f"ZeRO-{a.zero_stage}, {a.params_dtype}, from iteration {p.iteration}"
+                  f"ZeRO-{o.zero_stage}, {o.params_dtype}, from iteration {p.iteration}"
                   f" ({p.consumed_train_samples} samples consumed), "
                   f"{self.batch.num_micro_batches(p.consumed_train_samples)} micro-batches per step"
                   + (f" (global batch {self.batch.global_batch_size(p.consumed_train_samples)}, growing to "
@@ -311,23 +312,24 @@ class Trainer:
         for line in self.transforms:
             self._log(line)
         self.log.start()
-        summary = RunSummary(p, a.seq_length, self.log.flops / a.global_batch_size, s.layout.world_size, self.log.peak)
+        summary = RunSummary(p, a.seq_length, self.log.flops / self.sections.parallel.global_batch_size,
+                             s.layout.world_size, self.log.peak)
         saved_at = None
-        rules = StopRules(a.max_consecutive_skipped_iterations, a.check_for_nan_in_loss_and_grad,
+        rules = StopRules(t.max_consecutive_skipped_iterations, t.check_for_nan_in_loss_and_grad,
                           self.optimizer.loss_scaler.dynamic)
         micro_batches_before = self.batch.num_micro_batches(p.consumed_train_samples)
-        while p.iteration < a.train_iters:
+        while p.iteration < t.train_iters:
             gbs = self.batch.global_batch_size(p.consumed_train_samples)
             if self.batch.num_micro_batches(p.consumed_train_samples) != micro_batches_before:
                 micro_batches_before = self.batch.num_micro_batches(p.consumed_train_samples)
                 self._log(f"the global batch grows to {gbs} ({micro_batches_before} micro-batches per step) at "
                           f"iteration {p.iteration} ({p.consumed_train_samples} samples consumed)")
-                if a.save and saved_at != p.iteration:  # as Megatron-LM: a checkpoint where the batch changes
+                if c.save and saved_at != p.iteration:  # as Megatron-LM: a checkpoint where the batch changes
                     self.hooks.before_eval_or_save()
                     self.save()
                     saved_at = p.iteration
             self.hooks.before_step(p.iteration)
-            last = p.iteration + 1 >= a.train_iters
+            last = p.iteration + 1 >= t.train_iters
             micro = self._micro_batches(self.train_ds, p.consumed_train_samples, gbs,
                                         None if last else self.batch.global_batch_size(p.consumed_train_samples + gbs))
             loss, lr, updated, grad_norm = self.train_step(micro, policy.votes)
@@ -342,8 +344,8 @@ class Trainer:
                                self.optimizer.params_norm, self.decoupled_lr)
             if self.moe_metrics is not None:
                 self._log_moe(p, len(micro))
-            save_now = a.save and a.save_interval and p.iteration % a.save_interval == 0
-            save_weights_now = (not save_now and a.save and a.save_weights_interval
+            save_now = c.save and c.save_interval and p.iteration % c.save_interval == 0
+            save_weights_now = (not save_now and c.save and a.save_weights_interval
                                 and p.iteration % a.save_weights_interval == 0)
             if save_now or save_weights_now:
                 self.log.flush(p)  # the losses up to here, read before anything is saved of this state
@@ -351,7 +353,7 @@ class Trainer:
                     or rules.after_losses(p.iteration, self.log.first_nonfinite_loss))
             if stop:
                 self._stop_learning(p.iteration, stop, policy)
-            if a.eval_iters and self.valid_ds is not None and p.iteration % a.eval_interval == 0:
+            if t.eval_iters and self.valid_ds is not None and p.iteration % t.eval_interval == 0:
                 self.hooks.before_eval_or_save()
                 val = self.evaluate()
                 self.log.scalars.scalar("lm loss validation", val, p.iteration, p.consumed_train_samples)
@@ -375,7 +377,7 @@ class Trainer:
         stop = rules.after_losses(p.iteration, self.log.first_nonfinite_loss)
         if stop:  # (after a signal or --exit-interval) not saved on the way out
             self._stop_learning(p.iteration, stop, policy)
-        if a.save and saved_at != p.iteration:
+        if c.save and saved_at != p.iteration:
             self.save()
         ckpt.finalize_async_saves()
         self._log(summary.line(p, self.log.last_loss, self.last_checkpoint))
