@@ -12,7 +12,7 @@ from typing import List, Optional
 
 from . import config
 from .compat_flags import add_compat_flags, validate_compat
-from .elastic_flags import add_local_tier_flags, check_local_tier_flags
+from .elastic_flags import add_local_tier_flags, add_straggler_flags, check_local_tier_flags, check_straggler_flags
 from .config.errors import ArgumentError
 from .config.parallel import cp_a2a_size
 from .flag_refusals import refusals, unknown_flag_sentence
@@ -25,6 +25,7 @@ __all__ = ["ArgumentError", "FEATURES", "args_to_dict", "build_parser", "cp_a2a_
 # A feature's own flags module: (declare its flags on the parser, check them once the layout, model and run
 # length are checked). Its flags join --help after the core areas'.
 FEATURES = ((add_compat_flags, validate_compat), (add_local_tier_flags, check_local_tier_flags),
+            (add_straggler_flags, check_straggler_flags),
             (add_loss_flags, None), (add_fp8_flags, check_fp8_flags))  # None: no check of its own
 
 

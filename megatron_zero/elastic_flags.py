@@ -1,5 +1,6 @@
-"""Flags of the node-local checkpoint tier (elastic/local_tier.py), under Megatron-LM's names; declared here,
-registered from arguments.py (FEATURES) and checked by check_local_tier_flags."""
+"""Flags of the node-local checkpoint tier (elastic/local_tier.py) and of the straggler report
+(elastic/straggler.py), under Megatron-LM's names; declared here, registered from arguments.py (FEATURES) and
+checked by check_local_tier_flags and check_straggler_flags."""
 from __future__ import annotations
 
 import argparse
@@ -33,3 +34,43 @@ def check_local_tier_flags(args) -> None:
     if kind != "local" or not where:
         raise ArgumentError("--non-persistent-save-interval needs --non-persistent-ckpt-type local and "
                          "--non-persistent-local-ckpt-dir DIR (a directory on fast node-local storage)")
+
+
+def add_straggler_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("straggler report (docs/reliability.md)")
+    g.add_argument("--log-straggler", action="store_true",
+                   help="every --log-interval, one line with each rank's forward compute time per iteration (CUDA "
+                        "events on a GPU): the slowest and fastest ranks and the ranks over --straggler-factor "
+                        "times the median, with their hosts")
+    g.add_argument("--straggler-minmax-count", type=int, default=1,
+                   help="with --log-straggler: how many of the slowest and of the fastest ranks to name (default 1)")
+    g.add_argument("--straggler-factor", type=float, default=1.5,
+                   help="with --log-straggler: name a rank as a straggler when its forward compute time is over "
+                        "this many times the median of its pipeline stage's ranks (default 1.5)")
+    g.add_argument("--disable-straggler-on-startup", action="store_true",
+                   help="with --log-straggler: start with the report off (--straggler-ctrlr-port turns it on)")
+    g.add_argument("--straggler-ctrlr-port", type=int, default=None,
+                   help="with --log-straggler: rank 0 listens on this TCP port; each connection (e.g. curl "
+                        "host:PORT) turns the report on or off at the next log line (default: no listener)")
+
+
+def check_straggler_flags(args) -> None:
+    """One sentence (ArgumentError) for straggler flags without --log-straggler or out of range."""
+    given = [flag for flag, on in (("--straggler-minmax-count", args.straggler_minmax_count != 1),
+                                   ("--straggler-factor", args.straggler_factor != 1.5),
+                                   ("--disable-straggler-on-startup", args.disable_straggler_on_startup),
+                                   ("--straggler-ctrlr-port", args.straggler_ctrlr_port is not None)) if on]
+    if given and not args.log_straggler:
+        raise ArgumentError(f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect without "
+                            "--log-straggler: add it, or leave them out")
+    if args.straggler_minmax_count < 1:
+        raise ArgumentError(f"--straggler-minmax-count {args.straggler_minmax_count} must be at least 1")
+    if not args.straggler_factor > 1:
+        raise ArgumentError(f"--straggler-factor {args.straggler_factor:g} must be above 1 (a rank is named when "
+                            "its time is over this many times the median)")
+    port = args.straggler_ctrlr_port
+    if port is not None and not 0 < port < 65536:
+        raise ArgumentError(f"--straggler-ctrlr-port {port} must be a TCP port, 1 to 65535")
+    if args.disable_straggler_on_startup and port is None:
+        raise ArgumentError("--disable-straggler-on-startup needs --straggler-ctrlr-port PORT: without it the "
+                            "report could never be turned on")

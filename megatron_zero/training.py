@@ -35,6 +35,7 @@ from .distributed import (LaunchError, another_rank_failed, init_distributed, is
                           read_launch_env, record_peer_loss, report_failure, shutdown_distributed, stop_with_launcher)
 from .elastic.local_tier import LocalTier, resume_dir
 from .elastic.restart import note_resize, parse_for_launch
+from .elastic.straggler import straggler_report
 from .elastic.watchdog import watch_steps
 from .exit_signal import INTERRUPTED, ExitPolicy, ctrl_c_line, report_interrupt
 from .logger import format_eval_line
@@ -118,6 +119,7 @@ class Trainer:
         self.log = TrainingLog(args, state.layout.world_size, flops, next(self.model.parameters()).device,
                                self.is_writer, self._log)
         self.train_p2p = TimedCalls(self.p2p, self.log.timers("pipeline-p2p", 2))
+        self.log.straggler = straggler_report(args, state, self.device)  # --log-straggler
         self.last_checkpoint = None  # the newest checkpoint loaded or saved: what a stopped run names
         self.hooks = StepHooks(args, self.device, state.rank)  # --manual-gc, --empty-unused-memory-level, --profile
         self.local_tier = LocalTier(args, state, state.layout.world_size)  # --non-persistent-save-interval
@@ -171,6 +173,7 @@ class Trainer:
         set_aux_loss_scale(self.optimizer.loss_scale * s.cp_size / len(micro))
         with timers("forward-backward", 1):
             step = timers.timed(make_forward_step(self.model, micro, s), "forward-compute", 2)
+            step = self.log.straggler.timed(step) if self.log.straggler else step  # --log-straggler
             losses = self.forward_backward(step, len(micro), self.train_p2p, s.pp_rank, s.pp_size,
                                            backward_loss=self.optimizer.backward,
                                            before_last_backward=grad_reduce_arming(self.model, self.optimizer))

@@ -8,7 +8,8 @@ join the average, and the non-finite ones count as nan iterations. Every --log-i
 the averaged line (logger.format_train_line), `iteration-time`, `throughput` (model TFLOP/s per rank,
 Megatron's formula), `world-size` (--log-world-size-to-tensorboard), `params-norm` (--log-params-norm,
 a collective over the model-parallel and data-parallel groups), the memory tags
-(--log-memory-to-tensorboard) and the timers' breakdown (--timing-log-level, a collective).
+(--log-memory-to-tensorboard), the timers' breakdown (--timing-log-level, a collective) and the
+straggler report (--log-straggler, a collective: elastic/straggler.py).
 Collectives are entered by every rank at the same iterations; only the writer rank prints and writes.
 """
 from __future__ import annotations
@@ -53,6 +54,7 @@ class TrainingLog:
         self.first_nonfinite_loss = None  # (iteration, loss) of the first inf/NaN loss read (stop_rules.py)
         self.last_loss = None  # (iteration, loss) of the newest loss read (the run's summary)
         self._last = time.monotonic()
+        self.straggler = None  # the --log-straggler report (elastic/straggler.py), set by the trainer
 
     def start(self):
         """The clock for the first interval starts here (after loading and building the data); without a known
@@ -101,6 +103,9 @@ class TrainingLog:
                                      params_norm, decoupled_lr))
         if timing:
             self.print(timing)
+        report = self.straggler.line() if self.straggler is not None else None  # a collective
+        if report:
+            self.print(report)
         self._loss_sum, self._loss_count, self._iters, self._samples = 0.0, 0, 0, 0
         self._last = time.monotonic()
 

@@ -57,7 +57,7 @@ def test_log_line_tags_timers_and_wandb_offline(builtin_corpus, tmp_path):
                                      "log-world-size-to-tensorboard": True, "log-timers-to-tensorboard": True,
                                      "timing-log-level": 2, "peak-tflops": 0.05, "wandb-project": "mz-test",
                                      "wandb-exp-name": "offline-run", "wandb-save-dir": wb,
-                                     "save": tmp_path / "ckpt", "save-16bit-model": True})
+                                     "save": tmp_path / "ckpt", "save-16bit-model": True, "log-straggler": True})
     os.environ["WANDB_MODE"] = "offline"
     try:
         run = torchrun(2, argv)
@@ -73,6 +73,11 @@ def test_log_line_tags_timers_and_wandb_offline(builtin_corpus, tmp_path):
     for name in ("forward-backward", "forward-compute", "backward-compute", "pipeline-p2p", "optimizer",
                  "embedding-grads-all-reduce", "loss-broadcast"):
         assert re.search(rf"    {name} \.+: \(", run.stdout), name
+    # --log-straggler: each rank's forward time (the first iteration left out), against its pipeline stage's
+    reports = re.findall(r"straggler report \| .*", run.stdout)  # (tests/test_straggler.py: a rank made slow)
+    assert len(reports) == 2 and all(re.search(r"slowest rank \d \(\S+\) [0-9.]+, fastest rank \d \(\S+\) "
+                                               r"[0-9.]+, median per pipeline stage [0-9.]+, [0-9.]+ \| ", r)
+                                     for r in reports), reports
     events = EventAccumulator(str(tb))
     events.Reload()
     tags = set(events.Tags()["scalars"])
