@@ -1,7 +1,7 @@
 """Mixture of experts: training throughput against the dense model of equal active parameters, the cost of
 dispatch per token as the number of experts E and top-k grow, and each rank's memory by expert parallelism.
 
-    .venv/bin/python bench/bench_moe.py [--reps 5] [--tables a,b,c] [--threads 1]
+    .venv/bin/python bench/bench_moe.py [--reps 5] [--tables a,b,c,d] [--threads 1]
 
 (a) tokens/s of a training step (forward to the loss, backward, AdamW) of the single-process model, GPT-2
     (GeLU experts) and Llama (SwiGLU experts, RMSNorm, RoPE, grouped-query attention): MoE in every layer,
@@ -26,6 +26,11 @@ dispatch per token as the number of experts E and top-k grow, and each rank's me
     own count), and the step's peak resident memory above the process's before the model was built
     (VmHWM, glibc serving allocations above 64 KiB by mmap so that freed memory leaves the process). The
     baseline is EP1.
+(d) the bytes of expert weights the grouped GEMM copies a forward (CopyCounter, the experts of every MoE
+    layer on --tokens rows split evenly), GPT-2 and Llama MoE, forced onto grouped_mm (its CPU forward, no
+    grad: the CPU has no grouped_mm backward): the experts as separate tensors (no ZeRO wrapper, or ZeRO-3:
+    stacked by a copy, what every forward did under every stage before) against ZeRO-1's flat buffer (the
+    stacked view, stacked_weights.py). The baseline is the separate tensors; the experts' parameter bytes beside.
 Ranks and threads share the machine's cores: on a 2-core machine the EP2 rows' alltoall competes with compute.
 """
 import argparse
@@ -48,10 +53,12 @@ from megatron_zero.model.gpt import reference_model  # noqa: E402
 from megatron_zero.model.transformer import ParallelMLP  # noqa: E402
 from megatron_zero.moe import reset_aux_losses, set_aux_loss_scale  # noqa: E402
 from megatron_zero.moe.dispatch import ExpertParallelExchange, permute, unpermute  # noqa: E402
+from megatron_zero.moe.grouped_mlp import GroupedMLP  # noqa: E402
 from megatron_zero.moe.layer import Experts  # noqa: E402
 from megatron_zero.moe.router import route  # noqa: E402
 from megatron_zero.pipeline.gpt_stage import build_gpt_stage  # noqa: E402
 from megatron_zero.testing import run_ranks  # noqa: E402
+from megatron_zero.testing.copy_counter import CopyCounter  # noqa: E402
 from megatron_zero.testing.tiny_gpt import LLAMA_ARCHITECTURE  # noqa: E402
 from megatron_zero.topology import build_parallel_state  # noqa: E402
 from megatron_zero.zero import ZeroOptimizer  # noqa: E402
@@ -64,7 +71,8 @@ MIB = 2 ** 20
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tables", default="a,b,c", help="which tables: a (throughput), b (dispatch), c (memory)")
+    p.add_argument("--tables", default="a,b,c,d",
+                   help="which tables: a (throughput), b (dispatch), c (memory), d (grouped GEMM weight copies)")
     p.add_argument("--reps", type=int, default=7, help="timed repetitions per row")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--layers", type=int, default=2)
@@ -79,8 +87,8 @@ def parse(argv=None):
     p.add_argument("--tokens", type=int, default=4096, help="tokens a rank routes in (b)")
     a = p.parse_args(argv)
     tables = set(a.tables.split(","))
-    if not tables <= {"a", "b", "c"}:
-        p.error(f"--tables {a.tables}: a comma-separated subset of a, b, c")
+    if not tables <= {"a", "b", "c", "d"}:
+        p.error(f"--tables {a.tables}: a comma-separated subset of a, b, c, d")
     if a.reps < 1 or a.experts % 4 or not 1 <= a.topk <= a.experts:
         p.error("--reps must be at least 1, --experts a multiple of 4 (EP 1, 2 and 4) and --topk in 1..--experts")
     a.tables = tables
@@ -266,6 +274,32 @@ def memory_table(a):
             for stage in (0, 1) for ep in (1, 2, 4)]
 
 
+def weight_copies(a):
+    """(d): rows of (model, expert parameter bytes, bytes copied a forward: separate tensors, ZeRO-1)."""
+    rows, grouped = [], GroupedMLP.uses_grouped_mm
+    GroupedMLP.uses_grouped_mm = lambda self, experts, rows: True
+    try:
+        for llama in (False, True):
+            cfg = config(a, True, llama)
+            model = reference_model(cfg)
+            layers = [m for m in model.modules() if isinstance(m, Experts)]
+            x = torch.randn(a.tokens, a.hidden, generator=torch.Generator().manual_seed(0))
+            counts = [a.tokens // a.experts] * (a.experts - 1) + [a.tokens - a.tokens // a.experts * (a.experts - 1)]
+            copied = []
+            for zero in (False, True):
+                if zero:
+                    ZeroOptimizer(list(model.named_parameters()), stage=1, module=model)
+                with torch.no_grad(), CopyCounter() as copies:
+                    for experts in layers:
+                        experts(x, counts)
+                copied.append(copies.total)
+            held = sum(p.numel() * p.element_size() for m in layers for p in m.parameters())
+            rows.append(("Llama" if llama else "GPT-2", held, *copied))
+    finally:
+        GroupedMLP.uses_grouped_mm = grouped
+    return rows
+
+
 def machine() -> str:
     return (f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load {os.getloadavg()[0]:.2f}")
@@ -307,6 +341,13 @@ def main(argv=None):
             base = next(r for r in rows if r[0] == stage and r[1] == 1)
             print(f"| {stage} | {ep} | {params / MIB:.2f} | {grads / MIB:.2f} | {state / MIB:.2f} | {peak / MIB:.1f} | "
                   f"{state / base[4]:.2f} | {peak / base[5]:.2f} |")
+    if "d" in a.tables:
+        print(f"\n(d) expert weight bytes the grouped GEMM copies a forward ({a.layers} MoE layers, {a.tokens} rows "
+              "each): separate tensors (stacked by a copy) against ZeRO-1's flat buffer (a view)")
+        print("| model | expert param bytes | copied: separate tensors | copied: ZeRO-1 | ZeRO-1 / separate |")
+        print("|---|---:|---:|---:|---:|")
+        for name, held, before, after in weight_copies(a):
+            print(f"| {name} | {held:,} | {before:,} | {after:,} | {after / before:.2f} |")
 
 
 if __name__ == "__main__":

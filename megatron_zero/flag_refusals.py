@@ -21,17 +21,12 @@ class Refusal:
     condition: str = ""  # the condition in words, for the documentation
 
 
-_DELAYED = ("it sets delayed scaling's amax history, which torchao's float8 training no longer has; FP8 here "
-            "scales each tensor by its current amax (--fp8-recipe tensorwise is the closest)")
-
 REFUSED: Dict[str, Refusal] = {
     # FP8 (docs/fp8.md): torchao's float8 training, which --fp8-format turns on
-    "--fp8-amax-history-len": Refusal(_DELAYED),
-    "--fp8-amax-compute-algo": Refusal(_DELAYED),
     "--fp8-recipe": Refusal(
-        "torchao's float8 training scales tensorwise, rowwise or rowwise_with_gw_hp; it has no delayed scaling "
-        "(the closest: tensorwise) and no mxfp8 or blockwise training outside its prototypes (the closest: rowwise)",
-        lambda v, g: v in ("delayed", "mxfp8", "blockwise"), "delayed, mxfp8, blockwise"),
+        "FP8 here scales delayed, tensorwise, rowwise or rowwise_with_gw_hp; torchao has no mxfp8 or blockwise "
+        "training outside its prototypes (the closest: rowwise)",
+        lambda v, g: v in ("mxfp8", "blockwise"), "mxfp8, blockwise"),
     "--fp8-param-gather": Refusal(
         "torchao gathers FP8 parameters only under FSDP2 (enable_fsdp_float8_all_gather); ZeRO here gathers the "
         "parameters in the training dtype and the FP8 matmuls cast them"),

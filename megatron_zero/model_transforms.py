@@ -25,8 +25,9 @@ def model_converters(args, state, device: torch.device) -> List[Converter]:
         from .fp8.convert import Float8Converter
         from .fp8.settings import Float8Settings
 
-        settings = Float8Settings(args.fp8_format, args.fp8_recipe, args.fp8_margin, args.fp8_emulate)
-        converters.append(Float8Converter(settings, device, state.cp_group if state.cp_size > 1 else None))
+        converters.append(Float8Converter(Float8Settings.from_args(args), device,
+                                          state.cp_group if state.cp_size > 1 else None,
+                                          state.dp_group if state.dp_size > 1 else None))
     return converters
 
 

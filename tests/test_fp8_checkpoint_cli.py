@@ -1,12 +1,15 @@
-"""FP8 checkpoints through the command line: an FP8 run (Llama, TP2, emulated FP8 on the CPU) saves the files a
-run without FP8 saves; it resumes as saved bit-identically (FP8 keeps no scaling state: every scale is
-recomputed from its tensor, so the restored weights, moments, schedule and data position are the whole
-state); tools/ds_to_universal.py converts it and the universal resume at the same layout is bit-identical
+"""FP8 checkpoints through the command line: an FP8 run (Llama, TP2, emulated FP8 on the CPU, tensorwise
+scaling) saves the files a run without FP8 saves; it resumes as saved bit-identically (tensorwise keeps no
+scaling state: every scale is recomputed from its tensor, so the restored weights, moments, schedule and data
+position are the whole state); tools/ds_to_universal.py converts it and the universal resume at the same layout is bit-identical
 too, and at ZeRO-2 the first resumed iteration's loss (the restored weights' forward) is within
 test_cli_resume's 1e-5. Later iterations at another layout are not compared: Adam turns the reordered
 gradient sums into weight differences on near-zero-gradient elements, and an FP8 rounding of such a weight
 can move by a whole FP8 spacing (2^-3 relative); the measured drift is ~1e-5 after one step, and no bound
-for it is derived here. It resumes without FP8, and a checkpoint saved without FP8 resumes with it. The default tier's FP8 checkpoint claim is
+for it is derived here. It resumes without FP8, and a checkpoint saved without FP8 resumes with it.
+With delayed scaling (Megatron-LM's default recipe) the amax histories are training state: the run resumed as
+saved is bit-identical (they are in the model-states files), and a universal resume says in one line that
+they start fresh. The default tier's FP8 checkpoint claim is
 tests/test_fp8_checkpoint.py (the converted model's state is the unconverted one's)."""
 import os
 
@@ -16,8 +19,9 @@ from megatron_zero.testing.cli import CliResume, cli_flags, layout_flags, logged
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 pytest.importorskip("torchao.float8")
-FP8 = {"fp8-format": "hybrid", "fp8-emulate": True}
-NO_FP8 = {"fp8-format": None, "fp8-emulate": None}
+FP8 = {"fp8-format": "hybrid", "fp8-recipe": "tensorwise", "fp8-emulate": True}
+NO_FP8 = {"fp8-format": None, "fp8-recipe": None, "fp8-emulate": None}
+DELAYED = {"fp8-format": "hybrid", "fp8-emulate": True, "fp8-amax-history-len": 4, "fp8-amax-compute-algo": "max"}
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +29,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fp8_resume")
     data = text_data(root / "text")
     made = {}
-    for name, fp8 in (("fp8", FP8), ("plain", NO_FP8)):
+    for name, fp8 in (("fp8", FP8), ("plain", NO_FP8), ("delayed", DELAYED)):
         os.makedirs(root / name)
         made[name] = CliResume(str(root / name), lambda *c, fp8=fp8: cli_flags(data, str(root / "cache"), "llama",
                                                                               fp8, *c), layout_flags(tp=2))
@@ -60,3 +64,12 @@ def test_resume_across_fp8_and_not(runs, saved, resumed):
     assert ("FP8 (hybrid" in run.stdout) == (resumed is FP8)
     first = ckpt.losses[ckpt.save_at + 1]  # the saved run's next loss: the resumed one is its FP8 (or not) twin
     assert abs(losses[ckpt.save_at + 1] - first) < abs(first - ckpt.losses[1])  # not a fresh start
+
+
+def test_delayed_scaling_histories_resume_bit_exactly(runs):
+    delayed = runs["delayed"]
+    assert "FP8 (hybrid, delayed scaling, amax history 4 (max), emulated): 8 linear layers" in delayed.stdout
+    delayed.assert_matches(delayed.resume("as saved"), 0.0)
+    universal = delayed.resume_run("universal")
+    assert "FP8 delayed scaling: the amax histories start fresh (scale 1), a universal checkpoint keeps none" \
+        in universal.stdout, universal.stdout[-2000:]

@@ -11,10 +11,13 @@ pytest.importorskip("torchao.float8")
 
 
 @pytest.mark.parametrize("changes, words", [
-    (dict(fp8_recipe="delayed", fp8_format="hybrid"), ["--fp8-recipe delayed is refused", "tensorwise"]),
     (dict(fp8_recipe="mxfp8", fp8_format="hybrid"), ["--fp8-recipe mxfp8 is refused", "rowwise"]),
-    (dict(fp8_amax_history_len=1024, fp8_format="hybrid"), ["--fp8-amax-history-len 1024 is refused", "delayed"]),
-    (dict(fp8_amax_compute_algo="max", fp8_format="hybrid"), ["--fp8-amax-compute-algo max is refused", "amax"]),
+    (dict(fp8_amax_history_len=1024, fp8_format="hybrid", fp8_recipe="tensorwise"),
+     ["--fp8-amax-history-len", "--fp8-recipe tensorwise scales each tensor by its current amax"]),
+    (dict(fp8_amax_compute_algo="max"), ["--fp8-amax-compute-algo", "--fp8-format turns on"]),
+    (dict(fp8_amax_history_len=0, fp8_format="hybrid"), ["--fp8-amax-history-len 0 must be at least 1"]),
+    (dict(fp8_format="hybrid", checkpoint_activations=True),
+     ["--fp8-recipe delayed with --recompute-granularity full"]),
     (dict(fp8_param_gather=True, fp8_format="hybrid"), ["--fp8-param-gather is refused", "FSDP2"]),
     (dict(fp8_emulate=True), ["--fp8-format turns on", "--fp8-emulate"]),
     (dict(fp8_format="e4m3", fp8_margin=-1), ["--fp8-margin -1"]),
@@ -32,13 +35,17 @@ def test_flags_map_onto_torchaos_config():
     config = Float8Settings(args.fp8_format, args.fp8_recipe, args.fp8_margin, args.fp8_emulate).linear_config()
     assert config.emulate and config.round_scales_to_power_of_2
     assert config.cast_config_grad_output.target_dtype == torch.float8_e4m3fn
+    delayed = Float8Settings.from_args(parse_args(with_flags(BASE, fp8_format="hybrid", fp8_amax_history_len=1024,
+                                                             fp8_amax_compute_algo="max"), world_size=2))
+    assert (delayed.recipe, delayed.amax_history_len, delayed.amax_compute_algo) == ("delayed", 1024, "max")
+    assert Float8Settings.from_args(parse_args(with_flags(BASE, fp8_format="e4m3"), world_size=2)).recipe == "delayed"
     hybrid = Float8Settings("hybrid", "tensorwise").linear_config()
     assert hybrid.cast_config_grad_output.target_dtype == torch.float8_e5m2
     assert hybrid.cast_config_input.target_dtype == torch.float8_e4m3fn and not hybrid.emulate
 
 
 class _State:
-    cp_size, cp_group = 1, None
+    cp_size, cp_group, dp_size, dp_group = 1, None, 1, None
 
 
 def test_cpu_without_emulation_is_refused():

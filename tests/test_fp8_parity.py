@@ -52,7 +52,7 @@ def _torchao_reference(model, settings):
     return model
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", [r for r in RECIPES if r != "delayed"])  # delayed: test_fp8_delayed.py
 def test_one_rank_step_is_torchaos(recipe):
     cfg = tiny_llama_config(num_layers=2)
     torch.manual_seed(0)

@@ -18,7 +18,7 @@ from megatron_zero.testing.launch_scripts import script_argv, scripts
 DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "coming_from_megatron.md")
 EXPECTED_REFUSED = {
     "megatron_lm_gpt3_175b": set(),
-    "megatron_lm_llama3_8b_fp8": {"--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather"},
+    "megatron_lm_llama3_8b_fp8": {"--fp8-param-gather"},
     "megatron_lm_mixtral_8x7b": set(),
     "mds_llama2": set(),
     "mds_universal_bf16": set(),
@@ -87,14 +87,14 @@ def test_documented_refusals_are_the_table():
 
 def test_unknown_and_refused_flags_are_reported_together(capsys):
     argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-            "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "1", "--fp8-amax-history-len", "16",
-            "--no-such-flag", "3", "--fp8-recipe", "delayed", "--deepspeed"]
+            "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "1", "--fp8-param-gather",
+            "--no-such-flag", "3", "--fp8-recipe", "mxfp8", "--deepspeed"]
     with pytest.raises(SystemExit) as exit_info:
         parse_args(argv)
     assert exit_info.value.code == 2
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 3 and all(line.startswith("pretrain_gpt.py: error: ") for line in lines)
-    assert "--fp8-amax-history-len 16 is refused" in lines[0] and "--fp8-recipe delayed is refused" in lines[1]
+    assert "--fp8-param-gather is refused" in lines[0] and "--fp8-recipe mxfp8 is refused" in lines[1]
     assert "--no-such-flag is not a flag" in lines[2]
     assert not any("unrecognized arguments" in line or "ambiguous" in line for line in lines)
 
@@ -112,7 +112,7 @@ def test_no_abbreviations_and_deepspeed_is_a_switch(tmp_path):
 
 def test_unknown_flag_reported_beside_a_missing_required_one():
     with pytest.raises(ArgumentError) as err:
-        parse_command_line(["--num-layers", "2", "--fp8-amax-history-len", "4", "--foo=3"])
+        parse_command_line(["--num-layers", "2", "--fp8-recipe", "blockwise", "--foo=3"])
     lines = str(err.value).splitlines()
-    assert lines[0].startswith("--fp8-amax-history-len 4 is refused") and lines[1].startswith("--foo is not a flag")
+    assert lines[0].startswith("--fp8-recipe blockwise is refused") and lines[1].startswith("--foo is not a flag")
     assert "required" in lines[2] and len(lines) == 3

@@ -2,7 +2,9 @@
 outputs and gradients (fp32, GeLU experts with biases and SwiGLU experts without), grouped_mm's
 forward on the CPU agrees with the loop (its offsets and transposes are right), the parameters and
 checkpoints are those of a run without the flag, and on a GPU grouped_mm in bf16 agrees with the loop.
-The multi-rank runs with the flag (EP2, EP2 x TP2) are in tests/test_moe_parity.py."""
+Under ZeRO 0-2 the experts' weights enter grouped_mm as a view of the flat buffer: a forward copies no
+weight, and the view's gradients are torch.stack's, bit for bit. The multi-rank runs with the flag
+(EP2, EP2 x TP2) are in tests/test_moe_parity.py."""
 import pytest
 import torch
 
@@ -10,9 +12,12 @@ from megatron_zero.model.gpt import reference_model
 from megatron_zero.model.transformer import ParallelMLP
 from megatron_zero.moe import reset_aux_losses
 from megatron_zero.moe.grouped_mlp import GroupedMLP, grouped_linear, grouped_mm_fits
+from megatron_zero.moe.stacked_weights import expert_stride, stacked
+from megatron_zero.testing.copy_counter import CopyCounter
 from megatron_zero.testing.moe_train import moe_config
 from megatron_zero.testing.tiny_gpt import tiny_llama_config
 from megatron_zero.testing.tolerances import assert_close_scaled, model_rtol, reduction_atol
+from megatron_zero.zero import ZeroOptimizer
 
 TOKENS = 16
 
@@ -53,6 +58,78 @@ def test_grouped_mm_forward_on_the_cpu_matches_the_loop():
     want = grouped_linear(x, weights, counts, None, grouped=False)
     magnitude = grouped_linear(x.abs(), [w.abs() for w in weights], counts, None, grouped=False)
     assert torch.all((got - want).abs() <= reduction_atol(k, magnitude))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("llama", [False, True])
+def test_a_forward_under_zero_copies_no_expert_weight(llama, stage, monkeypatch):
+    """Forced onto grouped_mm (its CPU forward): without ZeRO the weights are separate tensors and stacked,
+    one copy of every expert parameter a forward; once ZeRO has laid them into its flat buffer, grouped_mm
+    reads them there (its operand shares the buffer's storage) and the forward copies nothing, with the
+    same output bits."""
+    cfg = moe_config(llama, moe_grouped_gemm=True)
+    model = reference_model(cfg)
+    experts = model._modules["2"].mlp.deepspeed_moe.experts
+    monkeypatch.setattr(GroupedMLP, "uses_grouped_mm", lambda self, experts, rows: True)
+    operands = []
+    grouped_mm = torch.nn.functional.grouped_mm
+    monkeypatch.setattr(torch.nn.functional, "grouped_mm",
+                        lambda x, w, offs: operands.append(w) or grouped_mm(x, w, offs=offs))
+    counts = [5, 0, 7, 4]
+    rows = torch.randn(sum(counts), cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), CopyCounter() as stacked_copies:
+        want = experts(rows, counts)
+    assert stacked_copies.total == sum(p.numel() * p.element_size() for p in experts.parameters())
+    ZeroOptimizer(list(model.named_parameters()), stage=stage, module=model)
+    operands.clear()
+    for _ in range(2):  # every forward, not just the first
+        with torch.no_grad(), CopyCounter() as copies:
+            got = experts(rows, counts)
+        assert copies.total == 0, dict(copies.bytes)
+        assert torch.equal(got, want)
+    fc1 = [e.dense_h_to_4h.weight for e in experts.deepspeed_experts.values()]
+    assert len(operands) == 4 and all(w.untyped_storage().data_ptr() == fc1[0].untyped_storage().data_ptr()
+                                      for w in operands)
+
+
+def test_the_stacked_view_has_torch_stacks_values_and_gradients():
+    """Weights equally spaced in one storage give a view with torch.stack's values and gradients, bit for
+    bit; weights that are not (separate tensors, uneven or misaligned spacing) are stacked by a copy."""
+    g = torch.Generator().manual_seed(5)
+    flat = torch.randn(4 * 40, generator=g)
+    weights = [torch.nn.Parameter(torch.empty(0)) for _ in range(4)]
+    for e, w in enumerate(weights):
+        w.data = flat[e * 40:e * 40 + 24].view(4, 6)  # 160 bytes apart, 16-byte aligned
+    x = torch.randn(4, 3, 6, generator=g)
+    view = stacked(weights)
+    assert view.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    assert torch.equal(view, torch.stack([w.detach() for w in weights]))
+    want = torch.autograd.grad(torch.bmm(x, torch.stack(weights).transpose(1, 2)).square().sum(), weights)
+    got = torch.autograd.grad(torch.bmm(x, view.transpose(1, 2)).square().sum(), weights)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert expert_stride([torch.randn(4, 6) for _ in range(3)]) is None
+    assert expert_stride([flat[0:24], flat[40:64], flat[96:120]]) is None  # uneven
+    assert expert_stride([flat[1:25], flat[41:65]]) is None  # 4 bytes past an aligned start
+    assert expert_stride([flat[1:25], flat[41:65]], aligned=False) == 40
+
+
+def test_zero_layout_gives_the_loops_gradients_bit_for_bit():
+    """The per-expert loop (the CPU's path; its biases come through the stacked view under ZeRO): outputs and
+    every gradient the same bits with the experts in ZeRO's flat buffer as with separate tensors."""
+    cfg = moe_config(False, moe_grouped_gemm=True)
+    results = []
+    for zero in (False, True):
+        model = reference_model(cfg)
+        if zero:
+            ZeroOptimizer(list(model.named_parameters()), stage=1, module=model)
+        experts = model._modules["2"].mlp.deepspeed_moe.experts
+        biases = [e.dense_h_to_4h.bias for e in experts.deepspeed_experts.values()]
+        assert (expert_stride(biases, aligned=False) is not None) == zero
+        rows = torch.randn(16, cfg.hidden_size, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        out = experts(rows, [5, 0, 7, 4])
+        results.append((out, torch.autograd.grad(out.square().sum(), [rows, *experts.parameters()])))
+    (out0, grads0), (out1, grads1) = results
+    assert torch.equal(out0, out1) and all(torch.equal(a, b) for a, b in zip(grads0, grads1))
 
 
 @pytest.mark.parametrize("flag_on_save", [False, True])

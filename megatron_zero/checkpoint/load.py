@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from ..device import HOST
+from ..fp8.delayed import STATE_KEY as FP8_SCALING, load_scaling_state
 from ..topology import ParallelState
 from .deepspeed_layout import EMBED_PREFIX, param_shapes
 from .errors import CheckpointError
@@ -33,7 +34,8 @@ from .storage.reader import Checkpoint, open_checkpoint
 ENGINE_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
                "frozen_param_fragments", "data_sampler", "random_ltd", "skipped_steps", "global_steps",
                "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
-               "universal_checkpoint_info"}
+               "universal_checkpoint_info", FP8_SCALING}
+FP8_NOTE = "fp8_scaling_note"  # the client's line when FP8 delayed scaling's histories start fresh
 
 
 def _check_layout(ckpt: Checkpoint, states: dict, name: str, state: ParallelState, need_same_dp: bool):
@@ -179,6 +181,9 @@ def load_checkpoint(load_dir: str, state: ParallelState, model, optimizer, load_
         except ValueError as e:
             raise CheckpointError(f"the checkpoint file {ckpt.path(opt_name)} does not fit this optimizer: {e}") from e
     client = {k: v for k, v in states.items() if k not in ENGINE_KEYS}
+    note = load_scaling_state(model, states.get(FP8_SCALING))  # the same layout: bit-exact
+    if note:
+        client[FP8_NOTE] = note
     client["lr_scheduler"] = states.get("lr_scheduler")
     client["rng_state"] = rank_rng_state(client.get("rng_state"), dp)
     if isinstance(client.get("args"), argparse.Namespace):

@@ -28,7 +28,8 @@ from .storage.commit import committed_tags, latest_tag, read_latest
 from .errors import CheckpointError
 from .format import LATEST, MODEL_FILE, ZERO3_MODEL_FILE
 from .compat import read_head
-from .load import load_checkpoint
+from ..fp8.delayed import fresh_line, histories
+from .load import FP8_NOTE, load_checkpoint
 from .megatron_deepspeed import is_module_layout, writes_qkv_blocks
 from .report import layout_here, loaded_line
 from .save import saved_layout
@@ -117,6 +118,7 @@ def resume_checkpoint(path: str, state, model, optimizer, load_optimizer: bool =
     from .interop.megatron_load import load_megatron_checkpoint  # it reads through reshape/, as universal loads do
     client = load_megatron_checkpoint(path, state, model, optimizer, load_optimizer, ckpt_format, log, check)
     if client is not None:
+        _fresh_fp8_histories(model, log, "a Megatron-LM checkpoint's are not read")
         return client
     point = find_resume_point(path, universal, verify)
     if point is None:
@@ -134,18 +136,28 @@ def resume_checkpoint(path: str, state, model, optimizer, load_optimizer: bool =
         client = load_universal_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify,
                                            checkpoint=opened)
         log(loaded_line(point.directory, "universal", client, this_layout))
+        _fresh_fp8_histories(model, log, "a universal checkpoint keeps none")
         return client
     same_stage_family = (opened.meta.get("zero_stage", optimizer.stage) == 3) == (optimizer.stage == 3)
     if (saved is not None and (saved != here or not same_stage_family)) or megatron_deepspeed_layout(opened):
         client = load_reshaped_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify,
                                           checkpoint=opened)
         log(loaded_line(point.directory, "plain", client, this_layout))
+        _fresh_fp8_histories(model, log, "the checkpoint was saved at another layout")
         return client
     root, tag = os.path.split(point.directory)
     client = load_checkpoint(root, state, model, optimizer, load_optimizer=load_optimizer, tag=tag, verify=verify,
                              checkpoint=opened)
     log(loaded_line(point.directory, "plain", client))
+    if client.get(FP8_NOTE):
+        log(client.pop(FP8_NOTE))
     return client
+
+
+def _fresh_fp8_histories(model, log, why: str) -> None:
+    """FP8 delayed scaling's amax histories are kept only at the saving layout: elsewhere they start fresh."""
+    if next(histories(model), None) is not None:
+        log(fresh_line(why))
 
 
 def _refuse_expert_tp_reshape(point, saved: Optional[dict], here: dict) -> None:

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..fp8.delayed import STATE_KEY as FP8_SCALING, scaling_state
 from ..topology import ParallelState
 from .expert_layout import expert_files, without_experts, zero3_expert_files
 from .deepspeed_layout import assign_layers_to_dp, engine_state, layer_state_dicts, universal_checkpoint_info
@@ -83,6 +84,9 @@ def build_plan(iteration: int, state: ParallelState, model, optimizer, client: d
                               client.get("lr_scheduler"), int(client.get("skipped_steps", 0) or 0))
         states["universal_checkpoint_info"] = universal_checkpoint_info(config, config.padded_vocab_size(state.tp_size))
         states.update({k: v for k, v in client.items() if k not in states})
+        fp8 = scaling_state(model)  # FP8 delayed scaling's amax histories: the same on every DP rank
+        if fp8 is not None:
+            states[FP8_SCALING] = fp8
         plan.append((model_states_name(mp, stage, dp_rank), states))
     if stage == 3 and config.num_experts is not None:  # the DeepSpeed-MoE files at ZeRO-3 too (expert_layout.py)
         plan += list(zero3_expert_files(model, config, mp, writes=dp_rank < state.ep_size).items())

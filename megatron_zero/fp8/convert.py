@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .delayed import AmaxHistory
 from .layers import FLOAT8_CLASS, SPLIT
 from .matmul import Float8Matmul
 from .settings import Float8Settings, require_fp8_device
@@ -25,9 +26,10 @@ class Float8Converter:
     name = "fp8"
 
     def __init__(self, settings: Float8Settings, device: torch.device,
-                 cp_group: Optional[dist.ProcessGroup] = None):
+                 cp_group: Optional[dist.ProcessGroup] = None, dp_group: Optional[dist.ProcessGroup] = None):
+        """`dp_group`: delayed scaling reduces its amaxes over it as well (fp8/delayed.py); None: one replica."""
         require_fp8_device(device, settings.emulate)
-        self.settings, self.cp_group = settings, cp_group
+        self.settings, self.cp_group, self.dp_group = settings, cp_group, dp_group
         self.config = settings.linear_config()
 
     def __call__(self, model: torch.nn.Module) -> str:
@@ -37,10 +39,14 @@ class Float8Converter:
             cls = type(module)
             if cls in FLOAT8_CLASS and name.rsplit(".", 1)[-1] not in SKIPPED:
                 module.__class__ = FLOAT8_CLASS[cls]
-                module.fp8 = Float8Matmul(self.config, SPLIT[cls], module.tp_group, self.cp_group,
-                                          self.settings.margin)
+                s = self.settings
+                history = (AmaxHistory(s.amax_history_len, s.amax_compute_algo, s.margin, module.weight.device)
+                           if s.delayed else None)
+                module.fp8 = Float8Matmul(self.config, SPLIT[cls], module.tp_group, self.cp_group, s.margin,
+                                          history, self.dp_group)
                 count += 1
         s = self.settings
-        return (f"FP8 ({s.format}, {s.recipe} scaling{', emulated' if s.emulate else ''}"
+        delayed = f", amax history {s.amax_history_len} ({s.amax_compute_algo})" if s.delayed else ""
+        return (f"FP8 ({s.format}, {s.recipe} scaling{delayed}{', emulated' if s.emulate else ''}"
                 f"{f', margin {s.margin}' if s.margin else ''}): {count} linear layers of this stage's blocks run "
                 "their GEMMs through torchao's float8")

@@ -1,17 +1,18 @@
 """Megatron-LM's FP8 flags, as torchao's float8 training does them (docs/fp8.md).
 
 --fp8-format turns FP8 on: the blocks' linear layers (QKV, projection, MLP) run their GEMMs in FP8.
---fp8-recipe picks torchao's scaling, --fp8-margin the headroom below the FP8 maximum, --fp8-emulate the
-emulated GEMMs a device without FP8 tensor cores needs. Megatron-LM's delayed-scaling flags
-(--fp8-amax-history-len, --fp8-amax-compute-algo), its other recipes and --fp8-param-gather are refused
-in flag_refusals.py, with the reason and the closest recipe torchao has.
+--fp8-recipe picks the scaling (delayed, Megatron-LM's default, with --fp8-amax-history-len and
+--fp8-amax-compute-algo; or torchao's tensorwise / rowwise), --fp8-margin the headroom below the FP8
+maximum, --fp8-emulate the emulated GEMMs a device without FP8 tensor cores needs. Megatron-LM's other
+recipes and --fp8-param-gather are refused in flag_refusals.py, with the reason.
 """
 from __future__ import annotations
 
 import argparse
 
 from ..config.errors import require
-from .settings import FORMATS, RECIPES, Float8Error, import_torchao_float8
+from .delayed import ALGOS
+from .settings import DEFAULT_RECIPE, FORMATS, RECIPES, Float8Error, import_torchao_float8
 
 
 def add_fp8_flags(p: argparse.ArgumentParser) -> None:
@@ -20,10 +21,17 @@ def add_fp8_flags(p: argparse.ArgumentParser) -> None:
                    help="FP8 GEMMs in the transformer blocks' linear layers (QKV, projection, MLP; not the embedding "
                         "or output layer): e4m3 for every operand, or hybrid (e4m3 forward, e5m2 output gradients, "
                         "as Megatron-LM); default: off")
-    g.add_argument("--fp8-recipe", choices=RECIPES, default="tensorwise",
-                   help="torchao's scaling: tensorwise (one scale per tensor, the fastest), rowwise (one per row, "
-                        "power-of-2 scales), rowwise_with_gw_hp (rowwise, the weight gradient's GEMM in the "
-                        "training dtype); tensorwise is the closest to Megatron-LM's delayed scaling")
+    g.add_argument("--fp8-recipe", choices=RECIPES, default=None,
+                   help=f"the scaling: delayed (Transformer Engine's: each tensor's scale from the amax history of "
+                        f"earlier micro-batches; default, as Megatron-LM), tensorwise (torchao's: one scale per "
+                        f"tensor from its current amax; the fastest here), rowwise (one per row, power-of-2 "
+                        f"scales), rowwise_with_gw_hp (rowwise, the weight gradient's GEMM in the training dtype); "
+                        f"default: {DEFAULT_RECIPE}")
+    g.add_argument("--fp8-amax-history-len", type=int, default=None,
+                   help="delayed scaling: how many micro-batches' amaxes each scale is taken from (default 1)")
+    g.add_argument("--fp8-amax-compute-algo", choices=ALGOS, default=None,
+                   help="delayed scaling: the amax a scale is computed from, the history's max or its most recent "
+                        "entry (default most_recent)")
     g.add_argument("--fp8-margin", type=int, default=0,
                    help="each scale divided by 2^margin: headroom below the FP8 maximum (as Megatron-LM's)")
     g.add_argument("--fp8-emulate", action="store_true",
@@ -35,11 +43,23 @@ def add_fp8_flags(p: argparse.ArgumentParser) -> None:
 def check_fp8_flags(args) -> None:
     """Refuse, in one sentence (ArgumentError), what FP8 cannot do with the other flags."""
     if args.fp8_format is None:
-        require(args.fp8_margin == 0 and not args.fp8_emulate and args.fp8_recipe == "tensorwise",
-                "--fp8-recipe, --fp8-margin and --fp8-emulate shape FP8 training, which --fp8-format turns on; "
-                "give --fp8-format e4m3 or hybrid, or drop them")
+        require(args.fp8_margin == 0 and not args.fp8_emulate and args.fp8_recipe is None
+                and args.fp8_amax_history_len is None and args.fp8_amax_compute_algo is None,
+                "--fp8-recipe, --fp8-amax-history-len, --fp8-amax-compute-algo, --fp8-margin and --fp8-emulate "
+                "shape FP8 training, which --fp8-format turns on; give --fp8-format e4m3 or hybrid, or drop them")
         return
     require(args.fp8_margin >= 0, f"--fp8-margin {args.fp8_margin} must not be negative")
+    recipe = args.fp8_recipe or DEFAULT_RECIPE
+    require(recipe == "delayed" or (args.fp8_amax_history_len is None and args.fp8_amax_compute_algo is None),
+            f"--fp8-amax-history-len and --fp8-amax-compute-algo set delayed scaling's amax history, and "
+            f"--fp8-recipe {recipe} scales each tensor by its current amax; drop them or use --fp8-recipe delayed")
+    require(args.fp8_amax_history_len is None or args.fp8_amax_history_len >= 1,
+            f"--fp8-amax-history-len {args.fp8_amax_history_len} must be at least 1")
+    require(recipe != "delayed" or not (getattr(args, "recompute_granularity", None) == "full"
+                                        or getattr(args, "checkpoint_activations", False)),
+            "--fp8-recipe delayed with --recompute-granularity full: the recomputed forward would cast with "
+            "scales the first forward's amaxes have already moved, so its activations would differ from the "
+            "first forward's; use --fp8-recipe tensorwise, or --recompute-granularity selective")
     require(args.num_experts is None,
             "--fp8-format with --num-experts: FP8 experts are not built here (the grouped-GEMM and expert-TP "
             "paths multiply the experts' weights outside the linear layers the FP8 converter replaces); train "

@@ -13,6 +13,9 @@ amax whose reduction runs along a split dimension is all-reduced (MAX) over that
 torchao's DTensor path does for a sharded weight; the scales are then the one-process scales, and each rank
 casts its shard exactly as one process would. Along a dimension that is not split no communication is
 needed (a per-row amax over K of a column-parallel input is already whole).
+
+With delayed scaling (delayed.py) a cast multiplies by the scale its operand's amax history gives, and the
+tensor's amax, reduced as above and over the data-parallel group as well, goes into that history.
 """
 from __future__ import annotations
 
@@ -25,6 +28,8 @@ from torchao.float8.config import ScalingGranularity, ScalingType
 from torchao.float8.float8_training_tensor import (GemmInputRole, LinearMMConfig, ScaledMMConfig,
                                                    hp_tensor_and_scale_to_float8)
 from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
+
+from .delayed import AmaxHistory
 
 # the dimension of each operand split over TP, in x [M, K], W^T [K, N], g [M, N] (None: whole)
 TP_SPLIT = {"column": {"x": None, "w": 1, "g": 1}, "row": {"x": 1, "w": 0, "g": None}}
@@ -39,6 +44,8 @@ class Float8Matmul:
     tp_group: Optional[dist.ProcessGroup] = None
     cp_group: Optional[dist.ProcessGroup] = None
     margin: int = 0
+    delayed: Optional[AmaxHistory] = None  # delayed scaling's state (delayed.py); None: the current amax
+    dp_group: Optional[dist.ProcessGroup] = None  # delayed scaling reduces its amaxes over DP too
 
     def __post_init__(self):
         c = self.config
@@ -47,36 +54,53 @@ class Float8Matmul:
                                                        c.gemm_config_grad_weight)))
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return _Float8Linear.apply(x, weight, self)
+        return _Float8Linear.apply(x, weight, self, torch.is_grad_enabled())
 
-    def cast(self, t: torch.Tensor, cast_config, role, axis: Optional[int], operand: str):
-        """`t` (2-D) in FP8 with the scale of the whole tensor's amax, along `axis` for rowwise (axiswise)."""
+    def cast(self, t: torch.Tensor, cast_config, role, axis: Optional[int], operand: str,
+             scale: Optional[torch.Tensor] = None, record: bool = True):
+        """(`t` (2-D) in FP8, its scale): the scale of the whole tensor's amax (along `axis` for rowwise:
+        axiswise), or under delayed scaling the history's (the amax then recorded, if `record`: not in a
+        forward without autograd, an evaluation's); `scale` given: cast with it."""
         if cast_config.scaling_type is ScalingType.DISABLED:
-            return t
+            return t, None
         tensorwise = cast_config.scaling_granularity is ScalingGranularity.TENSORWISE
         axis = None if tensorwise else axis  # torchao's: 0 or -1
-        amax = tensor_to_amax(t, scaling_granularity=cast_config.scaling_granularity, axiswise_dim=axis)
+        if scale is None and self.delayed is not None:
+            scale = self.delayed.scale_for(operand)
+            if record:
+                amax = tensor_to_amax(t)
+                self._reduce(amax, operand, True, None)
+                self.delayed.record(operand, amax, torch.finfo(cast_config.target_dtype).max)
+        elif scale is None:
+            amax = tensor_to_amax(t, scaling_granularity=cast_config.scaling_granularity, axiswise_dim=axis)
+            self._reduce(amax, operand, tensorwise, axis)
+            scale = amax_to_scale(amax, cast_config.target_dtype, self.config.round_scales_to_power_of_2)
+            if self.margin:
+                scale = scale * 2.0 ** -self.margin
+        return hp_tensor_and_scale_to_float8(t, scale, cast_config.target_dtype, self.mm_config, role, axis), scale
+
+    def _reduce(self, amax: torch.Tensor, operand: str, tensorwise: bool, axis: Optional[int]) -> None:
+        """MAX over the groups whose ranks hold other parts of what the amax is taken over."""
         along = None if tensorwise else axis % 2
         tp_dim = TP_SPLIT[self.split][operand]
         if self.tp_group is not None and tp_dim is not None and (tensorwise or along == tp_dim):
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.tp_group)
         if self.cp_group is not None and operand != "w" and (tensorwise or along == TOKENS):
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.cp_group)
-        scale = amax_to_scale(amax, cast_config.target_dtype, self.config.round_scales_to_power_of_2)
-        if self.margin:
-            scale = scale * 2.0 ** -self.margin
-        return hp_tensor_and_scale_to_float8(t, scale, cast_config.target_dtype, self.mm_config, role, axis)
+        if self.delayed is not None and self.dp_group is not None:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.dp_group)
 
 
 class _Float8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, mm: Float8Matmul):
+    def forward(ctx, x, weight, mm: Float8Matmul, training: bool):
         ctx.save_for_backward(x, weight)
         ctx.mm = mm
         c = mm.config
         x2 = x.reshape(-1, x.shape[-1])
-        x8 = mm.cast(x2, c.cast_config_input, GemmInputRole.INPUT, -1, "x")
-        w8 = mm.cast(weight.t(), c.cast_config_weight, GemmInputRole.WEIGHT, 0, "w")
+        x8, sx = mm.cast(x2, c.cast_config_input, GemmInputRole.INPUT, -1, "x", record=training)
+        w8, sw = mm.cast(weight.t(), c.cast_config_weight, GemmInputRole.WEIGHT, 0, "w", record=training)
+        ctx.scales = (sx, sw) if mm.delayed is not None else (None, None)  # delayed: the backward recasts with them
         return torch.mm(x8, w8).reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -84,11 +108,14 @@ class _Float8Linear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         mm = ctx.mm
         c = mm.config
+        sx, sw = ctx.scales
         g = grad.reshape(-1, grad.shape[-1])
-        g8 = mm.cast(g, c.cast_config_grad_output, GemmInputRole.GRAD_OUTPUT, -1, "g")
-        w8 = mm.cast(weight.t(), c.cast_config_weight_for_grad_input, GemmInputRole.WEIGHT, -1, "w")
+        g8, sg = mm.cast(g, c.cast_config_grad_output, GemmInputRole.GRAD_OUTPUT, -1, "g")
+        w8, _ = mm.cast(weight.t(), c.cast_config_weight_for_grad_input, GemmInputRole.WEIGHT, -1, "w", sw)
         grad_x = torch.mm(g8, w8.t()).reshape(*grad.shape[:-1], weight.shape[1])
-        g8 = mm.cast(g, c.cast_config_grad_output_for_grad_weight, GemmInputRole.GRAD_OUTPUT, 0, "g")
-        x8 = mm.cast(x.reshape(-1, x.shape[-1]), c.cast_config_input_for_grad_weight, GemmInputRole.INPUT, 0, "x")
+        g8, _ = mm.cast(g, c.cast_config_grad_output_for_grad_weight, GemmInputRole.GRAD_OUTPUT, 0, "g",
+                        sg if mm.delayed is not None else None)
+        x8, _ = mm.cast(x.reshape(-1, x.shape[-1]), c.cast_config_input_for_grad_weight, GemmInputRole.INPUT, 0, "x",
+                        sx)
         grad_w = torch.mm(g8.t(), x8)
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, None

@@ -1,8 +1,9 @@
 """What an FP8 run asks for, as torchao's float8 training configuration.
 
 `Float8Settings` holds Megatron-LM's FP8 choices that torchao can do: the format (e4m3 everywhere, or
-hybrid: e4m3 forward, e5m2 for the output gradient), the scaling recipe (torchao's tensorwise, rowwise,
-rowwise_with_gw_hp), the margin (each scale divided by 2^margin, headroom below the FP8 maximum) and
+hybrid: e4m3 forward, e5m2 for the output gradient), the scaling recipe (Transformer Engine's delayed
+scaling, built here on torchao's tensorwise casts, fp8/delayed.py, with its amax history length and
+compute algorithm; torchao's tensorwise, rowwise, rowwise_with_gw_hp), the margin (each scale divided by 2^margin, headroom below the FP8 maximum) and
 emulation (the FP8 GEMMs done in fp32 on the FP8 values, for CPUs and GPUs without FP8 tensor cores).
 `linear_config()` is torchao's Float8LinearConfig of the recipe with the format's dtypes.
 """
@@ -16,7 +17,8 @@ import torch
 from ..device import DeviceError
 
 FORMATS = ("e4m3", "hybrid")
-RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+RECIPES = ("delayed", "tensorwise", "rowwise", "rowwise_with_gw_hp")
+DEFAULT_RECIPE = "delayed"  # Megatron-LM's
 
 
 class Float8Error(DeviceError):
@@ -39,11 +41,23 @@ class Float8Settings:
     recipe: str = "tensorwise"
     margin: int = 0
     emulate: bool = False
+    amax_history_len: int = 1  # delayed scaling's (Megatron-LM's defaults)
+    amax_compute_algo: str = "most_recent"
+
+    @classmethod
+    def from_args(cls, args) -> "Float8Settings":
+        return cls(args.fp8_format, args.fp8_recipe or DEFAULT_RECIPE, args.fp8_margin, args.fp8_emulate,
+                   args.fp8_amax_history_len or 1, args.fp8_amax_compute_algo or "most_recent")
+
+    @property
+    def delayed(self) -> bool:
+        return self.recipe == "delayed"
 
     def linear_config(self):
         """torchao's Float8LinearConfig: the recipe's scaling, the format's FP8 dtypes, emulation."""
         float8 = import_torchao_float8()
-        config = float8.Float8LinearConfig.from_recipe_name(self.recipe)
+        # delayed scaling casts tensorwise, with the scales of its amax histories
+        config = float8.Float8LinearConfig.from_recipe_name("tensorwise" if self.delayed else self.recipe)
         e4m3, e5m2 = float8.config.e4m3_dtype, float8.config.e5m2_dtype  # the fnuz variants on ROCm
         grad = e5m2 if self.format == "hybrid" else e4m3
 

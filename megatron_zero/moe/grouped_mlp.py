@@ -2,9 +2,11 @@
 
 The experts keep their own parameters (`deepspeed_experts.<id>.dense_h_to_4h.weight`, ...), so the
 checkpoint layout (DeepSpeed-MoE's expert files, checkpoint/expert_layout.py), the ZeRO partitions and
-resume are those of a run without the flag, and either run loads the other's checkpoints. At each
-forward the experts' weights of one matmul are stacked ([E, out, in], one copy; its backward hands each
-expert its own gradient) and all rows, grouped by expert (offsets = cumulative row counts), go through
+resume are those of a run without the flag, and either run loads the other's checkpoints. The experts'
+weights of one matmul enter as one [E, out, in] tensor (stacked_weights.py): under ZeRO 0-2 a view of
+the flat buffer they already lie in, no copy; otherwise (ZeRO-3, no ZeRO wrapper) a stack, one copy per
+forward. Either way backward hands each expert its own gradient. All rows, grouped by expert (offsets =
+cumulative row counts), go through
 
     fc1:  torch.nn.functional.grouped_mm(rows, W1^T, offs)   [rows, (2) ffn / tp]   column-parallel
     act:  GeLU (tanh) of fc1 + the row's expert's bias, or SwiGLU over [gate; up]
@@ -26,10 +28,8 @@ import torch.nn.functional as F
 
 from ..device import has_grouped_mm, ints_to_device
 from .. import ops
+from .stacked_weights import ALIGN_BYTES, stacked
 from ..tensor_parallel import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
-
-ALIGN_BYTES = 16  # grouped_mm's stride rule: every row of its operands starts on a 16-byte boundary
-
 
 def grouped_mm_fits(dtype: torch.dtype, *dims: int) -> bool:
     """Whether rows of `dims` elements of `dtype` keep grouped_mm's operands 16-byte aligned."""
@@ -40,13 +40,13 @@ def grouped_mm_fits(dtype: torch.dtype, *dims: int) -> bool:
 def grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], counts: List[int], offs, grouped: bool):
     """Rows of x grouped by expert (counts[e] rows for expert e) times weights[e]^T ([out, in] each)."""
     if grouped:
-        return F.grouped_mm(x, torch.stack(list(weights)).transpose(1, 2), offs=offs)
+        return F.grouped_mm(x, stacked(weights).transpose(1, 2), offs=offs)
     return torch.cat([F.linear(chunk, w) for chunk, w in zip(torch.split(x, counts), weights)])
 
 
 def rows_bias(biases: Sequence[torch.Tensor], expert_of_row: torch.Tensor) -> torch.Tensor:
     """Each row's expert's bias: [rows, out]."""
-    return torch.stack(list(biases)).index_select(0, expert_of_row)
+    return stacked(biases, aligned=False).index_select(0, expert_of_row)
 
 
 class GroupedMLP:

@@ -4,13 +4,17 @@
 STEPS steps of ZeRO at the layout, and on each rank the one-process FP8 model (reference_model, converted the
 same way, torch.optim.AdamW) on the same micro-batches in the same order. Every FP8 cast's scale is recorded
 (torchao's amax_to_scale, wrapped) in call order, for both. `broken`: the amaxes are not reduced over the
-groups that split them (the bug the tests must catch).
+groups that split them (the bug the tests must catch). With delayed scaling (`settings`' recipe "delayed")
+the scales come from the layers' amax histories, not amax_to_scale: the run returns each layer's final
+scales instead, and the reference takes each micro-batch of every DP rank together, as one micro-batch
+(the DP ranks' amaxes are reduced over DP: one history entry for all of them).
 """
 import torch
 import torch.distributed as dist
 
 from ..fp8 import matmul
 from ..fp8.convert import Float8Converter
+from ..fp8.delayed import histories
 from ..fp8.settings import Float8Settings
 from ..context_parallel import slice_batch_for_cp
 from ..model import reference_model
@@ -56,23 +60,28 @@ class _ScaleLog:
 
 
 def reference_run(settings, dp=1, cp=1, steps=STEPS):
-    """The one-process FP8 model on every step's global batch, one sample a micro-batch (forward then backward
-    each, as the schedule at PP 1): per step the loss and gradient norm, per step and micro-batch the scales.
-    The loss is normalised as a DP rank of a `dp`-way run does (by its micro-batch count; the gradients then
-    averaged over DP), and with `cp` as a CP rank's (its tokens' loss counted cp times, the gradients averaged
-    over DP x CP), so the output gradients, and their scales, are that rank's; the sums are the same (dp and
-    cp powers of 2: exactly)."""
+    """The one-process FP8 model on every step's global batch, forward then backward per micro-batch (as the
+    schedule at PP 1): per step the loss and gradient norm, per step and micro-batch the scales (with delayed
+    scaling, the layers' final scales instead). A micro-batch is one sample, or under delayed scaling the dp
+    samples the DP ranks take together. The loss is normalised as a DP rank of a `dp`-way run does (by its
+    micro-batch count; the gradients then averaged over DP), and with `cp` as a CP rank's (its tokens' loss
+    counted cp times, the gradients averaged over DP x CP), so the output gradients, and their scales, are
+    that rank's; the sums are the same (dp and cp powers of 2: exactly)."""
     model = reference_model(config())
     Float8Converter(settings, CPU)(model)
     opt = torch.optim.AdamW(model.parameters(), **HP)
+    per_rank = GLOBAL_BATCH // dp
+    together = dp if settings.delayed else 1
+    micro = [[r * per_rank + j for r in range(dp)] for j in range(per_rank)] if settings.delayed else \
+        [[j] for j in range(GLOBAL_BATCH)]
     losses, norms, scales = [], [], []
     for step in range(steps):
         tokens, labels = batch(step)
         opt.zero_grad()
         total, per_micro = 0.0, []
-        for j in range(GLOBAL_BATCH):
+        for rows in micro:
             with _ScaleLog() as log:
-                loss = model(tokens[j:j + 1], labels=labels[j:j + 1]) * cp / (GLOBAL_BATCH // dp)
+                loss = model(tokens[rows], labels=labels[rows]) * together * cp / per_rank
                 loss.backward()
             total += loss.item() / (dp * cp)
             per_micro.append(log.scales)
@@ -82,6 +91,8 @@ def reference_run(settings, dp=1, cp=1, steps=STEPS):
         opt.step()
         losses.append(total)
         scales.append(per_micro)
+    if settings.delayed:
+        scales = [s.scale.clone() for _, s in histories(model)]
     return losses, norms, scales
 
 
@@ -92,13 +103,19 @@ def expected_scales(reference_scales, dp_rank, dp_size):
             for s in step[j]]
 
 
+def delayed_settings(history=4, algo="max"):
+    return Float8Settings("hybrid", "delayed", 0, True, history, algo)
+
+
 def fp8_layout_run(tp=1, pp=1, cp=1, stage=1, sequence_parallel=False, recipe="tensorwise", broken=False):
-    """-> this rank's DP rank, per-step losses and gradient norms, and its scales in call order."""
+    """-> this rank's DP rank, per-step losses and gradient norms, and its scales in call order (delayed
+    scaling: each layer's final scales)."""
     state = build_parallel_state(tp=tp, pp=pp, cp=cp)
-    settings = Float8Settings("hybrid", recipe, 0, emulate=True)
+    settings = delayed_settings() if recipe == "delayed" else Float8Settings("hybrid", recipe, 0, emulate=True)
     cfg = config(sequence_parallel and tp > 1)
     model = build_gpt_stage(cfg, state)
-    Float8Converter(settings, CPU, state.cp_group if cp > 1 else None)(model)
+    Float8Converter(settings, CPU, state.cp_group if cp > 1 else None,
+                    state.dp_group if state.dp_size > 1 else None)(model)
     opt = ZeroOptimizer(list(model.named_parameters()), dp_group=state.dp_group, stage=stage, clip_grad=1e9,
                         mp_group=state.mp_group, tp_rank=state.tp_rank, module=model, **HP)
     p2p = P2P(state.prev_rank, state.next_rank, activation_shape(1, cfg, state.tp_size, state.cp_size),
@@ -108,7 +125,7 @@ def fp8_layout_run(tp=1, pp=1, cp=1, stage=1, sequence_parallel=False, recipe="t
         matmul.TP_SPLIT.update({k: {"x": None, "w": None, "g": None} for k in matmul.TP_SPLIT})
         for m in model.modules():
             if getattr(m, "fp8", None) is not None:
-                m.fp8.cp_group = None
+                m.fp8.cp_group = m.fp8.dp_group = None
     per_replica = GLOBAL_BATCH // state.data_parallel_size
     first = state.data_parallel_rank * per_replica
     losses, norms = [], []
@@ -126,5 +143,6 @@ def fp8_layout_run(tp=1, pp=1, cp=1, stage=1, sequence_parallel=False, recipe="t
         matmul.TP_SPLIT.clear()
         matmul.TP_SPLIT.update(saved)
     dist.barrier()
-    return {"dp_rank": state.data_parallel_rank, "losses": losses, "norms": norms, "scales": log.scales}
+    scales = [s.scale.clone() for _, s in histories(model)] if settings.delayed else log.scales
+    return {"dp_rank": state.data_parallel_rank, "losses": losses, "norms": norms, "scales": scales}
 

@@ -1,0 +1,92 @@
+"""Delayed scaling (Transformer Engine's DelayedScaling, Megatron-LM's default FP8 recipe) on torchao's casts.
+
+Each FP8 layer keeps, for each operand it casts (its input x, its weight W, its output gradient g), a scale
+(1 at the start) and an amax history of --fp8-amax-history-len entries, on the device. A cast multiplies
+by the operand's current scale; then the tensor's amax, all-reduced (MAX) over the tensor-, context- and
+data-parallel groups (Transformer Engine's amax reduction group: every rank of the pipeline stage), is
+written into the history's slot 0 and the next scale is computed from the history, as Transformer Engine's
+`_default_get_amax_and_update_history` / `_default_sf_compute` do: amax = the history's max (`max`) or
+slot 0 (`most_recent`); scale = fp8_max / amax / 2^margin, the previous scale kept where amax is 0 or not
+finite; the history rolled by one (slot 0 becomes the newest entry at the end) and slot 0 zeroed. So a
+step's cast uses the scale of the amaxes up to the previous micro-batch, as Transformer Engine's (its
+update runs when the forward's autocast exits and when the backward ends). The backward casts x and W
+again with the forward's scales (Transformer Engine keeps the forward's FP8 copies) and g twice with one
+scale: one history entry per operand per micro-batch. Nothing here reads a value back to the host.
+
+The histories and scales are training state: `scaling_state(model)` / `load_scaling_state(model, saved)`
+carry them in the checkpoint's model-states file (megatron_zero/checkpoint/), not in the model's state
+dict, so the layer files and every export stay those of a bf16 run.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+OPERANDS = {"x": 0, "w": 1, "g": 2}
+ALGOS = ("max", "most_recent")
+STATE_KEY = "fp8_delayed_scaling"  # the model-states file's entry
+
+
+class AmaxHistory:
+    """One layer's delayed-scaling state: per operand (OPERANDS) an amax history and the scale it gives."""
+
+    def __init__(self, length: int, algo: str, margin: int, device: torch.device):
+        self.algo, self.margin = algo, margin
+        self.history = torch.zeros(len(OPERANDS), length, device=device)
+        self.scale = torch.ones(len(OPERANDS), device=device)
+
+    def scale_for(self, operand: str) -> torch.Tensor:
+        """The scale this cast multiplies by (a copy: the update below changes the state in place)."""
+        return self.scale[OPERANDS[operand]].clone()
+
+    @torch.no_grad()
+    def record(self, operand: str, amax: torch.Tensor, fp8_max: float) -> None:
+        """The cast's reduced amax into the history, then the next scale from the history (TE's order)."""
+        i = OPERANDS[operand]
+        history, scale = self.history[i], self.scale[i]
+        history[0] = amax.float()
+        new_amax = history.max() if self.algo == "max" else history[0].clone()
+        sf = fp8_max / new_amax / 2.0 ** self.margin
+        sf = torch.where(new_amax > 0, sf, scale)
+        scale.copy_(torch.where(torch.isfinite(new_amax), sf, scale))
+        if history.numel() > 1:
+            history.copy_(torch.roll(history, -1))
+        history[0] = 0.0
+
+
+def histories(model: torch.nn.Module):
+    """(module name, AmaxHistory) of every delayed-scaling FP8 layer of the model."""
+    for name, module in model.named_modules():
+        state = getattr(getattr(module, "fp8", None), "delayed", None)
+        if state is not None:
+            yield name, state
+
+
+def scaling_state(model: torch.nn.Module) -> Optional[dict]:
+    """The model's delayed-scaling state for a checkpoint (host copies), or None without delayed scaling."""
+    out = {name: {"amax_history": s.history.detach().cpu().clone(), "scale": s.scale.detach().cpu().clone()}
+           for name, s in histories(model)}
+    return out or None
+
+
+def load_scaling_state(model: torch.nn.Module, saved: Optional[dict]) -> Optional[str]:
+    """Restore what scaling_state saved (the same layout: the same layers, the same history length);
+    -> None when restored or when the model has no delayed scaling, else the one line saying the
+    histories start fresh and why."""
+    mine = dict(histories(model))
+    if not mine:
+        return None
+    if not saved:
+        return fresh_line("the checkpoint holds none (saved without delayed scaling)")
+    if set(saved) != set(mine) or any(saved[n]["amax_history"].shape != s.history.shape for n, s in mine.items()):
+        return fresh_line("the checkpoint's layers or --fp8-amax-history-len differ from this run's")
+    for name, s in mine.items():
+        s.history.copy_(saved[name]["amax_history"])
+        s.scale.copy_(saved[name]["scale"])
+    return None
+
+
+def fresh_line(why: str) -> str:
+    return (f"FP8 delayed scaling: the amax histories start fresh (scale 1), {why}; only the first steps' "
+            "scales differ from a run that kept them")
