@@ -6,9 +6,16 @@ import argparse
 import os
 from typing import Optional
 
-from ..checkpoint.storage.reader import add_verify_flag
 from .errors import require
 from .fields import add_section_flags, flag, section, shared
+
+
+def add_verify_flag(parser) -> None:
+    """--no-verify-checkpoint (dest `verify_checkpoint`), the same on pretrain_gpt.py and every tool."""
+    parser.add_argument("--no-verify-checkpoint", "--no_verify_checkpoint", dest="verify_checkpoint",
+                        action="store_false",
+                        help="read checkpoint files without checking them against the checkpoint's manifest "
+                             "(sizes and checksums); unpickling stays safe")
 
 
 @section("checkpointing")
