@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint as ckpt
-from .arguments import ArgumentError, args_to_dict, cp_a2a_size
+from . import config
+from .arguments import ArgumentError, args_to_dict
 from .config.checkpointing import load_is_first_run
 from .checkpoint.compat import check_checkpoint_compat
 from .checkpoint.storage.lock import hold_save_lock
@@ -41,7 +42,6 @@ from .logger import format_eval_line
 from .throughput import gpt_flops_per_iteration
 from .lr_schedule import build_lr_schedule, decoupled_lr
 from .model.architecture import gpt_config
-from .model.params import is_embedding_or_output
 from .model_transforms import apply_model_transforms, model_converters
 from .ops import kernel_report, require_fused_kernels, set_fusion_flags
 from .pipeline.gpt_stage import (activation_shape, build_gpt_stage, grad_reduce_arming, make_forward_step,
@@ -56,11 +56,11 @@ from .step_hooks import StepHooks
 from .data.prefetch import BatchPrefetcher
 from .tensor_parallel.random import model_parallel_seed
 from .timers import TimedCalls
-from .topology import build_hpz_group, build_parallel_state
+from .optimizer_setup import build_optimizer, param_groups  # noqa: F401 (param_groups: training's name for it)
+from .topology import build_parallel_state
 from .training_log import TrainingLog, architecture_name
 from .moe import reset_aux_losses, set_aux_loss_scale
 from .moe.metrics import MoEMetrics, logged_names
-from .zero import ZeroOptimizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -73,23 +73,6 @@ class TrainState:
     nan_iterations: int = 0
 
 
-def param_groups(model, weight_decay: float, decoupled: bool = False):
-    """Megatron's two groups: weight decay on matrices and embeddings, none on biases and norms. `decoupled`
-    (--decoupled-lr): the word embedding and output layer go into a third group, weight-decayed, marked
-    `is_decoupled_lr` (Megatron's key: the optimizer gives it the decoupled learning rate), where this stage
-    holds any."""
-    decay, no_decay, own_lr = [], [], []
-    for name, p in model.named_parameters():
-        if p.ndim == 1:
-            no_decay.append((name, p))
-        else:
-            (own_lr if decoupled and is_embedding_or_output(name) else decay).append((name, p))
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if own_lr:
-        groups.append({"params": own_lr, "weight_decay": weight_decay, "is_decoupled_lr": True})
-    return groups
-
-
 def fusion_flags(args) -> dict:
     """Megatron's --no-*-fusion flags as megatron_zero.ops switches."""
     return {name: getattr(args, name) for name in ("masked_softmax_fusion", "bias_gelu_fusion", "persist_layer_norm",
@@ -98,53 +81,39 @@ def fusion_flags(args) -> dict:
 
 
 class Trainer:
-    def __init__(self, args, state, device: Optional[torch.device] = None):
-        """`device`: where this rank trains; None chooses from --device and LOCAL_RANK (select_device)."""
+    def __init__(self, args, state, device: Optional[torch.device] = None, sections: Optional[config.Config] = None):
+        """`device`: where this rank trains; None chooses from --device and LOCAL_RANK (select_device).
+        `sections`: the typed configuration of the checked `args` (config.from_args(args) when not given)."""
         self.args, self.state = args, state
-        self.device = device if device is not None else select_device(args.device, read_launch_env().local_rank)
+        self.sections = sections if sections is not None else config.from_args(args)
+        par, run, data = self.sections.parallel, self.sections.runtime, self.sections.data
+        self.device = device if device is not None else select_device(run.device, read_launch_env().local_rank)
         set_fusion_flags(**fusion_flags(args))
-        if args.require_fused_kernels:  # before anything is built: refuse in one sentence
-            require_fused_kernels(self.device, offload=args.offload != "none")
-        set_shared_memory_comm(args.shared_memory_all_reduce)
-        model_parallel_seed(args.seed, state.tp_rank, state.pp_rank, state.cp_rank)
-        self.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file,
-                                         args.merge_file, args.vocab_size, args.tiktoken_pattern,
-                                         args.tiktoken_num_special_tokens, args.tokenizer_special_tokens)
+        if run.require_fused_kernels:  # before anything is built: refuse in one sentence
+            require_fused_kernels(self.device, offload=self.sections.optimizer.offload != "none")
+        set_shared_memory_comm(run.shared_memory_all_reduce)
+        model_parallel_seed(self.sections.training.seed, state.tp_rank, state.pp_rank, state.cp_rank)
+        self.tokenizer = build_tokenizer(data.tokenizer_type, data.tokenizer_model, data.vocab_file, data.merge_file,
+                                         data.vocab_size, data.tiktoken_pattern, data.tiktoken_num_special_tokens,
+                                         data.tokenizer_special_tokens)
         self.config = gpt_config(args, self.tokenizer.vocab_size)
-        self.model = build_gpt_stage(self.config, state, args.pipeline_partition_method, args.pipeline_partition,
-                                     device=self.device, virtual_stages=args.virtual_pipeline_model_parallel_size)
+        self.model = build_gpt_stage(self.config, state, par.pipeline_partition_method, par.pipeline_partition,
+                                     device=self.device, virtual_stages=par.virtual_pipeline_model_parallel_size)
         self.transforms = apply_model_transforms(self.model, model_converters(args, state, self.device))
-        self.forward_backward = schedule_for(args.virtual_pipeline_model_parallel_size)
-        loss_scaler = {"dynamic": args.loss_scale is None, "static_scale": args.loss_scale or 1.0,
-                       "initial_scale_power": int(math.log2(args.initial_loss_scale)),
-                       "scale_window": args.loss_scale_window, "min_scale": args.min_loss_scale,
-                       "hysteresis": args.hysteresis}
-        self.optimizer = ZeroOptimizer(
-            param_groups(self.model, args.weight_decay, args.decoupled_lr is not None), dp_group=state.dp_group,
-            stage=args.zero_stage,
-            lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-            weight_decay=args.weight_decay, clip_grad=args.clip_grad, mp_group=state.mp_group,
-            tp_rank=state.tp_rank, dtype=args.params_dtype, loss_scaler=loss_scaler, offload=args.offload,
-            nvme_path=args.zero_nvme_offload_path, module=self.model,
-            persistence_threshold=args.zero_param_persistence_threshold,
-            prefetch=args.overlap_param_gather, overlap_grad_reduce=args.overlap_grad_reduce,
-            overlap_param_gather=args.overlap_param_gather and args.zero_stage < 3,
-            quantized_weights=args.zero_quantized_weights, quantized_gradients=args.zero_quantized_gradients,
-            hpz_group=build_hpz_group(state.layout, state.rank, args.zero_hpz_partition_size)
-            if args.zero_hpz_partition_size > 1 else None, device=self.device,
-            grad_reduce_in_bf16=args.grad_reduce_in_bf16,
-            cpu_optimizer_threads=args.cpu_optimizer_threads, expert_dp_group=state.expert_dp_group)
+        self.forward_backward = schedule_for(par.virtual_pipeline_model_parallel_size)
+        self.optimizer = build_optimizer(self.model, self.sections.optimizer, state, self.device)
         moe_layers = sum(self.config.is_moe_layer(b) for b in range(self.config.num_layers))
         logged = logged_names(self.config)  # the MoE losses the flags compute (none: no MoE log line)
         self.moe_metrics = MoEMetrics(moe_layers, self.device, logged) if moe_layers and logged else None
         self.lr_schedule = build_lr_schedule(args)
-        self.batch = args.batch_schedule  # the global batch of each iteration, from the samples consumed
+        self.batch = par.batch_schedule  # the global batch of each iteration, from the samples consumed
         self.progress = TrainState()
-        self.p2p = stage_p2p(state, activation_shape(args.micro_batch_size, self.config, state.tp_size, state.cp_size),
-                             DTYPES[args.params_dtype], self.device, args.virtual_pipeline_model_parallel_size)
+        self.p2p = stage_p2p(state, activation_shape(par.micro_batch_size, self.config, state.tp_size, state.cp_size),
+                             DTYPES[self.sections.optimizer.params_dtype], self.device,
+                             par.virtual_pipeline_model_parallel_size)
         writer_rank = state.layout.rank(state.pp_size - 1, 0, 0)
         self.is_writer = state.rank == writer_rank
-        flops = gpt_flops_per_iteration(args.global_batch_size, args.seq_length, args.num_layers, args.hidden_size,
+        flops = gpt_flops_per_iteration(par.global_batch_size, args.seq_length, args.num_layers, args.hidden_size,
                                         self.config.padded_vocab_size(state.tp_size), self.config.ffn_hidden_size,
                                         self.config.qkv_size, self.config.swiglu)
         self.log = TrainingLog(args, state.layout.world_size, flops, next(self.model.parameters()).device,
@@ -155,20 +124,20 @@ class Trainer:
         self.hooks = StepHooks(args, self.device, state.rank)  # --manual-gc, --empty-unused-memory-level, --profile
         self.local_tier = LocalTier(args, state, state.layout.world_size)  # --non-persistent-save-interval
         resumed = bool(where := resume_dir(args, self._log)) and self.load(where)  # or the local tier's newer copy
-        if args.save:
-            if not resumed and not args.overwrite_checkpoints:
-                refuse_fresh_start_over(args.save)
+        if self.sections.checkpoint.save:
+            if not resumed and not self.sections.checkpoint.overwrite_checkpoints:
+                refuse_fresh_start_over(self.sections.checkpoint.save)
             self._check_save_dir()
         self._build_data()
 
     # ---- data ------------------------------------------------------------------------
     def _build_data(self):
-        a = self.args
-        gbs = a.global_batch_size
-        evals = (a.train_iters // a.eval_interval + 1) * a.eval_iters
-        sizes = [a.train_iters * gbs, evals * gbs if a.eval_iters else 0, a.eval_iters * gbs]
+        a, t, d = self.args, self.sections.training, self.sections.data
+        gbs = self.sections.parallel.global_batch_size
+        evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters
+        sizes = [t.train_iters * gbs, evals * gbs if t.eval_iters else 0, t.eval_iters * gbs]
         self.train_ds, self.valid_ds, _ = build_train_valid_test_datasets(
-            a.data_path, a.split, a.seq_length, a.seed, sizes, cache_dir=a.data_cache_path,
+            d.data_path, d.split, a.seq_length, t.seed, sizes, cache_dir=d.data_cache_path,
             vocab_size=self.tokenizer.vocab_size, mock=a.mock_data, mmap_bin=a.mmap_bin_files)
         # reader threads touch numpy only (torch in a side thread crashes under torch.profiler on the CPU)
         self.prefetch = BatchPrefetcher(lambda idx: [self.train_ds[i] for i in idx], a.num_workers)
@@ -246,40 +215,39 @@ class Trainer:
     def save(self, weights_only: bool = False):
         """A checkpoint under --save; weights only (--no-save-optim) there, or under <save>/weights_only for
         --save-weights-interval's light saves (their own `latest`, so --load <save> resumes the full ones)."""
-        a = self.args
+        a, c = self.args, self.sections.checkpoint
         self.log.flush(self.progress)  # the saved nan count includes every iteration run
         start = time.monotonic()
-        save_dir = os.path.join(a.save, "weights_only") if weights_only and not a.no_save_optim else a.save
+        save_dir = os.path.join(c.save, "weights_only") if weights_only and not a.no_save_optim else c.save
         tag = ckpt.save_checkpoint(save_dir, self.progress.iteration, self.state, self.model, self.optimizer,
-                                   self.client_state(weights_only or a.no_save_optim), async_save=a.async_save,
-                                   keep_last_k=a.keep_last_k,
-                                   megatron_deepspeed=a.save_megatron_deepspeed_layout)
+                                   self.client_state(weights_only or a.no_save_optim), async_save=c.async_save,
+                                   keep_last_k=c.keep_last_k, megatron_deepspeed=c.save_megatron_deepspeed_layout)
         seconds, directory = time.monotonic() - start, os.path.join(save_dir, tag)
         self.last_checkpoint = directory
         if self.is_writer:  # a synchronous save is committed on return: its manifest lists every file
             light = weights_only or a.no_save_optim
-            self._log(async_started_line(directory, seconds, light) if a.async_save else
+            self._log(async_started_line(directory, seconds, light) if c.async_save else
                       saved_line(directory, seconds, checkpoint_size(directory), light))
-        if a.save_16bit_model:  # from the committed files, so an async save is waited for first
+        if c.save_16bit_model:  # from the committed files, so an async save is waited for first
             ckpt.finalize_async_saves()
-            save_16bit_model(os.path.join(a.save, tag), torch.bfloat16 if a.params_dtype == "fp32" else
-                             DTYPES[a.params_dtype])
+            dtype = self.sections.optimizer.params_dtype
+            save_16bit_model(os.path.join(c.save, tag), torch.bfloat16 if dtype == "fp32" else DTYPES[dtype])
 
     def _check_save_dir(self):
         """--save writable and with room for a checkpoint, before the first iteration (rank 0 checks)."""
-        a, s = self.args, self.state
+        a, c, s = self.args, self.sections.checkpoint, self.state
         local = sum(math.prod(getattr(p, "ds_shape", p.shape)) for p in self.model.parameters())
         counts = [local] if s.layout.world_size == 1 else [None] * s.layout.world_size
         if s.layout.world_size > 1:
             dist.all_gather_object(counts, local)
-        one = checkpoint_bytes(sum(counts) // s.dp_size, DTYPES[a.params_dtype].itemsize)
+        one = checkpoint_bytes(sum(counts) // s.dp_size, DTYPES[self.sections.optimizer.params_dtype].itemsize)
         ahead = max(0, a.train_iters - self.progress.iteration)
-        planned = 1 + (ahead // a.save_interval if a.save_interval else 0)
+        planned = 1 + (ahead // c.save_interval if c.save_interval else 0)
         planned += len(self.batch.reached(ahead, self.progress.consumed_train_samples)) - 1  # saves where it grows
         outcome = [None]
         if s.rank == 0:
             try:
-                check_save_dir(a.save, one, planned, a.keep_last_k)
+                check_save_dir(c.save, one, planned, c.keep_last_k)
             except ckpt.CheckpointError as e:
                 outcome = [str(e)]
         if s.layout.world_size > 1:
@@ -289,8 +257,8 @@ class Trainer:
 
     def load(self, path) -> bool:
         """Resume from --load; False when it holds no checkpoint (a fresh start)."""
-        a = self.args
-        if load_is_first_run(a):
+        a, c = self.args, self.sections.checkpoint
+        if load_is_first_run(c):
             self._log(f"--load {path} does not exist yet; starting from scratch")
             return False
 
@@ -299,13 +267,13 @@ class Trainer:
             self.last_checkpoint = getattr(checkpoint, "directory", checkpoint)
 
         client = resume_checkpoint(path, self.state, self.model, self.optimizer,
-                                   load_optimizer=not (a.no_load_optim or a.finetune),
-                                   universal=a.universal_checkpoint, verify=a.verify_checkpoint, log=self._log,
-                                   check=check, ckpt_format=a.ckpt_format)
+                                   load_optimizer=not (c.no_load_optim or c.finetune),
+                                   universal=c.universal_checkpoint, verify=c.verify_checkpoint, log=self._log,
+                                   check=check, ckpt_format=c.ckpt_format)
         if client is None:
             self._log(f"no checkpoint under --load {path}; starting from scratch")
             return False
-        if a.finetune or client.get("weights_only"):  # weights only (an import): fresh optimizer, iteration 0
+        if c.finetune or client.get("weights_only"):  # weights only (an import): fresh optimizer, iteration 0
             if client.get("weights_only"):
                 self._log(f"--load {path} holds weights only: training starts from them at iteration 0 with a "
                           "fresh optimizer (as --finetune)")
@@ -313,21 +281,22 @@ class Trainer:
         self.progress = TrainState(**client["train_state"])
         note_resize(client, a, self._log)  # a restart at another world size: the micro-batches a step
         self.lr_schedule.load_state_dict(client["lr_scheduler"])
-        if not a.no_load_rng and client.get("rng_state") is not None:
+        if not c.no_load_rng and client.get("rng_state") is not None:
             set_rng_state(client["rng_state"])
         return True
 
     # ---- the loop --------------------------------------------------------------------
     def train(self) -> int:
         a, s, p = self.args, self.state, self.progress
-        policy = ExitPolicy(a.exit_signal_handler, a.exit_duration_in_mins, a.exit_interval, device=self.device,
-                            ctrl_c=True, announce=ctrl_c_line(bool(a.save)) if self.is_writer else None)
-        if p.iteration >= a.train_iters:  # a resume of a finished run: say so, and leave the checkpoint alone
-            limit = (f"--train-iters {a.train_iters}; raise --train-iters above {p.iteration}"
-                     if a.train_samples is None else
-                     f"--train-samples {a.train_samples} ({a.train_iters} iterations); raise --train-samples above "
+        t, c, o = self.sections.training, self.sections.checkpoint, self.sections.optimizer
+        policy = ExitPolicy(t.exit_signal_handler, t.exit_duration_in_mins, t.exit_interval, device=self.device,
+                            ctrl_c=True, announce=ctrl_c_line(bool(c.save)) if self.is_writer else None)
+        if p.iteration >= t.train_iters:  # a resume of a finished run: say so, and leave the checkpoint alone
+            limit = (f"--train-iters {t.train_iters}; raise --train-iters above {p.iteration}"
+                     if t.train_samples is None else
+                     f"--train-samples {t.train_samples} ({t.train_iters} iterations); raise --train-samples above "
                      f"{p.consumed_train_samples}")
-            self._log(f"nothing to train: the checkpoint loaded from --load {a.load} is at iteration {p.iteration}, "
+            self._log(f"nothing to train: the checkpoint loaded from --load {c.load} is at iteration {p.iteration}, "
                       f"at or past {limit} to train on")
             policy.restore()
             self.hooks.close()
@@ -337,7 +306,7 @@ class Trainer:
             f" with {self.config.num_experts} experts per MoE layer" + (f" (EP={s.ep_size})" if s.ep_size > 1 else ""))
         self._log(f"training a {self.config.num_layers}-layer {architecture_name(self.config)} model{experts} on "
                   f"{s.layout}, "
-                  f"ZeRO-{a.zero_stage}, {a.params_dtype}, from iteration {p.iteration}"
+                  f"ZeRO-{o.zero_stage}, {o.params_dtype}, from iteration {p.iteration}"
                   f" ({p.consumed_train_samples} samples consumed), "
                   f"{self.batch.num_micro_batches(p.consumed_train_samples)} micro-batches per step"
                   + (f" (global batch {self.batch.global_batch_size(p.consumed_train_samples)}, growing to "
@@ -346,23 +315,24 @@ class Trainer:
         for line in self.transforms:
             self._log(line)
         self.log.start()
-        summary = RunSummary(p, a.seq_length, self.log.flops / a.global_batch_size, s.layout.world_size, self.log.peak)
+        summary = RunSummary(p, a.seq_length, self.log.flops / self.sections.parallel.global_batch_size,
+                             s.layout.world_size, self.log.peak)
         saved_at = None
-        rules = StopRules(a.max_consecutive_skipped_iterations, a.check_for_nan_in_loss_and_grad,
+        rules = StopRules(t.max_consecutive_skipped_iterations, t.check_for_nan_in_loss_and_grad,
                           self.optimizer.loss_scaler.dynamic)
         micro_batches_before = self.batch.num_micro_batches(p.consumed_train_samples)
-        while p.iteration < a.train_iters:
+        while p.iteration < t.train_iters:
             gbs = self.batch.global_batch_size(p.consumed_train_samples)
             if self.batch.num_micro_batches(p.consumed_train_samples) != micro_batches_before:
                 micro_batches_before = self.batch.num_micro_batches(p.consumed_train_samples)
                 self._log(f"the global batch grows to {gbs} ({micro_batches_before} micro-batches per step) at "
                           f"iteration {p.iteration} ({p.consumed_train_samples} samples consumed)")
-                if a.save and saved_at != p.iteration:  # as Megatron-LM: a checkpoint where the batch changes
+                if c.save and saved_at != p.iteration:  # as Megatron-LM: a checkpoint where the batch changes
                     self.hooks.before_eval_or_save()
                     self.save()
                     saved_at = p.iteration
             self.hooks.before_step(p.iteration)
-            last = p.iteration + 1 >= a.train_iters
+            last = p.iteration + 1 >= t.train_iters
             micro = self._micro_batches(self.train_ds, p.consumed_train_samples, gbs,
                                         None if last else self.batch.global_batch_size(p.consumed_train_samples + gbs))
             loss, lr, updated, grad_norm = self.train_step(micro, policy.votes)
@@ -377,8 +347,8 @@ class Trainer:
                                self.optimizer.params_norm, self.decoupled_lr)
             if self.moe_metrics is not None:
                 self._log_moe(p, len(micro))
-            save_now = a.save and a.save_interval and p.iteration % a.save_interval == 0
-            save_weights_now = (not save_now and a.save and a.save_weights_interval
+            save_now = c.save and c.save_interval and p.iteration % c.save_interval == 0
+            save_weights_now = (not save_now and c.save and a.save_weights_interval
                                 and p.iteration % a.save_weights_interval == 0)
             if save_now or save_weights_now:
                 self.log.flush(p)  # the losses up to here, read before anything is saved of this state
@@ -386,7 +356,7 @@ class Trainer:
                     or rules.after_losses(p.iteration, self.log.first_nonfinite_loss))
             if stop:
                 self._stop_learning(p.iteration, stop, policy)
-            if a.eval_iters and self.valid_ds is not None and p.iteration % a.eval_interval == 0:
+            if t.eval_iters and self.valid_ds is not None and p.iteration % t.eval_interval == 0:
                 self.hooks.before_eval_or_save()
                 val = self.evaluate()
                 self.log.scalars.scalar("lm loss validation", val, p.iteration, p.consumed_train_samples)
@@ -410,7 +380,7 @@ class Trainer:
         stop = rules.after_losses(p.iteration, self.log.first_nonfinite_loss)
         if stop:  # (after a signal or --exit-interval) not saved on the way out
             self._stop_learning(p.iteration, stop, policy)
-        if a.save and saved_at != p.iteration:
+        if c.save and saved_at != p.iteration:
             self.save()
         ckpt.finalize_async_saves()
         self._log(summary.line(p, self.log.last_loss, self.last_checkpoint))
@@ -463,10 +433,9 @@ def pretrain(argv=None) -> int:
         use_device(device)
         init_distributed(backend, args.distributed_timeout_minutes, device=device)
         lock = hold_save_lock(args.save) if args.save else None
-        state = build_parallel_state(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                     cp=args.context_parallel_size, ep=args.expert_model_parallel_size,
-                                     etp=args.expert_tensor_parallel_size, cp_a2a=cp_a2a_size(args))
-        trainer = Trainer(args, state, device)
+        sections = config.from_args(args)
+        state = build_parallel_state(**sections.parallel.degrees())
+        trainer = Trainer(args, state, device, sections)
         watch_steps(trainer, args.distributed_timeout_minutes, launch.world_size)  # a wait past its timeout ends
         code = trainer.train()
     except KeyboardInterrupt:  # Ctrl-C before training, or a second one during it (exit_signal.py)

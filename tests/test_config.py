@@ -1,11 +1,14 @@
 """The configuration layer: each check in one place (the command line refuses with the very sentence of the
 code that owns the rule), a feature's flags module plugs in with one entry, and the files stay small."""
+import dataclasses
 import os
+import typing
 
 import pytest
 
 import megatron_zero
-from megatron_zero import arguments
+from megatron_zero import arguments, config
+from megatron_zero.config.fields import derived, flag, flag_fields, section
 from megatron_zero.config.errors import require
 from megatron_zero.moe.expert_counts import check_expert_counts
 from megatron_zero.testing.flag_checks import BASE, refused, with_flags
@@ -81,3 +84,92 @@ def test_no_file_of_the_package_over_500_lines():
                     sizes[os.path.relpath(os.path.join(directory, name), root)] = sum(1 for _ in f)
     assert sizes["arguments.py"] < 300
     assert not {name: n for name, n in sizes.items() if n > 500}
+
+
+def _matches(value, annotation) -> bool:
+    """`value` is of the field's annotated type (Optional, List and object read as typing means them)."""
+    origin, inner = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is object:
+        return True
+    if origin is typing.Union:
+        return any(_matches(value, a) for a in inner)
+    if origin in (list, tuple):
+        return isinstance(value, origin) and all(_matches(v, inner[0]) for v in value)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, annotation)
+
+
+def test_sections_built_from_the_flags_are_typed_and_carry_the_derived_values():
+    """The checked flags become frozen sections whose every field has its annotated type; the derived sizes
+    (data-parallel size, micro-batches per step, the partition's counts, the dtype, offload) are fields."""
+    argv = with_flags(BASE, tensor_model_parallel_size=2, pipeline_model_parallel_size=2, pipeline_partition="1,3",
+                      bf16=True, cpu_optimizer=True, zero_stage=2, save="/tmp/ckpt", save_interval=5)
+    args = arguments.parse_command_line(argv)
+    sections = config.validate(args, 8, arguments.explicit_flags(args), [c for _, c in arguments.FEATURES if c])
+    assert config.from_args(arguments.parse_args(argv, world_size=8)) == sections
+    par, opt, ckpt = sections.parallel, sections.optimizer, sections.checkpoint
+    assert isinstance(par, config.ParallelConfig) and isinstance(opt, config.OptimizerConfig)
+    assert (par.world_size, par.data_parallel_size, par.num_micro_batches) == (8, 2, 4)
+    assert par.pipeline_partition == [1, 3] and par.virtual_pipeline_model_parallel_size == 1
+    assert par.degrees() == dict(tp=2, pp=2, cp=1, ep=1, etp=2, cp_a2a=0)
+    assert par.layout().dp == 2
+    assert (opt.params_dtype, opt.offload, opt.zero_stage, opt.overlap_param_gather) == ("bf16", "cpu", 2, False)
+    assert opt.loss_scaler()["dynamic"] and (ckpt.save, ckpt.save_interval, ckpt.verify_checkpoint) == ("/tmp/ckpt", 5, True)
+    assert (sections.training.train_iters, sections.training.lr_decay_iters) == (10, 10)
+    assert sections.data.tokenizer_type == "SentencePieceTokenizer" and sections.runtime.device == "auto"
+    for name, cls in config.SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            value = getattr(getattr(sections, name), f.name)
+            assert _matches(value, hints[f.name]), (cls.__name__, f.name, value, hints[f.name])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        par.tensor_model_parallel_size = 4
+
+
+def test_each_flag_is_declared_by_its_field_once():
+    """The parser's flag of every section field has the field's destination and default, in one section."""
+    parser = arguments.build_parser()
+    dests = {action.dest for action in parser._actions}
+    seen = {}
+    for cls in config.SECTIONS.values():
+        for name in flag_fields(cls):
+            assert name in dests and name not in seen, (cls.__name__, name, seen.get(name))
+            seen[name] = cls.__name__
+            field = {f.name: f for f in dataclasses.fields(cls)}[name]
+            assert parser.get_default(name) == field.default, name
+    parsed = parser.parse_args(BASE + ["--zero-stage", "2", "--no-cuda", "--no-check-for-nan-in-loss-and-grad"])
+    assert (parsed.zero_stage, parsed.device, parsed.check_for_nan_in_loss_and_grad) == (2, "cpu", False)
+
+
+def test_a_field_without_a_flag_or_help_is_refused():
+    with pytest.raises(TypeError, match="Bare.width is neither a flag"):
+        @section("bare")
+        class Bare:
+            width: int = 3
+    with pytest.raises(TypeError, match="Quiet.width's flag has no help"):
+        @section("quiet")
+        class Quiet:
+            width: int = flag(" ", 3)
+
+    @section("fine")
+    class Fine:
+        width: int = flag("the width", 3)
+        twice: int = derived("twice the width", value=lambda args: 2 * args.width)
+
+    assert Fine.from_args(type("Args", (), {"width": 4})) == Fine(width=4, twice=8)
+
+
+def test_the_resume_check_compares_typed_model_settings():
+    """A checkpoint's recorded args (a dict, in another writer's spelling) and the run's flags become the same
+    typed ModelSettings where they describe the same model, and differ in the field where they do not."""
+    from megatron_zero.model.architecture import ModelSettings
+
+    here = ModelSettings.from_args(arguments.parse_args(with_flags(BASE, use_rotary_position_embeddings=True)))
+    recorded = {**arguments.args_to_dict(arguments.parse_args(BASE)), "position_embedding_type": None,
+                "use_rotary_position_embeddings": True, "add_position_embedding": False, "norm_epsilon": 1e-5,
+                "layernorm_epsilon": None}  # Megatron-DeepSpeed's spelling of a RoPE model
+    assert ModelSettings.from_args(recorded) == here and here.position_embedding_type == "rope"
+    wider = ModelSettings.from_args({**recorded, "hidden_size": 128})
+    assert [f.name for f in dataclasses.fields(here) if getattr(here, f.name) != getattr(wider, f.name)] == \
+        ["hidden_size"]

@@ -14,6 +14,7 @@ import importlib
 import os
 import threading
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -271,6 +272,8 @@ def test_offload_keeps_masters_in_pinned_host_memory_and_matches(builtin_corpus,
 def _save(trainer, path, async_save=False):
     from megatron_zero import checkpoint as ckpt
     trainer.args.save, trainer.args.async_save = str(path), async_save
+    sections = trainer.sections  # the trainer reads the typed checkpoint section, built once from the flags
+    trainer.sections = replace(sections, checkpoint=replace(sections.checkpoint, save=str(path), async_save=async_save))
     trainer.progress.iteration = 2
     trainer.save()
     ckpt.finalize_async_saves()

@@ -11,11 +11,12 @@ normal-looking losses).
                                  max_position_embeddings, make_vocab_size_divisible_by,
                                  layernorm_epsilon, the vocabulary size, and the architecture
                                  switches (normalization, position embedding type, rotary base and
-                                 percent, swiglu, query groups, untied output, linear biases); both
-                                 the checkpoint's args and this run's flags are read by
-                                 model/architecture.py's model_settings, which takes each writer's
+                                 percent, swiglu, query groups, untied output, linear biases); the
+                                 checkpoint's args and this run's flags each become a typed
+                                 model/architecture.ModelSettings (by model_settings, which takes each writer's
                                  spelling and fills what a writer leaves implied (a switch an earlier
-                                 version or Megatron(-DeepSpeed) does not record: its GPT-2 value);
+                                 version or Megatron(-DeepSpeed) does not record: its GPT-2 value)),
+                                 compared field by field;
                                  MoE layers: the number of experts (none: dense), and where both are
                                  MoE the layer frequency and offset and the experts' width
                                  (model/architecture.py's moe_settings)
@@ -30,7 +31,7 @@ import os
 import re
 from typing import Optional, Union
 
-from ..model.architecture import MOE_STRUCTURE, SIZES, SWITCHES, model_settings, moe_settings
+from ..model.architecture import MOE_STRUCTURE, SIZES, SWITCHES, ModelSettings
 from .errors import CheckpointError
 from .format import UNIVERSAL_CHECKPOINT_INFO, header_args
 from .storage.reader import Checkpoint, open_directory
@@ -76,23 +77,22 @@ def _recorded_vocab(head: dict, saved: dict, padded_at) -> Optional[tuple]:
 def disagreements(head: dict, args, vocab_size: int, padded_at) -> list:
     """'name checkpoint-value vs here-value' for every model setting that differs."""
     saved = header_args(head)
-    there, here = model_settings(saved), model_settings(args)  # both sides by the same rules
+    there, here = ModelSettings.from_args(saved), ModelSettings.from_args(args)  # both sides by the same rules
     out = []
     for key in SIZES:
-        if there[key] is not None and here[key] is not None and not _same(there[key], here[key]):
-            out.append(f"--{key.replace('_', '-')} {there[key]} in the checkpoint vs {here[key]} here")
+        a, b = getattr(there, key), getattr(here, key)
+        if a is not None and b is not None and not _same(a, b):
+            out.append(f"--{key.replace('_', '-')} {a} in the checkpoint vs {b} here")
     for key in SWITCHES:
-        if not _same(there[key], here[key]):
-            out.append(f"{key} {there[key]} in the checkpoint vs {here[key]} here")
-    there_moe, here_moe = moe_settings(saved), moe_settings(args)
-    if not _same(there_moe["num_experts"], here_moe["num_experts"]):
+        if not _same(getattr(there, key), getattr(here, key)):
+            out.append(f"{key} {getattr(there, key)} in the checkpoint vs {getattr(here, key)} here")
+    if not _same(there.num_experts, here.num_experts):
         def experts(n):
             return f"{n}" if n is not None else "None (no MoE layers)"
-        out.append(f"--num-experts {experts(there_moe['num_experts'])} in the checkpoint vs "
-                   f"{experts(here_moe['num_experts'])} here")
+        out.append(f"--num-experts {experts(there.num_experts)} in the checkpoint vs {experts(here.num_experts)} here")
     else:
         for key in MOE_STRUCTURE:
-            a, b = there_moe.get(key), here_moe.get(key)
+            a, b = getattr(there, key), getattr(here, key)
             if a is not None and b is not None and not _same(a, b):
                 out.append(f"--{key.replace('_', '-')} {a} in the checkpoint vs {b} here")
     vocab = _recorded_vocab(head, saved, padded_at)

@@ -3,16 +3,20 @@
     flags (argparse: Megatron-LM's and Megatron-DeepSpeed's spellings and aliases)
       + the DeepSpeed JSON (deepspeed_config.py: fills the flags not given)
       -> validate(): each area's checks, once, in dependency order; derived values filled in
-      -> the checked namespace, read by
-           topology      Layout (the data-parallel size and every cross-degree rule; parallel.py builds it)
+      -> the checked namespace -> from_args(): Config, the typed sections (frozen; derived values as fields)
+           topology      ParallelConfig: build_parallel_state(**degrees()), layout() (topology.Layout: the
+                         data-parallel size and every cross-degree rule; check_layout builds it first)
            model         GPTConfig, by model/architecture.gpt_config (the one args -> model mapping,
                          also for a checkpoint's saved args)
-           optimizer     ZeroOptimizer (training.py), its schedule (lr_schedule.py)
-           checkpoint    save/resume, and the resume check against the saved args (checkpoint/compat.py)
+           optimizer     OptimizerConfig -> ZeroOptimizer (optimizer_setup.py); the schedule (lr_schedule.py)
+                         still reads the namespace
+           checkpoint    CheckpointConfig: save/resume (training.py); the resume check compares the saved args'
+                         and the run's model/architecture.ModelSettings (checkpoint/compat.py)
 
-Each area is a module that declares its flags (`add_flags(parser)`, each with help) and owns their
-checks: model.py, moe.py (with moe_deepspeed.py, moe_router.py), parallel.py, optimizer.py,
-training.py, data.py, checkpointing.py, log.py, runtime.py. A feature's own flags module plugs in
+Each area is a module that declares its flags (`add_flags(parser)`, each with help; where the area has a
+typed section, generated from the section's fields: fields.py) and owns their checks: model.py, moe.py
+(with moe_deepspeed.py, moe_router.py), parallel.py, optimizer.py, training.py, data.py, checkpointing.py,
+log.py, runtime.py. A feature's own flags module plugs in
 through arguments.py's FEATURES: its `add_flags(parser)` and a `check(args)` that runs once the
 layout, model and run length are checked (compat_flags.py is one).
 
@@ -22,6 +26,7 @@ Downstream code takes the checked values and does not check them again.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from ..batch_schedule import BatchScheduleError
@@ -29,7 +34,14 @@ from ..deepspeed_config import DeepSpeedConfigError, apply_deepspeed_config
 from ..moe.expert_counts import ExpertCountError
 from ..topology import TopologyError
 from . import checkpointing, data, log, model, moe, optimizer, parallel, runtime, training
+from .checkpointing import CheckpointConfig
+from .data import DataConfig
 from .errors import ArgumentError
+from .log import LogConfig
+from .optimizer import OptimizerConfig
+from .parallel import ParallelConfig
+from .runtime import RuntimeConfig
+from .training import TrainingConfig
 
 # the areas in --help's order
 AREAS = (model, moe, parallel, optimizer, training, data, checkpointing, log, runtime)
@@ -40,15 +52,37 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         area.add_flags(parser)
 
 
-def validate(args, world_size: int, given: set, feature_checks: Iterable[Callable] = ()) -> None:
-    """Check `args` (parsed flags) for `world_size` ranks and fill in the derived values. `given`: the
-    destinations set on the command line (they win over the DeepSpeed JSON). The errors of the rules other
-    modules own (the JSON's, the batch schedule's, the layout's, the expert count's) become ArgumentError
-    here, once."""
+@dataclass(frozen=True)
+class Config:
+    """The typed sections of a checked run (fields.py: each section's fields declare its flags)."""
+    parallel: ParallelConfig
+    optimizer: OptimizerConfig
+    training: TrainingConfig
+    data: DataConfig
+    checkpoint: CheckpointConfig
+    log: LogConfig
+    runtime: RuntimeConfig
+
+
+SECTIONS = {"parallel": ParallelConfig, "optimizer": OptimizerConfig, "training": TrainingConfig, "data": DataConfig,
+            "checkpoint": CheckpointConfig, "log": LogConfig, "runtime": RuntimeConfig}
+
+
+def from_args(args) -> Config:
+    """The typed sections of a namespace `validate` has checked."""
+    return Config(**{name: cls.from_args(args) for name, cls in SECTIONS.items()})
+
+
+def validate(args, world_size: int, given: set, feature_checks: Iterable[Callable] = ()) -> Config:
+    """Check `args` (parsed flags) for `world_size` ranks, fill in the derived values and return the typed
+    sections. `given`: the destinations set on the command line (they win over the DeepSpeed JSON). The errors
+    of the rules other modules own (the JSON's, the batch schedule's, the layout's, the expert count's) become
+    ArgumentError here, once."""
     try:
         _validate(args, world_size, given, feature_checks)
     except (DeepSpeedConfigError, BatchScheduleError, TopologyError, ExpertCountError) as err:
         raise ArgumentError(str(err)) from None
+    return from_args(args)
 
 
 def _validate(args, world_size: int, given: set, feature_checks: Iterable[Callable]) -> None:

@@ -4,47 +4,55 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Optional
 
-from ..checkpoint.storage.reader import add_verify_flag
 from .errors import require
+from .fields import add_section_flags, flag, section, shared
+
+
+def add_verify_flag(parser) -> None:
+    """--no-verify-checkpoint (dest `verify_checkpoint`), the same on pretrain_gpt.py and every tool."""
+    parser.add_argument("--no-verify-checkpoint", "--no_verify_checkpoint", dest="verify_checkpoint",
+                        action="store_false",
+                        help="read checkpoint files without checking them against the checkpoint's manifest "
+                             "(sizes and checksums); unpickling stays safe")
+
+
+@section("checkpointing")
+class CheckpointConfig:
+    """Where checkpoints go and come from, and what a save writes or a load reads, checked."""
+    save: Optional[str] = flag("directory checkpoints are written to")
+    load: Optional[str] = flag("checkpoint directory to resume from (ours, Megatron-DeepSpeed's, Megatron-LM's, or "
+                               "universal); equal to --save it may not exist yet")
+    save_interval: Optional[int] = flag("steps between checkpoints (also one at the end)")
+    keep_last_k: Optional[int] = flag("keep only the newest K checkpoints under --save")
+    async_save: bool = flag("write checkpoints in a background thread while training goes on", False,
+                            action="store_true")
+    save_megatron_deepspeed_layout: bool = flag(
+        "write checkpoints Megatron-DeepSpeed's own --load resumes at this layout: at PP 1 its "
+        "--no-pipeline-parallel layout (weights nested in mp_rank_*'s module), at PP > 1 its pipeline engine's; its "
+        "scheduler, RNG and loss-scaler state (docs/checkpoint_interop.md)", False, action="store_true")
+    save_16bit_model: bool = flag(
+        "each save also writes <tag>/model_16bit/*.safetensors: the consolidated model in the training dtype, bf16 "
+        "when training in fp32 (DeepSpeed's zero_optimization.stage3_gather_16bit_weights_on_model_save)", False,
+        action="store_true")
+    universal_checkpoint: bool = flag("load --load as a universal checkpoint (any layout, ds_to_universal.py's "
+                                      "format)", False, action="store_true")
+    ckpt_format: Optional[str] = flag(
+        "the format of the Megatron-LM checkpoint --load names (torch_dist: Megatron-Core's distributed checkpoint; "
+        "torch: legacy mp_rank_* files); without it the format is detected. Saves are in this trainer's layout: "
+        "tools/convert_checkpoint.py --to torch_dist converts them", choices=("torch_dist", "torch"))
+    no_load_optim: bool = flag("load the weights but not the optimizer state", False, action="store_true")
+    no_load_rng: bool = flag("do not restore the random number generators' states", False, action="store_true")
+    finetune: bool = flag("load the weights only: fresh optimizer, schedule and iteration 0", False,
+                          action="store_true")
+    overwrite_checkpoints: bool = flag("start from scratch even though --save holds checkpoints (they are "
+                                       "overwritten)", False, action="store_true")
+    verify_checkpoint: bool = shared(add_verify_flag, "--no-verify-checkpoint, shared with tools/", True)
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("checkpointing")
-    g.add_argument("--save", type=str, default=None,
-                   help="directory checkpoints are written to")
-    g.add_argument("--load", type=str, default=None,
-                   help="checkpoint directory to resume from (ours, Megatron-DeepSpeed's, Megatron-LM's, or universal); equal to --save"
-                        " it may not exist yet")
-    g.add_argument("--save-interval", type=int, default=None,
-                   help="steps between checkpoints (also one at the end)")
-    g.add_argument("--keep-last-k", type=int, default=None,
-                   help="keep only the newest K checkpoints under --save")
-    g.add_argument("--async-save", action="store_true",
-                   help="write checkpoints in a background thread while training goes on")
-    g.add_argument("--save-megatron-deepspeed-layout", action="store_true",
-                   help="write checkpoints Megatron-DeepSpeed's own --load resumes at this layout: at PP 1 its "
-                        "--no-pipeline-parallel layout (weights nested in mp_rank_*'s module), at PP > 1 its pipeline "
-                        "engine's; its scheduler, RNG and loss-scaler state (docs/checkpoint_interop.md)")
-    g.add_argument("--save-16bit-model", action="store_true",
-                   help="each save also writes <tag>/model_16bit/*.safetensors: the consolidated model in the "
-                        "training dtype, bf16 when training in fp32 (DeepSpeed's "
-                        "zero_optimization.stage3_gather_16bit_weights_on_model_save)")
-    g.add_argument("--universal-checkpoint", action="store_true",
-                   help="load --load as a universal checkpoint (any layout, ds_to_universal.py's format)")
-    g.add_argument("--ckpt-format", choices=("torch_dist", "torch"), default=None,
-                   help="the format of the Megatron-LM checkpoint --load names (torch_dist: Megatron-Core's "
-                        "distributed checkpoint; torch: legacy mp_rank_* files); without it the format is detected. "
-                        "Saves are in this trainer's layout: tools/convert_checkpoint.py --to torch_dist converts them")
-    g.add_argument("--no-load-optim", action="store_true",
-                   help="load the weights but not the optimizer state")
-    g.add_argument("--no-load-rng", action="store_true",
-                   help="do not restore the random number generators' states")
-    g.add_argument("--finetune", action="store_true",
-                   help="load the weights only: fresh optimizer, schedule and iteration 0")
-    g.add_argument("--overwrite-checkpoints", action="store_true",
-                   help="start from scratch even though --save holds checkpoints (they are overwritten)")
-    add_verify_flag(g)
+    add_section_flags(p, CheckpointConfig)
 
 
 def load_is_first_run(args) -> bool:

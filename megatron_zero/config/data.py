@@ -2,39 +2,42 @@
 from __future__ import annotations
 
 import argparse
-from typing import List
+from typing import List, Optional
 
 from .errors import require
+from .fields import add_section_flags, flag, section
+
+
+@section("data")
+class DataConfig:
+    """The datasets, their split and the tokenizer, checked."""
+    data_path: Optional[List[str]] = flag(
+        "Megatron .bin/.idx dataset prefixes, optionally with weights (weight prefix weight prefix ...); none: a mock "
+        "dataset", nargs="*")
+    split: str = flag("train,validation,test proportions of the documents", "969,30,1")
+    data_cache_path: Optional[str] = flag("where the dataset's sample index files are cached (default: beside the "
+                                          "data)")
+    # set by the check where not given
+    tokenizer_type: Optional[str] = flag("default: GPT2BPETokenizer with --vocab-file and --merge-file (as "
+                                         "Megatron-LM), else SentencePieceTokenizer")
+    tokenizer_model: Optional[str] = flag("SentencePiece, TikTokenizer or Hugging Face tokenizer model file or "
+                                          "directory")
+    vocab_file: Optional[str] = flag("GPT-2 BPE vocabulary (vocab.json)")
+    merge_file: Optional[str] = flag("GPT-2 BPE merges (merges.txt)")
+    vocab_size: Optional[int] = flag("NullTokenizer's vocabulary; TikTokenizer's (default 131072, special tokens "
+                                     "included)")
+    tiktoken_pattern: Optional[str] = flag("TikTokenizer's split pattern (default v2, as Megatron-LM); other "
+                                           "tokenizers have none, and ignore it as Megatron-LM does",
+                                           choices=["v1", "v2"])
+    tiktoken_num_special_tokens: int = flag("TikTokenizer: ids below this are special tokens; the vocabulary file's "
+                                            "ranks follow", 1000)
+    tokenizer_special_tokens: Optional[List[str]] = flag(
+        "TikTokenizer's named special tokens (ids 0, 1, ...; must include <unk> <s> </s> <mask> <pad> <cls> <sep>), "
+        "then <SPECIAL_k> fillers", nargs="+")
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("data")
-    g.add_argument("--data-path", nargs="*", default=None,
-                   help="Megatron .bin/.idx dataset prefixes, optionally with weights (weight prefix weight prefix ...); none: a mock "
-                        "dataset")
-    g.add_argument("--split", type=str, default="969,30,1",
-                   help="train,validation,test proportions of the documents")
-    g.add_argument("--data-cache-path", type=str, default=None,
-                   help="where the dataset's sample index files are cached (default: beside the data)")
-    g.add_argument("--tokenizer-type", type=str, default=None,
-                   help="default: GPT2BPETokenizer with --vocab-file and --merge-file (as Megatron-LM), else "
-                        "SentencePieceTokenizer")
-    g.add_argument("--tokenizer-model", type=str, default=None,
-                   help="SentencePiece, TikTokenizer or Hugging Face tokenizer model file or directory")
-    g.add_argument("--vocab-file", type=str, default=None,
-                   help="GPT-2 BPE vocabulary (vocab.json)")
-    g.add_argument("--merge-file", type=str, default=None,
-                   help="GPT-2 BPE merges (merges.txt)")
-    g.add_argument("--vocab-size", type=int, default=None,
-                   help="NullTokenizer's vocabulary; TikTokenizer's (default 131072, special tokens included)")
-    g.add_argument("--tiktoken-pattern", choices=["v1", "v2"], default=None,
-                   help="TikTokenizer's split pattern (default v2, as Megatron-LM); other tokenizers have none, "
-                        "and ignore it as Megatron-LM does")
-    g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
-                   help="TikTokenizer: ids below this are special tokens; the vocabulary file's ranks follow")
-    g.add_argument("--tokenizer-special-tokens", nargs="+", default=None,
-                   help="TikTokenizer's named special tokens (ids 0, 1, ...; must include <unk> <s> </s> <mask> "
-                        "<pad> <cls> <sep>), then <SPECIAL_k> fillers")
+    add_section_flags(p, DataConfig)
 
 
 def check(args) -> None:

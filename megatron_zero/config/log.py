@@ -5,34 +5,37 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+from typing import Optional
 
 from .errors import require
+from .fields import add_section_flags, flag, section
+
+
+@section("logging")
+class LogConfig:
+    """Log lines, TensorBoard, timers, MFU and Weights & Biases, checked."""
+    log_interval: int = flag("steps between log lines", 100)
+    tensorboard_dir: Optional[str] = flag("directory TensorBoard event files are written to (rank 0)")
+    log_params_norm: bool = flag("log the L2 norm of the weights (a collective)", False, action="store_true")
+    log_memory_to_tensorboard: bool = flag("write the device's memory statistics to TensorBoard", False,
+                                           action="store_true")
+    log_world_size_to_tensorboard: bool = flag("write the world size to TensorBoard", False, action="store_true")
+    log_timers_to_tensorboard: bool = flag("write the --timing-log-level timers to TensorBoard", False,
+                                           action="store_true")
+    timing_log_level: int = flag("0: no timers; 1: forward-backward and optimizer; 2: also forward, backward, "
+                                 "communication", 0, choices=[0, 1, 2])
+    timing_log_option: str = flag("timers over ranks: their maximum, their minimum and maximum, or every rank's",
+                                  "minmax", choices=["max", "minmax", "all"])
+    peak_tflops: Optional[float] = flag("peak TFLOP/s of one device for the training dtype, for MFU (known for "
+                                        "H100/H200/A100/V100)")
+    wandb_project: Optional[str] = flag("Weights & Biases project to log to (needs wandb)")
+    wandb_exp_name: Optional[str] = flag("the Weights & Biases run's name")
+    # <--save>/wandb by the check where not given
+    wandb_save_dir: Optional[str] = flag("default: <--save>/wandb")
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("logging")
-    g.add_argument("--log-interval", type=int, default=100,
-                   help="steps between log lines")
-    g.add_argument("--tensorboard-dir", type=str, default=None,
-                   help="directory TensorBoard event files are written to (rank 0)")
-    g.add_argument("--log-params-norm", action="store_true", help="log the L2 norm of the weights (a collective)")
-    g.add_argument("--log-memory-to-tensorboard", action="store_true",
-                   help="write the device's memory statistics to TensorBoard")
-    g.add_argument("--log-world-size-to-tensorboard", action="store_true",
-                   help="write the world size to TensorBoard")
-    g.add_argument("--log-timers-to-tensorboard", action="store_true",
-                   help="write the --timing-log-level timers to TensorBoard")
-    g.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2],
-                   help="0: no timers; 1: forward-backward and optimizer; 2: also forward, backward, communication")
-    g.add_argument("--timing-log-option", choices=["max", "minmax", "all"], default="minmax",
-                   help="timers over ranks: their maximum, their minimum and maximum, or every rank's")
-    g.add_argument("--peak-tflops", type=float, default=None,
-                   help="peak TFLOP/s of one device for the training dtype, for MFU (known for H100/H200/A100/V100)")
-    g.add_argument("--wandb-project", type=str, default=None,
-                   help="Weights & Biases project to log to (needs wandb)")
-    g.add_argument("--wandb-exp-name", type=str, default=None,
-                   help="the Weights & Biases run's name")
-    g.add_argument("--wandb-save-dir", type=str, default=None, help="default: <--save>/wandb")
+    add_section_flags(p, LogConfig)
 
 
 def check(args) -> None:

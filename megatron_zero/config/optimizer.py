@@ -4,78 +4,86 @@ default, args.cpu_optimizer_threads, args.params_dtype)."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
+from typing import Optional
 
 from .errors import require
+from .fields import add_section_flags, derived, flag, section
+
+
+ZERO = "ZeRO and offload"  # the flags' second group in --help
+
+
+@section("optimizer and precision")
+class OptimizerConfig:
+    """AdamW, its learning rates, clipping, precision and loss scaling, and ZeRO, checked; ZeroOptimizer is built
+    from it (optimizer_setup.py)."""
+    lr: Optional[float] = flag("peak learning rate")
+    min_lr: float = flag("the learning rate's floor at the end of decay", 0.0)
+    decoupled_lr: Optional[float] = flag("the word embedding's and output layer's own peak learning rate "
+                                         "(Megatron's); they follow the same warm-up and decay")
+    decoupled_min_lr: Optional[float] = flag("their floor, with --decoupled-lr (default --min-lr)")
+    weight_decay: float = flag("AdamW's decoupled weight decay on matrices and embeddings (none on biases and "
+                               "norms)", 0.01)
+    clip_grad: float = flag("clip the global gradient L2 norm to this (0: no clipping)", 1.0)
+    adam_beta1: float = flag("Adam's first-moment decay", 0.9)
+    adam_beta2: float = flag("Adam's second-moment decay", 0.999)
+    adam_eps: float = flag("Adam's epsilon", 1e-8)
+    bf16: bool = flag("train in bfloat16 with fp32 master weights", False, action="store_true")
+    fp16: bool = flag("train in float16 with fp32 master weights and loss scaling", False, action="store_true")
+    loss_scale: Optional[float] = flag("static loss scale of --fp16 (default: dynamic) or --bf16 (default: none), "
+                                       "as Megatron-LM")
+    initial_loss_scale: float = flag("--fp16's dynamic loss scale at the start (rounded down to a power of 2)",
+                                     2.0 ** 16)
+    loss_scale_window: int = flag("steps without overflow before the dynamic loss scale doubles", 1000)
+    min_loss_scale: float = flag("the dynamic loss scale's floor", 1.0)
+    hysteresis: int = flag("overflows tolerated before the dynamic loss scale halves", 2)
+    zero_stage: int = flag("ZeRO stage: 0 replicated optimizer, 1 optimizer state, 2 also gradients, 3 also "
+                           "parameters partitioned over DP", 1, group=ZERO, choices=[0, 1, 2, 3])
+    # none, cpu (the flag), or nvme (set by the check from --zero-nvme-offload-path)
+    offload: str = flag("keep fp32 masters and Adam state in host memory (ZeRO-Offload)", "none", group=ZERO,
+                        names=("--cpu-optimizer", "--zero-cpu-offload"), action="store_const", const="cpu")
+    zero_param_persistence_threshold: int = flag(
+        "ZeRO-3: parameters of at most this many elements stay gathered (DeepSpeed's "
+        "stage3_param_persistence_threshold; 0 gathers every parameter per layer)", 100_000, group=ZERO)
+    zero_nvme_offload_path: Optional[str] = flag("keep optimizer state in files under this path (ZeRO-Infinity "
+                                                 "style)", group=ZERO)
+    use_distributed_optimizer: bool = flag("Megatron's distributed optimizer: ZeRO-1 (the default --zero-stage)",
+                                           False, group=ZERO, action="store_true")
+    overlap_grad_reduce: bool = flag("ZeRO 0-2: reduce gradient buckets asynchronously during backward", False,
+                                     group=ZERO, action="store_true")
+    # None until checked: on by default at ZeRO-3
+    overlap_param_gather: Optional[bool] = flag(
+        "ZeRO 1/2: all-gather updated weights asynchronously, waited on at first use; ZeRO-3: prefetch the next "
+        "layer (on by default there, as in DeepSpeed)", group=ZERO, action="store_true")
+    zero_quantized_weights: bool = flag("ZeRO++ qwZ (ZeRO-3): all-gather weights as int8 blocks (DeepSpeed's "
+                                        "zero_quantized_weights)", False, group=ZERO, action="store_true")
+    zero_quantized_gradients: bool = flag("ZeRO++ qgZ (ZeRO-3): reduce-scatter gradients as int8 blocks "
+                                          "(zero_quantized_gradients)", False, group=ZERO, action="store_true")
+    zero_hpz_partition_size: int = flag("ZeRO++ hpZ (ZeRO-3): backward re-gathers weights within blocks of this "
+                                        "many DP ranks (zero_hpz_partition_size; 1: off)", 1, group=ZERO)
+    grad_reduce_in_bf16: bool = flag("ZeRO 0-2 and the tied-embedding sum: reduce gradients in bfloat16 (half the "
+                                     "bytes); micro-batches are still accumulated in fp32", False, group=ZERO,
+                                     action="store_true")
+    cpu_optimizer_threads: Optional[int] = flag(
+        "threads of the offloaded optimizer step (--cpu-optimizer, --zero-nvme-offload-path); default: this rank's "
+        "share of the node's cores (its CPU affinity / ranks per node)", group=ZERO)
+    deepspeed_config: Optional[str] = flag(
+        "a DeepSpeed JSON whose batch sizes, ZeRO, precision, optimizer and scheduler settings fill the flags not "
+        "given", group=ZERO, names=("--deepspeed-config", "--deepspeed_config"))
+    params_dtype: str = derived("fp32, bf16 or fp16, from --bf16/--fp16 (check_precision)")
+    deepspeed_scheduler: Optional[dict] = derived("the DeepSpeed JSON's `scheduler` (deepspeed_config.py), or None")
+
+    def loss_scaler(self) -> dict:
+        """ZeroOptimizer's loss_scaler settings (DeepSpeed's names)."""
+        return {"dynamic": self.loss_scale is None, "static_scale": self.loss_scale or 1.0,
+                "initial_scale_power": int(math.log2(self.initial_loss_scale)), "scale_window": self.loss_scale_window,
+                "min_scale": self.min_loss_scale, "hysteresis": self.hysteresis}
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("optimizer and precision")
-    g.add_argument("--lr", type=float, default=None,
-                   help="peak learning rate")
-    g.add_argument("--min-lr", type=float, default=0.0,
-                   help="the learning rate's floor at the end of decay")
-    g.add_argument("--decoupled-lr", type=float, default=None,
-                   help="the word embedding's and output layer's own peak learning rate (Megatron's); they follow "
-                        "the same warm-up and decay")
-    g.add_argument("--decoupled-min-lr", type=float, default=None,
-                   help="their floor, with --decoupled-lr (default --min-lr)")
-    g.add_argument("--weight-decay", type=float, default=0.01,
-                   help="AdamW's decoupled weight decay on matrices and embeddings (none on biases and norms)")
-    g.add_argument("--clip-grad", type=float, default=1.0,
-                   help="clip the global gradient L2 norm to this (0: no clipping)")
-    g.add_argument("--adam-beta1", type=float, default=0.9,
-                   help="Adam's first-moment decay")
-    g.add_argument("--adam-beta2", type=float, default=0.999,
-                   help="Adam's second-moment decay")
-    g.add_argument("--adam-eps", type=float, default=1e-8,
-                   help="Adam's epsilon")
-    g.add_argument("--bf16", action="store_true",
-                   help="train in bfloat16 with fp32 master weights")
-    g.add_argument("--fp16", action="store_true",
-                   help="train in float16 with fp32 master weights and loss scaling")
-    g.add_argument("--loss-scale", type=float, default=None, help="static loss scale of --fp16 (default: dynamic) or --bf16 (default: none), "
-                   "as Megatron-LM")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16,
-                   help="--fp16's dynamic loss scale at the start (rounded down to a power of 2)")
-    g.add_argument("--loss-scale-window", type=int, default=1000,
-                   help="steps without overflow before the dynamic loss scale doubles")
-    g.add_argument("--min-loss-scale", type=float, default=1.0,
-                   help="the dynamic loss scale's floor")
-    g.add_argument("--hysteresis", type=int, default=2,
-                   help="overflows tolerated before the dynamic loss scale halves")
-    g = p.add_argument_group("ZeRO and offload")
-    g.add_argument("--zero-stage", type=int, default=1, choices=[0, 1, 2, 3],
-                   help="ZeRO stage: 0 replicated optimizer, 1 optimizer state, 2 also gradients, 3 also parameters partitioned over DP")
-    g.add_argument("--cpu-optimizer", "--zero-cpu-offload", dest="offload", action="store_const", const="cpu",
-                   default="none", help="keep fp32 masters and Adam state in host memory (ZeRO-Offload)")
-    g.add_argument("--zero-param-persistence-threshold", type=int, default=100_000,
-                   help="ZeRO-3: parameters of at most this many elements stay gathered (DeepSpeed's "
-                        "stage3_param_persistence_threshold; 0 gathers every parameter per layer)")
-    g.add_argument("--zero-nvme-offload-path", type=str, default=None,
-                   help="keep optimizer state in files under this path (ZeRO-Infinity style)")
-    g.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="Megatron's distributed optimizer: ZeRO-1 (the default --zero-stage)")
-    g.add_argument("--overlap-grad-reduce", action="store_true",
-                   help="ZeRO 0-2: reduce gradient buckets asynchronously during backward")
-    g.add_argument("--overlap-param-gather", action="store_true", default=None,
-                   help="ZeRO 1/2: all-gather updated weights asynchronously, waited on at first use; "
-                        "ZeRO-3: prefetch the next layer (on by default there, as in DeepSpeed)")
-    g.add_argument("--zero-quantized-weights", action="store_true",
-                   help="ZeRO++ qwZ (ZeRO-3): all-gather weights as int8 blocks (DeepSpeed's zero_quantized_weights)")
-    g.add_argument("--zero-quantized-gradients", action="store_true",
-                   help="ZeRO++ qgZ (ZeRO-3): reduce-scatter gradients as int8 blocks (zero_quantized_gradients)")
-    g.add_argument("--zero-hpz-partition-size", type=int, default=1,
-                   help="ZeRO++ hpZ (ZeRO-3): backward re-gathers weights within blocks of this many DP ranks "
-                        "(zero_hpz_partition_size; 1: off)")
-    g.add_argument("--grad-reduce-in-bf16", action="store_true",
-                   help="ZeRO 0-2 and the tied-embedding sum: reduce gradients in bfloat16 (half the bytes); "
-                        "micro-batches are still accumulated in fp32")
-    g.add_argument("--cpu-optimizer-threads", type=int, default=None,
-                   help="threads of the offloaded optimizer step (--cpu-optimizer, --zero-nvme-offload-path); "
-                        "default: this rank's share of the node's cores (its CPU affinity / ranks per node)")
-    g.add_argument("--deepspeed-config", "--deepspeed_config", dest="deepspeed_config", type=str, default=None,
-                   help="a DeepSpeed JSON whose batch sizes, ZeRO, precision, optimizer and scheduler settings fill the flags not given")
+    add_section_flags(p, OptimizerConfig)
     p.set_defaults(deepspeed_scheduler=None)  # the JSON's `scheduler`, set by deepspeed_config.py
 
 

@@ -4,58 +4,82 @@ every cross-degree rule of the ranks come from topology.Layout, which these chec
 from __future__ import annotations
 
 import argparse
+from typing import List, Optional
 
 from ..batch_schedule import check_reachable, schedule_from_args
 from ..context_parallel.attention import CP_COMM_TYPES
 from ..topology import Layout
 from .errors import require
+from .fields import add_section_flags, derived, flag, section
+
+
+@section("parallel layout and batch")
+class ParallelConfig:
+    """The layout and the batch, checked; the sizes derived from them. build_parallel_state(**degrees()) and
+    layout() give the ranks' groups and their arithmetic (topology.py)."""
+    tensor_model_parallel_size: int = flag("ranks each layer's matrices are split over (Megatron's tensor parallelism)",
+                                           1)
+    pipeline_model_parallel_size: int = flag("pipeline stages the layers are split into", 1)
+    sequence_parallel: bool = flag("split LayerNorm and dropout regions along the sequence over the tensor-parallel "
+                                   "group (the identity at TP 1, as in Megatron)", False, action="store_true")
+    context_parallel_size: int = flag("split each sequence over this many ranks (docs/context_parallel.md)", 1)
+    cp_comm_type: str = flag("how context-parallel ranks exchange K/V: p2p (ring), all_gather, a2a (Ulysses) or "
+                             "a2a+p2p (a2a within groups of consecutive CP ranks, a ring across them)", "p2p")
+    hierarchical_context_parallel_sizes: Optional[List[int]] = flag(
+        "--cp-comm-type a2a+p2p: the all-to-all group's size and the ring's, their product CP", nargs="+")
+    pipeline_partition_method: str = flag(
+        "how layers are spread over the stages without --pipeline-partition: uniform (equal counts) or parameters "
+        "(balanced parameter counts)", "uniform", choices=["uniform", "parameters"])
+    # parsed as text ("3,5"), checked into the layer counts per stage
+    pipeline_partition: Optional[List[int]] = flag("explicit transformer layers per pipeline stage, e.g. 3,5", type=str)
+    num_layers_per_virtual_pipeline_stage: Optional[int] = flag(
+        "interleaved 1F1B: each pipeline rank holds --num-layers / (PP x N) model chunks of N layers (virtual "
+        "stages); the micro-batches per step must be a multiple of PP")
+    micro_batch_size: Optional[int] = flag("samples per forward/backward of one data-parallel rank")
+    global_batch_size: Optional[int] = flag(
+        "samples per optimizer step over all data-parallel ranks (default --micro-batch-size x DP); the rest is "
+        "gradient accumulation")
+    rampup_batch_size: Optional[List[int]] = flag(
+        "Megatron-LM's batch ramp-up (a --train-samples run): the global batch starts at START and grows by "
+        "INCREMENT in equal sample intervals to --global-batch-size over SAMPLES samples",
+        nargs=3, metavar=("START", "INCREMENT", "SAMPLES"))
+    step_batch_size_schedule: Optional[List[str]] = flag(
+        "Megatron-LM's step-wise global batch: \"THRESHOLD:BATCH ...\", each batch size from its threshold in tokens "
+        "on (K/M/B/T suffixes; the first at 0; megatron_zero/batch_schedule.py); one quoted word or several (as an "
+        "unquoted array expansion in a script hands them over)", nargs="+", metavar="THRESHOLD:BATCH")
+    world_size: int = derived("ranks in the run (check_layout)")
+    data_parallel_size: int = derived("world / (TP x PP x CP), from topology.Layout (check_layout)")
+    num_micro_batches: int = derived("micro-batches per step at the global batch (check_batch)")
+    batch_schedule: object = derived("the global batch of each iteration, a batch_schedule.BatchSchedule (check_batch)")
+    virtual_pipeline_model_parallel_size: int = derived("model chunks per pipeline rank, 1 without interleaving "
+                                                        "(check_pipeline)")
+    cp_a2a_size: int = derived("the all-to-all group's size of --cp-comm-type a2a+p2p, 0 otherwise",
+                               value=lambda args: cp_a2a_size(args))
+    # the expert degrees are MoE flags (config/moe.py); the ranks' groups are built from all degrees at once
+    expert_model_parallel_size: int = derived("--expert-model-parallel-size, checked by config/moe.py")
+    expert_tensor_parallel_size: Optional[int] = derived("--expert-tensor-parallel-size (default TP), config/moe.py")
+
+    def degrees(self) -> dict:
+        """build_parallel_state's keyword arguments."""
+        return dict(tp=self.tensor_model_parallel_size, pp=self.pipeline_model_parallel_size,
+                    cp=self.context_parallel_size, ep=self.expert_model_parallel_size,
+                    etp=self.expert_tensor_parallel_size, cp_a2a=self.cp_a2a_size)
+
+    def layout(self) -> Layout:
+        return Layout.from_world(self.world_size, self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
+                                 self.context_parallel_size)
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("parallel layout and batch")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1,
-                   help="ranks each layer's matrices are split over (Megatron's tensor parallelism)")
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
-                   help="pipeline stages the layers are split into")
-    g.add_argument("--sequence-parallel", action="store_true",
-                   help="split LayerNorm and dropout regions along the sequence over the tensor-parallel group "
-                        "(the identity at TP 1, as in Megatron)")
-    g.add_argument("--context-parallel-size", type=int, default=1,
-                   help="split each sequence over this many ranks (docs/context_parallel.md)")
-    g.add_argument("--cp-comm-type", type=str, default="p2p",
-                   help="how context-parallel ranks exchange K/V: p2p (ring), all_gather, a2a (Ulysses) or a2a+p2p "
-                        "(a2a within groups of consecutive CP ranks, a ring across them)")
-    g.add_argument("--hierarchical-context-parallel-sizes", type=int, nargs="+", default=None,
-                   help="--cp-comm-type a2a+p2p: the all-to-all group's size and the ring's, their product CP")
-    g.add_argument("--pipeline-partition-method", choices=["uniform", "parameters"], default="uniform",
-                   help="how layers are spread over the stages without --pipeline-partition: uniform (equal counts) or parameters "
-                        "(balanced parameter counts)")
-    g.add_argument("--pipeline-partition", type=str, default=None,
-                   help="explicit transformer layers per pipeline stage, e.g. 3,5")
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
-                   help="interleaved 1F1B: each pipeline rank holds --num-layers / (PP x N) model chunks of N "
-                        "layers (virtual stages); the micro-batches per step must be a multiple of PP")
-    g.add_argument("--micro-batch-size", type=int, default=None,
-                   help="samples per forward/backward of one data-parallel rank")
-    g.add_argument("--global-batch-size", type=int, default=None,
-                   help="samples per optimizer step over all data-parallel ranks (default --micro-batch-size x DP); the rest is "
-                        "gradient accumulation")
-    g.add_argument("--rampup-batch-size", type=int, nargs=3, default=None,
-                   metavar=("START", "INCREMENT", "SAMPLES"),
-                   help="Megatron-LM's batch ramp-up (a --train-samples run): the global batch starts at START and "
-                        "grows by INCREMENT in equal sample intervals to --global-batch-size over SAMPLES samples")
-    g.add_argument("--step-batch-size-schedule", type=str, nargs="+", default=None, metavar="THRESHOLD:BATCH",
-                   help="Megatron-LM's step-wise global batch: \"THRESHOLD:BATCH ...\", each batch size from its "
-                        "threshold in tokens on (K/M/B/T suffixes; the first at 0; megatron_zero/batch_schedule.py); "
-                        "one quoted word or several (as an unquoted array expansion in a script hands them over)")
+    add_section_flags(p, ParallelConfig)
 
 
 def check_layout(args, world_size: int, given: set) -> Layout:
     """TP x PP x CP over `world_size` ranks (Megatron-DeepSpeed's --ds-sequence-parallel-size read as CP);
     sets args.world_size and args.data_parallel_size. `given`: the destinations set on the command line."""
-    for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
-        value = getattr(args, flag)
-        require(value >= 1, f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        value = getattr(args, name)
+        require(value >= 1, f"--{name.replace('_', '-')} must be at least 1, got {value}")
     _ulysses_as_context_parallel(args, given)
     cp = args.context_parallel_size
     require(cp >= 1, f"--context-parallel-size must be at least 1, got {cp}")
@@ -199,5 +223,5 @@ def check_context_parallel(args, tp: int) -> None:
                     (args.attention_backend == "flash" and args.attention_dropout > 0,
                      "--attention-backend flash with --attention-dropout (the ring's flash kernel runs without "
                      "dropout; auto draws the dropout masks by the block path)")]
-    for refuse, flag in refused:
-        require(not refuse, f"--context-parallel-size {cp} with --cp-comm-type {kind} cannot be combined with {flag}")
+    for refuse, what in refused:
+        require(not refuse, f"--context-parallel-size {cp} with --cp-comm-type {kind} cannot be combined with {what}")

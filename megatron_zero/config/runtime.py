@@ -3,38 +3,44 @@ collectives, and the fused kernels' switches."""
 from __future__ import annotations
 
 import argparse
+from typing import Optional
 
 from .errors import require
+from .fields import add_section_flags, flag, section
+
+
+@section("devices, communication and fused kernels")
+class RuntimeConfig:
+    """Where and how each rank runs: the device, the backend and its timeout, shared memory, the fused kernels."""
+    distributed_backend: Optional[str] = flag("default: nccl on CUDA, gloo on the CPU", choices=["gloo", "nccl"])
+    shared_memory_all_reduce: bool = flag(
+        "all-reduces and pipeline sends of host tensors through gloo even where all ranks of the group share one host "
+        "(default there: through shared memory, megatron_zero/shm_comm.py, megatron_zero/pipeline/shm_p2p.py)", True,
+        names=("--no-shared-memory-all-reduce",), action="store_false")
+    device: str = flag("where each rank trains: cuda:LOCAL_RANK when CUDA is present (auto), or forced", "auto",
+                       choices=["auto", "cuda", "cpu"],
+                       also=(dict(names=("--no-cuda",), action="store_const", const="cpu",
+                                  help="train on the CPU even where CUDA is present (same as --device cpu)"),))
+    distributed_timeout_minutes: float = flag("how long a collective may wait for the other ranks before the run "
+                                              "fails", 10.0)
+    masked_softmax_fusion: bool = flag("use the unfused causal softmax instead of the fused kernel", True,
+                                       names=("--no-masked-softmax-fusion",), action="store_false")
+    bias_gelu_fusion: bool = flag("use the unfused bias + GeLU instead of the fused kernel", True,
+                                  names=("--no-bias-gelu-fusion",), action="store_false")
+    persist_layer_norm: bool = flag("use the unfused LayerNorm instead of the fused kernel", True,
+                                    names=("--no-persist-layer-norm",), action="store_false")
+    rope_fusion: bool = flag("use the unfused RoPE instead of the fused kernel", True, names=("--no-rope-fusion",),
+                             action="store_false")
+    gradient_accumulation_fusion: bool = flag(
+        "accumulate weight gradients through autograd instead of straight into the fp32 gradient buffer", True,
+        names=("--no-gradient-accumulation-fusion",), action="store_false")
+    require_fused_kernels: bool = flag(
+        "refuse to start unless every compiled kernel the chosen device uses is built and loads (CUDA: "
+        "megatron_zero._C_cuda; CPU: the C++ CPU kernels; with offload also the CPU Adam)", False, action="store_true")
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("devices, communication and fused kernels")
-    g.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None,
-                   help="default: nccl on CUDA, gloo on the CPU")
-    g.add_argument("--no-shared-memory-all-reduce", dest="shared_memory_all_reduce", action="store_false",
-                   help="all-reduces and pipeline sends of host tensors through gloo even where all ranks of the "
-                        "group share one host (default there: through shared memory, megatron_zero/shm_comm.py, "
-                        "megatron_zero/pipeline/shm_p2p.py)")
-    g.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
-                   help="where each rank trains: cuda:LOCAL_RANK when CUDA is present (auto), or forced")
-    g.add_argument("--no-cuda", dest="device", action="store_const", const="cpu",
-                   help="train on the CPU even where CUDA is present (same as --device cpu)")
-    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
-                   help="how long a collective may wait for the other ranks before the run fails")
-    g.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false",
-                   help="use the unfused causal softmax instead of the fused kernel")
-    g.add_argument("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false",
-                   help="use the unfused bias + GeLU instead of the fused kernel")
-    g.add_argument("--no-persist-layer-norm", dest="persist_layer_norm", action="store_false",
-                   help="use the unfused LayerNorm instead of the fused kernel")
-    g.add_argument("--no-rope-fusion", dest="rope_fusion", action="store_false",
-                   help="use the unfused RoPE instead of the fused kernel")
-    g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion",
-                   action="store_false",
-                   help="accumulate weight gradients through autograd instead of straight into the fp32 gradient buffer")
-    g.add_argument("--require-fused-kernels", action="store_true",
-                   help="refuse to start unless every compiled kernel the chosen device uses is built and loads "
-                        "(CUDA: megatron_zero._C_cuda; CPU: the C++ CPU kernels; with offload also the CPU Adam)")
+    add_section_flags(p, RuntimeConfig)
 
 
 def check(args) -> None:

@@ -3,43 +3,43 @@ stop rules (skipped steps, NaN, exit interval, duration and signals), the seed a
 from __future__ import annotations
 
 import argparse
+from typing import Optional
 
 from .errors import require
+from .fields import add_section_flags, flag, section
+
+
+@section("training length, learning-rate schedule, stop rules")
+class TrainingConfig:
+    """The run's length, the learning-rate schedule's shape, the stop rules, the seed and evaluation, checked."""
+    # --train-samples' runs: derived from the batch schedule by check_length
+    train_iters: Optional[int] = flag("optimizer steps to train for (or --train-samples)")
+    train_samples: Optional[int] = flag("samples to train on (or --train-iters); the step count follows from the "
+                                        "global batch")
+    lr_decay_style: str = flag("the learning rate's decay after warm-up", "linear",
+                               choices=["constant", "linear", "cosine"])
+    lr_decay_iters: Optional[int] = flag("steps over which the learning rate decays (default --train-iters)")
+    lr_warmup_iters: int = flag("steps of linear warm-up from 0 to --lr", 0)
+    max_consecutive_skipped_iterations: int = flag(
+        "stop the run (exit 2, nothing saved) after N optimizer steps in a row skipped for overflowing gradients; "
+        "0: never (megatron_zero/stop_rules.py says why 50)", 50, metavar="N")
+    check_for_nan_in_loss_and_grad: bool = flag(
+        "stop the run (exit 2, nothing saved) on an inf/NaN loss, or inf/NaN gradients where the loss scale is not "
+        "dynamic (the default)", True, action="store_true",
+        also=(dict(names=("--no-check-for-nan-in-loss-and-grad",), action="store_false",
+                   help="keep training through inf/NaN losses and gradients"),))
+    seed: int = flag("random seed (weights, dropout, data order)", 1234)
+    exit_interval: Optional[int] = flag("save (with --save) and stop after any step that is a multiple of this")
+    exit_duration_in_mins: Optional[float] = flag("save (with --save) and stop once the run has lasted this many "
+                                                  "minutes")
+    exit_signal_handler: bool = flag("on SIGTERM or SIGUSR1 finish the step, save (with --save) and stop", False,
+                                     action="store_true")
+    eval_interval: int = flag("steps between validation runs", 1000)
+    eval_iters: int = flag("validation batches per evaluation (0: no evaluation)", 10)
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("training length, learning-rate schedule, stop rules")
-    g.add_argument("--train-iters", type=int, default=None,
-                   help="optimizer steps to train for (or --train-samples)")
-    g.add_argument("--train-samples", type=int, default=None,
-                   help="samples to train on (or --train-iters); the step count follows from the global batch")
-    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear",
-                   help="the learning rate's decay after warm-up")
-    g.add_argument("--lr-decay-iters", type=int, default=None,
-                   help="steps over which the learning rate decays (default --train-iters)")
-    g.add_argument("--lr-warmup-iters", type=int, default=0,
-                   help="steps of linear warm-up from 0 to --lr")
-    g.add_argument("--max-consecutive-skipped-iterations", type=int, default=50, metavar="N",
-                   help="stop the run (exit 2, nothing saved) after N optimizer steps in a row skipped for "
-                        "overflowing gradients; 0: never (megatron_zero/stop_rules.py says why 50)")
-    g.add_argument("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_true",
-                   default=True, help="stop the run (exit 2, nothing saved) on an inf/NaN loss, or inf/NaN "
-                                      "gradients where the loss scale is not dynamic (the default)")
-    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
-                   action="store_false",
-                   help="keep training through inf/NaN losses and gradients")
-    g.add_argument("--seed", type=int, default=1234,
-                   help="random seed (weights, dropout, data order)")
-    g.add_argument("--exit-interval", type=int, default=None,
-                   help="save (with --save) and stop after any step that is a multiple of this")
-    g.add_argument("--exit-duration-in-mins", type=float, default=None,
-                   help="save (with --save) and stop once the run has lasted this many minutes")
-    g.add_argument("--exit-signal-handler", action="store_true",
-                   help="on SIGTERM or SIGUSR1 finish the step, save (with --save) and stop")
-    g.add_argument("--eval-interval", type=int, default=1000,
-                   help="steps between validation runs")
-    g.add_argument("--eval-iters", type=int, default=10,
-                   help="validation batches per evaluation (0: no evaluation)")
+    add_section_flags(p, TrainingConfig)
 
 
 def check_stop_rules(args) -> None:

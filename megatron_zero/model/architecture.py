@@ -35,8 +35,8 @@ tensor shapes prefers those); the switches always get a value.
 """
 from __future__ import annotations
 
-from dataclasses import fields
-from typing import Optional
+from dataclasses import dataclass, fields
+from typing import List, Optional, Union
 
 from .config import NORMALIZATIONS, GPTConfig, default_ffn_hidden_size
 
@@ -107,6 +107,43 @@ def moe_settings(args) -> dict:
     if experts in (None, 1, [1]) and not args.get("moe_capacity_factor"):
         return {"num_experts": None}  # Megatron-DeepSpeed records [1] for a dense model
     return {"num_experts": experts, **{k: args.get(k) for k in MOE_STRUCTURE}}
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """The model a run's arguments describe, typed: model_settings' and moe_settings' values as fields (None
+    where a size is neither recorded nor implied; the MoE structure None for a dense model). The resume check
+    (checkpoint/compat.py) builds one from the checkpoint's args and one from the run's flags and compares them."""
+    num_layers: Optional[int]
+    hidden_size: Optional[int]
+    num_attention_heads: Optional[int]
+    ffn_hidden_size: Optional[int]
+    max_position_embeddings: Optional[int]
+    make_vocab_size_divisible_by: Optional[int]
+    layernorm_epsilon: Optional[float]
+    num_query_groups: Optional[int]
+    rotary_base: Optional[float]
+    rotary_percent: Optional[float]
+    swiglu: bool
+    normalization: str
+    untie_embeddings_and_output_weights: bool
+    add_bias_linear: bool
+    apply_residual_connection_post_layernorm: bool
+    position_embedding_type: str
+    add_position_embedding: bool
+    apply_layernorm_1p: bool
+    moe_shared_expert_intermediate_size: Optional[int]
+    moe_shared_expert_gate: bool
+    add_qkv_bias: bool
+    num_experts: Union[None, int, List[int]]  # None: dense
+    moe_layer_freq: Optional[object] = None  # an interval or a per-layer pattern, as recorded
+    moe_layer_offset: Optional[int] = None
+    moe_ffn_hidden_size: Optional[int] = None
+
+    @classmethod
+    def from_args(cls, args) -> "ModelSettings":
+        """From parsed flags or the args a checkpoint records (a dict or Namespace), in any writer's spelling."""
+        return cls(**model_settings(args), **moe_settings(args))
 
 
 ARCHITECTURE_FIELDS = ("normalization", "apply_layernorm_1p", "position_embedding_type", "rotary_base",

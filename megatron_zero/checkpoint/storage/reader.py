@@ -17,20 +17,13 @@ import os
 import sys
 from typing import Any, Optional
 
+from ...config.checkpointing import add_verify_flag  # noqa: F401 (the tools' import of it)
 from .commit import read_latest
 from ..errors import CheckpointError
 from .manifest import MANIFEST, read_manifest, verify_sizes
 from .tensor_io import load_file, verify_file
 
 _WARNED = set()
-
-
-def add_verify_flag(parser) -> None:
-    """--no-verify-checkpoint (dest `verify_checkpoint`), the same on pretrain_gpt.py and every tool."""
-    parser.add_argument("--no-verify-checkpoint", "--no_verify_checkpoint", dest="verify_checkpoint",
-                        action="store_false",
-                        help="read checkpoint files without checking them against the checkpoint's manifest "
-                             "(sizes and checksums); unpickling stays safe")
 
 
 def _warn_once(directory: str) -> None:
