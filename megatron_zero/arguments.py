@@ -12,7 +12,7 @@ from typing import List, Optional
 
 from . import config
 from .compat_flags import add_compat_flags, validate_compat
-from .compile.flags import add_compile_flags, check_compile_flags
+from .compile_flags import add_compile_flags, check_compile_flags
 from .elastic_flags import add_local_tier_flags, add_straggler_flags, check_local_tier_flags, check_straggler_flags
 from .config.errors import ArgumentError
 from .config.parallel import cp_a2a_size

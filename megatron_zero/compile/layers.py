@@ -7,7 +7,7 @@ were (the optimizer, ZeRO-3's gather/release hooks on the layer and the checkpoi
 layer), and those module hooks, activation recomputation around the layers and the pipeline schedule stay
 eager around the compiled forward.
 
-Left to eager inside a compiled layer (torch.compiler.disable, compile/eager.py):
+Left to eager inside a compiled layer (torch.compiler.disable, ops/eager.py):
 - the fused kernels (megatron_zero/ops), C++/CUDA extensions inductor cannot trace: each runs between the
   compiled pieces, where its fusion flag and the device pick it (named once in the converter's log line);
 - the tensor-parallel collectives (TP/SP's conjugate pairs, the asynchronous gradient all-reduce), which may

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..compile.eager import eager
+from ..ops.eager import eager
 
 
 class _BlockCausalAttention(torch.autograd.Function):

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from .fusion_flags import use_fused
-from ..compile.eager import eager
+from .eager import eager
 from .registry import extension_for
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from .fusion_flags import get_fusion_flags
-from ..compile.eager import eager
+from .eager import eager
 from .registry import load, warn_fallback_once
 
 _EXT = "megatron_zero._C_cuda"

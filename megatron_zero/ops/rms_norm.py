@@ -11,7 +11,7 @@ dtype, in both implementations.
 import torch
 
 from .fusion_flags import get_fusion_flags
-from ..compile.eager import eager
+from .eager import eager
 from .registry import extension_for
 
 

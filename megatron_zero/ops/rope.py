@@ -11,7 +11,7 @@ pass each way (its backward is the inverse rotation); Megatron's --no-rope-fusio
 import torch
 
 from .fusion_flags import use_fused
-from ..compile.eager import eager
+from .eager import eager
 from .registry import load, warn_fallback_once
 
 _EXT = "megatron_zero._C_cuda"

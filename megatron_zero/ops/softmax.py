@@ -8,7 +8,7 @@ read only the kept part of each row; the fallback builds the mask.
 import torch
 
 from .fusion_flags import use_fused
-from ..compile.eager import eager
+from .eager import eager
 from .registry import extension_for
 
 

@@ -15,7 +15,7 @@ from typing import Callable, Tuple, Type
 
 import torch
 
-from ..compile.eager import eager
+from ..ops.eager import eager
 
 
 def _function(name: str, forward: Callable, backward: Callable) -> Type[torch.autograd.Function]:
@@ -27,7 +27,7 @@ def _function(name: str, forward: Callable, backward: Callable) -> Type[torch.au
         return (backward(grad, *ctx.args),) + (None,) * len(ctx.args)
 
     cls = type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
-    cls.apply = eager(cls.apply)  # a collective: eager inside a compiled layer (compile/eager.py)
+    cls.apply = eager(cls.apply)  # a collective: eager inside a compiled layer (ops/eager.py)
     return cls
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .. import shm_comm
-from ..compile.eager import eager
+from ..ops.eager import eager
 
 
 class _LinearAsyncGradAllReduce(torch.autograd.Function):

@@ -112,8 +112,8 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 300.0, thre
                         stuck = [r for r in range(world_size) if r not in done]
                         raise RankFailure(_stuck_message(fn, stuck, timeout, procs, stack_dir))
                     continue
-                if status == "peer":
-                    _raise_cause(fn, procs, done, results, _PEER_GRACE_S)
+                if status == "peer":  # the ranks that reported count as done while the cause is looked for
+                    _raise_cause(fn, procs, {**done, rank: None}, results, _PEER_GRACE_S)
                 if status in ("error", "peer"):
                     raise RankFailure(f"rank {rank} of {world_size} raised in {fn.__name__}:\n{payload}")
                 done[rank] = torch.load(io.BytesIO(payload), weights_only=False)
@@ -125,18 +125,20 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 300.0, thre
 _PEER_GRACE_S = 3.0  # how long a rank that lost contact waits for the rank it lost to be found
 
 
-def _raise_cause(fn, procs, done, results, grace):
-    """Raise the failure that a lost connection was a consequence of, if it shows within `grace` s."""
+def _raise_cause(fn, procs, reported, results, grace):
+    """Raise the failure that a lost connection was a consequence of, if it shows within `grace` s. `reported`:
+    the ranks that have sent their result or error (their exit is no silent death)."""
     world_size = len(procs)
     end = time.monotonic() + grace
     while time.monotonic() < end:
         try:
             rank, status, payload = results.get(timeout=0.1)
         except queue.Empty:
-            _check_silent_deaths(procs, done, results)
+            _check_silent_deaths(procs, reported, results)
             continue
         if status == "error":
             raise RankFailure(f"rank {rank} of {world_size} raised in {fn.__name__}:\n{payload}")
+        reported[rank] = None
 
 
 def _check_silent_deaths(procs, done, results):

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..config.errors import require
-from .layers import MODES
+from .config.errors import require
+from .compile.layers import MODES
 
 
 def add_compile_flags(p: argparse.ArgumentParser) -> None:
