@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.eager import eager
+from ..ops.eager import eager_apply
 
 
 class _BlockCausalAttention(torch.autograd.Function):
@@ -46,7 +46,7 @@ class _BlockCausalAttention(torch.autograd.Function):
         return dq.view(ctx.shape), dk.view(ctx.shape), dv.view(ctx.shape), None, None, None
 
 
-_fused = eager(_BlockCausalAttention.apply)  # an extension: left to eager inside a compiled layer
+_fused = eager_apply(_BlockCausalAttention)  # an extension: left to eager inside a compiled layer
 
 
 def block_causal_attention(q, k, v, scale: float, block: int, ext) -> torch.Tensor:

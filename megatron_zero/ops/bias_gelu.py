@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from .fusion_flags import use_fused
-from .eager import eager
+from .eager import eager_apply
 from .registry import extension_for
 
 
@@ -26,7 +26,7 @@ class _FusedBiasGelu(torch.autograd.Function):
         return dy, dbias, None
 
 
-_fused = eager(_FusedBiasGelu.apply)  # an extension: left to eager inside a compiled layer
+_fused = eager_apply(_FusedBiasGelu)  # an extension: left to eager inside a compiled layer
 
 
 def bias_gelu(bias, y, fused=None):

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from .fusion_flags import get_fusion_flags
-from .eager import eager
+from .eager import eager_apply
 from .registry import load, warn_fallback_once
 
 _EXT = "megatron_zero._C_cuda"
@@ -49,7 +49,7 @@ def _fused_ok(x, weight, bias, fused):
             and _built("layer_norm"))
 
 
-_fused = eager(_FusedLayerNorm.apply)  # an extension: left to eager inside a compiled layer
+_fused = eager_apply(_FusedLayerNorm)  # an extension: left to eager inside a compiled layer
 
 
 def layer_norm(x, weight, bias, eps=1e-5, fused=None, zero_centered_gamma=False):

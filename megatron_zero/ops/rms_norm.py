@@ -11,7 +11,7 @@ dtype, in both implementations.
 import torch
 
 from .fusion_flags import get_fusion_flags
-from .eager import eager
+from .eager import eager_apply
 from .registry import extension_for
 
 
@@ -39,7 +39,7 @@ def _extension(x, weight, fused):
     return extension_for("rms_norm", x)
 
 
-_fused = eager(_FusedRMSNorm.apply)  # an extension: left to eager inside a compiled layer
+_fused = eager_apply(_FusedRMSNorm)  # an extension: left to eager inside a compiled layer
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, fused=None,

@@ -11,7 +11,7 @@ pass each way (its backward is the inverse rotation); Megatron's --no-rope-fusio
 import torch
 
 from .fusion_flags import use_fused
-from .eager import eager
+from .eager import eager_apply
 from .registry import load, warn_fallback_once
 
 _EXT = "megatron_zero._C_cuda"
@@ -55,7 +55,7 @@ def _fused_ok(t, cos, sin, fused) -> bool:
     return True
 
 
-_fused = eager(_FusedRope.apply)  # an extension: left to eager inside a compiled layer
+_fused = eager_apply(_FusedRope)  # an extension: left to eager inside a compiled layer
 
 
 def apply_rotary_pos_emb(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused=None) -> torch.Tensor:

@@ -8,7 +8,7 @@ read only the kept part of each row; the fallback builds the mask.
 import torch
 
 from .fusion_flags import use_fused
-from .eager import eager
+from .eager import eager_apply
 from .registry import extension_for
 
 
@@ -33,7 +33,7 @@ def causal_softmax_reference(x, scale):
     return torch.softmax(scores, dim=-1).to(x.dtype)
 
 
-_fused = eager(_FusedCausalSoftmax.apply)  # an extension: left to eager inside a compiled layer
+_fused = eager_apply(_FusedCausalSoftmax)  # an extension: left to eager inside a compiled layer
 
 
 def scaled_upper_triang_masked_softmax(x, scale=1.0, fused=None):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .. import shm_comm
-from ..ops.eager import eager
+from ..ops.eager import eager_apply
 
 
 class _LinearAsyncGradAllReduce(torch.autograd.Function):
@@ -37,7 +37,7 @@ class _LinearAsyncGradAllReduce(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
-_apply = eager(_LinearAsyncGradAllReduce.apply)  # an in-flight all-reduce: eager inside a compiled layer
+_apply = eager_apply(_LinearAsyncGradAllReduce)  # an in-flight all-reduce: eager inside a compiled layer
 
 
 def linear_with_async_grad_all_reduce(x, weight, bias, group):
