@@ -26,9 +26,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench_activation_memory import M_MMAP_THRESHOLD, _status_bytes, mib  # noqa: E402  (bench/ is sys.path[0])
+from bench_activation_memory import M_MMAP_THRESHOLD, mib  # noqa: E402  (bench/ is sys.path[0])
 from megatron_zero.context_parallel import context_parallel_attention  # noqa: E402
 from megatron_zero.testing import run_ranks  # noqa: E402
+from megatron_zero.testing.host_memory import reset_high_water_mark, status_bytes  # noqa: E402
 
 
 def measure(seq, heads, head_dim, backend):
@@ -38,13 +39,12 @@ def measure(seq, heads, head_dim, backend):
         q, k, v = (torch.randn(1, heads, s // cp, head_dim, requires_grad=True) for _ in range(3))
         dout = torch.randn(1, heads, s // cp, head_dim)
         gc.collect()
-        before = _status_bytes("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset the high-water mark
+        before = status_bytes("VmRSS")
+        reset_high_water_mark()
         start = time.perf_counter()
         context_parallel_attention(q, k, v, dist.group.WORLD, "p2p", backend=backend).backward(dout)
         elapsed = time.perf_counter() - start
-        peak = _status_bytes("VmHWM") - before
+        peak = status_bytes("VmHWM") - before
     return peak, elapsed, 3 * q.numel() * 4
 
 
