@@ -1,6 +1,12 @@
 """What Megatron does around a training step besides training: garbage collection by hand (--manual-gc),
 returning cached device memory (--empty-unused-memory-level) and a torch.profiler trace (--profile).
 
+The profiler stops only once the collectives a step leaves in flight have finished (`settle`: the optimizer's
+--overlap-param-gather all-gathers). A gloo collective started under the profiler carries the profiler's state to
+gloo's worker thread; stopped while that thread was finishing it, torch.profiler (2.13) corrupted the state and the
+rank died with SIGSEGV when the collective's handle was freed (~TorchOpStorage, under ~AsyncWork), with or without
+record_shapes (tests/test_profiler_collectives.py).
+
 training.py calls `after_forward_backward()`, `after_step(iteration)`, `before_eval_or_save()` and
 `close()`; each does nothing unless its flag asks.
 """
@@ -8,13 +14,15 @@ from __future__ import annotations
 
 import gc
 import os
+from typing import Callable, Optional
 
 import torch
 
 
 class StepHooks:
-    def __init__(self, args, device: torch.device, rank: int):
-        self.device = device
+    def __init__(self, args, device: torch.device, rank: int, settle: Optional[Callable[[], None]] = None):
+        """`settle`: waits for the collectives a step leaves in flight (called before the profiler stops)."""
+        self.device, self.settle = device, settle
         self.gc_interval = args.manual_gc_interval if args.manual_gc else None
         self.empty_level = args.empty_unused_memory_level
         if self.gc_interval is not None:  # every rank collects at the same iterations: no straggler
@@ -23,9 +31,6 @@ class StepHooks:
         self.profile = args.profile and rank in args.profile_ranks
         self.start, self.end = args.profile_step_start, args.profile_step_end
         self.trace_dir = args.tensorboard_dir
-        # operator input shapes, except under FP8: with torchao's float8 tensors torch.profiler's record_shapes
-        # crashed the rank (SIGSEGV) in 3 of 7 CPU runs of the FP8 launch script, in none of 10 without it
-        self.record_shapes = not getattr(args, "fp8_format", None)
         self.profiler = None
 
     def _empty_cache(self):
@@ -40,7 +45,7 @@ class StepHooks:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             os.makedirs(self.trace_dir, exist_ok=True)
             self.profiler = torch.profiler.profile(
-                activities=activities, record_shapes=self.record_shapes,
+                activities=activities, record_shapes=True,
                 on_trace_ready=torch.profiler.tensorboard_trace_handler(self.trace_dir))
             self.profiler.start()
 
@@ -63,6 +68,8 @@ class StepHooks:
             gc.collect()
 
     def _stop_profiler(self):
+        if self.settle is not None:
+            self.settle()
         self.profiler.stop()
         self.profiler, self.profile = None, False
 

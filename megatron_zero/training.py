@@ -121,7 +121,7 @@ class Trainer:
         self.train_p2p = TimedCalls(self.p2p, self.log.timers("pipeline-p2p", 2))
         self.log.straggler = straggler_report(args, state, self.device)  # --log-straggler
         self.last_checkpoint = None  # the newest checkpoint loaded or saved: what a stopped run names
-        self.hooks = StepHooks(args, self.device, state.rank)  # --manual-gc, --empty-unused-memory-level, --profile
+        self.hooks = StepHooks(args, self.device, state.rank, self.optimizer.wait_params)  # --manual-gc, --profile, ...
         self.local_tier = LocalTier(args, state, state.layout.world_size)  # --non-persistent-save-interval
         resumed = bool(where := resume_dir(args, self._log)) and self.load(where)  # or the local tier's newer copy
         if self.sections.checkpoint.save:
