@@ -20,6 +20,8 @@ other than SUM and MAX, for one-rank groups, for groups spread over hosts or not
 `set_shared_memory_comm(False)` (--no-shared-memory-all-reduce), `all_reduce` is torch.distributed's.
 A wait gives up after the process group's timeout (`set_timeout`: --distributed-timeout-minutes, set by
 distributed.init_distributed) with a DistBackendError naming the group, as torch.distributed's own would.
+A wait also watches the other ranks' processes (a pidfd each, `watch_peers`): one that exits, killed or
+not, ends the wait at once with a DistBackendError naming its global rank, instead of the full timeout.
 Waiting blocks at once. Polling first (DeepSpeed's shm op spins) measured slower on the loaded 2-core
 machine (bench/bench_shm_all_reduce.py, load 16): a poller that shares a core with the rank it waits for
 holds that core until its time slice ends; with a 200 us poll a 1 MiB pipeline swap took 2.1 ms against
@@ -35,7 +37,7 @@ import os
 import select
 import socket
 import uuid
-from typing import List
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -67,14 +69,42 @@ def group_name(group) -> str:
     return f"the process group of global ranks {dist.get_process_group_ranks(group)}"
 
 
-def wait_readable(fds: List[int], what: str) -> List[int]:
+def wait_readable(fds: List[int], what: str, peers: Optional[Dict[int, Tuple[int, int]]] = None) -> List[int]:
     """The FIFOs of `fds` with wake-ups to read, waited for in the kernel up to the timeout; past it a
-    DistBackendError saying `what` (who did not arrive)."""
-    ready = select.select(fds, [], [], _timeout_s)[0]
-    if not ready:
-        raise dist.DistBackendError(f"{what} did not arrive within {_timeout_s:.0f} s "
-                                    f"(--distributed-timeout-minutes)")
-    return ready
+    DistBackendError saying `what` (who did not arrive). `peers` (watch_peers): a peer whose process exits
+    while none of `fds` is readable ends the wait at once with a DistBackendError naming that rank."""
+    ready = select.select(list(fds) + list(peers or ()), [], [], _timeout_s)[0]
+    wake = [fd for fd in ready if fd in fds]
+    if wake:
+        return wake
+    if ready:
+        rank, pid = min(peers[fd] for fd in ready)
+        raise dist.DistBackendError(f"{what} will not arrive: global rank {rank} (process {pid}) has exited")
+    raise dist.DistBackendError(f"{what} did not arrive within {_timeout_s:.0f} s "
+                                f"(--distributed-timeout-minutes)")
+
+
+def watch_peers(group, peers: Optional[Iterable[int]] = None) -> Dict[int, Tuple[int, int]]:
+    """Collective over `group` (its ranks on this host): {pidfd: (global rank, pid)} of `peers` (global ranks;
+    None: every other rank of the group). A pidfd turns readable when its process exits, so a wait that
+    selects on it learns of a killed peer at once; none where the kernel has no pidfd_open (the timeout)."""
+    pids = [None] * dist.get_world_size(group)
+    dist.all_gather_object(pids, os.getpid(), group=group)
+    me = dist.get_rank()
+    watched = {}
+    for global_rank, pid in zip(dist.get_process_group_ranks(group), pids):
+        if global_rank != me and (peers is None or global_rank in peers) and hasattr(os, "pidfd_open"):
+            try:
+                watched[os.pidfd_open(pid)] = (global_rank, pid)
+            except OSError:  # gone already, or another PID namespace: the timeout stays the bound
+                pass
+    return watched
+
+
+def close_watch(peers: Dict[int, Tuple[int, int]]) -> None:
+    for fd in peers:
+        os.close(fd)
+    peers.clear()
 
 
 def create_shared_file(path: str, nbytes: int) -> None:
@@ -129,6 +159,7 @@ class SharedMemoryAllReduce:
         if rank == 0:
             os.unlink(data_path)
         self.slots = torch.frombuffer(self._map, dtype=torch.uint8).view(2, size, SLOT_BYTES)
+        self._peers = watch_peers(group)
 
     def close(self) -> None:
         del self.slots
@@ -136,6 +167,7 @@ class SharedMemoryAllReduce:
         for fd in self._fifos:
             os.close(fd)
         self._fifos = []
+        close_watch(self._peers)
 
     def _next_round(self) -> torch.Tensor:
         """The slot set of the next round, [size, SLOT_BYTES]."""
@@ -152,7 +184,7 @@ class SharedMemoryAllReduce:
         """Return once every other rank has written its slot of this round."""
         fd, missing = self._fifos[self.rank], self.size - 1
         while missing:
-            wait_readable([fd], f"shared-memory collective round {self.round}: a rank of {self.name}")
+            wait_readable([fd], f"shared-memory collective round {self.round}: a rank of {self.name}", self._peers)
             missing -= len(os.read(fd, missing))
 
     def _rounds(self, mine: torch.Tensor):

@@ -1,6 +1,9 @@
 """The shared-memory all-reduce / all-gather (megatron_zero/shm_comm.py) against the exact results, chunked
-rounds included, with nothing left in /dev/shm; and the gloo fallback when it is switched off."""
+rounds included, with nothing left in /dev/shm; the gloo fallback when it is switched off; a missing rank
+reported after the timeout, a killed one at once."""
 import os
+import re
+import signal
 
 import pytest
 import torch
@@ -8,7 +11,7 @@ import torch.distributed as dist
 
 from megatron_zero import shm_comm
 from megatron_zero.arguments import parse_args
-from megatron_zero.testing import run_ranks
+from megatron_zero.testing import multirank, run_ranks
 from test_arguments import BASE
 
 
@@ -100,3 +103,40 @@ def test_missing_rank_is_reported_after_the_timeout():
     error = run_ranks(silent_rank_fn, 2, timeout=60)[0]
     assert error is not None
     assert "a rank of the process group of global ranks [0, 1] did not arrive within 1 s" in error
+
+
+def _killed_peer_rank(rank, port, messages):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    shm_comm.set_timeout(3600.0)
+    group = dist.new_group([0, 1])
+    shm_comm.all_reduce(torch.ones(4), group)  # sets the group's shared memory up
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        shm_comm.all_reduce(torch.ones(4), group)
+        messages.put("no error")
+    except dist.DistBackendError as e:
+        messages.put(str(e))
+    messages.close()
+    messages.join_thread()  # the message written before the exit
+    os._exit(0)  # no teardown of a group whose peer is dead
+
+
+def test_killed_peer_ends_the_wait_at_once():
+    """A rank SIGKILLed on the same host: the survivor's shared-memory wait ends with one sentence naming it,
+    long before the group's timeout (an hour here; the queue's 120 s guard would fail the test first)."""
+    ctx = multirank._context()
+    port, messages = multirank.free_port(), ctx.Queue()
+    procs = [ctx.Process(target=_killed_peer_rank, args=(r, port, messages), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        message = messages.get(timeout=120)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    assert procs[1].exitcode == -signal.SIGKILL
+    assert re.fullmatch(r"shared-memory collective round 2: a rank of the process group of global ranks \[0, 1\] "
+                        r"will not arrive: global rank 1 \(process \d+\) has exited", message), message

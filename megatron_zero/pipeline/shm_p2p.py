@@ -80,8 +80,8 @@ class _Channel:
 class SharedMemoryP2P:
     """This rank's channels to and from its neighbours (see the module docstring)."""
 
-    def __init__(self, outgoing: dict, incoming: dict, name: str):
-        self.outgoing, self.incoming, self.name = outgoing, incoming, name
+    def __init__(self, outgoing: dict, incoming: dict, name: str, peers: dict):
+        self.outgoing, self.incoming, self.name, self.peers = outgoing, incoming, name, peers
 
     def exchange(self, sends: List[Tuple[torch.Tensor, int]], recvs: List[Tuple[torch.Tensor, int]]) -> None:
         """Send each (tensor, global rank) of `sends` and fill each of `recvs`, in order per peer."""
@@ -102,12 +102,14 @@ class SharedMemoryP2P:
                     del queues[channel]
             if queues and not moved:
                 shm_comm.wait_readable([c.wait_fd for c in queues],
-                                       f"pipeline p2p through shared memory: a neighbouring stage in {self.name}")
+                                       f"pipeline p2p through shared memory: a neighbouring stage in {self.name}",
+                                       self.peers)
 
     def close(self) -> None:
         for channel in (*self.outgoing.values(), *self.incoming.values()):
             channel.close()
         self.outgoing, self.incoming = {}, {}
+        shm_comm.close_watch(self.peers)
 
 
 def connect(group, neighbours: Iterable[Optional[int]], message_bytes: int,
@@ -135,6 +137,6 @@ def connect(group, neighbours: Iterable[Optional[int]], message_bytes: int,
     for peer in peers:
         for suffix in ("", ".data", ".ack"):
             os.unlink(f"{mine}.from{peer}{suffix}")
-    p2p = SharedMemoryP2P(outgoing, incoming, shm_comm.group_name(group))
+    p2p = SharedMemoryP2P(outgoing, incoming, shm_comm.group_name(group), shm_comm.watch_peers(group, peers))
     shm_comm.register(p2p)
     return p2p
