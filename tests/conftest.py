@@ -17,6 +17,31 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SOURCES = [os.path.join(ROOT, d) for d in ("megatron_zero", "tests", "tools")] + [os.path.join(ROOT, "pretrain_gpt.py")]
+
+
+def pytest_sessionstart(session):
+    from megatron_zero.testing.source_changes import snapshot
+
+    session.config._sources_at_start = snapshot(*SOURCES)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test's report names the source files changed since the session started (ranks and
+    subprocesses import them from disk; megatron_zero/testing/source_changes.py says why that matters)."""
+    outcome = yield
+    report = outcome.get_result()
+    before = getattr(item.config, "_sources_at_start", None)
+    if report.failed and before is not None:
+        from megatron_zero.testing.source_changes import changed_since
+
+        changed = changed_since(before, *SOURCES)
+        if changed:
+            report.sections.append(("source files changed during the session", "\n".join(
+                [f"{len(changed)} file(s) changed after the session started; the ranks and subprocesses this test "
+                 "started may have run another version of the code than the pytest process:"] +
+                [os.path.relpath(p, ROOT) for p in changed[:20]])))
 
 
 def pytest_collection_modifyitems(config, items):
