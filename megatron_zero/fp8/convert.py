@@ -43,10 +43,11 @@ class Float8Converter:
                 history = (AmaxHistory(s.amax_history_len, s.amax_compute_algo, s.margin, module.weight.device)
                            if s.delayed else None)
                 module.fp8 = Float8Matmul(self.config, SPLIT[cls], module.tp_group, self.cp_group, s.margin,
-                                          history, self.dp_group)
+                                          history, self.dp_group, s.param_gather)
                 count += 1
         s = self.settings
         delayed = f", amax history {s.amax_history_len} ({s.amax_compute_algo})" if s.delayed else ""
         return (f"FP8 ({s.format}, {s.recipe} scaling{delayed}{', emulated' if s.emulate else ''}"
                 f"{f', margin {s.margin}' if s.margin else ''}): {count} linear layers of this stage's blocks run "
-                "their GEMMs through torchao's float8")
+                "their GEMMs through torchao's float8"
+                f"{'; ZeRO all-gathers their weights in FP8' if s.param_gather else ''}")

@@ -16,6 +16,10 @@ needed (a per-row amax over K of a column-parallel input is already whole).
 
 With delayed scaling (delayed.py) a cast multiplies by the scale its operand's amax history gives, and the
 tensor's amax, reduced as above and over the data-parallel group as well, goes into that history.
+
+With --fp8-param-gather (param_gather.py) ZeRO hands the layer its weight already in FP8 (`weight8`, cast
+from the fp32 master with the whole weight's scale and all-gathered as FP8): the forward and the backward's
+grad-input GEMM multiply with it, and the weight is not cast here.
 """
 from __future__ import annotations
 
@@ -46,6 +50,8 @@ class Float8Matmul:
     margin: int = 0
     delayed: Optional[AmaxHistory] = None  # delayed scaling's state (delayed.py); None: the current amax
     dp_group: Optional[dist.ProcessGroup] = None  # delayed scaling reduces its amaxes over DP too
+    param_gather: bool = False  # --fp8-param-gather: ZeRO gathers the weight in FP8 into `weight8`
+    weight8: Optional[object] = None  # param_gather.Float8Weight: the weight in FP8, set by ZeRO's gather
 
     def __post_init__(self):
         c = self.config
@@ -99,7 +105,10 @@ class _Float8Linear(torch.autograd.Function):
         c = mm.config
         x2 = x.reshape(-1, x.shape[-1])
         x8, sx = mm.cast(x2, c.cast_config_input, GemmInputRole.INPUT, -1, "x", record=training)
-        w8, sw = mm.cast(weight.t(), c.cast_config_weight, GemmInputRole.WEIGHT, 0, "w", record=training)
+        if mm.weight8 is not None:
+            w8, sw = mm.weight8.transposed(weight, mm.mm_config), None
+        else:
+            w8, sw = mm.cast(weight.t(), c.cast_config_weight, GemmInputRole.WEIGHT, 0, "w", record=training)
         ctx.scales = (sx, sw) if mm.delayed is not None else (None, None)  # delayed: the backward recasts with them
         return torch.mm(x8, w8).reshape(*x.shape[:-1], weight.shape[0])
 
@@ -111,7 +120,8 @@ class _Float8Linear(torch.autograd.Function):
         sx, sw = ctx.scales
         g = grad.reshape(-1, grad.shape[-1])
         g8, sg = mm.cast(g, c.cast_config_grad_output, GemmInputRole.GRAD_OUTPUT, -1, "g")
-        w8, _ = mm.cast(weight.t(), c.cast_config_weight_for_grad_input, GemmInputRole.WEIGHT, -1, "w", sw)
+        w8 = (mm.weight8.transposed(weight, mm.mm_config) if mm.weight8 is not None else
+              mm.cast(weight.t(), c.cast_config_weight_for_grad_input, GemmInputRole.WEIGHT, -1, "w", sw)[0])
         grad_x = torch.mm(g8, w8.t()).reshape(*grad.shape[:-1], weight.shape[1])
         g8, _ = mm.cast(g, c.cast_config_grad_output_for_grad_weight, GemmInputRole.GRAD_OUTPUT, 0, "g",
                         sg if mm.delayed is not None else None)

@@ -8,7 +8,13 @@ groups that split them (the bug the tests must catch). With delayed scaling (`se
 the scales come from the layers' amax histories, not amax_to_scale: the run returns each layer's final
 scales instead, and the reference takes each micro-batch of every DP rank together, as one micro-batch
 (the DP ranks' amaxes are reduced over DP: one history entry for all of them).
+`param_gather` (--fp8-param-gather, optionally `overlap`ped) has ZeRO gather the FP8 weights in FP8;
+`broken_gather` then leaves each weight's amax unreduced over DP (each rank scales its own shard). The
+reference with `settings.param_gather` casts each FP8 weight once per step after the optimizer's step
+(and once before the first), with fp8/param_gather.py's scales: the flag's FP8 weights, one process.
 """
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -70,6 +76,8 @@ def reference_run(settings, dp=1, cp=1, steps=STEPS):
     model = reference_model(config())
     Float8Converter(settings, CPU)(model)
     opt = torch.optim.AdamW(model.parameters(), **HP)
+    publish = _fp8_weights(model) if settings.param_gather else (lambda: None)
+    publish()
     per_rank = GLOBAL_BATCH // dp
     together = dp if settings.delayed else 1
     micro = [[r * per_rank + j for r in range(dp)] for j in range(per_rank)] if settings.delayed else \
@@ -89,11 +97,26 @@ def reference_run(settings, dp=1, cp=1, steps=STEPS):
             p.grad /= dp * cp
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).item())
         opt.step()
+        publish()
         losses.append(total)
         scales.append(per_micro)
     if settings.delayed:
         scales = [s.scale.clone() for _, s in histories(model)]
     return losses, norms, scales
+
+
+def _fp8_weights(model):
+    """-> publish(): every FP8 layer's weight cast to FP8 whole (fp32: the weight is its own master)."""
+    from ..fp8.param_gather import Float8ParamGather, gathered_layers
+
+    gather = Float8ParamGather(gathered_layers(model), None, CPU)
+
+    def publish():
+        with torch.no_grad():
+            gather.set_scales(torch.stack([m.weight.abs().max() for m in gather.layers]))
+            for i, m in enumerate(gather.layers):
+                gather.bytes_of(i).copy_(gather.cast(i, m.weight.reshape(-1)))
+    return publish
 
 
 def expected_scales(reference_scales, dp_rank, dp_size):
@@ -107,17 +130,22 @@ def delayed_settings(history=4, algo="max"):
     return Float8Settings("hybrid", "delayed", 0, True, history, algo)
 
 
-def fp8_layout_run(tp=1, pp=1, cp=1, stage=1, sequence_parallel=False, recipe="tensorwise", broken=False):
+def fp8_layout_run(tp=1, pp=1, cp=1, stage=1, sequence_parallel=False, recipe="tensorwise", broken=False,
+                   param_gather=False, overlap=False, broken_gather=False):
     """-> this rank's DP rank, per-step losses and gradient norms, and its scales in call order (delayed
     scaling: each layer's final scales)."""
     state = build_parallel_state(tp=tp, pp=pp, cp=cp)
     settings = delayed_settings() if recipe == "delayed" else Float8Settings("hybrid", recipe, 0, emulate=True)
+    settings = dataclasses.replace(settings, param_gather=param_gather)
     cfg = config(sequence_parallel and tp > 1)
     model = build_gpt_stage(cfg, state)
     Float8Converter(settings, CPU, state.cp_group if cp > 1 else None,
                     state.dp_group if state.dp_size > 1 else None)(model)
     opt = ZeroOptimizer(list(model.named_parameters()), dp_group=state.dp_group, stage=stage, clip_grad=1e9,
-                        mp_group=state.mp_group, tp_rank=state.tp_rank, module=model, **HP)
+                        mp_group=state.mp_group, tp_rank=state.tp_rank, module=model, overlap_grad_reduce=overlap,
+                        overlap_param_gather=overlap, **HP)
+    if broken_gather:  # each rank's weight scale from its own master fragments only
+        opt.fp8_gather.groups = [g for g in opt.fp8_gather.groups if g is not state.dp_group]
     p2p = P2P(state.prev_rank, state.next_rank, activation_shape(1, cfg, state.tp_size, state.cp_size),
               torch.float32)
     saved = dict(matmul.TP_SPLIT)

@@ -1,0 +1,160 @@
+"""--fp8-param-gather: ZeRO-1/2 all-gather the FP8 layers' weights in FP8, cast from the fp32 masters.
+
+Default tier: one process in bf16, the FP8 weight each step is the master's cast within fp8_master_cast_bound
+of the bf16 weight's cast (what the matmul casts without the flag), the model's bf16 weight is that FP8
+weight dequantized (never stale) and a checkpoint's state_dict republishes the bf16 weights from the masters;
+DP2 ZeRO-1 in bf16 moves the FP8 weights as 1 byte an element (the collectives' bytes counted) with one
+all-reduce of the weights' amaxes. `slow`: DP2 at ZeRO-1, ZeRO-1 overlapped and ZeRO-2 against the
+one-process FP8 model (fp32: a master is its weight, so the flag changes no value; tensorwise) and, for
+delayed scaling, DP2 against DP1 with the flag; each run again with the weights' amaxes not reduced over DP
+fails the check.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_zero import shm_comm
+from megatron_zero.model import reference_model
+from megatron_zero.testing import run_ranks
+from megatron_zero.testing.collective_counter import CollectiveCounter
+from megatron_zero.testing.tiny_gpt import tiny_llama_config
+from megatron_zero.testing.tolerances import assert_losses_close, assert_within, fp8_master_cast_bound
+from megatron_zero.zero import ZeroOptimizer
+from megatron_zero.zero.partition import partition_group
+
+torchao_float8 = pytest.importorskip("torchao.float8")
+from megatron_zero.fp8.convert import Float8Converter  # noqa: E402  (needs torchao)
+from megatron_zero.fp8.settings import Float8Settings  # noqa: E402
+
+CPU = torch.device("cpu")
+TOKENS = torch.randint(0, 100, (2, 17), generator=torch.Generator().manual_seed(3))
+
+
+def _bf16_model(recipe="tensorwise", param_gather=True):
+    torch.manual_seed(0)
+    model = reference_model(tiny_llama_config(num_layers=2, seq_length=16, max_position_embeddings=16))
+    model.to(torch.bfloat16)
+    Float8Converter(Float8Settings("hybrid", recipe, 0, True, param_gather=param_gather), CPU)(model)
+    return model
+
+
+def _fp8_layers(model):
+    return [(n, m) for n, m in model.named_modules() if getattr(m, "fp8", None) is not None]
+
+
+def _masters_by_param(opt):
+    """name -> the fp32 master of that parameter (one rank holds every partition at DP1)."""
+    out = {}
+    for gi, m in enumerate(opt.optimizer.weights()):
+        for p, in_param, in_part, n in opt.impl.owned_ranges(gi):
+            out.setdefault(id(p), torch.zeros(p.numel()))[in_param:in_param + n] = m[in_part:in_part + n].detach()
+    return out
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_fp8_weights_are_the_masters_cast_and_the_bf16_weights_follow(recipe):
+    from torchao.float8.float8_utils import amax_to_scale, to_fp8_saturated
+
+    model = _bf16_model(recipe)
+    opt = ZeroOptimizer(list(model.named_parameters()), stage=1, dtype="bf16", module=model, lr=1e-2)
+    for step in range(2):
+        loss = model(TOKENS[:, :-1], labels=TOKENS[:, 1:])
+        opt.backward(loss)
+        assert opt.step()[0]
+        masters = _masters_by_param(opt)
+        for name, m in _fp8_layers(model):
+            w8 = m.fp8.weight8
+            dequant = w8.data.float() / w8.scale
+            assert torch.equal(m.weight.float(), dequant.to(torch.bfloat16).float()), name  # refreshed, not stale
+            master = masters[id(m.weight)].view(m.weight.shape)
+            dtype = w8.data.dtype
+            if recipe == "tensorwise":  # the whole master's amax
+                assert torch.equal(w8.scale, amax_to_scale(master.abs().max(), dtype)), name
+            bf16 = master.to(torch.bfloat16)
+            s_bf16 = amax_to_scale(bf16.float().abs().max(), dtype)
+            without = to_fp8_saturated(bf16.float() * s_bf16, dtype).float() / s_bf16  # the matmul's own cast
+            assert_within(dequant, without, fp8_master_cast_bound(master, w8.scale, s_bf16, dtype).float(),
+                          f"{name} step {step}")
+    opt.state_dict()  # a checkpoint's weights: the masters in bf16, a bf16 run's
+    masters = _masters_by_param(opt)
+    for name, m in _fp8_layers(model):
+        assert torch.equal(m.weight, masters[id(m.weight)].view(m.weight.shape).to(torch.bfloat16)), name
+
+
+def _bytes_step():
+    shm_comm.set_shared_memory_comm(False)
+    model = _bf16_model()
+    opt = ZeroOptimizer(list(model.named_parameters()), dp_group=dist.group.WORLD, stage=1, dtype="bf16",
+                        module=model)
+    with CollectiveCounter() as seen:
+        opt.backward(model(TOKENS[dist.get_rank():dist.get_rank() + 1, :-1],
+                           labels=TOKENS[dist.get_rank():dist.get_rank() + 1, 1:]))
+        assert opt.step()[0]
+    fp8 = {n + ".weight" for n, _ in _fp8_layers(model)}
+    return seen.calls, [[(n, p.numel(), n in fp8) for n, p in g] for g in opt.named_groups]
+
+
+def test_dp2_zero1_gathers_the_fp8_weights_as_one_byte_an_element():
+    dp = 2
+    for calls, groups in run_ranks(_bytes_step, dp, timeout=300):
+        want = []
+        for group in groups:
+            part = partition_group([(n, k) for n, k, _ in group], dp)
+            is_fp8 = [f for _, _, f in group]
+            rows = [sum(n * (1 if is_fp8[i] else 2) for i, _, _, n in part.param_ranges(r)) for r in range(dp)]
+            row = -(-max(rows) // 16) * 16  # the longest rank's row, padded to 16 bytes
+            assert row < part.padded_numel * 2 // dp or not any(is_fp8)  # less than the bf16 partition
+            want.append((dp * row, row))
+        gathers = [b for name, b in calls if name == "c10d::_allgather_base_"]  # (output, input), one per group
+        assert gathers == want
+        fp8_numel = sum(n for g in groups for _, n, f in g if f)
+        assert fp8_numel > 0 and sum(out for out, _ in gathers) < sum(
+            -(-sum(n for _, n, _ in g) // (2 * dp)) * 2 * dp * 2 for g in groups)  # below the bf16 gather's bytes
+        amaxes = [sum(b) for name, b in calls if name == "c10d::allreduce_"]
+        assert amaxes.count(4 * len([f for g in groups for _, _, f in g if f])) == 1  # one fp32 amax per weight
+
+
+def _runs(**layout):
+    from megatron_zero.testing.fp8_layouts import fp8_layout_run
+    return (fp8_layout_run(param_gather=True, **layout),
+            fp8_layout_run(param_gather=True, broken_gather=True, **layout))
+
+
+def _check(run, ref_losses, ref_norms, rtol):
+    assert_losses_close(run["losses"], ref_losses, rtol, "loss")
+    assert_losses_close(run["norms"], ref_norms, rtol, "gradient norm")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage, overlap", [(1, False), (1, True), (2, False)])
+def test_dp2_tensorwise_matches_one_process(stage, overlap):
+    from megatron_zero.testing.fp8_layouts import GLOBAL_BATCH, config, reference_run
+    from megatron_zero.testing.tolerances import fp8_same_scale_rtol
+
+    rtol = fp8_same_scale_rtol(config(), GLOBAL_BATCH * config().seq_length)
+    losses, norms, _ = reference_run(Float8Settings("hybrid", "tensorwise", emulate=True), 2)
+    for good, broken in run_ranks(_runs, 2, timeout=600, stage=stage, overlap=overlap):
+        _check(good, losses, norms, rtol)
+        with pytest.raises(AssertionError):
+            _check(broken, losses, norms, rtol)
+
+
+@pytest.mark.slow
+def test_dp2_delayed_matches_one_process():
+    """Delayed scaling with the flag (each weight's amax recorded once a step, at the cast after the
+    optimizer's step): DP2 ZeRO-1 against the one-process model casting its weights the same way (both DP
+    replicas' micro-batches as one: one history entry for both), losses, norms and every final scale."""
+    import dataclasses
+
+    from megatron_zero.testing.fp8_layouts import GLOBAL_BATCH, config, delayed_settings, reference_run
+    from megatron_zero.testing.tolerances import fp8_same_scale_rtol
+
+    rtol = fp8_same_scale_rtol(config(), GLOBAL_BATCH * config().seq_length)
+    losses, norms, scales = reference_run(dataclasses.replace(delayed_settings(), param_gather=True), 2)
+    for good, broken in run_ranks(_runs, 2, timeout=600, recipe="delayed"):
+        _check(good, losses, norms, rtol)
+        assert len(good["scales"]) == len(scales)
+        for got, want in zip(good["scales"], scales):
+            assert_within(got, want, rtol * want.abs(), "scale")
+        with pytest.raises(AssertionError):
+            _check(broken, losses, norms, rtol)
