@@ -4,7 +4,9 @@ Default tier: one process in bf16, the FP8 weight each step is the master's cast
 of the bf16 weight's cast (what the matmul casts without the flag), the model's bf16 weight is that FP8
 weight dequantized (never stale) and a checkpoint's state_dict republishes the bf16 weights from the masters;
 DP2 ZeRO-1 in bf16 moves the FP8 weights as 1 byte an element (the collectives' bytes counted) with one
-all-reduce of the weights' amaxes. `slow`: DP2 at ZeRO-1, ZeRO-1 overlapped and ZeRO-2 against the
+all-reduce of the weights' amaxes, and leaves every rank each FP8 weight bit-equal to the whole master's cast
+(failing with the amaxes not reduced over DP). `slow` (the training claim the DP2 test covers for one step):
+DP2 at ZeRO-1, ZeRO-1 overlapped and ZeRO-2 against the
 one-process FP8 model (fp32: a master is its weight, so the flag changes no value; tensorwise) and, for
 delayed scaling, DP2 against DP1 with the flag; each run again with the weights' amaxes not reduced over DP
 fails the check.
@@ -43,7 +45,7 @@ def _fp8_layers(model):
 
 
 def _masters_by_param(opt):
-    """name -> the fp32 master of that parameter (one rank holds every partition at DP1)."""
+    """id(param) -> this rank's fragments of its fp32 master, zero elsewhere (all of it at DP1)."""
     out = {}
     for gi, m in enumerate(opt.optimizer.weights()):
         for p, in_param, in_part, n in opt.impl.owned_ranges(gi):
@@ -91,12 +93,28 @@ def _bytes_step():
                            labels=TOKENS[dist.get_rank():dist.get_rank() + 1, 1:]))
         assert opt.step()[0]
     fp8 = {n + ".weight" for n, _ in _fp8_layers(model)}
-    return seen.calls, [[(n, p.numel(), n in fp8) for n, p in g] for g in opt.named_groups]
+    mine = _masters_by_param(opt)
+    weights = {n: (m.fp8.weight8.data.view(torch.uint8).clone(), m.fp8.weight8.scale.clone(),
+                   mine.get(id(m.weight), torch.zeros(m.weight.numel())),
+                   torch.equal(m.weight.float(), (m.fp8.weight8.data.float() / m.fp8.weight8.scale).bfloat16().float()))
+               for n, m in _fp8_layers(model)}
+    return seen.calls, [[(n, p.numel(), n in fp8) for n, p in g] for g in opt.named_groups], weights
 
 
 def test_dp2_zero1_gathers_the_fp8_weights_as_one_byte_an_element():
+    """Also: every rank ends with each FP8 weight exactly the whole fp32 master's cast (the scale from the
+    amax over both ranks' fragments, the bytes of both), and its bf16 weight that FP8 weight dequantized."""
+    from torchao.float8.float8_utils import amax_to_scale, to_fp8_saturated
+
     dp = 2
-    for calls, groups in run_ranks(_bytes_step, dp, timeout=300):
+    ranks = run_ranks(_bytes_step, dp, timeout=300)
+    for name, (data, scale, _, _) in ranks[0][2].items():
+        master = sum(r[2][name][2] for r in ranks)  # the fragments are disjoint
+        dtype = torch.float8_e4m3fn
+        assert torch.equal(scale, amax_to_scale(master.abs().max(), dtype)), name
+        assert torch.equal(data.view(-1), to_fp8_saturated(master * scale, dtype).view(torch.uint8)), name
+        assert all(torch.equal(r[2][name][0], data) and r[2][name][3] for r in ranks), name
+    for calls, groups, _ in ranks:
         want = []
         for group in groups:
             part = partition_group([(n, k) for n, k, _ in group], dp)
