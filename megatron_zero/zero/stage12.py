@@ -40,7 +40,7 @@ import torch.distributed as dist
 from .. import shm_comm
 from ..ops.fusion_flags import get_fusion_flags
 from .grad_buckets import GradBuckets
-from .packed_gather import PackedGather
+from .packed_gather import PackedGather, all_gather_rows
 from .partition import GroupPartition, contiguous_buckets, partition_group, strided_buckets
 
 
@@ -193,14 +193,14 @@ class Stage12:
                 shm_comm.all_gather_into_tensor(flat, mine, self.dp_group)
 
     def _gather_packed(self, masters: List[torch.Tensor]) -> List[torch.Tensor]:
-        """Each group's packed rows [dp, row_bytes], gathered (blocking)."""
+        """Each group's packed rows, gathered (blocking): every rank's row, in rank order."""
         out = []
-        for row in self.packed.pack(masters, self.weight_slices()):
-            gathered = row.new_empty(self.dp, row.numel())
+        for gi, row in enumerate(self.packed.pack(masters, self.weight_slices())):
+            gathered = row.new_empty(self.packed.groups[gi].total_bytes)
             if self.dp > 1:
-                shm_comm.all_gather_into_tensor(gathered, row, self.dp_group)
+                all_gather_rows(self.packed.rows_of(gi, gathered), row, self.dp_group)
             else:
-                gathered[0].copy_(row)
+                gathered.copy_(row)
             out.append(gathered)
         return out
 

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..device import HOST
+from .packed_gather import all_gather_rows
 from .stage12 import Stage12
 from .units import model_units
 
@@ -144,10 +145,10 @@ class Stage12Overlap(Stage12):
             if m.data_ptr() != mine.data_ptr():
                 mine.copy_(m.detach())
         for gi, row in enumerate(self.packed.pack(masters, self.weight_slices())):
-            gathered = row.new_empty(self.dp, row.numel())
+            g = self.packed.groups[gi]
+            gathered = row.new_empty(g.total_bytes)
             self._packed_rows[gi] = (row, gathered)  # the sent row too: kept until the gathers have landed
-            for k, a in enumerate(range(0, row.numel(), self.chunk)):
-                b = min(row.numel(), a + self.chunk)
-                self._gathers[(gi, k)] = dist.all_gather([gathered[r, a:b] for r in range(self.dp)], row[a:b],
-                                                         group=self.dp_group, async_op=True)
+            for k, a in enumerate(range(0, max(g.row_bytes), self.chunk)):  # bytes [a, a + chunk) of every row
+                self._gathers[(gi, k)] = all_gather_rows(self.packed.rows_of(gi, gathered, a, a + self.chunk),
+                                                         row[a:a + self.chunk], self.dp_group, async_op=True)
             self._to_land.update((gi, pi) for pi in range(len(self.groups[gi])))
