@@ -77,6 +77,8 @@ def test_fp8_weights_are_the_masters_cast_and_the_bf16_weights_follow(recipe):
             without = to_fp8_saturated(bf16.float() * s_bf16, dtype).float() / s_bf16  # the matmul's own cast
             assert_within(dequant, without, fp8_master_cast_bound(master, w8.scale, s_bf16, dtype).float(),
                           f"{name} step {step}")
+    fp8_numel = sum(m.weight.numel() for _, m in _fp8_layers(model))  # the FP8 weights beside the bf16 ones
+    assert opt.memory_bytes()["params"] == sum(f.numel() * 2 for f in opt.impl.flat) + fp8_numel
     opt.state_dict()  # a checkpoint's weights: the masters in bf16, a bf16 run's
     masters = _masters_by_param(opt)
     for name, m in _fp8_layers(model):

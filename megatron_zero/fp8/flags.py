@@ -91,3 +91,6 @@ def _check_param_gather(args, recipe: str) -> None:
     require(stage != 3, "--fp8-param-gather with --zero-stage 3: ZeRO-3's per-layer gather (zero/stage3_gather.py) "
             "moves the training dtype, the FP8 weight gather is built for ZeRO-1 and 2; use "
             "--use-distributed-optimizer or --zero-stage 2")
+    require(args.num_experts is None, "--fp8-param-gather with --num-experts: the FP8 weight gather is built for "
+            "dense ZeRO-1/2 (expert parameters are gathered over their expert-data-parallel group, "
+            "zero/expert_stage.py, in the training dtype); drop --fp8-param-gather")

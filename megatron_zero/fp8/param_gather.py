@@ -120,6 +120,10 @@ class Float8ParamGather:
         """The layer's FP8 weight as flat bytes: where its gathered fragments land."""
         return self.layers[layer].fp8.weight8.data.view(torch.uint8).view(-1)
 
+    def held_bytes(self) -> int:
+        """The gathered FP8 weights' bytes (1 an element), held beside the weights in the training dtype."""
+        return sum(m.fp8.weight8.data.numel() for m in self.layers)
+
     @torch.no_grad()
     def landed(self, layer: int) -> None:
         """Every fragment of the layer's FP8 weight is in: refresh its weight in the training dtype from it."""

@@ -210,7 +210,8 @@ class Stage12:
         return held + main + self.buckets.held_bytes()
 
     def param_bytes(self) -> int:
-        return sum(f.numel() * f.element_size() for f in self.flat)
+        fp8 = self.packed.fp8.held_bytes() if self.packed is not None else 0  # the gathered FP8 weights
+        return sum(f.numel() * f.element_size() for f in self.flat) + fp8
 
     def remove_hooks(self):
         for h in self._hooks:
