@@ -6,7 +6,7 @@ weight dequantized (never stale) and a checkpoint's state_dict republishes the b
 DP2 ZeRO-1 in bf16 moves the FP8 weights as 1 byte an element (the collectives' bytes counted) with one
 all-reduce of the weights' amaxes, and leaves every rank each FP8 weight bit-equal to the whole master's cast
 (failing with the amaxes not reduced over DP). `slow` (the training claim the DP2 test covers for one step):
-DP2 at ZeRO-1, ZeRO-1 overlapped and ZeRO-2, and TP2 x DP2 at ZeRO-1, against the
+DP2 at ZeRO-1, ZeRO-1 overlapped and ZeRO-2, TP2 x DP2 at ZeRO-1 and PP2 x DP2 at ZeRO-2 overlapped, against the
 one-process FP8 model (fp32: a master is its weight, so the flag changes no value; tensorwise) and, for
 delayed scaling, DP2 against DP1 with the flag; each run again with the weights' amaxes not reduced over DP
 fails the check.
@@ -146,15 +146,17 @@ def _check(run, ref_losses, ref_norms, rtol):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage, overlap, tp", [(1, False, 1), (1, True, 1), (2, False, 1), (1, False, 2)])
-def test_dp2_tensorwise_matches_one_process(stage, overlap, tp):
-    """TP2 too: the weights' amaxes over DP, then over TP (each TP rank holds a shard of the weight)."""
+@pytest.mark.parametrize("stage, overlap, tp, pp", [(1, False, 1, 1), (1, True, 1, 1), (2, False, 1, 1),
+                                                    (1, False, 2, 1), (2, True, 1, 2)])
+def test_dp2_tensorwise_matches_one_process(stage, overlap, tp, pp):
+    """TP2 too: the weights' amaxes over DP, then over TP (each TP rank holds a shard of the weight); and PP2
+    (each stage gathers its own layers' weights over its DP group)."""
     from megatron_zero.testing.fp8_layouts import GLOBAL_BATCH, config, reference_run
     from megatron_zero.testing.tolerances import fp8_same_scale_rtol
 
     rtol = fp8_same_scale_rtol(config(), GLOBAL_BATCH * config().seq_length)
     losses, norms, _ = reference_run(Float8Settings("hybrid", "tensorwise", emulate=True), 2)
-    for good, broken in run_ranks(_runs, 2 * tp, timeout=600, stage=stage, overlap=overlap, tp=tp):
+    for good, broken in run_ranks(_runs, 2 * tp * pp, timeout=600, stage=stage, overlap=overlap, tp=tp, pp=pp):
         _check(good, losses, norms, rtol)
         with pytest.raises(AssertionError):
             _check(broken, losses, norms, rtol)
