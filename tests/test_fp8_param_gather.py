@@ -134,6 +134,35 @@ def test_dp2_zero1_gathers_the_fp8_weights_as_one_byte_an_element():
         assert amaxes.count(4 * len([f for g in groups for _, _, f in g if f])) == 1  # one fp32 amax per weight
 
 
+def _zero3_gathers(param_gather):
+    """The all-gathers' input bytes of one DP2 ZeRO-3 step (every parameter gathered per unit: threshold 0)."""
+    shm_comm.set_shared_memory_comm(False)
+    model = _bf16_model(param_gather=param_gather)
+    opt = ZeroOptimizer(list(model.named_parameters()), dp_group=dist.group.WORLD, stage=3, dtype="bf16",
+                        module=model, persistence_threshold=0, prefetch=False)
+    r = dist.get_rank()
+    with CollectiveCounter() as seen:
+        opt.backward(model(TOKENS[r:r + 1, :-1], labels=TOKENS[r:r + 1, 1:]))
+        assert opt.step()[0]
+    chunks = sum(-(-m.weight.ds_numel // 2) for _, m in _fp8_layers(model))  # each rank's chunk of each
+    return [b[1] for name, b in seen.calls if name == "c10d::_allgather_base_"], chunks
+
+
+def _zero3_both():
+    return _zero3_gathers(False), _zero3_gathers(True)
+
+
+@pytest.mark.slow
+def test_dp2_zero3_gathers_the_fp8_weight_chunks_as_one_byte_an_element():
+    """ZeRO-3: the same per-unit gathers, each smaller by one byte per FP8 weight element it carries, every FP8
+    weight gathered twice (its unit's forward and backward)."""
+    for (without, _), (with_flag, chunks) in run_ranks(_zero3_both, 2, timeout=300):
+        assert len(with_flag) == len(without) > 0
+        saved = [a - b for a, b in zip(without, with_flag)]
+        assert all(0 <= s <= a // 2 for s, a in zip(saved, without)), (without, with_flag)
+        assert sum(saved) == 2 * chunks, (saved, chunks)
+
+
 def _runs(**layout):
     from megatron_zero.testing.fp8_layouts import fp8_layout_run
     return (fp8_layout_run(param_gather=True, **layout),
@@ -147,7 +176,7 @@ def _check(run, ref_losses, ref_norms, rtol):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage, overlap, tp, pp", [(1, False, 1, 1), (1, True, 1, 1), (2, False, 1, 1),
-                                                    (1, False, 2, 1), (2, True, 1, 2)])
+                                                    (1, False, 2, 1), (2, True, 1, 2), (3, False, 1, 1)])
 def test_dp2_tensorwise_matches_one_process(stage, overlap, tp, pp):
     """TP2 too: the weights' amaxes over DP, then over TP (each TP rank holds a shard of the weight); and PP2
     (each stage gathers its own layers' weights over its DP group)."""
@@ -156,17 +185,21 @@ def test_dp2_tensorwise_matches_one_process(stage, overlap, tp, pp):
 
     rtol = fp8_same_scale_rtol(config(), GLOBAL_BATCH * config().seq_length)
     losses, norms, _ = reference_run(Float8Settings("hybrid", "tensorwise", emulate=True), 2)
-    for good, broken in run_ranks(_runs, 2 * tp * pp, timeout=600, stage=stage, overlap=overlap, tp=tp, pp=pp):
+    extra = {"persistence_threshold": 0} if stage == 3 else {}  # ZeRO-3: every weight gathered by its unit
+    for good, broken in run_ranks(_runs, 2 * tp * pp, timeout=600, stage=stage, overlap=overlap, tp=tp, pp=pp,
+                                  **extra):
         _check(good, losses, norms, rtol)
         with pytest.raises(AssertionError):
             _check(broken, losses, norms, rtol)
 
 
 @pytest.mark.slow
-def test_dp2_delayed_matches_one_process():
+@pytest.mark.parametrize("stage", [1, 3])
+def test_dp2_delayed_matches_one_process(stage):
     """Delayed scaling with the flag (each weight's amax recorded once a step, at the cast after the
     optimizer's step): DP2 ZeRO-1 against the one-process model casting its weights the same way (both DP
-    replicas' micro-batches as one: one history entry for both), losses, norms and every final scale."""
+    replicas' micro-batches as one: one history entry for both), losses, norms and every final scale; at
+    ZeRO-1 and ZeRO-3."""
     import dataclasses
 
     from megatron_zero.testing.fp8_layouts import GLOBAL_BATCH, config, delayed_settings, reference_run
@@ -174,7 +207,8 @@ def test_dp2_delayed_matches_one_process():
 
     rtol = fp8_same_scale_rtol(config(), GLOBAL_BATCH * config().seq_length)
     losses, norms, scales = reference_run(dataclasses.replace(delayed_settings(), param_gather=True), 2)
-    for good, broken in run_ranks(_runs, 2, timeout=600, recipe="delayed"):
+    for good, broken in run_ranks(_runs, 2, timeout=600, recipe="delayed", stage=stage,
+                                  **({"persistence_threshold": 0} if stage == 3 else {})):
         _check(good, losses, norms, rtol)
         assert len(good["scales"]) == len(scales)
         for got, want in zip(good["scales"], scales):

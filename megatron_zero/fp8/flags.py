@@ -4,7 +4,7 @@
 --fp8-recipe picks the scaling (delayed, Megatron-LM's default, with --fp8-amax-history-len and
 --fp8-amax-compute-algo; or torchao's tensorwise / rowwise), --fp8-margin the headroom below the FP8
 maximum, --fp8-emulate the emulated GEMMs a device without FP8 tensor cores needs, --fp8-param-gather
-ZeRO-1/2's weight all-gather in FP8 (param_gather.py). Megatron-LM's other recipes are refused in
+ZeRO's weight all-gathers in FP8 (param_gather.py). Megatron-LM's other recipes are refused in
 flag_refusals.py, with the reason.
 """
 from __future__ import annotations
@@ -40,9 +40,9 @@ def add_fp8_flags(p: argparse.ArgumentParser) -> None:
                         "without FP8 tensor cores (before compute capability 8.9), where FP8 is refused "
                         "otherwise; numerically FP8, not faster")
     g.add_argument("--fp8-param-gather", action="store_true",
-                   help="ZeRO-1/2 (--use-distributed-optimizer) all-gathers the FP8 layers' weights in FP8 (1 byte "
-                        "an element instead of 2), cast from the fp32 masters once per step with the whole weight's "
-                        "scale; the FP8 GEMMs use them as they are (tensorwise or delayed scaling)")
+                   help="ZeRO-1/2/3 (--use-distributed-optimizer, --zero-stage) all-gathers the FP8 layers' weights "
+                        "in FP8 (1 byte an element instead of 2), cast from the fp32 masters once per step with the "
+                        "whole weight's scale; the FP8 GEMMs use them as they are (tensorwise or delayed scaling)")
 
 
 def check_fp8_flags(args) -> None:
@@ -88,9 +88,10 @@ def _check_param_gather(args, recipe: str) -> None:
             "FP8 all-gather is tensorwise only), and rowwise scales each row; use --fp8-recipe tensorwise or delayed")
     require(stage != 0, "--fp8-param-gather with --zero-stage 0: every rank keeps and steps whole weights, so there "
             "is no weight all-gather to run in FP8; add --use-distributed-optimizer (ZeRO-1) or --zero-stage 2")
-    require(stage != 3, "--fp8-param-gather with --zero-stage 3: ZeRO-3's per-layer gather (zero/stage3_gather.py) "
-            "moves the training dtype, the FP8 weight gather is built for ZeRO-1 and 2; use "
-            "--use-distributed-optimizer or --zero-stage 2")
+    zeropp = args.zero_quantized_weights or args.zero_hpz_partition_size != 1
+    require(not zeropp, "--fp8-param-gather with ZeRO++'s --zero-quantized-weights or --zero-hpz-partition-size: "
+            "those gather the weights int8-quantized or from a secondary bf16 partition, the FP8 gather moves each "
+            "weight's own FP8 bytes; drop one of them")
     require(args.num_experts is None, "--fp8-param-gather with --num-experts: the FP8 weight gather is built for "
-            "dense ZeRO-1/2 (expert parameters are gathered over their expert-data-parallel group, "
+            "dense ZeRO-1/2/3 (expert parameters are gathered over their expert-data-parallel group, "
             "zero/expert_stage.py, in the training dtype); drop --fp8-param-gather")

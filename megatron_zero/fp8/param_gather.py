@@ -3,8 +3,8 @@
 Megatron-LM's flag (its distributed optimizer with Transformer Engine's FP8 parameters), and torchao's
 `enable_fsdp_float8_all_gather` with `precompute_float8_dynamic_scale_for_fsdp` under FSDP2: after the
 optimizer step each rank casts its shard of every FP8 layer's weight to FP8 and the ranks all-gather the
-FP8 bytes (1 byte an element instead of bf16's 2). ZeRO owns the gather (megatron_zero/zero/packed_gather.py:
-its partitions, packed rows, collectives); this module owns the FP8 side of it, for the layers the FP8
+FP8 bytes (1 byte an element instead of bf16's 2). ZeRO owns the gather (megatron_zero/zero/packed_gather.py
+at stages 1/2, stage3_fp8.py at stage 3: its partitions, packed rows, collectives); this module owns the FP8 side of it, for the layers the FP8
 converter marked (`Float8Matmul.param_gather`):
 
 - The scale of each weight, as the matmul would take it of the whole weight (matmul.py): tensorwise, from

@@ -131,7 +131,7 @@ def delayed_settings(history=4, algo="max"):
 
 
 def fp8_layout_run(tp=1, pp=1, cp=1, stage=1, sequence_parallel=False, recipe="tensorwise", broken=False,
-                   param_gather=False, overlap=False, broken_gather=False):
+                   param_gather=False, overlap=False, broken_gather=False, persistence_threshold=100_000):
     """-> this rank's DP rank, per-step losses and gradient norms, and its scales in call order (delayed
     scaling: each layer's final scales)."""
     state = build_parallel_state(tp=tp, pp=pp, cp=cp)
@@ -143,7 +143,7 @@ def fp8_layout_run(tp=1, pp=1, cp=1, stage=1, sequence_parallel=False, recipe="t
                     state.dp_group if state.dp_size > 1 else None)(model)
     opt = ZeroOptimizer(list(model.named_parameters()), dp_group=state.dp_group, stage=stage, clip_grad=1e9,
                         mp_group=state.mp_group, tp_rank=state.tp_rank, module=model, overlap_grad_reduce=overlap,
-                        overlap_param_gather=overlap, **HP)
+                        overlap_param_gather=overlap, persistence_threshold=persistence_threshold, **HP)
     if broken_gather:  # each rank's weight scale from its own master fragments only
         opt.fp8_gather.groups = [g for g in opt.fp8_gather.groups if g is not state.dp_group]
     p2p = P2P(state.prev_rank, state.next_rank, activation_shape(1, cfg, state.tp_size, state.cp_size),

@@ -15,7 +15,7 @@ The checkpoint code calls ``state_dict()`` / ``load_state_dict()`` (DeepSpeed's 
 see checkpoint_state.py).
 
 A `module` whose FP8 layers were converted with --fp8-param-gather (fp8/param_gather.py) has their weights
-all-gathered in FP8 at stage 1/2 (packed_gather.py): published once when the optimizer is made (the first
+all-gathered in FP8 at stage 1/2 (packed_gather.py) and 3 (stage3_fp8.py): published once when the optimizer is made (the first
 forward's FP8 weights) and after every step; ``state_dict()`` republishes the weights in the training dtype
 first, so a checkpoint is a bf16 run's, and ``refresh_fp8_weights()`` recasts them after a resume has
 restored the FP8 scaling state.
@@ -109,6 +109,12 @@ class ZeroOptimizer:
             zeropp = {"quantized_weights": quantized_weights, "quantized_gradients": quantized_gradients,
                       "hpz_group": hpz_group}
             cls, extra = (Stage3ZeroPP, zeropp) if any(zeropp.values()) else (Stage3, {})
+            if self.fp8_gather is not None:
+                if any(zeropp.values()):
+                    raise ValueError("--fp8-param-gather gathers FP8 weights at ZeRO-3 without ZeRO++'s quantized "
+                                     "or hierarchical weight gathers")
+                from .stage3_fp8 import Stage3Float8
+                cls, extra = Stage3Float8, {"fp8_gather": self.fp8_gather}
             self.impl = cls(self.named_groups, dp_group, self.dtype, bucket_size, module=module, layers=layers,
                             prefetch=prefetch, persistence_threshold=persistence_threshold, device=self.device,
                             **extra)
@@ -263,8 +269,8 @@ def _fp8_gather(module, stage: int, dp_group, expert_dp_group, device):
     """The FP8 side of the weight gather for the module's layers converted with --fp8-param-gather, or None."""
     if module is None or not any(getattr(getattr(m, "fp8", None), "param_gather", False) for m in module.modules()):
         return None  # (torchao is imported only for such layers)
-    if stage not in (1, 2) or expert_dp_group is not None:
-        raise ValueError(f"--fp8-param-gather all-gathers FP8 weights at ZeRO stage 1 or 2 without expert "
+    if stage == 0 or expert_dp_group is not None:
+        raise ValueError(f"--fp8-param-gather all-gathers FP8 weights at ZeRO stage 1, 2 or 3 without expert "
                          f"parallelism, not stage {stage}")
     from ..fp8.param_gather import Float8ParamGather, gathered_layers
     return Float8ParamGather(gathered_layers(module), dp_group, device)
