@@ -1,0 +1,114 @@
+"""FP8 MoE experts (torchao's float8, emulated on the CPU).
+
+One rank: every expert's GEMMs are torchao's own. The MoE Llama with its blocks' linear layers, each
+expert's among them, as nn.Linear converted by torchao's convert_to_float8_training (one Float8Linear per
+expert, on the rows routed to it) gives bit-identical loss and gradients to ours, through the experts'
+own layers and through --moe-grouped-gemm's path (per-expert FP8 matmuls), for every recipe. The router
+stays in fp32 and the shared expert is FP8 as a dense MLP.
+"""
+import pytest
+import torch
+
+from megatron_zero.fp8.convert import Float8Converter
+from megatron_zero.fp8.settings import Float8Settings
+from megatron_zero.model import reference_model
+from megatron_zero.testing import run_ranks
+from megatron_zero.testing.fp8_layouts import (GLOBAL_BATCH, delayed_settings, fp8_layout_run, moe_config,
+                                               reference_run)
+from megatron_zero.testing.fp8_torchao import torchao_reference
+from megatron_zero.testing.tolerances import assert_losses_close, fp8_same_scale_rtol
+
+pytest.importorskip("torchao.float8")
+CPU = torch.device("cpu")
+
+
+def _step(model, tokens):
+    loss = model(tokens[:, :-1], labels=tokens[:, 1:])
+    loss.backward()
+    return loss.detach(), [p.grad for p in model.parameters()]  # the same parameters, in the same order
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", pytest.param("rowwise", marks=pytest.mark.slow),
+                                    pytest.param("rowwise_with_gw_hp", marks=pytest.mark.slow)])
+def test_one_rank_moe_step_is_torchaos(recipe):
+    cfg = moe_config(moe_shared_expert_intermediate_size=32)
+    torch.manual_seed(0)
+    plain = reference_model(cfg)
+    settings = Float8Settings("hybrid", recipe, emulate=True)
+    tokens = torch.randint(0, 100, (2, 17), generator=torch.Generator().manual_seed(1))
+    theirs = reference_model(cfg)
+    theirs.load_state_dict(plain.state_dict())
+    want_loss, want = _step(torchao_reference(theirs, settings), tokens)
+    plain_loss, _ = _step(plain, tokens)
+    assert want_loss != plain_loss  # the GEMMs did run in FP8
+    for grouped in (False, True):
+        ours = reference_model(moe_config(moe_shared_expert_intermediate_size=32, moe_grouped_gemm=grouped))
+        ours.load_state_dict(plain.state_dict())
+        line = Float8Converter(settings, CPU)(ours)
+        # per block (2) QKV, projection, the shared expert's two, the four experts' two each
+        assert "24 linear layers of this stage's blocks (16 of them the MoE experts" in line, line
+        loss, grads = _step(ours, tokens)
+        assert torch.equal(loss, want_loss), grouped
+        assert len(grads) == len(want)
+        assert all(torch.equal(g, w) for g, w in zip(grads, want)), grouped
+
+
+def _check(run, reference, moe):
+    """The layout's losses and gradient norms against the reference (AssertionError past the bound)."""
+    rtol = fp8_same_scale_rtol(moe_config(**moe), GLOBAL_BATCH * moe_config().seq_length)
+    assert_losses_close(run["losses"], reference[0], rtol, "loss")
+    assert_losses_close(run["norms"], reference[1], rtol, "gradient norm")
+
+
+def _layout_and_broken(broken, **layout):
+    return fp8_layout_run(**layout), fp8_layout_run(broken=broken, **layout)
+
+
+def _assert_layout(world, broken=True, moe=None, **layout):
+    moe = {} if moe is None else moe
+    runs = run_ranks(_layout_and_broken, world, timeout=600, broken=broken, moe=moe, **layout)
+    recipe = layout.get("recipe", "tensorwise")
+    settings = delayed_settings() if recipe == "delayed" else Float8Settings("hybrid", recipe, emulate=True)
+    reference = reference_run(settings, world // (layout.get("tp", 1) * layout.get("cp", 1)), layout.get("cp", 1),
+                              moe=moe)
+    for good, bad in runs:
+        _check(good, reference, moe)
+        with pytest.raises(AssertionError):
+            _check(bad, reference, moe)
+
+
+def test_ep2_matches_one_process():
+    """DP2 x EP2: each rank holds two experts and receives every token routed to them from both ranks; the
+    broken run reduces the experts' amaxes over the blocks' DP group (whose other rank holds other experts)."""
+    _assert_layout(2, broken="block_groups", ep=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_ep2_grouped_gemm_matches_one_process(recipe):
+    """The same with --moe-grouped-gemm's path, also under delayed scaling (the experts' amax histories)."""
+    _assert_layout(2, broken="block_groups", ep=2, recipe=recipe, moe=dict(moe_grouped_gemm=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("grouped", [False, True])
+def test_expert_tp2_matches_one_process(grouped):
+    """TP2 with sequence parallelism, ETP = TP: each TP rank routes its chunk of the sequence, the experts'
+    rows are all-gathered over ETP and each expert's weight split over it (moe/expert_tp.py): the weight's
+    and its output gradient's amaxes reduced over ETP (the broken run does not)."""
+    _assert_layout(2, tp=2, sequence_parallel=True, moe=dict(moe_grouped_gemm=grouped))
+
+
+@pytest.mark.slow
+def test_dp2_expert_dp2_matches_one_process():
+    """DP2 without EP at ZeRO-3: every expert on both ranks (expert-DP 2), each with its own sample's tokens;
+    the amaxes reduced over expert-DP make an expert's scale that of both samples' tokens routed to it (the
+    broken run keeps each rank's own)."""
+    _assert_layout(2, stage=3)
+
+
+@pytest.mark.slow
+def test_cp2_ep2_matches_one_process():
+    """CP2 x EP2: each rank routes its chunks of the sequence, the EP exchange brings an expert both ranks'
+    tokens (EP spans the CP ranks); the broken run reduces the experts' amaxes over the blocks' DP x CP group."""
+    _assert_layout(2, broken="block_groups", cp=2, ep=2)
