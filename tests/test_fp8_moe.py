@@ -13,6 +13,7 @@ from megatron_zero.fp8.convert import Float8Converter
 from megatron_zero.fp8.settings import Float8Settings
 from megatron_zero.model import reference_model
 from megatron_zero.testing import run_ranks
+from megatron_zero.testing.cli import cli_flags, logged_losses, pretrain_cli, text_data
 from megatron_zero.testing.fp8_layouts import (GLOBAL_BATCH, delayed_settings, fp8_layout_run, moe_config,
                                                reference_run)
 from megatron_zero.testing.fp8_torchao import torchao_reference
@@ -112,3 +113,19 @@ def test_cp2_ep2_matches_one_process():
     """CP2 x EP2: each rank routes its chunks of the sequence, the EP exchange brings an expert both ranks'
     tokens (EP spans the CP ranks); the broken run reduces the experts' amaxes over the blocks' DP x CP group."""
     _assert_layout(2, broken="block_groups", cp=2, ep=2)
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_pretrain_gpt_moe_fp8_trains(tmp_path):
+    """pretrain_gpt.py with --num-experts 4 --fp8-format hybrid --fp8-emulate (delayed scaling, Megatron-LM's
+    default) at EP2 with --moe-grouped-gemm: every expert's GEMMs in FP8, and the loss falls."""
+    data = text_data(tmp_path / "text")
+    run = pretrain_cli(2, cli_flags(data, str(tmp_path / "cache"), "llama",
+                                    {"num-experts": 4, "moe-router-topk": 2, "expert-model-parallel-size": 2,
+                                     "moe-grouped-gemm": True, "fp8-format": "hybrid", "fp8-emulate": True,
+                                     "train-iters": 8}))
+    assert "(8 of them the MoE experts, each scaled on its own rows)" in run.stdout, run.stdout[-2000:]
+    losses = logged_losses(run)
+    assert sorted(losses) == list(range(1, 9))
+    assert max(losses[i] for i in (6, 7, 8)) < min(losses[1], losses[2]), losses  # it learns
