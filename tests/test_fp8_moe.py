@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from megatron_zero.fp8.convert import Float8Converter
-from megatron_zero.fp8.settings import Float8Settings
+from megatron_zero.fp8.delayed import AmaxHistory
+from megatron_zero.fp8.matmul import Float8Matmul
+from megatron_zero.fp8.settings import RECIPES, Float8Settings
 from megatron_zero.model import reference_model
 from megatron_zero.testing import run_ranks
 from megatron_zero.testing.cli import cli_flags, logged_losses, pretrain_cli, text_data
@@ -54,6 +56,19 @@ def test_one_rank_moe_step_is_torchaos(recipe):
         assert all(torch.equal(g, w) for g, w in zip(grads, want)), grouped
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_expert_without_rows_casts_and_skips_its_gemms(recipe):
+    """An expert no token was routed to: its FP8 matmul takes an empty input (torchao's amax of an empty tensor
+    raises), casts with amax 0, and gives an empty output and a zero weight gradient."""
+    mm = Float8Matmul(Float8Settings("hybrid", recipe, emulate=True).linear_config(), "column",
+                      delayed=AmaxHistory(1, "most_recent", 0, CPU) if recipe == "delayed" else None)
+    weight = torch.randn(8, 16, requires_grad=True)
+    x = torch.zeros(0, 16, requires_grad=True)
+    y = mm(x, weight)
+    y.sum().backward()
+    assert y.shape == (0, 8) and x.grad.shape == (0, 16) and torch.equal(weight.grad, torch.zeros(8, 16))
+
+
 def _check(run, reference, moe):
     """The layout's losses and gradient norms against the reference (AssertionError past the bound)."""
     rtol = fp8_same_scale_rtol(moe_config(**moe), GLOBAL_BATCH * moe_config().seq_length)
@@ -70,25 +85,27 @@ def _assert_layout(world, broken=True, moe=None, **layout):
     runs = run_ranks(_layout_and_broken, world, timeout=600, broken=broken, moe=moe, **layout)
     recipe = layout.get("recipe", "tensorwise")
     settings = delayed_settings() if recipe == "delayed" else Float8Settings("hybrid", recipe, emulate=True)
+    # the reference's experts through their own layers (the path the one-rank test holds to torchao's)
     reference = reference_run(settings, world // (layout.get("tp", 1) * layout.get("cp", 1)), layout.get("cp", 1),
-                              moe=moe)
+                              moe={k: v for k, v in moe.items() if k != "moe_grouped_gemm"})
     for good, bad in runs:
         _check(good, reference, moe)
         with pytest.raises(AssertionError):
             _check(bad, reference, moe)
 
 
-def test_ep2_matches_one_process():
-    """DP2 x EP2: each rank holds two experts and receives every token routed to them from both ranks; the
-    broken run reduces the experts' amaxes over the blocks' DP group (whose other rank holds other experts)."""
-    _assert_layout(2, broken="block_groups", ep=2)
+def test_ep2_grouped_gemm_matches_one_process():
+    """DP2 x EP2 with --moe-grouped-gemm: each rank holds two experts and receives every token routed to them
+    from both ranks, each expert's FP8 matmul on its rows; the broken run reduces the experts' amaxes over the
+    blocks' DP group (whose other rank holds other experts)."""
+    _assert_layout(2, broken="block_groups", ep=2, moe=dict(moe_grouped_gemm=True))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
-def test_ep2_grouped_gemm_matches_one_process(recipe):
-    """The same with --moe-grouped-gemm's path, also under delayed scaling (the experts' amax histories)."""
-    _assert_layout(2, broken="block_groups", ep=2, recipe=recipe, moe=dict(moe_grouped_gemm=True))
+@pytest.mark.parametrize("grouped, recipe", [(False, "tensorwise"), (False, "delayed"), (True, "delayed")])
+def test_ep2_matches_one_process(grouped, recipe):
+    """The same through the experts' own layers, and under delayed scaling (the experts' amax histories)."""
+    _assert_layout(2, broken="block_groups", ep=2, recipe=recipe, moe=dict(moe_grouped_gemm=grouped))
 
 
 @pytest.mark.slow
