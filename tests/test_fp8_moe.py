@@ -1,10 +1,22 @@
-"""FP8 MoE experts (torchao's float8, emulated on the CPU).
+"""FP8 MoE experts (torchao's float8, emulated on the CPU; docs/fp8.md's "MoE experts").
 
 One rank: every expert's GEMMs are torchao's own. The MoE Llama with its blocks' linear layers, each
 expert's among them, as nn.Linear converted by torchao's convert_to_float8_training (one Float8Linear per
 expert, on the rows routed to it) gives bit-identical loss and gradients to ours, through the experts'
 own layers and through --moe-grouped-gemm's path (per-expert FP8 matmuls), for every recipe. The router
-stays in fp32 and the shared expert is FP8 as a dense MLP.
+stays in fp32 and the shared expert is FP8 as a dense MLP. An expert with no rows casts (amax 0), joins its
+group's reductions and skips its GEMMs.
+
+Multi-rank: each step's loss and gradient norm equal the one-process FP8 reference's within
+fp8_same_scale_rtol (megatron_zero/testing/tolerances.py) at DP2 x EP2 (grouped GEMM in the default tier;
+the experts' own layers and delayed scaling under `slow`), TP2 + SP with expert TP2, DP2 with expert-DP 2
+at ZeRO-3 and CP2 x EP2; each fails with the experts' amaxes reduced over the wrong group (the blocks' DP
+group, whose ranks hold other experts) or not reduced (over expert TP, over expert-DP). The reference
+takes both DP ranks' micro-batches together (an expert's scale is that of every token of the micro-batch
+routed to it) with the blocks' other layers cast per sample (testing/fp8_layouts.py). The multi-rank
+references run the experts' own layers, the path the one-rank test holds to torchao's. The rowwise
+recipes are held at one rank only: with power-of-2 scales a broken token reduction changes no FP8 value
+away from the subnormals, so no multi-rank check of it could fail.
 """
 import pytest
 import torch
@@ -67,6 +79,39 @@ def test_expert_without_rows_casts_and_skips_its_gemms(recipe):
     y = mm(x, weight)
     y.sum().backward()
     assert y.shape == (0, 8) and x.grad.shape == (0, 16) and torch.equal(weight.grad, torch.zeros(8, 16))
+
+
+def _empty_on_rank0(recipe):
+    """One expert's FP8 matmul on two expert-DP ranks, rank 0 with no rows: its casts still join rank 1's
+    reductions (no hang), and rank 1 gets one process's result on its rows (their amax is the global one)."""
+    import torch.distributed as dist
+
+    def mm():
+        history = AmaxHistory(1, "most_recent", 0, CPU) if recipe == "delayed" else None
+        return Float8Matmul(Float8Settings("hybrid", recipe, emulate=True).linear_config(), "column",
+                            delayed=history)
+
+    weight = torch.randn(8, 16, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    x = torch.randn(5 * dist.get_rank(), 16, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    out = []
+    for matmul, group in ((mm(), dist.group.WORLD), (mm(), None)):
+        if group is None and dist.get_rank() == 0:
+            break
+        matmul.cp_group = group
+        for _ in range(2):  # delayed: the second step casts with the first one's amaxes
+            weight.grad = x.grad = None
+            y = matmul(x, weight)
+            (y * y).sum().backward()
+        out.append((y.detach(), x.grad, weight.grad))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_expert_without_rows_joins_the_reductions(recipe):
+    (empty,), (two_ranks, alone) = run_ranks(_empty_on_rank0, 2, recipe=recipe)
+    assert empty[0].shape == (0, 8) and not empty[2].any()
+    assert all(torch.equal(a, b) for a, b in zip(two_ranks, alone))
 
 
 def _check(run, reference, moe):
