@@ -27,7 +27,7 @@ from megatron_zero.fp8.matmul import Float8Matmul
 from megatron_zero.fp8.settings import RECIPES, Float8Settings
 from megatron_zero.model import reference_model
 from megatron_zero.testing import run_ranks
-from megatron_zero.testing.cli import cli_flags, logged_losses, pretrain_cli, text_data
+from megatron_zero.testing.cli import CliResume, cli_flags, logged_losses, text_data
 from megatron_zero.testing.fp8_layouts import (GLOBAL_BATCH, delayed_settings, fp8_layout_run, moe_config,
                                                reference_run)
 from megatron_zero.testing.fp8_torchao import torchao_reference
@@ -179,15 +179,18 @@ def test_cp2_ep2_matches_one_process():
 
 @pytest.mark.slow
 @pytest.mark.multirank
-def test_pretrain_gpt_moe_fp8_trains(tmp_path):
+def test_pretrain_gpt_moe_fp8_trains_and_resumes(tmp_path):
     """pretrain_gpt.py with --num-experts 4 --fp8-format hybrid --fp8-emulate (delayed scaling, Megatron-LM's
-    default) at EP2 with --moe-grouped-gemm: every expert's GEMMs in FP8, and the loss falls."""
+    default, history 4) at EP2 with --moe-grouped-gemm: every expert's GEMMs in FP8 and the loss falls; resumed
+    as saved it is bit-identical, every expert's amax history restored (each EP rank holds other experts)."""
     data = text_data(tmp_path / "text")
-    run = pretrain_cli(2, cli_flags(data, str(tmp_path / "cache"), "llama",
-                                    {"num-experts": 4, "moe-router-topk": 2, "expert-model-parallel-size": 2,
-                                     "moe-grouped-gemm": True, "fp8-format": "hybrid", "fp8-emulate": True,
-                                     "train-iters": 8}))
+    flags = {"num-experts": 4, "moe-router-topk": 2, "expert-model-parallel-size": 2, "moe-grouped-gemm": True,
+             "fp8-format": "hybrid", "fp8-emulate": True, "fp8-amax-history-len": 4, "fp8-amax-compute-algo": "max"}
+    run = CliResume(str(tmp_path), lambda *c: cli_flags(data, str(tmp_path / "cache"), "llama", flags, *c), {},
+                    iters=8, save_at=4)
     assert "(8 of them the MoE experts, each scaled on its own rows)" in run.stdout, run.stdout[-2000:]
-    losses = logged_losses(run)
-    assert sorted(losses) == list(range(1, 9))
+    losses = run.losses
     assert max(losses[i] for i in (6, 7, 8)) < min(losses[1], losses[2]), losses  # it learns
+    resumed = run.resume_run("as saved")
+    assert "start fresh" not in resumed.stdout, resumed.stdout[-2000:]
+    run.assert_matches(logged_losses(resumed), 0.0)
