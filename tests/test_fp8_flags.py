@@ -55,3 +55,9 @@ def test_cpu_without_emulation_is_refused():
     assert len(model_converters(args, _State(), torch.device("cpu"))) == 1
     args.fp8_format = None
     assert model_converters(args, _State(), torch.device("cpu")) == []
+
+
+def test_fp8_with_moe_experts_is_accepted():
+    """--fp8-format with --num-experts: the experts' GEMMs run in FP8 (docs/fp8.md, tests/test_fp8_moe.py)."""
+    args = parse_args(with_flags(BASE, fp8_format="hybrid", fp8_emulate=True, num_experts=4), world_size=2)
+    assert (args.fp8_format, args.num_experts) == ("hybrid", 4)
