@@ -9,7 +9,7 @@ group's reductions and skips its GEMMs.
 
 Multi-rank: each step's loss and gradient norm equal the one-process FP8 reference's within
 fp8_same_scale_rtol (megatron_zero/testing/tolerances.py) at DP2 x EP2 (grouped GEMM in the default tier;
-the experts' own layers and delayed scaling under `slow`), TP2 + SP with expert TP2, DP2 with expert-DP 2
+the experts' own layers, delayed scaling and the all-gather dispatcher under `slow`), TP2 + SP with expert TP2, DP2 with expert-DP 2
 at ZeRO-3 and CP2 x EP2; each fails with the experts' amaxes reduced over the wrong group (the blocks' DP
 group, whose ranks hold other experts) or not reduced (over expert TP, over expert-DP). The reference
 takes both DP ranks' micro-batches together (an expert's scale is that of every token of the micro-batch
@@ -147,10 +147,12 @@ def test_ep2_grouped_gemm_matches_one_process():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("grouped, recipe", [(False, "tensorwise"), (False, "delayed"), (True, "delayed")])
-def test_ep2_matches_one_process(grouped, recipe):
-    """The same through the experts' own layers, and under delayed scaling (the experts' amax histories)."""
-    _assert_layout(2, broken="block_groups", ep=2, recipe=recipe, moe=dict(moe_grouped_gemm=grouped))
+@pytest.mark.parametrize("moe, recipe", [({}, "tensorwise"), ({}, "delayed"), (dict(moe_grouped_gemm=True), "delayed"),
+                                         (dict(moe_token_dispatcher_type="allgather"), "tensorwise")])
+def test_ep2_matches_one_process(moe, recipe):
+    """The same through the experts' own layers, under delayed scaling (the experts' amax histories), and with
+    Megatron-Core's all-gather dispatcher."""
+    _assert_layout(2, broken="block_groups", ep=2, recipe=recipe, moe=moe)
 
 
 @pytest.mark.slow
