@@ -85,6 +85,14 @@ def test_fp8_weights_are_the_masters_cast_and_the_bf16_weights_follow(recipe):
         assert torch.equal(m.weight, masters[id(m.weight)].view(m.weight.shape).to(torch.bfloat16)), name
 
 
+def test_log_line_says_which_weights_are_gathered_in_fp8():
+    from megatron_zero.testing.fp8_layouts import moe_config
+
+    model = reference_model(moe_config())
+    line = Float8Converter(Float8Settings("hybrid", "tensorwise", 0, True, param_gather=True), CPU)(model)
+    assert line.endswith("; ZeRO all-gathers the other layers' weights in FP8 (the experts' in the training dtype)")
+
+
 def _bytes_step():
     shm_comm.set_shared_memory_comm(False)
     model = _bf16_model()
@@ -213,5 +221,24 @@ def test_dp2_delayed_matches_one_process(stage):
         assert len(good["scales"]) == len(scales)
         for got, want in zip(good["scales"], scales):
             assert_within(got, want, rtol * want.abs(), "scale")
+        with pytest.raises(AssertionError):
+            _check(broken, losses, norms, rtol)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 3])
+def test_ep2_moe_dense_layers_gathered_in_fp8(stage):
+    """An MoE model at EP2 (delayed scaling): the attention's FP8 weights gathered in FP8 by the dense half, the
+    experts' in bf16 over expert-DP; against the one-process model with the flag's casts."""
+    import dataclasses
+
+    from megatron_zero.testing.fp8_layouts import GLOBAL_BATCH, delayed_settings, moe_config, reference_run
+    from megatron_zero.testing.tolerances import fp8_same_scale_rtol
+
+    rtol = fp8_same_scale_rtol(moe_config(), GLOBAL_BATCH * moe_config().seq_length)
+    losses, norms, _ = reference_run(dataclasses.replace(delayed_settings(), param_gather=True), 2, moe={})
+    for good, broken in run_ranks(_runs, 2, timeout=600, recipe="delayed", stage=stage, ep=2, moe={},
+                                  **({"persistence_threshold": 0} if stage == 3 else {})):
+        _check(good, losses, norms, rtol)
         with pytest.raises(AssertionError):
             _check(broken, losses, norms, rtol)

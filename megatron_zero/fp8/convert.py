@@ -62,4 +62,13 @@ class Float8Converter:
                 f"{f', margin {s.margin}' if s.margin else ''}): {count} linear layers of this stage's blocks"
                 f"{f' ({experts} of them the MoE experts, each scaled on its own rows)' if experts else ''} run "
                 "their GEMMs through torchao's float8"
-                f"{'; ZeRO all-gathers their weights in FP8' if s.param_gather else ''}")
+                f"{_gathered(s.param_gather, experts)}")
+
+
+def _gathered(param_gather: bool, experts: int) -> str:
+    """--fp8-param-gather's part of the log line."""
+    if not param_gather:
+        return ""
+    if not experts:
+        return "; ZeRO all-gathers their weights in FP8"
+    return "; ZeRO all-gathers the other layers' weights in FP8 (the experts' in the training dtype)"

@@ -89,6 +89,3 @@ def _check_param_gather(args, recipe: str) -> None:
     require(not zeropp, "--fp8-param-gather with ZeRO++'s --zero-quantized-weights or --zero-hpz-partition-size: "
             "those gather the weights int8-quantized or from a secondary bf16 partition, the FP8 gather moves each "
             "weight's own FP8 bytes; drop one of them")
-    require(args.num_experts is None, "--fp8-param-gather with --num-experts: the FP8 weight gather is built for "
-            "dense ZeRO-1/2/3 (expert parameters are gathered over their expert-data-parallel group, "
-            "zero/expert_stage.py, in the training dtype); drop --fp8-param-gather")

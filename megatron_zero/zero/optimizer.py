@@ -81,7 +81,7 @@ class ZeroOptimizer:
         # every buffer lives beside the parameters (the model was built on the rank's device)
         self.device = device if device is not None else next(
             (p.device for g in self.named_groups for _, p in g), HOST)
-        self.fp8_gather = _fp8_gather(module, stage, dp_group, expert_dp_group, self.device)
+        self.fp8_gather = _fp8_gather(module, stage, dp_group, self.device)
         # --grad-reduce-in-bf16: stages 0-2 reduce gradient buckets in bf16 (the sums stay fp32)
         reduce_dtype = torch.bfloat16 if grad_reduce_in_bf16 else torch.float32
         if stage == 3 and grad_reduce_in_bf16:
@@ -97,12 +97,14 @@ class ZeroOptimizer:
                 from .expert_stage3 import ExpertParallelStage3
                 self.impl = ExpertParallelStage3(dense, expert, dp_group, expert_dp_group, self.dtype, bucket_size,
                                                  module, self.device, layers=layers, prefetch=prefetch,
-                                                 persistence_threshold=persistence_threshold)
+                                                 persistence_threshold=persistence_threshold,
+                                                 fp8_gather=self.fp8_gather)
             else:
                 self.impl = ExpertParallelStage(dense, expert, dp_group, expert_dp_group, stage, self.dtype,
                                                 bucket_size, self.device, grad_reduce_dtype=reduce_dtype,
                                                 overlap_grad_reduce=overlap_grad_reduce,
-                                                overlap_param_gather=overlap_param_gather, module=module)
+                                                overlap_param_gather=overlap_param_gather, module=module,
+                                                fp8_gather=self.fp8_gather)
         elif stage == 3:
             from .stage3 import Stage3
             from .stage3_zeropp import Stage3ZeroPP
@@ -265,12 +267,12 @@ class ZeroOptimizer:
                 "optimizer_state": self.optimizer.state_bytes()}
 
 
-def _fp8_gather(module, stage: int, dp_group, expert_dp_group, device):
-    """The FP8 side of the weight gather for the module's layers converted with --fp8-param-gather, or None."""
+def _fp8_gather(module, stage: int, dp_group, device):
+    """The FP8 side of the weight gather for the module's layers converted with --fp8-param-gather (the dense
+    layers: an MoE expert's weight is gathered over expert-DP in the training dtype), or None."""
     if module is None or not any(getattr(getattr(m, "fp8", None), "param_gather", False) for m in module.modules()):
         return None  # (torchao is imported only for such layers)
-    if stage == 0 or expert_dp_group is not None:
-        raise ValueError(f"--fp8-param-gather all-gathers FP8 weights at ZeRO stage 1, 2 or 3 without expert "
-                         f"parallelism, not stage {stage}")
+    if stage == 0:
+        raise ValueError("--fp8-param-gather all-gathers FP8 weights at ZeRO stage 1, 2 or 3, not stage 0")
     from ..fp8.param_gather import Float8ParamGather, gathered_layers
     return Float8ParamGather(gathered_layers(module), dp_group, device)
