@@ -1,6 +1,7 @@
 """Megatron-LM's FP8 flags, as torchao's float8 training does them (docs/fp8.md).
 
---fp8-format turns FP8 on: the blocks' linear layers (QKV, projection, MLP) run their GEMMs in FP8.
+--fp8-format turns FP8 on: the blocks' linear layers (QKV, projection, MLP, the MoE experts) run their GEMMs
+in FP8.
 --fp8-recipe picks the scaling (delayed, Megatron-LM's default, with --fp8-amax-history-len and
 --fp8-amax-compute-algo; or torchao's tensorwise / rowwise), --fp8-margin the headroom below the FP8
 maximum, --fp8-emulate the emulated GEMMs a device without FP8 tensor cores needs. Megatron-LM's other
@@ -18,9 +19,9 @@ from .settings import DEFAULT_RECIPE, FORMATS, RECIPES, Float8Error, import_torc
 def add_fp8_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("FP8 training through torchao's float8 (docs/fp8.md)")
     g.add_argument("--fp8-format", choices=FORMATS, default=None,
-                   help="FP8 GEMMs in the transformer blocks' linear layers (QKV, projection, MLP; not the embedding "
-                        "or output layer): e4m3 for every operand, or hybrid (e4m3 forward, e5m2 output gradients, "
-                        "as Megatron-LM); default: off")
+                   help="FP8 GEMMs in the transformer blocks' linear layers (QKV, projection, MLP, MoE experts; not "
+                        "the embedding, the output layer or the MoE router): e4m3 for every operand, or hybrid "
+                        "(e4m3 forward, e5m2 output gradients, as Megatron-LM); default: off")
     g.add_argument("--fp8-recipe", choices=RECIPES, default=None,
                    help=f"the scaling: delayed (Transformer Engine's: each tensor's scale from the amax history of "
                         f"earlier micro-batches; default, as Megatron-LM), tensorwise (torchao's: one scale per "
@@ -60,10 +61,6 @@ def check_fp8_flags(args) -> None:
             "--fp8-recipe delayed with --recompute-granularity full: the recomputed forward would cast with "
             "scales the first forward's amaxes have already moved, so its activations would differ from the "
             "first forward's; use --fp8-recipe tensorwise, or --recompute-granularity selective")
-    require(args.num_experts is None,
-            "--fp8-format with --num-experts: FP8 experts are not built here (the grouped-GEMM and expert-TP "
-            "paths multiply the experts' weights outside the linear layers the FP8 converter replaces); train "
-            "the MoE model in --bf16")
     try:
         import_torchao_float8()
     except Float8Error as err:

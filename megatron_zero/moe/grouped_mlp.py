@@ -16,7 +16,8 @@ cumulative row counts), go through
 The offsets and row counts reach the device from pinned memory without blocking (device.ints_to_device).
 `grouped_mm` runs where torch has it (device.has_grouped_mm: CUDA, bf16, compute capability >= 8.0)
 and both matmuls' inner strides are 16-byte multiples; elsewhere (the CPU, fp32) each expert's rows go
-through F.linear in turn: the same sums, chosen from the device and dtype, never from a name.
+through F.linear in turn: the same sums, chosen from the device and dtype, never from a name. With FP8
+(--fp8-format) each expert's rows go through that expert's own FP8 matmul in turn (fp8/experts.py).
 Tensor parallelism is the dense MLP's: every TP rank sees the same rows, holds its slice of every expert.
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 
 from ..device import has_grouped_mm, ints_to_device
 from .. import ops
+from ..fp8.experts import float8_experts_linear, is_float8
 from .stacked_weights import ALIGN_BYTES, stacked
 from ..tensor_parallel import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
 
@@ -45,6 +47,13 @@ def grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], counts: Lis
     return torch.cat([F.linear(chunk, w) for chunk, w in zip(torch.split(x, counts), weights)])
 
 
+def experts_linear(x: torch.Tensor, layers, counts: List[int], offs, grouped: bool):
+    """grouped_linear with the experts' layers of one matmul: their FP8 matmuls where FP8 converted them."""
+    if is_float8(layers):
+        return float8_experts_linear(x, layers, counts)
+    return grouped_linear(x, [m.weight for m in layers], counts, offs, grouped)
+
+
 def rows_bias(biases: Sequence[torch.Tensor], expert_of_row: torch.Tensor) -> torch.Tensor:
     """Each row's expert's bias: [rows, out]."""
     return stacked(biases, aligned=False).index_select(0, expert_of_row)
@@ -58,7 +67,8 @@ class GroupedMLP:
 
     def uses_grouped_mm(self, experts, rows: torch.Tensor) -> bool:
         w1 = experts[0].dense_h_to_4h.weight
-        return (rows.shape[0] > 0 and has_grouped_mm(rows.device, rows.dtype)
+        return (rows.shape[0] > 0 and not is_float8([experts[0].dense_h_to_4h])
+                and has_grouped_mm(rows.device, rows.dtype)
                 and grouped_mm_fits(rows.dtype, w1.shape[1], w1.shape[0], experts[0].dense_4h_to_h.weight.shape[1]))
 
     def __call__(self, experts, rows: torch.Tensor, rows_per_expert: Sequence[int]) -> torch.Tensor:
@@ -73,11 +83,11 @@ class GroupedMLP:
                 torch.arange(len(experts), device=rows.device),
                 ints_to_device(counts, torch.int64, rows.device), output_size=rows.shape[0])
         x = copy_to_tensor_model_parallel_region(rows, self.tp_group)
-        y = grouped_linear(x, [m.weight for m in fc1], counts, offs, grouped)
+        y = experts_linear(x, fc1, counts, offs, grouped)
         if fc1[0].bias is not None:
             y = y + rows_bias([m.bias for m in fc1], expert_of_row)
         y = ops.swiglu(y) if self.swiglu else F.gelu(y, approximate="tanh")
-        out = grouped_linear(y, [m.weight for m in fc2], counts, offs, grouped)
+        out = experts_linear(y, fc2, counts, offs, grouped)
         out = reduce_from_tensor_model_parallel_region(out, self.tp_group)
         if fc2[0].bias is not None:
             out = out + rows_bias([m.bias for m in fc2], expert_of_row)
