@@ -6,8 +6,7 @@ resume are those of a run without the flag, and either run loads the other's che
 weights of one matmul enter as one [E, out, in] tensor (stacked_weights.py): under ZeRO 0-2 a view of
 the flat buffer they already lie in, under ZeRO-3 a view of the storage their layer's gather filled, no
 copy; without a ZeRO wrapper a stack, one copy per forward. Either way backward hands each expert its own
-gradient. All rows, grouped by expert (offsets =
-cumulative row counts), go through
+gradient. All rows, grouped by expert (offsets = cumulative row counts), go through
 
     fc1:  torch.nn.functional.grouped_mm(rows, W1^T, offs)   [rows, (2) ffn / tp]   column-parallel
     act:  GeLU (tanh) of fc1 + the row's expert's bias, or SwiGLU over [gate; up]
