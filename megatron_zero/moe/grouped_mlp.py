@@ -29,9 +29,20 @@ import torch.nn.functional as F
 
 from ..device import has_grouped_mm, ints_to_device
 from .. import ops
-from ..fp8.experts import float8_experts_linear, is_float8
 from .stacked_weights import ALIGN_BYTES, stacked
 from ..tensor_parallel import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
+
+
+def is_float8(layers: Sequence[torch.nn.Module]) -> bool:
+    """Whether the experts' layers were converted to FP8 (fp8/convert.py)."""
+    return getattr(layers[0], "fp8", None) is not None
+
+
+def float8_experts_linear(x: torch.Tensor, layers: Sequence[torch.nn.Module], counts: Sequence[int]) -> torch.Tensor:
+    """Rows of x grouped by expert (counts[e] rows of expert e) through expert e's FP8 matmul, x W_e^T."""
+    chunks = torch.split(x, [int(n) for n in counts])
+    return torch.cat([layer.fp8(chunk, layer.weight) for layer, chunk in zip(layers, chunks)])
+
 
 def grouped_mm_fits(dtype: torch.dtype, *dims: int) -> bool:
     """Whether rows of `dims` elements of `dtype` keep grouped_mm's operands 16-byte aligned."""
