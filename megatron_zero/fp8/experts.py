@@ -17,7 +17,7 @@ rows come from decides the groups its amaxes reduce over (the converter passes t
 - delayed scaling needs no further DP reduction (the replicas of the weight are equal).
 
 The grouped-GEMM (`--moe-grouped-gemm`) and expert-TP paths multiply the experts' weights themselves
-(moe/grouped_mlp.py, moe/expert_tp.py); with FP8 they call `float8_experts_linear`: each expert's
+(moe/grouped_mlp.py, moe/expert_tp.py); with FP8 they call grouped_mlp's `float8_experts_linear`: each expert's
 Float8Matmul on its run of rows, one after another. torchao 0.18 has no public FP8 grouped GEMM for
 training (its moe_training grouped GEMM is a prototype, rowwise e4m3 only), so the experts' GEMMs are
 per-expert torchao GEMMs, the same sums as the experts' own layers compute. An expert with no rows still
@@ -29,7 +29,6 @@ inner dimension is the expert's row count, which routing does not keep a multipl
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
 
 import torch
 
@@ -42,14 +41,3 @@ def is_expert(module: torch.nn.Module) -> bool:
 def expert_config(config):
     """torchao's Float8LinearConfig for an expert's GEMMs: the block's, the inner dimension padded to 16."""
     return dataclasses.replace(config, pad_inner_dim=True)
-
-
-def is_float8(layers: Sequence[torch.nn.Module]) -> bool:
-    """Whether the experts' layers were converted to FP8 (fp8/convert.py)."""
-    return getattr(layers[0], "fp8", None) is not None
-
-
-def float8_experts_linear(x: torch.Tensor, layers: Sequence[torch.nn.Module], counts: Sequence[int]) -> torch.Tensor:
-    """Rows of x grouped by expert (counts[e] rows of expert e) through expert e's FP8 matmul, x W_e^T."""
-    chunks = torch.split(x, [int(n) for n in counts])
-    return torch.cat([layer.fp8(chunk, layer.weight) for layer, chunk in zip(layers, chunks)])

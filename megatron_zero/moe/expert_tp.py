@@ -33,8 +33,7 @@ from ..reduce_scatter import all_gather_into_tensor, reduce_scatter_tensor
 from ..tensor_parallel import copy_to_tensor_model_parallel_region
 from ..tensor_parallel.conjugate import conjugate_pair
 from .dispatch import sort_by_expert
-from ..fp8.experts import is_float8
-from .grouped_mlp import experts_linear, grouped_mm_fits, rows_bias
+from .grouped_mlp import experts_linear, grouped_mm_fits, is_float8, rows_bias
 
 
 def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:

@@ -4,9 +4,9 @@ The experts keep their own parameters (`deepspeed_experts.<id>.dense_h_to_4h.wei
 checkpoint layout (DeepSpeed-MoE's expert files, checkpoint/expert_layout.py), the ZeRO partitions and
 resume are those of a run without the flag, and either run loads the other's checkpoints. The experts'
 weights of one matmul enter as one [E, out, in] tensor (stacked_weights.py): under ZeRO 0-2 a view of
-the flat buffer they already lie in, no copy; otherwise (ZeRO-3, no ZeRO wrapper) a stack, one copy per
-forward. Either way backward hands each expert its own gradient. All rows, grouped by expert (offsets =
-cumulative row counts), go through
+the flat buffer they already lie in, under ZeRO-3 a view of the storage their layer's gather filled, no
+copy; without a ZeRO wrapper a stack, one copy per forward. Either way backward hands each expert its own
+gradient. All rows, grouped by expert (offsets = cumulative row counts), go through
 
     fc1:  torch.nn.functional.grouped_mm(rows, W1^T, offs)   [rows, (2) ffn / tp]   column-parallel
     act:  GeLU (tanh) of fc1 + the row's expert's bias, or SwiGLU over [gate; up]
@@ -29,9 +29,20 @@ import torch.nn.functional as F
 
 from ..device import has_grouped_mm, ints_to_device
 from .. import ops
-from ..fp8.experts import float8_experts_linear, is_float8
 from .stacked_weights import ALIGN_BYTES, stacked
 from ..tensor_parallel import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
+
+
+def is_float8(layers: Sequence[torch.nn.Module]) -> bool:
+    """Whether the experts' layers were converted to FP8 (fp8/convert.py)."""
+    return getattr(layers[0], "fp8", None) is not None
+
+
+def float8_experts_linear(x: torch.Tensor, layers: Sequence[torch.nn.Module], counts: Sequence[int]) -> torch.Tensor:
+    """Rows of x grouped by expert (counts[e] rows of expert e) through expert e's FP8 matmul, x W_e^T."""
+    chunks = torch.split(x, [int(n) for n in counts])
+    return torch.cat([layer.fp8(chunk, layer.weight) for layer, chunk in zip(layers, chunks)])
+
 
 def grouped_mm_fits(dtype: torch.dtype, *dims: int) -> bool:
     """Whether rows of `dims` elements of `dtype` keep grouped_mm's operands 16-byte aligned."""

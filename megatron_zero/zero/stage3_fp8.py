@@ -8,7 +8,8 @@ in its backward, then moves those bytes instead of the bf16 chunk. A unit's coal
 parameter's chunk as bytes (an FP8 weight's 1 an element, another's in the training dtype): every rank's
 row is as long as every other's (each parameter is cut into dp equal chunks, partition.py), so it stays one
 all_gather_into_tensor. Landing a gathered FP8 weight sets the layer's FP8 weight (the matmul multiplies
-with it, fp8/matmul.py) and, as the parameter's data, that weight dequantized in the training dtype (what
+with it, fp8/matmul.py) and, as the parameter's data (its slot of the flight's storage, stage3_storage.py),
+that weight dequantized in the training dtype (what
 autograd, the saved-tensor hooks and `gathered()` see: the value the GEMMs use, never stale); releasing the
 parameter frees both. ZeRO-3 checkpoints hold the fp32 masters only, so nothing saved changes.
 """
@@ -18,6 +19,7 @@ import torch
 
 from .stage3 import Stage3
 from .stage3_gather import _Flight, _all_gather
+from .stage3_storage import lay_out
 
 
 class Stage3Float8(Stage3):
@@ -61,29 +63,29 @@ class Stage3Float8(Stage3):
             flight.work.wait()
             flight.work = None
         rows, pos = flight.out.view(self.dp, -1), 0
-        for p in flight.params:
-            n = self._nbytes(p)
+        buffer, starts = lay_out(flight.params, self.dp, self.dtype, self.device)  # stage3_storage.py's slots
+        for p, start in zip(flight.params, starts):
+            n, slot = self._nbytes(p), buffer[start:start + p.ds_per * self.dp]
             if getattr(p, "ds_layer", None) is not None:  # (none before __init__ has set them)
                 data = torch.empty(p.ds_per * self.dp, dtype=torch.uint8, device=self.device)
                 data.view(self.dp, p.ds_per).copy_(rows[:, pos:pos + n])
                 w8 = self.fp8.layers[p.ds_layer].fp8.weight8
                 w8.data = data[:p.ds_numel].view(w8.data.dtype).view(p.ds_shape)
-                full = (w8.data.float() / w8.scale).to(self.dtype).reshape(-1)
+                slot[:p.ds_numel].copy_((w8.data.float() / w8.scale).reshape(-1))
             else:
-                full = torch.empty(p.ds_per * self.dp, dtype=self.dtype, device=self.device)
-                full.view(torch.uint8).view(self.dp, n).copy_(rows[:, pos:pos + n])
+                slot.view(torch.uint8).view(self.dp, n).copy_(rows[:, pos:pos + n])
             pos += n
             p.ds_inflight = None
-            p.data = full[:p.ds_numel].view(p.ds_shape)
-            self._storage[full.untyped_storage().data_ptr()] = p
-        flight.out = None
+        self._place(flight.params, buffer, starts)
+        flight.out = flight.placed = None
         self.peak_param_numel = max(self.peak_param_numel, self.gathered_numel())
 
-    def _release(self, p):
-        super()._release(p)
-        if p.data.numel() == 0 and getattr(p, "ds_layer", None) is not None:
-            w8 = self.fp8.layers[p.ds_layer].fp8.weight8
-            w8.data = w8.data.new_empty(0)
+    def _release(self, params):
+        super()._release(params)
+        for p in params:
+            if p.data.numel() == 0 and getattr(p, "ds_layer", None) is not None:
+                w8 = self.fp8.layers[p.ds_layer].fp8.weight8
+                w8.data = w8.data.new_empty(0)
 
     @torch.no_grad()
     def write_weights(self, masters, fp8: bool = True):
