@@ -9,9 +9,8 @@ parameter's chunk as bytes (an FP8 weight's 1 an element, another's in the train
 row is as long as every other's (each parameter is cut into dp equal chunks, partition.py), so it stays one
 all_gather_into_tensor. Landing a gathered FP8 weight sets the layer's FP8 weight (the matmul multiplies
 with it, fp8/matmul.py) and, as the parameter's data (its slot of the flight's storage, stage3_storage.py),
-that weight dequantized in the training dtype (what
-autograd, the saved-tensor hooks and `gathered()` see: the value the GEMMs use, never stale); releasing the
-parameter frees both. ZeRO-3 checkpoints hold the fp32 masters only, so nothing saved changes.
+that weight dequantized in the training dtype (what autograd, the saved-tensor hooks and `gathered()` see:
+the value the GEMMs use, never stale); releasing the parameter frees both. ZeRO-3 checkpoints hold the fp32 masters only, so nothing saved changes.
 """
 from __future__ import annotations
 
