@@ -28,9 +28,11 @@ dispatch per token as the number of experts E and top-k grow, and each rank's me
     baseline is EP1.
 (d) the bytes of expert weights the grouped GEMM copies a forward (CopyCounter, the experts of every MoE
     layer on --tokens rows split evenly), GPT-2 and Llama MoE, forced onto grouped_mm (its CPU forward, no
-    grad: the CPU has no grouped_mm backward): the experts as separate tensors (no ZeRO wrapper, or ZeRO-3:
-    stacked by a copy, what every forward did under every stage before) against ZeRO-1's flat buffer (the
-    stacked view, stacked_weights.py). The baseline is the separate tensors; the experts' parameter bytes beside.
+    grad: the CPU has no grouped_mm backward): the experts as separate tensors (no ZeRO wrapper: stacked by a
+    copy, what every forward did under every stage before) against ZeRO-1's flat buffer and ZeRO-3's gathered
+    storage (the stacked view, stacked_weights.py; ZeRO-3 on one process, the experts gathered with their
+    layer as its forward hook does, persistence threshold 0, the gather itself not counted). The baseline is
+    the separate tensors; the experts' parameter bytes beside.
 Ranks and threads share the machine's cores: on a 2-core machine the EP2 rows' alltoall competes with compute.
 """
 import argparse
@@ -274,8 +276,24 @@ def memory_table(a):
             for stage in (0, 1) for ep in (1, 2, 4)]
 
 
+def _experts_forward(layers, x, counts, stage):
+    """Bytes copied by the forwards of every MoE layer's experts; ZeRO-3 (`stage`): each gathered with its unit."""
+    with torch.no_grad():
+        copied = 0
+        for experts in layers:
+            ui = next((i for i, u in enumerate(stage.units) if experts in set(u.modules())), None) if stage else None
+            if ui is not None:
+                stage.gather_unit(ui)
+            with CopyCounter() as copies:
+                experts(x, counts)
+            copied += copies.total
+            if ui is not None:
+                stage.release_unit(ui)
+    return copied
+
+
 def weight_copies(a):
-    """(d): rows of (model, expert parameter bytes, bytes copied a forward: separate tensors, ZeRO-1)."""
+    """(d): rows of (model, expert parameter bytes, bytes copied a forward: separate tensors, ZeRO-1, ZeRO-3)."""
     rows, grouped = [], GroupedMLP.uses_grouped_mm
     GroupedMLP.uses_grouped_mm = lambda self, experts, rows: True
     try:
@@ -285,15 +303,13 @@ def weight_copies(a):
             layers = [m for m in model.modules() if isinstance(m, Experts)]
             x = torch.randn(a.tokens, a.hidden, generator=torch.Generator().manual_seed(0))
             counts = [a.tokens // a.experts] * (a.experts - 1) + [a.tokens - a.tokens // a.experts * (a.experts - 1)]
-            copied = []
-            for zero in (False, True):
-                if zero:
-                    ZeroOptimizer(list(model.named_parameters()), stage=1, module=model)
-                with torch.no_grad(), CopyCounter() as copies:
-                    for experts in layers:
-                        experts(x, counts)
-                copied.append(copies.total)
             held = sum(p.numel() * p.element_size() for m in layers for p in m.parameters())
+            copied = [_experts_forward(layers, x, counts, None)]
+            for stage in (1, 3):
+                model = reference_model(cfg)
+                layers = [m for m in model.modules() if isinstance(m, Experts)]
+                zero = ZeroOptimizer(list(model.named_parameters()), stage=stage, module=model, persistence_threshold=0)
+                copied.append(_experts_forward(layers, x, counts, zero.impl if stage == 3 else None))
             rows.append(("Llama" if llama else "GPT-2", held, *copied))
     finally:
         GroupedMLP.uses_grouped_mm = grouped
@@ -343,11 +359,12 @@ def main(argv=None):
                   f"{state / base[4]:.2f} | {peak / base[5]:.2f} |")
     if "d" in a.tables:
         print(f"\n(d) expert weight bytes the grouped GEMM copies a forward ({a.layers} MoE layers, {a.tokens} rows "
-              "each): separate tensors (stacked by a copy) against ZeRO-1's flat buffer (a view)")
-        print("| model | expert param bytes | copied: separate tensors | copied: ZeRO-1 | ZeRO-1 / separate |")
+              "each): separate tensors (stacked by a copy) against ZeRO-1's flat buffer and ZeRO-3's gathered "
+              "storage (views)")
+        print("| model | expert param bytes | copied: separate tensors | copied: ZeRO-1 | copied: ZeRO-3 |")
         print("|---|---:|---:|---:|---:|")
-        for name, held, before, after in weight_copies(a):
-            print(f"| {name} | {held:,} | {before:,} | {after:,} | {after / before:.2f} |")
+        for name, held, before, zero1, zero3 in weight_copies(a):
+            print(f"| {name} | {held:,} | {before:,} | {zero1:,} | {zero3:,} |")
 
 
 if __name__ == "__main__":

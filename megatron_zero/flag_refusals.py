@@ -27,9 +27,6 @@ REFUSED: Dict[str, Refusal] = {
         "FP8 here scales delayed, tensorwise, rowwise or rowwise_with_gw_hp; torchao has no mxfp8 or blockwise "
         "training outside its prototypes (the closest: rowwise)",
         lambda v, g: v in ("mxfp8", "blockwise"), "mxfp8, blockwise"),
-    "--fp8-param-gather": Refusal(
-        "torchao gathers FP8 parameters only under FSDP2 (enable_fsdp_float8_all_gather); ZeRO here gathers the "
-        "parameters in the training dtype and the FP8 matmuls cast them"),
     # checkpoint format
     "--ckpt-format": Refusal(
         "megatron_zero loads Megatron-LM's torch_dist and torch (legacy) checkpoints and saves DeepSpeed's layout "

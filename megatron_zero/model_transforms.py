@@ -26,9 +26,11 @@ def model_converters(args, state, device: torch.device) -> List[Converter]:
         from .fp8.convert import Float8Converter
         from .fp8.settings import Float8Settings
 
+        dp_group = state.dp_group if state.dp_size > 1 else None
         converters.append(Float8Converter(Float8Settings.from_args(args), device,
-                                          state.cp_group if state.cp_size > 1 else None,
-                                          state.dp_group if state.dp_size > 1 else None))
+                                          state.cp_group if state.cp_size > 1 else None, dp_group,
+                                          # the ranks holding the same experts: DP x CP without EP
+                                          state.expert_dp_group if state.expert_dp_group is not None else dp_group))
     if getattr(args, "compile_layers", False):  # last: it compiles what the converters before it built
         from .compile.layers import CompileLayersConverter
 

@@ -36,7 +36,8 @@ def test_dense_baseline_has_the_moe_models_active_parameters(llama):
 
 
 def test_weight_copies_table_counts_the_stack_and_none_under_zero():
-    """(d): separate tensors copy every expert byte a forward, ZeRO-1's flat buffer none."""
+    """(d): separate tensors copy every expert byte a forward, ZeRO-1's flat buffer and ZeRO-3's gathered storage
+    none."""
     a = parse(["--layers", "1", "--hidden", "32", "--ffn", "16", "--vocab", "64", "--seq", "8", "--tokens", "16"])
-    for name, held, separate, zero1 in weight_copies(a):
-        assert (separate, zero1) == (held, 0), name
+    for name, held, separate, zero1, zero3 in weight_copies(a):
+        assert (separate, zero1, zero3) == (held, 0, 0), name

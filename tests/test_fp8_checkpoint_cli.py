@@ -9,7 +9,9 @@ can move by a whole FP8 spacing (2^-3 relative); the measured drift is ~1e-5 aft
 for it is derived here. It resumes without FP8, and a checkpoint saved without FP8 resumes with it.
 With delayed scaling (Megatron-LM's default recipe) the amax histories are training state: the run resumed as
 saved is bit-identical (they are in the model-states files), and a universal resume says in one line that
-they start fresh. The default tier's FP8 checkpoint claim is
+they start fresh. With --fp8-param-gather (delayed scaling, DP2, ZeRO-1 with the overlapped gather, ZeRO-3) the run resumed as saved is
+bit-identical too: the resume casts the FP8 weights again from the restored masters with the restored scales.
+The default tier's FP8 checkpoint claim is
 tests/test_fp8_checkpoint.py (the converted model's state is the unconverted one's)."""
 import os
 
@@ -22,6 +24,7 @@ pytest.importorskip("torchao.float8")
 FP8 = {"fp8-format": "hybrid", "fp8-recipe": "tensorwise", "fp8-emulate": True}
 NO_FP8 = {"fp8-format": None, "fp8-recipe": None, "fp8-emulate": None}
 DELAYED = {"fp8-format": "hybrid", "fp8-emulate": True, "fp8-amax-history-len": 4, "fp8-amax-compute-algo": "max"}
+GATHER = {**DELAYED, "fp8-param-gather": True, "overlap-param-gather": True}
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +36,10 @@ def runs(tmp_path_factory):
         os.makedirs(root / name)
         made[name] = CliResume(str(root / name), lambda *c, fp8=fp8: cli_flags(data, str(root / "cache"), "llama",
                                                                               fp8, *c), layout_flags(tp=2))
+    for name, zero in (("gather", 1), ("gather_zero3", 3)):  # DP2
+        os.makedirs(root / name, exist_ok=True)
+        made[name] = CliResume(str(root / name), lambda *c: cli_flags(data, str(root / "cache"), "llama", GATHER, *c),
+                               layout_flags(zero=zero))
     made["flags"] = lambda *c: cli_flags(data, str(root / "cache"), "llama", *c)
     return made
 
@@ -73,3 +80,10 @@ def test_delayed_scaling_histories_resume_bit_exactly(runs):
     universal = delayed.resume_run("universal")
     assert "FP8 delayed scaling: the amax histories start fresh (scale 1), a universal checkpoint keeps none" \
         in universal.stdout, universal.stdout[-2000:]
+
+
+@pytest.mark.parametrize("name", ["gather", "gather_zero3"])
+def test_fp8_param_gather_resumes_bit_exactly(runs, name):
+    gather = runs[name]
+    assert "; ZeRO all-gathers their weights in FP8" in gather.stdout, gather.stdout[-2000:]
+    gather.assert_matches(gather.resume("as saved"), 0.0)

@@ -18,10 +18,15 @@ pytest.importorskip("torchao.float8")
     (dict(fp8_amax_history_len=0, fp8_format="hybrid"), ["--fp8-amax-history-len 0 must be at least 1"]),
     (dict(fp8_format="hybrid", checkpoint_activations=True),
      ["--fp8-recipe delayed with --recompute-granularity full"]),
-    (dict(fp8_param_gather=True, fp8_format="hybrid"), ["--fp8-param-gather is refused", "FSDP2"]),
+    (dict(fp8_param_gather=True), ["--fp8-param-gather shape FP8 training", "--fp8-format turns on"]),
+    (dict(fp8_param_gather=True, fp8_format="hybrid", fp8_recipe="rowwise"),
+     ["--fp8-param-gather with --fp8-recipe rowwise", "tensorwise only"]),
+    (dict(fp8_param_gather=True, fp8_format="hybrid", zero_stage=0),
+     ["--fp8-param-gather with --zero-stage 0", "no weight all-gather"]),
+    (dict(fp8_param_gather=True, fp8_format="hybrid", zero_stage=3, zero_quantized_weights=True),
+     ["--fp8-param-gather with ZeRO++"]),
     (dict(fp8_emulate=True), ["--fp8-format turns on", "--fp8-emulate"]),
     (dict(fp8_format="e4m3", fp8_margin=-1), ["--fp8-margin -1"]),
-    (dict(fp8_format="e4m3", num_experts=4), ["--num-experts", "grouped-GEMM"]),
 ])
 def test_fp8_flags_refused_in_one_sentence(changes, words, capsys):
     err = refused(with_flags(BASE, **changes), 2, capsys)
@@ -45,7 +50,7 @@ def test_flags_map_onto_torchaos_config():
 
 
 class _State:
-    cp_size, cp_group, dp_size, dp_group = 1, None, 1, None
+    cp_size, cp_group, dp_size, dp_group, expert_dp_group = 1, None, 1, None, None
 
 
 def test_cpu_without_emulation_is_refused():
@@ -56,3 +61,9 @@ def test_cpu_without_emulation_is_refused():
     assert len(model_converters(args, _State(), torch.device("cpu"))) == 1
     args.fp8_format = None
     assert model_converters(args, _State(), torch.device("cpu")) == []
+
+
+def test_fp8_with_moe_experts_is_accepted():
+    """--fp8-format with --num-experts: the experts' GEMMs run in FP8 (docs/fp8.md, tests/test_fp8_moe.py)."""
+    args = parse_args(with_flags(BASE, fp8_format="hybrid", fp8_emulate=True, num_experts=4), world_size=2)
+    assert (args.fp8_format, args.num_experts) == ("hybrid", 4)

@@ -5,6 +5,7 @@ on the CPU, where both sides are emulated. The same bf16 model, converted twice 
 device has FP8 tensor cores, emulated), takes the same batch: both cast with the same scales to the same
 FP8 values, and differ only in how each GEMM accumulates and rounds its output to bf16 (one bf16 rounding,
 2^-8 relative, per GEMM on the forward path; fp8_gemm_output_rtol). A few steps on one batch make the loss fall.
+The same for an MoE model (each expert's GEMMs on its own rows, --moe-grouped-gemm's path).
 """
 import copy
 import os
@@ -38,10 +39,17 @@ def fp8_gemm_output_rtol(gemms: int) -> float:
     return gemms * 2 * 2.0 ** -8
 
 
-def test_fp8_step_matches_emulated_and_loss_falls(device):
+# the MoE model: 4 experts top-2 on the grouped-GEMM path, each expert's FP8 GEMMs on its rows, whose counts
+# routing does not keep multiples of 16 (the weight gradient's inner dimension, padded); a token's path through
+# its experts is two GEMMs deep, as the dense MLP's
+MOE = dict(num_experts=4, moe_router_topk=2, moe_grouped_gemm=True)
+
+
+@pytest.mark.parametrize("moe", [{}, MOE], ids=["dense", "moe"])
+def test_fp8_step_matches_emulated_and_loss_falls(device, moe):
     # hidden and FFN multiples of 16: torch._scaled_mm's shape rule
     cfg = tiny_llama_config(num_layers=2, hidden_size=64, ffn_hidden_size=128, seq_length=32,
-                            max_position_embeddings=32, params_dtype=torch.bfloat16)
+                            max_position_embeddings=32, params_dtype=torch.bfloat16, **moe)
     torch.manual_seed(0)
     with device:
         real = reference_model(cfg)

@@ -10,46 +10,19 @@ PP2 (TP2 x PP2), CP2 and TP2 rowwise under `slow`.
 """
 import pytest
 import torch
-from torch import nn
 
 from megatron_zero.fp8.convert import Float8Converter
 from megatron_zero.fp8.settings import RECIPES, Float8Settings
 from megatron_zero.model import reference_model
-from megatron_zero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_zero.testing import run_ranks
+from megatron_zero.testing.fp8_torchao import torchao_reference
 from megatron_zero.testing.fp8_layouts import (GLOBAL_BATCH, config, expected_scales, fp8_layout_run,
                                                reference_run)
 from megatron_zero.testing.tiny_gpt import tiny_llama_config
 from megatron_zero.testing.tolerances import assert_losses_close, assert_within, fp8_same_scale_rtol
 
-torchao_float8 = pytest.importorskip("torchao.float8")
+pytest.importorskip("torchao.float8")
 CPU = torch.device("cpu")
-
-
-class _AsLinear(nn.Module):
-    """A TP-1 parallel linear layer as an nn.Linear with the same parameters (what torchao converts)."""
-
-    def __init__(self, layer):
-        super().__init__()
-        self.linear = nn.Linear(layer.weight.shape[1], layer.weight.shape[0], bias=False)
-        self.linear.weight = layer.weight
-        self.bias, self.skip_bias_add = layer.bias, layer.skip_bias_add
-
-    def forward(self, x):
-        y = self.linear(x)
-        if self.skip_bias_add:
-            return y, self.bias
-        return y if self.bias is None else y + self.bias
-
-
-def _torchao_reference(model, settings):
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if type(child) in (ColumnParallelLinear, RowParallelLinear) and name != "lm_head":
-                setattr(module, name, _AsLinear(child))
-    torchao_float8.convert_to_float8_training(model, config=settings.linear_config(),
-                                              module_filter_fn=lambda m, fqn: "lm_head" not in fqn)
-    return model
 
 
 @pytest.mark.parametrize("recipe", [r for r in RECIPES if r != "delayed"])  # delayed: test_fp8_delayed.py
@@ -63,7 +36,7 @@ def test_one_rank_step_is_torchaos(recipe):
     settings = Float8Settings("hybrid", recipe, emulate=True)
     line = Float8Converter(settings, CPU)(ours)
     assert f"FP8 (hybrid, {recipe} scaling, emulated): 8 linear layers" in line  # QKV, projection, MLP's two
-    _torchao_reference(theirs, settings)
+    torchao_reference(theirs, settings)
     tokens = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(1))
     results = []
     for model in (plain, ours, theirs):

@@ -18,7 +18,7 @@ from megatron_zero.testing.launch_scripts import script_argv, scripts
 DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "coming_from_megatron.md")
 EXPECTED_REFUSED = {
     "megatron_lm_gpt3_175b": set(),
-    "megatron_lm_llama3_8b_fp8": {"--fp8-param-gather"},
+    "megatron_lm_llama3_8b_fp8": set(),
     "megatron_lm_mixtral_8x7b": set(),
     "mds_llama2": set(),
     "mds_universal_bf16": set(),
@@ -87,14 +87,14 @@ def test_documented_refusals_are_the_table():
 
 def test_unknown_and_refused_flags_are_reported_together(capsys):
     argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-            "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "1", "--fp8-param-gather",
+            "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "1", "--ckpt-format", "zarr",
             "--no-such-flag", "3", "--fp8-recipe", "mxfp8", "--deepspeed"]
     with pytest.raises(SystemExit) as exit_info:
         parse_args(argv)
     assert exit_info.value.code == 2
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 3 and all(line.startswith("pretrain_gpt.py: error: ") for line in lines)
-    assert "--fp8-param-gather is refused" in lines[0] and "--fp8-recipe mxfp8 is refused" in lines[1]
+    assert "--ckpt-format zarr is refused" in lines[0] and "--fp8-recipe mxfp8 is refused" in lines[1]
     assert "--no-such-flag is not a flag" in lines[2]
     assert not any("unrecognized arguments" in line or "ambiguous" in line for line in lines)
 

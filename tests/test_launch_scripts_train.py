@@ -134,6 +134,8 @@ def test_cut_down_script_trains_five_iterations(name, corpus, tmp_path):
     if "--fp8-format" in argv:  # train_llama3_8b_h100_fp8.sh: the blocks' linear layers in FP8
         assert ("FP8 (hybrid, delayed scaling, amax history 1024 (max), emulated): 8 linear layers"
                 in run.stdout), run.stdout[-2000:]
+        # its --fp8-param-gather, kept: ZeRO-1 (DP2 here) all-gathers those layers' weights in FP8
+        assert "; ZeRO all-gathers their weights in FP8" in run.stdout, run.stdout[-2000:]
     if "--profile" in argv:  # train_llama3_8b_h100_fp8.sh: a torch.profiler trace under --tensorboard-dir
         traces = [f for _, _, files in os.walk(tmp_path / "tb") for f in files if f.endswith(".pt.trace.json")]
         assert len(traces) == 1, traces

@@ -45,10 +45,12 @@ def test_overlap_with_expert_parallelism(pp, stage, llama):
     _check(cfg, [r[1] for r in results], reference, f"overlap pp{pp} zero{stage} against the reference")
 
 
-@pytest.mark.parametrize("tp,llama", [(1, False), pytest.param(2, True, marks=pytest.mark.slow)])
-def test_grouped_gemm_with_expert_parallelism(tp, llama):
+@pytest.mark.parametrize("tp,dp,stage,llama", [(1, 2, 1, False), pytest.param(2, 2, 1, True, marks=pytest.mark.slow),
+                                                pytest.param(1, 4, 3, False, marks=pytest.mark.slow)])
+def test_grouped_gemm_with_expert_parallelism(tp, dp, stage, llama):
     """--moe-grouped-gemm at EP2 x DP2 (GPT: GeLU experts with biases), EP2 x TP2 (Llama: SwiGLU experts,
-    column- and row-parallel slices)."""
+    column- and row-parallel slices), and at ZeRO-3 EP2 x DP4 (expert-DP 2: the experts gathered per layer into
+    one storage, their biases read through the stacked view of it)."""
     cfg = moe_config(llama, moe_grouped_gemm=True)
-    results = run_ranks(parallel_run, 2 * tp, cfg, tp, 1, 2, 1, 2, STEPS, timeout=600)
-    _check(cfg, results, reference_run(cfg, 2, 2, STEPS), f"grouped gemm tp{tp}")
+    results = run_ranks(parallel_run, tp * dp, cfg, tp, 1, 2, stage, 2, STEPS, timeout=600)
+    _check(cfg, results, reference_run(cfg, dp, 2, STEPS), f"grouped gemm tp{tp} zero{stage}")

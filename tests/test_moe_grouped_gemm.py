@@ -14,7 +14,7 @@ from megatron_zero.moe import reset_aux_losses
 from megatron_zero.moe.grouped_mlp import GroupedMLP, grouped_linear, grouped_mm_fits
 from megatron_zero.moe.stacked_weights import expert_stride, stacked
 from megatron_zero.testing.copy_counter import CopyCounter
-from megatron_zero.testing.moe_train import moe_config
+from megatron_zero.testing.moe_train import global_batch, moe_config
 from megatron_zero.testing.tiny_gpt import tiny_llama_config
 from megatron_zero.testing.tolerances import assert_close_scaled, model_rtol, reduction_atol
 from megatron_zero.zero import ZeroOptimizer
@@ -171,3 +171,61 @@ def test_grouped_mm_in_bf16_matches_the_loop_on_a_gpu(swiglu, cuda_device):
     assert_close_scaled(out, want_out, rtol, "output")
     for i, (g, w) in enumerate(zip(grads, want)):
         assert_close_scaled(g, w, rtol, f"gradient {i}")
+
+
+def _zero3(model, halves: bool, persistence_threshold: int):
+    """ZeRO-3 on one process: through ZeroOptimizer, or the expert-parallel pair of stages (expert_stage3.py) as
+    EP builds it, the experts in a stage of their own."""
+    if not halves:
+        return ZeroOptimizer(list(model.named_parameters()), stage=3, module=model,
+                             persistence_threshold=persistence_threshold).impl
+    from megatron_zero.device import HOST
+    from megatron_zero.zero.expert_stage import split_expert_groups
+    from megatron_zero.zero.expert_stage3 import ExpertParallelStage3
+    dense, _, expert, _ = split_expert_groups([list(model.named_parameters())], [{}])
+    return ExpertParallelStage3(dense, expert, None, None, torch.float32, 4000, model, HOST,
+                                persistence_threshold=persistence_threshold)
+
+
+ZERO3_CASES = [(llama, threshold, halves) for llama in (False, True) for threshold in (0, 100_000)
+               for halves in (False, True)]
+DEFAULT_TIER = {(False, 0, False), (True, 100_000, True)}  # the rest in the slow tier
+
+
+@pytest.mark.parametrize("llama,persistence_threshold,halves", [
+    case if case in DEFAULT_TIER else pytest.param(*case, marks=pytest.mark.slow) for case in ZERO3_CASES])
+def test_a_forward_under_zero3_stacks_no_expert_weight(llama, persistence_threshold, halves, monkeypatch):
+    """ZeRO-3 lays the parameters one gather brings in one storage, each a 16-byte aligned view, in the module's
+    order: gathered around their layer (threshold 0) or kept gathered (the default threshold keeps these small
+    experts persistent), with or without the experts in a stage of their own, one matmul's expert weights lie
+    equally spaced there. A model forward forced onto grouped_mm reads them in place: its operands share the
+    experts' storage, no expert parameter is stacked (each forward stacked every one before, as the model without
+    ZeRO does), the loss is the same bits."""
+    cfg = moe_config(llama, moe_grouped_gemm=True)
+    model = reference_model(cfg)
+    monkeypatch.setattr(GroupedMLP, "uses_grouped_mm", lambda self, experts, rows: True)
+    tokens, labels = global_batch(0)
+    experts = [p for n, p in model.named_parameters() if ".deepspeed_experts." in n]
+    with torch.no_grad(), CopyCounter() as separate:
+        want = model(tokens, labels=labels)
+    reset_aux_losses()
+    others = separate.bytes["aten.stack"] - sum(p.numel() * p.element_size() for p in experts)  # the loss's
+    assert others < separate.bytes["aten.stack"] // 100
+    stage = _zero3(model, halves, persistence_threshold)
+    operands = []
+    grouped_mm = torch.nn.functional.grouped_mm
+
+    def recording_grouped_mm(x, w, offs):
+        operands.append((w.untyped_storage().data_ptr(), {p.untyped_storage().data_ptr() for p in experts}))
+        return grouped_mm(x, w, offs=offs)
+
+    monkeypatch.setattr(torch.nn.functional, "grouped_mm", recording_grouped_mm)
+    for _ in range(2):  # every forward, not just the first
+        with torch.no_grad(), CopyCounter() as copies:
+            got = model(tokens, labels=labels)
+        reset_aux_losses()
+        assert copies.bytes["aten.stack"] == others, dict(copies.bytes)
+        assert torch.equal(got, want)
+    moe_layers = sum(1 for m in model.modules() if type(m).__name__ == "Experts")
+    assert len(operands) == 2 * 2 * moe_layers and all(ptr in held for ptr, held in operands)
+    stage.remove_hooks()

@@ -172,7 +172,8 @@ def load_checkpoint(load_dir: str, state: ParallelState, model, optimizer, load_
         opt_name = optim_states_name(dp, mp, not bf16)
     saved = ckpt.meta.get("layout", {})
     saved_dp = saved["dp"] * saved.get("cp", 1) if "dp" in saved else states.get("dp_world_size")
-    if load_optimizer or stage == 3 or saved_dp == state.dp_size:
+    masters_loaded = load_optimizer or stage == 3 or saved_dp == state.dp_size
+    if masters_loaded:
         ckpt.require(opt_name, f"the ZeRO state of DP rank {dp}, model-parallel rank {mp}")
         osd = ckpt.load(opt_name, device=optimizer_device)["optimizer_state_dict"]
         _check_decoupled_group(osd, optimizer, ckpt.directory)
@@ -182,6 +183,8 @@ def load_checkpoint(load_dir: str, state: ParallelState, model, optimizer, load_
             raise CheckpointError(f"the checkpoint file {ckpt.path(opt_name)} does not fit this optimizer: {e}") from e
     client = {k: v for k, v in states.items() if k not in ENGINE_KEYS}
     note = load_scaling_state(model, states.get(FP8_SCALING))  # the same layout: bit-exact
+    if masters_loaded:  # --fp8-param-gather: the FP8 weights cast again, with the restored scales
+        optimizer.refresh_fp8_weights()
     if note:
         client[FP8_NOTE] = note
     client["lr_scheduler"] = states.get("lr_scheduler")

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..fp8.delayed import STATE_KEY as FP8_SCALING, scaling_state
+from ..fp8.delayed import STATE_KEY as FP8_SCALING, checkpoint_scaling_state
 from ..topology import ParallelState
 from .expert_layout import expert_files, without_experts, zero3_expert_files
 from .deepspeed_layout import assign_layers_to_dp, engine_state, layer_state_dicts, universal_checkpoint_info
@@ -75,6 +75,7 @@ def build_plan(iteration: int, state: ParallelState, model, optimizer, client: d
     config = model.config
     cfg = ds_config(optimizer)
     osd = optimizer.state_dict()
+    fp8 = checkpoint_scaling_state(model, state.dp_group)  # FP8 delayed scaling's amax histories (collective)
     plan = [(optim_states_name(dp_rank, mp, optimizer.dtype == torch.bfloat16),
              {"optimizer_state_dict": weights_only_state(osd) if client.get("weights_only") else osd,
               "ds_config": cfg, "ds_version": DS_VERSION})]
@@ -84,7 +85,6 @@ def build_plan(iteration: int, state: ParallelState, model, optimizer, client: d
                               client.get("lr_scheduler"), int(client.get("skipped_steps", 0) or 0))
         states["universal_checkpoint_info"] = universal_checkpoint_info(config, config.padded_vocab_size(state.tp_size))
         states.update({k: v for k, v in client.items() if k not in states})
-        fp8 = scaling_state(model)  # FP8 delayed scaling's amax histories: the same on every DP rank
         if fp8 is not None:
             states[FP8_SCALING] = fp8
         plan.append((model_states_name(mp, stage, dp_rank), states))

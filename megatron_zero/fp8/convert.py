@@ -3,7 +3,9 @@
 A model transform (megatron_zero/model_transforms.py): applied once to the built model stage, before the
 optimizer is made. Each ColumnParallelLinear / RowParallelLinear of a block becomes its Float8 subclass in
 place (the same module and parameters, as torchao's `convert_to_float8_training` swaps nn.Linear), with a
-Float8Matmul that knows the layer's TP split and the groups its scales are reduced over. The word
+Float8Matmul that knows the layer's TP split and the groups its scales are reduced over; an MoE expert's
+layers reduce their tokens' amaxes over the expert-data-parallel group instead of CP and DP (experts.py).
+The router stays in the training dtype (its weight is no linear layer), as in Megatron-LM. The word
 embedding and the output layer stay in the training dtype (torchao's and Megatron-LM's practice: the
 logits' GEMM is the most sensitive to FP8, and the vocabulary projection is one GEMM of many).
 """
@@ -15,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .delayed import AmaxHistory
+from .experts import expert_config, is_expert
 from .layers import FLOAT8_CLASS, SPLIT
 from .matmul import Float8Matmul
 from .settings import Float8Settings, require_fp8_device
@@ -26,15 +29,18 @@ class Float8Converter:
     name = "fp8"
 
     def __init__(self, settings: Float8Settings, device: torch.device,
-                 cp_group: Optional[dist.ProcessGroup] = None, dp_group: Optional[dist.ProcessGroup] = None):
-        """`dp_group`: delayed scaling reduces its amaxes over it as well (fp8/delayed.py); None: one replica."""
+                 cp_group: Optional[dist.ProcessGroup] = None, dp_group: Optional[dist.ProcessGroup] = None,
+                 expert_dp_group: Optional[dist.ProcessGroup] = None):
+        """`dp_group`: delayed scaling reduces its amaxes over it as well (fp8/delayed.py); None: one replica.
+        `expert_dp_group`: the ranks holding the same experts (the DP x CP group without expert parallelism)."""
         require_fp8_device(device, settings.emulate)
         self.settings, self.cp_group, self.dp_group = settings, cp_group, dp_group
+        self.expert_dp_group = expert_dp_group
         self.config = settings.linear_config()
 
     def __call__(self, model: torch.nn.Module) -> str:
         """Convert in place; the log line says what."""
-        count = 0
+        count = experts = 0
         for name, module in model.named_modules():
             cls = type(module)
             if cls in FLOAT8_CLASS and name.rsplit(".", 1)[-1] not in SKIPPED:
@@ -42,11 +48,27 @@ class Float8Converter:
                 s = self.settings
                 history = (AmaxHistory(s.amax_history_len, s.amax_compute_algo, s.margin, module.weight.device)
                            if s.delayed else None)
-                module.fp8 = Float8Matmul(self.config, SPLIT[cls], module.tp_group, self.cp_group, s.margin,
-                                          history, self.dp_group)
+                if is_expert(module):  # its tokens split over expert-DP only (experts.py)
+                    module.fp8 = Float8Matmul(expert_config(self.config), SPLIT[cls], module.tp_group,
+                                              self.expert_dp_group, s.margin, history)
+                    experts += 1
+                else:
+                    module.fp8 = Float8Matmul(self.config, SPLIT[cls], module.tp_group, self.cp_group, s.margin,
+                                              history, self.dp_group, s.param_gather)
                 count += 1
         s = self.settings
         delayed = f", amax history {s.amax_history_len} ({s.amax_compute_algo})" if s.delayed else ""
         return (f"FP8 ({s.format}, {s.recipe} scaling{delayed}{', emulated' if s.emulate else ''}"
-                f"{f', margin {s.margin}' if s.margin else ''}): {count} linear layers of this stage's blocks run "
-                "their GEMMs through torchao's float8")
+                f"{f', margin {s.margin}' if s.margin else ''}): {count} linear layers of this stage's blocks"
+                f"{f' ({experts} of them the MoE experts, each scaled on its own rows)' if experts else ''} run "
+                "their GEMMs through torchao's float8"
+                f"{_gathered(s.param_gather, experts)}")
+
+
+def _gathered(param_gather: bool, experts: int) -> str:
+    """--fp8-param-gather's part of the log line."""
+    if not param_gather:
+        return ""
+    if not experts:
+        return "; ZeRO all-gathers their weights in FP8"
+    return "; ZeRO all-gathers the other layers' weights in FP8 (the experts' in the training dtype)"

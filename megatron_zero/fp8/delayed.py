@@ -13,15 +13,19 @@ update runs when the forward's autocast exits and when the backward ends). The b
 again with the forward's scales (Transformer Engine keeps the forward's FP8 copies) and g twice with one
 scale: one history entry per operand per micro-batch. Nothing here reads a value back to the host.
 
-The histories and scales are training state: `scaling_state(model)` / `load_scaling_state(model, saved)`
-carry them in the checkpoint's model-states file (megatron_zero/checkpoint/), not in the model's state
-dict, so the layer files and every export stay those of a bf16 run.
+The histories and scales are training state: `checkpoint_scaling_state(model, dp_group)` (with every DP
+rank's MoE experts') / `load_scaling_state(model, saved)` carry them in the checkpoint's model-states file
+(megatron_zero/checkpoint/), not in the model's state dict, so the layer files and every export stay those
+of a bf16 run.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
+import torch.distributed as dist
+
+from .experts import is_expert
 
 OPERANDS = {"x": 0, "w": 1, "g": 2}
 ALGOS = ("max", "most_recent")
@@ -70,16 +74,32 @@ def scaling_state(model: torch.nn.Module) -> Optional[dict]:
     return out or None
 
 
+def checkpoint_scaling_state(model: torch.nn.Module, dp_group) -> Optional[dict]:
+    """scaling_state for the model-states file the first DP rank writes, with the MoE experts' histories of
+    every rank of the data-parallel group: under expert parallelism each holds other experts (the blocks'
+    dense layers' are the same on every DP rank). Collective over `dp_group`."""
+    mine = scaling_state(model)
+    if mine is None or dp_group is None or dist.get_world_size(dp_group) == 1:
+        return mine
+    experts = {name for name, m in model.named_modules() if getattr(m, "fp8", None) is not None and is_expert(m)}
+    every = [None] * dist.get_world_size(dp_group)
+    dist.all_gather_object(every, {n: s for n, s in mine.items() if n in experts}, group=dp_group)
+    for theirs in every:
+        mine.update(theirs)
+    return mine
+
+
 def load_scaling_state(model: torch.nn.Module, saved: Optional[dict]) -> Optional[str]:
-    """Restore what scaling_state saved (the same layout: the same layers, the same history length);
-    -> None when restored or when the model has no delayed scaling, else the one line saying the
-    histories start fresh and why."""
+    """Restore what checkpoint_scaling_state saved (the same layout: the same layers, the same history
+    length; the saved experts may be more than this rank's); -> None when restored or when the model has no
+    delayed scaling, else the one line saying the histories start fresh and why."""
     mine = dict(histories(model))
     if not mine:
         return None
     if not saved:
         return fresh_line("the checkpoint holds none (saved without delayed scaling)")
-    if set(saved) != set(mine) or any(saved[n]["amax_history"].shape != s.history.shape for n, s in mine.items()):
+    if not set(mine) <= set(saved) or any(saved[n]["amax_history"].shape != s.history.shape
+                                          for n, s in mine.items()):
         return fresh_line("the checkpoint's layers or --fp8-amax-history-len differ from this run's")
     for name, s in mine.items():
         s.history.copy_(saved[name]["amax_history"])

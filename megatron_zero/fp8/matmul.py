@@ -14,8 +14,17 @@ torchao's DTensor path does for a sharded weight; the scales are then the one-pr
 casts its shard exactly as one process would. Along a dimension that is not split no communication is
 needed (a per-row amax over K of a column-parallel input is already whole).
 
+An MoE expert's layers (fp8/experts.py) hold no CP-split tokens: their tokens are every row routed to
+the expert, gathered by the expert-parallel exchange, and the group that splits them is the expert-data-
+parallel one, which the converter passes as `cp_group` (the group splitting M). An expert no row was
+routed to still casts (an empty tensor: amax 0) and takes part in each reduction; its GEMMs are skipped.
+
 With delayed scaling (delayed.py) a cast multiplies by the scale its operand's amax history gives, and the
 tensor's amax, reduced as above and over the data-parallel group as well, goes into that history.
+
+With --fp8-param-gather (param_gather.py) ZeRO hands the layer its weight already in FP8 (`weight8`, cast
+from the fp32 master with the whole weight's scale and all-gathered as FP8): the forward and the backward's
+grad-input GEMM multiply with it, and the weight is not cast here.
 """
 from __future__ import annotations
 
@@ -42,10 +51,12 @@ class Float8Matmul:
     config: object  # torchao Float8LinearConfig
     split: str  # "column" or "row"
     tp_group: Optional[dist.ProcessGroup] = None
-    cp_group: Optional[dist.ProcessGroup] = None
+    cp_group: Optional[dist.ProcessGroup] = None  # the group splitting the tokens M (an expert's: expert-DP)
     margin: int = 0
     delayed: Optional[AmaxHistory] = None  # delayed scaling's state (delayed.py); None: the current amax
     dp_group: Optional[dist.ProcessGroup] = None  # delayed scaling reduces its amaxes over DP too
+    param_gather: bool = False  # --fp8-param-gather: ZeRO gathers the weight in FP8 into `weight8`
+    weight8: Optional[object] = None  # param_gather.Float8Weight: the weight in FP8, set by ZeRO's gather
 
     def __post_init__(self):
         c = self.config
@@ -68,11 +79,11 @@ class Float8Matmul:
         if scale is None and self.delayed is not None:
             scale = self.delayed.scale_for(operand)
             if record:
-                amax = tensor_to_amax(t)
+                amax = _amax(t, ScalingGranularity.TENSORWISE, None)
                 self._reduce(amax, operand, True, None)
                 self.delayed.record(operand, amax, torch.finfo(cast_config.target_dtype).max)
         elif scale is None:
-            amax = tensor_to_amax(t, scaling_granularity=cast_config.scaling_granularity, axiswise_dim=axis)
+            amax = _amax(t, cast_config.scaling_granularity, axis)
             self._reduce(amax, operand, tensorwise, axis)
             scale = amax_to_scale(amax, cast_config.target_dtype, self.config.round_scales_to_power_of_2)
             if self.margin:
@@ -91,6 +102,21 @@ class Float8Matmul:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.dp_group)
 
 
+def _amax(t: torch.Tensor, granularity, axis: Optional[int]) -> torch.Tensor:
+    """torchao's tensor_to_amax; 0 where it would reduce over no elements (an expert no row was routed to)."""
+    if t.numel() == 0:
+        tensorwise = granularity is ScalingGranularity.TENSORWISE
+        return t.new_zeros(() if tensorwise else [1 if d == axis % t.dim() else n for d, n in enumerate(t.shape)])
+    return tensor_to_amax(t, scaling_granularity=granularity, axiswise_dim=axis)
+
+
+def _mm(a, b) -> torch.Tensor:
+    """a @ b of two FP8 operands; zeros without a GEMM where the inner or an outer size is 0 (no rows)."""
+    if 0 in (a.shape[0], a.shape[1], b.shape[1]):
+        return torch.zeros(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
+    return torch.mm(a, b)
+
+
 class _Float8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, mm: Float8Matmul, training: bool):
@@ -99,9 +125,12 @@ class _Float8Linear(torch.autograd.Function):
         c = mm.config
         x2 = x.reshape(-1, x.shape[-1])
         x8, sx = mm.cast(x2, c.cast_config_input, GemmInputRole.INPUT, -1, "x", record=training)
-        w8, sw = mm.cast(weight.t(), c.cast_config_weight, GemmInputRole.WEIGHT, 0, "w", record=training)
+        if mm.weight8 is not None:
+            w8, sw = mm.weight8.transposed(weight, mm.mm_config), None
+        else:
+            w8, sw = mm.cast(weight.t(), c.cast_config_weight, GemmInputRole.WEIGHT, 0, "w", record=training)
         ctx.scales = (sx, sw) if mm.delayed is not None else (None, None)  # delayed: the backward recasts with them
-        return torch.mm(x8, w8).reshape(*x.shape[:-1], weight.shape[0])
+        return _mm(x8, w8).reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad):
@@ -111,11 +140,12 @@ class _Float8Linear(torch.autograd.Function):
         sx, sw = ctx.scales
         g = grad.reshape(-1, grad.shape[-1])
         g8, sg = mm.cast(g, c.cast_config_grad_output, GemmInputRole.GRAD_OUTPUT, -1, "g")
-        w8, _ = mm.cast(weight.t(), c.cast_config_weight_for_grad_input, GemmInputRole.WEIGHT, -1, "w", sw)
-        grad_x = torch.mm(g8, w8.t()).reshape(*grad.shape[:-1], weight.shape[1])
+        w8 = (mm.weight8.transposed(weight, mm.mm_config) if mm.weight8 is not None else
+              mm.cast(weight.t(), c.cast_config_weight_for_grad_input, GemmInputRole.WEIGHT, -1, "w", sw)[0])
+        grad_x = _mm(g8, w8.t()).reshape(*grad.shape[:-1], weight.shape[1])
         g8, _ = mm.cast(g, c.cast_config_grad_output_for_grad_weight, GemmInputRole.GRAD_OUTPUT, 0, "g",
                         sg if mm.delayed is not None else None)
         x8, _ = mm.cast(x.reshape(-1, x.shape[-1]), c.cast_config_input_for_grad_weight, GemmInputRole.INPUT, 0, "x",
                         sx)
-        grad_w = torch.mm(g8.t(), x8)
+        grad_w = _mm(g8.t(), x8)
         return grad_x, grad_w, None, None

@@ -43,11 +43,13 @@ class Float8Settings:
     emulate: bool = False
     amax_history_len: int = 1  # delayed scaling's (Megatron-LM's defaults)
     amax_compute_algo: str = "most_recent"
+    param_gather: bool = False  # --fp8-param-gather: ZeRO all-gathers the weights in FP8 (param_gather.py)
 
     @classmethod
     def from_args(cls, args) -> "Float8Settings":
         return cls(args.fp8_format, args.fp8_recipe or DEFAULT_RECIPE, args.fp8_margin, args.fp8_emulate,
-                   args.fp8_amax_history_len or 1, args.fp8_amax_compute_algo or "most_recent")
+                   args.fp8_amax_history_len or 1, args.fp8_amax_compute_algo or "most_recent",
+                   bool(getattr(args, "fp8_param_gather", False)))
 
     @property
     def delayed(self) -> bool:

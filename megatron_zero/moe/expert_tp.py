@@ -8,7 +8,8 @@ expert-tensor-parallel group hold slices of the same experts and different rows,
     gather:   every ETP rank's rows, all-gathered (variable counts: each rank's padded to the largest,
               `all_gather_into_tensor`), regrouped by local expert; backward reduce-scatters the gradient
     experts:  fc1 column slice, activation, fc2 row slice on every gathered row, with no collective: each
-              rank's output is its partial sum over its slice of the expert's width
+              rank's output is its partial sum over its slice of the expert's width (with FP8 each
+              expert's own FP8 matmuls, its scales' amaxes reduced over ETP: fp8/experts.py)
     scatter:  the partial outputs reduce-scattered back to the ranks whose rows they are
               (`reduce_scatter_tensor` over the padded blocks); backward all-gathers the gradient
     bias:     fc2's bias (replicated over ETP) added to this rank's own rows after the reduce-scatter; its
@@ -32,7 +33,7 @@ from ..reduce_scatter import all_gather_into_tensor, reduce_scatter_tensor
 from ..tensor_parallel import copy_to_tensor_model_parallel_region
 from ..tensor_parallel.conjugate import conjugate_pair
 from .dispatch import sort_by_expert
-from .grouped_mlp import grouped_linear, grouped_mm_fits, rows_bias
+from .grouped_mlp import experts_linear, grouped_mm_fits, is_float8, rows_bias
 
 
 def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -97,14 +98,14 @@ def experts_over_etp(experts, rows: torch.Tensor, exchange: ExpertTensorParallel
     counts = exchange.rows_per_local_expert
     fc1 = [e.dense_h_to_4h for e in experts]
     fc2 = [e.dense_4h_to_h for e in experts]
-    grouped = (grouped_gemm and x.shape[0] > 0 and has_grouped_mm(x.device, x.dtype)
+    grouped = (grouped_gemm and x.shape[0] > 0 and not is_float8(fc1) and has_grouped_mm(x.device, x.dtype)
                and grouped_mm_fits(x.dtype, *fc1[0].weight.shape, fc2[0].weight.shape[1]))
     offs = ints_to_device(list(accumulate(counts)), torch.int32, x.device) if grouped else None
-    y = grouped_linear(x, [m.weight for m in fc1], counts, offs, grouped)
+    y = experts_linear(x, fc1, counts, offs, grouped)
     if fc1[0].bias is not None:  # column-parallel: this rank's slice of the bias
         y = y + rows_bias([m.bias for m in fc1], _expert_of_row(counts, x.device))
     y = ops.swiglu(y) if swiglu else F.gelu(y, approximate="tanh")
-    out = exchange.scatter(grouped_linear(y, [m.weight for m in fc2], counts, offs, grouped))
+    out = exchange.scatter(experts_linear(y, fc2, counts, offs, grouped))
     if fc2[0].bias is not None:  # replicated over ETP: added once, to this rank's own rows
         biases = [copy_to_tensor_model_parallel_region(m.bias, exchange.group) for m in fc2]
         out = out + rows_bias(biases, _expert_of_row(exchange.mine, x.device))

@@ -1,13 +1,14 @@
 """The local experts' weights of one matmul as one [E, ...] tensor without copying them.
 
 ZeRO 0-2 (zero/stage12.py) make every parameter a view of its param group's flat buffer, in the
-group's order; the experts of a layer follow one another there with the same parameters each, so the
-experts' weights of one matmul lie in one storage a fixed number of elements apart. `stacked` then
-returns that stride's view over the storage, [E, *shape], through an autograd function whose backward
-hands expert e the slice grad[e] (torch.stack's backward, so the gradients are the same bits): the
-checkpoint layout, the flat buffers and their order stay as they are, and no forward copies a weight.
-Weights laid out otherwise (separate tensors: a model without a ZeRO wrapper, or ZeRO-3, which gathers
-each parameter into a buffer of its own) are stacked by a copy, as before.
+group's order; ZeRO-3 (zero/stage3_storage.py) makes every parameter one gather brings a view of one
+storage, in the unit's order, each starting on a 16-byte boundary. Either way the experts of a layer
+follow one another with the same parameters each, so the experts' weights of one matmul lie in one
+storage a fixed number of elements apart. `stacked` then returns that stride's view over the storage,
+[E, *shape], through an autograd function whose backward hands expert e the slice grad[e]
+(torch.stack's backward, so the gradients are the same bits): the checkpoint layout, the flat buffers
+and their order stay as they are, and no forward copies a weight. Weights laid out otherwise (separate
+tensors: a model without a ZeRO wrapper; experts split over two ZeRO-3 gathers) are stacked by a copy.
 """
 from __future__ import annotations
 

@@ -8,13 +8,27 @@ groups that split them (the bug the tests must catch). With delayed scaling (`se
 the scales come from the layers' amax histories, not amax_to_scale: the run returns each layer's final
 scales instead, and the reference takes each micro-batch of every DP rank together, as one micro-batch
 (the DP ranks' amaxes are reduced over DP: one history entry for all of them).
+`param_gather` (--fp8-param-gather, optionally `overlap`ped) has ZeRO gather the FP8 weights in FP8;
+`broken_gather` then leaves each weight's amax unreduced over DP (each rank scales its own shard). The
+reference with `settings.param_gather` casts each FP8 weight once per step after the optimizer's step
+(and once before the first), with fp8/param_gather.py's scales: the flag's FP8 weights, one process.
+
+With `moe` (moe_config's overrides) the blocks' MLPs are MoE layers, at EP `ep` and expert TP `etp`. An
+expert's scale is that of every token of the micro-batch routed to it, over every DP rank's micro-batch
+(fp8/experts.py): the reference then takes each micro-batch of every DP rank together, as delayed scaling
+does, and under tensorwise or rowwise scaling runs the blocks' other layers on each sample alone
+(`_PerSample`), as each DP rank casts its own. `broken="block_groups"`: the experts' amaxes reduced over
+the blocks' DP group instead of the expert-DP group (its ranks hold other experts).
 """
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
 from ..fp8 import matmul
 from ..fp8.convert import Float8Converter
 from ..fp8.delayed import histories
+from ..fp8.experts import is_expert
 from ..fp8.settings import Float8Settings
 from ..context_parallel import slice_batch_for_cp
 from ..model import reference_model
@@ -30,9 +44,15 @@ HP = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
 CPU = torch.device("cpu")
 
 
-def config(sequence_parallel=False):
+def config(sequence_parallel=False, **moe):
     return tiny_llama_config(num_layers=2, seq_length=16, max_position_embeddings=16,
-                             sequence_parallel=sequence_parallel)
+                             sequence_parallel=sequence_parallel, **moe)
+
+
+def moe_config(sequence_parallel=False, **overrides):
+    """config() with an MoE layer for each block's MLP: 4 SwiGLU experts, top-2, dropless, no aux loss (the
+    load-balancing loss is a function of the micro-batch's token set, which DP splits)."""
+    return config(sequence_parallel, **{**dict(num_experts=4, moe_router_topk=2), **overrides})
 
 
 def batch(step):
@@ -59,20 +79,37 @@ class _ScaleLog:
         matmul.amax_to_scale = self._inner
 
 
-def reference_run(settings, dp=1, cp=1, steps=STEPS):
+class _PerSample:
+    """A block's (non-expert) FP8 matmul applied to each sample of a micro-batch [b, s, K] alone."""
+
+    def __init__(self, mm):
+        self.mm = mm
+
+    def __call__(self, x, weight):
+        return torch.cat([self.mm(sample, weight) for sample in x.split(1)])
+
+
+def reference_run(settings, dp=1, cp=1, steps=STEPS, moe=None):
     """The one-process FP8 model on every step's global batch, forward then backward per micro-batch (as the
     schedule at PP 1): per step the loss and gradient norm, per step and micro-batch the scales (with delayed
     scaling, the layers' final scales instead). A micro-batch is one sample, or under delayed scaling the dp
     samples the DP ranks take together. The loss is normalised as a DP rank of a `dp`-way run does (by its
     micro-batch count; the gradients then averaged over DP), and with `cp` as a CP rank's (its tokens' loss
     counted cp times, the gradients averaged over DP x CP), so the output gradients, and their scales, are
-    that rank's; the sums are the same (dp and cp powers of 2: exactly)."""
-    model = reference_model(config())
+    that rank's; the sums are the same (dp and cp powers of 2: exactly). `moe`: the module docstring's."""
+    model = reference_model(moe_config(**moe) if moe is not None else config())
     Float8Converter(settings, CPU)(model)
+    combined = settings.delayed or moe is not None
+    if combined and not settings.delayed:
+        for m in model.modules():
+            if getattr(m, "fp8", None) is not None and not is_expert(m):
+                m.fp8 = _PerSample(m.fp8)
     opt = torch.optim.AdamW(model.parameters(), **HP)
+    publish = _fp8_weights(model) if settings.param_gather else (lambda: None)
+    publish()
     per_rank = GLOBAL_BATCH // dp
-    together = dp if settings.delayed else 1
-    micro = [[r * per_rank + j for r in range(dp)] for j in range(per_rank)] if settings.delayed else \
+    together = dp if combined else 1
+    micro = [[r * per_rank + j for r in range(dp)] for j in range(per_rank)] if combined else \
         [[j] for j in range(GLOBAL_BATCH)]
     losses, norms, scales = [], [], []
     for step in range(steps):
@@ -89,11 +126,26 @@ def reference_run(settings, dp=1, cp=1, steps=STEPS):
             p.grad /= dp * cp
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).item())
         opt.step()
+        publish()
         losses.append(total)
         scales.append(per_micro)
     if settings.delayed:
         scales = [s.scale.clone() for _, s in histories(model)]
     return losses, norms, scales
+
+
+def _fp8_weights(model):
+    """-> publish(): every FP8 layer's weight cast to FP8 whole (fp32: the weight is its own master)."""
+    from ..fp8.param_gather import Float8ParamGather, gathered_layers
+
+    gather = Float8ParamGather(gathered_layers(model), None, CPU)
+
+    def publish():
+        with torch.no_grad():
+            gather.set_scales(torch.stack([m.weight.abs().max() for m in gather.layers]))
+            for i, m in enumerate(gather.layers):
+                gather.bytes_of(i).copy_(gather.cast(i, m.weight.reshape(-1)))
+    return publish
 
 
 def expected_scales(reference_scales, dp_rank, dp_size):
@@ -107,21 +159,34 @@ def delayed_settings(history=4, algo="max"):
     return Float8Settings("hybrid", "delayed", 0, True, history, algo)
 
 
-def fp8_layout_run(tp=1, pp=1, cp=1, stage=1, sequence_parallel=False, recipe="tensorwise", broken=False):
+def fp8_layout_run(tp=1, pp=1, cp=1, stage=1, sequence_parallel=False, recipe="tensorwise", broken=False,
+                   moe=None, ep=1, etp=None, param_gather=False, overlap=False, broken_gather=False,
+                   persistence_threshold=100_000):
     """-> this rank's DP rank, per-step losses and gradient norms, and its scales in call order (delayed
     scaling: each layer's final scales)."""
-    state = build_parallel_state(tp=tp, pp=pp, cp=cp)
+    state = build_parallel_state(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp)
     settings = delayed_settings() if recipe == "delayed" else Float8Settings("hybrid", recipe, 0, emulate=True)
-    cfg = config(sequence_parallel and tp > 1)
+    settings = dataclasses.replace(settings, param_gather=param_gather)
+    sp = sequence_parallel and tp > 1
+    cfg = moe_config(sp, **moe) if moe is not None else config(sp)
     model = build_gpt_stage(cfg, state)
-    Float8Converter(settings, CPU, state.cp_group if cp > 1 else None,
-                    state.dp_group if state.dp_size > 1 else None)(model)
+    dp_group = state.dp_group if state.dp_size > 1 else None
+    Float8Converter(settings, CPU, state.cp_group if cp > 1 else None, dp_group,
+                    state.expert_dp_group if state.expert_dp_group is not None else dp_group)(model)
     opt = ZeroOptimizer(list(model.named_parameters()), dp_group=state.dp_group, stage=stage, clip_grad=1e9,
-                        mp_group=state.mp_group, tp_rank=state.tp_rank, module=model, **HP)
+                        mp_group=state.mp_group, tp_rank=state.tp_rank, module=model,
+                        expert_dp_group=state.expert_dp_group, overlap_grad_reduce=overlap,
+                        overlap_param_gather=overlap, persistence_threshold=persistence_threshold, **HP)
+    if broken_gather:  # each rank's weight scale from its own master fragments only
+        opt.fp8_gather.groups = [g for g in opt.fp8_gather.groups if g is not state.dp_group]
     p2p = P2P(state.prev_rank, state.next_rank, activation_shape(1, cfg, state.tp_size, state.cp_size),
               torch.float32)
     saved = dict(matmul.TP_SPLIT)
-    if broken:  # the amax of every shard its own: no reduction over TP (nor CP)
+    if broken == "block_groups":  # the experts' amaxes over the blocks' DP group, whose ranks hold other experts
+        for m in model.modules():
+            if getattr(m, "fp8", None) is not None and is_expert(m):
+                m.fp8.cp_group = state.dp_group
+    elif broken:  # the amax of every shard its own: no reduction over TP (nor CP, nor expert-DP)
         matmul.TP_SPLIT.update({k: {"x": None, "w": None, "g": None} for k in matmul.TP_SPLIT})
         for m in model.modules():
             if getattr(m, "fp8", None) is not None:

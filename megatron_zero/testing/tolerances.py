@@ -156,3 +156,21 @@ def fp8_same_scale_rtol(config, tokens: int) -> float:
     that size; a scale taken from a shard's own amax instead of the whole tensor's differs by the ratio of
     the two amaxes, O(1), and moves every FP8 value of the shard (tests/test_fp8_parity.py checks both)."""
     return model_rtol(gpt_path_length(config, tokens))
+
+
+def fp8_master_cast_bound(master, scale, scale_bf16, fp8_dtype):
+    """Per element: how far a weight cast to FP8 from its fp32 master (--fp8-param-gather, with the master's
+    tensorwise scale `scale`) may lie from the cast of its bf16 copy (without the flag, `scale_bf16` from the
+    bf16 weight's amax), both dequantized.
+
+    Each cast rounds x * s to the nearest FP8 value without saturating (the scale maps the amax to the FP8
+    maximum): a normal result is within half a spacing, 2^-(p+1) |x| with p mantissa bits (e4m3: 3), a
+    subnormal within half the smallest subnormal 2^(emin - p - 1) absolutely, so dequantized within that over
+    s. The two inputs differ by bf16's rounding, |m - bf16(m)| <= 2^-8 |m|. So
+    |d(m) - d(bf16 m)| <= 2^-(p+1) |m| + 2^(emin-p-1) / s + 2^-8 |m| + 2^-(p+1) (1 + 2^-8) |m| + 2^(emin-p-1) / s'."""
+    info = torch.finfo(fp8_dtype)
+    p = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}[fp8_dtype]
+    half = 2.0 ** -(p + 1)
+    sub = info.smallest_normal * 2.0 ** -(p + 1)  # half the smallest subnormal spacing
+    m = master.abs().double()
+    return half * m + sub / float(scale) + 2.0 ** -8 * m + half * (1 + 2.0 ** -8) * m + sub / float(scale_bf16)

@@ -28,8 +28,9 @@ class ExpertHalves:
     def weight_slices(self) -> List[torch.Tensor]:
         return self.dense.weight_slices() + self.expert.weight_slices()
 
-    def write_weights(self, masters: List[torch.Tensor]) -> None:
-        self.dense.write_weights(masters[:self.n_dense])
+    def write_weights(self, masters: List[torch.Tensor], fp8: bool = True) -> None:
+        """`fp8` False: the dense half's FP8 layers published in the training dtype too (a checkpoint's)."""
+        self.dense.write_weights(*([masters[:self.n_dense]] if fp8 else [masters[:self.n_dense], False]))
         self.expert.write_weights(masters[self.n_dense:])
 
     def zero_grad(self) -> None:

@@ -13,6 +13,12 @@ policy's signal and time-limit votes, so stopping costs no collective of its own
 
 The checkpoint code calls ``state_dict()`` / ``load_state_dict()`` (DeepSpeed's ZeRO layout,
 see checkpoint_state.py).
+
+A `module` whose FP8 layers were converted with --fp8-param-gather (fp8/param_gather.py) has their weights
+all-gathered in FP8 at stage 1/2 (packed_gather.py) and 3 (stage3_fp8.py): published once when the optimizer is made (the first
+forward's FP8 weights) and after every step; ``state_dict()`` republishes the weights in the training dtype
+first, so a checkpoint is a bf16 run's, and ``refresh_fp8_weights()`` recasts them after a resume has
+restored the FP8 scaling state.
 """
 from __future__ import annotations
 
@@ -75,6 +81,7 @@ class ZeroOptimizer:
         # every buffer lives beside the parameters (the model was built on the rank's device)
         self.device = device if device is not None else next(
             (p.device for g in self.named_groups for _, p in g), HOST)
+        self.fp8_gather = _fp8_gather(module, stage, dp_group, self.device)
         # --grad-reduce-in-bf16: stages 0-2 reduce gradient buckets in bf16 (the sums stay fp32)
         reduce_dtype = torch.bfloat16 if grad_reduce_in_bf16 else torch.float32
         if stage == 3 and grad_reduce_in_bf16:
@@ -90,18 +97,26 @@ class ZeroOptimizer:
                 from .expert_stage3 import ExpertParallelStage3
                 self.impl = ExpertParallelStage3(dense, expert, dp_group, expert_dp_group, self.dtype, bucket_size,
                                                  module, self.device, layers=layers, prefetch=prefetch,
-                                                 persistence_threshold=persistence_threshold)
+                                                 persistence_threshold=persistence_threshold,
+                                                 fp8_gather=self.fp8_gather)
             else:
                 self.impl = ExpertParallelStage(dense, expert, dp_group, expert_dp_group, stage, self.dtype,
                                                 bucket_size, self.device, grad_reduce_dtype=reduce_dtype,
                                                 overlap_grad_reduce=overlap_grad_reduce,
-                                                overlap_param_gather=overlap_param_gather, module=module)
+                                                overlap_param_gather=overlap_param_gather, module=module,
+                                                fp8_gather=self.fp8_gather)
         elif stage == 3:
             from .stage3 import Stage3
             from .stage3_zeropp import Stage3ZeroPP
             zeropp = {"quantized_weights": quantized_weights, "quantized_gradients": quantized_gradients,
                       "hpz_group": hpz_group}
             cls, extra = (Stage3ZeroPP, zeropp) if any(zeropp.values()) else (Stage3, {})
+            if self.fp8_gather is not None:
+                if any(zeropp.values()):
+                    raise ValueError("--fp8-param-gather gathers FP8 weights at ZeRO-3 without ZeRO++'s quantized "
+                                     "or hierarchical weight gathers")
+                from .stage3_fp8 import Stage3Float8
+                cls, extra = Stage3Float8, {"fp8_gather": self.fp8_gather}
             self.impl = cls(self.named_groups, dp_group, self.dtype, bucket_size, module=module, layers=layers,
                             prefetch=prefetch, persistence_threshold=persistence_threshold, device=self.device,
                             **extra)
@@ -109,10 +124,10 @@ class ZeroOptimizer:
             from .stage12_overlap import Stage12Overlap
             self.impl = Stage12Overlap(self.named_groups, dp_group, stage, self.dtype, bucket_size,
                                        overlap_grad_reduce, overlap_param_gather, module=module, device=self.device,
-                                       grad_reduce_dtype=reduce_dtype)
+                                       grad_reduce_dtype=reduce_dtype, fp8_gather=self.fp8_gather)
         else:
             self.impl = Stage12(self.named_groups, dp_group, stage, self.dtype, bucket_size, self.device,
-                                grad_reduce_dtype=reduce_dtype)
+                                grad_reduce_dtype=reduce_dtype, fp8_gather=self.fp8_gather)
         self.partition_count = self.impl.dp
         self.dp_rank = self.impl.rank
         tag = f"dp{dist.get_rank(dp_group) if dp_group is not None else 0}" + (
@@ -136,6 +151,9 @@ class ZeroOptimizer:
                         if here(gi) else [] for gi in range(len(self.named_groups))]
         self.norm_groups = [self.dp_group if self.impl.dp > 1 or getattr(self.impl, "norm_over_dp", False) else None,
                             self.mp_group]
+        if self.fp8_gather is not None:  # the first forward's FP8 weights
+            with self.optimizer.paged():
+                self.impl.write_weights(self.optimizer.weights())
 
     @property
     def param_groups(self):
@@ -216,7 +234,19 @@ class ZeroOptimizer:
     # ---- checkpoints ----------------------------------------------------------------
     def state_dict(self) -> dict:
         self.wait_params()  # the checkpoint's model files are read next
+        if self.fp8_gather is not None:  # a bf16 run's weights in those files, not the FP8 ones dequantized
+            with self.optimizer.paged():
+                self.impl.write_weights(self.optimizer.weights(), fp8=False)
         return checkpoint_state.state_dict(self)
+
+    def refresh_fp8_weights(self) -> None:
+        """--fp8-param-gather: cast and gather the FP8 weights again from the masters, recording no amax (a
+        resume, after the FP8 scaling state was restored: the FP8 weights the saved run had)."""
+        if self.fp8_gather is None:
+            return
+        self.wait_params()
+        with self.fp8_gather.without_recording(), self.optimizer.paged():
+            self.impl.write_weights(self.optimizer.weights())
 
     def load_state_dict(self, state: dict):
         self._state_about_to_change()
@@ -235,3 +265,14 @@ class ZeroOptimizer:
         """Bytes of tensors this rank holds now: model parameters, gradients, optimizer state."""
         return {"params": self.impl.param_bytes(), "grads": self.impl.grad_bytes(),
                 "optimizer_state": self.optimizer.state_bytes()}
+
+
+def _fp8_gather(module, stage: int, dp_group, device):
+    """The FP8 side of the weight gather for the module's layers converted with --fp8-param-gather (the dense
+    layers: an MoE expert's weight is gathered over expert-DP in the training dtype), or None."""
+    if module is None or not any(getattr(getattr(m, "fp8", None), "param_gather", False) for m in module.modules()):
+        return None  # (torchao is imported only for such layers)
+    if stage == 0:
+        raise ValueError("--fp8-param-gather all-gathers FP8 weights at ZeRO stage 1, 2 or 3, not stage 0")
+    from ..fp8.param_gather import Float8ParamGather, gathered_layers
+    return Float8ParamGather(gathered_layers(module), dp_group, device)

@@ -25,7 +25,10 @@ Gradients go through grad_buckets.GradBuckets, one code path for every stage:
 
 After the step, each rank writes its updated master into its slice of the flat buffer
 (an offloaded optimizer uploads it there itself, ``weight_slices``) and the flat buffer is
-all-gathered in place (``all_gather_into_tensor``, the slice being its input).
+all-gathered in place (``all_gather_into_tensor``, the slice being its input). With ``fp8_gather``
+(--fp8-param-gather, fp8/param_gather.py) each rank sends a packed row instead, the FP8 layers' weights
+cast from the masters to FP8, 1 byte an element (packed_gather.py); ``write_weights(..., fp8=False)``
+publishes in the training dtype (a checkpoint's weights).
 """
 from __future__ import annotations
 
@@ -37,13 +40,14 @@ import torch.distributed as dist
 from .. import shm_comm
 from ..ops.fusion_flags import get_fusion_flags
 from .grad_buckets import GradBuckets
+from .packed_gather import PackedGather, all_gather_rows
 from .partition import GroupPartition, contiguous_buckets, partition_group, strided_buckets
 
 
 class Stage12:
     def __init__(self, groups: Sequence[Sequence[Tuple[str, torch.nn.Parameter]]], dp_group, stage: int,
                  dtype: torch.dtype, bucket_size: int, device: torch.device, overlap_grad_reduce: bool = False,
-                 grad_reduce_dtype: torch.dtype = torch.float32):
+                 grad_reduce_dtype: torch.dtype = torch.float32, fp8_gather=None):
         self.stage, self.dtype, self.dp_group, self.device = stage, dtype, dp_group, device
         # the DP size gradients are reduced over; stage 0 (plain data parallelism) keeps
         # everything whole, so it partitions over one rank
@@ -66,6 +70,9 @@ class Stage12:
             for p, off, n in zip(params, part.offsets, part.numels):
                 p.data = flat[off:off + n].view(p.shape)
             self.flat.append(flat)
+        # --fp8-param-gather: the packed gather (FP8 weights as 1 byte an element)
+        self.packed = (PackedGather(self.parts, self.groups, fp8_gather, self.rank, torch.finfo(dtype).bits // 8)
+                       if fp8_gather is not None else None)
         self.overlap_grad_reduce = overlap_grad_reduce
         self.fused = get_fusion_flags().gradient_accumulation_fusion
         self._deferred = [(gi, pi) for gi, ps in enumerate(self.groups) for pi, p in enumerate(ps)
@@ -169,14 +176,33 @@ class Stage12:
         optimizer uploads them straight there)."""
         return [flat[slice(*part.bounds(self.rank))] for flat, part in zip(self.flat, self.parts)]
 
-    def write_weights(self, masters: List[torch.Tensor]):
+    def write_weights(self, masters: List[torch.Tensor], fp8: bool = True):
         """Copy each updated master into this rank's slice (unless it is that slice already) and
-        all-gather the flat buffers, the slice being the all-gather's input (in place)."""
-        for flat, mine, m in zip(self.flat, self.weight_slices(), masters):
+        all-gather the flat buffers, the slice being the all-gather's input (in place); with the packed
+        gather (unless `fp8` is False) its packed rows instead."""
+        for mine, m in zip(self.weight_slices(), masters):
             if m.data_ptr() != mine.data_ptr():
                 mine.copy_(m.detach())  # a cast to the model dtype; masters held on the host come up
+        if self.packed is not None and fp8:
+            for gi, gathered in enumerate(self._gather_packed(masters)):
+                for pi in range(len(self.groups[gi])):
+                    self.packed.land(gi, pi, gathered, self.flat[gi])
+            return
+        for flat, mine in zip(self.flat, self.weight_slices()):
             if self.dp > 1:
                 shm_comm.all_gather_into_tensor(flat, mine, self.dp_group)
+
+    def _gather_packed(self, masters: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Each group's packed rows, gathered (blocking): every rank's row, in rank order."""
+        out = []
+        for gi, row in enumerate(self.packed.pack(masters, self.weight_slices())):
+            gathered = row.new_empty(self.packed.groups[gi].total_bytes)
+            if self.dp > 1:
+                all_gather_rows(self.packed.rows_of(gi, gathered), row, self.dp_group)
+            else:
+                gathered.copy_(row)
+            out.append(gathered)
+        return out
 
     def grad_bytes(self) -> int:
         held = sum(p.grad.numel() * p.grad.element_size() for ps in self.groups for p in ps if p.grad is not None)
@@ -184,7 +210,8 @@ class Stage12:
         return held + main + self.buckets.held_bytes()
 
     def param_bytes(self) -> int:
-        return sum(f.numel() * f.element_size() for f in self.flat)
+        fp8 = self.packed.fp8.held_bytes() if self.packed is not None else 0  # the gathered FP8 weights
+        return sum(f.numel() * f.element_size() for f in self.flat) + fp8
 
     def remove_hooks(self):
         for h in self._hooks:

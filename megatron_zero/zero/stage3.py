@@ -9,8 +9,9 @@ starts an async gather of the unit that came next in the last step's order (pref
 forward hook releases them. The unit's outputs pass
 through an identity autograd function whose backward re-gathers the unit (prefetching the unit
 before it); a unit is released again once every parameter of it has its gradient. Parameter
-tensors that autograd saves for backward are saved as references to the parameter and rebuilt
-from the re-gathered data (saved-tensor hooks), so they do not pin the gathered storage.
+tensors that autograd saves for backward are saved as references to the parameter (to each of
+several, for a view over them: grouped GEMM's stacked experts) and rebuilt from the re-gathered data
+(saved-tensor hooks), so they do not pin the gathered storage.
 Gradients are reduce-scattered in buckets into this rank's fp32 chunk as they become ready.
 Methods named in ``entry_points`` (the tied embedding's ``lm_logits`` and ``lm_losses``) gather like a forward.
 Parameters of at most ``persistence_threshold`` elements (DeepSpeed's

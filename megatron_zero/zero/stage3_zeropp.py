@@ -13,9 +13,10 @@ scale per block).
 - hpZ (``hpz_group``, a block of h ranks of the DP group, topology.build_hpz_group): when a
   forward gather over DP finishes, each rank keeps its 1/h slice of every parameter it brought
   (``p.ds_secondary``, ceil(numel/h) elements); backward re-gathers a unit from those slices over
-  the h ranks only, and lays the result out as the DP gather would, so the weights backward uses
-  are bit-identical to forward's. Cost: the secondary slices of the units between their forward and
-  their backward (numel/h each, instead of numel/dp); they are dropped after each step.
+  the h ranks only, straight into the slots the DP gather lays out (stage3_storage.py), so the
+  weights backward uses are bit-identical to forward's, in the same layout. Cost: the secondary
+  slices of the units between their forward and their backward (numel/h each, instead of
+  numel/dp); they are dropped after each step.
 - qgZ: the bucket's [dp, n] fp32 rows (row r: what rank r receives the sum of) are quantized row
   by row and exchanged with one all-to-all (int8 and scales); each rank dequantizes the dp rows it
   received and sums them in rank order, in fp32. DeepSpeed's qgZ uses 4-bit, hierarchical
@@ -31,6 +32,7 @@ import torch.distributed as dist
 from .quantize import dequantize, quantize, quantized_numel
 from .stage3 import Stage3
 from .stage3_gather import _all_gather, _Flight
+from .stage3_storage import lay_out
 
 
 class _QuantizedGather:
@@ -48,20 +50,19 @@ class _QuantizedGather:
 
 
 class _HpzGather:
-    """One all-gather over the hpZ group of secondary slices; wait() writes the DP-layout rows."""
+    """One all-gather over the hpZ group of secondary slices; wait() writes each parameter's h slices straight
+    into its slot of the flight's storage (h ceil(numel/h) <= dp ceil(numel/dp) elements, h dividing dp)."""
 
-    def __init__(self, work, gathered, params, out, h, dp):
-        self.work, self.gathered, self.params, self.out, self.h, self.dp = work, gathered, params, out, h, dp
+    def __init__(self, work, gathered, params, buffer, starts, h):
+        self.work, self.gathered, self.params, self.buffer, self.starts, self.h = work, gathered, params, buffer, starts, h
 
     def wait(self):
         self.work.wait()
-        pieces, rows, pos, col = self.gathered.view(self.h, -1), self.out.view(self.dp, -1), 0, 0
-        for p in self.params:
+        pieces, pos = self.gathered.view(self.h, -1), 0
+        for p, start in zip(self.params, self.starts):
             s = p.ds_secondary.numel()
-            padded = torch.zeros(p.ds_per * self.dp, dtype=self.out.dtype, device=self.out.device)
-            padded[:p.ds_numel].copy_(pieces[:, pos:pos + s].reshape(-1)[:p.ds_numel])
-            rows[:, col:col + p.ds_per].copy_(padded.view(self.dp, p.ds_per))
-            pos, col = pos + s, col + p.ds_per
+            self.buffer[start:start + self.h * s].view(self.h, s).copy_(pieces[:, pos:pos + s])
+            pos += s
 
 
 class Stage3ZeroPP(Stage3):
@@ -100,8 +101,8 @@ class Stage3ZeroPP(Stage3):
         gathered = torch.empty(flat.numel() * self.h, dtype=self.dtype, device=self.device)
         work = _all_gather(gathered, flat, group=self.hpz_group, async_op=True)
         self.comm_bytes["hpz_all_gather"] += flat.numel() * flat.element_size() * (self.h - 1)
-        out = torch.empty(sum(p.ds_per for p in todo) * self.dp, dtype=self.dtype, device=self.device)
-        flight = _Flight(todo, out, _HpzGather(work, gathered, todo, out, self.h, self.dp))
+        buffer, starts = lay_out(todo, self.dp, self.dtype, self.device)  # the DP gather's layout
+        flight = _Flight(todo, None, _HpzGather(work, gathered, todo, buffer, starts, self.h), (buffer, starts))
         for p in todo:
             p.ds_inflight = flight
         self.gather_calls += 1

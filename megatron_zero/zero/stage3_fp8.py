@@ -1,0 +1,113 @@
+"""ZeRO-3 with --fp8-param-gather: the FP8 layers' weight shards cast to FP8 once per step, gathered in FP8.
+
+torchao's FSDP2 float8 all-gather (`enable_fsdp_float8_all_gather`, `precompute_float8_dynamic_scale_for_fsdp`)
+on stage3.py's per-layer gathers: after the optimizer step each rank casts its chunk of every FP8 layer's
+fp32 master to FP8 (`p.ds_shard8`, 1 byte an element) with the whole weight's scale (fp8/param_gather.py:
+one all-reduce MAX of the weights' amaxes over DP, then TP); every gather of a unit, in its forward and again
+in its backward, then moves those bytes instead of the bf16 chunk. A unit's coalesced all-gather packs each
+parameter's chunk as bytes (an FP8 weight's 1 an element, another's in the training dtype): every rank's
+row is as long as every other's (each parameter is cut into dp equal chunks, partition.py), so it stays one
+all_gather_into_tensor. Landing a gathered FP8 weight sets the layer's FP8 weight (the matmul multiplies
+with it, fp8/matmul.py) and, as the parameter's data (its slot of the flight's storage, stage3_storage.py),
+that weight dequantized in the training dtype (what autograd, the saved-tensor hooks and `gathered()` see:
+the value the GEMMs use, never stale); releasing the parameter frees both. ZeRO-3 checkpoints hold the fp32 masters only, so nothing saved changes.
+"""
+from __future__ import annotations
+
+import torch
+
+from .stage3 import Stage3
+from .stage3_gather import _Flight, _all_gather
+from .stage3_storage import lay_out
+
+
+class Stage3Float8(Stage3):
+    def __init__(self, *args, fp8_gather, **kwargs):
+        self.fp8 = fp8_gather  # before Stage3's init gathers the persistent parameters
+        super().__init__(*args, **kwargs)
+        for g in self.groups:
+            for p in g:
+                p.ds_layer = self.fp8.layer_of(p)
+                if p.ds_layer is not None:
+                    p.ds_shard8 = torch.zeros(p.ds_per, dtype=torch.uint8, device=self.device)
+        for m in self.fp8.layers:  # held only while gathered
+            m.fp8.weight8.data = m.fp8.weight8.data.new_empty(0)
+
+    def _nbytes(self, p) -> int:
+        return p.ds_per * (1 if getattr(p, "ds_layer", None) is not None else self.dtype.itemsize)
+
+    def _start(self, params):
+        """One coalesced all-gather of the chunks' bytes (FP8 weights' 1 an element) of the params not yet
+        gathered nor under way."""
+        todo = [p for p in params if p.ds_inflight is None and p.data.numel() == 0]
+        if not todo:
+            return
+        parts = [p.ds_shard8 if getattr(p, "ds_layer", None) is not None else p.ds_shard.view(torch.uint8)
+                 for p in todo]
+        flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+        work = None
+        if self.dp > 1:
+            out = torch.empty(flat.numel() * self.dp, dtype=torch.uint8, device=self.device)
+            self.comm_bytes["all_gather"] += flat.numel() * (self.dp - 1)
+            work = _all_gather(out, flat, group=self.dp_group, async_op=True)
+        else:
+            out = flat.clone()
+        flight = _Flight(todo, out, work)
+        for p in todo:
+            p.ds_inflight = flight
+        self.gather_calls += 1
+
+    def _finish(self, flight):
+        if flight.work is not None:
+            flight.work.wait()
+            flight.work = None
+        rows, pos = flight.out.view(self.dp, -1), 0
+        buffer, starts = lay_out(flight.params, self.dp, self.dtype, self.device)  # stage3_storage.py's slots
+        for p, start in zip(flight.params, starts):
+            n, slot = self._nbytes(p), buffer[start:start + p.ds_per * self.dp]
+            if getattr(p, "ds_layer", None) is not None:  # (none before __init__ has set them)
+                data = torch.empty(p.ds_per * self.dp, dtype=torch.uint8, device=self.device)
+                data.view(self.dp, p.ds_per).copy_(rows[:, pos:pos + n])
+                w8 = self.fp8.layers[p.ds_layer].fp8.weight8
+                w8.data = data[:p.ds_numel].view(w8.data.dtype).view(p.ds_shape)
+                slot[:p.ds_numel].copy_((w8.data.float() / w8.scale).reshape(-1))
+            else:
+                slot.view(torch.uint8).view(self.dp, n).copy_(rows[:, pos:pos + n])
+            pos += n
+            p.ds_inflight = None
+        self._place(flight.params, buffer, starts)
+        flight.out = flight.placed = None
+        self.peak_param_numel = max(self.peak_param_numel, self.gathered_numel())
+
+    def _release(self, params):
+        super()._release(params)
+        for p in params:
+            if p.data.numel() == 0 and getattr(p, "ds_layer", None) is not None:
+                w8 = self.fp8.layers[p.ds_layer].fp8.weight8
+                w8.data = w8.data.new_empty(0)
+
+    @torch.no_grad()
+    def write_weights(self, masters, fp8: bool = True):
+        """The updated masters into the shards, the FP8 weights' chunks cast from them, the persistent
+        parameters gathered again. `fp8` False (ZeroOptimizer.state_dict's republication in the training
+        dtype): nothing to do, a ZeRO-3 checkpoint holds the masters only."""
+        if not fp8:
+            return
+        for shards, m in zip(self.shards, masters):
+            if m.data_ptr() != shards.data_ptr():
+                shards.copy_(m.detach())
+        mine = [p for g in self.groups for p in g if p.ds_layer is not None]
+        amax = torch.zeros(len(self.fp8.layers), device=self.device)
+        if mine:
+            chunk = [masters[p.ds_where[0]][p.ds_where[1]:p.ds_where[1] + p.ds_per] for p in mine]
+            local = torch.stack([c.abs().max().float().to(self.device) for c in chunk])
+            amax.scatter_reduce_(0, torch.tensor([p.ds_layer for p in mine], device=self.device), local, "amax")
+        self.fp8.set_scales(amax)
+        for p, c in zip(mine, chunk if mine else ()):
+            p.ds_shard8.copy_(self.fp8.cast(p.ds_layer, c))
+        self._refresh_persistent()
+
+    def param_bytes(self):
+        fp8 = sum(p.ds_shard8.numel() for g in self.groups for p in g if p.ds_layer is not None)
+        return super().param_bytes() + fp8 + sum(m.fp8.weight8.data.numel() for m in self.fp8.layers)
+
