@@ -6,7 +6,7 @@ Without that wait, torch.profiler (2.13) stopped while gloo's worker thread was 
 started under it, and freeing that collective's handle afterwards killed the rank with SIGSEGV (in
 ~TorchOpStorage under ~AsyncWork), with record_shapes on or off and with no FP8 involved. It is a race: each
 rank here stops a profiler CYCLES times, the peer joining the gather late by about the stop's duration; without
-the wait 2 of 5 runs lost a rank, with it none of 10.
+the wait 3 of 11 runs lost a rank (SIGSEGV, SIGABRT), with it none of 10.
 """
 import argparse
 import os
