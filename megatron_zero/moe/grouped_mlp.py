@@ -46,7 +46,7 @@ def float8_experts_linear(x: torch.Tensor, layers: Sequence[torch.nn.Module], co
 
 def grouped_mm_fits(dtype: torch.dtype, *dims: int) -> bool:
     """Whether rows of `dims` elements of `dtype` keep grouped_mm's operands 16-byte aligned."""
-    item = torch.empty((), dtype=dtype).element_size()
+    item = dtype.itemsize
     return all((d * item) % ALIGN_BYTES == 0 for d in dims)
 
 

@@ -28,7 +28,7 @@ from ..moe.stacked_weights import ALIGN_BYTES
 def lay_out(params: Sequence[torch.Tensor], dp: int, dtype: torch.dtype,
             device: torch.device) -> Tuple[torch.Tensor, List[int]]:
     """(buffer, starts): one uninitialized buffer, parameter i's slot of ds_per * dp elements at starts[i]."""
-    item = torch.empty((), dtype=dtype).element_size()
+    item = dtype.itemsize
     unit = ALIGN_BYTES // item if ALIGN_BYTES % item == 0 else 1
     starts, pos = [], 0
     for p in params:
