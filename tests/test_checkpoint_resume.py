@@ -14,7 +14,7 @@ ITERS, SAVE_AT = 8, 4
 
 
 @pytest.mark.parametrize("tp,pp,world,zero,async_save", [
-    (2, 2, 8, 1, False),
+    pytest.param(2, 2, 8, 1, False, marks=pytest.mark.slow),  # ZeRO-1's resume: also tests/test_cli_resume.py
     (2, 2, 8, 2, True),
     (1, 1, 4, 3, False),
 ])
