@@ -2,9 +2,8 @@
 
 The ranks a test starts (run_ranks' forked workers, torchrun, pretrain_gpt.py) import megatron_zero and the
 test helpers from disk when they start, while the pytest process keeps what it imported at collection. A file
-edited or merged into the tree during the session therefore gives a parity test two versions of the code: an
-FP8 TP2 rowwise run once compared ranks that trained with GLOBAL_BATCH 4 (their losses 4.6074, 4.6140, exactly
-what that batch gives) against a reference of GLOBAL_BATCH 2, 857 x the bound apart, and looked like a flake.
+edited or merged into the tree during the session therefore gives a parity test two versions of the code
+(the ranks train one, the reference the other), and its failure looks like a flake of the code under test.
 """
 from __future__ import annotations
 
