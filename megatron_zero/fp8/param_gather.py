@@ -94,6 +94,21 @@ class Float8ParamGather:
         finally:
             self.record = True
 
+    def fragment_index(self, layers: Sequence[int]) -> torch.Tensor:
+        """The FP8 layer of each of a rank's master fragments, on the device: made once, so that
+        `scales_from_fragments` copies nothing from the host in the step."""
+        return torch.tensor(list(layers), dtype=torch.int64, device=self.device)
+
+    @torch.no_grad()
+    def scales_from_fragments(self, fragments: Sequence[torch.Tensor], index: torch.Tensor) -> None:
+        """Every layer's scale from this rank's fp32 master fragments (fragments[i] a piece of layer index[i]'s
+        weight): the max |element| per layer, 0 where the rank holds none of it, then set_scales."""
+        amax = torch.zeros(len(self.layers), device=self.device)
+        if fragments:
+            local = torch.stack([f.abs().max().float().to(self.device) for f in fragments])
+            amax.scatter_reduce_(0, index, local, "amax")
+        self.set_scales(amax)
+
     @torch.no_grad()
     def set_scales(self, local_amax: torch.Tensor) -> None:
         """`local_amax`: per layer, the max |element| of this rank's master fragments of its weight (0: none);

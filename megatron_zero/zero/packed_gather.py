@@ -77,21 +77,18 @@ class PackedGather:
         self.groups = [PackedGroup(part, [fp8.layer_of(p) for p in params], itemsize)
                        for part, params in zip(parts, groups)]
         self.partition_sizes = [part.partition_size for part in parts]
+        # this rank's fragments of FP8 weights (group, fragment), and their layers on the device
+        self.mine = [(gi, f) for gi, g in enumerate(self.groups) for f in g.rows[rank] if f.layer is not None]
+        self.mine_index = fp8.fragment_index(f.layer for _, f in self.mine)
 
     @torch.no_grad()
     def pack(self, masters: Sequence[torch.Tensor], slices: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """This rank's packed row of each group. `masters`: its updated fp32 partitions; `slices`: its
         partitions of the flat buffers, already holding the masters in the training dtype. The FP8 weights'
         scales are set first (one all-reduce of their amaxes)."""
-        device = slices[0].device if slices else self.fp8.device
-        mine = [(gi, f) for gi, g in enumerate(self.groups) for f in g.rows[self.rank] if f.layer is not None]
-        amax = torch.zeros(len(self.fp8.layers), device=device)
-        if mine:
-            local = torch.stack([masters[gi][f.in_part:f.in_part + f.numel].abs().max().float().to(device)
-                                 for gi, f in mine])
-            index = torch.tensor([f.layer for _, f in mine], device=device)
-            amax.scatter_reduce_(0, index, local, "amax")
-        self.fp8.set_scales(amax)
+        device = self.fp8.device
+        self.fp8.scales_from_fragments([masters[gi][f.in_part:f.in_part + f.numel] for gi, f in self.mine],
+                                       self.mine_index)
         rows = []
         for gi, g in enumerate(self.groups):
             row = torch.zeros(g.row_bytes[self.rank], dtype=torch.uint8, device=device)

@@ -180,9 +180,7 @@ class Stage12:
         """Copy each updated master into this rank's slice (unless it is that slice already) and
         all-gather the flat buffers, the slice being the all-gather's input (in place); with the packed
         gather (unless `fp8` is False) its packed rows instead."""
-        for mine, m in zip(self.weight_slices(), masters):
-            if m.data_ptr() != mine.data_ptr():
-                mine.copy_(m.detach())  # a cast to the model dtype; masters held on the host come up
+        self._write_slices(masters)
         if self.packed is not None and fp8:
             for gi, gathered in enumerate(self._gather_packed(masters)):
                 for pi in range(len(self.groups[gi])):
@@ -191,6 +189,12 @@ class Stage12:
         for flat, mine in zip(self.flat, self.weight_slices()):
             if self.dp > 1:
                 shm_comm.all_gather_into_tensor(flat, mine, self.dp_group)
+
+    def _write_slices(self, masters: List[torch.Tensor]) -> None:
+        """Each updated master into this rank's slice of its flat buffer, unless it is that slice already."""
+        for mine, m in zip(self.weight_slices(), masters):
+            if m.data_ptr() != mine.data_ptr():
+                mine.copy_(m.detach())  # a cast to the model dtype; masters held on the host come up
 
     def _gather_packed(self, masters: List[torch.Tensor]) -> List[torch.Tensor]:
         """Each group's packed rows, gathered (blocking): every rank's row, in rank order."""

@@ -128,12 +128,11 @@ class Stage12Overlap(Stage12):
             return super().write_weights(masters, fp8)
         if self.packed is not None and fp8:
             return self._write_packed(masters)
-        for gi, (flat, part, m) in enumerate(zip(self.flat, self.parts, masters)):
+        self._write_slices(masters)
+        for gi, (flat, part) in enumerate(zip(self.flat, self.parts)):
             size = part.partition_size
             rows = flat.view(self.dp, size)
             mine = rows[self.rank]  # the gathers' input: kept until the next step (ZeroOptimizer.step waits first)
-            if m.data_ptr() != mine.data_ptr():
-                mine.copy_(m.detach())
             for k, a in enumerate(range(0, size, self.chunk)):
                 b = min(size, a + self.chunk)
                 self._gathers[(gi, k)] = dist.all_gather([rows[r, a:b] for r in range(self.dp)], mine[a:b],
@@ -141,9 +140,7 @@ class Stage12Overlap(Stage12):
 
     def _write_packed(self, masters: List[torch.Tensor]):
         """The packed rows (packed_gather.py), all-gathered chunk by chunk, async; landed by the hooks."""
-        for mine, m in zip(self.weight_slices(), masters):
-            if m.data_ptr() != mine.data_ptr():
-                mine.copy_(m.detach())
+        self._write_slices(masters)
         for gi, row in enumerate(self.packed.pack(masters, self.weight_slices())):
             g = self.packed.groups[gi]
             gathered = row.new_empty(g.total_bytes)

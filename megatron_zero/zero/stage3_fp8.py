@@ -30,6 +30,8 @@ class Stage3Float8(Stage3):
                 p.ds_layer = self.fp8.layer_of(p)
                 if p.ds_layer is not None:
                     p.ds_shard8 = torch.zeros(p.ds_per, dtype=torch.uint8, device=self.device)
+        self.fp8_params = [p for g in self.groups for p in g if p.ds_layer is not None]  # this rank's chunks
+        self.fp8_index = self.fp8.fragment_index(p.ds_layer for p in self.fp8_params)
         for m in self.fp8.layers:  # held only while gathered
             m.fp8.weight8.data = m.fp8.weight8.data.new_empty(0)
 
@@ -96,18 +98,13 @@ class Stage3Float8(Stage3):
         for shards, m in zip(self.shards, masters):
             if m.data_ptr() != shards.data_ptr():
                 shards.copy_(m.detach())
-        mine = [p for g in self.groups for p in g if p.ds_layer is not None]
-        amax = torch.zeros(len(self.fp8.layers), device=self.device)
-        if mine:
-            chunk = [masters[p.ds_where[0]][p.ds_where[1]:p.ds_where[1] + p.ds_per] for p in mine]
-            local = torch.stack([c.abs().max().float().to(self.device) for c in chunk])
-            amax.scatter_reduce_(0, torch.tensor([p.ds_layer for p in mine], device=self.device), local, "amax")
-        self.fp8.set_scales(amax)
-        for p, c in zip(mine, chunk if mine else ()):
+        chunks = [masters[p.ds_where[0]][p.ds_where[1]:p.ds_where[1] + p.ds_per] for p in self.fp8_params]
+        self.fp8.scales_from_fragments(chunks, self.fp8_index)
+        for p, c in zip(self.fp8_params, chunks):
             p.ds_shard8.copy_(self.fp8.cast(p.ds_layer, c))
         self._refresh_persistent()
 
     def param_bytes(self):
-        fp8 = sum(p.ds_shard8.numel() for g in self.groups for p in g if p.ds_layer is not None)
+        fp8 = sum(p.ds_shard8.numel() for p in self.fp8_params)
         return super().param_bytes() + fp8 + sum(m.fp8.weight8.data.numel() for m in self.fp8.layers)
 
