@@ -21,7 +21,8 @@ other than SUM and MAX, for one-rank groups, for groups spread over hosts or not
 A wait gives up after the process group's timeout (`set_timeout`: --distributed-timeout-minutes, set by
 distributed.init_distributed) with a DistBackendError naming the group, as torch.distributed's own would.
 A wait also watches the other ranks' processes (a pidfd each, `watch_peers`): one that exits, killed or
-not, ends the wait at once with a DistBackendError naming its global rank, instead of the full timeout.
+not, ends the wait with a DistBackendError naming its global rank within EXIT_GRACE_S (a wake-up written
+just before that exit is still read), instead of the full timeout.
 Waiting blocks at once. Polling first (DeepSpeed's shm op spins) measured slower on the loaded 2-core
 machine (bench/bench_shm_all_reduce.py, load 16): a poller that shares a core with the rank it waits for
 holds that core until its time slice ends; with a 200 us poll a 1 MiB pipeline swap took 2.1 ms against
@@ -69,6 +70,9 @@ def group_name(group) -> str:
     return f"the process group of global ranks {dist.get_process_group_ranks(group)}"
 
 
+EXIT_GRACE_S = 1.0  # how long a wait still looks for a wake-up once a peer's process has exited
+
+
 def wait_readable(fds: List[int], what: str, peers: Optional[Dict[int, Tuple[int, int]]] = None) -> List[int]:
     """The FIFOs of `fds` with wake-ups to read, waited for in the kernel up to the timeout; past it a
     DistBackendError saying `what` (who did not arrive). `peers` (watch_peers): a peer whose process exits
@@ -77,7 +81,10 @@ def wait_readable(fds: List[int], what: str, peers: Optional[Dict[int, Tuple[int
     wake = [fd for fd in ready if fd in fds]
     if wake:
         return wake
-    if ready:
+    if ready:  # a peer exited; a wake-up it (or another rank) wrote just before may still be on its way
+        wake = select.select(fds, [], [], EXIT_GRACE_S)[0]
+        if wake:
+            return wake
         rank, pid = min(peers[fd] for fd in ready)
         raise dist.DistBackendError(f"{what} will not arrive: global rank {rank} (process {pid}) has exited")
     raise dist.DistBackendError(f"{what} did not arrive within {_timeout_s:.0f} s "

@@ -140,3 +140,25 @@ def test_killed_peer_ends_the_wait_at_once():
     assert procs[1].exitcode == -signal.SIGKILL
     assert re.fullmatch(r"shared-memory collective round 2: a rank of the process group of global ranks \[0, 1\] "
                         r"will not arrive: global rank 1 \(process \d+\) has exited", message), message
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs os.pidfd_open (Linux 5.3, Python 3.9)")
+def test_a_wake_up_written_just_before_a_peer_exited_is_still_read():
+    """A peer that exits once the round is complete (its last collective, then the end of the run) while
+    another rank's wake-up to this one is still on its way: the wait returns the wake-up, it is no failure."""
+    import subprocess
+    import threading
+
+    child = subprocess.Popen(["true"])
+    peers = {os.pidfd_open(child.pid): (2, child.pid)}
+    child.wait()  # exited: its pidfd is readable
+    read_fd, write_fd = os.pipe()
+    late = threading.Timer(0.2, os.write, (write_fd, b"x"))
+    late.start()
+    try:
+        assert shm_comm.wait_readable([read_fd], "a test round", peers) == [read_fd]
+    finally:
+        late.join()
+        shm_comm.close_watch(peers)
+        os.close(read_fd)
+        os.close(write_fd)
