@@ -19,7 +19,8 @@ from megatron_zero.model import GPTConfig, GPTModel, reference_model
 from megatron_zero.model.layer_indices import num_pipeline_layers
 from megatron_zero.ops.fusion_flags import set_fusion_flags
 from megatron_zero.tensor_parallel import vocab_parallel_cross_entropy
-from megatron_zero.tensor_parallel.output_loss import chunk_columns, vocab_parallel_linear_cross_entropy
+from megatron_zero.tensor_parallel import output_loss
+from megatron_zero.tensor_parallel.output_loss import chunk_columns, vocab_parallel_linear_cross_entropy, worth_chunking
 from megatron_zero.testing import run_ranks
 from megatron_zero.testing.flag_checks import BASE, refused
 from megatron_zero.testing.loss_memory import peaks_in_subprocess
@@ -62,13 +63,33 @@ def test_fused_matches_unfused_fp32():
     hidden, weight, target, weights = inputs()
     want = unfused(hidden, weight, target, weights)
     x, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    loss = vocab_parallel_linear_cross_entropy(x, w, target, None, VOCAB)
+    loss = vocab_parallel_linear_cross_entropy(x, w, target, None, VOCAB, chunked=True)
     (loss * weights).sum().backward()
     loss_rtol, grad_rtol = rtols(target.numel())
     assert_close_normwise(loss.detach(), want[0], loss_rtol, "per-token losses")
     assert_close_normwise(x.grad, want[1], grad_rtol, "hidden gradient")
     assert_close_normwise(w.grad, want[2], grad_rtol, "weight gradient")
     assert torch.count_nonzero(w.grad[VOCAB:]) == 0  # padded rows never learn
+
+
+def test_small_logits_take_the_unchunked_path(monkeypatch):
+    """Below UNCHUNKED_BELOW_BYTES of fp32 logits the default computes them whole: the losses and gradients of
+    the unfused path bit for bit, and no chunk's forward runs; above it (the threshold lowered) the chunks run."""
+    hidden, weight, target, weights = inputs()
+    assert not worth_chunking(target.numel(), PADDED) and worth_chunking(8192, 128256 // 8)  # Llama-3-8B at TP8
+    chunk_forwards = []
+    real = output_loss._LinearCrossEntropy.forward
+    monkeypatch.setattr(output_loss._LinearCrossEntropy, "forward",
+                        staticmethod(lambda *a: chunk_forwards.append(1) or real(*a)))
+    want = unfused(hidden, weight, target, weights)
+    x, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = vocab_parallel_linear_cross_entropy(x, w, target, None, VOCAB)
+    (loss * weights).sum().backward()
+    assert not chunk_forwards
+    assert torch.equal(loss.detach(), want[0]) and torch.equal(x.grad, want[1]) and torch.equal(w.grad, want[2])
+    monkeypatch.setattr(output_loss, "UNCHUNKED_BELOW_BYTES", 4 * target.numel() * PADDED)
+    vocab_parallel_linear_cross_entropy(hidden, weight, target, None, VOCAB)
+    assert chunk_forwards == [1]
 
 
 def test_fused_bf16_within_one_rounding_of_the_logits():
@@ -78,7 +99,7 @@ def test_fused_bf16_within_one_rounding_of_the_logits():
     hidden, weight, target, weights = inputs(torch.bfloat16)
     want = unfused(hidden, weight, target, weights)
     x, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    loss = vocab_parallel_linear_cross_entropy(x, w, target, None, VOCAB)
+    loss = vocab_parallel_linear_cross_entropy(x, w, target, None, VOCAB, chunked=True)
     (loss * weights).sum().backward()
     assert x.grad.dtype == w.grad.dtype == torch.bfloat16
     u = 2.0 ** -8
@@ -102,7 +123,7 @@ def tp_rank():
         x = hidden.view(-1, H).chunk(tp)[rank].view(1, -1, H) if sequence_parallel else hidden
         x = x.clone().requires_grad_()
         loss = vocab_parallel_linear_cross_entropy(x, w, target.view(1, -1) if sequence_parallel else target, group,
-                                                   VOCAB, sequence_parallel)
+                                                   VOCAB, sequence_parallel, chunked=True)
         (loss.view(TOKENS) * weights).sum().backward()
         out.append((loss.detach().view(TOKENS), x.grad.reshape(-1, H), w.grad))
     return out
@@ -145,9 +166,11 @@ def model_loss_and_grads(stages, tokens, labels, mask, fused):
 
 
 @pytest.mark.parametrize("untied", [False, True])
-def test_model_two_stages_fused_matches_reference_unfused(untied):
+def test_model_two_stages_fused_matches_reference_unfused(untied, monkeypatch):
     """Two pipeline stages (the second holding the output layer, the tied embedding's copy or the untied head)
-    with the loss mask, fused, against the whole single-process reference with the loss unfused."""
+    with the loss mask, fused (by chunks, however small the logits), against the whole single-process reference
+    with the loss unfused."""
+    monkeypatch.setattr(output_loss, "UNCHUNKED_BELOW_BYTES", 0)
     config = GPTConfig(vocab_size=1000, make_vocab_size_divisible_by=96, hidden_size=32, num_layers=2,
                        num_attention_heads=4, seq_length=16, max_position_embeddings=16, hidden_dropout=0.0,
                        attention_dropout=0.0, untie_embeddings_and_output_weights=untied, seed=3)

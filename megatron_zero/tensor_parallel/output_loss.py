@@ -24,6 +24,11 @@ place), a model-dtype copy of it in bf16/fp16, and [tokens, hidden] fp32 for the
 unfused path holds the whole logits and their exponentials (bench/bench_output_loss.py measures both).
 No host reads: chunk bounds come from shapes, targets are tested on the device.
 
+Small logits take the unchunked path (`chunked=None`, the default, decides by size): below UNCHUNKED_BELOW_BYTES
+of fp32 logits per rank, the memory saved is small next to the activations while the backward's recompute
+of the logits is a whole extra output-layer GEMM (at the CPU bench's 1024 tokens x 1024 columns a step took
+about 3.5 % longer fused); there the output layer is a plain F.linear and the loss cross_entropy.py's.
+
 Why PyTorch ops and not a Triton kernel (Liger-Kernel's fused linear cross-entropy): the time is in the
 GEMMs, which here are all tokens x V/16 columns (cuBLAS-sized on a GPU; a token-chunked kernel runs
 small-M GEMMs), the same code is exact against the unfused loss and runs on the CPU test machines, and it
@@ -35,12 +40,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .cross_entropy import all_reduce_over_tp
+from .cross_entropy import all_reduce_over_tp, vocab_parallel_cross_entropy
 from .mappings import copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region
 from .utils import tp_rank_in, tp_world_size
 
 CHUNKS = 16  # a chunk is 1/16 of the rank's logits: 0.06x their bytes, GEMMs of all tokens x V/16 columns
 MIN_CHUNK_COLUMNS = 256
+UNCHUNKED_BELOW_BYTES = 64 << 20  # a rank's fp32 logits under 64 MiB: computed whole (the module's docstring)
 
 
 def chunk_columns(local_vocab: int) -> int:
@@ -123,14 +129,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_x, grad_w, None, None, None
 
 
+def worth_chunking(tokens: int, local_vocab: int) -> bool:
+    """Whether a rank's [tokens, local_vocab] fp32 logits are big enough to compute by chunks."""
+    return 4 * tokens * local_vocab >= UNCHUNKED_BELOW_BYTES
+
+
 def vocab_parallel_linear_cross_entropy(hidden, weight, target, group=None, vocab_size=None,
-                                        sequence_parallel: bool = False):
+                                        sequence_parallel: bool = False, chunked=None):
     """Per-token loss [*] of the output layer `weight` [V/tp, h] (this rank's vocabulary rows) applied to
     `hidden` [*, h] ([b, s/tp, h] sequence-parallel: gathered here) against `target` [*].
 
-    `vocab_size` is the unpadded vocabulary; rows at or beyond it are ignored (their gradient is zero)."""
+    `vocab_size` is the unpadded vocabulary; rows at or beyond it are ignored (their gradient is zero).
+    `chunked`: by vocabulary chunks (True), the whole logits (False), or by their size (None: worth_chunking)."""
     if sequence_parallel and tp_world_size(group) > 1:
         hidden = gather_from_sequence_parallel_region(hidden, group)
     elif tp_world_size(group) > 1:
         hidden = copy_to_tensor_model_parallel_region(hidden, group)
+    if chunked is None:
+        chunked = worth_chunking(target.numel(), weight.shape[0])
+    if not chunked:
+        return vocab_parallel_cross_entropy(F.linear(hidden, weight), target, group, vocab_size)
     return _LinearCrossEntropy.apply(hidden, weight, target, group, vocab_size)

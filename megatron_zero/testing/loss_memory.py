@@ -43,7 +43,7 @@ def measure(tokens: int, vocab: int, hidden: int, fused: bool) -> dict:
 
     def losses(x, target):
         if fused:
-            return vocab_parallel_linear_cross_entropy(x, weight, target, None, vocab)
+            return vocab_parallel_linear_cross_entropy(x, weight, target, None, vocab, chunked=True)
         return vocab_parallel_cross_entropy(F.linear(x, weight), target, None, vocab)
 
     out = {}
