@@ -101,7 +101,7 @@ class Trainer:
                                      device=self.device, virtual_stages=par.virtual_pipeline_model_parallel_size)
         self.transforms = apply_model_transforms(self.model, model_converters(args, state, self.device))
         self.forward_backward = schedule_for(par.virtual_pipeline_model_parallel_size)
-        self.optimizer = build_optimizer(self.model, self.sections.optimizer, state, self.device)
+        self.optimizer = build_optimizer(self.model, self.sections.optimizer, state, self.device, self.sections.muon)
         moe_layers = sum(self.config.is_moe_layer(b) for b in range(self.config.num_layers))
         logged = logged_names(self.config)  # the MoE losses the flags compute (none: no MoE log line)
         self.moe_metrics = MoEMetrics(moe_layers, self.device, logged) if moe_layers and logged else None

@@ -70,12 +70,14 @@ class ZeroOptimizer:
                  overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
                  quantized_weights: bool = False, quantized_gradients: bool = False, hpz_group=None,
                  device: Optional[torch.device] = None, grad_reduce_in_bf16: bool = False,
-                 cpu_optimizer_threads: Optional[int] = None, expert_dp_group=None):
+                 cpu_optimizer_threads: Optional[int] = None, expert_dp_group=None, muon=None, tp_group=None,
+                 expert_tp_group=None):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
         self.stage, self.dtype, self.clip_grad = stage, _dtype(dtype), float(clip_grad or 0.0)
         self.dp_group, self.mp_group, self.tp_rank = dp_group, mp_group, tp_rank
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, is_decoupled_lr=False)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, is_decoupled_lr=False,
+                        muon=False)
         self.named_groups, hparams = _groups(named_params, defaults)
         self.names = [[n for n, _ in g] for g in self.named_groups]
         # every buffer lives beside the parameters (the model was built on the rank's device)
@@ -138,6 +140,14 @@ class ZeroOptimizer:
                                    device=self.device, weight_slices=uploads, cpu_threads=cpu_optimizer_threads)
         del self.impl.initial_masters
         self.offload = offload
+        self.muon = None  # `muon` (optimizer/muon.py's MuonSettings): the groups marked `muon` step by Muon
+        if muon is not None:
+            if offload != "none":
+                raise ValueError("Muon steps its matrices on the device; it does not run with an offloaded optimizer")
+            from ..optimizer.muon_zero import MuonStep
+            self.muon = MuonStep(muon, self.impl, self.named_groups,
+                                 [gi for gi, h in enumerate(self.optimizer.param_groups) if h.get("muon")],
+                                 tp_group, expert_tp_group)
         # fp16: dynamic or static; bf16: a static scale when one is given (Megatron-LM's --loss-scale with --bf16)
         static = not LossScalerConfig.from_any(loss_scaler).dynamic
         self.loss_scaler = LossScaler(loss_scaler, enabled=self.dtype == torch.float16 or
@@ -213,6 +223,9 @@ class ZeroOptimizer:
                 group["lr"] = decoupled_lr if group.get("is_decoupled_lr") else lr
         self.wait_params()  # the step writes this rank's weights, which the last gathers read
         with self.optimizer.paged():
+            if self.muon is not None:
+                self.muon.step(self.optimizer, grads)
+                grads = self.muon.adam_grads(grads)
             self.optimizer.step(grads)
             self.impl.write_weights(self.optimizer.weights())
         self.loss_scaler.update(False)
