@@ -22,6 +22,7 @@ from . import config
 from .arguments import ArgumentError, args_to_dict
 from .config.checkpointing import load_is_first_run
 from .checkpoint.compat import check_checkpoint_compat
+from .checkpoint.format import header_args
 from .checkpoint.storage.lock import hold_save_lock
 from .checkpoint.preflight import check_save_dir, checkpoint_bytes
 from .checkpoint.report import async_started_line, checkpoint_size, saved_line
@@ -56,6 +57,7 @@ from .step_hooks import StepHooks
 from .data.prefetch import BatchPrefetcher
 from .tensor_parallel.random import model_parallel_seed
 from .timers import TimedCalls
+from .optimizer.muon import optimizer_switch
 from .optimizer_setup import build_optimizer, param_groups  # noqa: F401 (param_groups: training's name for it)
 from .topology import build_parallel_state
 from .training_log import TrainingLog, architecture_name
@@ -262,14 +264,19 @@ class Trainer:
             self._log(f"--load {path} does not exist yet; starting from scratch")
             return False
 
+        switch = []  # the line saying the checkpoint's optimizer is another family (Adam / Muon), if it is
+
         def check(checkpoint):  # opened, or a Megatron-LM checkpoint's directory
-            check_checkpoint_compat(checkpoint, a, self.config.vocab_size, self.config.padded_vocab_size)
+            head = check_checkpoint_compat(checkpoint, a, self.config.vocab_size, self.config.padded_vocab_size)
             self.last_checkpoint = getattr(checkpoint, "directory", checkpoint)
+            switch[:] = [optimizer_switch(header_args(head), self.sections.muon.optimizer, self.last_checkpoint)]
 
         client = resume_checkpoint(path, self.state, self.model, self.optimizer,
                                    load_optimizer=not (c.no_load_optim or c.finetune),
                                    universal=c.universal_checkpoint, verify=c.verify_checkpoint, log=self._log,
-                                   check=check, ckpt_format=c.ckpt_format)
+                                   check=check, ckpt_format=c.ckpt_format, keep_optimizer=lambda: not any(switch))
+        if any(switch):
+            self._log(switch[0])
         if client is None:
             self._log(f"no checkpoint under --load {path}; starting from scratch")
             return False

@@ -149,3 +149,14 @@ def _scaled(x: torch.Tensor, dim: Optional[int], settings: MuonSettings, tp_grou
         size[dim] *= tp
         out = orthogonalize(x, steps, transpose=dim == 0, tp_group=tp_group)
     return out * (scale_factor(size[0], size[1], settings.scale_mode) * settings.extra_scale_factor)
+
+
+def optimizer_switch(saved_args: dict, optimizer: str, directory: str) -> Optional[str]:
+    """The line a resume says when the checkpoint's optimizer (its args' --optimizer; none recorded: Adam) is
+    another family than this run's (AdamW or Muon), whose state cannot carry over; None when they agree."""
+    saved = saved_args.get("optimizer") or "adamw"
+    muon_here, muon_there = optimizer in ("muon", "dist_muon"), saved in ("muon", "dist_muon")
+    if muon_here == muon_there:
+        return None
+    return (f"the checkpoint {directory} was trained with --optimizer {saved} and this run uses --optimizer "
+            f"{optimizer}: its weights load, the optimizer starts fresh")

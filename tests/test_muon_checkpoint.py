@@ -1,0 +1,93 @@
+"""Muon's checkpoints: the momentum in DeepSpeed's layout as Adam's first moment (`exp_avg`; the Muon group's
+`exp_avg_sq` zeros, so DeepSpeed's own readers take the files), converted by tools/ds_to_universal.py, read by
+zero_to_fp32.py, and a run resumed at another TP / PP / DP / ZeRO stage, from the universal checkpoint or the plain
+one directly, continuing the loss within the Adam reshapes' bound (tests/test_universal_checkpoint.py: 1e-5).
+
+Baseline: the tiny GPT at TP2 x DP2 ZeRO-1, Muon (duplicated TP: its result does not depend on TP), saved at
+iteration 10 of 20."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_zero.checkpoint.storage.tensor_io import load_file
+from megatron_zero.testing import run_ranks
+from megatron_zero.testing.layout_train import ITERS, SAVE_AT, config, full_weights, train
+from megatron_zero.testing.muon_train import settings
+from megatron_zero.testing.tiny_gpt import without_key_bias
+
+pytestmark = pytest.mark.multirank
+MUON = settings(config(), "duplicated", extra_scale_factor=0.2)
+BOUND = 1e-5  # the Adam reshapes' (tests/test_universal_checkpoint.py)
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    root = tmp_path_factory.mktemp("muon_universal")
+    results = run_ranks(train, 4, 2, 1, 1, 2, str(root), muon=MUON, timeout=300)
+    losses = results[0][1]
+    assert losses[ITERS - 1] < losses[0] - 0.1, "the baseline must actually learn for the test to mean anything"
+    src = os.path.join(root, f"global_step{SAVE_AT}")
+    out = os.path.join(root, f"global_step{SAVE_AT}_universal")
+    tool = [sys.executable, os.path.join(os.path.dirname(__file__), "..", "tools", "ds_to_universal.py"),
+            "--input_folder", src, "--output_folder", out]
+    run = subprocess.run(tool, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    return {"losses": losses, "weights": full_weights(results), "src": src, "universal": out, "root": str(root)}
+
+
+def check_resume(baseline, results):
+    want = baseline["losses"]
+    for _, losses, _ in results:
+        assert sorted(losses) == list(range(SAVE_AT, ITERS))
+        for it, loss in losses.items():
+            assert abs(loss - want[it]) <= BOUND * abs(want[it]), (it, loss, want[it])
+    got = full_weights(results)
+    for name, w in baseline["weights"].items():
+        a, b = without_key_bias(name, got[name], config()), without_key_bias(name, w, config())
+        assert float((a - b).norm() / b.norm()) <= BOUND, name
+
+
+def test_momentum_is_saved_as_exp_avg_and_converted(baseline):
+    optim = load_file(os.path.join(baseline["src"], "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    state = optim["optimizer_state_dict"]["base_optimizer_state"]
+    assert state["param_groups"][0]["muon"] is True and not state["param_groups"][1]["muon"]
+    assert state["state"][0]["exp_avg"].abs().sum() > 0 and state["state"][0]["exp_avg_sq"].abs().sum() == 0
+    assert state["state"][1]["exp_avg_sq"].abs().sum() > 0  # AdamW's groups keep both moments
+    momentum = load_file(os.path.join(baseline["universal"], "zero", "2.self_attention.dense.weight", "exp_avg.pt"))
+    assert momentum["param"].shape == (32, 32) and momentum["cat_dim"] == 1 and momentum["param"].abs().sum() > 0
+
+
+def test_zero_to_fp32_reads_a_muon_checkpoint(baseline, tmp_path):
+    out = str(tmp_path / "full.pt")
+    script = os.path.join(baseline["src"], "zero_to_fp32.py")
+    run = subprocess.run([sys.executable, script, baseline["root"], out, "--tag", f"global_step{SAVE_AT}"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    got = torch.load(out)
+    universal = os.path.join(baseline["universal"], "zero", "3.mlp.dense_h_to_4h.weight", "fp32.pt")
+    torch.testing.assert_close(got["3.mlp.dense_h_to_4h.weight"], load_file(universal)["param"], rtol=0, atol=0)
+
+
+LAYOUTS = {  # name: (tp, pp, dp, zero stage, micro-batch, which checkpoint)
+    "a-same-plain": (2, 1, 2, 1, 2, "plain"),
+    "b-tp1-pp2-dp2": (1, 2, 2, 1, 2, "universal"),
+    "c-tp4": (4, 1, 1, 1, 1, "universal"),
+    "d-dp4-zero2": (1, 1, 4, 2, 2, "universal"),
+    "e-dp2-zero3-direct": (1, 1, 2, 3, 1, "plain"),
+    "f-tp2-pp2-dp2-direct": (2, 2, 2, 1, 1, "plain"),
+    "g-pp4": (1, 4, 1, 1, 1, "universal"),
+}
+DEFAULT_TIER = {"e-dp2-zero3-direct"}  # 2 ranks; the others (4 to 8 ranks, 15-40 s each) in the slow tier
+
+
+@pytest.mark.parametrize("name", [n if n in DEFAULT_TIER else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in LAYOUTS])
+def test_muon_resumes_reshaped(baseline, name):
+    tp, pp, dp, stage, mb, kind = LAYOUTS[name]
+    source = baseline["universal"] if kind == "universal" else baseline["src"]
+    results = run_ranks(train, tp * pp * dp, tp, pp, stage, mb, None, source,
+                        "universal" if kind == "universal" else "reshaped", muon=MUON, timeout=300)
+    check_resume(baseline, results)
