@@ -100,6 +100,35 @@ def test_tensor_parallel_modes_match_newton_schulz_tp():
         assert max(diffs) < 1e-6
 
 
+def _cp_max_logit():
+    import torch.distributed as dist
+
+    from megatron_zero.model.transformer import local_positions
+    from megatron_zero.optimizer.qk_clip import MaxLogit
+    torch.manual_seed(4)
+    q, k = torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8)  # 4 heads, 2 query groups, 16 tokens
+    mine = local_positions(8, dist.group.WORLD, q.device)  # this CP rank's load-balanced chunks
+    recorder = MaxLogit(4, 8 ** -0.5, q.device)
+    recorder.record(q[:, :, mine], k[:, :, mine], dist.group.WORLD)
+    return recorder.value
+
+
+def test_max_logit_with_context_parallelism_is_the_whole_sequences():
+    """Each CP rank's queries against every rank's keys, causally by their positions: the MAX over CP ranks is
+    the whole sequence's per-head max of q k^T / sqrt(d)."""
+    from megatron_zero.optimizer.qk_clip import MaxLogit
+    torch.manual_seed(4)
+    q, k = torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8)
+    scores = q @ k.repeat_interleave(2, dim=1).transpose(-1, -2) * 8 ** -0.5
+    want = scores.masked_fill(torch.ones(16, 16).triu(1).bool(), float("-inf")).amax(dim=(0, 2, 3))
+    whole = MaxLogit(4, 8 ** -0.5, q.device)
+    whole.record(q, k)
+    torch.testing.assert_close(whole.value, want)
+    per_rank = run_ranks(_cp_max_logit, 2)
+    torch.testing.assert_close(torch.maximum(*per_rank), want)
+    assert not torch.equal(per_rank[0], per_rank[1])  # each rank saw other queries
+
+
 def test_ownership_balances_newton_schulz_flops_not_parameter_count():
     costs = [100, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10]  # one large matrix, ten small ones
     owner = assign_owners(costs, 2)

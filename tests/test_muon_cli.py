@@ -1,6 +1,8 @@
 """pretrain_gpt.py with --optimizer dist_muon and Megatron-LM's Muon flags, as a user runs it: a toy trains and
-saves; a resume switching optimizer (AdamW checkpoint -> Muon run, and back) loads the weights, starts the new
+saves, with QK-clip logging its max attention logit; a resume switching optimizer (AdamW checkpoint -> Muon run, and back) loads the weights, starts the new
 optimizer fresh and says so in one line."""
+import re
+
 import pytest
 
 from megatron_zero.testing.launch import byte_data, losses_from_log, pretrain
@@ -23,7 +25,9 @@ def _run(tmp_path, data, **changes):
 
 def test_dist_muon_trains_and_switching_optimizer_on_resume_starts_it_fresh(tmp_path, data):
     adam = losses_from_log(_run(tmp_path / "adam", data).stdout)
-    muon = losses_from_log(_run(tmp_path / "muon", data, **MUON).stdout)
+    clipped = _run(tmp_path / "muon", data, **MUON, **{"qk-clip": True, "qk-clip-threshold": 0.5})
+    muon = losses_from_log(clipped.stdout)
+    assert len(re.findall(r"\| max attention logit: [0-9.]+E[+-]\d+ \|", clipped.stdout)) == 4  # --log-interval 1
     assert len(muon) == 4 and muon[0] == adam[0] and muon[1] != adam[1]  # the same model, another step
     saved = tmp_path / "adam" / "ckpt" / "global_step2"
     switched = _run(tmp_path / "switched", data, load=saved, **MUON)

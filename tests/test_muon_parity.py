@@ -59,3 +59,26 @@ def test_muon_moe_experts_ep2_match_reference():
     flops = [work["flops_per_rank"] for _, _, _, work in results]
     # the dense matrices shared out over DP 2, each expert's orthogonalized by the one rank holding it
     assert all([len(group) for group in rank] == [2, 1] for rank in flops)
+
+
+QK_CLIP = (0.5, 0.12)  # alpha, threshold: the tiny model's max logits (0.10 to 0.17) pass it at some steps
+# name: (tp, dp, zero stage, attention backend); flash: torch's kernel that never builds the scores
+QK_LAYOUTS = {"dp2_zero1_flash": (1, 2, 1, "flash"), "tp2_dp2_zero3": (2, 2, 3, "auto")}
+
+
+@pytest.mark.parametrize("name", ["dp2_zero1_flash", pytest.param("tp2_dp2_zero3", marks=pytest.mark.slow)])
+def test_qk_clip_matches_megatron_core_clip(name):
+    """QK-clip (the max logit reduced over DP, q and k scaled on the masters' fragments) against the reference
+    applying Megatron-Core's own _clip_linear_qkv after each step. (tp2_dp2_zero3, 4 ranks, slow: TP's heads and
+    ZeRO-3's per-parameter chunks; dp2_zero1_flash covers the reduction and the fragments' scaling.)"""
+    tp, dp, stage, backend = QK_LAYOUTS[name]
+    cfg = tiny_llama_config(attention_backend=backend)
+    ref_losses, ref_weights, ref_logits = reference_run(cfg, dp, 1, qk_clip=QK_CLIP)
+    assert max(ref_logits) > QK_CLIP[1], "no layer passed the threshold: the test does not exercise the clip"
+    unclipped = reference_run(cfg, dp, 1)[0]
+    assert unclipped[-1] != ref_losses[-1]
+    results = run_ranks(parallel_run, tp * dp, cfg, tp, 1, stage, 1, "duplicated", qk_clip=QK_CLIP, timeout=600)
+    _check(f"qk-clip {name}", cfg, results, ref_losses, ref_weights)
+    rtol = model_rtol(gpt_path_length(cfg, GBS * cfg.seq_length))
+    for _, _, _, work in results:
+        assert_losses_close(work["max_logits"], ref_logits, rtol, f"qk-clip {name} max logit")

@@ -70,6 +70,10 @@ def check(args, given: set) -> None:
     require(args.qk_clip_threshold > 0, f"--qk-clip-threshold {args.qk_clip_threshold} must be positive")
     if args.qk_clip:
         args.log_max_attention_logit = True
+    groups, tp = args.num_query_groups or args.num_attention_heads, args.tensor_model_parallel_size
+    require(not args.log_max_attention_logit or groups >= tp,
+            f"--qk-clip and --log-max-attention-logit read each query group's heads on one TP rank; "
+            f"--num-query-groups {groups} is fewer than --tensor-model-parallel-size {tp}")
     if not muon:
         return
     require(args.optimizer != "dist_muon" or args.zero_stage >= 1,

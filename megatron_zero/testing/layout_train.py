@@ -85,3 +85,21 @@ def full_weights(results, cfg=None):
         shards = [w for (p, d, t), _, w in sorted(results, key=lambda x: x[0][2]) if p == pp and d == 0]
         full.update(gather_state_dicts(shards, cfg or config()))
     return full
+
+
+def check_resume(baseline: dict, results, bound: float = 1e-5) -> None:
+    """A resumed run's losses (iterations SAVE_AT..ITERS - 1) and final weights against the baseline's
+    ({"losses", "weights"}), each within `bound` relative (the QKV bias's key entries left out: without_key_bias)."""
+    from .tiny_gpt import without_key_bias
+
+    want = baseline["losses"]
+    for _, losses, _ in results:
+        assert sorted(losses) == list(range(SAVE_AT, ITERS))
+        for it, loss in losses.items():
+            assert abs(loss - want[it]) <= bound * abs(want[it]), (it, loss, want[it])
+    got = full_weights(results)
+    assert set(got) == set(baseline["weights"])
+    for name, w in baseline["weights"].items():
+        a, b = without_key_bias(name, got[name], config()), without_key_bias(name, w, config())
+        diff = float((a - b).norm() / b.norm().clamp_min(1e-12))
+        assert diff <= bound, (name, diff)

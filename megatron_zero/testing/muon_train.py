@@ -10,7 +10,9 @@ from ..model.gpt import reference_model
 from ..model.params import param_spec
 from ..model.sharding import gather_tensor, shard_tensor
 from ..moe import reset_aux_losses
+from ..model.transformer import ParallelAttention
 from ..optimizer.muon import MuonSettings, is_qkv, qkv_joined, qkv_pieces, takes_muon
+from ..optimizer.qk_clip import FusedQKVTarget, QKClip
 from ..optimizer_setup import param_groups
 from ..pipeline.gpt_stage import activation_shape, build_gpt_stage
 from ..pipeline.p2p import P2P
@@ -33,13 +35,19 @@ def settings(cfg, tp_mode="duplicated", **changes) -> MuonSettings:
     return MuonSettings(**fields)
 
 
-def parallel_run(cfg, tp, pp, stage, mb=1, tp_mode="duplicated", steps=STEPS, ep=1, **muon):
-    """This rank's (coords, losses, TP-form weights, the optimizer's Newton-Schulz work)."""
+def parallel_run(cfg, tp, pp, stage, mb=1, tp_mode="duplicated", steps=STEPS, ep=1, qk_clip=None, **muon):
+    """This rank's (coords, losses, TP-form weights, the optimizer's Newton-Schulz work; with `qk_clip`, (alpha,
+    threshold), QK-clip on and the work's "max_logits": each step's max attention logit over the model)."""
     state = build_parallel_state(tp=tp, pp=pp, ep=ep)
     model = build_gpt_stage(cfg, state)
     opt = _optimizer(model, state, stage, settings(cfg, tp_mode, **muon))
+    clip = QKClip(model, opt, state.dp_group, True, *qk_clip) if qk_clip else None
     p2p = P2P(state.prev_rank, state.next_rank, activation_shape(mb, cfg), torch.float32)
-    losses = [train_step(model, opt, state, p2p, it, mb)[0] for it in range(steps)]
+    losses, max_logits = [], []
+    for it in range(steps):
+        losses.append(train_step(model, opt, state, p2p, it, mb)[0])
+        if clip is not None:
+            max_logits.append(clip.report(state.mp_group))
     if stage == 3:
         with opt.impl.gathered():
             weights = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -47,7 +55,7 @@ def parallel_run(cfg, tp, pp, stage, mb=1, tp_mode="duplicated", steps=STEPS, ep
         weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     reset_aux_losses()
     dist.barrier()
-    return state.layout.coords(state.rank), losses, weights, opt.muon.work()
+    return state.layout.coords(state.rank), losses, weights, {**opt.muon.work(), "max_logits": max_logits}
 
 
 def _optimizer(model, state, stage, muon: MuonSettings):
@@ -59,10 +67,14 @@ def _optimizer(model, state, stage, muon: MuonSettings):
                          expert_dp_group=state.expert_dp_group, **ADAM, **extra)
 
 
-def reference_run(cfg, dp, mb=1, blocks=1, steps=STEPS, **muon):
-    """(losses, full-form weights) of the one-process reference (see the module docstring)."""
+def reference_run(cfg, dp, mb=1, blocks=1, steps=STEPS, qk_clip=None, **muon):
+    """(losses, full-form weights[, each step's max attention logit]) of the one-process reference (see the module
+    docstring); `qk_clip` (alpha, threshold): after each step Megatron-Core's SelfAttention._clip_linear_qkv on every
+    layer's QKV weight, with its group-wise eta from the step's max logits."""
     s = settings(cfg, **muon)
     model = reference_model(cfg)
+    logits = [FusedQKVTarget(m) for m in model.modules() if isinstance(m, ParallelAttention)] if qk_clip else []
+    max_logits = []
     named = dict(model.named_parameters())
     matrices = {n: p for n, p in named.items() if takes_muon(n, p.shape)}
     adam_decay = [p for n, p in named.items() if n not in matrices and p.ndim > 1]
@@ -84,8 +96,29 @@ def reference_run(cfg, dp, mb=1, blocks=1, steps=STEPS, **muon):
         adam.step()
         adam.zero_grad()
         losses.append(total)
+        if qk_clip:
+            max_logits.append(max(float(t.max_logit.value.max()) for t in logits))
+            for target in logits:
+                _megatron_core_clip(target, cfg, *qk_clip)
     reset_aux_losses()
-    return losses, {n: p.detach().clone() for n, p in named.items()}
+    weights = {n: p.detach().clone() for n, p in named.items()}
+    return (losses, weights, max_logits) if qk_clip else (losses, weights)
+
+
+@torch.no_grad()
+def _megatron_core_clip(target, cfg, alpha, threshold):
+    """Megatron-Core 0.16.1's Attention.clip_qk on one layer's QKV weight (its own code, on its attributes)."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.attention import SelfAttention
+    groups = cfg.num_query_groups
+    grouped = target.max_logit.value.view(groups, -1).max(dim=1).values
+    core = SimpleNamespace(num_query_groups_per_partition=groups, query_projection_size=cfg.hidden_size,
+                           kv_projection_size=groups * cfg.head_dim, config=SimpleNamespace(qk_clip_alpha=alpha))
+    if torch.any(grouped > threshold):
+        core.qk_clip_balancing_eta = torch.clamp(threshold / grouped, max=1.0).view(groups, 1, 1)
+        target.weight.data.copy_(SelfAttention._clip_linear_qkv(core, target.weight.data))
+    target.max_logit.reset()
 
 
 def _blockwise(name, d, cfg, s: MuonSettings, blocks: int):

@@ -155,6 +155,7 @@ class ZeroOptimizer:
         self.overflow = False
         self.summed_votes: List[float] = []  # the last step's votes, summed over every rank
         self._before_step = []  # callables run before the state next changes (async checkpoint readers)
+        self.after_update = []  # callables given the updated masters before a step publishes them
         # (offset in partition, numel) of the fragments that count in the global norm
         here = getattr(self.impl, "counts_in_norm_here", lambda gi: True)  # whole replicas: one of them counts
         self.counted = [[(s, n) for p, _, s, n in self.impl.owned_ranges(gi) if counts_in_norm(p, tp_rank)]
@@ -227,6 +228,8 @@ class ZeroOptimizer:
                 self.muon.step(self.optimizer, grads)
                 grads = self.muon.adam_grads(grads)
             self.optimizer.step(grads)
+            for update in self.after_update:  # e.g. QK-clip's scaling of q and k (optimizer/qk_clip.py)
+                update(self.optimizer.params)
             self.impl.write_weights(self.optimizer.weights())
         self.loss_scaler.update(False)
         self.zero_grad()
