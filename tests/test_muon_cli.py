@@ -1,6 +1,6 @@
 """pretrain_gpt.py with --optimizer dist_muon and Megatron-LM's Muon flags, as a user runs it: a toy trains and
-saves, with QK-clip logging its max attention logit; a resume switching optimizer (AdamW checkpoint -> Muon run, and back) loads the weights, starts the new
-optimizer fresh and says so in one line."""
+saves, with QK-clip logging its max attention logit; a resume switching optimizer (AdamW checkpoint -> Muon run,
+and back) loads the weights, starts the new optimizer fresh and says so in one line."""
 import re
 
 import pytest
