@@ -8,14 +8,14 @@ too (saved as Adam's `exp_avg`, zero/checkpoint_state.py, and reshaped as it is)
     every rank:   W_r *= 1 - lr wd; m_r = lerp(m_r, G_r, 1 - mu); D_r = Nesterov's lerp(G_r, m_r, mu) or m_r
                   all_gather_into_tensor(D_0 .. D_dp-1)             the group's direction, whole, [dp, P]
     owner of W:   O = orthogonalized_update(D[W])  (muon.py)        once per matrix (per TP rank)
-                  written into a zero [dp, P] at W's fragments
+                  written at W's fragments into the gathered [dp, P], zeroed (one transient copy of the group)
     every rank:   reduce_scatter_tensor -> O_r                      one owner per element: x + 0 = x, exact
                   W_r -= lr O_r
 
 Owners are assigned by Newton-Schulz FLOPs (muon_ownership.py) over the group's ranks; where the fragments of
 each parameter lie on every rank is exchanged once, at construction (`owned_ranges` of every stage). At stage 0
 (one replicated partition) every rank orthogonalizes every matrix. `work()` reports the FLOPs each rank was given
-and, after a step run with `timed`, this rank's seconds in Newton-Schulz.
+and, with `timed` set, this rank's seconds in Newton-Schulz.
 """
 from __future__ import annotations
 
@@ -59,6 +59,7 @@ class MuonStep:
         self.groups = set(muon_groups)
         self.plans: List[_GroupPlan] = []
         self.ns_seconds = 0.0
+        self.timed = False  # step() adds this rank's Newton-Schulz seconds to ns_seconds (bench; a host clock)
         for gi in muon_groups:
             names = [n for n, _ in named_groups[gi]]
             params = [p for _, p in named_groups[gi]]
@@ -90,7 +91,7 @@ class MuonStep:
         return {"flops_per_rank": [p.flops for p in self.plans], "ns_seconds": self.ns_seconds}
 
     @torch.no_grad()
-    def step(self, flat_opt, grads: List[torch.Tensor], timed: bool = False) -> None:
+    def step(self, flat_opt, grads: List[torch.Tensor]) -> None:
         """One Muon step of every Muon group's master (flat_opt: zero/offload.FlatAdamW, paged in)."""
         s = self.settings
         for plan in self.plans:
@@ -110,19 +111,22 @@ class MuonStep:
                 rows = torch.empty(plan.dp * direction.numel(), device=direction.device)
                 shm_comm.all_gather_into_tensor(rows, direction, plan.group)
                 rows = rows.view(plan.dp, -1)
-            out = torch.zeros_like(rows)
-            start = time.perf_counter() if timed else 0.0
+            start = time.perf_counter() if self.timed else 0.0
+            updates = []  # this rank's matrices' updates (a 1/dp share of the group), then in place of `rows`
             for i, (name, shape) in enumerate(zip(plan.names, plan.shapes)):
                 if plan.owner[i] != plan.rank:
                     continue
                 whole = torch.empty(shape, device=rows.device).view(-1)
                 for r, a, o, n in plan.runs[i]:
                     whole[a:a + n].copy_(rows[r, o:o + n])
-                update = orthogonalized_update(name, whole.view(shape), s, plan.tp_groups[i]).reshape(-1)
+                updates.append((i, orthogonalized_update(name, whole.view(shape), s, plan.tp_groups[i]).reshape(-1)))
+            if self.timed:
+                self.ns_seconds += time.perf_counter() - start
+            out = rows if plan.dp > 1 else torch.empty_like(rows)  # the gathered direction is read: reused
+            out.zero_()
+            for i, update in updates:
                 for r, a, o, n in plan.runs[i]:
                     out[r, o:o + n].copy_(update[a:a + n])
-            if timed:
-                self.ns_seconds += time.perf_counter() - start
             mine = out[0]
             if plan.dp > 1:
                 mine = torch.empty_like(direction)
