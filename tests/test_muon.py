@@ -75,8 +75,8 @@ def _tp_modes():
     import torch.distributed as dist
 
     from megatron_zero.optimizer.newton_schulz import matmul_precision
-    tensor_parallel_muon()
-    from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz_tp
+    from megatron_zero.testing.muon_reference import emerging_muon_utils
+    newton_schulz_tp = emerging_muon_utils().newton_schulz_tp
 
     rank, tp = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(3)

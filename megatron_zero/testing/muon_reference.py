@@ -43,3 +43,10 @@ def tensor_parallel_muon():
         tp = muon.newton_schulz_tp
         muon.newton_schulz_tp = lambda *a, mode="duplicated", **k: tp(*a, tp_mode=mode, **k)
     return muon.TensorParallelMuon
+
+
+def emerging_muon_utils():
+    """emerging-optimizers' muon_utils (newton_schulz, newton_schulz_tp), without importing Megatron-Core."""
+    _shim()
+    from emerging_optimizers.orthogonalized_optimizers import muon_utils
+    return muon_utils

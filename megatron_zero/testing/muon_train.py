@@ -18,7 +18,7 @@ from ..pipeline.gpt_stage import activation_shape, build_gpt_stage
 from ..pipeline.p2p import P2P
 from ..topology import build_parallel_state
 from .moe_train import reference_backward, train_step
-from .muon_reference import tensor_parallel_muon
+from .muon_reference import emerging_muon_utils
 from .toy_zero import ZERO3_PERSIST
 
 STEPS, LR, WD = 6, 5e-3, 0.1
@@ -131,9 +131,8 @@ def _blockwise(name, d, cfg, s: MuonSettings, blocks: int):
 
 def _reference_update(name, d, s: MuonSettings):
     """emerging-optimizers' newton_schulz and get_muon_scale_factor (what TensorParallelMuon calls), QKV split."""
-    tensor_parallel_muon()  # imports emerging-optimizers on this Python
+    newton_schulz = emerging_muon_utils().newton_schulz
     from emerging_optimizers.orthogonalized_optimizers import get_muon_scale_factor
-    from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz
 
     def one(x):
         scale = get_muon_scale_factor(x.shape[0], x.shape[1], mode=s.scale_mode) * s.extra_scale_factor
