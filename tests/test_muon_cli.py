@@ -45,13 +45,16 @@ LLAMA3_CUT = {"--num-layers": "2", "--hidden-size": "64", "--num-attention-heads
               "--max-position-embeddings": "64", "--ffn-hidden-size": "128", "--global-batch-size": "4",
               "--num-query-groups": "2", "--kv-channels": "16", "--vocab-size": "512", "--train-samples": "20",
               "--lr-decay-samples": "16", "--lr-warmup-samples": "4", "--profile-step-start": "2",
-              "--profile-step-end": "3"}
+              "--profile-step-end": "3", "--context-parallel-size": "2", "--attention-backend": "flash"}
 
 
+@pytest.mark.slow  # 2 ranks, FP8 emulated and CP 2: ~20 s; in the default tier test_switching_optimizer_on_resume...
 def test_llama3_8b_launch_with_dist_muon_and_qk_clip_trains_cut_down(tmp_path):
-    """Megatron-LM's train_llama3_8b_h100_fp8.sh (FP8 with --fp8-param-gather, CP 2, --decoupled-lr, overlapped
-    ZeRO-1) with --optimizer dist_muon, every --muon-* flag and QK-clip, cut to 2 CPU ranks as
-    tests/test_launch_scripts_train.py cuts it: trains 5 iterations, logging the max attention logit."""
+    """Megatron-LM's train_llama3_8b_h100_fp8.sh (FP8 with --fp8-param-gather, --decoupled-lr, overlapped ZeRO-1)
+    with --optimizer dist_muon, every --muon-* flag and QK-clip, cut to 2 CPU ranks as
+    tests/test_launch_scripts_train.py cuts it, those 2 ranks context-parallel (QK-clip's max logit over the CP
+    ranks' keys, Muon's owners over DP x CP) with the flash backend: trains 5 iterations, logging the max attention
+    logit."""
     from megatron_zero.flag_refusals import refusals
     from megatron_zero.testing.launch import torchrun
     from megatron_zero.testing.launch_scripts import replace_flag, script_argv
