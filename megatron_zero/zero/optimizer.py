@@ -49,13 +49,14 @@ def _dtype(d) -> torch.dtype:
 
 
 def _groups(named_params, defaults: dict):
-    """Normalise to ([[(name, param)] per group], [hyper-parameters per group])."""
+    """Normalise to ([[(name, param)] per group], [hyper-parameters per group]); a group marked `muon` keeps the
+    mark (optimizer/muon_zero.py steps it)."""
     items = list(named_params)
     if items and isinstance(items[0], dict):
         groups, hparams = [], []
         for g in items:
             groups.append([(n, p) for n, p in g["params"] if p.requires_grad])
-            hparams.append({k: g.get(k, v) for k, v in defaults.items()})
+            hparams.append({k: g.get(k, v) for k, v in defaults.items()} | ({"muon": True} if g.get("muon") else {}))
         return groups, hparams
     return [[(n, p) for n, p in items if p.requires_grad]], [dict(defaults)]
 
@@ -76,8 +77,7 @@ class ZeroOptimizer:
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
         self.stage, self.dtype, self.clip_grad = stage, _dtype(dtype), float(clip_grad or 0.0)
         self.dp_group, self.mp_group, self.tp_rank = dp_group, mp_group, tp_rank
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, is_decoupled_lr=False,
-                        muon=False)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, is_decoupled_lr=False)
         self.named_groups, hparams = _groups(named_params, defaults)
         self.names = [[n for n, _ in g] for g in self.named_groups]
         # every buffer lives beside the parameters (the model was built on the rank's device)
