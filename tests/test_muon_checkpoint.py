@@ -15,6 +15,9 @@ import torch
 from megatron_zero.checkpoint.storage.tensor_io import load_file
 from megatron_zero.testing import run_ranks
 from megatron_zero.testing.layout_train import ITERS, SAVE_AT, check_resume, config, full_weights, train
+from megatron_zero.testing.moe_reshape import SAVE_AT as MOE_SAVE_AT
+from megatron_zero.testing.moe_reshape import moe_run
+from megatron_zero.testing.moe_train import moe_config
 from megatron_zero.testing.muon_train import settings
 
 pytestmark = pytest.mark.multirank
@@ -78,3 +81,20 @@ def test_muon_resumes_reshaped(baseline, name):
     results = run_ranks(train, tp * pp * dp, tp, pp, stage, mb, None, source,
                         "universal" if kind == "universal" else "reshaped", muon=MUON, timeout=300)
     check_resume(baseline, results, BOUND)
+
+
+@pytest.mark.slow  # 2 x 2 ranks, ~25 s; in the default tier e-dp2-zero3-direct (reshaped momentum) and
+# tests/test_muon_parity.py's EP2 MoE (experts' ownership) cover it
+def test_muon_moe_resumes_at_another_expert_parallel_size(tmp_path):
+    """An MoE Muon run (every expert its own matrix) at EP2 x DP2 ZeRO-1 saved at step 5 of 10, resumed from the
+    plain checkpoint directly at EP1 (the experts regrouped by the reshaping loader): steps 5-9 as the baseline's."""
+    cfg = moe_config(True)
+    muon = settings(cfg, "duplicated")
+    save = str(tmp_path / "moe")
+    baseline = run_ranks(moe_run, 2, cfg, 1, 1, 2, 1, 1, save, muon=muon, timeout=300)[0][0]
+    resumed = run_ranks(moe_run, 2, cfg, 1, 1, 1, 1, 1, None, os.path.join(save, f"global_step{MOE_SAVE_AT}"),
+                        "reshaped", muon=muon, timeout=300)
+    for losses, _, _ in resumed:
+        assert sorted(losses) == list(range(MOE_SAVE_AT, len(baseline)))
+        for step, loss in losses.items():
+            assert abs(loss - baseline[step]) <= BOUND * abs(baseline[step]), (step, loss, baseline[step])
