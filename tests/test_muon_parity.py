@@ -49,6 +49,9 @@ def test_muon_matches_one_process_reference(name):
     ref_losses, ref_weights = reference_run(cfg, dp, 1, blocks)
     results = run_ranks(parallel_run, tp * pp * dp, cfg, tp, pp, stage, 1, mode, timeout=600)
     _check(name, cfg, results, ref_losses, ref_weights)
+    for _, _, _, work in results:  # each DP rank's Newton-Schulz FLOPs: within 4/3 of the even share
+        for flops in work["flops_per_rank"]:
+            assert len(flops) == (dp if stage else 1) and max(flops) <= 4 / 3 * sum(flops) / len(flops), flops
 
 
 def test_muon_moe_experts_ep2_match_reference():
