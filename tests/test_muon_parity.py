@@ -10,7 +10,7 @@ from megatron_zero.testing import run_ranks
 from megatron_zero.testing.layout_train import full_weights
 from megatron_zero.testing.moe_train import GBS, moe_config
 from megatron_zero.testing.muon_train import parallel_run, reference_run
-from megatron_zero.testing.tiny_gpt import tiny_llama_config
+from megatron_zero.testing.tiny_gpt import tiny_gpt_config, tiny_llama_config
 from megatron_zero.testing.tolerances import assert_close_normwise, assert_losses_close, gpt_path_length, model_rtol
 
 pytestmark = pytest.mark.multirank
@@ -85,3 +85,26 @@ def test_qk_clip_matches_megatron_core_clip(name):
     rtol = model_rtol(gpt_path_length(cfg, GBS * cfg.seq_length))
     for _, _, _, work in results:
         assert_losses_close(work["max_logits"], ref_logits, rtol, f"qk-clip {name} max logit")
+
+
+def _trainer_losses(argv):
+    from megatron_zero.testing.trainer_losses import recorded_training
+    return recorded_training(argv)[1]
+
+
+@pytest.mark.slow  # 3 ranks of the real Trainer, ~30 s; in the default tier dp2_zero3_duplicated (owners over the
+# gradient's group) and tests/test_muon.py's max logit over CP ranks
+def test_muon_with_qk_clip_at_context_parallel_2_matches_one_rank(builtin_corpus, tmp_path):
+    """The real Trainer, dist_muon with QK-clip: at CP 2 (owners over the DP x CP group, each head's max logit over
+    the CP ranks' keys) the losses of one rank without context parallelism."""
+    from megatron_zero.testing.trainer_losses import resume_flags
+    flags = {"train-iters": 4, "hidden-dropout": 0.0, "attention-dropout": 0.0, "optimizer": "dist_muon",
+             "muon-tp-mode": "duplicated", "muon-fp32-matmul-prec": "highest", "muon-use-nesterov": True,
+             "qk-clip": True, "qk-clip-threshold": 0.5, "log-interval": 1}
+    one = run_ranks(_trainer_losses, 1, resume_flags(builtin_corpus, tmp_path / "one", 1, 1, 1, **flags),
+                    timeout=600)[0]
+    cp2 = run_ranks(_trainer_losses, 2, resume_flags(builtin_corpus, tmp_path / "cp2", 1, 1, 1,
+                                                     **flags, **{"context-parallel-size": 2}), timeout=600)
+    cfg = tiny_gpt_config(2, seq_length=32, max_position_embeddings=32, vocab_size=2048)  # resume_flags' GPT
+    for losses in cp2:
+        assert_losses_close(losses, one, model_rtol(gpt_path_length(cfg, 8 * 32)), "cp2 loss")
