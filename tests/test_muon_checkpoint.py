@@ -98,3 +98,21 @@ def test_muon_moe_resumes_at_another_expert_parallel_size(tmp_path):
         assert sorted(losses) == list(range(MOE_SAVE_AT, len(baseline)))
         for step, loss in losses.items():
             assert abs(loss - baseline[step]) <= BOUND * abs(baseline[step]), (step, loss, baseline[step])
+
+
+@pytest.mark.slow  # DeepSpeed's converter in a subprocess, ~20 s; the default tier converts with tools/ds_to_universal.py
+def test_deepspeed_converts_a_muon_checkpoint_as_ours_does(baseline, tmp_path):
+    """DeepSpeed 0.19's own ds_to_universal reads the momentum as Adam's first moment: the same universal files
+    (the Muon matrices' exp_avg their momentum, exp_avg_sq zeros) as tools/ds_to_universal.py writes."""
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed; CI installs it")
+    theirs = str(tmp_path / "theirs")
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", baseline["src"],
+           "--output_folder", theirs, "--num_extract_workers", "1", "--num_merge_workers", "1"]
+    run = subprocess.run(cmd, env={**os.environ, "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    for name in ("2.self_attention.query_key_value.weight", "3.mlp.dense_4h_to_h.weight", "2.input_layernorm.weight"):
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            ours = load_file(os.path.join(baseline["universal"], "zero", name, f"{key}.pt"))
+            got = load_file(os.path.join(theirs, "zero", name, f"{key}.pt"))
+            assert torch.equal(got["param"], ours["param"]) and got.get("cat_dim") == ours.get("cat_dim"), (name, key)
