@@ -142,7 +142,8 @@ class QKClip:
 
     def report(self, mp_group) -> float:
         """The last step's max attention logit over the model (MAX over the model-parallel group; a host read)."""
-        value = (self.last if self.last is not None else torch.tensor(float("nan"))).reshape(1).clone()
+        nothing_yet = torch.full((1,), float("nan"), device=self.optimizer.device)  # no step updated yet
+        value = self.last.reshape(1).clone() if self.last is not None else nothing_yet
         if mp_group is not None and dist.get_world_size(mp_group) > 1:
             shm_comm.all_reduce(value, mp_group, op=dist.ReduceOp.MAX)
         return float(value)
