@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .. import shm_comm
+from ..device import HOST
 from ..model.params import parse_expert_suffix
 from .muon import MuonSettings, ns_flops, orthogonalized_update
 from .muon_ownership import assign_owners, loads
@@ -102,7 +103,7 @@ class MuonStep:
             momentum = st.get("exp_avg")
             if momentum is None:
                 momentum = st["exp_avg"] = torch.zeros_like(master.data)
-            st["step"] = torch.tensor(float(flat_opt.steps[plan.gi] + 1))
+            st["step"] = torch.tensor(float(flat_opt.steps[plan.gi] + 1), device=HOST)  # as FlatAdamW keeps it
             master.data.mul_(1 - hp["lr"] * hp["weight_decay"])
             momentum.lerp_(grad, 1 - s.momentum)
             direction = grad.lerp(momentum, s.momentum) if s.nesterov else momentum
