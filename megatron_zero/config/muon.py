@@ -3,10 +3,9 @@ the MuonSettings (optimizer/muon.py) a run's optimizer is built with."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 from .errors import require
-from .fields import _declaration, add_section_flags, flag, flag_fields, section
+from .fields import add_section_flags, flag, flag_fields, flag_spelling, section
 
 MUON_OPTIMIZERS = ("muon", "dist_muon")
 MUON = "Muon and QK-clip (docs/optimizers.md)"
@@ -51,15 +50,10 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     add_section_flags(p, MuonConfig)
 
 
-def _spelling(field: str) -> str:
-    names = _declaration(next(f for f in dataclasses.fields(MuonConfig) if f.name == field)).names
-    return names[0] if names else "--" + field.replace("_", "-")
-
-
 def check(args, given: set) -> None:
     """Muon's flags with Muon only, their values, and what Muon does not run with."""
     muon = args.optimizer in MUON_OPTIMIZERS
-    stray = [_spelling(n) for n in flag_fields(MuonConfig) if n.startswith("muon_") and n in given]
+    stray = [flag_spelling(MuonConfig, n) for n in flag_fields(MuonConfig) if n.startswith("muon_") and n in given]
     require(muon or not stray, f"{', '.join(stray)} set Muon, which --optimizer {args.optimizer} does not use; add "
             "--optimizer muon (or dist_muon) or drop them")
     require(0 <= args.muon_momentum < 1, f"--muon-momentum {args.muon_momentum} must lie in [0, 1)")
