@@ -185,8 +185,10 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
     (["--optimizer", "muon", "--cpu-optimizer"], "it does not run with --cpu-optimizer"),
     (["--optimizer", "muon", "--muon-momentum", "1.0"], r"--muon-momentum 1.0 must lie in \[0, 1\)"),
     (["--optimizer", "sgd"], "--optimizer sgd is refused"),
+    (["--optimizer", "muon", "--tensor-model-parallel-size", "4", "--group-query-attention", "--num-query-groups",
+      "2"], "leaves no whole group on a rank; add --muon-no-split-qkv"),
 ])
 def test_refusals_are_one_sentence(extra, sentence):
     with pytest.raises(ArgumentError, match=sentence) as err:
-        validate_args(parse_command_line(BASE + extra), 1)
+        validate_args(parse_command_line(BASE + extra), 4 if "4" in extra else 1)
     assert len(str(err.value).splitlines()) == 1

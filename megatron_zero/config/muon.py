@@ -75,3 +75,6 @@ def check(args, given: set) -> None:
             "does not; use --zero-stage 1, 2 or 3, or --optimizer muon")
     require(args.offload == "none", "Muon orthogonalizes its matrices on the device; it does not run with "
             "--cpu-optimizer or --zero-nvme-offload-path (drop them, or use --optimizer adamw)")
+    require(not args.muon_split_qkv or groups >= tp,
+            f"Muon splits each TP rank's QKV rows into its query groups' Q, K and V, and --num-query-groups {groups} "
+            f"below --tensor-model-parallel-size {tp} leaves no whole group on a rank; add --muon-no-split-qkv")
