@@ -31,8 +31,6 @@ def add_compat_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-pipeline-parallel", action="store_true",
                    help="Megatron-DeepSpeed: the model without pipeline stages; needs --pipeline-model-parallel-size 1")
     g.add_argument("--data-impl", type=_data_impl, default="mmap", help="mmap or infer: Megatron's .bin/.idx")
-    g.add_argument("--optimizer", choices=["adam", "adamw"], default="adamw",
-                   help="adam and adamw are both AdamW with decoupled weight decay (as Megatron's apex Adam)")
     g.add_argument("--no-query-key-layer-scaling", dest="apply_query_key_layer_scaling", action="store_false",
                    help="no-op: attention scores are never scaled by the layer number here (softmax in fp32)")
     g.add_argument("--use-mcore-models", action="store_true",

@@ -33,7 +33,7 @@ REFUSED: Dict[str, Refusal] = {
         "(tools/convert_checkpoint.py --to torch_dist converts a save); other formats are not available in this build",
         lambda v, g: v not in ("torch", "torch_dist"), "other than torch, torch_dist"),
     # model
-    "--optimizer": Refusal("only Adam/AdamW is available in this build", lambda v, g: v == "sgd", "sgd"),
+    "--optimizer": Refusal("Adam/AdamW and Muon are available in this build, not SGD", lambda v, g: v == "sgd", "sgd"),
 }
 
 

@@ -22,6 +22,7 @@ from . import config
 from .arguments import ArgumentError, args_to_dict
 from .config.checkpointing import load_is_first_run
 from .checkpoint.compat import check_checkpoint_compat
+from .checkpoint.format import header_args
 from .checkpoint.storage.lock import hold_save_lock
 from .checkpoint.preflight import check_save_dir, checkpoint_bytes
 from .checkpoint.report import async_started_line, checkpoint_size, saved_line
@@ -56,6 +57,8 @@ from .step_hooks import StepHooks
 from .data.prefetch import BatchPrefetcher
 from .tensor_parallel.random import model_parallel_seed
 from .timers import TimedCalls
+from .optimizer.muon import optimizer_switch
+from .optimizer.qk_clip import QKClip
 from .optimizer_setup import build_optimizer, param_groups  # noqa: F401 (param_groups: training's name for it)
 from .topology import build_parallel_state
 from .training_log import TrainingLog, architecture_name
@@ -101,7 +104,10 @@ class Trainer:
                                      device=self.device, virtual_stages=par.virtual_pipeline_model_parallel_size)
         self.transforms = apply_model_transforms(self.model, model_converters(args, state, self.device))
         self.forward_backward = schedule_for(par.virtual_pipeline_model_parallel_size)
-        self.optimizer = build_optimizer(self.model, self.sections.optimizer, state, self.device)
+        self.optimizer = build_optimizer(self.model, self.sections.optimizer, state, self.device, self.sections.muon)
+        m = self.sections.muon  # QK-clip, or the max attention logit logged (optimizer/qk_clip.py)
+        self.qk_clip = (QKClip(self.model, self.optimizer, state.dp_group, m.qk_clip, m.qk_clip_alpha,
+                               m.qk_clip_threshold) if m.log_max_attention_logit else None)
         moe_layers = sum(self.config.is_moe_layer(b) for b in range(self.config.num_layers))
         logged = logged_names(self.config)  # the MoE losses the flags compute (none: no MoE log line)
         self.moe_metrics = MoEMetrics(moe_layers, self.device, logged) if moe_layers and logged else None
@@ -262,14 +268,19 @@ class Trainer:
             self._log(f"--load {path} does not exist yet; starting from scratch")
             return False
 
+        switch = []  # the line saying the checkpoint's optimizer is another family (Adam / Muon), if it is
+
         def check(checkpoint):  # opened, or a Megatron-LM checkpoint's directory
-            check_checkpoint_compat(checkpoint, a, self.config.vocab_size, self.config.padded_vocab_size)
+            head = check_checkpoint_compat(checkpoint, a, self.config.vocab_size, self.config.padded_vocab_size)
             self.last_checkpoint = getattr(checkpoint, "directory", checkpoint)
+            switch[:] = [optimizer_switch(header_args(head), self.sections.muon.optimizer, self.last_checkpoint)]
 
         client = resume_checkpoint(path, self.state, self.model, self.optimizer,
                                    load_optimizer=not (c.no_load_optim or c.finetune),
                                    universal=c.universal_checkpoint, verify=c.verify_checkpoint, log=self._log,
-                                   check=check, ckpt_format=c.ckpt_format)
+                                   check=check, ckpt_format=c.ckpt_format, keep_optimizer=lambda: not any(switch))
+        if any(switch):
+            self._log(switch[0])
         if client is None:
             self._log(f"no checkpoint under --load {path}; starting from scratch")
             return False
@@ -347,6 +358,8 @@ class Trainer:
                                self.optimizer.params_norm, self.decoupled_lr)
             if self.moe_metrics is not None:
                 self._log_moe(p, len(micro))
+            if self.qk_clip is not None and (p.iteration % a.log_interval == 0 or p.iteration == a.train_iters):
+                self._log_max_attention_logit(p)
             save_now = c.save and c.save_interval and p.iteration % c.save_interval == 0
             save_weights_now = (not save_now and c.save and a.save_weights_interval
                                 and p.iteration % a.save_weights_interval == 0)
@@ -412,6 +425,12 @@ class Trainer:
         for name, value in values.items():
             self.log.scalars.scalar(name, value, p.iteration, p.consumed_train_samples)
         self._log(f" iteration {p.iteration:8d} | " + " | ".join(f"{k}: {v:.6E}" for k, v in values.items()) + " |")
+
+    def _log_max_attention_logit(self, p: TrainState):
+        """--log-max-attention-logit (on with --qk-clip): the last step's max over the model (a collective)."""
+        value = self.qk_clip.report(self.state.mp_group)
+        self.log.scalars.scalar("max-attention-logit", value, p.iteration, p.consumed_train_samples)
+        self._log(f" iteration {p.iteration:8d} | max attention logit: {value:.6E} |")
 
     def _log(self, line: str):
         if self.is_writer:

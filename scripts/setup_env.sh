@@ -41,6 +41,11 @@ pip_install() {  # pip's own exit status decides; its noise about this machine's
 }
 echo "setup_env: installing $reqs into $venv" >&2
 pip_install -r "$reqs" || { echo "setup_env: pip could not install $reqs (see above)" >&2; exit 1; }
+if [ "$reqs" = requirements-test.txt ]; then  # Muon's test reference declares Python >= 3.12 and runs on 3.11
+    eo="$(grep -o '^emerging-optimizers==[0-9.]*' requirements-test.txt)"
+    "$venv/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 12))' \
+        || pip_install --no-deps --ignore-requires-python "$eo" || { echo "setup_env: pip could not install $eo" >&2; exit 1; }
+fi
 echo "setup_env: installing megatron_zero (editable) and building csrc/" >&2
 pip_install --no-build-isolation --no-deps -e . \
     || { echo "setup_env: pip could not install megatron_zero (see above)" >&2; exit 1; }

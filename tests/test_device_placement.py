@@ -66,19 +66,25 @@ def _two_iterations(argv, tp, pp):
     return tracker.placed, tracker.unplaced, where, expected, tracker.host_in_collective, masters_on_host
 
 
-@pytest.mark.parametrize("layout", ["pp2", "dp2_zero3", "dp2_zero2_cpu_optimizer", "tp2_sequence_parallel"])
+# tp2_muon_qk_clip (slow: the tier has tp2_sequence_parallel's path): Muon's gathers and reduce-scatter, its TP
+# gather (duplicated) and QK-clip's reductions take device tensors too
+@pytest.mark.parametrize("layout", ["pp2", "dp2_zero3", "dp2_zero2_cpu_optimizer", "tp2_sequence_parallel",
+                                    pytest.param("tp2_muon_qk_clip", marks=pytest.mark.slow)])
 def test_trainer_makes_every_tensor_on_its_device(builtin_corpus, tmp_path, layout):
     data, tok = builtin_corpus
     tp, pp = (2 if layout.startswith("tp2") else 1), (2 if layout == "pp2" else 1)
     flags = {"pipeline-model-parallel-size": pp, "tensor-model-parallel-size": tp,
              "sequence-parallel": layout.startswith("tp2"),
-             "zero-stage": {"pp2": 1, "dp2_zero3": 3, "dp2_zero2_cpu_optimizer": 2, "tp2_sequence_parallel": 1}[layout],
+             "zero-stage": {"pp2": 1, "dp2_zero3": 3, "dp2_zero2_cpu_optimizer": 2, "tp2_sequence_parallel": 1,
+                            "tp2_muon_qk_clip": 1}[layout],
              "cpu-optimizer": layout.endswith("cpu_optimizer"), "device": "cpu",
              "num-layers": 2, "hidden-size": 32, "num-attention-heads": 4, "seq-length": 32,
              "micro-batch-size": 1, "global-batch-size": 4, "train-iters": 2, "eval-iters": 0,
              "log-interval": 2, "timing-log-level": 2, "log-params-norm": True,
              "hidden-dropout": 0.1, "attention-dropout": 0.1,
              "zero-param-persistence-threshold": 0, "data-cache-path": tmp_path / "cache"}
+    if layout.endswith("muon_qk_clip"):
+        flags.update({"optimizer": "muon", "muon-tp-mode": "duplicated", "qk-clip": True})
     results = run_ranks(_two_iterations, 2, model_flags(data, tok, **flags), tp, pp, timeout=300)
     for rank, (placed, unplaced, where, expected, host_in_collective, masters_on_host) in enumerate(results):
         assert not unplaced, f"rank {rank}: factory calls without a device: {unplaced}"

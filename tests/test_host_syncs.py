@@ -49,7 +49,9 @@ def _syncs_per_iteration(argv, tp, pp):
     return [tracker.syncs[a:b] for a, b in zip(starts, ends)]  # from one step's start to the next's
 
 
-@pytest.mark.parametrize("layout", ["pp2", "dp2_zero2", "dp2_zero2_growing_batch"])
+# dp2_zero1_muon_qk_clip (slow: the tier has dp2_zero2's path): Muon's step and QK-clip read nothing either
+@pytest.mark.parametrize("layout", ["pp2", "dp2_zero2", "dp2_zero2_growing_batch",
+                                    pytest.param("dp2_zero1_muon_qk_clip", marks=pytest.mark.slow)])
 def test_no_host_read_between_log_lines_but_the_steps_one(builtin_corpus, tmp_path, layout):
     data, tok = builtin_corpus
     pp = 2 if layout == "pp2" else 1
@@ -60,6 +62,8 @@ def test_no_host_read_between_log_lines_but_the_steps_one(builtin_corpus, tmp_pa
              "data-cache-path": tmp_path / "cache"}
     if layout.endswith("growing_batch"):  # batch 2 for 3 iterations (6 samples = 192 tokens), then 4
         flags.update({"global-batch-size": None, "step-batch-size-schedule": "0:2 192:4"})
+    if layout.endswith("muon_qk_clip"):  # the max logit is read at the log line only
+        flags.update({"zero-stage": 1, "optimizer": "dist_muon", "muon-use-nesterov": True, "qk-clip": True})
     results = run_ranks(_syncs_per_iteration, 2, model_flags(data, tok, **flags), 1, pp, timeout=300)
     for rank, per_iteration in enumerate(results):
         assert len(per_iteration) == 6, f"rank {rank}: {len(per_iteration)} iterations"

@@ -105,14 +105,15 @@ def disagreements(head: dict, args, vocab_size: int, padded_at) -> list:
     return out
 
 
-def check_checkpoint_compat(checkpoint: Union[str, Checkpoint], args, vocab_size: int, padded_at) -> None:
+def check_checkpoint_compat(checkpoint: Union[str, Checkpoint], args, vocab_size: int, padded_at) -> dict:
     """Refuse, in one sentence naming each difference, a checkpoint (a directory, or one opened already)
     holding another model than the flags'.
 
-    padded_at(tp) is this run's padded vocabulary at tensor-parallel size tp."""
-    diffs = disagreements(read_head(checkpoint, getattr(args, "verify_checkpoint", True)), args, vocab_size,
-                          padded_at)
+    padded_at(tp) is this run's padded vocabulary at tensor-parallel size tp. -> the header it read."""
+    head = read_head(checkpoint, getattr(args, "verify_checkpoint", True))
+    diffs = disagreements(head, args, vocab_size, padded_at)
     directory = checkpoint.directory if isinstance(checkpoint, Checkpoint) else checkpoint
     if diffs:
         raise CheckpointError(f"the checkpoint {directory} holds another model than these flags describe "
                               f"({'; '.join(diffs)}); give the checkpoint's settings, or start without --load")
+    return head

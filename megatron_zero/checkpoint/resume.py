@@ -106,12 +106,14 @@ def find_resume_point(load_dir: str, universal: bool = False, verify: bool = Tru
 
 
 def resume_checkpoint(path: str, state, model, optimizer, load_optimizer: bool = True, universal: bool = False,
-                      verify: bool = True, log=print, check=None, ckpt_format: Optional[str] = None
-                      ) -> Optional[dict]:
+                      verify: bool = True, log=print, check=None, ckpt_format: Optional[str] = None,
+                      keep_optimizer=None) -> Optional[dict]:
     """Load what `--load path` names (find_resume_point), the one call a run resumes through: a universal
     checkpoint, a checkpoint saved on this layout, or, saved on another TP/PP/DP or ZeRO stage, the same
     reshaped while loading.
-    `check(checkpoint)` sees the chosen checkpoint, opened, before anything is loaded from it.
+    `check(checkpoint)` sees the chosen checkpoint, opened, before anything is loaded from it; after it,
+    `keep_optimizer()` False loads the weights only, parameter by parameter (the checkpoint's optimizer is another
+    one, its param groups too).
     A Megatron-LM checkpoint (torch_dist or legacy; `ckpt_format`: Megatron-LM's --ckpt-format) loads through
     interop/megatron_load.py.
     -> the client state, or None when `path` holds no checkpoint."""
@@ -127,6 +129,8 @@ def resume_checkpoint(path: str, state, model, optimizer, load_optimizer: bool =
         log(point.note)
     if check:
         check(point.checkpoint)
+    switched = keep_optimizer is not None and not keep_optimizer()  # its param groups are another optimizer's
+    load_optimizer = load_optimizer and not switched
     this_layout = layout_here(state, optimizer.stage)
     opened = point.checkpoint
     saved = opened.meta.get("layout")
@@ -139,7 +143,7 @@ def resume_checkpoint(path: str, state, model, optimizer, load_optimizer: bool =
         _fresh_fp8_histories(model, log, "a universal checkpoint keeps none")
         return client
     same_stage_family = (opened.meta.get("zero_stage", optimizer.stage) == 3) == (optimizer.stage == 3)
-    if (saved is not None and (saved != here or not same_stage_family)) or megatron_deepspeed_layout(opened):
+    if switched or (saved is not None and (saved != here or not same_stage_family)) or megatron_deepspeed_layout(opened):
         client = load_reshaped_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify,
                                           checkpoint=opened)
         log(loaded_line(point.directory, "plain", client, this_layout))

@@ -33,18 +33,19 @@ from ..batch_schedule import BatchScheduleError
 from ..deepspeed_config import DeepSpeedConfigError, apply_deepspeed_config
 from ..moe.expert_counts import ExpertCountError
 from ..topology import TopologyError
-from . import checkpointing, data, log, model, moe, optimizer, parallel, runtime, training
+from . import checkpointing, data, log, model, moe, muon, optimizer, parallel, runtime, training
 from .checkpointing import CheckpointConfig
 from .data import DataConfig
 from .errors import ArgumentError
 from .log import LogConfig
+from .muon import MuonConfig
 from .optimizer import OptimizerConfig
 from .parallel import ParallelConfig
 from .runtime import RuntimeConfig
 from .training import TrainingConfig
 
 # the areas in --help's order
-AREAS = (model, moe, parallel, optimizer, training, data, checkpointing, log, runtime)
+AREAS = (model, moe, parallel, optimizer, muon, training, data, checkpointing, log, runtime)
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +58,7 @@ class Config:
     """The typed sections of a checked run (fields.py: each section's fields declare its flags)."""
     parallel: ParallelConfig
     optimizer: OptimizerConfig
+    muon: MuonConfig
     training: TrainingConfig
     data: DataConfig
     checkpoint: CheckpointConfig
@@ -64,8 +66,8 @@ class Config:
     runtime: RuntimeConfig
 
 
-SECTIONS = {"parallel": ParallelConfig, "optimizer": OptimizerConfig, "training": TrainingConfig, "data": DataConfig,
-            "checkpoint": CheckpointConfig, "log": LogConfig, "runtime": RuntimeConfig}
+SECTIONS = {"parallel": ParallelConfig, "optimizer": OptimizerConfig, "muon": MuonConfig, "training": TrainingConfig,
+            "data": DataConfig, "checkpoint": CheckpointConfig, "log": LogConfig, "runtime": RuntimeConfig}
 
 
 def from_args(args) -> Config:
@@ -109,6 +111,7 @@ def _validate(args, world_size: int, given: set, feature_checks: Iterable[Callab
     checkpointing.check(args)
     training.check_evaluation(args)
     optimizer.check(args, layout.pp)
+    muon.check(args, given)
     log.check(args)
     optimizer.check_decoupled_lr(args)
     runtime.check(args)

@@ -142,3 +142,10 @@ def add_section_flags(parser: argparse.ArgumentParser, cls) -> None:
 def flag_fields(cls) -> list:
     """The names of `cls`'s fields that are flags (its own or shared)."""
     return [f.name for f in dataclasses.fields(cls) if isinstance(_declaration(f), (_Flag, _Shared))]
+
+
+def flag_spelling(cls, name: str) -> str:
+    """The first option string of `cls`'s flag field `name` (its own names, or --the-name)."""
+    kind = _declaration(next(f for f in dataclasses.fields(cls) if f.name == name))
+    names = getattr(kind, "names", ())
+    return names[0] if names else "--" + name.replace("_", "-")

@@ -247,6 +247,7 @@ class ParallelAttention(nn.Module):
         self.rotary = RotaryEmbedding(config) if config.position_embedding_type == "rope" else None
         self.dropout_p, self.backend = config.attention_dropout, config.attention_backend
         self.recompute_core = config.recompute_granularity == "selective"
+        self.max_logit = None  # a recorder of each head's max logit, set by optimizer/qk_clip.py where asked
         bias, sp = config.add_bias_linear, sequence_parallel_active(config, tp_group)
         self.query_key_value = ColumnParallelLinear(h, config.qkv_size, tp_group, bias=bias or config.add_qkv_bias,
                                                     params_dtype=config.params_dtype, sequence_parallel=sp)
@@ -259,6 +260,8 @@ class ParallelAttention(nn.Module):
         if self.rotary is not None:
             cos, sin = self.rotary(s, x.device, self.cp_group)
             q, k = functional.apply_rotary_pos_emb(q, cos, sin), functional.apply_rotary_pos_emb(k, cos, sin)
+        if self.max_logit is not None and self.training:  # QK-clip / --log-max-attention-logit (optimizer/qk_clip.py)
+            self.max_logit.record(q, k, self.cp_group)
         core = partial(attention_core, backend=self.backend, dropout_p=self.dropout_p, training=self.training)
         if self.cp_group is not None:  # only the KV heads travel; expanded where they are used
             core = partial(context_parallel_attention, cp_group=self.cp_group, comm_type=self.cp_comm_type,

@@ -30,13 +30,15 @@ def global_batch(it):
 
 
 def train(tp, pp, stage, mb, save_dir=None, load=None, load_kind="universal", iters=ITERS, save_at=SAVE_AT,
-          cfg=None):
-    """Train to `iters` (from `load` if given); return coords, per-iteration losses, TP-form weights."""
+          cfg=None, muon=None):
+    """Train to `iters` (from `load` if given); return coords, per-iteration losses, TP-form weights. `muon`
+    (optimizer/muon.py's MuonSettings): the blocks' matrices step by Muon (the checkpoint's args say so)."""
     state = build_parallel_state(tp=tp, pp=pp)
     cfg = cfg or config()
     model = build_gpt_stage(cfg, state)
-    opt = ZeroOptimizer(param_groups(model, 0.01), dp_group=state.dp_group, stage=stage, lr=LR,
-                        weight_decay=0.01, mp_group=state.mp_group, tp_rank=state.tp_rank, module=model)
+    opt = ZeroOptimizer(param_groups(model, 0.01, muon=muon is not None), dp_group=state.dp_group, stage=stage,
+                        lr=LR, weight_decay=0.01, mp_group=state.mp_group, tp_rank=state.tp_rank, module=model,
+                        muon=muon, tp_group=state.tp_group)
     p2p = P2P(state.prev_rank, state.next_rank, activation_shape(mb, cfg), torch.float32)
     start = 0
     if load is not None:
@@ -63,7 +65,8 @@ def train(tp, pp, stage, mb, save_dir=None, load=None, load_kind="universal", it
             save_checkpoint(save_dir, it + 1, state, model, opt,
                             {"iteration": it + 1, "consumed_train_samples": (it + 1) * GBS,
                              "args": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                                      "global_batch_size": GBS, "micro_batch_size": mb},
+                                      "global_batch_size": GBS, "micro_batch_size": mb,
+                                      "optimizer": "muon" if muon is not None else "adamw"},
                              "lr_scheduler": {"num_steps": it + 1}})
     if stage == 3:
         with opt.impl.gathered():
@@ -82,3 +85,21 @@ def full_weights(results, cfg=None):
         shards = [w for (p, d, t), _, w in sorted(results, key=lambda x: x[0][2]) if p == pp and d == 0]
         full.update(gather_state_dicts(shards, cfg or config()))
     return full
+
+
+def check_resume(baseline: dict, results, bound: float = 1e-5) -> None:
+    """A resumed run's losses (iterations SAVE_AT..ITERS - 1) and final weights against the baseline's
+    ({"losses", "weights"}), each within `bound` relative (the QKV bias's key entries left out: without_key_bias)."""
+    from .tiny_gpt import without_key_bias
+
+    want = baseline["losses"]
+    for _, losses, _ in results:
+        assert sorted(losses) == list(range(SAVE_AT, ITERS))
+        for it, loss in losses.items():
+            assert abs(loss - want[it]) <= bound * abs(want[it]), (it, loss, want[it])
+    got = full_weights(results)
+    assert set(got) == set(baseline["weights"])
+    for name, w in baseline["weights"].items():
+        a, b = without_key_bias(name, got[name], config()), without_key_bias(name, w, config())
+        diff = float((a - b).norm() / b.norm().clamp_min(1e-12))
+        assert diff <= bound, (name, diff)

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..checkpoint.reshape.universal_load import load_reshaped_checkpoint, load_universal_checkpoint
 from ..moe import reset_aux_losses
+from ..optimizer_setup import param_groups
 from ..pipeline.gpt_stage import activation_shape, build_gpt_stage
 from ..pipeline.p2p import P2P
 from ..topology import build_parallel_state
@@ -35,15 +36,18 @@ def owned_state(opt) -> dict:
 
 
 def moe_run(cfg, tp: int, pp: int, ep: int, stage: int, mb: int, save_dir=None, load=None, load_kind="universal",
-            steps: int = STEPS, offload: str = "none", nvme_path=None):
+            steps: int = STEPS, offload: str = "none", nvme_path=None, muon=None):
     """`load_kind`: "universal", "reshaped" (another layout) or "same" (load_checkpoint at the layout saved);
-    `offload`: the optimizer's ("cpu", "nvme" with `nvme_path`).
+    `offload`: the optimizer's ("cpu", "nvme" with `nvme_path`); `muon` (optimizer/muon.py's MuonSettings): the
+    blocks' matrices, every expert's included, step by Muon.
     -> (per-step losses {step: loss}, the fragments owned at the save or None, this rank's coordinates)."""
     state = build_parallel_state(tp=tp, pp=pp, ep=ep)
     model = build_gpt_stage(cfg, state)
-    opt = ZeroOptimizer(list(model.named_parameters()), dp_group=state.dp_group, stage=stage, clip_grad=CLIP,
+    params = param_groups(model, HP["weight_decay"], muon=True) if muon else list(model.named_parameters())
+    opt = ZeroOptimizer(params, dp_group=state.dp_group, stage=stage, clip_grad=CLIP,
                         mp_group=state.mp_group, tp_rank=state.tp_rank, module=model, bucket_size=4000,
-                        expert_dp_group=state.expert_dp_group, offload=offload, nvme_path=nvme_path,
+                        expert_dp_group=state.expert_dp_group, offload=offload, nvme_path=nvme_path, muon=muon,
+                        tp_group=state.tp_group, expert_tp_group=state.expert_tp_group,
                         **(ZERO3_PERSIST if stage == 3 else {}), **HP)
     p2p = P2P(state.prev_rank, state.next_rank, activation_shape(mb, cfg), torch.float32)
     start = 0
@@ -59,7 +63,8 @@ def moe_run(cfg, tp: int, pp: int, ep: int, stage: int, mb: int, save_dir=None, 
                             {"iteration": step + 1, "consumed_train_samples": (step + 1) * GBS,
                              "args": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                                       "expert_model_parallel_size": ep, "global_batch_size": GBS,
-                                      "micro_batch_size": mb, "num_experts": cfg.num_experts}})
+                                      "micro_batch_size": mb, "num_experts": cfg.num_experts,
+                                      "optimizer": "muon" if muon else "adamw"}})
             saved = owned_state(opt)
     opt.wait_params()
     reset_aux_losses()

@@ -49,20 +49,27 @@ def reference_run(cfg, dp: int, mb: int, steps: int = STEPS, seed=None, layout_a
     opt = torch.optim.AdamW(model.parameters(), **HP)
     losses, norms = [], []
     for step in range(steps):
-        slices = micro_slices(*(layout_at(step) if layout_at else (dp, mb)))
-        tokens, labels = global_batch(step)
-        set_aux_loss_scale(1.0 / len(slices))
-        total = 0.0
-        for rows in slices.values():
-            loss = model(tokens[rows], labels=labels[rows]) / len(slices)
-            loss.backward()
-            total += loss.item()
+        total = reference_backward(model, step, *(layout_at(step) if layout_at else (dp, mb)))
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
         opt.zero_grad()
         losses.append(total)
     reset_aux_losses()
     return losses, norms
+
+
+def reference_backward(model, step: int, dp: int, mb: int) -> float:
+    """Global batch `step` through the reference model, each micro-batch of each DP rank in turn, loss / (DP x M),
+    the gradients accumulated; -> the loss."""
+    slices = micro_slices(dp, mb)
+    tokens, labels = global_batch(step)
+    set_aux_loss_scale(1.0 / len(slices))
+    total = 0.0
+    for rows in slices.values():
+        loss = model(tokens[rows], labels=labels[rows]) / len(slices)
+        loss.backward()
+        total += loss.item()
+    return total
 
 
 def train_step(model, opt, state, p2p, step: int, mb: int):

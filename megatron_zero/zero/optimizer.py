@@ -49,13 +49,14 @@ def _dtype(d) -> torch.dtype:
 
 
 def _groups(named_params, defaults: dict):
-    """Normalise to ([[(name, param)] per group], [hyper-parameters per group])."""
+    """Normalise to ([[(name, param)] per group], [hyper-parameters per group]); a group marked `muon` keeps the
+    mark (optimizer/muon_zero.py steps it)."""
     items = list(named_params)
     if items and isinstance(items[0], dict):
         groups, hparams = [], []
         for g in items:
             groups.append([(n, p) for n, p in g["params"] if p.requires_grad])
-            hparams.append({k: g.get(k, v) for k, v in defaults.items()})
+            hparams.append({k: g.get(k, v) for k, v in defaults.items()} | ({"muon": True} if g.get("muon") else {}))
         return groups, hparams
     return [[(n, p) for n, p in items if p.requires_grad]], [dict(defaults)]
 
@@ -70,7 +71,8 @@ class ZeroOptimizer:
                  overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
                  quantized_weights: bool = False, quantized_gradients: bool = False, hpz_group=None,
                  device: Optional[torch.device] = None, grad_reduce_in_bf16: bool = False,
-                 cpu_optimizer_threads: Optional[int] = None, expert_dp_group=None):
+                 cpu_optimizer_threads: Optional[int] = None, expert_dp_group=None, muon=None, tp_group=None,
+                 expert_tp_group=None):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
         self.stage, self.dtype, self.clip_grad = stage, _dtype(dtype), float(clip_grad or 0.0)
@@ -138,6 +140,14 @@ class ZeroOptimizer:
                                    device=self.device, weight_slices=uploads, cpu_threads=cpu_optimizer_threads)
         del self.impl.initial_masters
         self.offload = offload
+        self.muon = None  # `muon` (optimizer/muon.py's MuonSettings): the groups marked `muon` step by Muon
+        if muon is not None:
+            if offload != "none":
+                raise ValueError("Muon steps its matrices on the device; it does not run with an offloaded optimizer")
+            from ..optimizer.muon_zero import MuonStep
+            self.muon = MuonStep(muon, self.impl, self.named_groups,
+                                 [gi for gi, h in enumerate(self.optimizer.param_groups) if h.get("muon")],
+                                 tp_group, expert_tp_group)
         # fp16: dynamic or static; bf16: a static scale when one is given (Megatron-LM's --loss-scale with --bf16)
         static = not LossScalerConfig.from_any(loss_scaler).dynamic
         self.loss_scaler = LossScaler(loss_scaler, enabled=self.dtype == torch.float16 or
@@ -145,6 +155,7 @@ class ZeroOptimizer:
         self.overflow = False
         self.summed_votes: List[float] = []  # the last step's votes, summed over every rank
         self._before_step = []  # callables run before the state next changes (async checkpoint readers)
+        self.after_update = []  # callables given the updated masters before a step publishes them
         # (offset in partition, numel) of the fragments that count in the global norm
         here = getattr(self.impl, "counts_in_norm_here", lambda gi: True)  # whole replicas: one of them counts
         self.counted = [[(s, n) for p, _, s, n in self.impl.owned_ranges(gi) if counts_in_norm(p, tp_rank)]
@@ -213,7 +224,12 @@ class ZeroOptimizer:
                 group["lr"] = decoupled_lr if group.get("is_decoupled_lr") else lr
         self.wait_params()  # the step writes this rank's weights, which the last gathers read
         with self.optimizer.paged():
+            if self.muon is not None:
+                self.muon.step(self.optimizer, grads)
+                grads = self.muon.adam_grads(grads)
             self.optimizer.step(grads)
+            for update in self.after_update:  # e.g. QK-clip's scaling of q and k (optimizer/qk_clip.py)
+                update(self.optimizer.params)
             self.impl.write_weights(self.optimizer.weights())
         self.loss_scaler.update(False)
         self.zero_grad()
