@@ -46,8 +46,6 @@ def add_compat_flags(p: argparse.ArgumentParser) -> None:
                         "restored from the checkpoint)")
     g.add_argument("--log-throughput", action="store_true",
                    help="no-op: the log line always carries throughput per GPU (TFLOP/s/GPU) here")
-    g.add_argument("--kv-channels", type=int, default=None,
-                   help="head dimension; must equal --hidden-size / --num-attention-heads here")
     g.add_argument("--no-position-embedding", dest="add_position_embedding", action="store_false",
                    help="no learned absolute position table: with --position-embedding-type rope, as here always")
     g.add_argument("--ds-sequence-parallel-size", type=int, default=1,
@@ -110,11 +108,6 @@ def validate_compat(args) -> None:
     require(not args.no_pipeline_parallel or args.pipeline_model_parallel_size == 1,
             f"--no-pipeline-parallel contradicts --pipeline-model-parallel-size {args.pipeline_model_parallel_size}"
             "; drop one of them")
-    head_dim = args.hidden_size // args.num_attention_heads
-    require(args.kv_channels is None or args.kv_channels == head_dim,
-            f"--kv-channels {args.kv_channels} differs from --hidden-size {args.hidden_size} / "
-            f"--num-attention-heads {args.num_attention_heads} = {head_dim}; a head dimension of its own is not "
-            "available in this build")
     require(args.add_position_embedding or args.position_embedding_type == "rope",
             "--no-position-embedding leaves no position information without --position-embedding-type rope")
     require(args.manual_gc_interval >= 0, f"--manual-gc-interval {args.manual_gc_interval} must not be negative")

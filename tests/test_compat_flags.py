@@ -56,7 +56,6 @@ def test_sample_schedule_and_warmup_fraction():
 
 
 @pytest.mark.parametrize("changes,words", [
-    (dict(kv_channels=8), ["--kv-channels 8", "16"]),
     (dict(no_pipeline_parallel=True, pipeline_model_parallel_size=2), ["--no-pipeline-parallel"]),
     (dict(deepspeed_activation_checkpointing=True), ["--deepspeed-activation-checkpointing"]),
     (dict(no_position_embedding=True), ["--no-position-embedding", "rope"]),

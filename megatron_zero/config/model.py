@@ -53,6 +53,11 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="learned_absolute: a learned table (GPT-2); rope: rotary embeddings (Llama)")
     g.add_argument("--use-rotary-position-embeddings", dest="position_embedding_type", action="store_const",
                    const="rope", help="Megatron-DeepSpeed's spelling of --position-embedding-type rope")
+    g.add_argument("--kv-channels", type=int, default=None,
+                   help="each attention head's dimension (default --hidden-size / --num-attention-heads; Qwen3: 128)")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="QK-norm: the layer's norm (--normalization) over each head's query and key, before RoPE "
+                        "(Qwen3, OLMo 2); one weight per head dimension, shared by the heads")
     g.add_argument("--rotary-base", type=int, default=10000,
                    help="RoPE's base period theta")
     g.add_argument("--rotary-percent", type=float, default=1.0,
@@ -98,8 +103,10 @@ def check(args, tp: int) -> None:
     --max-position-embeddings' defaults, --num-query-groups and the recompute switches."""
     require(args.num_attention_heads % tp == 0,
             f"--num-attention-heads {args.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}")
-    require(args.hidden_size % args.num_attention_heads == 0,
-            f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {args.num_attention_heads}")
+    require(args.kv_channels is not None or args.hidden_size % args.num_attention_heads == 0,
+            f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {args.num_attention_heads}; "
+            "give the head dimension with --kv-channels")
+    require(args.kv_channels is None or args.kv_channels >= 1, f"--kv-channels {args.kv_channels} must be at least 1")
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = default_ffn_hidden_size(args.hidden_size, args.swiglu)
     require(args.ffn_hidden_size >= 1 and args.ffn_hidden_size % tp == 0,

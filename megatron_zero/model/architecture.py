@@ -27,6 +27,9 @@ recorded args (the resume check, the saved-config readers) and the run's own fla
                               add_bias_linear, apply_residual_connection_
                               post_layernorm
     add_qkv_bias              add_qkv_bias (Megatron-LM's)                  False
+    qk_layernorm              qk_layernorm (Megatron-LM's)                  False
+    kv_channels               kv_channels (Megatron-LM's; hidden / heads    hidden / heads
+                              is read as unset)
     shared expert             moe_shared_expert_intermediate_size,          none (no shared expert)
                               moe_shared_expert_gate (Megatron-Core's)
 
@@ -45,10 +48,10 @@ SWITCHES = {"swiglu": False, "normalization": "LayerNorm", "untie_embeddings_and
             "add_bias_linear": True, "apply_residual_connection_post_layernorm": False,
             "position_embedding_type": "learned_absolute", "add_position_embedding": True,
             "apply_layernorm_1p": False, "moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False,
-            "add_qkv_bias": False}
+            "add_qkv_bias": False, "qk_layernorm": False}
 # sizes and numbers of the model (compared where both sides have one)
 SIZES = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
-         "make_vocab_size_divisible_by", "layernorm_epsilon", "num_query_groups", "rotary_base", "rotary_percent")
+         "make_vocab_size_divisible_by", "layernorm_epsilon", "num_query_groups", "rotary_base", "rotary_percent", "kv_channels")
 
 
 def _normalization(value) -> str:
@@ -84,6 +87,9 @@ def model_settings(args, fill_sizes: bool = True) -> dict:
         out["layernorm_epsilon"] = args.get("norm_epsilon")
     heads = args.get("num_attention_heads")
     out["num_query_groups"] = _query_groups(args, heads if fill_sizes else None)
+    if heads and out["kv_channels"] is not None and args.get("hidden_size") is not None \
+            and out["kv_channels"] * heads == args["hidden_size"]:
+        out["kv_channels"] = None  # Megatron-LM records the default head dimension; the same model as unset
     if fill_sizes:
         if out["ffn_hidden_size"] is None and args.get("hidden_size") is not None:
             out["ffn_hidden_size"] = default_ffn_hidden_size(args["hidden_size"], bool(out["swiglu"]))
@@ -124,6 +130,7 @@ class ModelSettings:
     num_query_groups: Optional[int]
     rotary_base: Optional[float]
     rotary_percent: Optional[float]
+    kv_channels: Optional[int]
     swiglu: bool
     normalization: str
     untie_embeddings_and_output_weights: bool
@@ -135,6 +142,7 @@ class ModelSettings:
     moe_shared_expert_intermediate_size: Optional[int]
     moe_shared_expert_gate: bool
     add_qkv_bias: bool
+    qk_layernorm: bool
     num_experts: Union[None, int, List[int]]  # None: dense
     moe_layer_freq: Optional[object] = None  # an interval or a per-layer pattern, as recorded
     moe_layer_offset: Optional[int] = None
@@ -148,7 +156,7 @@ class ModelSettings:
 
 ARCHITECTURE_FIELDS = ("normalization", "apply_layernorm_1p", "position_embedding_type", "rotary_base",
                        "rotary_percent", "swiglu", "num_query_groups", "untie_embeddings_and_output_weights",
-                       "add_bias_linear", "add_qkv_bias")
+                       "add_bias_linear", "add_qkv_bias", "qk_layernorm", "kv_channels")
 
 
 def architecture_kwargs(args: dict) -> dict:

@@ -53,6 +53,8 @@ class GPTConfig:
     untie_embeddings_and_output_weights: bool = False
     add_bias_linear: bool = True
     add_qkv_bias: bool = False                       # a bias on the QKV projection even without add_bias_linear
+    kv_channels: Optional[int] = None                # each head's dimension (None: hidden_size / num_attention_heads)
+    qk_layernorm: bool = False                       # the model's norm over each head's q and k, before RoPE (Qwen3)
     # mixture of experts (Megatron-Core's names; megatron_zero/moe/): None -> every layer has a dense MLP
     num_experts: Optional[int] = None
     moe_layer_freq: int = 1                          # every N-th layer (offset, offset + N, ...) is an MoE layer
@@ -181,7 +183,12 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_projection_size(self) -> int:
+        """The attention's width between the heads and the output projection: heads x head_dim."""
+        return self.num_attention_heads * self.head_dim
 
     @property
     def rotary_dim(self) -> int:

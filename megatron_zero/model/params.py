@@ -9,7 +9,7 @@ Names are Megatron-DeepSpeed's pipeline names (GPTModelPipe):
 
 Block parameters are `{i}.<suffix>` with the suffixes of BLOCK_PARAMS; the config decides which
 exist (no `*.bias` of a linear layer with add_bias_linear=False, but the QKV bias with add_qkv_bias; no norm
-bias with RMSNorm).
+bias with RMSNorm; `self_attention.q_layernorm.*` / `k_layernorm.*` [head_dim], replicated, with qk_layernorm).
 The final norm is `{L+2}.weight` (and `{L+2}.bias` for LayerNorm). With `apply_layernorm_1p` a norm weight
 holds w, zero-centred (initialised to 0), and the norm applies gamma = 1 + w (Megatron-Core's
 zero_centered_gamma); every tensor of our own formats holds w, an exporter converts where a format holds gamma.
@@ -52,6 +52,10 @@ BLOCK_PARAMS = {
     "self_attention.query_key_value.bias": (0, "zeros"),
     "self_attention.dense.weight": (1, "scaled_normal"),
     "self_attention.dense.bias": (None, "zeros"),
+    "self_attention.q_layernorm.weight": (None, "ones"),
+    "self_attention.q_layernorm.bias": (None, "zeros"),
+    "self_attention.k_layernorm.weight": (None, "ones"),
+    "self_attention.k_layernorm.bias": (None, "zeros"),
     "post_attention_layernorm.weight": (None, "ones"),
     "post_attention_layernorm.bias": (None, "zeros"),
     "mlp.dense_h_to_4h.weight": (0, "normal"),
@@ -59,8 +63,12 @@ BLOCK_PARAMS = {
     "mlp.dense_4h_to_h.weight": (1, "scaled_normal"),
     "mlp.dense_4h_to_h.bias": (None, "zeros"),
 }
-_NORM_BIASES = ("input_layernorm.bias", "post_attention_layernorm.bias")
-_NORM_WEIGHTS = ("input_layernorm.weight", "post_attention_layernorm.weight")
+QK_NORM_SUFFIXES = ("self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
+                    "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias")
+_NORM_BIASES = ("input_layernorm.bias", "post_attention_layernorm.bias", "self_attention.q_layernorm.bias",
+                "self_attention.k_layernorm.bias")
+_NORM_WEIGHTS = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attention.q_layernorm.weight",
+                 "self_attention.k_layernorm.weight")
 MOE_ROUTER_SUFFIX = "mlp.deepspeed_moe.gate.wg.weight"
 MOE_EXPERT_PREFIX = "mlp.deepspeed_moe.experts.deepspeed_experts."
 SHARED_EXPERT_PREFIX = "mlp.shared_expert."
@@ -131,6 +139,8 @@ def _dense_block_suffixes(config: GPTConfig) -> List[str]:
     for suffix in BLOCK_PARAMS:
         if suffix in _NORM_BIASES and not config.has_norm_bias:
             continue
+        if suffix in QK_NORM_SUFFIXES and not config.qk_layernorm:
+            continue
         if suffix.endswith(".bias") and suffix not in _NORM_BIASES and not config.add_bias_linear:
             if not (config.add_qkv_bias and suffix == "self_attention.query_key_value.bias"):
                 continue
@@ -150,7 +160,11 @@ def _block_shape(suffix: str, c: GPTConfig, expert: bool = False, shared: bool =
     return {
         "self_attention.query_key_value.weight": (c.qkv_size, h),
         "self_attention.query_key_value.bias": (c.qkv_size,),
-        "self_attention.dense.weight": (h, h),
+        "self_attention.dense.weight": (h, c.query_projection_size),
+        "self_attention.q_layernorm.weight": (c.head_dim,),
+        "self_attention.q_layernorm.bias": (c.head_dim,),
+        "self_attention.k_layernorm.weight": (c.head_dim,),
+        "self_attention.k_layernorm.bias": (c.head_dim,),
         "mlp.dense_h_to_4h.weight": (c.mlp_in_size, h),
         "mlp.dense_h_to_4h.bias": (c.mlp_in_size,),
         "mlp.dense_4h_to_h.weight": (h, c.ffn_hidden_size),

@@ -112,6 +112,14 @@ def build_norm(config: GPTConfig, tp_group=None) -> nn.Module:
                 zero_centered=config.apply_layernorm_1p)
 
 
+def build_head_norm(config: GPTConfig, tp_group=None) -> nn.Module:
+    """QK-norm: the model's norm over a head's dimension; each TP rank holds other heads, so the weight's
+    gradient is summed over TP (as a sequence-parallel norm's is)."""
+    norm = RMSNorm if config.normalization == "RMSNorm" else LayerNorm
+    tp = tp_group if tp_world_size(tp_group) > 1 else None
+    return norm(config.head_dim, config.layernorm_epsilon, config.params_dtype, tp, zero_centered=config.apply_layernorm_1p)
+
+
 class Embedding(nn.Module):
     """Word (vocab-parallel) embedding, plus learned positions if the config has them, then hidden dropout;
     when tied, also the output head."""
@@ -251,12 +259,16 @@ class ParallelAttention(nn.Module):
         bias, sp = config.add_bias_linear, sequence_parallel_active(config, tp_group)
         self.query_key_value = ColumnParallelLinear(h, config.qkv_size, tp_group, bias=bias or config.add_qkv_bias,
                                                     params_dtype=config.params_dtype, sequence_parallel=sp)
-        self.dense = RowParallelLinear(h, h, tp_group, bias=bias, input_is_parallel=True,
+        self.dense = RowParallelLinear(config.query_projection_size, h, tp_group, bias=bias, input_is_parallel=True,
                                        params_dtype=config.params_dtype, sequence_parallel=sp)
+        if config.qk_layernorm:  # one norm over each head's q (k), shared by the heads: its gradient summed over TP
+            self.q_layernorm, self.k_layernorm = (build_head_norm(config, tp_group) for _ in range(2))
 
     def forward(self, x):
         q, k, v = self.split_qkv(self.query_key_value(x))  # [b, heads or groups, s, hd]
         b, _, s, _ = q.shape  # the whole sequence (CP: this rank's chunks), also when x is a sequence-parallel chunk
+        if hasattr(self, "q_layernorm"):
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if self.rotary is not None:
             cos, sin = self.rotary(s, x.device, self.cp_group)
             q, k = functional.apply_rotary_pos_emb(q, cos, sin), functional.apply_rotary_pos_emb(k, cos, sin)
