@@ -35,7 +35,6 @@ import platform
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -44,6 +43,9 @@ from dataclasses import dataclass, field
 from typing import Dict, List
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from megatron_zero.testing.multirank import free_port  # noqa: E402  (standard library only: a held port)
+
 PY = sys.executable
 # most likely to find something first: the training path with the kernels (its tests never ran on a GPU before
 # the first report), the kernels against their references, the offload's streams and pinned copies, checkpoints
@@ -77,12 +79,6 @@ class Outcome:
 
 def not_run(step: Step, why: str) -> Outcome:
     return Outcome(step, False, 0.0, "", {"note": f"not run: {why}"}, ran=False)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def model_flags(work: str, iters: int, **changes) -> List[str]:
