@@ -107,7 +107,7 @@ def run(sec, peer: dict, dry_run: bool) -> None:
     if dirty:
         print(f"[{sec.name}] note: {', '.join(dirty)} differ from {commit} (uncommitted): the record names {commit}")
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    record = f"Run `{sec.name}`: {when}, load {before}-{_load()}, code at `{commit}`. **Current.**"
+    record = f"Run `{sec.name}`: {when}, load {before}-{_load()}, code at `{commit}`. **Current**."
     with open(BENCHMARKS) as f:
         text = rewrite(f.read(), sec, stdout, record)  # raises, writing nothing, when the tables do not fit
     with open(BENCHMARKS, "w") as f:

@@ -1,7 +1,7 @@
 """The CPU sections of BENCHMARKS.md: each one's bench commands (its recorded arguments), the code it measures, and
 its record line, the line under the section's heading that bench/run_all.py rewrites with each run:
 
-    Run `mds`: 2026-11-28 07:55 UTC, load 3.10 2.90 2.70, code at `abc1234`. **Current.**
+    Run `mds`: 2026-11-28 07:55 UTC, load 3.10-2.90, code at `abc1234`. **Current**.
     Run `mds`: 2026-11-24, load 1-3, code at `cb1d364`. **Stale**: what changed since.
 
 tests/test_benchmarks_current.py holds every section recorded **Current** to it: none of its files may differ from

@@ -39,3 +39,20 @@ def test_comments_and_docstrings_are_not_code():
     after = 'def f(x):\n    """New words,\n    two lines."""\n    # a comment\n    return x + 1\n'
     assert _code(before) == _code(after)
     assert _code(before) != _code(before.replace("x + 1", "x + 2"))
+
+
+def test_run_all_rewrites_a_sections_tables_and_record():
+    import pytest
+    from run_all import rewrite
+
+    from sections import section
+    sec = section("zeropp")
+    text = "\n".join([f"## {sec.heading}", "", "Run `zeropp`: 2026-11-01, load 9, code at `0000000`. **Stale**: x.",
+                      "words", "", "| a | b |", "|---|---|", "| 1 | 2 |", "", "## Next", "| kept |"])
+    printed = "machine: cpu\n| a | b |\n|---|---|\n| 3 | 4 |\n"
+    record = "Run `zeropp`: 2026-11-28 08:00 UTC, load 2-3, code at `1234567`. **Current**."
+    out = rewrite(text, sec, printed, record).split("\n")
+    assert out[2] == record and "| 3 | 4 |" in out and "| 1 | 2 |" not in out and out[-1] == "| kept |"
+    assert records("\n".join(out))["zeropp"]["status"] == "Current"
+    with pytest.raises(SystemExit, match="printed 2 tables"):
+        rewrite(text, sec, printed + "\n" + printed, record)
