@@ -10,9 +10,9 @@
     ... --dry-run                                                  print the commands, run and write nothing
 
 The load is /proc/loadavg's 1-minute figure before and after the section's commands. A section whose bench
-prints its tables (`|` rows) gets them in place of its own, in order; one that prints a block gets its ``` block
-replaced; one whose numbers sit in its prose ("none") gets its record line only, and the output is printed to copy
-from. The tables must be the same in number as the section's, else nothing is written.
+prints its tables (`|` rows) gets them in place of its own, in order (printed in another number: all of them where
+its first one was); one that prints a block gets its ``` block replaced; one whose numbers sit in its prose
+("none") gets its record line only, and the output is printed to copy from. A bench that fails writes nothing.
 """
 from __future__ import annotations
 
@@ -64,9 +64,11 @@ def rewrite(text: str, sec, stdout: str, record: str) -> str:
     if sec.printed == "tables":
         new, old = _tables(printed), _tables(body)
         new = [new[k] for k in sec.keep] if sec.keep is not None and len(new) > max(sec.keep) else new
-        if len(new) != len(old):
+        if not new or not old:
             raise SystemExit(f"{sec.name}: the bench printed {len(new)} tables, the section has {len(old)}; "
                              "nothing written")
+        if len(new) != len(old):  # the tables as printed, all where the section's first one was
+            new = [sum(([""] * bool(k) + t for k, t in enumerate(new)), [])] + [[]] * (len(old) - 1)
         out, k, i = [], 0, 0
         while i < len(body):
             if body[i].startswith("|"):

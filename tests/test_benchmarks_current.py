@@ -43,6 +43,7 @@ def test_comments_and_docstrings_are_not_code():
 
 def test_run_all_rewrites_a_sections_tables_and_record():
     import pytest
+
     from run_all import rewrite
 
     from sections import section
@@ -54,5 +55,7 @@ def test_run_all_rewrites_a_sections_tables_and_record():
     out = rewrite(text, sec, printed, record).split("\n")
     assert out[2] == record and "| 3 | 4 |" in out and "| 1 | 2 |" not in out and out[-1] == "| kept |"
     assert records("\n".join(out))["zeropp"]["status"] == "Current"
-    with pytest.raises(SystemExit, match="printed 2 tables"):
-        rewrite(text, sec, printed + "\n" + printed, record)
+    two = rewrite(text, sec, printed + "\nwords\n" + printed.replace("3 | 4", "5 | 6"), record).split("\n")
+    assert "| 3 | 4 |" in two and "| 5 | 6 |" in two and two[-1] == "| kept |"  # printed in another number: all
+    with pytest.raises(SystemExit, match="printed 0 tables"):
+        rewrite(text, sec, "no table", record)
