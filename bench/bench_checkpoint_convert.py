@@ -49,7 +49,10 @@ def main():
     p.add_argument("--dir", default=None)
     p.add_argument("--no-baseline", action="store_true",
                    help="skip dcp_to_torch_save (it holds the whole checkpoint: 13 GB at 1.1B); ratios are then nan")
+    p.add_argument("--writers-only", action="store_true",
+                   help="only universal -> torch_dist and universal -> dcp (the writers; no baseline, no readers)")
     a = p.parse_args()
+    a.no_baseline = a.no_baseline or a.writers_only
     import torch
 
     from megatron_zero.checkpoint.interop.convert import config_args
@@ -100,16 +103,19 @@ def main():
         rows.append(("dcp_to_torch_save (torch_dist)", (float("nan"), float("nan"))))
     if os.path.exists(os.path.join(root, "out.pt")):
         os.remove(os.path.join(root, "out.pt"))
-    rows.append(("torch_dist -> universal", convert("--from", "torch_dist", "--to", "universal", "--input", td,
-                                                    "--output", os.path.join(out, "x"), "--vocab-size", str(a.vocab))))
+    if not a.writers_only:
+        rows.append(("torch_dist -> universal", convert("--from", "torch_dist", "--to", "universal", "--input", td,
+                                                        "--output", os.path.join(out, "x"), "--vocab-size",
+                                                        str(a.vocab))))
     shutil.rmtree(td, ignore_errors=True)
     titan = os.path.join(root, "titan")
     rows.append(("universal -> dcp", convert("--from", "universal", "--to", "dcp", "--input", src,
                                                         "--output", titan, keep=True)))
-    rows.append(("dcp -> universal", convert("--from", "dcp", "--to", "universal", "--input",
-                                             os.path.join(titan, "step-10"),
-                                             "--output", os.path.join(out, "x"), "--vocab-size", str(a.vocab),
-                                             "--num-attention-heads", str(cfg.num_attention_heads))))
+    if not a.writers_only:
+        rows.append(("dcp -> universal", convert("--from", "dcp", "--to", "universal", "--input",
+                                                 os.path.join(titan, "step-10"),
+                                                 "--output", os.path.join(out, "x"), "--vocab-size", str(a.vocab),
+                                                 "--num-attention-heads", str(cfg.num_attention_heads))))
     shutil.rmtree(titan, ignore_errors=True)
     base_sec, base_rss = rows[2][1]
     print(f"model: {numel / 1e6:.1f}M parameters, {numel * 4 / 2**20:.0f} MiB per fp32 state (x3 with Adam), "

@@ -50,7 +50,6 @@ import gc
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -63,6 +62,7 @@ from megatron_zero.model.config import GPTConfig
 from megatron_zero.model.gpt import GPTModel
 from megatron_zero.ops import set_fusion_flags
 from megatron_zero.throughput import gpt_flops_per_iteration
+from megatron_zero.testing.multirank import free_port
 from megatron_zero.zero import ZeroOptimizer
 
 SIZES = {"350M": (24, 1024, 16), "1.3B": (24, 2048, 16), "tiny": (2, 128, 4), "llama3-8b": (32, 4096, 32)}
@@ -254,12 +254,6 @@ def run_sequential(sides, size, seq, device, batches, a):
     return out
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # runs pretrain_gpt.py as `python pretrain_gpt.py FLAGS` does, then prints the allocator's peak
 PRETRAIN_WRAPPER = ("import runpy, sys, torch\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path(sys.argv[0], "
                     "run_name='__main__')\nfinally:\n    print('bench_gpu: peak allocated bytes', "
@@ -295,7 +289,7 @@ def run_pretrain(cfg, micro_batch, micro_batches, a, device):
     """pretrain_gpt.py in a process of its own -> (median step seconds after the warm-up, peak bytes or None),
     or the error's last line."""
     flags = pretrain_flags(cfg, micro_batch, micro_batches, a.warmup + a.steps, device)
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     run = subprocess.run([sys.executable, "-c", PRETRAIN_WRAPPER, os.path.join(ROOT, "pretrain_gpt.py"), *flags],
                          capture_output=True, text=True, env=env, cwd=ROOT)

@@ -7,7 +7,9 @@ Every inconsistency is refused with one sentence naming the flags and values (Ar
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
+import weakref
 from typing import List, Optional
 
 from . import config
@@ -64,9 +66,28 @@ def explicit_flags(args) -> set:
     return {dest for dest, value in vars(args).items() if value != parser.get_default(dest)}
 
 
+# id(namespace) -> (its flags as parsed, the destinations given, its values as validated): a namespace validated
+# again is checked from what was parsed (not from derived values: a list --pipeline-partition, MoE defaults that
+# would read as given), with what its holder changed since on top
+_AS_PARSED: dict = {}
+
+
 def validate_args(args, world_size: int):
-    """Check the parsed flags for `world_size` ranks and fill the derived values (config.validate)."""
-    config.validate(args, world_size, explicit_flags(args), [check for _, check in FEATURES if check is not None])
+    """Check the parsed flags for `world_size` ranks and fill the derived values (config.validate). Idempotent:
+    validating a namespace again (at this or another world size) gives what validating its command line once
+    would, plus the values its holder set since (those count as given)."""
+    if id(args) in _AS_PARSED:
+        parsed, given, validated = _AS_PARSED[id(args)]
+        changed = {k: v for k, v in vars(args).items() if k not in validated or validated[k] != v}
+        vars(args).clear()
+        vars(args).update(copy.deepcopy(parsed))
+        vars(args).update(changed)
+        given = given | set(changed)
+    else:
+        parsed, given = copy.deepcopy(vars(args)), explicit_flags(args)
+        weakref.finalize(args, _AS_PARSED.pop, id(args), None)
+    config.validate(args, world_size, set(given), [check for _, check in FEATURES if check is not None])
+    _AS_PARSED[id(args)] = (parsed, given, copy.deepcopy(vars(args)))
     return args
 
 

@@ -11,15 +11,15 @@
 
 It uses the machine's own python and torch (no virtual environment): the kernels are built in place
 (`setup.py build_ext --inplace`) and every step runs from this checkout (PYTHONPATH). The steps, in priority
-order (a short GPU slot with --budget runs the first ones): environment, python modules, kernel build, kernels
-present (--require-fused-kernels' rule), data (Python's pydoc topics as bytes: tools/preprocess_data.py with the
-ByteTokenizer, no download, no SentencePiece), short training runs per layout that fits (1 GPU: TP1 bf16 with
-the fused kernels, full recompute, flash attention; a Llama-shaped run; offload; >= 2 GPUs: TP2, PP2, DP2 with
-ZeRO-1/2/3, offload; >= 4: TP2 x PP2; >= 8: TP2 x PP2 x DP2), a save and a resume (1 GPU: save, resume,
-tools/ds_to_universal.py, universal resume; >= 2: save at TP2, reshaped resume at DP2, universal resume at PP2),
-bench/bench_gpu.py (a 1.3B GPT and Llama-3-8B's shape at vocabulary 128256, seq 8192, cut to the layers that
-fit: ours, the plain PyTorch loop and pretrain_gpt.py on mock data, MFU and peak memory each), then the
-`gpu`-marked tests, one step per file, the files most likely to find something first (GPU_TEST_FILES), the
+order (a short GPU slot with --budget runs the first ones): environment, python modules, the wheels carried under
+.whl/ (installed offline: torchao, crc32c), kernel build, kernels present (--require-fused-kernels' rule),
+bench/bench_gpu.py at Llama-3-8B's shape (ours bf16, compiled and FP8 tensorwise against plain PyTorch), data
+(Python's pydoc topics as bytes: tools/preprocess_data.py with the ByteTokenizer, no download, no SentencePiece),
+short training runs per layout that fits (1 GPU: TP1 bf16 with the fused kernels, full recompute, flash attention;
+a Llama-shaped run; offload; >= 2 GPUs: TP2, PP2, DP2 with ZeRO-1/2/3, offload; >= 4: TP2 x PP2; >= 8: TP2 x PP2 x
+DP2), a save and a resume (1 GPU: save, resume, tools/ds_to_universal.py, universal resume; >= 2: save at TP2,
+reshaped resume at DP2, universal resume at PP2),
+then the `gpu`-marked tests, one step per file, the files most likely to find something first (GPU_TEST_FILES), the
 CUDA compile test last (the build already compiled every kernel). While a step runs, the peak GPU memory
 (nvidia-smi) and each process's host RSS are sampled; training steps report their last logged MFU, TFLOP/s per
 GPU and loss. The report is rewritten after every step (a machine taken away mid-run leaves it). Logs:
@@ -28,6 +28,7 @@ GPU_CHECK_WORKDIR (default runs/gpu_check)/logs.
 from __future__ import annotations
 
 import datetime
+import glob
 import importlib.util
 import json
 import os
@@ -35,7 +36,6 @@ import platform
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -44,7 +44,11 @@ from dataclasses import dataclass, field
 from typing import Dict, List
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from megatron_zero.testing.multirank import free_port  # noqa: E402  (standard library only: a held port)
+
 PY = sys.executable
+WHEELS = os.path.join(ROOT, ".whl")  # wheels carried to a machine without a package index (.gitignore)
 # most likely to find something first: the training path with the kernels (its tests never ran on a GPU before
 # the first report), the kernels against their references, the offload's streams and pinned copies, checkpoints
 # through pinned memory, then the features each GPU test touches once (MoE, grouped GEMM, context parallelism)
@@ -77,12 +81,6 @@ class Outcome:
 
 def not_run(step: Step, why: str) -> Outcome:
     return Outcome(step, False, 0.0, "", {"note": f"not run: {why}"}, ran=False)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def model_flags(work: str, iters: int, **changes) -> List[str]:
@@ -170,6 +168,28 @@ def checkpoint_steps(ngpus: int, work: str) -> List[Step]:
                 work, 20, load=ckpt, save=ckpt, **{"universal-checkpoint": True, "pipeline-model-parallel-size": 2}))]
 
 
+def wheel_steps() -> List[Step]:
+    """The wheels carried under .whl/ (ignored by git: torchao, crc32c for an image without them), installed
+    offline first; none when there is no .whl/."""
+    wheels = sorted(glob.glob(os.path.join(WHEELS, "*.whl")))
+    if not wheels:
+        return []
+    return [Step("wheels carried under .whl/ (pip, offline)", [PY, "-m", "pip", "install", "--no-index", "--no-deps",
+                                                              "--find-links", WHEELS] + wheels, timeout=300)]
+
+
+def bench_step(work: str) -> Step:
+    """bench/bench_gpu.py at Llama-3-8B's shape right after the kernel build, before anything a short lease
+    could lose it to: ours in bf16, compiled (--compile-layers) and in FP8 (tensorwise, where torchao is
+    installed or carried as a wheel) against the plain PyTorch loop, each side's MFU and peak memory."""
+    torchao = importlib.util.find_spec("torchao") is not None or bool(glob.glob(os.path.join(WHEELS, "torchao*.whl")))
+    return Step("bench/bench_gpu.py: Llama-3-8B shape (vocab 128256, seq 8192): ours bf16 / compiled / FP8 against "
+                "PyTorch", [PY, os.path.join(ROOT, "bench", "bench_gpu.py"), "--sizes", "llama3-8b", "--steps", "3",
+                            "--warmup", "1", "--no-offload", "--no-pretrain", "--compile", "--json",
+                            os.path.join(work, "bench_gpu.json")] + (["--fp8", "tensorwise"] if torchao else []),
+                timeout=600, kind="bench")
+
+
 def plan(ngpus: int, work: str) -> List[Step]:
     """Every step for a machine with `ngpus` GPUs, in order."""
     probe = ("import sys, torch; from megatron_zero.ops import kernel_report, require_fused_kernels; "
@@ -183,19 +203,16 @@ def plan(ngpus: int, work: str) -> List[Step]:
              Step("python modules", [PY, "-c", f"import importlib.util as u, sys; m = [n for n in {MODULES!r} if "
                                      "u.find_spec(n) is None]; print('missing:', ', '.join(m) or 'none'); "
                                      f"sys.exit(1 if set(m) & set({NEEDED!r}) else 0)"]),
+             *wheel_steps(),
              Step("build the kernels (setup.py build_ext --inplace)", [PY, "setup.py", "build_ext", "--inplace"],
                   timeout=2400),
              Step("kernels present (CUDA and CPU Adam)", [PY, "-c", probe]),
+             bench_step(work),
              Step("data: Python's pydoc topics as JSONL", [PY, "-c", corpus]),
              Step("data: tools/preprocess_data.py, ByteTokenizer", [
                  PY, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", jsonl, "--output-prefix",
                  os.path.join(work, "data", "pydoc"), "--tokenizer-type", "ByteTokenizer", "--append-eod"])]
     steps += training_steps(ngpus, work) + checkpoint_steps(ngpus, work)
-    steps.append(Step("bench/bench_gpu.py: 1.3B GPT and Llama-3-8B shape (vocab 128256, seq 8192), ours / PyTorch / "
-                      "pretrain_gpt.py", [PY, os.path.join(ROOT, "bench", "bench_gpu.py"), "--sizes", "1.3B,llama3-8b",
-                                          "--steps", "4", "--warmup", "2", "--json", os.path.join(work, "bench_gpu.json")]
-                      + (["--fp8", "tensorwise"] if importlib.util.find_spec("torchao") else []),  # FP8's row
-                      timeout=2400, kind="bench"))
     steps += [Step(f"tests: {name} -m gpu", [PY, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "gpu",
                                              os.path.join(ROOT, "tests", name)], timeout=1800, kind="pytest")
               for name in GPU_TEST_FILES]

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU acceptance run, one command on a machine with NVIDIA GPUs:
-#   bash scripts/gpu_check.sh REPORT.md     build the kernels in place against this machine's torch, run a short
-#                                           training run per layout that fits the GPUs, a save and a (reshaped /
-#                                           universal) resume, bench/bench_gpu.py, the gpu-marked tests, in that
-#                                           order; write REPORT.md (pass/fail per step, MFU, peak GPU memory, host
+#   bash scripts/gpu_check.sh REPORT.md     install the wheels carried under .whl/ (offline), build the kernels in
+#                                           place against this machine's torch, bench/bench_gpu.py (bf16, compiled,
+#                                           FP8), a short training run per layout that fits the GPUs, a save and a
+#                                           (reshaped / universal) resume, the gpu-marked tests, in that order; write REPORT.md (pass/fail per step, MFU, peak GPU memory, host
 #                                           RSS), rewritten after every step
 #   bash scripts/gpu_check.sh --budget 780 REPORT.md
 #                                           the same within 780 s: each step's timeout cut to what is left, the

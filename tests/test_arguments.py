@@ -141,3 +141,18 @@ def test_device_flags_choose_one_device(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert select_device("auto", 3) == torch.device("cuda", 1)  # LOCAL_RANK modulo the node's GPUs
+
+
+def test_validating_a_namespace_again_gives_what_once_would():
+    """Derived values (a --pipeline-partition parsed to a list, MoE defaults filled) are not flags given again;
+    a value the holder set after the first validation is."""
+    from megatron_zero.arguments import validate_args
+
+    argv = with_flags(BASE, pipeline_model_parallel_size=2, pipeline_partition="1,3", num_experts=4,
+                      expert_model_parallel_size=2)
+    once = parse_args(argv, world_size=4)
+    twice = validate_args(parse_args(argv, world_size=4), 4)
+    assert vars(twice) == vars(once) and twice.pipeline_partition == [1, 3]
+    assert validate_args(twice, 8).data_parallel_size == 4  # another world size: derived from the flags again
+    twice.global_batch_size = 32
+    assert validate_args(twice, 8).num_micro_batches == 4

@@ -115,3 +115,19 @@ def test_pretrain_gpt_py_with_compile_layers(tmp_path):
                           vocab_size=ByteTokenizer.vocab_size)
     rtol = model_rtol(gpt_path_length(cfg, TINY["global-batch-size"] * TINY["seq-length"]))
     assert_losses_close([got[i] for i in sorted(got)], [want[i] for i in sorted(want)], rtol, "loss")
+
+
+def _inductor_build_directory(base):
+    import os
+
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = base
+    CompileLayersConverter(CPU)(reference_model(tiny_gpt_config(num_layers=1)))
+    return cache_dir()
+
+
+def test_each_rank_compiles_into_its_own_directory(tmp_path):
+    """Inductor's C++ builder writes a layer's .so in place under a name made from its code: two ranks of one host
+    compiling the same layer must not share the directory."""
+    dirs = run_ranks(_inductor_build_directory, 2, str(tmp_path))
+    assert dirs == [str(tmp_path / "rank0"), str(tmp_path / "rank1")]

@@ -192,3 +192,37 @@ def test_tp2_sequence_parallel_matches_one_process():
 def test_tp2_dp2_matches_one_process():
     """With DP2 every micro-batch's amaxes are reduced over DP too: one history for both replicas."""
     _assert_layout(4, dp=2, tp=2)
+
+
+def _amax_all_reduces_per_step(**layout):
+    """fp8_layout_run's delayed-scaling run at `layout`, counting the all-reduces the FP8 casts issue."""
+    import sys
+
+    import torch.distributed as dist
+
+    from megatron_zero.testing.fp8_layouts import STEPS
+
+    plain, count = dist.all_reduce, [0]
+
+    def counted(*args, **kwargs):
+        count[0] += sys._getframe(1).f_globals["__name__"].startswith("megatron_zero.fp8")
+        return plain(*args, **kwargs)
+    dist.all_reduce = counted
+    try:
+        run = fp8_layout_run(recipe="delayed", **layout)
+    finally:
+        dist.all_reduce = plain
+    return run, count[0] / STEPS
+
+
+def test_amaxes_reduced_together_once_per_group():
+    """Delayed scaling reduces a step's amaxes in one all-reduce per group per reduction point (Transformer
+    Engine's global amax buffer), not one per cast; the scales and losses are those of the one-process model.
+    At TP2 the casts that reduce over TP are the column-parallel layers' W and g and the row-parallel layers'
+    x and W: 2 per layer per micro-batch, 16 per micro-batch here."""
+    runs = run_ranks(_amax_all_reduces_per_step, 2, timeout=300, tp=2)
+    reference = reference_run(delayed_settings())
+    micro_batches = GLOBAL_BATCH
+    for run, per_step in runs:
+        _check(run, reference)
+        assert per_step <= 2 * micro_batches, f"{per_step} amax all-reduces a step"  # each micro-batch's forward amaxes, then its backward's

@@ -59,7 +59,7 @@ def _kind(name):
     """The priority class of a step of the plan, by its name."""
     for prefix, kind in (("environment", 0), ("python modules", 0), ("build", 1), ("kernels present", 2), ("data", 2),
                          ("train", 3), ("save", 3), ("resume", 3), ("reshaped", 3), ("universal", 3), ("tools/", 3),
-                         ("bench", 4), ("tests: test_cuda_compile", 6), ("tests", 5)):
+                         ("bench", 2), ("tests: test_cuda_compile", 6), ("tests", 5)):
         if name.startswith(prefix):
             return kind
     raise AssertionError(f"a step of no known kind: {name}")
@@ -70,10 +70,11 @@ def test_plan_for_one_gpu_lists_every_promised_step(tmp_path):
     assert list(steps) == list(_plan(1, tmp_path, how="env"))  # GPU_CHECK_DRY_RUN=1 GPU_CHECK_GPUS=1: the same
     names = list(steps)
     assert names[:3] == ["environment", "python modules", "build the kernels (setup.py build_ext --inplace)"]
-    # priority order, for a budget that ends early: environment, build, kernels, training and checkpoints, the bench,
-    # then the test files most likely to find something (the training tier first), the compile test last
+    # priority order, for a budget that ends early: environment, build, kernels and at once the bench, training and
+    # checkpoints, then the test files most likely to find something (the training tier first), the compile test last
     kinds = [_kind(n) for n in names]
-    assert kinds == sorted(kinds) and set(kinds) == set(range(7)), list(zip(kinds, names))
+    assert kinds == sorted(kinds) and set(kinds) == {0, 1, 2, 3, 5, 6}, list(zip(kinds, names))
+    assert names[4].startswith("bench")  # right after the kernels are built and found
     tests = [n.split()[1] for n in names if n.startswith("tests")]
     assert tests[:2] == ["test_gpu_training.py", "test_ops_cuda.py"] and tests[-1] == "test_cuda_compile.py"
     assert steps[names[2]] == [sys.executable, "setup.py", "build_ext", "--inplace"]  # the python it was given
@@ -87,7 +88,7 @@ def test_plan_for_one_gpu_lists_every_promised_step(tmp_path):
         "save (1 GPU, ZeRO-1)", "resume (1 GPU)", "tools/ds_to_universal.py global_step15",
         "universal resume (1 GPU, ZeRO-2)"]
     bench = next(c for n, c in steps.items() if n.startswith("bench"))
-    assert bench[1].endswith("bench/bench_gpu.py") and "1.3B,llama3-8b" in bench
+    assert bench[1].endswith("bench/bench_gpu.py") and "llama3-8b" in bench and "--compile" in bench
     assert not any("--nproc_per_node" in c for c in steps.values())
 
 
@@ -139,7 +140,8 @@ def test_every_flag_the_plan_passes_is_accepted_by_the_real_parsers(work, ngpus)
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     try:
         import bench_gpu
-        assert bench_gpu.build_parser().parse_args(bench[2:]).sizes == "1.3B,llama3-8b"
+        parsed = bench_gpu.build_parser().parse_args(bench[2:])
+        assert parsed.sizes == "llama3-8b" and parsed.compile and parsed.fp8 in (None, "tensorwise")
     finally:
         sys.path.remove(os.path.join(ROOT, "bench"))
 
@@ -203,3 +205,16 @@ def test_budget_usage_errors_are_one_sentence(tmp_path):
     for argv in (["--budget", "soon", "R.md"], ["--budget", "0", "R.md"], ["--budget"], ["R.md", "S.md"]):
         run = _sh(*argv)
         assert run.returncode == 2 and run.stderr.count("\n") == 1 and run.stdout == "", (argv, run.stderr)
+
+
+def test_wheels_carried_under_whl_are_installed_offline_and_give_the_fp8_row(tmp_path, monkeypatch):
+    gc = _module(monkeypatch)
+    monkeypatch.setattr(gc, "WHEELS", str(tmp_path))
+    assert gc.wheel_steps() == []  # nothing carried: no step
+    for name in ("torchao-0.14.0-py3-none-any.whl", "crc32c-2.7-cp312-cp312-linux_x86_64.whl"):
+        (tmp_path / name).write_bytes(b"")
+    (step,) = gc.wheel_steps()
+    assert step.argv[1:7] == ["-m", "pip", "install", "--no-index", "--no-deps", "--find-links"]
+    assert sorted(os.path.basename(a) for a in step.argv if a.endswith(".whl")) == sorted(os.listdir(tmp_path))
+    bench = gc.bench_step(str(tmp_path)).argv
+    assert bench[bench.index("--fp8") + 1] == "tensorwise" and "--compile" in bench

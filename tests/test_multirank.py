@@ -69,3 +69,23 @@ def die_on_rank_two_while_others_connect():
 def test_lost_connection_gives_way_to_the_rank_that_died():
     with pytest.raises(RankFailure, match=r"rank 2 died with exit code 3"):
         run_ranks(die_on_rank_two_while_others_connect, 4, timeout=60)
+
+
+def test_free_port_is_held_until_the_store_binds_it():
+    """A port found free and then released can be taken by any other bind or outgoing connection before torchrun's
+    or gloo's TCPStore binds it; free_port() holds it, and only a SO_REUSEADDR listener (the TCPStore) gets it."""
+    import datetime
+    import errno
+    import socket
+
+    from megatron_zero.testing.multirank import free_port
+
+    port = free_port()
+    other = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    with pytest.raises(OSError) as taken:
+        other.bind(("127.0.0.1", port))
+    other.close()
+    assert taken.value.errno == errno.EADDRINUSE
+    store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=datetime.timedelta(seconds=10))
+    store.set("key", "value")
+    assert store.get("key") == b"value"

@@ -24,6 +24,7 @@ import torch
 from ..device import HOST
 from ..fp8.delayed import STATE_KEY as FP8_SCALING, load_scaling_state
 from ..topology import ParallelState
+from ..zero.universal_state import set_state_from_params
 from .deepspeed_layout import EMBED_PREFIX, param_shapes
 from .errors import CheckpointError
 from .expert_layout import expert_files, is_expert_param
@@ -138,6 +139,17 @@ def _weights_only(osd: dict) -> dict:
     return sd
 
 
+def _masters_from_weights(model, optimizer) -> None:
+    """The ZeRO masters (this rank's fragments) from the weights just loaded, moments and step zero, as a
+    weights-only load through reshape/ sets them: else the first step writes the initial weights back."""
+    params = dict(model.named_parameters())
+
+    def weights(name):
+        fp32 = params[name].detach().float()
+        return {"fp32": fp32, "exp_avg": torch.zeros_like(fp32), "exp_avg_sq": torch.zeros_like(fp32)}
+    set_state_from_params(optimizer, weights, 0)
+
+
 def state_devices(model, optimizer, device: Optional[torch.device] = None):
     """(where the model's tensors go, where the optimizer's state goes): `device` (default: the model's)
     and, under ZeRO-Offload, the host for the optimizer."""
@@ -181,10 +193,11 @@ def load_checkpoint(load_dir: str, state: ParallelState, model, optimizer, load_
             optimizer.load_state_dict(osd if load_optimizer else _weights_only(osd))
         except ValueError as e:
             raise CheckpointError(f"the checkpoint file {ckpt.path(opt_name)} does not fit this optimizer: {e}") from e
+    else:  # weights only, saved at another DP: this rank's ZeRO partition is none of the saved ones
+        _masters_from_weights(model, optimizer)
     client = {k: v for k, v in states.items() if k not in ENGINE_KEYS}
     note = load_scaling_state(model, states.get(FP8_SCALING))  # the same layout: bit-exact
-    if masters_loaded:  # --fp8-param-gather: the FP8 weights cast again, with the restored scales
-        optimizer.refresh_fp8_weights()
+    optimizer.refresh_fp8_weights()  # --fp8-param-gather: the FP8 weights cast again, with the restored scales
     if note:
         client[FP8_NOTE] = note
     client["lr_scheduler"] = states.get("lr_scheduler")

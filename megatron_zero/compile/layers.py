@@ -15,12 +15,16 @@ Left to eager inside a compiled layer (torch.compiler.disable, ops/eager.py):
 - an MoE layer's router and expert dispatch: its token counts per expert are data-dependent shapes that
   would recompile every step; the layer's attention and norms compile (named in the log line).
 Context parallelism's attention exchange runs eagerly at a graph break where dynamo cannot trace it.
+Each rank compiles into its own inductor cache directory (TORCHINDUCTOR_CACHE_DIR, or inductor's default, with
+`rank<N>` below it): inductor's C++ builder writes a layer's `.so` in place under a name made from the code, so
+two ranks of one host compiling the same layer would write and load the same file at once.
 With dropout on, inductor draws its random numbers as eager PyTorch does (torch._inductor.config.fallback_random),
 so the masks come from the same generators (the RNG tracker's per-TP-rank stream included) and a recomputed
 layer replays them.
 """
 from __future__ import annotations
 
+import os
 from typing import List
 
 import torch
@@ -45,6 +49,18 @@ def eager_kernels(device: torch.device) -> List[str]:
                    if all(getattr(flags, n) for n in names) and extension_for(kernel, probe) is not None})
 
 
+def own_build_directory() -> str:
+    """Point inductor's cache (its C++ builds included) at a directory of this rank's own; -> the directory."""
+    import torch.distributed as dist
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+    mine = f"rank{dist.get_rank()}" if dist.is_available() and dist.is_initialized() else None
+    if mine and os.path.basename(os.path.normpath(base)) != mine:
+        base = os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, mine)
+    return base
+
+
 class CompileLayersConverter:
     """Compile each transformer layer's forward of a built stage (a model transform); -> the log line."""
 
@@ -52,6 +68,7 @@ class CompileLayersConverter:
         self.device, self.mode, self.fullgraph = device, mode, fullgraph
 
     def __call__(self, model: torch.nn.Module) -> str:
+        own_build_directory()
         blocks = list(model.blocks)
         config = getattr(model, "config", None)
         if config is not None and (config.hidden_dropout > 0 or config.attention_dropout > 0):

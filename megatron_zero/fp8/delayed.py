@@ -13,6 +13,14 @@ update runs when the forward's autocast exits and when the backward ends). The b
 again with the forward's scales (Transformer Engine keeps the forward's FP8 copies) and g twice with one
 scale: one history entry per operand per micro-batch. Nothing here reads a value back to the host.
 
+The amaxes are reduced together, as Transformer Engine does (its global amax buffer): a cast's local amax
+waits (`defer`) until the next cast of the same operand of the same layer (its next micro-batch) or a read
+of the histories (`histories`, the checkpoint's state) needs it; then every waiting amax of this process is
+reduced at once (`flush_amaxes`), one all-reduce per group over the stacked amaxes that reduce over the same
+groups, and recorded. Every cast still sees the history it would see with one reduction per cast (its own
+operand's amaxes are all in), so the scales are the same; the collectives per step fall from up to three
+per cast to a few per micro-batch.
+
 The histories and scales are training state: `checkpoint_scaling_state(model, dp_group)` (with every DP
 rank's MoE experts') / `load_scaling_state(model, saved)` carry them in the checkpoint's model-states file
 (megatron_zero/checkpoint/), not in the model's state dict, so the layer files and every export stay those
@@ -20,7 +28,7 @@ of a bf16 run.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -41,13 +49,21 @@ class AmaxHistory:
         self.scale = torch.ones(len(OPERANDS), device=device)
 
     def scale_for(self, operand: str) -> torch.Tensor:
-        """The scale this cast multiplies by (a copy: the update below changes the state in place)."""
+        """The scale this cast multiplies by (a copy: the update below changes the state in place); the
+        waiting amaxes reduced first when one of them is this operand's."""
+        if (self, OPERANDS[operand]) in _WAITING:
+            flush_amaxes()
         return self.scale[OPERANDS[operand]].clone()
 
+    def defer(self, operand: str, amax: torch.Tensor, fp8_max: float, groups: Tuple) -> None:
+        """Record this cast's local `amax` once it is reduced (MAX) over `groups` with the others waiting."""
+        _WAITING[(self, OPERANDS[operand])] = (amax.float().reshape(()), fp8_max, groups)
+
     @torch.no_grad()
-    def record(self, operand: str, amax: torch.Tensor, fp8_max: float) -> None:
-        """The cast's reduced amax into the history, then the next scale from the history (TE's order)."""
-        i = OPERANDS[operand]
+    def record(self, operand, amax: torch.Tensor, fp8_max: float) -> None:
+        """The cast's reduced amax into the history, then the next scale from the history (TE's order).
+        `operand`: its name or index."""
+        i = OPERANDS.get(operand, operand)
         history, scale = self.history[i], self.scale[i]
         history[0] = amax.float()
         new_amax = history.max() if self.algo == "max" else history[0].clone()
@@ -59,8 +75,31 @@ class AmaxHistory:
         history[0] = 0.0
 
 
+# (history, operand index) -> (local amax, fp8 max, the groups it reduces over), in the order of the casts
+_WAITING: Dict[Tuple[AmaxHistory, int], Tuple[torch.Tensor, float, Tuple]] = {}
+
+
+@torch.no_grad()
+def flush_amaxes() -> None:
+    """Reduce every waiting amax (one all-reduce per group for the amaxes sharing their groups) and record
+    them. Collective over those groups: every rank of a stage waits for the same casts' amaxes."""
+    by_groups: Dict[Tuple, List] = {}
+    for key, (amax, fp8_max, groups) in _WAITING.items():
+        by_groups.setdefault(groups, []).append((key, amax, fp8_max))
+    _WAITING.clear()
+    for groups, entries in by_groups.items():
+        amaxes = torch.stack([amax for _, amax, _ in entries])
+        for group in groups:
+            dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
+        for k, ((history, i), _, fp8_max) in enumerate(entries):
+            history.record(i, amaxes[k], fp8_max)
+
+
 def histories(model: torch.nn.Module):
-    """(module name, AmaxHistory) of every delayed-scaling FP8 layer of the model."""
+    """(module name, AmaxHistory) of every delayed-scaling FP8 layer of the model, the waiting amaxes recorded
+    first (collective where some wait: every rank of a stage reads them at the same point)."""
+    if _WAITING:
+        flush_amaxes()
     for name, module in model.named_modules():
         state = getattr(getattr(module, "fp8", None), "delayed", None)
         if state is not None:

@@ -78,10 +78,10 @@ class Float8Matmul:
         axis = None if tensorwise else axis  # torchao's: 0 or -1
         if scale is None and self.delayed is not None:
             scale = self.delayed.scale_for(operand)
-            if record:
+            if record:  # reduced with the others' when the next cast of this operand needs it (delayed.py)
                 amax = _amax(t, ScalingGranularity.TENSORWISE, None)
-                self._reduce(amax, operand, True, None)
-                self.delayed.record(operand, amax, torch.finfo(cast_config.target_dtype).max)
+                self.delayed.defer(operand, amax, torch.finfo(cast_config.target_dtype).max,
+                                   self._groups(operand, True, None))
         elif scale is None:
             amax = _amax(t, cast_config.scaling_granularity, axis)
             self._reduce(amax, operand, tensorwise, axis)
@@ -90,16 +90,23 @@ class Float8Matmul:
                 scale = scale * 2.0 ** -self.margin
         return hp_tensor_and_scale_to_float8(t, scale, cast_config.target_dtype, self.mm_config, role, axis), scale
 
-    def _reduce(self, amax: torch.Tensor, operand: str, tensorwise: bool, axis: Optional[int]) -> None:
-        """MAX over the groups whose ranks hold other parts of what the amax is taken over."""
+    def _groups(self, operand: str, tensorwise: bool, axis: Optional[int]) -> tuple:
+        """The groups whose ranks hold other parts of what the amax is taken over."""
         along = None if tensorwise else axis % 2
         tp_dim = TP_SPLIT[self.split][operand]
+        groups = []
         if self.tp_group is not None and tp_dim is not None and (tensorwise or along == tp_dim):
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.tp_group)
+            groups.append(self.tp_group)
         if self.cp_group is not None and operand != "w" and (tensorwise or along == TOKENS):
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.cp_group)
+            groups.append(self.cp_group)
         if self.delayed is not None and self.dp_group is not None:
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.dp_group)
+            groups.append(self.dp_group)
+        return tuple(groups)
+
+    def _reduce(self, amax: torch.Tensor, operand: str, tensorwise: bool, axis: Optional[int]) -> None:
+        """MAX over the groups whose ranks hold other parts of what the amax is taken over."""
+        for group in self._groups(operand, tensorwise, axis):
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
 
 
 def _amax(t: torch.Tensor, granularity, axis: Optional[int]) -> torch.Tensor:

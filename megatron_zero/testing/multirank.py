@@ -44,10 +44,18 @@ def _context():
     return _CTX
 
 
+_HELD_PORTS: List[socket.socket] = []
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port that stays this caller's until the process exits: bound (not listening) with SO_REUSEADDR and held,
+    so no other bind and no outgoing connection can take it, while the TCPStore of torchrun or gloo, which binds
+    with SO_REUSEADDR too, can listen on it. A port found free and released races everything else on the host."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    _HELD_PORTS.append(s)
+    return s.getsockname()[1]
 
 
 def _worker(rank, world_size, port, fn, args, kwargs, results, threads, env, stack_dir):
