@@ -31,11 +31,11 @@ from typing import Optional
 
 from ....model.config import GPTConfig
 from ...errors import CheckpointError
-from . import gpt2, llama, mistral, mixtral, qwen2_moe
+from . import gpt2, llama, mistral, mixtral, qwen2_moe, qwen3, qwen3_moe
 from ....model.params import is_norm_weight
 from .mapping import TensorMapping, zero_centred
 
-ARCHITECTURES = {m.HF_ARCHITECTURE: m for m in (mixtral, qwen2_moe, llama, mistral, gpt2)}
+ARCHITECTURES = {m.HF_ARCHITECTURE: m for m in (qwen3_moe, mixtral, qwen2_moe, qwen3, llama, mistral, gpt2)}
 
 
 def for_hf_config(hf: dict, where: str = "config.json") -> ModuleType:

@@ -54,7 +54,8 @@ GPT2_SWITCHES = {"normalization": "LayerNorm", "position_embedding_type": "learn
 
 def matches(config: GPTConfig) -> bool:
     return all(getattr(config, k, v) == v for k, v in GPT2_SWITCHES.items()) and \
-        getattr(config, "num_query_groups", None) in (None, config.num_attention_heads)
+        getattr(config, "num_query_groups", None) in (None, config.num_attention_heads) and \
+        not getattr(config, "qk_layernorm", False) and getattr(config, "kv_channels", None) is None
 
 
 def hf_config(config: GPTConfig) -> dict:

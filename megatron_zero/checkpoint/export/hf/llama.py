@@ -48,8 +48,9 @@ def config_from_hf(hf: dict, what: str = "Llama") -> GPTConfig:
     if bias != bool(hf.get("mlp_bias", bias)):
         refuse("biases in the attention layers but not the MLP, or the reverse")
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
-    if hf.get("head_dim") not in (None, hidden // heads) or hidden % heads:
-        refuse(f"head_dim {hf.get('head_dim')} other than hidden_size / num_attention_heads")
+    head_dim = hf.get("head_dim")
+    if head_dim is None and hidden % heads:
+        refuse(f"hidden_size {hidden} not divisible by num_attention_heads {heads} and no head_dim")
     theta = rope_theta(hf, refuse)
     positions = hf.get("max_position_embeddings", 2048)
     return GPTConfig(vocab_size=hf["vocab_size"], hidden_size=hidden, num_layers=hf["num_hidden_layers"],
@@ -60,13 +61,15 @@ def config_from_hf(hf: dict, what: str = "Llama") -> GPTConfig:
                      init_method_std=hf.get("initializer_range", 0.02), normalization="RMSNorm",
                      position_embedding_type="rope", rotary_base=theta, swiglu=True,
                      untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
-                     add_bias_linear=bias)
+                     add_bias_linear=bias, kv_channels=None if head_dim in (None, hidden // heads) else head_dim)
 
 
 def flags(config: GPTConfig) -> List[str]:
     out = base_flags(config) + ["--normalization", "RMSNorm", "--position-embedding-type", "rope",
                                 "--rotary-base", str(config.rotary_base), "--swiglu", "--group-query-attention",
                                 "--num-query-groups", str(config.num_query_groups)]
+    if config.kv_channels:
+        out += ["--kv-channels", str(config.kv_channels)]
     if config.untie_embeddings_and_output_weights:
         out.append("--untie-embeddings-and-output-weights")
     if not config.add_bias_linear:
@@ -74,9 +77,11 @@ def flags(config: GPTConfig) -> List[str]:
     return out
 
 
-def matches(config: GPTConfig) -> bool:
+def matches(config: GPTConfig, qk_layernorm: bool = False) -> bool:
+    """Llama's switches (`qk_layernorm`: whether the architecture has QK-norm: Qwen3's, or none: Llama's)."""
     return (config.normalization == "RMSNorm" and config.position_embedding_type == "rope" and config.swiglu
-            and config.rotary_percent == 1.0 and config.num_experts is None and not config.add_qkv_bias)
+            and config.rotary_percent == 1.0 and config.num_experts is None and not config.add_qkv_bias
+            and config.qk_layernorm == qk_layernorm)
 
 
 def hf_config(config: GPTConfig) -> dict:

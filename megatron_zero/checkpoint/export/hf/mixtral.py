@@ -40,7 +40,7 @@ def matches(config: GPTConfig) -> bool:
     return (dropless_topk(config) and config.moe_layer_freq == 1 and not config.moe_router_pre_softmax
             and not config.moe_shared_expert_intermediate_size and not config.add_qkv_bias
             and config.normalization == "RMSNorm" and config.position_embedding_type == "rope" and config.swiglu
-            and config.rotary_percent == 1.0)
+            and config.rotary_percent == 1.0 and not config.qk_layernorm)
 
 
 def hf_config(config: GPTConfig) -> dict:

@@ -62,7 +62,7 @@ def flags(config: GPTConfig) -> List[str]:
 def matches(config: GPTConfig) -> bool:
     return (dropless_topk(config) and config.moe_layer_freq == 1 and config.moe_shared_expert_gate
             and config.normalization == "RMSNorm" and config.position_embedding_type == "rope" and config.swiglu
-            and config.rotary_percent == 1.0)
+            and config.rotary_percent == 1.0 and not config.qk_layernorm)
 
 
 def hf_config(config: GPTConfig) -> dict:
