@@ -32,6 +32,9 @@ REFUSED: Dict[str, Refusal] = {
         "megatron_zero loads Megatron-LM's torch_dist and torch (legacy) checkpoints and saves DeepSpeed's layout "
         "(tools/convert_checkpoint.py --to torch_dist converts a save); other formats are not available in this build",
         lambda v, g: v not in ("torch", "torch_dist"), "other than torch, torch_dist"),
+    # mixture of experts
+    "--moe-router-dtype": Refusal("the router's GEMM runs in the model dtype or fp32 here (--moe-router-dtype fp32)",
+                                  lambda v, g: v == "fp64", "fp64"),
     # model
     "--optimizer": Refusal("Adam/AdamW and Muon are available in this build, not SGD", lambda v, g: v == "sgd", "sgd"),
 }

@@ -99,7 +99,7 @@ def test_architecture_flags_and_their_megatron_deepspeed_spellings():
         "normalization": "RMSNorm", "apply_layernorm_1p": False, "position_embedding_type": "rope",
         "rotary_base": 10000, "rotary_percent": 1.0,
         "swiglu": True, "num_query_groups": 2, "untie_embeddings_and_output_weights": True, "add_bias_linear": False,
-        "add_qkv_bias": False}
+        "add_qkv_bias": False, "qk_layernorm": False, "kv_channels": None}
     assert architecture_kwargs(vars(deepspeed)) == architecture_kwargs(recorded)
     assert megatron.ffn_hidden_size == 128  # Megatron's SwiGLU default: 2/3 of 4h, rounded down to 64
     config = GPTConfig(vocab_size=100, hidden_size=64, num_layers=4, num_attention_heads=4, seq_length=32,

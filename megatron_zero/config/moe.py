@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from ..moe.expert_counts import check_expert_counts
+from ..model.moe_layers import parse_moe_layer_freq, placement
 from ..topology import Layout
 from .errors import require
 from .moe_deepspeed import add_deepspeed_moe_flags, apply_deepspeed_moe_flags
@@ -16,7 +17,9 @@ from .moe_router import add_core_router_flags, check_core_router_flags
 def add_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("mixture of experts (Megatron-Core's flags; docs/moe.md)")
     g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (none: a dense model)")
-    g.add_argument("--moe-layer-freq", type=int, default=1, help="every N-th layer (0, N, 2N, ...) is an MoE layer")
+    g.add_argument("--moe-layer-freq", type=parse_moe_layer_freq, default=1,
+                   help="every N-th layer (0, N, 2N, ...) is an MoE layer, or one 0 / 1 per layer as Megatron-LM's "
+                        "list expression (\"[0]*3+[1]*58\": three dense layers first)")
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="an expert's width (default --ffn-hidden-size)")
     g.add_argument("--moe-router-topk", type=int, default=2,
                    help="experts each token is routed to")
@@ -73,7 +76,13 @@ def check(args, layout: Layout, given: set) -> None:
         return
     check_expert_counts(experts, args.moe_router_topk, ep)
     layout.check_expert_parallel(ep, etp)
-    require(args.moe_layer_freq >= 1, f"--moe-layer-freq {args.moe_layer_freq} must be at least 1")
+    if isinstance(args.moe_layer_freq, tuple):
+        try:
+            args.moe_layer_freq, args.moe_layer_offset = placement(args.moe_layer_freq, args.num_layers)
+        except ValueError as e:
+            require(False, str(e))
+    require(isinstance(args.moe_layer_freq, tuple) or args.moe_layer_freq >= 1,
+            f"--moe-layer-freq {args.moe_layer_freq} must be at least 1")
     if args.moe_ffn_hidden_size is None:
         args.moe_ffn_hidden_size = args.ffn_hidden_size
     require(args.moe_ffn_hidden_size >= 1 and args.moe_ffn_hidden_size % etp == 0,

@@ -12,6 +12,12 @@ def add_core_router_flags(g) -> None:
                    help="the router's score: softmax, or sigmoid (top-k of sigmoid(logits), normalised to sum 1)")
     g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
                    help="the router weights of the chosen experts times this factor")
+    g.add_argument("--moe-router-dtype", choices=["fp32"], default=None,
+                   help="the router's GEMM (tokens x router weight) in fp32 under --bf16 / --fp16, as Megatron-Core "
+                        "computes it (default: the model dtype; its scores are fp32 either way); fp64 is refused")
+    g.add_argument("--moe-permute-fusion", action="store_true",
+                   help="no-op: Megatron-Core's fused permute kernel (Transformer Engine); the tokens are permuted by "
+                        "index here, the same result")
     g.add_argument("--moe-expert-capacity-factor", type=float, default=None,
                    help="an expert keeps at most ceil(tokens x topk / experts x factor) of a micro-batch's routed "
                         "tokens on each rank, the rest are dropped (default: dropless; negative: dropless)")

@@ -112,7 +112,10 @@ def moe_settings(args) -> dict:
         experts = experts[0] if len(set(experts)) == 1 else list(experts)
     if experts in (None, 1, [1]) and not args.get("moe_capacity_factor"):
         return {"num_experts": None}  # Megatron-DeepSpeed records [1] for a dense model
-    return {"num_experts": experts, **{k: args.get(k) for k in MOE_STRUCTURE}}
+    out = {"num_experts": experts, **{k: args.get(k) for k in MOE_STRUCTURE}}
+    if isinstance(out["moe_layer_freq"], list):  # a pattern, as a checkpoint's JSON or Megatron-LM's args hold it
+        out["moe_layer_freq"] = tuple(out["moe_layer_freq"])
+    return out
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from ..moe.expert_counts import check_expert_counts
+from .moe_layers import is_moe_block
 
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
@@ -57,7 +58,8 @@ class GPTConfig:
     qk_layernorm: bool = False                       # the model's norm over each head's q and k, before RoPE (Qwen3)
     # mixture of experts (Megatron-Core's names; megatron_zero/moe/): None -> every layer has a dense MLP
     num_experts: Optional[int] = None
-    moe_layer_freq: int = 1                          # every N-th layer (offset, offset + N, ...) is an MoE layer
+    moe_layer_freq: object = 1                       # every N-th layer (offset, offset + N, ...) is an MoE layer, or a
+    #                                                  tuple of 0 / 1 per layer (model/moe_layers.py)
     moe_layer_offset: int = 0                        # the first MoE block (Megatron-DeepSpeed's --expert-interval N: N-1)
     moe_ffn_hidden_size: Optional[int] = None        # None -> ffn_hidden_size
     moe_router_topk: int = 2
@@ -69,6 +71,7 @@ class GPTConfig:
     moe_token_dispatcher_type: str = "alltoall"      # or "allgather" (moe/allgather_dispatch.py): the same result
     moe_router_score_function: str = "softmax"       # or "sigmoid" (moe/router.py)
     moe_router_topk_scaling_factor: Optional[float] = None  # router weights times this
+    moe_router_dtype: Optional[str] = None           # "fp32": the router's GEMM in fp32 (None: the model dtype)
     # Megatron-Core's capacity (moe/token_dropping.py): None -> dropless
     moe_expert_capacity_factor: Optional[float] = None
     moe_token_drop_policy: str = "probs"              # or "position"
@@ -134,7 +137,12 @@ class GPTConfig:
         if self.num_experts is None:
             return
         check_expert_counts(self.num_experts, self.moe_router_topk)
-        if self.moe_layer_freq < 1 or not 0 <= self.moe_layer_offset < self.moe_layer_freq:
+        if isinstance(self.moe_layer_freq, (list, tuple)):
+            self.moe_layer_freq = tuple(self.moe_layer_freq)
+            if len(self.moe_layer_freq) != self.num_layers or set(self.moe_layer_freq) - {0, 1} or self.moe_layer_offset:
+                raise ValueError(f"moe_layer_freq's pattern {list(self.moe_layer_freq)} must hold one 0 or 1 per layer "
+                                 f"({self.num_layers}) and moe_layer_offset be 0")
+        elif self.moe_layer_freq < 1 or not 0 <= self.moe_layer_offset < self.moe_layer_freq:
             raise ValueError(f"moe_layer_freq {self.moe_layer_freq} must be at least 1 and moe_layer_offset "
                              f"{self.moe_layer_offset} lie in 0..moe_layer_freq - 1")
         if self.moe_capacity_factor is not None:
@@ -171,7 +179,7 @@ class GPTConfig:
     def is_moe_layer(self, block: int) -> bool:
         """Whether transformer block `block` (0-based) has an MoE layer in place of its MLP (Megatron-Core's
         --moe-layer-freq N: blocks 0, N, 2N, ...; Megatron-DeepSpeed's --expert-interval N: N-1, 2N-1, ...)."""
-        return self.num_experts is not None and block % self.moe_layer_freq == self.moe_layer_offset
+        return self.num_experts is not None and is_moe_block(self.moe_layer_freq, self.moe_layer_offset, block)
 
     def shared_expert_mlp_in_size(self) -> int:
         """Rows of the shared expert's dense_h_to_4h: [gate; up] with SwiGLU."""

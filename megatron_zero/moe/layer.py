@@ -112,7 +112,12 @@ class DeepSpeedMoE(nn.Module):
         c = self.config
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        logits = F.linear(tokens, sum_sequence_parallel_grad(self.gate.wg.weight, self.sp_group)).float()
+        weight = sum_sequence_parallel_grad(self.gate.wg.weight, self.sp_group)
+        if c.moe_router_dtype == "fp32":  # the router's GEMM itself in fp32 (Megatron-Core's --moe-router-dtype)
+            tokens_in, weight = tokens.float(), weight.float()
+        else:
+            tokens_in = tokens
+        logits = F.linear(tokens_in, weight).float()
         if c.moe_capacity_factor is None:
             weights, expert_ids = route(logits, c.moe_router_topk, c.moe_router_pre_softmax,
                                         c.moe_router_load_balancing_type, c.moe_aux_loss_coeff, c.moe_z_loss_coeff,

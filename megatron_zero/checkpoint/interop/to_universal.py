@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from ...model.architecture import gpt_config, model_settings
+from ...model.moe_layers import placement
 from ...model.params import param_names, param_spec
 from ..errors import CheckpointError
 from ..format import LATEST_UNIVERSAL, STATE_KEYS, SUB_PARAMS_KEY, UNIVERSAL_CHECKPOINT_INFO
@@ -48,12 +49,11 @@ def config_from_common(common: dict, vocab_size: Optional[int], where: str):
 
 def layer_pattern(pattern: list, where: str) -> dict:
     """Megatron-LM's --moe-layer-freq as a list (1: an MoE layer) as our moe_layer_freq and moe_layer_offset."""
-    for freq in range(1, len(pattern) + 1):
-        for offset in range(freq):
-            if pattern == [int(i % freq == offset) for i in range(len(pattern))]:
-                return {"moe_layer_freq": freq, "moe_layer_offset": offset}
-    raise CheckpointError(f"{where}/common.pt records --moe-layer-freq {pattern}, which is not every N-th layer "
-                          "from one offset; only such patterns are built here")
+    try:
+        freq, offset = placement(tuple(int(v) for v in pattern), len(pattern))
+    except ValueError as e:
+        raise CheckpointError(f"{where}/common.pt records {e}") from None
+    return {"moe_layer_freq": freq, "moe_layer_offset": offset}
 
 
 def torch_dist_to_universal(src: str, out: str, vocab_size: Optional[int] = None, force: bool = False) -> dict:

@@ -94,7 +94,8 @@ def moe_args(config) -> dict:
     c = config
     if not c.num_experts:
         return {"num_experts": None}
-    freq = c.moe_layer_freq if c.moe_layer_offset == 0 else [int(c.is_moe_layer(i)) for i in range(c.num_layers)]
+    freq = c.moe_layer_freq if isinstance(c.moe_layer_freq, int) and c.moe_layer_offset == 0 else \
+        [int(c.is_moe_layer(i)) for i in range(c.num_layers)]
     return {"num_experts": c.num_experts, "moe_layer_freq": freq, "moe_ffn_hidden_size": c.moe_ffn_hidden_size,
             "moe_router_topk": c.moe_router_topk,
             "moe_shared_expert_intermediate_size": c.moe_shared_expert_intermediate_size,
@@ -104,7 +105,7 @@ def moe_args(config) -> dict:
 def per_layer(config) -> bool:
     """Whether Megatron-Core saves this model's blocks one key per layer (`decoder.layers.<i>.*`): dense and MoE
     blocks mixed (its TransformerBlock's non-homogeneous layers: --moe-layer-freq other than 1), else stacked."""
-    return bool(config.num_experts) and config.moe_layer_freq > 1
+    return bool(config.num_experts) and config.moe_layer_freq != 1
 
 
 def saved_location(name: str, config, shape: tuple):

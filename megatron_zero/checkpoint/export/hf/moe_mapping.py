@@ -41,7 +41,8 @@ def moe_flags(config: GPTConfig) -> List[str]:
     out = ["--num-experts", str(config.num_experts), "--moe-router-topk", str(config.moe_router_topk),
            "--moe-ffn-hidden-size", str(config.moe_ffn_hidden_size)]
     if config.moe_layer_freq != 1:
-        out += ["--moe-layer-freq", str(config.moe_layer_freq)]
+        freq = config.moe_layer_freq
+        out += ["--moe-layer-freq", str(list(freq) if isinstance(freq, tuple) else freq)]
     if config.moe_router_pre_softmax:
         out.append("--moe-router-pre-softmax")
     if config.moe_shared_expert_intermediate_size:
