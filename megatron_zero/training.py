@@ -26,7 +26,7 @@ from .checkpoint.format import header_args
 from .checkpoint.storage.lock import hold_save_lock
 from .checkpoint.preflight import check_save_dir, checkpoint_bytes
 from .checkpoint.report import async_started_line, checkpoint_size, saved_line
-from .checkpoint.resume import refuse_fresh_start_over, resume_checkpoint
+from .checkpoint.resume import refuse_foreign_load, refuse_fresh_start_over, resume_checkpoint
 from .checkpoint.export.save_16bit import save_16bit_model
 from .compat_flags import lr_increment
 from .context_parallel import slice_batch_for_cp
@@ -282,6 +282,7 @@ class Trainer:
         if any(switch):
             self._log(switch[0])
         if client is None:
+            refuse_foreign_load(path)
             self._log(f"no checkpoint under --load {path}; starting from scratch")
             return False
         if c.finetune or client.get("weights_only"):  # weights only (an import): fresh optimizer, iteration 0

@@ -191,6 +191,22 @@ def megatron_deepspeed_layout(checkpoint, verify: bool = True) -> bool:
     return is_module_layout(n for g in shapes for n in g)
 
 
+def refuse_foreign_load(path: str) -> None:
+    """Refuse a --load that holds no checkpoint --load reads but one of a format a converter reads (a torchtitan
+    DCP step, a Hugging Face model), naming the format and the command that converts it: a fresh start is only
+    for a directory without any checkpoint."""
+    from .interop.output_guard import detect_format, name_format
+    fmt = detect_format(path) if os.path.isdir(path) else None
+    command = {"dcp": f"tools/convert_checkpoint.py --from dcp --to universal --input {path} --output "
+                      f"{path.rstrip('/')}_universal --num-attention-heads N --seq-length S, then --load that output "
+                      "with --universal-checkpoint",
+               "hf": f"tools/convert_from_hf.py --input {path} --output {path.rstrip('/')}_megatron_zero, then --load "
+                     "that output"}.get(fmt)
+    if command is not None:
+        raise CheckpointError(f"--load {path} holds {name_format(path).split(' (')[0]}, which --load does not read; "
+                              f"convert it first: {command}")
+
+
 def refuse_fresh_start_over(save_dir: str) -> None:
     """Refuse a run that starts from scratch while `save_dir` holds checkpoints it would overwrite."""
     if not os.path.isdir(save_dir):
