@@ -22,7 +22,7 @@ from megatron_zero.testing.tiny_gpt import tiny_llama_config
 from tools import convert_checkpoint
 
 CFG = tiny_llama_config(num_layers=2, num_query_groups=2, make_vocab_size_divisible_by=1)
-PROGRESS = re.compile(r"^convert_checkpoint: (\d+)/(\d+) tensors \((\d+)%\), [\d.]+/[\d.]+ GiB, [\d.]+ MiB/s, "
+PROGRESS = re.compile(r"^convert_checkpoint: (\d+)/(\d+) tensors \((\d+)% of the bytes\), [\d.]+/[\d.]+ (GiB|MiB), [\d.]+ MiB/s, "
                       r"ETA \d+:\d\d:\d\d$")
 
 

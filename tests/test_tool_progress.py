@@ -12,7 +12,7 @@ from megatron_zero.testing.checkpoint_stage import build_stage, random_train_ste
 from megatron_zero.testing.multirank import run_ranks
 from tools import ds_to_universal, zero_to_fp32
 
-LINE = r"^{}: (\d+)/(\d+) parameters \((\d+)%\), [\d.]+/[\d.]+ GiB, [\d.]+ MiB/s, ETA \d+:\d\d:\d\d$"
+LINE = r"^{}: (\d+)/(\d+) parameters \((\d+)% of the bytes\), [\d.]+/[\d.]+ (GiB|MiB), [\d.]+ MiB/s, ETA \d+:\d\d:\d\d$"
 
 
 def _save_tiny(save_dir):

@@ -8,9 +8,10 @@ On a terminal: tqdm's bar when tqdm is installed, else one self-overwriting line
 a batch job) a plain line each time another tenth of the work is done, and at least every `every_s` seconds
 while it runs:
 
-    convert_checkpoint: 12/48 tensors (25%), 1.20/4.80 GiB, 95.3 MiB/s, ETA 0:00:38
+    convert_checkpoint: 12/48 tensors (25% of the bytes), 1.20/4.80 GiB, 95.3 MiB/s, ETA 0:00:38
 
-The fraction is of the bytes where their total is known, else of the tensors (or parameters: `unit`). Off a
+The fraction is of the bytes where their total is known (and says so), else of the tensors (or parameters:
+`unit`); bytes in MiB below 1 GiB. Off a
 terminal, close() adds a last line where the work ended if none was printed there.
 """
 from __future__ import annotations
@@ -61,11 +62,13 @@ class Progress:
 
     def line(self) -> str:
         elapsed = time.monotonic() - self.start
-        of_bytes = f"/{self.total_bytes / 2**30:.2f}" if self.total_bytes else ""
+        scale, unit = (2**30, "GiB") if max(self.total_bytes, self.bytes) >= 2**30 else (2**20, "MiB")
+        of_bytes = f"/{max(self.total_bytes, self.bytes) / scale:.2f}" if self.total_bytes else ""  # files' headers
         f = self.fraction
         eta = _clock(elapsed * (1 - f) / f) if 0 < f < 1 else ("0:00:00" if f >= 1 else "?")
-        return (f"{self.what}: {self.done}/{self.total} {self.unit} ({100 * f:.0f}%), {self.bytes / 2**30:.2f}{of_bytes} "
-                f"GiB, {_rate(self.bytes, elapsed)}, ETA {eta}")
+        share = f"{100 * f:.0f}% of the bytes" if self.total_bytes else f"{100 * f:.0f}%"
+        return (f"{self.what}: {self.done}/{self.total} {self.unit} ({share}), {self.bytes / scale:.2f}{of_bytes} "
+                f"{unit}, {_rate(self.bytes, elapsed)}, ETA {eta}")
 
     def update(self, n: int, nbytes: int) -> None:
         self.done += n

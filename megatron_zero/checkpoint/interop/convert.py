@@ -150,6 +150,9 @@ def convert(src_fmt: str, dst_fmt: str, src: str, out: str, vocab_size: Optional
     if dst_fmt == "torch_dist":
         from .torch_dist_write import write_torch_dist
         return write_torch_dist(src, out, target_tp, force=force, progress=progress)
+    if src_fmt == "deepspeed" and dst_fmt == "universal":  # tools/ds_to_universal.py's conversion, the same files
+        from ..reshape.universal_convert import convert_to_universal
+        return convert_to_universal(src, out, progress=progress, force=force)
     start = time.monotonic()
     files, config, head = open_any(src_fmt, src, vocab_size, global_batch_size=global_batch_size, **titan)
     note = {"consumed": files.consumed_note} if src_fmt == "dcp" else {}

@@ -39,6 +39,7 @@ from ..storage.reader import open_directory
 from .dcp_stream import Chunk, save_streamed
 from .mcore_names import EXPERTS, LAYERS, OPTIMIZER_PREFIX, mcore_location
 from .output_guard import check_output
+from ..storage.commit import checkpoint_in
 
 ATTENTION_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj")
 DENSE_LINEARS = ("mlp.linear_fc1", "mlp.linear_fc2")
@@ -52,7 +53,7 @@ def open_source(path: str, verify: bool = True):
     """(per-parameter source, header) of a universal checkpoint or a ZeRO checkpoint directory."""
     universal = find_universal_dir(path)
     files = (UniversalFiles(open_directory(universal, verify)) if universal else
-             ReshapedFiles(open_directory(path, verify)))
+             ReshapedFiles(open_directory(checkpoint_in(path), verify)))
     head = files.model_states(0) or {}
     return files, head
 

@@ -191,10 +191,10 @@ def convert_to_universal(input_folder: str, output_folder: str, merge_workers: i
             print(f"warning: {name}; TP rank 0's copy was kept", file=sys.stderr)
         files.update(_save(_optimizer_state(src), tmp, "zero/optimizer_state.pt"))
         copied = sorted(src.model_files.values()) or sorted(
-            f for f in os.listdir(input_folder) if f.endswith("_model_states.pt") and not f.startswith("layer_"))
+            f for f in os.listdir(src.directory) if f.endswith("_model_states.pt") and not f.startswith("layer_"))
         for f in copied:
             files.update(_copy_into(src, f, tmp))
-        write_manifest(tmp, files, {"universal": True, "source": os.path.abspath(input_folder),
+        write_manifest(tmp, files, {"universal": True, "source": os.path.abspath(src.directory),
                                     "iteration": src.iteration})
         os.rename(tmp, output_folder)
     except BaseException:
@@ -206,4 +206,5 @@ def convert_to_universal(input_folder: str, output_folder: str, merge_workers: i
     with open(os.path.join(root or ".", LATEST_UNIVERSAL), "w") as f:
         f.write(name)
     return {"params": len(src.params), "bytes": total_bytes, "seconds": time.monotonic() - start, "tensors": bar.done,
-            "layout": str(src.layout), "zero_stage": src.zero_stage, "mismatched": mismatched}
+            "layout": str(src.layout), "zero_stage": src.zero_stage, "mismatched": mismatched, "iteration": src.iteration,
+            "directory": output_folder}

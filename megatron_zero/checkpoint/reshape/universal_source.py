@@ -27,6 +27,7 @@ from ...model.sharding import merge_sub_params
 from ..errors import CheckpointError
 from ..format import (LAYER_FILE, MODEL_FILE, SUB_PARAMS_PATTERNS, UNIVERSAL_CHECKPOINT_INFO, ZERO3_MODEL_FILE, ZERO_FILE,
                      header_args, header_tp_pp)
+from ..storage.commit import checkpoint_in
 from ..storage.reader import Checkpoint, open_directory
 from ..megatron_deepspeed import QKV_SUFFIXES, ours_names, qkv_heads, qkv_to_ours, writes_qkv_blocks
 from .dense_source import DenseStates
@@ -57,7 +58,9 @@ def _numel(shape) -> int:
 
 class SourceCheckpoint:
     def __init__(self, directory: str, strict: bool = True, verify: bool = True, files: Optional[Checkpoint] = None):
-        """`files`: `directory` opened already (then `verify` is the opener's)."""
+        """`files`: `directory` opened already (then `verify` is the opener's). A save directory (--save's, with
+        `latest`) stands for the checkpoint `latest` names."""
+        directory = checkpoint_in(directory) if files is None else directory
         self.files = files if files is not None else open_directory(directory, verify)
         self.directory, self.strict = directory, strict
         files = sorted(os.listdir(directory))

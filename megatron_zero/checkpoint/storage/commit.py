@@ -133,6 +133,14 @@ def latest_tag(load_dir: str) -> Tuple[Optional[str], Optional[str]]:
     return tag, None
 
 
+def checkpoint_in(path: str) -> str:
+    """`path` if it is one checkpoint; for a save directory (the one --load takes: `latest` beside the checkpoint
+    directories, no checkpoint files of its own) the checkpoint `latest` names, as --load reads it."""
+    if not os.path.isfile(os.path.join(path, LATEST)) or any(n.endswith("_states.pt") for n in os.listdir(path)):
+        return path
+    return os.path.join(path, read_latest(path))
+
+
 def read_latest(load_dir: str, required: bool = True) -> Optional[str]:
     """The tag `latest` names; without a `latest`, None (required=False) or one sentence; one sentence naming
     the file when it holds no directory name (empty, not UTF-8 text, a path, control characters)."""
