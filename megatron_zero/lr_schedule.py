@@ -1,4 +1,7 @@
-"""Megatron's learning-rate schedule: linear warm-up, then constant/linear/cosine decay to min-lr.
+"""Megatron's learning-rate schedule: linear warm-up, then constant / linear / cosine / WSD / inverse-square-root
+decay to min-lr, with Megatron-Core's OptimizerParamScheduler's formulas (WSD: stable at the peak until the last
+`wsd_decay_steps` of the decay span, then exponential (2 x 0.5^r - 1), linear, cosine or minus_sqrt (1 - sqrt r)
+in the fraction r of them done; inverse-square-root: peak x sqrt(warm-up / step), floored at min-lr).
 
 One schedule serves every param group, as Megatron's OptimizerParamScheduler does: a group with its own peak
 and floor (--decoupled-lr / --decoupled-min-lr for the embedding and output layer) asks `lr(max_lr=, min_lr=)`
@@ -9,11 +12,19 @@ import math
 from typing import Optional
 
 
+DECAY_STYLES = ("constant", "linear", "cosine", "WSD", "inverse-square-root")
+WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
+
+
 class LRSchedule:
     def __init__(self, max_lr: float, min_lr: float = 0.0, warmup_steps: int = 0,
-                 decay_steps: int = 0, decay_style: str = "linear", num_steps: int = 0):
-        if decay_style not in ("constant", "linear", "cosine"):
-            raise ValueError(f"lr decay style {decay_style!r} must be constant, linear or cosine")
+                 decay_steps: int = 0, decay_style: str = "linear", num_steps: int = 0,
+                 wsd_decay_steps: Optional[int] = None, wsd_decay_style: str = "exponential"):
+        if decay_style not in DECAY_STYLES:
+            raise ValueError(f"lr decay style {decay_style!r} must be one of {', '.join(DECAY_STYLES)}")
+        if decay_style == "WSD" and (wsd_decay_steps is None or wsd_decay_style not in WSD_DECAY_STYLES):
+            raise ValueError(f"WSD needs its decay steps and one of {', '.join(WSD_DECAY_STYLES)}")
+        self.wsd_decay_steps, self.wsd_decay_style = wsd_decay_steps, wsd_decay_style
         self.max_lr, self.min_lr = float(max_lr), float(min_lr)
         # warm-up may be fractional (--lr-warmup-fraction x decay: Megatron-LM keeps the product, not its floor)
         self.warmup_steps = warmup_steps if isinstance(warmup_steps, float) else int(warmup_steps)
@@ -33,12 +44,22 @@ class LRSchedule:
             return top
         if n > self.decay_steps:
             return floor
+        if self.decay_style == "inverse-square-root":
+            return max(floor, top * max(self.warmup_steps, 1) ** 0.5 / max(n, 1) ** 0.5)
         span = self.decay_steps - self.warmup_steps
         ratio = (n - self.warmup_steps) / span if span > 0 else 1.0
         if self.decay_style == "linear":
             coeff = 1.0 - ratio
-        else:
+        elif self.decay_style == "cosine":
             coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        else:  # WSD
+            anneal_start = self.decay_steps - self.wsd_decay_steps
+            if n <= anneal_start:
+                coeff = 1.0
+            else:
+                r = (n - anneal_start) / self.wsd_decay_steps
+                coeff = {"linear": 1.0 - r, "cosine": 0.5 * (math.cos(math.pi * r) + 1.0),
+                         "exponential": 2.0 * 0.5 ** r - 1.0, "minus_sqrt": 1.0 - math.sqrt(r)}[self.wsd_decay_style]
         return floor + coeff * (top - floor)
 
     def step(self, increment: int = 1) -> float:
@@ -122,7 +143,9 @@ def build_lr_schedule(args) -> LRSchedule:
     # the unit (iterations, samples or tokens) and its lengths come from compat_flags._schedule_units
     warmup = getattr(args, "lr_schedule_warmup", args.lr_warmup_iters)
     decay = getattr(args, "lr_schedule_decay", args.lr_decay_iters)
-    return LRSchedule(args.lr, args.min_lr, warmup, decay, args.lr_decay_style)
+    return LRSchedule(args.lr, args.min_lr, warmup, decay, args.lr_decay_style,
+                      wsd_decay_steps=getattr(args, "lr_schedule_wsd_decay", None),
+                      wsd_decay_style=getattr(args, "lr_wsd_decay_style", "exponential"))
 
 
 def decoupled_lr(schedule: LRSchedule, args) -> Optional[float]:

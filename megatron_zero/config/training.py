@@ -16,8 +16,16 @@ class TrainingConfig:
     train_iters: Optional[int] = flag("optimizer steps to train for (or --train-samples)")
     train_samples: Optional[int] = flag("samples to train on (or --train-iters); the step count follows from the "
                                         "global batch")
-    lr_decay_style: str = flag("the learning rate's decay after warm-up", "linear",
-                               choices=["constant", "linear", "cosine"])
+    lr_decay_style: str = flag("the learning rate's decay after warm-up (Megatron-LM's formulas; WSD: warm-up, stable "
+                               "at --lr, then the last --lr-wsd-decay-iters decay to --min-lr; inverse-square-root: "
+                               "--lr x sqrt(warm-up / step), at least --min-lr)", "linear",
+                               choices=["constant", "linear", "cosine", "WSD", "inverse-square-root"])
+    lr_wsd_decay_style: str = flag("WSD's decay shape over its last steps", "exponential",
+                                   choices=["exponential", "linear", "cosine", "minus_sqrt"])
+    lr_wsd_decay_iters: Optional[int] = flag("WSD: the steps at the end of the decay span that decay the learning "
+                                             "rate (iteration-based runs)")
+    lr_wsd_decay_samples: Optional[int] = flag("WSD: the samples at the end of the decay span that decay the "
+                                               "learning rate (sample-based runs)")
     lr_decay_iters: Optional[int] = flag("steps over which the learning rate decays (default --train-iters)")
     lr_warmup_iters: int = flag("steps of linear warm-up from 0 to --lr", 0)
     max_consecutive_skipped_iterations: int = flag(
@@ -58,6 +66,10 @@ def check_length(args) -> None:
 
 def check_schedule(args) -> None:
     require(args.lr_warmup_iters >= 0, f"--lr-warmup-iters {args.lr_warmup_iters} must not be negative")
+    wsd = (args.lr_wsd_decay_iters, args.lr_wsd_decay_samples)
+    require(args.lr_decay_style != "WSD" or any(v is not None for v in wsd),
+            "--lr-decay-style WSD decays over its last --lr-wsd-decay-iters (or --lr-wsd-decay-samples); give one")
+    require(all(v is None or v > 0 for v in wsd), "--lr-wsd-decay-iters / --lr-wsd-decay-samples must be positive")
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
 
