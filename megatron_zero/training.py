@@ -21,6 +21,7 @@ from . import checkpoint as ckpt
 from . import config
 from .arguments import ArgumentError, args_to_dict
 from .config.checkpointing import load_is_first_run
+from .config.model import transformer_impl_line
 from .checkpoint.compat import check_checkpoint_compat
 from .checkpoint.format import header_args
 from .checkpoint.storage.lock import hold_save_lock
@@ -278,7 +279,8 @@ class Trainer:
         client = resume_checkpoint(path, self.state, self.model, self.optimizer,
                                    load_optimizer=not (c.no_load_optim or c.finetune),
                                    universal=c.universal_checkpoint, verify=c.verify_checkpoint, log=self._log,
-                                   check=check, ckpt_format=c.ckpt_format, keep_optimizer=lambda: not any(switch))
+                                   check=check, ckpt_format=c.ckpt_format, keep_optimizer=lambda: not any(switch),
+                                   step=c.ckpt_step)
         if any(switch):
             self._log(switch[0])
         if client is None:
@@ -324,6 +326,8 @@ class Trainer:
                   + (f" (global batch {self.batch.global_batch_size(p.consumed_train_samples)}, growing to "
                      f"{self.batch.final})" if self.batch.varies else ""))
         self._log(kernel_report())
+        if a.transformer_impl is not None:
+            self._log(transformer_impl_line(a))
         for line in self.transforms:
             self._log(line)
         self.log.start()

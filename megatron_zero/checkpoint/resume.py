@@ -81,10 +81,14 @@ def _named_by_latest(load_dir: str) -> Tuple[Optional[str], Optional[str]]:
     return directory, None
 
 
-def find_resume_point(load_dir: str, universal: bool = False, verify: bool = True) -> Optional[ResumePoint]:
-    """The checkpoint `--load load_dir` means, opened, or None when it holds none (a fresh start)."""
+def find_resume_point(load_dir: str, universal: bool = False, verify: bool = True,
+                      step: Optional[int] = None) -> Optional[ResumePoint]:
+    """The checkpoint `--load load_dir` means, opened, or None when it holds none (a fresh start); `step`
+    (--ckpt-step): the one of that iteration instead of the newest."""
     if not os.path.isdir(load_dir):
         raise CheckpointError(f"--load {load_dir} is not a directory")
+    if step is not None:
+        return _at_step(load_dir, step, universal, verify)
     has_latest = os.path.isfile(os.path.join(load_dir, LATEST))
     if universal or (not has_latest and find_universal_dir(load_dir) is not None):
         directory = require_universal_dir(load_dir)
@@ -105,9 +109,25 @@ def find_resume_point(load_dir: str, universal: bool = False, verify: bool = Tru
     return _newest_verified(load_dir, tags, verify, why) if tags else None
 
 
+def _at_step(load_dir: str, step: int, universal: bool, verify: bool) -> ResumePoint:
+    """--ckpt-step: global_step{step} under `load_dir` (its universal conversion with --universal-checkpoint)."""
+    tag = f"global_step{step}"
+    candidates = [os.path.join(load_dir, tag + "_universal"), os.path.join(load_dir, tag)] if universal else \
+        [os.path.join(load_dir, tag)]
+    for directory in candidates:
+        if os.path.isdir(directory) and (_is_checkpoint_dir(directory) or (universal and find_universal_dir(directory))):
+            if universal:
+                directory = require_universal_dir(directory)
+            newest = read_latest(load_dir, required=False)
+            note = f"--ckpt-step {step}: resuming {tag}" + (f", not the newest ({newest})" if newest != tag else "")
+            return ResumePoint(directory, open_directory(directory, verify), universal=universal, note=note)
+    held = ", ".join(committed_tags(load_dir)) or "none"
+    raise CheckpointError(f"--ckpt-step {step}: --load {load_dir} holds no complete {tag} (its checkpoints: {held})")
+
+
 def resume_checkpoint(path: str, state, model, optimizer, load_optimizer: bool = True, universal: bool = False,
                       verify: bool = True, log=print, check=None, ckpt_format: Optional[str] = None,
-                      keep_optimizer=None) -> Optional[dict]:
+                      keep_optimizer=None, step: Optional[int] = None) -> Optional[dict]:
     """Load what `--load path` names (find_resume_point), the one call a run resumes through: a universal
     checkpoint, a checkpoint saved on this layout, or, saved on another TP/PP/DP or ZeRO stage, the same
     reshaped while loading.
@@ -117,12 +137,16 @@ def resume_checkpoint(path: str, state, model, optimizer, load_optimizer: bool =
     A Megatron-LM checkpoint (torch_dist or legacy; `ckpt_format`: Megatron-LM's --ckpt-format) loads through
     interop/megatron_load.py.
     -> the client state, or None when `path` holds no checkpoint."""
+    from .interop.megatron_layout import find_megatron_checkpoint
     from .interop.megatron_load import load_megatron_checkpoint  # it reads through reshape/, as universal loads do
+    if step is not None and os.path.isdir(path) and find_megatron_checkpoint(path) is not None:
+        raise CheckpointError(f"--ckpt-step {step} picks one of our checkpoints; --load {path} is Megatron-LM's: "
+                              "pass its iter_XXXXXXX directory as --load instead")
     client = load_megatron_checkpoint(path, state, model, optimizer, load_optimizer, ckpt_format, log, check)
     if client is not None:
         _fresh_fp8_histories(model, log, "a Megatron-LM checkpoint's are not read")
         return client
-    point = find_resume_point(path, universal, verify)
+    point = find_resume_point(path, universal, verify, step)
     if point is None:
         return None
     if point.note:

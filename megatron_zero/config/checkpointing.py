@@ -42,6 +42,8 @@ class CheckpointConfig:
         "the format of the Megatron-LM checkpoint --load names (torch_dist: Megatron-Core's distributed checkpoint; "
         "torch: legacy mp_rank_* files); without it the format is detected. Saves are in this trainer's layout: "
         "tools/convert_checkpoint.py --to torch_dist converts them", choices=("torch_dist", "torch"))
+    ckpt_step: Optional[int] = flag("resume the checkpoint of this iteration under --load (global_stepN) instead of "
+                                    "the one `latest` names")
     no_load_optim: bool = flag("load the weights but not the optimizer state", False, action="store_true")
     no_load_rng: bool = flag("do not restore the random number generators' states", False, action="store_true")
     finetune: bool = flag("load the weights only: fresh optimizer, schedule and iteration 0", False,

@@ -89,6 +89,12 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="auto: torch's scaled_dot_product_attention where it applies, else unfused; flash: only "
                         "its kernels that never build the s x s matrix; fused: the fused causal-softmax kernel; "
                         "unfused (Megatron's local): matmul, causal softmax, matmul")
+    g.add_argument("--use-flash-attn", action="store_true",
+                   help="Megatron-LM's older switch for FlashAttention: --attention-backend flash")
+    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default=None,
+                   help="Megatron-LM's choice of layer implementation; either way this build's own layers run "
+                        "(Megatron-Core's parameter layout, the csrc/ fused kernels; Transformer Engine is not used), "
+                        "and the run says so in one line")
 
 
 def check_sizes(args) -> None:
@@ -121,6 +127,16 @@ def check_positions(args) -> None:
             f"--seq-length {args.seq_length} is longer than --max-position-embeddings {args.max_position_embeddings}")
     if args.attention_backend == "local":
         args.attention_backend = "unfused"
+    if args.use_flash_attn:
+        require(args.attention_backend in ("auto", "flash"),
+                f"--use-flash-attn asks for --attention-backend flash, not {args.attention_backend}; give one of them")
+        args.attention_backend = "flash"
+
+
+def transformer_impl_line(args) -> str:
+    """What --transformer-impl selects here, said once at start-up."""
+    return (f"--transformer-impl {args.transformer_impl}: megatron_zero's own layers run (Megatron-Core's parameter "
+            "layout, the fused kernels listed above); Transformer Engine is not used")
 
 
 def _check_architecture(args, tp: int) -> None:
