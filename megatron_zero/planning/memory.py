@@ -136,14 +136,19 @@ def plan_memory(plan: Plan, trace: bool = True) -> List[RankMemory]:
 
 
 def host_bytes_per_node(plan: Plan, ranks: List[RankMemory], gpus_per_node: int) -> Dict[str, int]:
-    """Host memory of one node: the offloaded optimizer state of its ranks, the pinned gradient/weight
-    staging of the offloaded step (fp32 gradients and the updated weights of the partition), and a
-    checkpoint save's staging of the largest rank's model states (written from the host)."""
+    """Host memory of one node: the offloaded masters and optimizer states of its ranks; the pinned buffers
+    of zero/offload.py's step (the fp32 gradient staging of the partition, UPLOAD_SLOTS chunks of the model
+    dtype); a checkpoint save's staging of the largest rank's model states on the host."""
+    from ..zero.offload import OFFLOAD_CHUNK_NUMEL, UPLOAD_SLOTS
     worst = max(ranks, key=lambda r: r.host_optimizer + r.weights)
     per_rank_optimizer = worst.host_optimizer
-    per_rank_local = per_rank_optimizer // max(1, OPTIMIZER_STATES[plan.optimizer] + 1) if per_rank_optimizer else 0
-    pinned = 2 * per_rank_local if plan.offload != "none" else 0
-    staging = worst.weights + (worst.host_optimizer or worst.optimizer)
+    pinned = 0
+    if plan.offload != "none":
+        states = OPTIMIZER_STATES[plan.optimizer] + (1 if plan.dtype != torch.float32 else 0)
+        partition_fp32 = (worst.host_optimizer + worst.nvme_optimizer) // states
+        slots = UPLOAD_SLOTS * OFFLOAD_CHUNK_NUMEL * DTYPE_BYTES[plan.dtype] if plan.dtype != torch.float32 else 0
+        pinned = partition_fp32 + slots
+    staging = worst.weights + (0 if plan.offload == "cpu" else worst.optimizer + worst.nvme_optimizer)
     n = min(gpus_per_node, plan.gpus)
     return dict(optimizer=n * per_rank_optimizer, pinned=n * pinned, checkpoint_staging=n * staging,
                 total=n * (per_rank_optimizer + pinned + staging))

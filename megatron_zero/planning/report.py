@@ -11,9 +11,9 @@ from .time_model import Cluster
 PARTS = ("weights", "gradients", "optimizer", "activations", "buffers")
 
 
-def as_json(cand: Candidate, cluster: Cluster, host: dict, layouts: List[Candidate] = ()) -> str:
+def as_json(cand: Candidate, cluster: Cluster, host: dict, parameters: int, layouts: List[Candidate] = ()) -> str:
     ranks = {r.kind: r.as_dict() for r in cand.ranks}
-    out = dict(parameters=_total_parameters(cand), layout=cand.describe(), per_rank_bytes=ranks,
+    out = dict(parameters=parameters, layout=cand.describe(), per_rank_bytes=ranks,
                peak=cand.peak, fits=cand.peak <= cluster.gpu_memory_gib * GIB, host_bytes_per_node=host,
                step_seconds=cand.time.seconds, compute_seconds=cand.time.compute,
                exposed_comm_seconds=cand.time.exposed_comm, bubble_seconds=cand.time.bubble, mfu=cand.time.mfu,
@@ -23,11 +23,6 @@ def as_json(cand: Candidate, cluster: Cluster, host: dict, layouts: List[Candida
         out["layouts"] = [dict(layout=c.describe(), flags=c.flags(), peak=c.peak, mfu=c.time.mfu,
                                tokens_per_second=c.time.tokens_per_second) for c in layouts]
     return json.dumps(out, indent=1)
-
-
-def _total_parameters(cand: Candidate) -> int:
-    """The whole model's parameters: the stages' sum over PP, each TP/EP-local count scaled back up."""
-    return cand.total_parameters if hasattr(cand, "total_parameters") else sum(r.parameters for r in cand.ranks)
 
 
 def as_table(cand: Candidate, cluster: Cluster, host: dict, parameters: int) -> str:
