@@ -105,3 +105,32 @@ def test_time_model_reproduces_h200_llama_run():
     t = step_time(plan, Cluster(gpus=1), stage_parameters=0)
     assert abs(t.mfu - 0.502) <= 0.15 * 0.502
     assert dataclasses.asdict(t)["bubble"] == 0.0
+
+
+def _tiny_plan(**changes):
+    config = tiny_llama_config(4, **SHAPE, ffn_hidden_size=256)
+    return dataclasses.replace(Plan(config, dp=2, zero_stage=1, micro_batch=4, global_batch=8,
+                                    dtype=torch.float32), **changes)
+
+
+def test_startup_check_refuses_in_one_sentence_with_layouts_that_fit():
+    """pretrain_gpt.py's check on a GPU, its logic on the CPU with a fake device memory size, through the
+    subprocess it runs (python -m megatron_zero.planning.startup)."""
+    import pickle
+    from megatron_zero.planning.startup import memory_plan_problem
+    plan = _tiny_plan()
+    (rank,) = plan_memory(plan)
+    assert memory_plan_problem(plan, 2 * rank.peak, 8) is None
+    device = int(rank.peak * 0.9)
+    out = subprocess.run([sys.executable, "-m", "megatron_zero.planning.startup", str(device), "8"],
+                         input=pickle.dumps(plan), capture_output=True, env=dict(os.environ, PYTHONPATH=ROOT),
+                         timeout=300)
+    line = out.stdout.decode().strip()
+    assert out.returncode == 0 and "\n" not in line, out.stderr.decode()[-2000:]
+    assert line.startswith("this layout needs about") and "--no-memory-plan-check" in line
+    assert "largest: activations" in line and "--micro-batch-size" in line  # a smaller micro-batch fits
+
+
+def test_startup_check_only_on_cuda():
+    from megatron_zero.planning.startup import check_device_memory
+    check_device_memory(_tiny_plan(), torch.device("cpu"), 8)  # no subprocess, no refusal

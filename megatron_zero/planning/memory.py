@@ -80,7 +80,12 @@ class RankMemory:
 
     def largest_parts(self, n: int = 2) -> List[str]:
         parts = {k: getattr(self, k) for k in ("weights", "gradients", "optimizer", "activations", "buffers")}
-        return [f"{k} {v / GIB:.1f} GiB" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])[:n]]
+        return [f"{k} {size(v)}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])[:n]]
+
+
+def size(nbytes: float) -> str:
+    """GiB with one decimal, MiB below a GiB."""
+    return f"{nbytes / GIB:.1f} GiB" if nbytes >= GIB else f"{nbytes / 2 ** 20:.1f} MiB"
 
 
 def traced_ranks(plan: Plan, trace: bool = True) -> Dict[str, TracedRank]:

@@ -49,16 +49,19 @@ def _powers(limit: int) -> List[int]:
     return [1 << i for i in range(limit.bit_length()) if (1 << i) <= limit]
 
 
-def layouts(base: Plan, cluster: Cluster, offload: bool = False) -> Iterator[Tuple[Plan, str]]:
+def layouts(base: Plan, cluster: Cluster, offload: bool = False, near: bool = False) -> Iterator[Tuple[Plan, str]]:
+    """`near`: only the run's own TP x PP x CP x EP (micro-batch, recomputation, ZeRO, offload vary)."""
     c = base.config
     groups = c.num_query_groups or c.num_attention_heads
     for tp, pp, cp in itertools.product(_powers(min(cluster.gpus_per_node, cluster.gpus)), _powers(cluster.gpus),
                                         _powers(min(8, cluster.gpus))):
         if groups % tp or c.num_layers % pp or c.seq_length % (2 * cp * tp) or cluster.gpus % (tp * pp * cp):
             continue
+        if near and (tp, pp, cp) != (base.tp, base.pp, base.cp):
+            continue
         dp = cluster.gpus // (tp * pp * cp)
         for ep in _powers(dp * cp) if c.num_experts else [1]:
-            if c.num_experts and c.num_experts % ep:
+            if (c.num_experts and c.num_experts % ep) or (near and ep != base.ep):
                 continue
             for zero, mb, recompute in itertools.product(range(4), (1, 2, 4), ("none", "full")):
                 if (zero == 3 and pp > 1) or base.global_batch % (mb * dp):
@@ -73,6 +76,8 @@ def layouts(base: Plan, cluster: Cluster, offload: bool = False) -> Iterator[Tup
 def _with_recompute(config, recompute: str):
     if recompute == "none":
         return dataclasses.replace(config, recompute_granularity=None, recompute_method=None)
+    if recompute == "selective" or config.recompute_granularity == "full":
+        return dataclasses.replace(config, recompute_granularity=recompute)  # as the run asked
     return dataclasses.replace(config, recompute_granularity="full", recompute_method="uniform",
                                recompute_num_layers=1)
 
@@ -90,12 +95,12 @@ def evaluate(plan: Plan, recompute: str, cluster: Cluster, cache: dict, fp8: boo
 
 
 def search(base: Plan, cluster: Cluster, offload: bool = False, fp8: bool = False, limit: int = 10,
-           fits_host: bool = True) -> List[Candidate]:
+           fits_host: bool = True, near: bool = False) -> List[Candidate]:
     """The layouts that fit the GPUs' memory (and, with offload, the host's), best tokens/s first."""
     from .memory import host_bytes_per_node
     cache: dict = {}
     fitting = []
-    for plan, recompute in layouts(base, cluster, offload):
+    for plan, recompute in layouts(base, cluster, offload, near):
         cand = evaluate(plan, recompute, cluster, cache, fp8)
         if cand.peak > cluster.gpu_memory_gib * GIB:
             continue
