@@ -134,3 +134,15 @@ def test_startup_check_refuses_in_one_sentence_with_layouts_that_fit():
 def test_startup_check_only_on_cuda():
     from megatron_zero.planning.startup import check_device_memory
     check_device_memory(_tiny_plan(), torch.device("cpu"), 8)  # no subprocess, no refusal
+
+
+@pytest.mark.slow  # tools/plan.py --json itself: test_plan_cli_llama3_8b_parameters
+def test_plan_check_records_prediction_and_measurement(tmp_path):
+    """scripts/plan_check.py (scripts/gpu_check.sh runs it on a GPU): one JSON line with both sides."""
+    out = tmp_path / "plan_check.jsonl"
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plan_check.py"), "--out", str(out),
+                          "--cases", "tiny", "--iters", "4"], capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    (line,) = [json.loads(x) for x in out.read_text().splitlines()]
+    assert line["predicted_peak"] > 0 and line["measured_step_seconds"] > 0 and "step_ratio" in line
