@@ -37,6 +37,8 @@ def _measured_peak(config, micro_batch):
     try:
         torch.manual_seed(0)
         model = GPTModel(config)
+        for p in model.parameters():  # as the ZeRO optimizer takes each gradient away (and the trace does)
+            p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
         tokens = torch.randint(0, config.vocab_size, (micro_batch, config.seq_length))
         with LiveBytes() as live:
             model(tokens, labels=tokens).backward()
@@ -146,3 +148,34 @@ def test_plan_check_records_prediction_and_measurement(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     (line,) = [json.loads(x) for x in out.read_text().splitlines()]
     assert line["predicted_peak"] > 0 and line["measured_step_seconds"] > 0 and "step_ratio" in line
+
+
+STEP_FLAGS = ("--num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
+              "--micro-batch-size 2 --global-batch-size 2 --vocab-size 500 --train-iters 1 --lr 1e-4 "
+              "--hidden-dropout 0 --attention-dropout 0 --normalization RMSNorm --swiglu --position-embedding-type rope "
+              "--disable-bias-linear --untie-embeddings-and-output-weights").split()
+STEP_RUNS = {  # name -> (extra flags, tolerance of the peak)
+    "zero0": ("--zero-stage 0", 0.05), "zero2": ("--zero-stage 2", 0.05), "zero3_bf16": ("--zero-stage 3 --bf16", 0.05),
+    "recompute_full": ("--zero-stage 1 --recompute-granularity full --recompute-method uniform", 0.05),
+    "recompute_selective": ("--zero-stage 1 --recompute-granularity selective", 0.05),
+    "moe": ("--zero-stage 1 --num-experts 4 --moe-router-topk 2", 0.05),
+    "unfused_loss": ("--zero-stage 1 --no-cross-entropy-loss-fusion", 0.05),
+    # bf16 ZeRO-1 predicts 12 % high (docs/planning.md, "known gaps"): within 15 %, on the safe side
+    "zero1_bf16": ("--zero-stage 1 --bf16", 0.15),
+}
+
+
+def test_planned_step_memory_matches_a_measured_step():
+    """One rank's second training step (model, ZeRO optimizer, forward, backward, step) measured as live tensor
+    bytes from before the model is built, against the plan of the same flags: the peak within 5 % (one known
+    gap within 15 %, never low) and the model states after the step within 0.5 % (the planner does not count
+    the model's small buffers, the RoPE tables)."""
+    runs = [[*STEP_FLAGS, *extra.split()] for extra, _ in STEP_RUNS.values()]
+    out = subprocess.run([sys.executable, "-m", "megatron_zero.testing.plan_measure"], input=json.dumps(runs),
+                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for (name, (_, tol)), got in zip(STEP_RUNS.items(), json.loads(out.stdout.splitlines()[-1])):
+        assert abs(got["predicted_peak"] - got["measured_peak"]) <= tol * got["measured_peak"], (name, got)
+        assert got["predicted_peak"] >= 0.995 * got["measured_peak"], (name, got)
+        if name != "zero2":  # ZeRO-2's plan counts its reduce bucket among the gradients; freed after the step
+            assert abs(got["predicted_states"] - got["measured_states"]) <= 0.005 * got["measured_states"], (name, got)

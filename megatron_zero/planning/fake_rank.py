@@ -153,6 +153,8 @@ def _trace_micro_batch(model, state, config, micro_batch: int, dtype) -> Tuple[i
     else:
         seq_local = seq // state.tp_size if config.sequence_parallel and state.tp_size > 1 else seq
         inputs = torch.zeros(micro_batch, seq_local, config.hidden_size, dtype=dtype, requires_grad=True)
+    for p in model.parameters():  # the optimizer takes each gradient into its own buffers (memory.py counts those)
+        p.register_post_accumulate_grad_hook(_drop_grad)
     with BalancedExpertCounts(), LiveBytes() as live:
         out = model(inputs, labels=tokens if state.is_last_stage else None)
         saved = live.current - out.untyped_storage().nbytes()
@@ -162,3 +164,7 @@ def _trace_micro_batch(model, state, config, micro_batch: int, dtype) -> Tuple[i
             out.backward(torch.ones_like(out))
         del out
     return saved, live.peak
+
+
+def _drop_grad(param) -> None:
+    param.grad = None

@@ -1,10 +1,10 @@
 """Bytes per rank kind of a layout: model states by ZeRO's partition math, activations from a traced micro-batch.
 
     weights      the stage's parameters in the training dtype (ZeRO-3: this rank's partition plus the
-                 gathered copies of the two largest layers in flight, fetch and prefetch)
+                 gathered copies of the two largest layers in flight, fetch and prefetch; at DP 1 all of them)
     gradients    fp32: the whole stage's (ZeRO 0/1: the main-grad buffer) or this rank's partition plus
                  the reduce buckets (ZeRO 2/3)
-    optimizer    fp32 masters (bf16/fp16 runs) and the optimizer's states per element (OPTIMIZER_STATES),
+    optimizer    the fp32 master partition (a flat copy in fp32 runs too) and the optimizer's states per element (OPTIMIZER_STATES),
                  over the padded partition of zero/partition.py (ZeRO >= 1) or whole (ZeRO 0); on the host
                  under --cpu-optimizer, in files under NVMe offload
     activations  one micro-batch's traced peak plus the saved bytes of the micro-batches the schedule
@@ -97,7 +97,6 @@ def traced_ranks(plan: Plan, trace: bool = True) -> Dict[str, TracedRank]:
 def rank_memory(plan: Plan, kind: str, pp_rank: int, traced: TracedRank) -> RankMemory:
     """The bytes of one rank kind, from its traced stage."""
     wb = DTYPE_BYTES[plan.dtype]
-    mixed = plan.dtype != torch.float32
     dense = [(n, k) for n, k, expert in traced.params if not expert]
     experts = [(n, k) for n, k, expert in traced.params if expert]
     dp_dense, dp_expert = plan.dp * plan.cp, max(1, plan.dp * plan.cp // plan.ep)
@@ -110,12 +109,13 @@ def rank_memory(plan: Plan, kind: str, pp_rank: int, traced: TracedRank) -> Rank
     if plan.zero_stage == 3:
         local = sum(zero3_param_partition(k, dp)[0] for group, dp in ((dense, dp_dense), (experts, dp_expert))
                     for _, k in group)
-        weights = local * wb + 2 * _largest_layer(traced.params) * wb
+        gathered = numel if plan.dp * plan.cp == 1 else min(numel, 2 * _largest_layer(traced.params))
+        weights = (local + gathered) * wb
     else:
         weights = numel * wb
     bucket = min(plan.bucket_elements, numel) * 4
-    gradients = numel * 4 if plan.zero_stage < 2 else local * 4 + bucket
-    states = (OPTIMIZER_STATES[plan.optimizer] + (1 if mixed else 0)) * local * 4
+    gradients = numel * 4 if plan.zero_stage < 2 else local * 4 + (bucket if plan.zero_stage == 2 else 0)
+    states = (OPTIMIZER_STATES[plan.optimizer] + 1) * local * 4  # the fp32 master partition, in fp32 runs too
     optimizer, host, nvme = states, 0, 0
     if plan.offload == "cpu":
         optimizer, host = 0, states
@@ -149,7 +149,7 @@ def host_bytes_per_node(plan: Plan, ranks: List[RankMemory], gpus_per_node: int)
     per_rank_optimizer = worst.host_optimizer
     pinned = 0
     if plan.offload != "none":
-        states = OPTIMIZER_STATES[plan.optimizer] + (1 if plan.dtype != torch.float32 else 0)
+        states = OPTIMIZER_STATES[plan.optimizer] + 1
         partition_fp32 = (worst.host_optimizer + worst.nvme_optimizer) // states
         slots = UPLOAD_SLOTS * OFFLOAD_CHUNK_NUMEL * DTYPE_BYTES[plan.dtype] if plan.dtype != torch.float32 else 0
         pinned = partition_fp32 + slots
