@@ -99,8 +99,15 @@ def search(base: Plan, cluster: Cluster, offload: bool = False, fp8: bool = Fals
     """The layouts that fit the GPUs' memory (and, with offload, the host's), best tokens/s first."""
     from .memory import host_bytes_per_node
     cache: dict = {}
+    states: dict = {}  # (tp, pp, cp, ep) -> the stages built without a trace: their model states alone
     fitting = []
     for plan, recompute in layouts(base, cluster, offload, near):
+        key = (plan.tp, plan.pp, plan.cp, plan.ep)
+        if key not in states:
+            states[key] = traced_ranks(plan, trace=False)
+        untraced = [rank_memory(plan, k.name, k.pp_rank, states[key][k.name]) for k in rank_kinds(plan.pp)]
+        if max(r.peak for r in untraced) > cluster.gpu_memory_gib * GIB:
+            continue  # the weights, gradients and optimizer state alone do not fit: no trace needed
         cand = evaluate(plan, recompute, cluster, cache, fp8)
         if cand.peak > cluster.gpu_memory_gib * GIB:
             continue
