@@ -130,7 +130,10 @@ def map_shared_file(path: str, nbytes: int) -> mmap.mmap:
 
 def same_host_gloo(group, usable: bool = True) -> bool:
     """Collective over `group`: whether its ranks (two or more) all run on this host, on gloo, with
-    shared memory enabled, /dev/shm present and `usable` true on every one."""
+    shared memory enabled, /dev/shm present and `usable` true on every one. A fake group (the planner's,
+    planning/fake_rank.py) has no other rank to ask: never."""
+    if dist.get_backend(group) == "fake":
+        return False
     here = (socket.gethostname(),
             usable and _enabled and os.path.isdir(SHM_DIR) and dist.get_backend(group) == "gloo")
     everyone = [None] * dist.get_world_size(group)

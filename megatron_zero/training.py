@@ -49,6 +49,8 @@ from .ops import kernel_report, require_fused_kernels, set_fusion_flags
 from .pipeline.gpt_stage import (activation_shape, build_gpt_stage, grad_reduce_arming, make_forward_step,
                                  stage_p2p, sync_tied_embedding_grads)
 from .pipeline.interleaved_schedule import schedule_for
+from .planning.cli import plan_from
+from .planning.startup import check_device_memory
 from .pipeline.schedule import broadcast_loss, reduce_loss
 from .rng_state import get_rng_state, set_rng_state
 from .run_summary import RunSummary
@@ -101,6 +103,9 @@ class Trainer:
                                          data.vocab_size, data.tiktoken_pattern, data.tiktoken_num_special_tokens,
                                          data.tokenizer_special_tokens)
         self.config = gpt_config(args, self.tokenizer.vocab_size)
+        if run.memory_plan_check:  # on a GPU: refuse a run whose predicted peak exceeds the device's memory
+            check_device_memory(plan_from(self.sections, self.config, args, state.layout.world_size), self.device,
+                                int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         self.model = build_gpt_stage(self.config, state, par.pipeline_partition_method, par.pipeline_partition,
                                      device=self.device, virtual_stages=par.virtual_pipeline_model_parallel_size)
         self.transforms = apply_model_transforms(self.model, model_converters(args, state, self.device))

@@ -21,4 +21,12 @@ if [ -z "$py" ]; then
     echo "gpu_check.sh: no python3 on PATH, so there is no torch and no CUDA to check; set PYTHON to a CUDA torch's python" >&2
     exit 3
 fi
+# ---- planner check: tools/plan.py's prediction against a measured run (peak memory, step time), appended to
+# ${PLAN_CHECK_OUT:-plan_check.jsonl}; on a CUDA machine, not in a dry run; PLAN_CHECK=0 skips it -------------
+if [ "${PLAN_CHECK:-1}" != 0 ] && [ -z "${GPU_CHECK_DRY_RUN:-}" ] && [[ " $* " != *" --plan "* ]] \
+        && "$py" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+    timeout "${PLAN_CHECK_TIMEOUT:-240}" "$py" "$here/plan_check.py" --out "${PLAN_CHECK_OUT:-plan_check.jsonl}" \
+        --iters 4 || echo "gpu_check.sh: scripts/plan_check.py did not finish; the check goes on" >&2
+fi
+# ---- end of the planner check -------------------------------------------------------------------------------
 exec "$py" "$here/gpu_check.py" "$@"

@@ -34,6 +34,10 @@ class RuntimeConfig:
     gradient_accumulation_fusion: bool = flag(
         "accumulate weight gradients through autograd instead of straight into the fp32 gradient buffer", True,
         names=("--no-gradient-accumulation-fusion",), action="store_false")
+    memory_plan_check: bool = flag(
+        "start on a GPU even where the planner (tools/plan.py) predicts a peak above the device's memory (default: "
+        "refuse in one sentence naming the largest parts and layouts that fit)", True,
+        names=("--no-memory-plan-check",), action="store_false")
     require_fused_kernels: bool = flag(
         "refuse to start unless every compiled kernel the chosen device uses is built and loads (CUDA: "
         "megatron_zero._C_cuda; CPU: the C++ CPU kernels; with offload also the CPU Adam)", False, action="store_true")

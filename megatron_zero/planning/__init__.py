@@ -1,0 +1,10 @@
+"""See before you launch: memory per rank and step time of a layout, predicted without allocating it.
+
+    fake_rank.py      one rank of a layout, built by the model code itself on fake tensors in a fake world
+    live_bytes.py     live tensor bytes and their peak over a region (fake or real tensors)
+    memory.py         per rank kind: weights, gradients, optimizer state (ZeRO's partition math), activations
+                      (a traced micro-batch), buffers, peak; per node host memory under offload
+    time_model.py     step time: compute, exposed communication, pipeline bubble; MFU, tokens/s (named constants)
+    search.py         every layout of a cluster that fits, ranked by predicted tokens/s
+    report.py         the table and the JSON of tools/plan.py
+"""

@@ -1,0 +1,49 @@
+"""Bytes of live tensor storage, and its peak, over a region of code: real tensors or fake ones.
+
+    with LiveBytes() as live:        # counts every storage an operator creates while the region runs
+        loss = model(tokens, labels); loss.backward()
+    live.peak                        # the most bytes alive at once (storage created inside the region)
+
+Works the same under torch's FakeTensorMode (no memory allocated: the planner's trace) and on real
+tensors (the measurement the trace is checked against): each storage an operator returns is counted
+once, and leaves the count when its last reference goes (a weak reference's callback), the way a
+caching allocator sees a block freed. Storage that existed before the region (weights, optimizer
+state) is not counted; an in-place or view output shares its input's storage and adds nothing.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class LiveBytes(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.current = 0
+        self.peak = 0
+        self._seen = {}  # id(storage) -> weak reference (its callback takes the bytes off again)
+
+    def _count(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = id(storage)
+        if key in self._seen and self._seen[key]() is storage:
+            return
+        nbytes = storage.nbytes()
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+        self._seen[key] = weakref.ref(storage, lambda _, k=key, n=nbytes: self._free(k, n))
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self._seen.pop(key, None)
+        self.current -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in inputs:
+                self._count(t)
+        return out

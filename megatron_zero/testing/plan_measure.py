@@ -1,0 +1,66 @@
+"""A real one-rank training step of pretrain_gpt.py's flags, its live-tensor bytes measured from before the
+model is built, beside the planner's prediction for the same flags (tests/test_plan.py):
+
+    python -m megatron_zero.testing.plan_measure < RUNS.json  # a list of flag lists in; a list of these out
+        {"measured_states": after the step (weights, gradients, optimizer state),
+         "predicted_states": weights + gradients + optimizer of planning/memory.py,
+         "measured_peak": the second step's peak, "predicted_peak": the plan's peak}
+
+Each run in a gloo world of one rank in this process (the planner's fake one is made and gone before it); the
+compiled kernels off, as the planner's trace takes PyTorch's path (planning/fake_rank.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def measure(argv) -> dict:
+    from ..arguments import parse_args
+    from ..config import from_args
+    from ..model.architecture import gpt_config
+    from ..ops.fusion_flags import set_fusion_flags
+    from ..optimizer_setup import build_optimizer
+    from ..pipeline.gpt_stage import build_gpt_stage
+    from ..planning.cli import plan_from
+    from ..planning.fake_rank import UNFUSED
+    from ..planning.live_bytes import LiveBytes
+    from ..planning.memory import plan_memory
+    from ..tensor_parallel.random import model_parallel_seed
+    from ..topology import build_parallel_state
+
+    args = parse_args(argv, world_size=1)
+    sections = from_args(args)
+    config = gpt_config(args, args.vocab_size)
+    (predicted,) = plan_memory(plan_from(sections, config, args, 1))
+    set_fusion_flags(**UNFUSED)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29673")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    state = build_parallel_state(**sections.parallel.degrees())
+    model_parallel_seed(config.seed)
+    mb = sections.parallel.micro_batch_size
+    tokens = torch.randint(0, config.vocab_size, (mb, config.seq_length))
+    with LiveBytes() as live:
+        model = build_gpt_stage(config, state, device=torch.device("cpu"))
+        if sections.optimizer.bf16:
+            model = model.to(torch.bfloat16)
+        optimizer = build_optimizer(model, sections.optimizer, state, torch.device("cpu"))
+        for step in range(2):  # the second step's peak: the optimizer's state exists from the first step on
+            live.peak = live.current
+            loss = model(tokens, labels=tokens)
+            optimizer.backward(loss)
+            del loss
+            optimizer.step(lr=sections.optimizer.lr)
+        states = live.current
+    dist.destroy_process_group()
+    return dict(measured_states=states, predicted_states=predicted.weights + predicted.gradients + predicted.optimizer,
+                measured_peak=live.peak, predicted_peak=predicted.peak)
+
+
+if __name__ == "__main__":
+    print(json.dumps([measure(argv) for argv in json.load(sys.stdin)]))

@@ -1,0 +1,181 @@
+"""tools/plan.py and megatron_zero/planning/: parameter counts from the model code on fake tensors, a traced
+micro-batch's activations against the measured live-tensor peak, the time model against our H200 runs."""
+import dataclasses
+import gc
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_zero.model.gpt import GPTModel
+from megatron_zero.ops.fusion_flags import set_fusion_flags
+from megatron_zero.planning.fake_rank import UNFUSED, trace_rank
+from megatron_zero.planning.live_bytes import LiveBytes
+from megatron_zero.planning.memory import GIB, Plan, plan_memory
+from megatron_zero.planning.time_model import Cluster, step_time
+from megatron_zero.testing.tiny_gpt import LLAMA_ARCHITECTURE, tiny_gpt_config, tiny_llama_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHAPE = dict(hidden_size=128, num_attention_heads=4, seq_length=128, max_position_embeddings=128, vocab_size=500)
+LAYOUTS = {
+    "gpt": tiny_gpt_config(2, **SHAPE),
+    "gpt_dropout": tiny_gpt_config(2, **SHAPE, hidden_dropout=0.1),
+    "llama": tiny_llama_config(2, **SHAPE, ffn_hidden_size=256),
+    "llama_selective": tiny_llama_config(2, **SHAPE, ffn_hidden_size=256, recompute_granularity="selective"),
+    "llama_full": tiny_llama_config(2, **SHAPE, ffn_hidden_size=256, recompute_granularity="full",
+                                    recompute_method="uniform"),
+    "moe": tiny_llama_config(2, **SHAPE, ffn_hidden_size=256, num_experts=4, moe_router_topk=2),
+}
+
+
+def _measured_peak(config, micro_batch):
+    """The live-tensor peak of one real forward and backward of the same model on the CPU."""
+    old = set_fusion_flags(**UNFUSED)
+    try:
+        torch.manual_seed(0)
+        model = GPTModel(config)
+        for p in model.parameters():  # as the ZeRO optimizer takes each gradient away (and the trace does)
+            p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+        tokens = torch.randint(0, config.vocab_size, (micro_batch, config.seq_length))
+        with LiveBytes() as live:
+            model(tokens, labels=tokens).backward()
+        return live.peak
+    finally:
+        set_fusion_flags(**{k: getattr(old, k) for k in UNFUSED})
+        gc.collect()
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_traced_activations_match_measured_peak(name):
+    config = LAYOUTS[name]
+    predicted = trace_rank(config, dict(tp=1, pp=1, cp=1, ep=1, etp=None), 0, 2, torch.float32).peak_bytes
+    measured = _measured_peak(config, 2)
+    assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)
+
+
+def test_traced_parameters_are_the_models():
+    config = LAYOUTS["moe"]
+    traced = trace_rank(config, dict(tp=1, pp=1, cp=1, ep=1, etp=None), 0, 1, torch.float32, trace=False)
+    model = GPTModel(config)
+    assert [(n, k) for n, k, _ in traced.params] == [(n, p.numel()) for n, p in model.named_parameters()]
+    assert any(expert for _, _, expert in traced.params)
+
+
+LLAMA3_8B = ("--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --num-query-groups 8 "
+             "--group-query-attention --ffn-hidden-size 14336 --max-position-embeddings 8192 --swiglu "
+             "--normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights "
+             "--disable-bias-linear --vocab-size 128256 --train-iters 10 --lr 1e-4 --bf16").split()
+
+
+def test_plan_cli_llama3_8b_parameters():
+    """Llama-3-8B on 8 x 80 GiB from the command line: 8.03e9 parameters, per-rank bytes and a verdict."""
+    argv = [*LLAMA3_8B, "--seq-length", "1024", "--micro-batch-size", "1", "--global-batch-size", "64",
+            "--tensor-model-parallel-size", "8", "--sequence-parallel", "--gpus", "8", "--json"]
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plan.py"), *argv], capture_output=True,
+                         text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout)
+    assert got["parameters"] == 8_030_261_248
+    rank = got["per_rank_bytes"]["only stage"]
+    assert rank["weights"] == rank["parameters"] * 2 and rank["peak"] == got["peak"]
+    assert got["fits"] is True and 0 < got["mfu"] < 1
+
+
+def test_llama3_70b_plain_dp_does_not_fit_64_gpus():
+    from megatron_zero.model.architecture import gpt_config
+    from megatron_zero.arguments import parse_args
+    argv = [*LLAMA3_8B, "--num-layers", "80", "--hidden-size", "8192", "--num-attention-heads", "64",
+            "--ffn-hidden-size", "28672", "--seq-length", "1024", "--micro-batch-size", "1",
+            "--global-batch-size", "64"]
+    config = gpt_config(parse_args(argv, world_size=64), 128256)
+    (rank,) = plan_memory(Plan(config, dp=64, zero_stage=1, global_batch=64), trace=False)
+    assert rank.parameters == 70_553_706_496
+    assert rank.weights + rank.gradients > 80 * GIB  # no activation could make it fit
+
+
+def test_time_model_reproduces_h200_llama_run():
+    """Fitted on the 1.3B run (49.8 % MFU); our Llama-3-8B-shape run (16 layers, seq 4096, mb1 GA8, a
+    256-token vocabulary, one H200) measured 50.2 %: within 15 %."""
+    config = tiny_llama_config(16, num_query_groups=8, hidden_size=4096, num_attention_heads=32,
+                               ffn_hidden_size=14336, seq_length=4096, max_position_embeddings=4096, vocab_size=256,
+                               make_vocab_size_divisible_by=128, **LLAMA_ARCHITECTURE)
+    plan = Plan(config, micro_batch=1, global_batch=8, zero_stage=0)
+    t = step_time(plan, Cluster(gpus=1), stage_parameters=0)
+    assert abs(t.mfu - 0.502) <= 0.15 * 0.502
+    assert dataclasses.asdict(t)["bubble"] == 0.0
+
+
+def _tiny_plan(**changes):
+    config = tiny_llama_config(4, **SHAPE, ffn_hidden_size=256)
+    return dataclasses.replace(Plan(config, dp=2, zero_stage=1, micro_batch=4, global_batch=8,
+                                    dtype=torch.float32), **changes)
+
+
+def test_startup_check_refuses_in_one_sentence_with_layouts_that_fit():
+    """pretrain_gpt.py's check on a GPU, its logic on the CPU with a fake device memory size, through the
+    subprocess it runs (python -m megatron_zero.planning.startup)."""
+    import pickle
+    from megatron_zero.planning.startup import memory_plan_problem
+    plan = _tiny_plan()
+    (rank,) = plan_memory(plan)
+    assert memory_plan_problem(plan, 2 * rank.peak, 8) is None
+    device = int(rank.peak * 0.9)
+    out = subprocess.run([sys.executable, "-m", "megatron_zero.planning.startup", str(device), "8"],
+                         input=pickle.dumps(plan), capture_output=True, env=dict(os.environ, PYTHONPATH=ROOT),
+                         timeout=300)
+    line = out.stdout.decode().strip()
+    assert out.returncode == 0 and "\n" not in line, out.stderr.decode()[-2000:]
+    assert line.startswith("this layout needs about") and "--no-memory-plan-check" in line
+    assert "largest: activations" in line and "--micro-batch-size" in line  # a smaller micro-batch fits
+
+
+def test_startup_check_only_on_cuda():
+    from megatron_zero.planning.startup import check_device_memory
+    check_device_memory(_tiny_plan(), torch.device("cpu"), 8)  # no subprocess, no refusal
+
+
+@pytest.mark.slow  # tools/plan.py --json itself: test_plan_cli_llama3_8b_parameters
+def test_plan_check_records_prediction_and_measurement(tmp_path):
+    """scripts/plan_check.py (scripts/gpu_check.sh runs it on a GPU): one JSON line with both sides."""
+    out = tmp_path / "plan_check.jsonl"
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plan_check.py"), "--out", str(out),
+                          "--cases", "tiny", "--iters", "4"], capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    (line,) = [json.loads(x) for x in out.read_text().splitlines()]
+    assert line["predicted_peak"] > 0 and line["measured_step_seconds"] > 0 and "step_ratio" in line
+
+
+STEP_FLAGS = ("--num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
+              "--micro-batch-size 2 --global-batch-size 2 --vocab-size 500 --train-iters 1 --lr 1e-4 "
+              "--hidden-dropout 0 --attention-dropout 0 --normalization RMSNorm --swiglu --position-embedding-type rope "
+              "--disable-bias-linear --untie-embeddings-and-output-weights").split()
+STEP_RUNS = {  # name -> (extra flags, tolerance of the peak)
+    "zero0": ("--zero-stage 0", 0.05), "zero2": ("--zero-stage 2", 0.05), "zero3_bf16": ("--zero-stage 3 --bf16", 0.05),
+    "recompute_full": ("--zero-stage 1 --recompute-granularity full --recompute-method uniform", 0.05),
+    "recompute_selective": ("--zero-stage 1 --recompute-granularity selective", 0.05),
+    "moe": ("--zero-stage 1 --num-experts 4 --moe-router-topk 2", 0.05),
+    "unfused_loss": ("--zero-stage 1 --no-cross-entropy-loss-fusion", 0.05),
+    # bf16 ZeRO-1 predicts 12 % high (docs/planning.md, "known gaps"): within 15 %, on the safe side
+    "zero1_bf16": ("--zero-stage 1 --bf16", 0.15),
+}
+
+
+def test_planned_step_memory_matches_a_measured_step():
+    """One rank's second training step (model, ZeRO optimizer, forward, backward, step) measured as live tensor
+    bytes from before the model is built, against the plan of the same flags: the peak within 5 % (one known
+    gap within 15 %, never low) and the model states after the step within 0.5 % (the planner does not count
+    the model's small buffers, the RoPE tables)."""
+    runs = [[*STEP_FLAGS, *extra.split()] for extra, _ in STEP_RUNS.values()]
+    out = subprocess.run([sys.executable, "-m", "megatron_zero.testing.plan_measure"], input=json.dumps(runs),
+                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for (name, (_, tol)), got in zip(STEP_RUNS.items(), json.loads(out.stdout.splitlines()[-1])):
+        assert abs(got["predicted_peak"] - got["measured_peak"]) <= tol * got["measured_peak"], (name, got)
+        assert got["predicted_peak"] >= 0.995 * got["measured_peak"], (name, got)
+        if name != "zero2":  # ZeRO-2's plan counts its reduce bucket among the gradients; freed after the step
+            assert abs(got["predicted_states"] - got["measured_states"]) <= 0.005 * got["measured_states"], (name, got)
