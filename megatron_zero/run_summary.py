@@ -1,8 +1,8 @@
 """The line a run ends with: what it trained, how fast, where it left its checkpoint and its losses.
 
     training done: iterations 0 to 8 (8 run, 1 skipped), 4096 tokens in 3.2 s (1280 tokens/s, MFU 31.20%);
-    final lm loss 5.123E+00 (iteration 8); last validation lm loss 5.201E+00 (iteration 6); last checkpoint
-    ckpt/global_step8
+    final lm loss 5.123E+00 (iteration 8 alone; a log line averages its interval); last validation lm loss
+    5.201E+00 (iteration 6); last checkpoint ckpt/global_step8
 
 The clock and the counts start when the loop does (after building and loading), so the time is the loop's
 wall time with its evaluations and saves, and tokens per second the rate a person waited for. MFU is that
@@ -44,7 +44,8 @@ class RunSummary:
                  + (f", {skipped} skipped" if skipped else "") + f"), {tokens} tokens in {seconds:.1f} s "
                  f"({', '.join(rate)})"]
         if final_loss is not None:
-            parts.append(f"final lm loss {final_loss[1]:.6E} (iteration {final_loss[0]})")
+            parts.append(f"final lm loss {final_loss[1]:.6E} (iteration {final_loss[0]} alone; a log line averages "
+                         "its interval)")
         if self.validation is not None:
             parts.append(f"last validation lm loss {self.validation[1]:.6E} (iteration {self.validation[0]})")
         parts.append(f"last checkpoint {last_checkpoint}" if last_checkpoint else "no checkpoint saved")

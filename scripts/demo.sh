@@ -5,12 +5,12 @@
 #   3. convert that checkpoint to a universal checkpoint (tools/ds_to_universal.py),
 #   4. resume it on a different layout, TP1 x PP1 x DP4 with ZeRO-2, for 20 more iterations,
 #   5. print the loss before and after the reshape, and a sample of generated text,
-#   6. draw both runs' loss on one plot, the resume marked (runs/demo/loss.png; needs matplotlib).
+#   6. draw both runs' loss on one plot, the resume marked (runs/demo/loss.png; its set-up installs matplotlib).
 # Everything lands under runs/demo/ (override with DEMO_DIR).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-bash scripts/setup_env.sh
+bash scripts/setup_env.sh --demo  # training's requirements and matplotlib, for the loss curve
 py=.venv/bin/python
 out=${DEMO_DIR:-runs/demo}
 rm -rf "$out/checkpoints" "$out/tensorboard" "$out"/*.log

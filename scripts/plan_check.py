@@ -26,7 +26,7 @@ COMMON = ["--lr", "1e-4", "--lr-decay-style", "constant", "--hidden-dropout", "0
           "--zero-stage", "1", "--seed", "1234"]
 LLAMA = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu", "--disable-bias-linear",
          "--untie-embeddings-and-output-weights", "--group-query-attention", "--num-query-groups", "8"]
-# our H200 runs (PEERS.md): the 1.3B fitted the time model, the Llama shape checks it
+# our H200 runs (BENCHMARKS.md, the GPU section): the 1.3B fitted the time model, the Llama shape checks it
 CASES = {
     "gpt-1.3b": ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "2048",
                  "--max-position-embeddings", "2048", "--micro-batch-size", "4", "--global-batch-size", "32",

@@ -3,6 +3,7 @@
 # building csrc/ where a compiler is present. A second run with nothing changed
 # returns in well under a second: a stamp records what was installed.
 #   bash scripts/setup_env.sh          what training needs (requirements.txt)
+#   bash scripts/setup_env.sh --demo   also matplotlib, which draws the main job's loss curve (requirements-demo.txt)
 #   bash scripts/setup_env.sh --test   also the peers the tests compare against and the optional tiktoken
 #                                      (requirements-test.txt, which includes requirements.txt: after it, a
 #                                      plain set-up has nothing to do)
@@ -15,10 +16,12 @@ cd "$root"
 venv="$root/.venv"
 reqs=requirements.txt
 [ "${1:-}" = "--test" ] && reqs=requirements-test.txt
+[ "${1:-}" = "--demo" ] && reqs=requirements-demo.txt
 stamp_of() { echo "$venv/.megatron_zero_installed.${1%.txt}"; }
 hash_of() { cat "$1" requirements.txt setup.py $(find csrc -type f 2>/dev/null | sort) 2>/dev/null | sha256sum | cut -d' ' -f1; }
-covering=("$reqs")  # the installs that cover this one: itself, and for a plain set-up the test set too
-[ "$reqs" = requirements.txt ] && covering+=(requirements-test.txt)
+covering=("$reqs")  # the installs that cover this one: itself; the test set covers the others, the demo's the plain one
+[ "$reqs" != requirements-test.txt ] && covering+=(requirements-test.txt)
+[ "$reqs" = requirements.txt ] && covering+=(requirements-demo.txt)
 if [ -x "$venv/bin/python" ]; then
     for r in "${covering[@]}"; do
         [ -f "$(stamp_of "$r")" ] && [ "$(cat "$(stamp_of "$r")")" = "$(hash_of "$r")" ] && exit 0

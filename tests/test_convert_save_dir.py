@@ -25,7 +25,7 @@ def tool(*argv):
                           capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("to", ["universal", "torch_dist"])
+@pytest.mark.parametrize("to", ["universal", pytest.param("torch_dist", marks=pytest.mark.slow)])  # default: universal
 def test_convert_checkpoint_follows_latest(save_dir, tmp_path, to):
     run = tool("convert_checkpoint.py", "--from", "deepspeed", "--to", to, "--input", save_dir, "--output",
                tmp_path / "out")

@@ -78,7 +78,8 @@ def _check_saved_and_summarised(tmp_path, code, out):
     assert len(summary) == 1 and summary[0] == out.rstrip("\n").splitlines()[-1], out[-3000:]
     found = re.fullmatch(rf"training done: iterations 0 to {stopped} \({stopped} run\), {stopped * 4 * 16} tokens in "
                          r"([0-9.]+) s \((\d+) tokens/s\); final lm loss ([0-9.E+-]+) \(iteration "
-                         rf"{stopped}\); last checkpoint {re.escape(str(ckpt / f'global_step{stopped}'))}", summary[0])
+                         rf"{stopped} alone; a log line averages its interval\); last checkpoint "
+                         rf"{re.escape(str(ckpt / f'global_step{stopped}'))}", summary[0])
     assert found, summary[0]
     seconds, rate, final = float(found.group(1)), int(found.group(2)), float(found.group(3))
     tokens = stopped * 64  # the line's seconds are rounded to 0.1, its rate to 1 token/s

@@ -31,7 +31,7 @@ def test_a_run_prints_no_thread_warning_and_a_refusal_is_one_sentence(tmp_path):
     assert refused.returncode == 2
     assert refused.stdout == ""
     assert refused.stderr.strip() == "pretrain_gpt.py: error: --hidden-size 32 is not divisible by " \
-                                     "--num-attention-heads 3", refused.stderr
+                                     "--num-attention-heads 3; give the head dimension with --kv-channels", refused.stderr
 
 
 @pytest.mark.multirank

@@ -46,6 +46,7 @@ def test_first_layer_dense_matches_reference():
         assert_losses_close(norms, ref_norms, global_norm_rtol(rtol, count), "first layer dense, EP2 grad norm")
 
 
+@pytest.mark.slow  # default tier: test_first_layer_dense_matches_reference and test_flag_refusals_in_one_sentence
 def test_cli_trains_saves_and_resumes_the_pattern(tmp_path):
     data = byte_data(str(tmp_path / "bytes"))
     moe = {"num-experts": 4, "expert-model-parallel-size": 2, "moe-layer-freq": "[0]*1+[1]*1", "save-interval": 2}

@@ -74,7 +74,7 @@ def close(got, want, what, bound=BOUND):
         assert diff <= (BOUND if "q_layernorm" in name or "k_layernorm" in name else bound), (what, name, diff)
 
 
-@pytest.mark.isa
+@pytest.mark.slow  # default tier: tests/test_hf_qwen3.py::test_cli_import_trains_at_tp2_pp2 (QK-norm at TP2 x PP2)
 def test_tp2_pp2_matches_one_process_and_resumes_at_tp1(tmp_path):
     results = run_ranks(layouts, 4, str(tmp_path), timeout=300)
     base, flat = [r[0] for r in results], [r[1] for r in results]

@@ -78,7 +78,8 @@ def test_the_summary_names_mfu_and_validation_where_known():
     end = SimpleNamespace(iteration=30, consumed_train_samples=240, skipped_iterations=2)
     line = summary.line(end, (30, 4.5), "ckpt/global_step30")
     found = re.fullmatch(r"training done: iterations 20 to 30 \(10 run, 1 skipped\), 5120 tokens in 4\.0 s \((\d+) "
-                         r"tokens/s, MFU ([0-9.]+)%\); final lm loss 4\.500000E\+00 \(iteration 30\); last validation "
+                         r"tokens/s, MFU ([0-9.]+)%\); final lm loss 4\.500000E\+00 \(iteration 30 alone; a log line "
+                         r"averages its interval\); last validation "
                          r"lm loss 4\.250000E\+00 \(iteration 30\); last checkpoint ckpt/global_step30", line)
     assert found, line
     seconds = 5120 / int(found.group(1))  # the elapsed time the line measured (4 s and the microseconds since)

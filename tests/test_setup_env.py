@@ -29,7 +29,7 @@ def _repo(tmp_path):
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
     shutil.copy(os.path.join(ROOT, "scripts", "setup_env.sh"), repo / "scripts")
-    for name in ("requirements.txt", "requirements-test.txt", "setup.py"):
+    for name in ("requirements.txt", "requirements-test.txt", "requirements-demo.txt", "setup.py"):
         shutil.copy(os.path.join(ROOT, name), repo)
     python = tmp_path / "python3"
     python.write_text(STAND_IN)
@@ -83,3 +83,18 @@ def test_a_set_up_stopped_by_sigterm_leaves_no_stamp_calling_the_venv_complete(t
     assert not [n for n in os.listdir(repo / ".venv") if n.startswith(".megatron_zero_installed")]
     _setup(repo, env)  # the plain set-up's stamp was there before: it must not vouch for the venv now
     assert _pip_installs(env)[3:] == ["-r requirements.txt", "--no-build-isolation --no-deps -e ."]
+
+
+def test_the_demo_set_up_installs_matplotlib_and_the_test_set_up_covers_it(tmp_path):
+    """scripts/demo.sh's set-up installs what its loss curve needs, so the first run draws it."""
+    with open(os.path.join(ROOT, "scripts", "demo.sh")) as f:
+        assert "scripts/setup_env.sh --demo" in f.read()
+    with open(os.path.join(ROOT, "requirements-demo.txt")) as f:
+        assert any(line.startswith("matplotlib==") for line in f)
+    repo, env = _repo(tmp_path)
+    _setup(repo, env, "--demo")
+    assert _pip_installs(env) == ["-r requirements-demo.txt", "--no-build-isolation --no-deps -e ."]
+    repo, env = _repo(tmp_path / "after_test")
+    _setup(repo, env, "--test")
+    _setup(repo, env, "--demo")  # scripts/demo.sh after scripts/test.sh: nothing to install
+    assert len(_pip_installs(env)) == 2

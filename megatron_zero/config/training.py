@@ -16,9 +16,8 @@ class TrainingConfig:
     train_iters: Optional[int] = flag("optimizer steps to train for (or --train-samples)")
     train_samples: Optional[int] = flag("samples to train on (or --train-iters); the step count follows from the "
                                         "global batch")
-    lr_decay_style: str = flag("the learning rate's decay after warm-up (Megatron-LM's formulas; WSD: warm-up, stable "
-                               "at --lr, then the last --lr-wsd-decay-iters decay to --min-lr; inverse-square-root: "
-                               "--lr x sqrt(warm-up / step), at least --min-lr)", "linear",
+    lr_decay_style: str = flag("the learning rate's decay after warm-up, Megatron-LM's formulas (WSD: stable at --lr "
+                               "until its last --lr-wsd-decay-iters)", "linear",
                                choices=["constant", "linear", "cosine", "WSD", "inverse-square-root"])
     lr_wsd_decay_style: str = flag("WSD's decay shape over its last steps", "exponential",
                                    choices=["exponential", "linear", "cosine", "minus_sqrt"])

@@ -20,11 +20,13 @@ from __future__ import annotations
 import os
 import re
 import socket
+import time
 from typing import Callable, Optional
 
 import torch.distributed as dist
 
 from .. import checkpoint as ckpt
+from ..checkpoint.report import async_started_line, saved_line
 from ..checkpoint.storage.commit import committed_tags
 
 
@@ -71,5 +73,9 @@ class LocalTier:
         if not self.interval or iteration % self.interval or persistent_saved:
             return
         trainer.log.flush(trainer.progress)  # the saved nan count includes every iteration run
-        ckpt.save_checkpoint(self.dir, iteration, self.state, trainer.model, trainer.optimizer,
-                             trainer.client_state(), async_save=self.async_save, keep_last_k=1)
+        start = time.monotonic()
+        tag = ckpt.save_checkpoint(self.dir, iteration, self.state, trainer.model, trainer.optimizer,
+                                   trainer.client_state(), async_save=self.async_save, keep_last_k=1)
+        directory, seconds = os.path.join(self.dir, tag), time.monotonic() - start
+        trainer._log("local tier: " + (async_started_line(directory, seconds) if self.async_save else
+                                       saved_line(directory, seconds, None)))

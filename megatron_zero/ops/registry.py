@@ -92,6 +92,8 @@ def extension_for(kernel: str, x) -> "object | None":
     that applies but was not built warns once and returns None.
     """
     import torch
+    if type(x) not in (torch.Tensor, torch.nn.Parameter):  # a tensor subclass (the planner's fake tensors hold no
+        return None                                          # data for a kernel to read) takes PyTorch's ops
     if x.is_cuda:
         fits = kernel in EXTENSIONS[CUDA_EXT] and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
         name = CUDA_EXT if fits else None

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 from ..throughput import gpt_flops_per_iteration
 
-# fitted on our H200 run of GPT 1.3B, seq 2048, mb 4, GA 8, bf16, one GPU: 49.8 % MFU (PEERS.md, 2026-11-27);
+# fitted on our H200 run of GPT 1.3B, seq 2048, mb 4, GA 8, bf16, one GPU: 49.8 % MFU (BENCHMARKS.md, the GPU section);
 # checked against the same run's Llama-3-8B shape (16 layers, seq 4096, mb 1, GA 8): 50.2 % measured
 COMPUTE_EFFICIENCY = 0.498
 H100_BF16_TFLOPS = 989.0           # dense bf16 peak, H100 and H200 SXM (NVIDIA's data sheets)
