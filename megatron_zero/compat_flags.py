@@ -171,12 +171,10 @@ def _schedule_units(args) -> None:
         require(0 <= args.lr_warmup_fraction <= 1, f"--lr-warmup-fraction {args.lr_warmup_fraction} must lie in [0, 1]")
         warmup = args.lr_warmup_fraction * decay  # a float, as Megatron-LM's lr_warmup_steps
     args.lr_schedule_per_step, args.lr_schedule_warmup, args.lr_schedule_decay = per_step, warmup, decay
-    wsd_samples = getattr(args, "lr_wsd_decay_samples", None)
-    wsd_iters = getattr(args, "lr_wsd_decay_iters", None)
-    args.lr_schedule_wsd_decay = (wsd_samples if wsd_samples is not None and args.lr_schedule_unit == "samples" else
-                                  wsd_iters * per_step if wsd_iters is not None else
-                                  wsd_samples * seq if wsd_samples is not None and args.lr_schedule_unit == "tokens"
-                                  else wsd_samples)
+    # WSD's decay length in the schedule's unit (per_step of it a step, gbs samples a step)
+    args.lr_schedule_wsd_decay = (args.lr_wsd_decay_iters * per_step if args.lr_wsd_decay_iters is not None else
+                                  args.lr_wsd_decay_samples * per_step // gbs if args.lr_wsd_decay_samples is not None
+                                  else None)
     require(args.lr_schedule_wsd_decay is None or args.lr_schedule_wsd_decay <= decay,
             f"WSD's decay ({args.lr_schedule_wsd_decay} {args.lr_schedule_unit}) is longer than the whole decay span "
             f"({decay}); shorten --lr-wsd-decay-iters / --lr-wsd-decay-samples")

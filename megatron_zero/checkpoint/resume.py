@@ -144,7 +144,7 @@ def resume_checkpoint(path: str, state, model, optimizer, load_optimizer: bool =
                               "pass its iter_XXXXXXX directory as --load instead")
     client = load_megatron_checkpoint(path, state, model, optimizer, load_optimizer, ckpt_format, log, check)
     if client is not None:
-        _fresh_fp8_histories(model, log, "a Megatron-LM checkpoint's are not read")
+        _say_what_starts_fresh(model, log, "a Megatron-LM checkpoint's are not read")
         return client
     point = find_resume_point(path, universal, verify, step)
     if point is None:
@@ -164,14 +164,14 @@ def resume_checkpoint(path: str, state, model, optimizer, load_optimizer: bool =
         client = load_universal_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify,
                                            checkpoint=opened)
         log(loaded_line(point.directory, "universal", client, this_layout))
-        _fresh_fp8_histories(model, log, "a universal checkpoint keeps none")
+        _say_what_starts_fresh(model, log, "a universal checkpoint keeps none")
         return client
     same_stage_family = (opened.meta.get("zero_stage", optimizer.stage) == 3) == (optimizer.stage == 3)
     if switched or (saved is not None and (saved != here or not same_stage_family)) or megatron_deepspeed_layout(opened):
         client = load_reshaped_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify,
                                           checkpoint=opened)
         log(loaded_line(point.directory, "plain", client, this_layout))
-        _fresh_fp8_histories(model, log, "the checkpoint was saved at another layout")
+        _say_what_starts_fresh(model, log, "the checkpoint was saved at another layout")
         return client
     root, tag = os.path.split(point.directory)
     client = load_checkpoint(root, state, model, optimizer, load_optimizer=load_optimizer, tag=tag, verify=verify,
@@ -182,7 +182,7 @@ def resume_checkpoint(path: str, state, model, optimizer, load_optimizer: bool =
     return client
 
 
-def _fresh_fp8_histories(model, log, why: str) -> None:
+def _say_what_starts_fresh(model, log, why: str) -> None:
     """What a load that cannot restore the saving layout's per-rank state says, one line each: FP8 delayed scaling's
     amax histories start fresh, and so do dropout's random streams (one per TP rank and layer chunk: they cannot be
     mapped to another layout, so a run with dropout drifts from an uninterrupted one, about 1e-4 relative)."""
