@@ -13,24 +13,18 @@ import weakref
 from typing import List, Optional
 
 from . import config
-from .compat_flags import add_compat_flags, validate_compat
-from .compile_flags import add_compile_flags, check_compile_flags
-from .elastic_flags import add_local_tier_flags, add_straggler_flags, check_local_tier_flags, check_straggler_flags
+from .config import compat, compile, elastic, fp8, loss
 from .config.errors import ArgumentError
 from .config.parallel import cp_a2a_size
 from .flag_refusals import refusals, unknown_flag_sentence
-from .fp8.flags import add_fp8_flags, check_fp8_flags
-from .tensor_parallel.loss_flags import add_loss_flags
 
 __all__ = ["ArgumentError", "FEATURES", "args_to_dict", "build_parser", "cp_a2a_size", "explicit_flags",
            "parse_args", "parse_command_line", "validate_args"]
 
 # A feature's own flags module: (declare its flags on the parser, check them once the layout, model and run
 # length are checked). Its flags join --help after the core areas'.
-FEATURES = ((add_compat_flags, validate_compat), (add_local_tier_flags, check_local_tier_flags),
-            (add_straggler_flags, check_straggler_flags),
-            (add_loss_flags, None), (add_fp8_flags, check_fp8_flags),
-            (add_compile_flags, check_compile_flags))  # None: no check of its own
+FEATURES = ((compat.add_flags, compat.validate_compat), (elastic.add_flags, elastic.check), (loss.add_flags, None),
+            (fp8.add_flags, fp8.check), (compile.add_flags, compile.check))  # None: no check of its own
 
 
 class _HelpFormatter(argparse.HelpFormatter):

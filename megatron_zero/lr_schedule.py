@@ -140,7 +140,7 @@ def build_lr_schedule(args) -> LRSchedule:
     ds = args.deepspeed_scheduler
     if ds is not None:
         return DeepSpeedWarmupSchedule(ds["type"], ds["params"], args.lr, args.train_iters)
-    # the unit (iterations, samples or tokens) and its lengths come from compat_flags._schedule_units
+    # the unit (iterations, samples or tokens) and its lengths come from config/compat.py's _schedule_units
     warmup = getattr(args, "lr_schedule_warmup", args.lr_warmup_iters)
     decay = getattr(args, "lr_schedule_decay", args.lr_decay_iters)
     return LRSchedule(args.lr, args.min_lr, warmup, decay, args.lr_decay_style,

@@ -7,7 +7,7 @@ import pytest
 
 from megatron_zero.arguments import ArgumentError, parse_command_line, validate_args
 from megatron_zero.batch_schedule import BatchSchedule, parse_step_schedule
-from megatron_zero.compat_flags import lr_increment
+from megatron_zero.config.compat import lr_increment
 from megatron_zero.data import GlobalBatchSampler
 from megatron_zero.lr_schedule import build_lr_schedule
 

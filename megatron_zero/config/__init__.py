@@ -13,12 +13,11 @@
            checkpoint    CheckpointConfig: save/resume (training.py); the resume check compares the saved args'
                          and the run's model/architecture.ModelSettings (checkpoint/compat.py)
 
-Each area is a module that declares its flags (`add_flags(parser)`, each with help; where the area has a
-typed section, generated from the section's fields: fields.py) and owns their checks: model.py, moe.py
-(with moe_deepspeed.py, moe_router.py), parallel.py, optimizer.py, training.py, data.py, checkpointing.py,
-log.py, runtime.py. A feature's own flags module plugs in
-through arguments.py's FEATURES: its `add_flags(parser)` and a `check(args)` that runs once the
-layout, model and run length are checked (compat_flags.py is one).
+Each area is a module whose typed section's fields declare its flags (`add_flags(parser)` generates them,
+fields.py) and which owns their checks: model.py, moe.py (with moe_deepspeed.py, moe_router.py), parallel.py,
+optimizer.py, training.py, data.py, checkpointing.py, log.py, runtime.py. A feature's flags (compat.py,
+elastic.py, loss.py, fp8.py, compile.py) plug in through arguments.py's FEATURES: the module's
+`add_flags(parser)` and a `check(args)` that runs once the layout, model and run length are checked.
 
 A refusal is one sentence (errors.ArgumentError) naming the flags, their values and what would be right.
 Downstream code takes the checked values and does not check them again.

@@ -7,15 +7,7 @@ import os
 from typing import Optional
 
 from .errors import require
-from .fields import add_section_flags, flag, section, shared
-
-
-def add_verify_flag(parser) -> None:
-    """--no-verify-checkpoint (dest `verify_checkpoint`), the same on pretrain_gpt.py and every tool."""
-    parser.add_argument("--no-verify-checkpoint", "--no_verify_checkpoint", dest="verify_checkpoint",
-                        action="store_false",
-                        help="read checkpoint files without checking them against the checkpoint's manifest "
-                             "(sizes and checksums); unpickling stays safe")
+from .fields import add_field_flag, add_section_flags, flag, section
 
 
 @section("checkpointing")
@@ -50,7 +42,14 @@ class CheckpointConfig:
                           action="store_true")
     overwrite_checkpoints: bool = flag("start from scratch even though --save holds checkpoints (they are "
                                        "overwritten)", False, action="store_true")
-    verify_checkpoint: bool = shared(add_verify_flag, "--no-verify-checkpoint, shared with tools/", True)
+    verify_checkpoint: bool = flag("read checkpoint files without checking them against the checkpoint's manifest "
+                                   "(sizes and checksums); unpickling stays safe", True,
+                                   names=("--no-verify-checkpoint", "--no_verify_checkpoint"), action="store_false")
+
+
+def add_verify_flag(parser) -> None:
+    """--no-verify-checkpoint (dest `verify_checkpoint`), the same on pretrain_gpt.py and every tool."""
+    add_field_flag(parser, CheckpointConfig, "verify_checkpoint")
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:

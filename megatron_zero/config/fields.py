@@ -6,6 +6,7 @@
         data_parallel_size: int = derived("world / (TP x PP x CP), set by the layout check")
 
     add_section_flags(parser, ParallelConfig)         # the argparse declarations, generated from the fields
+    add_field_flag(parser, CheckpointConfig, "verify_checkpoint")   # one field's flag on another parser (tools/)
     ParallelConfig.from_args(args)                    # the frozen section, from the checked namespace
 
 A field is one of
@@ -15,9 +16,8 @@ A field is one of
                                                  annotation (int, float, str; Optional[X] and List[X] as X)
                                                  unless `type` says otherwise (a flag parsed from text into
                                                  something else by its check); also=(...): more flags of the
-                                                 same destination (--no-X, an alias storing a constant)
-    shared(declare, doc)                         a flag declared by a function other parsers share (tools/);
-                                                 the section calls it in the field's place
+                                                 same destination (--no-X, an alias storing a constant); a list
+                                                 default is copied for each parse
     derived(doc, value=None)                     no flag: a value the checks fill in on the namespace (read
                                                  by its name), or `value(args)` computed from it
 and `section` refuses a field that is none of these or a flag without help (TypeError at import).
@@ -43,12 +43,6 @@ class _Flag:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Shared:
-    declare: Callable
-    doc: str
-
-
-@dataclasses.dataclass(frozen=True)
 class _Derived:
     doc: str
     value: Optional[Callable]
@@ -58,13 +52,10 @@ def flag(help: str, default=None, *, names: tuple = (), group: Optional[str] = N
          **argparse_kwargs):
     """A field declaring a flag (see the module's docstring). `also`: other flags of the same destination (a
     --no-X beside --X, an alias that stores a constant), each a dict of `names`, `help` and argparse keywords."""
-    return dataclasses.field(default=default, metadata={
-        _KIND: _Flag(help, tuple(names), group, dict(argparse_kwargs), tuple(also))})
-
-
-def shared(declare: Callable, doc: str, default=None):
-    """A field whose flag `declare(parser_or_group)` declares (the same function other parsers call)."""
-    return dataclasses.field(default=default, metadata={_KIND: _Shared(declare, doc)})
+    metadata = {_KIND: _Flag(help, tuple(names), group, dict(argparse_kwargs), tuple(also))}
+    if isinstance(default, list):  # a dataclass field's mutable default: a fresh copy each time
+        return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 def derived(doc: str, value: Optional[Callable] = None):
@@ -77,7 +68,7 @@ def _declaration(f: dataclasses.Field):
 
 
 def section(title: str):
-    """Class decorator: a frozen dataclass whose every field is a flag (with help), a shared flag or a derived
+    """Class decorator: a frozen dataclass whose every field is a flag (with help) or a derived
     value; `from_args(args)` builds it from a checked namespace."""
     def wrap(cls):
         cls = dataclasses.dataclass(frozen=True)(cls)
@@ -113,39 +104,51 @@ def _parse_type(annotation):
     return annotation
 
 
-def add_section_flags(parser: argparse.ArgumentParser, cls) -> None:
-    """Declare `cls`'s flags on `parser`, in the fields' order, in argument groups by title."""
-    hints = typing.get_type_hints(cls)
+def _default(f: dataclasses.Field):
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def _declare(target, f: dataclasses.Field, hints: dict) -> None:
+    """The argparse declaration(s) of flag field `f` on `target` (a parser or an argument group)."""
+    kind = _declaration(f)
+    kwargs = dict(kind.argparse)
+    if kwargs.get("action") not in _SWITCHES:
+        kwargs.setdefault("type", _parse_type(hints[f.name]))
+    target.add_argument(*_names(kind, f.name), dest=f.name, default=_default(f), help=kind.help, **kwargs)
+    for other in kind.also:
+        other = dict(other)
+        target.add_argument(*other.pop("names"), dest=f.name, **other)
+
+
+def _names(kind: _Flag, name: str) -> tuple:
+    return kind.names or ("--" + name.replace("_", "-"),)
+
+
+def add_section_flags(parser: argparse.ArgumentParser, *classes) -> None:
+    """Declare the flags of the sections `classes` on `parser`, in the fields' order, in argument groups by title
+    (the section's, or the one a field names; one group per title)."""
     groups = {}
+    for cls in classes:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            kind = _declaration(f)
+            if isinstance(kind, _Flag):
+                title = kind.group or cls.TITLE
+                if title not in groups:
+                    groups[title] = parser.add_argument_group(title)
+                _declare(groups[title], f, hints)
 
-    def group(title):
-        if title not in groups:
-            groups[title] = parser.add_argument_group(title)
-        return groups[title]
 
-    for f in dataclasses.fields(cls):
-        kind = _declaration(f)
-        if isinstance(kind, _Shared):
-            kind.declare(group(cls.TITLE))
-        elif isinstance(kind, _Flag):
-            kwargs = dict(kind.argparse)
-            if kwargs.get("action") not in _SWITCHES:
-                kwargs.setdefault("type", _parse_type(hints[f.name]))
-            names = kind.names or ("--" + f.name.replace("_", "-"),)
-            target = group(kind.group or cls.TITLE)
-            target.add_argument(*names, dest=f.name, default=f.default, help=kind.help, **kwargs)
-            for other in kind.also:
-                other = dict(other)
-                target.add_argument(*other.pop("names"), dest=f.name, **other)
+def add_field_flag(parser, cls, name: str) -> None:
+    """Declare the flag of `cls`'s field `name` alone on `parser` (a parser or group of another program)."""
+    _declare(parser, next(f for f in dataclasses.fields(cls) if f.name == name), typing.get_type_hints(cls))
 
 
 def flag_fields(cls) -> list:
-    """The names of `cls`'s fields that are flags (its own or shared)."""
-    return [f.name for f in dataclasses.fields(cls) if isinstance(_declaration(f), (_Flag, _Shared))]
+    """The names of `cls`'s fields that are flags."""
+    return [f.name for f in dataclasses.fields(cls) if isinstance(_declaration(f), _Flag)]
 
 
 def flag_spelling(cls, name: str) -> str:
     """The first option string of `cls`'s flag field `name` (its own names, or --the-name)."""
-    kind = _declaration(next(f for f in dataclasses.fields(cls) if f.name == name))
-    names = getattr(kind, "names", ())
-    return names[0] if names else "--" + name.replace("_", "-")
+    return _names(_declaration(next(f for f in dataclasses.fields(cls) if f.name == name)), name)[0]

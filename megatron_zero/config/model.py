@@ -4,11 +4,13 @@ checked flags by model/architecture.py's gpt_config, the one args -> model setti
 from __future__ import annotations
 
 import argparse
+from typing import Optional
 
 import torch
 
 from ..model.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, default_ffn_hidden_size
 from .errors import require
+from .fields import add_section_flags, flag, section
 
 
 def _normalization(text: str) -> str:
@@ -19,89 +21,94 @@ def _normalization(text: str) -> str:
     return by_lower[text.lower()]
 
 
+ARCHITECTURE = "architecture (GPT-2 by default; these give the Llama / Mistral family)"
+RECOMPUTE = "recompute and attention kernels"
+
+
+@section("model sizes")
+class ModelConfig:
+    """The model's sizes, architecture, recompute and attention kernels, checked (the defaults that follow from
+    other flags filled in)."""
+    num_layers: int = flag("transformer layers of the model", required=True)
+    hidden_size: int = flag("the transformer's hidden width h", required=True)
+    num_attention_heads: int = flag("attention heads per layer (query heads with grouped-query attention)",
+                                    required=True)
+    ffn_hidden_size: Optional[int] = flag("the MLP's inner width (default 4 x --hidden-size; with --swiglu 2/3 of "
+                                          "that, rounded down to a multiple of 64)")
+    seq_length: int = flag("tokens per training sample", required=True)
+    max_position_embeddings: Optional[int] = flag("positions the learned position table holds (default "
+                                                  "--seq-length)")
+    make_vocab_size_divisible_by: int = flag("pad the vocabulary to a multiple of this x "
+                                             "--tensor-model-parallel-size", 128)
+    hidden_dropout: float = flag("dropout probability after the attention and MLP outputs", 0.1)
+    attention_dropout: float = flag("dropout probability on the attention weights", 0.1)
+    layernorm_epsilon: float = flag("epsilon of LayerNorm / RMSNorm", 1e-5, names=("--layernorm-epsilon",
+                                                                                  "--norm-epsilon"))
+    init_method_std: float = flag("standard deviation of the normal weight initialisation (output projections "
+                                  "scaled by 1/sqrt(2 x layers))", 0.02)
+    normalization: str = flag("the norm of each layer and the final norm: LayerNorm (GPT-2) or RMSNorm (Llama), any "
+                              "case", "LayerNorm", group=ARCHITECTURE, type=_normalization,
+                              metavar="{LayerNorm,RMSNorm}")
+    apply_layernorm_1p: bool = flag("zero-centred norm weights: each norm's weight w starts at 0 and the norm "
+                                    "applies 1 + w (Megatron-Core's zero_centered_gamma; LayerNorm and RMSNorm)",
+                                    False, group=ARCHITECTURE, action="store_true")
+    position_embedding_type: str = flag(
+        "learned_absolute: a learned table (GPT-2); rope: rotary embeddings (Llama)", "learned_absolute",
+        group=ARCHITECTURE, choices=list(POSITION_EMBEDDING_TYPES),
+        also=(dict(names=("--use-rotary-position-embeddings",), action="store_const", const="rope",
+                   help="Megatron-DeepSpeed's spelling of --position-embedding-type rope"),))
+    kv_channels: Optional[int] = flag("each attention head's dimension (default --hidden-size / "
+                                      "--num-attention-heads; Qwen3: 128)", group=ARCHITECTURE)
+    qk_layernorm: bool = flag("QK-norm: the layer's norm (--normalization) over each head's query and key, before "
+                              "RoPE (Qwen3, OLMo 2); one weight per head dimension, shared by the heads", False,
+                              group=ARCHITECTURE, action="store_true")
+    rotary_base: int = flag("RoPE's base period theta", 10000, group=ARCHITECTURE)
+    rotary_percent: float = flag("the fraction of each head's dimensions RoPE rotates", 1.0, group=ARCHITECTURE)
+    swiglu: bool = flag("the MLP's activation is SwiGLU (two input projections, Llama) instead of GeLU", False,
+                        group=ARCHITECTURE, action="store_true")
+    group_query_attention: bool = flag("grouped-query attention with --num-query-groups (default 1) key/value heads",
+                                       False, group=ARCHITECTURE, action="store_true")
+    num_query_groups: Optional[int] = flag("key/value heads of grouped-query attention (default: "
+                                           "--num-attention-heads, or 1 with --group-query-attention)",
+                                           group=ARCHITECTURE, names=("--num-query-groups", "--num-key-value-heads"))
+    untie_embeddings_and_output_weights: bool = flag("an output layer of its own instead of the word embedding's "
+                                                     "transpose", False, group=ARCHITECTURE, action="store_true")
+    add_bias_linear: bool = flag("no biases on the linear layers (Llama)", True, group=ARCHITECTURE,
+                                 names=("--disable-bias-linear",), action="store_false")
+    add_qkv_bias: bool = flag("a bias on the QKV projection also with --disable-bias-linear (Qwen2)", False,
+                              group=ARCHITECTURE, action="store_true")
+    recompute_granularity: Optional[str] = flag("recompute activations in backward: whole layers (full) or the "
+                                                "attention core (selective)", group=RECOMPUTE,
+                                                choices=["full", "selective"])
+    recompute_method: Optional[str] = flag("full recompute: chunks of --recompute-num-layers layers (uniform), or "
+                                           "only the first --recompute-num-layers layers of each pipeline stage "
+                                           "(block)", group=RECOMPUTE, choices=["uniform", "block"])
+    recompute_num_layers: int = flag("full recompute: layers per recomputed chunk (uniform) or recomputed layers per "
+                                     "stage (block)", 1, group=RECOMPUTE,
+                                     names=("--recompute-num-layers", "--checkpoint-num-layers"))
+    checkpoint_activations: bool = flag("Megatron-DeepSpeed's name for --recompute-granularity full "
+                                        "--recompute-method uniform", False, group=RECOMPUTE, action="store_true")
+    attention_backend: str = flag("auto: torch's scaled_dot_product_attention where it applies, else unfused; "
+                                  "flash: only its kernels that never build the s x s matrix; fused: the fused "
+                                  "causal-softmax kernel; unfused (Megatron's local): matmul, causal softmax, matmul",
+                                  "auto", group=RECOMPUTE, choices=["auto", "flash", "fused", "unfused", "local"])
+    use_flash_attn: bool = flag("Megatron-LM's older switch for FlashAttention: --attention-backend flash", False,
+                                group=RECOMPUTE, action="store_true")
+    transformer_impl: Optional[str] = flag("Megatron-LM's choice of layer implementation; either way this build's "
+                                           "own layers run (Megatron-Core's parameter layout, the csrc/ fused "
+                                           "kernels; Transformer Engine is not used), and the run says so in one "
+                                           "line", group=RECOMPUTE, choices=["local", "transformer_engine"])
+
+
 def add_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model sizes")
-    g.add_argument("--num-layers", type=int, required=True,
-                   help="transformer layers of the model")
-    g.add_argument("--hidden-size", type=int, required=True,
-                   help="the transformer's hidden width h")
-    g.add_argument("--num-attention-heads", type=int, required=True,
-                   help="attention heads per layer (query heads with grouped-query attention)")
-    g.add_argument("--ffn-hidden-size", type=int, default=None,
-                   help="the MLP's inner width (default 4 x --hidden-size; with --swiglu 2/3 of that, rounded down to a multiple of 64)")
-    g.add_argument("--seq-length", type=int, required=True,
-                   help="tokens per training sample")
-    g.add_argument("--max-position-embeddings", type=int, default=None,
-                   help="positions the learned position table holds (default --seq-length)")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                   help="pad the vocabulary to a multiple of this x --tensor-model-parallel-size")
-    g.add_argument("--hidden-dropout", type=float, default=0.1,
-                   help="dropout probability after the attention and MLP outputs")
-    g.add_argument("--attention-dropout", type=float, default=0.1,
-                   help="dropout probability on the attention weights")
-    g.add_argument("--layernorm-epsilon", "--norm-epsilon", dest="layernorm_epsilon", type=float, default=1e-5,
-                   help="epsilon of LayerNorm / RMSNorm")
-    g.add_argument("--init-method-std", type=float, default=0.02,
-                   help="standard deviation of the normal weight initialisation (output projections scaled by 1/sqrt(2 x layers))")
-    g = p.add_argument_group("architecture (GPT-2 by default; these give the Llama / Mistral family)")
-    g.add_argument("--normalization", type=_normalization, default="LayerNorm", metavar="{LayerNorm,RMSNorm}",
-                   help="the norm of each layer and the final norm: LayerNorm (GPT-2) or RMSNorm (Llama), any case")
-    g.add_argument("--apply-layernorm-1p", action="store_true",
-                   help="zero-centred norm weights: each norm's weight w starts at 0 and the norm applies 1 + w "
-                        "(Megatron-Core's zero_centered_gamma; LayerNorm and RMSNorm)")
-    g.add_argument("--position-embedding-type", choices=list(POSITION_EMBEDDING_TYPES), default="learned_absolute",
-                   help="learned_absolute: a learned table (GPT-2); rope: rotary embeddings (Llama)")
-    g.add_argument("--use-rotary-position-embeddings", dest="position_embedding_type", action="store_const",
-                   const="rope", help="Megatron-DeepSpeed's spelling of --position-embedding-type rope")
-    g.add_argument("--kv-channels", type=int, default=None,
-                   help="each attention head's dimension (default --hidden-size / --num-attention-heads; Qwen3: 128)")
-    g.add_argument("--qk-layernorm", action="store_true",
-                   help="QK-norm: the layer's norm (--normalization) over each head's query and key, before RoPE "
-                        "(Qwen3, OLMo 2); one weight per head dimension, shared by the heads")
-    g.add_argument("--rotary-base", type=int, default=10000,
-                   help="RoPE's base period theta")
-    g.add_argument("--rotary-percent", type=float, default=1.0,
-                   help="the fraction of each head's dimensions RoPE rotates")
-    g.add_argument("--swiglu", action="store_true",
-                   help="the MLP's activation is SwiGLU (two input projections, Llama) instead of GeLU")
-    g.add_argument("--group-query-attention", action="store_true",
-                   help="grouped-query attention with --num-query-groups (default 1) key/value heads")
-    g.add_argument("--num-query-groups", "--num-key-value-heads", dest="num_query_groups", type=int, default=None,
-                   help="key/value heads of grouped-query attention (default: --num-attention-heads, or 1 with --group-query-attention)")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
-                   help="an output layer of its own instead of the word embedding's transpose")
-    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
-                   help="no biases on the linear layers (Llama)")
-    g.add_argument("--add-qkv-bias", action="store_true",
-                   help="a bias on the QKV projection also with --disable-bias-linear (Qwen2)")
-    g = p.add_argument_group("recompute and attention kernels")
-    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
-                   help="recompute activations in backward: whole layers (full) or the attention core (selective)")
-    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
-                   help="full recompute: chunks of --recompute-num-layers layers (uniform), or only the first "
-                        "--recompute-num-layers layers of each pipeline stage (block)")
-    g.add_argument("--recompute-num-layers", "--checkpoint-num-layers", dest="recompute_num_layers", type=int,
-                   default=1,
-                   help="full recompute: layers per recomputed chunk (uniform) or recomputed layers per stage (block)")
-    g.add_argument("--checkpoint-activations", action="store_true",
-                   help="Megatron-DeepSpeed's name for --recompute-granularity full --recompute-method uniform")
-    g.add_argument("--attention-backend", choices=["auto", "flash", "fused", "unfused", "local"], default="auto",
-                   help="auto: torch's scaled_dot_product_attention where it applies, else unfused; flash: only "
-                        "its kernels that never build the s x s matrix; fused: the fused causal-softmax kernel; "
-                        "unfused (Megatron's local): matmul, causal softmax, matmul")
-    g.add_argument("--use-flash-attn", action="store_true",
-                   help="Megatron-LM's older switch for FlashAttention: --attention-backend flash")
-    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default=None,
-                   help="Megatron-LM's choice of layer implementation; either way this build's own layers run "
-                        "(Megatron-Core's parameter layout, the csrc/ fused kernels; Transformer Engine is not used), "
-                        "and the run says so in one line")
+    add_section_flags(p, ModelConfig)
 
 
 def check_sizes(args) -> None:
     """The model's sizes are positive (the parallel sizes: parallel.py)."""
-    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
-        value = getattr(args, flag)
-        require(value >= 1, f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        value = getattr(args, name)
+        require(value >= 1, f"--{name.replace('_', '-')} must be at least 1, got {value}")
 
 
 def check(args, tp: int) -> None:

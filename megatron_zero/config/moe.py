@@ -1,58 +1,105 @@
-"""The mixture-of-experts flags (Megatron-Core's; Megatron-DeepSpeed's in moe_deepspeed.py, the router's
-beyond top-k in moe_router.py): their checks and derived values at a layout. The expert groups' rules
+"""The mixture-of-experts flags (Megatron-Core's, its router's beyond top-k, Megatron-DeepSpeed's; the last two
+checked in moe_router.py and moe_deepspeed.py): their checks and derived values at a layout. The expert groups' rules
 (EP within DP x CP, ETP x EP within TP x DP, ETP other than TP without CP) are topology.Layout's
 check_expert_parallel; the expert count's is moe/expert_counts.py's."""
 from __future__ import annotations
 
 import argparse
+from typing import Optional
 
 from ..moe.expert_counts import check_expert_counts
 from ..model.moe_layers import parse_moe_layer_freq, placement
 from ..topology import Layout
 from .errors import require
-from .moe_deepspeed import add_deepspeed_moe_flags, apply_deepspeed_moe_flags
-from .moe_router import add_core_router_flags, check_core_router_flags
+from .fields import add_section_flags, derived, flag, section
+from .moe_deepspeed import apply_deepspeed_moe_flags
+from .moe_router import check_core_router_flags
+
+
+DEEPSPEED = "mixture of experts, Megatron-DeepSpeed's flags (DeepSpeed-MoE's capacity gating; docs/moe.md)"
+
+
+@section("mixture of experts (Megatron-Core's flags; docs/moe.md)")
+class MoeConfig:
+    """The MoE flags: Megatron-Core's, its router's beyond top-k (checked in moe_router.py) and Megatron-DeepSpeed's
+    (moe_deepspeed.py, which turns them into the same fields), checked."""
+    num_experts: Optional[int] = flag("experts per MoE layer (none: a dense model)")
+    moe_layer_freq: object = flag("every N-th layer (0, N, 2N, ...) is an MoE layer, or one 0 / 1 per layer as "
+                                  "Megatron-LM's list expression (\"[0]*3+[1]*58\": three dense layers first)", 1,
+                                  type=parse_moe_layer_freq)
+    moe_ffn_hidden_size: Optional[int] = flag("an expert's width (default --ffn-hidden-size)")
+    moe_router_topk: int = flag("experts each token is routed to", 2)
+    moe_router_pre_softmax: bool = flag("softmax over all experts before the top-k (default: top-k of the logits, "
+                                        "then softmax)", False, action="store_true")
+    moe_router_load_balancing_type: str = flag(
+        "the router's load balancing: aux_loss (the switch loss per micro-batch), seq_aux_loss (per sequence), "
+        "sinkhorn, or none", "aux_loss", choices=["aux_loss", "none", "seq_aux_loss", "sinkhorn"])
+    moe_aux_loss_coeff: float = flag("the switch load-balancing loss's weight", 0.0)
+    moe_z_loss_coeff: Optional[float] = flag("the router z-loss's weight (default: no z-loss)")
+    moe_grouped_gemm: bool = flag("run the local experts' matmuls as one grouped GEMM each (torch's grouped_mm on "
+                                  "CUDA bf16; the same parameters and checkpoints)", False, action="store_true")
+    moe_token_dispatcher_type: str = flag(
+        "alltoall: variable-size all-to-all over the expert-parallel group; allgather: the tokens all-gathered over "
+        "it, the outputs reduce-scattered back (the same result)", "alltoall", choices=["alltoall", "allgather"])
+    moe_shared_expert_intermediate_size: Optional[int] = flag(
+        "a shared expert MLP of this width that every token goes through, added to the routed experts' output "
+        "(tensor-parallel like the dense MLP, not expert-parallel)")
+    moe_shared_expert_gate: bool = flag("scale the shared expert's output by sigmoid(x g^T), g a [1, h] weight "
+                                        "(Qwen2-MoE)", False, action="store_true")
+    moe_shared_expert_overlap: bool = flag("refused: the shared expert runs after the routed experts, not overlapped "
+                                           "with dispatch", False, action="store_true")
+    expert_model_parallel_size: int = flag("ranks the experts are spread over, carved out of the data-parallel ranks",
+                                           1)
+    expert_tensor_parallel_size: Optional[int] = flag(
+        "ranks each expert is tensor-parallel over (default --tensor-model-parallel-size); other than TP the expert "
+        "groups are carved out of TP x DP, as Megatron-Core does (docs/moe.md)")
+    # Megatron-Core's router beyond the dropless top-k (moe_router.py checks them)
+    moe_router_score_function: str = flag("the router's score: softmax, or sigmoid (top-k of sigmoid(logits), "
+                                          "normalised to sum 1)", "softmax", choices=["softmax", "sigmoid"])
+    moe_router_topk_scaling_factor: Optional[float] = flag("the router weights of the chosen experts times this "
+                                                           "factor")
+    moe_router_dtype: Optional[str] = flag(
+        "the router's GEMM (tokens x router weight) in fp32 under --bf16 / --fp16, as Megatron-Core computes it "
+        "(default: the model dtype; its scores are fp32 either way); fp64 is refused", choices=["fp32"])
+    moe_permute_fusion: bool = flag("no-op: Megatron-Core's fused permute kernel (Transformer Engine); the tokens "
+                                    "are permuted by index here, the same result", False, action="store_true")
+    moe_expert_capacity_factor: Optional[float] = flag(
+        "an expert keeps at most ceil(tokens x topk / experts x factor) of a micro-batch's routed tokens on each "
+        "rank, the rest are dropped (default: dropless; negative: dropless)")
+    moe_token_drop_policy: str = flag("past capacity drop the lowest router weights (probs) or the latest tokens "
+                                      "(position)", "probs", choices=["probs", "position"])
+    moe_pad_expert_input_to_capacity: bool = flag(
+        "Megatron-Core pads each expert's input to its capacity with zero-weight rows; the results are the same, so "
+        "here the experts run on their kept rows only", False, action="store_true")
+    # Megatron-DeepSpeed's (moe_deepspeed.py turns them into the fields above)
+    moe_expert_parallel_size: Optional[int] = flag("Megatron-DeepSpeed's name for --expert-model-parallel-size",
+                                                   group=DEEPSPEED)
+    topk: Optional[int] = flag("experts per token of the capacity gating: 1 or 2 (default 1)", group=DEEPSPEED)
+    expert_interval: Optional[int] = flag("an MoE layer in every N-th block, blocks N-1, 2N-1, ... (default 2)",
+                                          group=DEEPSPEED)
+    moe_capacity_factor: Optional[float] = flag(
+        "an expert takes at most max(ceil(tokens / experts x factor x k), --moe-min-capacity) of a micro-batch's "
+        "tokens in training; the rest are dropped (default 1.0)", group=DEEPSPEED,
+        names=("--moe-train-capacity-factor",))
+    moe_eval_capacity_factor: Optional[float] = flag("the same in evaluation (default 1.0)", group=DEEPSPEED)
+    moe_min_capacity: Optional[int] = flag("the least capacity per expert (default 4)", group=DEEPSPEED)
+    moe_drop_tokens: bool = flag("no capacity limit: every token reaches its experts", True, group=DEEPSPEED,
+                                 names=("--disable-moe-token-dropping",), action="store_false")
+    moe_loss_coeff: Optional[float] = flag("the weight of DeepSpeed's load-balancing loss E sum_e(me_e ce_e) in the "
+                                           "loss (default 0.1)", group=DEEPSPEED)
+    moe_top2_2nd_expert_sampling: bool = flag("top-2: the second expert by argmax instead of Gumbel sampling", True,
+                                              group=DEEPSPEED, names=("--disable-moe-top2-2nd-expert-sampling",),
+                                              action="store_false")
+    create_moe_param_group: bool = flag(
+        "expert parameters in optimizer groups of their own: always so here (ZeRO partitions and reduces them over "
+        "the expert-data-parallel group), with or without this flag", False, group=DEEPSPEED, action="store_true")
+    moe_layer_offset: int = derived("the first MoE layer's index (Megatron-DeepSpeed's --expert-interval N: N-1; "
+                                    "0 otherwise)")
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("mixture of experts (Megatron-Core's flags; docs/moe.md)")
-    g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (none: a dense model)")
-    g.add_argument("--moe-layer-freq", type=parse_moe_layer_freq, default=1,
-                   help="every N-th layer (0, N, 2N, ...) is an MoE layer, or one 0 / 1 per layer as Megatron-LM's "
-                        "list expression (\"[0]*3+[1]*58\": three dense layers first)")
-    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="an expert's width (default --ffn-hidden-size)")
-    g.add_argument("--moe-router-topk", type=int, default=2,
-                   help="experts each token is routed to")
-    g.add_argument("--moe-router-pre-softmax", action="store_true",
-                   help="softmax over all experts before the top-k (default: top-k of the logits, then softmax)")
-    g.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "none", "seq_aux_loss", "sinkhorn"],
-                   default="aux_loss",
-                   help="the router's load balancing: aux_loss (the switch loss per micro-batch), seq_aux_loss (per sequence), "
-                        "sinkhorn, or none")
-    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="the switch load-balancing loss's weight")
-    g.add_argument("--moe-z-loss-coeff", type=float, default=None,
-                   help="the router z-loss's weight (default: no z-loss)")
-    g.add_argument("--moe-grouped-gemm", action="store_true",
-                   help="run the local experts' matmuls as one grouped GEMM each (torch's grouped_mm on CUDA bf16; "
-                        "the same parameters and checkpoints)")
-    g.add_argument("--moe-token-dispatcher-type", choices=["alltoall", "allgather"], default="alltoall",
-                   help="alltoall: variable-size all-to-all over the expert-parallel group; allgather: the tokens "
-                        "all-gathered over it, the outputs reduce-scattered back (the same result)")
-    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
-                   help="a shared expert MLP of this width that every token goes through, added to the routed "
-                        "experts' output (tensor-parallel like the dense MLP, not expert-parallel)")
-    g.add_argument("--moe-shared-expert-gate", action="store_true",
-                   help="scale the shared expert's output by sigmoid(x g^T), g a [1, h] weight (Qwen2-MoE)")
-    g.add_argument("--moe-shared-expert-overlap", action="store_true",
-                   help="refused: the shared expert runs after the routed experts, not overlapped with dispatch")
-    g.add_argument("--expert-model-parallel-size", type=int, default=1,
-                   help="ranks the experts are spread over, carved out of the data-parallel ranks")
-    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
-                   help="ranks each expert is tensor-parallel over (default --tensor-model-parallel-size); other "
-                        "than TP the expert groups are carved out of TP x DP, as Megatron-Core does (docs/moe.md)")
-
-    add_core_router_flags(g)
-    add_deepspeed_moe_flags(p)
+    add_section_flags(p, MoeConfig)
+    p.set_defaults(moe_layer_offset=0)
 
 
 def check(args, layout: Layout, given: set) -> None:

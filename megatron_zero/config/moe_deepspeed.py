@@ -1,4 +1,4 @@
-"""Megatron-DeepSpeed's MoE flags: declared here, turned into the model's MoE fields (model/config.py).
+"""Megatron-DeepSpeed's MoE flags (declared in moe.py's MoeConfig): turned into the model's MoE fields (model/config.py).
 
 Any of the gating flags (--topk, --expert-interval, --moe-train-capacity-factor,
 --moe-eval-capacity-factor, --moe-min-capacity, --disable-moe-token-dropping, --moe-loss-coeff,
@@ -11,8 +11,6 @@ is --expert-model-parallel-size under Megatron-DeepSpeed's name (with either rou
 must agree. --create-moe-param-group: expert parameters are in optimizer groups of their own here always.
 """
 from __future__ import annotations
-
-import argparse
 
 from .errors import require
 
@@ -29,33 +27,6 @@ CORE_ROUTER = (("--moe-router-topk", "moe_router_topk"), ("--moe-router-pre-soft
                ("--moe-expert-capacity-factor", "moe_expert_capacity_factor"),
                ("--moe-token-drop-policy", "moe_token_drop_policy"),
                ("--moe-pad-expert-input-to-capacity", "moe_pad_expert_input_to_capacity"))
-
-
-def add_deepspeed_moe_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("mixture of experts, Megatron-DeepSpeed's flags (DeepSpeed-MoE's capacity gating; "
-                             "docs/moe.md)")
-    g.add_argument("--moe-expert-parallel-size", type=int, default=None,
-                   help="Megatron-DeepSpeed's name for --expert-model-parallel-size")
-    g.add_argument("--topk", type=int, default=None, help="experts per token of the capacity gating: 1 or 2 "
-                   "(default 1)")
-    g.add_argument("--expert-interval", type=int, default=None,
-                   help="an MoE layer in every N-th block, blocks N-1, 2N-1, ... (default 2)")
-    g.add_argument("--moe-train-capacity-factor", dest="moe_capacity_factor", type=float, default=None,
-                   help="an expert takes at most max(ceil(tokens / experts x factor x k), --moe-min-capacity) of "
-                        "a micro-batch's tokens in training; the rest are dropped (default 1.0)")
-    g.add_argument("--moe-eval-capacity-factor", type=float, default=None, help="the same in evaluation "
-                   "(default 1.0)")
-    g.add_argument("--moe-min-capacity", type=int, default=None, help="the least capacity per expert (default 4)")
-    g.add_argument("--disable-moe-token-dropping", dest="moe_drop_tokens", action="store_false",
-                   help="no capacity limit: every token reaches its experts")
-    g.add_argument("--moe-loss-coeff", type=float, default=None,
-                   help="the weight of DeepSpeed's load-balancing loss E sum_e(me_e ce_e) in the loss (default 0.1)")
-    g.add_argument("--disable-moe-top2-2nd-expert-sampling", dest="moe_top2_2nd_expert_sampling",
-                   action="store_false", help="top-2: the second expert by argmax instead of Gumbel sampling")
-    g.add_argument("--create-moe-param-group", action="store_true",
-                   help="expert parameters in optimizer groups of their own: always so here (ZeRO partitions and "
-                        "reduces them over the expert-data-parallel group), with or without this flag")
-    p.set_defaults(moe_layer_offset=0)
 
 
 def apply_deepspeed_moe_flags(args, given: set) -> None:

@@ -1,31 +1,11 @@
 """Megatron-Core's router flags beyond the dropless top-k: the score function, the top-k scaling factor,
 the sequence-level aux loss, Sinkhorn routing and the expert capacity (router.py, sinkhorn.py, token_dropping.py;
 docs/moe.md).
-Declared here and checked with the other MoE flags (config/moe.py); their model fields keep the flags' names."""
+Declared in config/moe.py's MoeConfig, checked here with the other MoE flags; their model fields keep the
+flags' names."""
 from __future__ import annotations
 
 from .errors import require
-
-
-def add_core_router_flags(g) -> None:
-    g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default="softmax",
-                   help="the router's score: softmax, or sigmoid (top-k of sigmoid(logits), normalised to sum 1)")
-    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
-                   help="the router weights of the chosen experts times this factor")
-    g.add_argument("--moe-router-dtype", choices=["fp32"], default=None,
-                   help="the router's GEMM (tokens x router weight) in fp32 under --bf16 / --fp16, as Megatron-Core "
-                        "computes it (default: the model dtype; its scores are fp32 either way); fp64 is refused")
-    g.add_argument("--moe-permute-fusion", action="store_true",
-                   help="no-op: Megatron-Core's fused permute kernel (Transformer Engine); the tokens are permuted by "
-                        "index here, the same result")
-    g.add_argument("--moe-expert-capacity-factor", type=float, default=None,
-                   help="an expert keeps at most ceil(tokens x topk / experts x factor) of a micro-batch's routed "
-                        "tokens on each rank, the rest are dropped (default: dropless; negative: dropless)")
-    g.add_argument("--moe-token-drop-policy", choices=["probs", "position"], default="probs",
-                   help="past capacity drop the lowest router weights (probs) or the latest tokens (position)")
-    g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
-                   help="Megatron-Core pads each expert's input to its capacity with zero-weight rows; the results "
-                        "are the same, so here the experts run on their kept rows only")
 
 
 def check_core_router_flags(args) -> None:

@@ -7,7 +7,7 @@ training.py maps the command line onto these once at start-up:
     --no-gradient-accumulation-fusion -> gradient_accumulation_fusion = False
     --no-persist-layer-norm           -> persist_layer_norm = False (LayerNorm and RMSNorm)
     --no-rope-fusion                  -> rope_fusion = False
-    --no-cross-entropy-loss-fusion    -> cross_entropy_loss_fusion = False (tensor_parallel/loss_flags.py)
+    --no-cross-entropy-loss-fusion    -> cross_entropy_loss_fusion = False (config/loss.py)
 
 A switch that is on only *allows* the fused kernel: an op still falls back to
 PyTorch when the kernel was not built or the tensors are not on its device.

@@ -11,42 +11,45 @@ flag_refusals.py, with the reason.
 from __future__ import annotations
 
 import argparse
+from typing import Optional
 
-from ..config.errors import require
-from .delayed import ALGOS
-from .settings import DEFAULT_RECIPE, FORMATS, RECIPES, Float8Error, import_torchao_float8
-
-
-def add_fp8_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("FP8 training through torchao's float8 (docs/fp8.md)")
-    g.add_argument("--fp8-format", choices=FORMATS, default=None,
-                   help="FP8 GEMMs in the transformer blocks' linear layers (QKV, projection, MLP, MoE experts; not "
-                        "the embedding, the output layer or the MoE router): e4m3 for every operand, or hybrid "
-                        "(e4m3 forward, e5m2 output gradients, as Megatron-LM); default: off")
-    g.add_argument("--fp8-recipe", choices=RECIPES, default=None,
-                   help=f"the scaling: delayed (Transformer Engine's: each tensor's scale from the amax history of "
-                        f"earlier micro-batches; default, as Megatron-LM), tensorwise (torchao's: one scale per "
-                        f"tensor from its current amax; the fastest here), rowwise (one per row, power-of-2 "
-                        f"scales), rowwise_with_gw_hp (rowwise, the weight gradient's GEMM in the training dtype); "
-                        f"default: {DEFAULT_RECIPE}")
-    g.add_argument("--fp8-amax-history-len", type=int, default=None,
-                   help="delayed scaling: how many micro-batches' amaxes each scale is taken from (default 1)")
-    g.add_argument("--fp8-amax-compute-algo", choices=ALGOS, default=None,
-                   help="delayed scaling: the amax a scale is computed from, the history's max or its most recent "
-                        "entry (default most_recent)")
-    g.add_argument("--fp8-margin", type=int, default=0,
-                   help="each scale divided by 2^margin: headroom below the FP8 maximum (as Megatron-LM's)")
-    g.add_argument("--fp8-emulate", action="store_true",
-                   help="run the FP8 GEMMs emulated (the FP8 values multiplied in fp32): for a CPU or a GPU "
-                        "without FP8 tensor cores (before compute capability 8.9), where FP8 is refused "
-                        "otherwise; numerically FP8, not faster")
-    g.add_argument("--fp8-param-gather", action="store_true",
-                   help="ZeRO-1/2/3 (--use-distributed-optimizer, --zero-stage) all-gathers the FP8 layers' weights "
-                        "in FP8 (1 byte an element instead of 2), cast from the fp32 masters once per step with the "
-                        "whole weight's scale; the FP8 GEMMs use them as they are (tensorwise or delayed scaling)")
+from ..fp8.delayed import ALGOS
+from ..fp8.settings import DEFAULT_RECIPE, FORMATS, RECIPES, Float8Error, import_torchao_float8
+from .errors import require
+from .fields import add_section_flags, flag, section
 
 
-def check_fp8_flags(args) -> None:
+@section("FP8 training through torchao's float8 (docs/fp8.md)")
+class Fp8Config:
+    """FP8 training's format, scaling recipe and options, checked (fp8/settings.py's Float8Settings reads them)."""
+    fp8_format: Optional[str] = flag(
+        "FP8 GEMMs in the transformer blocks' linear layers (QKV, projection, MLP, MoE experts; not the embedding, the "
+        "output layer or the MoE router): e4m3 for every operand, or hybrid (e4m3 forward, e5m2 output gradients, as "
+        "Megatron-LM); default: off", choices=FORMATS)
+    fp8_recipe: Optional[str] = flag(
+        "the scaling: delayed (Transformer Engine's: each tensor's scale from the amax history of earlier "
+        "micro-batches; default, as Megatron-LM), tensorwise (torchao's: one scale per tensor from its current amax; "
+        "the fastest here), rowwise (one per row, power-of-2 scales), rowwise_with_gw_hp (rowwise, the weight "
+        f"gradient's GEMM in the training dtype); default: {DEFAULT_RECIPE}", choices=RECIPES)
+    fp8_amax_history_len: Optional[int] = flag("delayed scaling: how many micro-batches' amaxes each scale is taken "
+                                               "from (default 1)")
+    fp8_amax_compute_algo: Optional[str] = flag("delayed scaling: the amax a scale is computed from, the history's "
+                                                "max or its most recent entry (default most_recent)", choices=ALGOS)
+    fp8_margin: int = flag("each scale divided by 2^margin: headroom below the FP8 maximum (as Megatron-LM's)", 0)
+    fp8_emulate: bool = flag("run the FP8 GEMMs emulated (the FP8 values multiplied in fp32): for a CPU or a GPU "
+                             "without FP8 tensor cores (before compute capability 8.9), where FP8 is refused "
+                             "otherwise; numerically FP8, not faster", False, action="store_true")
+    fp8_param_gather: bool = flag(
+        "ZeRO-1/2/3 (--use-distributed-optimizer, --zero-stage) all-gathers the FP8 layers' weights in FP8 (1 byte an "
+        "element instead of 2), cast from the fp32 masters once per step with the whole weight's scale; the FP8 GEMMs "
+        "use them as they are (tensorwise or delayed scaling)", False, action="store_true")
+
+
+def add_flags(p: argparse.ArgumentParser) -> None:
+    add_section_flags(p, Fp8Config)
+
+
+def check(args) -> None:
     """Refuse, in one sentence (ArgumentError), what FP8 cannot do with the other flags."""
     if args.fp8_format is None:
         require(args.fp8_margin == 0 and not args.fp8_emulate and args.fp8_recipe is None

@@ -9,22 +9,30 @@ from __future__ import annotations
 
 import argparse
 
-from .config.errors import require
-from .compile.layers import MODES
+from .errors import require
+from .fields import add_section_flags, flag, section
 
 
-def add_compile_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("compiled layers (torch.compile of each transformer layer; docs/running.md)")
-    g.add_argument("--compile-layers", action="store_true",
-                   help="compile each transformer layer's forward with torch.compile (inductor), one layer at a "
-                        "time as torchtitan does; the embedding, output layer, loss, pipeline schedule, ZeRO "
-                        "and recomputation stay eager around them; the fused kernels run eagerly between the "
-                        "compiled pieces")
-    g.add_argument("--compile-mode", choices=MODES, default="default",
-                   help="torch.compile's mode for --compile-layers (reduce-overhead adds CUDA graphs)")
+# torch.compile's modes (compile/layers.py passes the one given)
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
-def check_compile_flags(args) -> None:
+@section("compiled layers (torch.compile of each transformer layer; docs/running.md)")
+class CompileConfig:
+    """Whether and how each transformer layer is compiled, checked."""
+    compile_layers: bool = flag("compile each transformer layer's forward with torch.compile (inductor), one layer "
+                                "at a time as torchtitan does; the embedding, output layer, loss, pipeline schedule, "
+                                "ZeRO and recomputation stay eager around them; the fused kernels run eagerly "
+                                "between the compiled pieces", False, action="store_true")
+    compile_mode: str = flag("torch.compile's mode for --compile-layers (reduce-overhead adds CUDA graphs)", "default",
+                             choices=MODES)
+
+
+def add_flags(p: argparse.ArgumentParser) -> None:
+    add_section_flags(p, CompileConfig)
+
+
+def check(args) -> None:
     """Refuse, in one sentence (ArgumentError), what compiled layers cannot do with the other flags."""
     if not args.compile_layers:
         require(args.compile_mode == "default",

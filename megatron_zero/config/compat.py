@@ -1,6 +1,6 @@
 """Megatron-LM and Megatron-DeepSpeed flags that launch scripts carry, with their meaning here.
 
-`add_compat_flags(parser)` declares them; `validate_compat(args)` (a feature check of config.validate)
+CompatConfig's fields declare them; `validate_compat(args)` (a feature check of config.validate)
 checks them and turns them into what the trainer reads (schedule units, batch limits). A flag whose
 feature this build lacks is not declared here but refused in flag_refusals.py. A few are documented
 no-ops: each says in --help why it changes nothing here (what it asks for is what happens anyway).
@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import List, Optional
 
-from .config.errors import require
+from .errors import require
+from .fields import add_section_flags, derived, flag, section
 
 
 def _data_impl(text: str) -> str:
@@ -20,79 +22,86 @@ def _data_impl(text: str) -> str:
     return text
 
 
-def add_compat_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("Megatron-LM / Megatron-DeepSpeed compatibility (docs/coming_from_megatron.md)")
-    g.add_argument("--deepspeed", action="store_true",
-                   help="Megatron-DeepSpeed's switch for the DeepSpeed engine: ZeRO is always on here, so it says "
-                        "that the --deepspeed_config JSON applies (required with it)")
-    g.add_argument("--deepspeed-activation-checkpointing", action="store_true",
-                   help="Megatron-DeepSpeed: recompute activations through DeepSpeed's checkpointing; here the "
-                        "recompute of --checkpoint-activations / --recompute-granularity, which it needs")
-    g.add_argument("--no-pipeline-parallel", action="store_true",
-                   help="Megatron-DeepSpeed: the model without pipeline stages; needs --pipeline-model-parallel-size 1")
-    g.add_argument("--data-impl", type=_data_impl, default="mmap", help="mmap or infer: Megatron's .bin/.idx")
-    g.add_argument("--no-query-key-layer-scaling", dest="apply_query_key_layer_scaling", action="store_false",
-                   help="no-op: attention scores are never scaled by the layer number here (softmax in fp32)")
-    g.add_argument("--use-mcore-models", action="store_true",
-                   help="no-op: there is one GPT implementation here (Megatron-Core's parameter layout)")
-    g.add_argument("--no-create-attention-mask-in-dataloader", dest="create_attention_mask_in_dataloader",
-                   action="store_false", help="no-op: the causal mask is never materialised in the data here")
-    g.add_argument("--calculate-per-token-loss", action="store_true",
-                   help="no-op: every micro-batch counts seq-length x micro-batch-size tokens (no loss mask), so "
-                        "the per-token and per-micro-batch averages are the same number")
-    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
-                   dest="override_opt_param_scheduler", action="store_true",
-                   help="no-op: on --load the schedule always comes from the flags (only its step count is "
-                        "restored from the checkpoint)")
-    g.add_argument("--log-throughput", action="store_true",
-                   help="no-op: the log line always carries throughput per GPU (TFLOP/s/GPU) here")
-    g.add_argument("--no-position-embedding", dest="add_position_embedding", action="store_false",
-                   help="no learned absolute position table: with --position-embedding-type rope, as here always")
-    g.add_argument("--ds-sequence-parallel-size", type=int, default=1,
-                   help="Megatron-DeepSpeed's DeepSpeed-Ulysses degree: context parallelism with --cp-comm-type a2a "
-                        "(the same head-scattering all-to-all) over this many ranks")
-    g.add_argument("--train-tokens", type=int, default=None,
-                   help="Megatron-DeepSpeed: stop once this many tokens are consumed (global batch x seq-length a step)")
-    g.add_argument("--lr-warmup-tokens", type=int, default=None, help="warm-up length in tokens (token schedule)")
-    g.add_argument("--lr-decay-tokens", type=int, default=None, help="decay length in tokens (token schedule)")
-    g.add_argument("--lr-warmup-samples", type=int, default=0, help="warm-up length in samples (sample schedule)")
-    g.add_argument("--lr-decay-samples", type=int, default=None, help="decay length in samples (sample schedule)")
-    g.add_argument("--lr-warmup-fraction", type=float, default=None,
-                   help="warm-up as a fraction of the decay length (instead of --lr-warmup-iters / -samples)")
-    g.add_argument("--tensorboard-queue-size", type=int, default=100,
-                   help="events TensorBoard's writer holds before it writes them to disk")
-    g.add_argument("--log-batch-size-to-tensorboard", action="store_true",
-                   help="no-op: the batch-size scalar is always written here (as Megatron-LM does)")
-    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
-                   help="no-op: lm loss validation ppl is always written beside the loss here (as Megatron-LM does)")
-    g.add_argument("--manual-gc", action="store_true",
-                   help="turn Python's automatic garbage collection off and collect at evaluation, at saves and "
-                        "every --manual-gc-interval iterations (same on every rank, no straggler)")
-    g.add_argument("--manual-gc-interval", type=int, default=0, help="iterations between collections (0: never)")
-    g.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2],
-                   help="return the allocator's cached device memory after each step (1) and also after "
-                        "forward-backward (2); the CPU has no such cache")
-    g.add_argument("--num-workers", type=int, default=0,
-                   help="threads reading the next global batch while this one trains (0: read in line)")
-    g.add_argument("--no-mmap-bin-files", dest="mmap_bin_files", action="store_false",
-                   help="read .bin token files with plain reads instead of mapping them")
-    g.add_argument("--mock-data", action="store_true",
-                   help="train on synthetic token sequences (Megatron's mock dataset) instead of --data-path")
-    g.add_argument("--no-save-optim", action="store_true",
-                   help="checkpoints hold the weights (model files and the fp32 master partitions) without the "
-                        "Adam moments, step and loss scale; --load of one starts a fresh optimizer at iteration 0")
-    g.add_argument("--no-save-rng", action="store_true", help="checkpoints hold no RNG states")
-    g.add_argument("--save-weights-interval", type=int, default=None,
-                   help="also save weights only (as --no-save-optim) every N iterations, under <--save>/weights_only "
-                        "(its own latest), beside the full saves of --save-interval")
-    g.add_argument("--profile", action="store_true",
-                   help="torch.profiler trace of iterations --profile-step-start to --profile-step-end, written "
-                        "under --tensorboard-dir (TensorBoard's profiler plugin reads it)")
-    g.add_argument("--profile-step-start", type=int, default=10,
-                   help="the first profiled iteration")
-    g.add_argument("--profile-step-end", type=int, default=12,
-                   help="the iteration the profiler stops before")
-    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0], help="global ranks that profile")
+@section("Megatron-LM / Megatron-DeepSpeed compatibility (docs/coming_from_megatron.md)")
+class CompatConfig:
+    """The flags launch scripts carry, with their meaning here; validate_compat derives the schedule's units."""
+    deepspeed: bool = flag("Megatron-DeepSpeed's switch for the DeepSpeed engine: ZeRO is always on here, so it says "
+                           "that the --deepspeed_config JSON applies (required with it)", False, action="store_true")
+    deepspeed_activation_checkpointing: bool = flag(
+        "Megatron-DeepSpeed: recompute activations through DeepSpeed's checkpointing; here the recompute of "
+        "--checkpoint-activations / --recompute-granularity, which it needs", False, action="store_true")
+    no_pipeline_parallel: bool = flag("Megatron-DeepSpeed: the model without pipeline stages; needs "
+                                      "--pipeline-model-parallel-size 1", False, action="store_true")
+    data_impl: str = flag("mmap or infer: Megatron's .bin/.idx", "mmap", type=_data_impl)
+    apply_query_key_layer_scaling: bool = flag("no-op: attention scores are never scaled by the layer number here "
+                                               "(softmax in fp32)", True, names=("--no-query-key-layer-scaling",),
+                                               action="store_false")
+    use_mcore_models: bool = flag("no-op: there is one GPT implementation here (Megatron-Core's parameter layout)",
+                                  False, action="store_true")
+    create_attention_mask_in_dataloader: bool = flag(
+        "no-op: the causal mask is never materialised in the data here", True,
+        names=("--no-create-attention-mask-in-dataloader",), action="store_false")
+    calculate_per_token_loss: bool = flag(
+        "no-op: every micro-batch counts seq-length x micro-batch-size tokens (no loss mask), so the per-token and "
+        "per-micro-batch averages are the same number", False, action="store_true")
+    override_opt_param_scheduler: bool = flag(
+        "no-op: on --load the schedule always comes from the flags (only its step count is restored from the "
+        "checkpoint)", False, names=("--override-opt_param-scheduler", "--override-opt-param-scheduler"),
+        action="store_true")
+    log_throughput: bool = flag("no-op: the log line always carries throughput per GPU (TFLOP/s/GPU) here", False,
+                                action="store_true")
+    add_position_embedding: bool = flag("no learned absolute position table: with --position-embedding-type rope, as "
+                                        "here always", True, names=("--no-position-embedding",), action="store_false")
+    ds_sequence_parallel_size: int = flag("Megatron-DeepSpeed's DeepSpeed-Ulysses degree: context parallelism with "
+                                          "--cp-comm-type a2a (the same head-scattering all-to-all) over this many "
+                                          "ranks", 1)
+    train_tokens: Optional[int] = flag("Megatron-DeepSpeed: stop once this many tokens are consumed (global batch x "
+                                       "seq-length a step)")
+    lr_warmup_tokens: Optional[int] = flag("warm-up length in tokens (token schedule)")
+    lr_decay_tokens: Optional[int] = flag("decay length in tokens (token schedule)")
+    lr_warmup_samples: int = flag("warm-up length in samples (sample schedule)", 0)
+    lr_decay_samples: Optional[int] = flag("decay length in samples (sample schedule)")
+    lr_warmup_fraction: Optional[float] = flag("warm-up as a fraction of the decay length (instead of "
+                                               "--lr-warmup-iters / -samples)")
+    tensorboard_queue_size: int = flag("events TensorBoard's writer holds before it writes them to disk", 100)
+    log_batch_size_to_tensorboard: bool = flag("no-op: the batch-size scalar is always written here (as Megatron-LM "
+                                               "does)", False, action="store_true")
+    log_validation_ppl_to_tensorboard: bool = flag("no-op: lm loss validation ppl is always written beside the loss "
+                                                   "here (as Megatron-LM does)", False, action="store_true")
+    manual_gc: bool = flag("turn Python's automatic garbage collection off and collect at evaluation, at saves and "
+                           "every --manual-gc-interval iterations (same on every rank, no straggler)", False,
+                           action="store_true")
+    manual_gc_interval: int = flag("iterations between collections (0: never)", 0)
+    empty_unused_memory_level: int = flag("return the allocator's cached device memory after each step (1) and also "
+                                          "after forward-backward (2); the CPU has no such cache", 0,
+                                          choices=[0, 1, 2])
+    num_workers: int = flag("threads reading the next global batch while this one trains (0: read in line)", 0)
+    mmap_bin_files: bool = flag("read .bin token files with plain reads instead of mapping them", True,
+                                names=("--no-mmap-bin-files",), action="store_false")
+    mock_data: bool = flag("train on synthetic token sequences (Megatron's mock dataset) instead of --data-path",
+                           False, action="store_true")
+    no_save_optim: bool = flag("checkpoints hold the weights (model files and the fp32 master partitions) without "
+                               "the Adam moments, step and loss scale; --load of one starts a fresh optimizer at "
+                               "iteration 0", False, action="store_true")
+    no_save_rng: bool = flag("checkpoints hold no RNG states", False, action="store_true")
+    save_weights_interval: Optional[int] = flag("also save weights only (as --no-save-optim) every N iterations, "
+                                                "under <--save>/weights_only (its own latest), beside the full saves "
+                                                "of --save-interval")
+    profile: bool = flag("torch.profiler trace of iterations --profile-step-start to --profile-step-end, written "
+                         "under --tensorboard-dir (TensorBoard's profiler plugin reads it)", False, action="store_true")
+    profile_step_start: int = flag("the first profiled iteration", 10)
+    profile_step_end: int = flag("the iteration the profiler stops before", 12)
+    profile_ranks: List[int] = flag("global ranks that profile", [0], nargs="+")
+    lr_schedule_unit: str = derived("the learning-rate schedule's unit: iterations, samples or tokens "
+                                    "(validate_compat)")
+    lr_schedule_per_step: int = derived("what a step at the configured global batch adds to the schedule's count")
+    lr_schedule_warmup: float = derived("the warm-up length in the schedule's unit (a float with "
+                                        "--lr-warmup-fraction)")
+    lr_schedule_decay: int = derived("the decay length in the schedule's unit")
+
+
+def add_flags(p: argparse.ArgumentParser) -> None:
+    add_section_flags(p, CompatConfig)
 
 
 def validate_compat(args) -> None:

@@ -1,26 +1,56 @@
 """Flags of the node-local checkpoint tier (elastic/local_tier.py) and of the straggler report
-(elastic/straggler.py), under Megatron-LM's names; declared here, registered from arguments.py (FEATURES) and
-checked by check_local_tier_flags and check_straggler_flags."""
+(elastic/straggler.py), under Megatron-LM's names; ElasticConfig declares them, check_local_tier and
+check_straggler check them."""
 from __future__ import annotations
 
 import argparse
+from typing import Optional
 
-from .config.errors import ArgumentError
-
-
-def add_local_tier_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("node-local checkpoint tier (docs/reliability.md)")
-    g.add_argument("--non-persistent-save-interval", type=int, default=None,
-                   help="also save every N iterations to --non-persistent-local-ckpt-dir (fast local storage; "
-                        "only the newest copy is kept); a restart resumes from it when it is newer than --load's")
-    g.add_argument("--non-persistent-ckpt-type", choices=["local"], default=None,
-                   help="where the non-persistent saves go: local (a directory on the ranks' host; "
-                        "Megatron-LM's global and in_memory kinds are not supported)")
-    g.add_argument("--non-persistent-local-ckpt-dir", type=str, default=None,
-                   help="the directory of the non-persistent saves, on fast node-local storage (e.g. local NVMe)")
+from .errors import ArgumentError
+from .fields import add_section_flags, flag, section
 
 
-def check_local_tier_flags(args) -> None:
+STRAGGLER = "straggler report (docs/reliability.md)"
+
+
+@section("node-local checkpoint tier (docs/reliability.md)")
+class ElasticConfig:
+    """The node-local checkpoint tier (elastic/local_tier.py) and the straggler report (elastic/straggler.py)."""
+    non_persistent_save_interval: Optional[int] = flag(
+        "also save every N iterations to --non-persistent-local-ckpt-dir (fast local storage; only the newest copy "
+        "is kept); a restart resumes from it when it is newer than --load's")
+    non_persistent_ckpt_type: Optional[str] = flag(
+        "where the non-persistent saves go: local (a directory on the ranks' host; Megatron-LM's global and "
+        "in_memory kinds are not supported)", choices=["local"])
+    non_persistent_local_ckpt_dir: Optional[str] = flag(
+        "the directory of the non-persistent saves, on fast node-local storage (e.g. local NVMe)")
+    log_straggler: bool = flag(
+        "every --log-interval, one line with each rank's forward compute time per iteration (CUDA events on a GPU): "
+        "the slowest and fastest ranks and the ranks over --straggler-factor times the median, with their hosts",
+        False, group=STRAGGLER, action="store_true")
+    straggler_minmax_count: int = flag("with --log-straggler: how many of the slowest and of the fastest ranks to "
+                                       "name (default 1)", 1, group=STRAGGLER)
+    straggler_factor: float = flag(
+        "with --log-straggler: name a rank as a straggler when its forward compute time is over this many times the "
+        "median of its pipeline stage's ranks (default 1.5)", 1.5, group=STRAGGLER)
+    disable_straggler_on_startup: bool = flag("with --log-straggler: start with the report off "
+                                              "(--straggler-ctrlr-port turns it on)", False, group=STRAGGLER,
+                                              action="store_true")
+    straggler_ctrlr_port: Optional[int] = flag(
+        "with --log-straggler: rank 0 listens on this TCP port; each connection (e.g. curl host:PORT) turns the "
+        "report on or off at the next log line (default: no listener)", group=STRAGGLER)
+
+
+def add_flags(p: argparse.ArgumentParser) -> None:
+    add_section_flags(p, ElasticConfig)
+
+
+def check(args) -> None:
+    check_local_tier(args)
+    check_straggler(args)
+
+
+def check_local_tier(args) -> None:
     """One sentence (ArgumentError) for flags of the tier that cannot work together."""
     interval, kind, where = (args.non_persistent_save_interval, args.non_persistent_ckpt_type,
                              args.non_persistent_local_ckpt_dir)
@@ -36,25 +66,7 @@ def check_local_tier_flags(args) -> None:
                          "--non-persistent-local-ckpt-dir DIR (a directory on fast node-local storage)")
 
 
-def add_straggler_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("straggler report (docs/reliability.md)")
-    g.add_argument("--log-straggler", action="store_true",
-                   help="every --log-interval, one line with each rank's forward compute time per iteration (CUDA "
-                        "events on a GPU): the slowest and fastest ranks and the ranks over --straggler-factor "
-                        "times the median, with their hosts")
-    g.add_argument("--straggler-minmax-count", type=int, default=1,
-                   help="with --log-straggler: how many of the slowest and of the fastest ranks to name (default 1)")
-    g.add_argument("--straggler-factor", type=float, default=1.5,
-                   help="with --log-straggler: name a rank as a straggler when its forward compute time is over "
-                        "this many times the median of its pipeline stage's ranks (default 1.5)")
-    g.add_argument("--disable-straggler-on-startup", action="store_true",
-                   help="with --log-straggler: start with the report off (--straggler-ctrlr-port turns it on)")
-    g.add_argument("--straggler-ctrlr-port", type=int, default=None,
-                   help="with --log-straggler: rank 0 listens on this TCP port; each connection (e.g. curl "
-                        "host:PORT) turns the report on or off at the next log line (default: no listener)")
-
-
-def check_straggler_flags(args) -> None:
+def check_straggler(args) -> None:
     """One sentence (ArgumentError) for straggler flags without --log-straggler or out of range."""
     given = [flag for flag, on in (("--straggler-minmax-count", args.straggler_minmax_count != 1),
                                    ("--straggler-factor", args.straggler_factor != 1.5),
