@@ -1,8 +1,10 @@
 """The configuration layer: each check in one place (the command line refuses with the very sentence of the
 code that owns the rule), a feature's flags module plugs in with one entry, and the files stay small."""
+import ast
 import dataclasses
 import os
 import typing
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +15,8 @@ from megatron_zero.config.errors import require
 from megatron_zero.moe.expert_counts import check_expert_counts
 from megatron_zero.testing.flag_checks import BASE, refused, with_flags
 from megatron_zero.topology import Layout, TopologyError
+
+PACKAGE = Path(megatron_zero.__file__).parent
 
 
 def _sentence(error_type, call):
@@ -43,16 +47,15 @@ def test_layout_rules_refused_in_the_topologys_words(changes, world, owner, caps
     (dict(num_experts=4, moe_router_topk=5), (4, 5, 1)),
 ])
 def test_expert_count_refused_in_one_sentence_everywhere(changes, counts, capsys):
-    """The flags, GPTConfig and the MoE layer ask moe/expert_counts.py."""
-    from megatron_zero.model.config import GPTConfig
-
+    """The flags ask moe/expert_counts.py, from one place (config/moe.py): GPTConfig and the MoE layers trust the
+    checked count."""
     experts, topk, ep = counts
     sentence = _sentence(ValueError, lambda: check_expert_counts(experts, topk, ep))
     assert refused(with_flags(BASE, **changes), 2, capsys).strip() == f"pretrain_gpt.py: error: {sentence}"
-    if ep == 1:
-        config = dict(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, seq_length=16,
-                      max_position_embeddings=16, num_experts=experts, moe_router_topk=topk)
-        assert _sentence(ValueError, lambda: GPTConfig(**config)) == sentence
+    callers = [path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.py")
+               for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "check_expert_counts"]
+    assert callers == ["config/moe.py"]
 
 
 def _feature_flags(parser):
@@ -173,3 +176,19 @@ def test_the_resume_check_compares_typed_model_settings():
     wider = ModelSettings.from_args({**recorded, "hidden_size": 128})
     assert [f.name for f in dataclasses.fields(here) if getattr(here, f.name) != getattr(wider, f.name)] == \
         ["hidden_size"]
+
+
+def test_the_model_flags_defaults_are_gptconfigs():
+    """A model flag left out means GPTConfig's default (the flags read it from there), Megatron-DeepSpeed's
+    --moe-min-capacity 4 included; FP8's unset recipe is Float8Settings' default."""
+    from megatron_zero.fp8.settings import Float8Settings
+    from megatron_zero.model.config import GPTConfig
+
+    parser = arguments.build_parser()
+    dests = {action.dest for action in parser._actions}
+    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig) if f.default is not dataclasses.MISSING}
+    differ = {name: (parser.get_default(name), value) for name, value in defaults.items()
+              if name in dests and parser.get_default(name) != value}
+    assert not differ and parser.get_default("moe_min_capacity") == 4
+    fp8 = arguments.parse_args(with_flags(BASE, fp8_format="hybrid", fp8_emulate=True))
+    assert Float8Settings.from_args(fp8).recipe == Float8Settings().recipe == "delayed"

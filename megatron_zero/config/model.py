@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from ..model.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, default_ffn_hidden_size
+from ..model.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, GPTConfig, default_ffn_hidden_size
 from .errors import require
 from .fields import add_section_flags, flag, section
 
@@ -39,44 +39,46 @@ class ModelConfig:
     max_position_embeddings: Optional[int] = flag("positions the learned position table holds (default "
                                                   "--seq-length)")
     make_vocab_size_divisible_by: int = flag("pad the vocabulary to a multiple of this x "
-                                             "--tensor-model-parallel-size", 128)
-    hidden_dropout: float = flag("dropout probability after the attention and MLP outputs", 0.1)
-    attention_dropout: float = flag("dropout probability on the attention weights", 0.1)
-    layernorm_epsilon: float = flag("epsilon of LayerNorm / RMSNorm", 1e-5, names=("--layernorm-epsilon",
-                                                                                  "--norm-epsilon"))
+                                             "--tensor-model-parallel-size", GPTConfig.make_vocab_size_divisible_by)
+    hidden_dropout: float = flag("dropout probability after the attention and MLP outputs", GPTConfig.hidden_dropout)
+    attention_dropout: float = flag("dropout probability on the attention weights", GPTConfig.attention_dropout)
+    layernorm_epsilon: float = flag("epsilon of LayerNorm / RMSNorm", GPTConfig.layernorm_epsilon,
+                                    names=("--layernorm-epsilon", "--norm-epsilon"))
     init_method_std: float = flag("standard deviation of the normal weight initialisation (output projections "
-                                  "scaled by 1/sqrt(2 x layers))", 0.02)
+                                  "scaled by 1/sqrt(2 x layers))", GPTConfig.init_method_std)
     normalization: str = flag("the norm of each layer and the final norm: LayerNorm (GPT-2) or RMSNorm (Llama), any "
-                              "case", "LayerNorm", group=ARCHITECTURE, type=_normalization,
+                              "case", GPTConfig.normalization, group=ARCHITECTURE, type=_normalization,
                               metavar="{LayerNorm,RMSNorm}")
     apply_layernorm_1p: bool = flag("zero-centred norm weights: each norm's weight w starts at 0 and the norm "
                                     "applies 1 + w (Megatron-Core's zero_centered_gamma; LayerNorm and RMSNorm)",
-                                    False, group=ARCHITECTURE, action="store_true")
+                                    GPTConfig.apply_layernorm_1p, group=ARCHITECTURE, action="store_true")
     position_embedding_type: str = flag(
-        "learned_absolute: a learned table (GPT-2); rope: rotary embeddings (Llama)", "learned_absolute",
+        "learned_absolute: a learned table (GPT-2); rope: rotary embeddings (Llama)", GPTConfig.position_embedding_type,
         group=ARCHITECTURE, choices=list(POSITION_EMBEDDING_TYPES),
         also=(dict(names=("--use-rotary-position-embeddings",), action="store_const", const="rope",
                    help="Megatron-DeepSpeed's spelling of --position-embedding-type rope"),))
     kv_channels: Optional[int] = flag("each attention head's dimension (default --hidden-size / "
                                       "--num-attention-heads; Qwen3: 128)", group=ARCHITECTURE)
     qk_layernorm: bool = flag("QK-norm: the layer's norm (--normalization) over each head's query and key, before "
-                              "RoPE (Qwen3, OLMo 2); one weight per head dimension, shared by the heads", False,
-                              group=ARCHITECTURE, action="store_true")
-    rotary_base: int = flag("RoPE's base period theta", 10000, group=ARCHITECTURE)
-    rotary_percent: float = flag("the fraction of each head's dimensions RoPE rotates", 1.0, group=ARCHITECTURE)
-    swiglu: bool = flag("the MLP's activation is SwiGLU (two input projections, Llama) instead of GeLU", False,
-                        group=ARCHITECTURE, action="store_true")
+                              "RoPE (Qwen3, OLMo 2); one weight per head dimension, shared by the heads",
+                              GPTConfig.qk_layernorm, group=ARCHITECTURE, action="store_true")
+    rotary_base: int = flag("RoPE's base period theta", GPTConfig.rotary_base, group=ARCHITECTURE)
+    rotary_percent: float = flag("the fraction of each head's dimensions RoPE rotates", GPTConfig.rotary_percent,
+                                 group=ARCHITECTURE)
+    swiglu: bool = flag("the MLP's activation is SwiGLU (two input projections, Llama) instead of GeLU",
+                        GPTConfig.swiglu, group=ARCHITECTURE, action="store_true")
     group_query_attention: bool = flag("grouped-query attention with --num-query-groups (default 1) key/value heads",
                                        False, group=ARCHITECTURE, action="store_true")
     num_query_groups: Optional[int] = flag("key/value heads of grouped-query attention (default: "
                                            "--num-attention-heads, or 1 with --group-query-attention)",
                                            group=ARCHITECTURE, names=("--num-query-groups", "--num-key-value-heads"))
     untie_embeddings_and_output_weights: bool = flag("an output layer of its own instead of the word embedding's "
-                                                     "transpose", False, group=ARCHITECTURE, action="store_true")
-    add_bias_linear: bool = flag("no biases on the linear layers (Llama)", True, group=ARCHITECTURE,
-                                 names=("--disable-bias-linear",), action="store_false")
-    add_qkv_bias: bool = flag("a bias on the QKV projection also with --disable-bias-linear (Qwen2)", False,
-                              group=ARCHITECTURE, action="store_true")
+                                                     "transpose", GPTConfig.untie_embeddings_and_output_weights,
+                                                     group=ARCHITECTURE, action="store_true")
+    add_bias_linear: bool = flag("no biases on the linear layers (Llama)", GPTConfig.add_bias_linear,
+                                 group=ARCHITECTURE, names=("--disable-bias-linear",), action="store_false")
+    add_qkv_bias: bool = flag("a bias on the QKV projection also with --disable-bias-linear (Qwen2)",
+                              GPTConfig.add_qkv_bias, group=ARCHITECTURE, action="store_true")
     recompute_granularity: Optional[str] = flag("recompute activations in backward: whole layers (full) or the "
                                                 "attention core (selective)", group=RECOMPUTE,
                                                 choices=["full", "selective"])
@@ -84,14 +86,15 @@ class ModelConfig:
                                            "only the first --recompute-num-layers layers of each pipeline stage "
                                            "(block)", group=RECOMPUTE, choices=["uniform", "block"])
     recompute_num_layers: int = flag("full recompute: layers per recomputed chunk (uniform) or recomputed layers per "
-                                     "stage (block)", 1, group=RECOMPUTE,
+                                     "stage (block)", GPTConfig.recompute_num_layers, group=RECOMPUTE,
                                      names=("--recompute-num-layers", "--checkpoint-num-layers"))
     checkpoint_activations: bool = flag("Megatron-DeepSpeed's name for --recompute-granularity full "
                                         "--recompute-method uniform", False, group=RECOMPUTE, action="store_true")
     attention_backend: str = flag("auto: torch's scaled_dot_product_attention where it applies, else unfused; "
                                   "flash: only its kernels that never build the s x s matrix; fused: the fused "
                                   "causal-softmax kernel; unfused (Megatron's local): matmul, causal softmax, matmul",
-                                  "auto", group=RECOMPUTE, choices=["auto", "flash", "fused", "unfused", "local"])
+                                  GPTConfig.attention_backend, group=RECOMPUTE,
+                                  choices=["auto", "flash", "fused", "unfused", "local"])
     use_flash_attn: bool = flag("Megatron-LM's older switch for FlashAttention: --attention-backend flash", False,
                                 group=RECOMPUTE, action="store_true")
     transformer_impl: Optional[str] = flag("Megatron-LM's choice of layer implementation; either way this build's "

@@ -8,6 +8,7 @@ import argparse
 from typing import Optional
 
 from ..moe.expert_counts import check_expert_counts
+from ..model.config import GPTConfig
 from ..model.moe_layers import parse_moe_layer_freq, placement
 from ..topology import Layout
 from .errors import require
@@ -25,27 +26,31 @@ class MoeConfig:
     (moe_deepspeed.py, which turns them into the same fields), checked."""
     num_experts: Optional[int] = flag("experts per MoE layer (none: a dense model)")
     moe_layer_freq: object = flag("every N-th layer (0, N, 2N, ...) is an MoE layer, or one 0 / 1 per layer as "
-                                  "Megatron-LM's list expression (\"[0]*3+[1]*58\": three dense layers first)", 1,
+                                  "Megatron-LM's list expression (\"[0]*3+[1]*58\": three dense layers first)",
+                                  GPTConfig.moe_layer_freq,
                                   type=parse_moe_layer_freq)
     moe_ffn_hidden_size: Optional[int] = flag("an expert's width (default --ffn-hidden-size)")
-    moe_router_topk: int = flag("experts each token is routed to", 2)
+    moe_router_topk: int = flag("experts each token is routed to", GPTConfig.moe_router_topk)
     moe_router_pre_softmax: bool = flag("softmax over all experts before the top-k (default: top-k of the logits, "
-                                        "then softmax)", False, action="store_true")
+                                        "then softmax)", GPTConfig.moe_router_pre_softmax, action="store_true")
     moe_router_load_balancing_type: str = flag(
         "the router's load balancing: aux_loss (the switch loss per micro-batch), seq_aux_loss (per sequence), "
-        "sinkhorn, or none", "aux_loss", choices=["aux_loss", "none", "seq_aux_loss", "sinkhorn"])
-    moe_aux_loss_coeff: float = flag("the switch load-balancing loss's weight", 0.0)
+        "sinkhorn, or none",
+        GPTConfig.moe_router_load_balancing_type, choices=["aux_loss", "none", "seq_aux_loss", "sinkhorn"])
+    moe_aux_loss_coeff: float = flag("the switch load-balancing loss's weight", GPTConfig.moe_aux_loss_coeff)
     moe_z_loss_coeff: Optional[float] = flag("the router z-loss's weight (default: no z-loss)")
     moe_grouped_gemm: bool = flag("run the local experts' matmuls as one grouped GEMM each (torch's grouped_mm on "
-                                  "CUDA bf16; the same parameters and checkpoints)", False, action="store_true")
+                                  "CUDA bf16; the same parameters and checkpoints)",
+                                  GPTConfig.moe_grouped_gemm, action="store_true")
     moe_token_dispatcher_type: str = flag(
         "alltoall: variable-size all-to-all over the expert-parallel group; allgather: the tokens all-gathered over "
-        "it, the outputs reduce-scattered back (the same result)", "alltoall", choices=["alltoall", "allgather"])
+        "it, the outputs reduce-scattered back (the same result)",
+        GPTConfig.moe_token_dispatcher_type, choices=["alltoall", "allgather"])
     moe_shared_expert_intermediate_size: Optional[int] = flag(
         "a shared expert MLP of this width that every token goes through, added to the routed experts' output "
         "(tensor-parallel like the dense MLP, not expert-parallel)")
     moe_shared_expert_gate: bool = flag("scale the shared expert's output by sigmoid(x g^T), g a [1, h] weight "
-                                        "(Qwen2-MoE)", False, action="store_true")
+                                        "(Qwen2-MoE)", GPTConfig.moe_shared_expert_gate, action="store_true")
     moe_shared_expert_overlap: bool = flag("refused: the shared expert runs after the routed experts, not overlapped "
                                            "with dispatch", False, action="store_true")
     expert_model_parallel_size: int = flag("ranks the experts are spread over, carved out of the data-parallel ranks",
@@ -55,7 +60,8 @@ class MoeConfig:
         "groups are carved out of TP x DP, as Megatron-Core does (docs/moe.md)")
     # Megatron-Core's router beyond the dropless top-k (moe_router.py checks them)
     moe_router_score_function: str = flag("the router's score: softmax, or sigmoid (top-k of sigmoid(logits), "
-                                          "normalised to sum 1)", "softmax", choices=["softmax", "sigmoid"])
+                                          "normalised to sum 1)",
+                                          GPTConfig.moe_router_score_function, choices=["softmax", "sigmoid"])
     moe_router_topk_scaling_factor: Optional[float] = flag("the router weights of the chosen experts times this "
                                                            "factor")
     moe_router_dtype: Optional[str] = flag(
@@ -67,10 +73,10 @@ class MoeConfig:
         "an expert keeps at most ceil(tokens x topk / experts x factor) of a micro-batch's routed tokens on each "
         "rank, the rest are dropped (default: dropless; negative: dropless)")
     moe_token_drop_policy: str = flag("past capacity drop the lowest router weights (probs) or the latest tokens "
-                                      "(position)", "probs", choices=["probs", "position"])
+                                      "(position)", GPTConfig.moe_token_drop_policy, choices=["probs", "position"])
     moe_pad_expert_input_to_capacity: bool = flag(
         "Megatron-Core pads each expert's input to its capacity with zero-weight rows; the results are the same, so "
-        "here the experts run on their kept rows only", False, action="store_true")
+        "here the experts run on their kept rows only", GPTConfig.moe_pad_expert_input_to_capacity, action="store_true")
     # Megatron-DeepSpeed's (moe_deepspeed.py turns them into the fields above)
     moe_expert_parallel_size: Optional[int] = flag("Megatron-DeepSpeed's name for --expert-model-parallel-size",
                                                    group=DEEPSPEED)
@@ -82,12 +88,15 @@ class MoeConfig:
         "tokens in training; the rest are dropped (default 1.0)", group=DEEPSPEED,
         names=("--moe-train-capacity-factor",))
     moe_eval_capacity_factor: Optional[float] = flag("the same in evaluation (default 1.0)", group=DEEPSPEED)
-    moe_min_capacity: Optional[int] = flag("the least capacity per expert (default 4)", group=DEEPSPEED)
-    moe_drop_tokens: bool = flag("no capacity limit: every token reaches its experts", True, group=DEEPSPEED,
+    moe_min_capacity: int = flag("the least capacity per expert",
+                                 GPTConfig.moe_min_capacity, group=DEEPSPEED)  # Megatron-DeepSpeed's
+    moe_drop_tokens: bool = flag("no capacity limit: every token reaches its experts",
+                                 GPTConfig.moe_drop_tokens, group=DEEPSPEED,
                                  names=("--disable-moe-token-dropping",), action="store_false")
     moe_loss_coeff: Optional[float] = flag("the weight of DeepSpeed's load-balancing loss E sum_e(me_e ce_e) in the "
                                            "loss (default 0.1)", group=DEEPSPEED)
-    moe_top2_2nd_expert_sampling: bool = flag("top-2: the second expert by argmax instead of Gumbel sampling", True,
+    moe_top2_2nd_expert_sampling: bool = flag("top-2: the second expert by argmax instead of Gumbel sampling",
+                                              GPTConfig.moe_top2_2nd_expert_sampling,
                                               group=DEEPSPEED, names=("--disable-moe-top2-2nd-expert-sampling",),
                                               action="store_false")
     create_moe_param_group: bool = flag(

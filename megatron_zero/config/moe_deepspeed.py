@@ -38,8 +38,6 @@ def apply_deepspeed_moe_flags(args, given: set) -> None:
                 f"--moe-expert-parallel-size {ep} and --expert-model-parallel-size "
                 f"{args.expert_model_parallel_size} name one size twice, differently; give one of them")
         args.expert_model_parallel_size = ep
-    if args.moe_min_capacity is None:
-        args.moe_min_capacity = 4
     gating = [flag for flag, dest in GATING if dest in given]
     if not gating:
         return

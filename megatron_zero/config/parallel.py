@@ -8,6 +8,7 @@ from typing import List, Optional
 
 from ..batch_schedule import check_reachable, schedule_from_args
 from ..context_parallel.attention import CP_COMM_TYPES
+from ..model.config import GPTConfig
 from ..topology import Layout
 from .errors import require
 from .fields import add_section_flags, derived, flag, section
@@ -21,10 +22,12 @@ class ParallelConfig:
                                            1)
     pipeline_model_parallel_size: int = flag("pipeline stages the layers are split into", 1)
     sequence_parallel: bool = flag("split LayerNorm and dropout regions along the sequence over the tensor-parallel "
-                                   "group (the identity at TP 1, as in Megatron)", False, action="store_true")
+                                   "group (the identity at TP 1, as in Megatron)",
+                                   GPTConfig.sequence_parallel, action="store_true")
     context_parallel_size: int = flag("split each sequence over this many ranks (docs/context_parallel.md)", 1)
     cp_comm_type: str = flag("how context-parallel ranks exchange K/V: p2p (ring), all_gather, a2a (Ulysses) or "
-                             "a2a+p2p (a2a within groups of consecutive CP ranks, a ring across them)", "p2p")
+                             "a2a+p2p (a2a within groups of consecutive CP ranks, a ring across them)",
+                             GPTConfig.cp_comm_type)
     hierarchical_context_parallel_sizes: Optional[List[int]] = flag(
         "--cp-comm-type a2a+p2p: the all-to-all group's size and the ring's, their product CP", nargs="+")
     pipeline_partition_method: str = flag(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
+from ..model.config import GPTConfig
 from .errors import require
 from .fields import add_section_flags, flag, section
 
@@ -35,7 +36,7 @@ class TrainingConfig:
         "dynamic (the default)", True, action="store_true",
         also=(dict(names=("--no-check-for-nan-in-loss-and-grad",), action="store_false",
                    help="keep training through inf/NaN losses and gradients"),))
-    seed: int = flag("random seed (weights, dropout, data order)", 1234)
+    seed: int = flag("random seed (weights, dropout, data order)", GPTConfig.seed)
     exit_interval: Optional[int] = flag("save (with --save) and stop after any step that is a multiple of this")
     exit_duration_in_mins: Optional[float] = flag("save (with --save) and stop once the run has lasted this many "
                                                   "minutes")

@@ -38,7 +38,7 @@ def import_torchao_float8():
 @dataclass(frozen=True)
 class Float8Settings:
     format: str = "hybrid"
-    recipe: str = "tensorwise"
+    recipe: str = DEFAULT_RECIPE
     margin: int = 0
     emulate: bool = False
     amax_history_len: int = 1  # delayed scaling's (Megatron-LM's defaults)
@@ -47,9 +47,10 @@ class Float8Settings:
 
     @classmethod
     def from_args(cls, args) -> "Float8Settings":
-        return cls(args.fp8_format, args.fp8_recipe or DEFAULT_RECIPE, args.fp8_margin, args.fp8_emulate,
-                   args.fp8_amax_history_len or 1, args.fp8_amax_compute_algo or "most_recent",
-                   bool(getattr(args, "fp8_param_gather", False)))
+        """The flags (unset ones: the fields' defaults above, the one place they are written)."""
+        return cls(args.fp8_format, args.fp8_recipe or cls.recipe, args.fp8_margin, args.fp8_emulate,
+                   args.fp8_amax_history_len or cls.amax_history_len,
+                   args.fp8_amax_compute_algo or cls.amax_compute_algo, args.fp8_param_gather)
 
     @property
     def delayed(self) -> bool:

@@ -12,7 +12,6 @@ from typing import Optional
 
 import torch
 
-from ..moe.expert_counts import check_expert_counts
 from .moe_layers import is_moe_block
 
 RECOMPUTE_GRANULARITIES = ("full", "selective")
@@ -136,7 +135,6 @@ class GPTConfig:
     def _check_moe(self) -> None:
         if self.num_experts is None:
             return
-        check_expert_counts(self.num_experts, self.moe_router_topk)
         if isinstance(self.moe_layer_freq, (list, tuple)):
             self.moe_layer_freq = tuple(self.moe_layer_freq)
             if len(self.moe_layer_freq) != self.num_layers or set(self.moe_layer_freq) - {0, 1} or self.moe_layer_offset:

@@ -32,7 +32,6 @@ from .capacity_gating import capacity_route
 from ..tensor_parallel.layers import sequence_parallel_param, sum_sequence_parallel_grad
 from ..tensor_parallel.utils import tp_rank_in, tp_world_size
 from .dispatch import ExpertParallelExchange, permute, unpermute
-from .expert_counts import check_expert_counts
 from .expert_tp import ExpertTensorParallelRows, experts_over_etp
 from .grouped_mlp import GroupedMLP
 from .router import route
@@ -99,7 +98,6 @@ class DeepSpeedMoE(nn.Module):
                              "tokens; with --sequence-parallel or --expert-tensor-parallel-size use alltoall")
         ep = dist.get_world_size(ep_group) if ep_group is not None else 1
         ep_rank = dist.get_rank(ep_group) if ep_group is not None else 0
-        check_expert_counts(config.num_experts, config.moe_router_topk, ep)
         self.local = config.num_experts // ep
         self.first = ep_rank * self.local
         self.gate = Gate(config)
