@@ -151,7 +151,7 @@ def _unsupported(config: dict) -> list:
 
 
 def _set(args, dest, flag, value, explicit, what, source):
-    current = getattr(args, dest)
+    current = vars(args)[dest]
     if dest in explicit and current != value:
         raise DeepSpeedConfigError(
             f"{flag} {current} disagrees with {what}={value} in {source}; give one or make them equal")

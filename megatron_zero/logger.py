@@ -65,7 +65,7 @@ class ScalarLog:
         if args.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(log_dir=args.tensorboard_dir,
-                                        max_queue=getattr(args, "tensorboard_queue_size", 100))
+                                        max_queue=args.tensorboard_queue_size)
         if args.wandb_project:
             import wandb
             from .arguments import args_to_dict

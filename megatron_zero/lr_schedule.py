@@ -135,23 +135,23 @@ class DeepSpeedWarmupSchedule(LRSchedule):
         return self.min_lr + (self.max_lr - self.min_lr) * gamma
 
 
-def build_lr_schedule(args) -> LRSchedule:
-    """The schedule the flags describe: Megatron's, or the DeepSpeed JSON's `scheduler`."""
-    ds = args.deepspeed_scheduler
+def build_lr_schedule(sections) -> LRSchedule:
+    """The schedule the checked configuration (config.Config) describes: Megatron's, or the DeepSpeed JSON's
+    `scheduler`."""
+    opt, run, units = sections.optimizer, sections.training, sections.compat
+    ds = opt.deepspeed_scheduler
     if ds is not None:
-        return DeepSpeedWarmupSchedule(ds["type"], ds["params"], args.lr, args.train_iters)
+        return DeepSpeedWarmupSchedule(ds["type"], ds["params"], opt.lr, run.train_iters)
     # the unit (iterations, samples or tokens) and its lengths come from config/compat.py's _schedule_units
-    warmup = getattr(args, "lr_schedule_warmup", args.lr_warmup_iters)
-    decay = getattr(args, "lr_schedule_decay", args.lr_decay_iters)
-    return LRSchedule(args.lr, args.min_lr, warmup, decay, args.lr_decay_style,
-                      wsd_decay_steps=getattr(args, "lr_schedule_wsd_decay", None),
-                      wsd_decay_style=getattr(args, "lr_wsd_decay_style", "exponential"))
+    return LRSchedule(opt.lr, opt.min_lr, units.lr_schedule_warmup, units.lr_schedule_decay, run.lr_decay_style,
+                      wsd_decay_steps=units.lr_schedule_wsd_decay, wsd_decay_style=run.lr_wsd_decay_style)
 
 
-def decoupled_lr(schedule: LRSchedule, args) -> Optional[float]:
+def decoupled_lr(schedule: LRSchedule, opt) -> Optional[float]:
     """The embedding and output layer's learning rate for the next step (--decoupled-lr, between it and
-    --decoupled-min-lr, whose default is --min-lr as Megatron's), or None without --decoupled-lr."""
-    if getattr(args, "decoupled_lr", None) is None:
+    --decoupled-min-lr, whose default is --min-lr as Megatron's), or None without --decoupled-lr. `opt`: the
+    OptimizerConfig."""
+    if opt.decoupled_lr is None:
         return None
-    floor = args.min_lr if args.decoupled_min_lr is None else args.decoupled_min_lr
-    return schedule.lr(max_lr=args.decoupled_lr, min_lr=floor)
+    floor = opt.min_lr if opt.decoupled_min_lr is None else opt.decoupled_min_lr
+    return schedule.lr(max_lr=opt.decoupled_lr, min_lr=floor)

@@ -1,7 +1,7 @@
 """Model transforms: converters applied to a built model stage before its optimizer is made.
 
     model = build_gpt_stage(...)
-    report = apply_model_transforms(model, model_converters(args, state, device))  # a line per converter
+    report = apply_model_transforms(model, model_converters(sections, state, device))  # a line per converter
 
 A converter is a callable `converter(model) -> str` (a line for the log), changing modules in place and keeping every
 parameter object (the optimizer, ZeRO's partitions and hooks, and the checkpoint's names are built from
@@ -19,22 +19,22 @@ import torch
 Converter = Callable[[torch.nn.Module], str]
 
 
-def model_converters(args, state, device: torch.device) -> List[Converter]:
-    """The converters a run's flags ask for, in the order they apply."""
+def model_converters(sections, state, device: torch.device) -> List[Converter]:
+    """The converters a run's checked configuration (config.Config) asks for, in the order they apply."""
     converters: List[Converter] = []
-    if getattr(args, "fp8_format", None):
+    if sections.fp8.fp8_format is not None:
         from .fp8.convert import Float8Converter
         from .fp8.settings import Float8Settings
 
         dp_group = state.dp_group if state.dp_size > 1 else None
-        converters.append(Float8Converter(Float8Settings.from_args(args), device,
+        converters.append(Float8Converter(Float8Settings.from_args(sections.fp8), device,
                                           state.cp_group if state.cp_size > 1 else None, dp_group,
                                           # the ranks holding the same experts: DP x CP without EP
                                           state.expert_dp_group if state.expert_dp_group is not None else dp_group))
-    if getattr(args, "compile_layers", False):  # last: it compiles what the converters before it built
+    if sections.compile.compile_layers:  # last: it compiles what the converters before it built
         from .compile.layers import CompileLayersConverter
 
-        converters.append(CompileLayersConverter(device, args.compile_mode))
+        converters.append(CompileLayersConverter(device, sections.compile.compile_mode))
     return converters
 
 

@@ -79,11 +79,13 @@ class TrainState:
     nan_iterations: int = 0
 
 
-def fusion_flags(args) -> dict:
+def fusion_flags(sections: config.Config) -> dict:
     """Megatron's --no-*-fusion flags as megatron_zero.ops switches."""
-    return {name: getattr(args, name) for name in ("masked_softmax_fusion", "bias_gelu_fusion", "persist_layer_norm",
-                                                   "rope_fusion", "gradient_accumulation_fusion",
-                                                   "cross_entropy_loss_fusion")}
+    run = sections.runtime
+    return dict(masked_softmax_fusion=run.masked_softmax_fusion, bias_gelu_fusion=run.bias_gelu_fusion,
+                persist_layer_norm=run.persist_layer_norm, rope_fusion=run.rope_fusion,
+                gradient_accumulation_fusion=run.gradient_accumulation_fusion,
+                cross_entropy_loss_fusion=sections.loss.cross_entropy_loss_fusion)
 
 
 class Trainer:
@@ -94,7 +96,7 @@ class Trainer:
         self.sections = sections if sections is not None else config.from_args(args)
         par, run, data = self.sections.parallel, self.sections.runtime, self.sections.data
         self.device = device if device is not None else select_device(run.device, read_launch_env().local_rank)
-        set_fusion_flags(**fusion_flags(args))
+        set_fusion_flags(**fusion_flags(self.sections))
         if run.require_fused_kernels:  # before anything is built: refuse in one sentence
             require_fused_kernels(self.device, offload=self.sections.optimizer.offload != "none")
         set_shared_memory_comm(run.shared_memory_all_reduce)
@@ -104,11 +106,11 @@ class Trainer:
                                          data.tokenizer_special_tokens)
         self.config = gpt_config(args, self.tokenizer.vocab_size)
         if run.memory_plan_check:  # on a GPU: refuse a run whose predicted peak exceeds the device's memory
-            check_device_memory(plan_from(self.sections, self.config, args, state.layout.world_size), self.device,
+            check_device_memory(plan_from(self.sections, self.config, state.layout.world_size), self.device,
                                 int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         self.model = build_gpt_stage(self.config, state, par.pipeline_partition_method, par.pipeline_partition,
                                      device=self.device, virtual_stages=par.virtual_pipeline_model_parallel_size)
-        self.transforms = apply_model_transforms(self.model, model_converters(args, state, self.device))
+        self.transforms = apply_model_transforms(self.model, model_converters(self.sections, state, self.device))
         self.forward_backward = schedule_for(par.virtual_pipeline_model_parallel_size)
         self.optimizer = build_optimizer(self.model, self.sections.optimizer, state, self.device, self.sections.muon)
         m = self.sections.muon  # QK-clip, or the max attention logit logged (optimizer/qk_clip.py)
@@ -117,7 +119,7 @@ class Trainer:
         moe_layers = sum(self.config.is_moe_layer(b) for b in range(self.config.num_layers))
         logged = logged_names(self.config)  # the MoE losses the flags compute (none: no MoE log line)
         self.moe_metrics = MoEMetrics(moe_layers, self.device, logged) if moe_layers and logged else None
-        self.lr_schedule = build_lr_schedule(args)
+        self.lr_schedule = build_lr_schedule(self.sections)
         self.batch = par.batch_schedule  # the global batch of each iteration, from the samples consumed
         self.progress = TrainState()
         self.p2p = stage_p2p(state, activation_shape(par.micro_batch_size, self.config, state.tp_size, state.cp_size),
@@ -193,7 +195,7 @@ class Trainer:
         with timers("embedding-grads-all-reduce", 2):
             sync_tied_embedding_grads(self.model, s, torch.bfloat16 if self.args.grad_reduce_in_bf16 else None)
         lr = self.lr_schedule.lr()
-        self.decoupled_lr = decoupled_lr(self.lr_schedule, self.args)
+        self.decoupled_lr = decoupled_lr(self.lr_schedule, self.sections.optimizer)
         with timers("optimizer", 1):
             updated, grad_norm = self.optimizer.step(lr=lr, decoupled_lr=self.decoupled_lr, votes=votes())
         with timers("loss-broadcast", 2):
@@ -203,18 +205,18 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self):
-        s, a = self.state, self.args
+        s, batches, gbs = self.state, self.sections.training.eval_iters, self.sections.parallel.global_batch_size
         self.model.eval()
         reset_aux_losses()
         total = 0.0
-        for k in range(a.eval_iters):
-            micro = self._micro_batches(self.valid_ds, k * a.global_batch_size, a.global_batch_size)
+        for k in range(batches):
+            micro = self._micro_batches(self.valid_ds, k * gbs, gbs)
             losses = self.forward_backward(make_forward_step(self.model, micro, s), len(micro), self.p2p,
                                            s.pp_rank, s.pp_size, forward_only=True)
             total += broadcast_loss(losses, s.is_last_stage, s.layout.pp_group(s.rank)[-1], s.pp_group,
                                     s.dp_group, self.device)
         reset_aux_losses()  # evaluation's MoE losses are not the training log's
-        return total / max(1, a.eval_iters)
+        return total / max(1, batches)
 
     # ---- checkpoints -----------------------------------------------------------------
     def client_state(self, weights_only: bool = False) -> dict:

@@ -5,6 +5,7 @@ its removal in 532ad926b4, StepBatchsize... at d98e8a64dd) and its iteration cou
 schedule counting samples; the values Megatron refuses, refused in one sentence each."""
 import pytest
 
+from megatron_zero.config import from_args
 from megatron_zero.arguments import ArgumentError, parse_command_line, validate_args
 from megatron_zero.batch_schedule import BatchSchedule, parse_step_schedule
 from megatron_zero.config.compat import lr_increment
@@ -107,7 +108,7 @@ def test_lr_schedule_counts_samples_during_rampup():
     args = _args(["--global-batch-size", "8", "--rampup-batch-size", "2", "2", "12", "--train-samples", "40",
                   "--lr-warmup-samples", "10", "--lr-decay-samples", "40"])
     assert args.train_iters == 7 and args.lr_schedule_unit == "samples"
-    schedule, consumed = build_lr_schedule(args), 0
+    schedule, consumed = build_lr_schedule(from_args(args)), 0
     for size in args.batch_schedule.sizes(0, 3):  # 2, 2, 4 samples: warm-up is 10 samples long
         schedule.step(lr_increment(args, size))
         consumed += size

@@ -6,6 +6,7 @@ import os
 import numpy as np
 import pytest
 
+from megatron_zero.config import from_args
 from megatron_zero.arguments import parse_args
 from megatron_zero.data.builder import build_train_valid_test_datasets
 from megatron_zero.data.indexed_dataset import IndexedDataset
@@ -17,7 +18,7 @@ from megatron_zero.testing.launch import byte_data
 
 
 def _lrs(args, steps):
-    schedule = build_lr_schedule(args)
+    schedule = build_lr_schedule(from_args(args))
     out = []
     for _ in range(steps):
         out.append(schedule.lr())

@@ -6,6 +6,7 @@ import torch
 from deepspeed.runtime import lr_schedules
 from deepspeed.runtime.config import DeepSpeedConfig
 
+from megatron_zero.config import from_args
 from megatron_zero.arguments import parse_args
 from megatron_zero.lr_schedule import build_lr_schedule
 
@@ -130,7 +131,7 @@ def deepspeed_lrs(kind, params, lr, steps):
 def test_scheduler_matches_deepspeeds_classes(tmp_path, kind, params):
     config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 5e-4}},
               "scheduler": {"type": kind, "params": params}}
-    schedule = build_lr_schedule(args_with(tmp_path, config))
+    schedule = build_lr_schedule(from_args(args_with(tmp_path, config)))
     steps = params.get("total_num_steps", 20) + 6
     ours = [schedule.lr(n) for n in range(steps)]
     theirs = deepspeed_lrs(kind, params, 5e-4, steps)
@@ -144,7 +145,7 @@ def test_scheduler_auto_and_conflicts(tmp_path, capsys):
     config = {"train_micro_batch_size_per_gpu": 1,
               "scheduler": {"type": "WarmupDecayLR", "params": {k: "auto" for k in (
                   "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps")}}}
-    schedule = build_lr_schedule(args_with(tmp_path, config, extra=["--lr", "1e-3", "--lr-warmup-iters", "4"]))
+    schedule = build_lr_schedule(from_args(args_with(tmp_path, config, extra=["--lr", "1e-3", "--lr-warmup-iters", "4"])))
     theirs = deepspeed_lrs("WarmupDecayLR", {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 4,
                                              "total_num_steps": 40}, 1e-3, 45)
     assert [schedule.lr(n) for n in range(45)] == pytest.approx(theirs, rel=1e-12)

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from megatron_zero.config import from_args
 from megatron_zero.arguments import parse_args
 from megatron_zero.fp8.settings import Float8Error, Float8Settings
 from megatron_zero.model_transforms import model_converters
@@ -56,11 +57,11 @@ class _State:
 def test_cpu_without_emulation_is_refused():
     args = parse_args(with_flags(BASE, fp8_format="hybrid"), world_size=2)
     with pytest.raises(Float8Error, match="FP8 tensor cores .* this rank trains on the CPU; .* --fp8-emulate"):
-        model_converters(args, _State(), torch.device("cpu"))
+        model_converters(from_args(args), _State(), torch.device("cpu"))
     args.fp8_emulate = True
-    assert len(model_converters(args, _State(), torch.device("cpu"))) == 1
+    assert len(model_converters(from_args(args), _State(), torch.device("cpu"))) == 1
     args.fp8_format = None
-    assert model_converters(args, _State(), torch.device("cpu")) == []
+    assert model_converters(from_args(args), _State(), torch.device("cpu")) == []
 
 
 def test_fp8_with_moe_experts_is_accepted():

@@ -6,6 +6,7 @@ import re
 import pytest
 import torch
 
+from megatron_zero.config import from_args
 from megatron_zero.arguments import parse_args
 from megatron_zero.lr_schedule import build_lr_schedule
 from megatron_zero.testing.flag_checks import BASE, refused, with_flags
@@ -31,7 +32,7 @@ def test_every_step_equals_megatron_core(style, wsd_style):
     if wsd_style:
         extra.update(lr_wsd_decay_style=wsd_style, lr_wsd_decay_iters=12)
     args = parse_args(with_flags(BASE, **extra), world_size=1)
-    ours = build_lr_schedule(args)
+    ours = build_lr_schedule(from_args(args))
     # Megatron-Core counts an iteration-based run's schedule in samples (steps x global batch)
     theirs = reference(style, wsd_style or "exponential", 5 * GBS, ITERS * GBS, 12 * GBS if wsd_style else None)
     for step in range(ITERS + 2):
@@ -44,7 +45,7 @@ def test_sample_based_wsd_equals_megatron_core():
     args = parse_args(argv + ["--train-samples", "320", "--lr-decay-style", "WSD", "--lr-wsd-decay-samples", "96",
                               "--lr-wsd-decay-style", "linear", "--lr-warmup-samples", "32", "--min-lr", "1e-5"],
                       world_size=1)
-    ours, theirs = build_lr_schedule(args), reference("WSD", "linear", 32, 320, 96)
+    ours, theirs = build_lr_schedule(from_args(args)), reference("WSD", "linear", 32, 320, 96)
     for samples in range(0, 336, 16):
         theirs.num_steps = samples
         assert ours.lr(samples) == pytest.approx(theirs.get_lr(theirs.optimizer.param_groups[0]), rel=1e-12)

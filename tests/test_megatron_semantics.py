@@ -10,6 +10,7 @@ import re
 
 import pytest
 
+from megatron_zero.config import from_args
 from megatron_zero.arguments import parse_args
 from megatron_zero.batch_schedule import BatchSchedule
 from megatron_zero.lr_schedule import build_lr_schedule
@@ -41,7 +42,7 @@ def test_sample_schedule_lengths_are_megatrons():
     args = parse_args(base, world_size=1)
     assert args.train_iters == 7 and (args.lr_schedule_warmup, args.lr_schedule_decay) == (0, 30)
     args = parse_args(base + ["--lr-warmup-fraction", "0.1"], world_size=1)
-    schedule = build_lr_schedule(args)
+    schedule = build_lr_schedule(from_args(args))
     assert (schedule.warmup_steps, schedule.decay_steps) == (0.1 * 30, 30)  # 3.0 samples, not floored
     assert schedule.lr(2) == pytest.approx(megatron_lr(2, 3e-3, 0.0, 0.1 * 30, 30))
 

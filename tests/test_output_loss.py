@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_zero.config import from_args
 from megatron_zero.arguments import parse_args
 from megatron_zero.model import GPTConfig, GPTModel, reference_model
 from megatron_zero.model.layer_indices import num_pipeline_layers
@@ -205,7 +206,7 @@ def test_flags_set_the_switch():
     assert parse_args(BASE, world_size=1).cross_entropy_loss_fusion is True  # the default
     assert parse_args(BASE + ["--cross-entropy-loss-fusion"], world_size=1).cross_entropy_loss_fusion is True
     args = parse_args(BASE + ["--no-cross-entropy-loss-fusion"], world_size=1)
-    assert fusion_flags(args)["cross_entropy_loss_fusion"] is False  # what the Trainer sets
+    assert fusion_flags(from_args(args))["cross_entropy_loss_fusion"] is False  # what the Trainer sets
     assert parse_args(BASE + ["--cross-entropy-fusion-impl", "native"], world_size=1).cross_entropy_loss_fusion
 
 

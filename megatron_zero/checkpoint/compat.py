@@ -110,7 +110,7 @@ def check_checkpoint_compat(checkpoint: Union[str, Checkpoint], args, vocab_size
     holding another model than the flags'.
 
     padded_at(tp) is this run's padded vocabulary at tensor-parallel size tp. -> the header it read."""
-    head = read_head(checkpoint, getattr(args, "verify_checkpoint", True))
+    head = read_head(checkpoint, args.verify_checkpoint)
     diffs = disagreements(head, args, vocab_size, padded_at)
     directory = checkpoint.directory if isinstance(checkpoint, Checkpoint) else checkpoint
     if diffs:

@@ -67,7 +67,7 @@ def _more_than_one(value) -> Optional[int]:
 def saved_layout_text(args) -> Optional[str]:
     """'TP=2 x PP=2 x DP=1, ZeRO-1' from a checkpoint's recorded arguments (dict or Namespace), with ' x CP=c' and
     ' x EP=e' where those were above 1 ('TP=1 x PP=1 x DP=1 x CP=2 x EP=2, ZeRO-1'); None if absent."""
-    get = args.get if isinstance(args, dict) else (lambda k: getattr(args, k, None))
+    get = (args if isinstance(args, dict) else vars(args)).get
     tp, pp, dp = (get(k) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                                    "data_parallel_size"))
     if tp is None or pp is None:

@@ -34,9 +34,16 @@ from ..moe.expert_counts import ExpertCountError
 from ..topology import TopologyError
 from . import checkpointing, data, log, model, moe, muon, optimizer, parallel, runtime, training
 from .checkpointing import CheckpointConfig
+from .compat import CompatConfig
+from .compile import CompileConfig
 from .data import DataConfig
+from .elastic import ElasticConfig
 from .errors import ArgumentError
+from .fp8 import Fp8Config
 from .log import LogConfig
+from .loss import LossConfig
+from .model import ModelConfig
+from .moe import MoeConfig
 from .muon import MuonConfig
 from .optimizer import OptimizerConfig
 from .parallel import ParallelConfig
@@ -54,7 +61,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 @dataclass(frozen=True)
 class Config:
-    """The typed sections of a checked run (fields.py: each section's fields declare its flags)."""
+    """The typed sections of a checked run (fields.py: each section's fields declare its flags); the features'
+    (FEATURES in arguments.py) after the core areas'."""
+    model: ModelConfig
+    moe: MoeConfig
     parallel: ParallelConfig
     optimizer: OptimizerConfig
     muon: MuonConfig
@@ -63,10 +73,17 @@ class Config:
     checkpoint: CheckpointConfig
     log: LogConfig
     runtime: RuntimeConfig
+    compat: CompatConfig
+    elastic: ElasticConfig
+    loss: LossConfig
+    fp8: Fp8Config
+    compile: CompileConfig
 
 
-SECTIONS = {"parallel": ParallelConfig, "optimizer": OptimizerConfig, "muon": MuonConfig, "training": TrainingConfig,
-            "data": DataConfig, "checkpoint": CheckpointConfig, "log": LogConfig, "runtime": RuntimeConfig}
+SECTIONS = {"model": ModelConfig, "moe": MoeConfig, "parallel": ParallelConfig, "optimizer": OptimizerConfig,
+            "muon": MuonConfig, "training": TrainingConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
+            "log": LogConfig, "runtime": RuntimeConfig, "compat": CompatConfig, "elastic": ElasticConfig,
+            "loss": LossConfig, "fp8": Fp8Config, "compile": CompileConfig}
 
 
 def from_args(args) -> Config:

@@ -98,6 +98,7 @@ class CompatConfig:
     lr_schedule_warmup: float = derived("the warm-up length in the schedule's unit (a float with "
                                         "--lr-warmup-fraction)")
     lr_schedule_decay: int = derived("the decay length in the schedule's unit")
+    lr_schedule_wsd_decay: Optional[int] = derived("WSD's decay length in the schedule's unit, or None")
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -161,6 +162,7 @@ def _schedule_units(args) -> None:
                 "--lr-warmup-fraction; give one or the other")
         args.lr_schedule_unit, args.lr_schedule_per_step = "iterations", 1
         args.lr_schedule_warmup, args.lr_schedule_decay = args.lr_warmup_iters, args.lr_decay_iters
+        args.lr_schedule_wsd_decay = None  # the JSON's schedule has no WSD
         return
     if tokens:
         args.lr_schedule_unit, per_step = "tokens", gbs * seq

@@ -41,15 +41,15 @@ def model_parameters(plan: memory.Plan) -> int:
     return sum(k for _, k, _ in whole.params)
 
 
-def plan_from(sections, config, args, gpus: int) -> memory.Plan:
-    """The Plan of a run: its checked configuration sections, its GPTConfig and flags, on `gpus` GPUs."""
+def plan_from(sections, config, gpus: int) -> memory.Plan:
+    """The Plan of a run: its checked configuration sections and its GPTConfig, on `gpus` GPUs."""
     par, opt = sections.parallel, sections.optimizer
     dtype = torch.bfloat16 if opt.bf16 else torch.float16 if opt.fp16 else torch.float32
     degrees = par.degrees()
     dp = gpus // (degrees["tp"] * degrees["pp"] * degrees["cp"])
     return memory.Plan(config, degrees["tp"], degrees["pp"], degrees["cp"], degrees["ep"], dp, opt.zero_stage,
                        par.micro_batch_size, par.global_batch_size, dtype, opt.offload,
-                       getattr(args, "optimizer", "adam"), virtual_stages=par.virtual_pipeline_model_parallel_size)
+                       sections.muon.optimizer, virtual_stages=par.virtual_pipeline_model_parallel_size)
 
 
 def main(argv=None) -> int:
@@ -64,12 +64,13 @@ def main(argv=None) -> int:
         print("plan.py: error: give --vocab-size (the tokenizer's vocabulary) to plan without loading a tokenizer",
               file=sys.stderr)
         return 2
-    plan = plan_from(from_args(args), gpt_config(args, args.vocab_size), args, gpus)
+    plan_sections = from_args(args)
+    plan = plan_from(plan_sections, gpt_config(args, args.vocab_size), gpus)
     cluster = time_model.Cluster(gpus, cluster_args.gpus_per_node, cluster_args.gpu_memory, cluster_args.gpu_tflops,
                                  cluster_args.intra_node_bandwidth, cluster_args.inter_node_bandwidth,
                                  cluster_args.host_memory)
     recompute = plan.config.recompute_granularity or "none"
-    fp8 = bool(getattr(args, "fp8_format", None) or getattr(args, "fp8", None))
+    fp8 = plan_sections.fp8.fp8_format is not None
     cand = search.evaluate(plan, recompute, cluster, {}, fp8=fp8)
     parameters = model_parameters(plan)
     host = memory.host_bytes_per_node(cand.plan, list(cand.ranks), cluster.gpus_per_node)

@@ -36,7 +36,7 @@ def measure(argv) -> dict:
     args = parse_args(argv, world_size=1)
     sections = from_args(args)
     config = gpt_config(args, args.vocab_size)
-    (predicted,) = plan_memory(plan_from(sections, config, args, 1))
+    (predicted,) = plan_memory(plan_from(sections, config, 1))
     set_fusion_flags(**UNFUSED)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29673")
