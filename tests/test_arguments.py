@@ -72,15 +72,16 @@ def test_deepspeed_config_fills_and_conflicts(tmp_path, capsys):
 def test_no_fusion_flags_reach_the_ops_switches():
     from megatron_zero.ops import get_fusion_flags, set_fusion_flags
     from megatron_zero.training import fusion_flags
+    from megatron_zero.config import from_args
 
     args = parse_args(BASE + ["--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-rope-fusion"], world_size=1)
-    old = set_fusion_flags(**fusion_flags(args))
+    old = set_fusion_flags(**fusion_flags(from_args(args)))
     try:
         flags = get_fusion_flags()
         assert not flags.masked_softmax_fusion and not flags.bias_gelu_fusion and flags.persist_layer_norm
         assert not flags.rope_fusion
     finally:
-        set_fusion_flags(**{k: getattr(old, k) for k in fusion_flags(args)})
+        set_fusion_flags(**{k: getattr(old, k) for k in fusion_flags(from_args(args))})
 
 
 LLAMA = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu", "--group-query-attention",

@@ -193,3 +193,34 @@ def test_the_model_flags_defaults_are_gptconfigs():
     assert not differ and parser.get_default("moe_min_capacity") == 4
     fp8 = arguments.parse_args(with_flags(BASE, fp8_format="hybrid", fp8_emulate=True))
     assert Float8Settings.from_args(fp8).recipe == Float8Settings().recipe == "delayed"
+
+
+_MODEL = dict(vocab_size=128, hidden_size=64, num_layers=4, num_attention_heads=4, seq_length=32,
+              max_position_embeddings=32)
+
+
+@pytest.mark.parametrize("changes,tp,model", [
+    (dict(tensor_model_parallel_size=3), 3, {}),
+    (dict(hidden_size=66), 1, dict(hidden_size=66)),
+    (dict(ffn_hidden_size=129, tensor_model_parallel_size=2), 2, dict(ffn_hidden_size=129)),
+    (dict(num_query_groups=3), 1, dict(num_query_groups=3)),
+    (dict(num_query_groups=6, num_attention_heads=12, hidden_size=96, tensor_model_parallel_size=4), 4,
+     dict(num_query_groups=6, num_attention_heads=12, hidden_size=96)),
+    (dict(hidden_size=12, num_query_groups=1, tensor_model_parallel_size=4), 4, dict(hidden_size=12, num_query_groups=1)),
+    (dict(rotary_percent=1.5), 1, dict(rotary_percent=1.5)),
+    (dict(position_embedding_type="rope", rotary_percent=0.1), 1, dict(position_embedding_type="rope",
+                                                                     rotary_percent=0.1)),
+    (dict(max_position_embeddings=16), 1, dict(max_position_embeddings=16)),
+    (dict(recompute_granularity="full"), 1, dict(recompute_granularity="full")),
+    (dict(seq_length=31, sequence_parallel=True, tensor_model_parallel_size=2), 2,
+     dict(seq_length=31, max_position_embeddings=31, sequence_parallel=True)),
+])
+def test_model_shape_rules_are_one_sentence_for_flags_and_gptconfig(changes, tp, model, capsys):
+    """Each shape rule is written once (model/shape_rules.py): the command line refuses with the sentence GPTConfig
+    (or its check at a tensor-parallel size) raises for the same model built by a tool or from saved arguments."""
+    from megatron_zero.model.config import GPTConfig
+    from megatron_zero.model.shape_rules import ModelShapeError
+
+    with pytest.raises(ModelShapeError) as err:
+        GPTConfig(**{**_MODEL, **model}).check_tp(tp)
+    assert refused(with_flags(BASE, **changes), tp, capsys).strip() == f"pretrain_gpt.py: error: {err.value}"

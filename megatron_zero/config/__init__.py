@@ -30,6 +30,7 @@ from typing import Callable, Iterable
 
 from ..batch_schedule import BatchScheduleError
 from ..deepspeed_config import DeepSpeedConfigError, apply_deepspeed_config
+from ..model.shape_rules import ModelShapeError
 from ..moe.expert_counts import ExpertCountError
 from ..topology import TopologyError
 from . import checkpointing, data, log, model, moe, muon, optimizer, parallel, runtime, training
@@ -94,11 +95,12 @@ def from_args(args) -> Config:
 def validate(args, world_size: int, given: set, feature_checks: Iterable[Callable] = ()) -> Config:
     """Check `args` (parsed flags) for `world_size` ranks, fill in the derived values and return the typed
     sections. `given`: the destinations set on the command line (they win over the DeepSpeed JSON). The errors
-    of the rules other modules own (the JSON's, the batch schedule's, the layout's, the expert count's) become
+    of the rules other modules own (the JSON's, the batch schedule's, the layout's, the expert count's, the
+    model shape's) become
     ArgumentError here, once."""
     try:
         _validate(args, world_size, given, feature_checks)
-    except (DeepSpeedConfigError, BatchScheduleError, TopologyError, ExpertCountError) as err:
+    except (DeepSpeedConfigError, BatchScheduleError, TopologyError, ExpertCountError, ModelShapeError) as err:
         raise ArgumentError(str(err)) from None
     return from_args(args)
 

@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 
+from ..model import shape_rules
 from ..model.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, GPTConfig, default_ffn_hidden_size
 from .errors import require
 from .fields import add_section_flags, flag, section
@@ -117,24 +118,18 @@ def check_sizes(args) -> None:
 def check(args, tp: int) -> None:
     """Heads, widths and positions that work at tensor-parallel size `tp`; fills --ffn-hidden-size and
     --max-position-embeddings' defaults, --num-query-groups and the recompute switches."""
-    require(args.num_attention_heads % tp == 0,
-            f"--num-attention-heads {args.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}")
-    require(args.kv_channels is not None or args.hidden_size % args.num_attention_heads == 0,
-            f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {args.num_attention_heads}; "
-            "give the head dimension with --kv-channels")
-    require(args.kv_channels is None or args.kv_channels >= 1, f"--kv-channels {args.kv_channels} must be at least 1")
+    shape_rules.heads_split(args.num_attention_heads, tp)
+    shape_rules.head_dim_given(args.hidden_size, args.num_attention_heads, args.kv_channels)
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = default_ffn_hidden_size(args.hidden_size, args.swiglu)
-    require(args.ffn_hidden_size >= 1 and args.ffn_hidden_size % tp == 0,
-            f"--ffn-hidden-size {args.ffn_hidden_size} is not a positive multiple of --tensor-model-parallel-size {tp}")
+    shape_rules.ffn_split(args.ffn_hidden_size, tp)
     _check_architecture(args, tp)
 
 
 def check_positions(args) -> None:
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
-    require(args.seq_length <= args.max_position_embeddings,
-            f"--seq-length {args.seq_length} is longer than --max-position-embeddings {args.max_position_embeddings}")
+    shape_rules.positions(args.seq_length, args.max_position_embeddings)
     if args.attention_backend == "local":
         args.attention_backend = "unfused"
     if args.use_flash_attn:
@@ -156,21 +151,14 @@ def _check_architecture(args, tp: int) -> None:
         args.num_query_groups = 1 if args.group_query_attention else heads
     groups = args.num_query_groups
     args.group_query_attention = groups != heads  # recorded as Megatron-LM reads it (model/architecture.py)
-    require(groups >= 1 and heads % groups == 0,
-            f"--num-attention-heads {heads} is not divisible by --num-query-groups {groups}")
-    require((groups % tp if groups >= tp else tp % groups) == 0,
-            f"--num-query-groups {groups} and --tensor-model-parallel-size {tp} must divide one another "
-            "(fewer groups than TP ranks replicate each group's key/value heads)")
-    head_dim = args.hidden_size // heads
-    require((heads + 2 * groups) * head_dim % tp == 0,
-            f"the fused QKV size ({heads} + 2 x {groups} groups) x head dim {head_dim} is not divisible by "
-            f"--tensor-model-parallel-size {tp}")
-    require(0 < args.rotary_percent <= 1, f"--rotary-percent {args.rotary_percent} must lie in (0, 1]")
+    shape_rules.query_groups(heads, groups)
+    shape_rules.query_groups_split(groups, tp)
+    head_dim = args.kv_channels or args.hidden_size // heads  # GPTConfig.head_dim
+    shape_rules.qkv_split(heads, groups, head_dim, tp)
+    shape_rules.rotary_percent_range(args.rotary_percent)
     require(args.rotary_base >= 1, f"--rotary-base {args.rotary_base} must be positive")
     if args.position_embedding_type == "rope":
-        require(int(head_dim * args.rotary_percent) % 2 == 0,
-                f"--rotary-percent {args.rotary_percent} of head dim {head_dim} rotates an odd number of "
-                "features; RoPE rotates pairs")
+        shape_rules.rope_pairs(args.rotary_percent, head_dim)
 
 
 def check_recompute(args, tp: int) -> None:
@@ -183,7 +171,7 @@ def check_recompute(args, tp: int) -> None:
         args.recompute_granularity = "full"
         args.recompute_method = args.recompute_method or "uniform"
     if args.recompute_granularity == "full":
-        require(args.recompute_method is not None, "--recompute-granularity full needs --recompute-method uniform or block")
+        shape_rules.full_recompute_method(args.recompute_granularity, args.recompute_method)
     else:
         require(args.recompute_method is None,
                 f"--recompute-method {args.recompute_method} applies only to --recompute-granularity full")
@@ -192,6 +180,4 @@ def check_recompute(args, tp: int) -> None:
     require(args.attention_backend != "flash" or args.attention_dropout == 0 or torch.cuda.is_available(),
             f"--attention-backend flash with --attention-dropout {args.attention_dropout} needs CUDA: torch has "
             "no flash kernel with dropout on this machine; use --attention-backend auto or --attention-dropout 0")
-    require(not args.sequence_parallel or args.seq_length % tp == 0,
-            f"--sequence-parallel splits --seq-length {args.seq_length} over --tensor-model-parallel-size {tp}, "
-            "which does not divide it")
+    shape_rules.sequence_split(args.seq_length, tp, args.sequence_parallel)

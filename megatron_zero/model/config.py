@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from . import shape_rules
 from .moe_layers import is_moe_block
 
 RECOMPUTE_GRANULARITIES = ("full", "selective")
@@ -107,30 +108,20 @@ class GPTConfig:
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ValueError(f"position_embedding_type {self.position_embedding_type!r} is not one of "
                              f"{POSITION_EMBEDDING_TYPES}")
-        if not 0 < self.rotary_percent <= 1:
-            raise ValueError(f"rotary_percent {self.rotary_percent} must lie in (0, 1]")
-        if self.num_query_groups < 1 or self.num_attention_heads % self.num_query_groups != 0:
-            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not divisible by "
-                             f"num_query_groups {self.num_query_groups}")
-        if self.hidden_size % self.num_attention_heads != 0:
-            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by "
-                             f"num_attention_heads {self.num_attention_heads}")
-        if self.seq_length > self.max_position_embeddings:
-            raise ValueError(f"seq_length {self.seq_length} exceeds max_position_embeddings "
-                             f"{self.max_position_embeddings}")
+        shape_rules.rotary_percent_range(self.rotary_percent)
+        shape_rules.query_groups(self.num_attention_heads, self.num_query_groups)
+        shape_rules.head_dim_given(self.hidden_size, self.num_attention_heads, self.kv_channels)
+        shape_rules.positions(self.seq_length, self.max_position_embeddings)
         for what, value, allowed in (("recompute_granularity", self.recompute_granularity, RECOMPUTE_GRANULARITIES),
                                      ("recompute_method", self.recompute_method, RECOMPUTE_METHODS),
                                      ("attention_backend", self.attention_backend, ATTENTION_BACKENDS)):
             if value is not None and value not in allowed:
                 raise ValueError(f"{what} {value!r} is not one of {allowed}")
-        if self.recompute_granularity == "full" and self.recompute_method is None:
-            raise ValueError("recompute_granularity 'full' needs recompute_method 'uniform' or 'block'")
+        shape_rules.full_recompute_method(self.recompute_granularity, self.recompute_method)
         if self.recompute_num_layers < 1:
             raise ValueError(f"recompute_num_layers {self.recompute_num_layers} must be at least 1")
-
-        if self.position_embedding_type == "rope" and self.rotary_dim % 2 != 0:
-            raise ValueError(f"rotary_percent {self.rotary_percent} of head_dim {self.head_dim} gives an odd "
-                             f"rotary dimension {self.rotary_dim}; RoPE rotates pairs")
+        if self.position_embedding_type == "rope":
+            shape_rules.rope_pairs(self.rotary_percent, self.head_dim)
 
     def _check_moe(self) -> None:
         if self.num_experts is None:
@@ -224,23 +215,19 @@ class GPTConfig:
         return -(-self.vocab_size // multiple) * multiple
 
     def check_tp(self, tp: int, etp: Optional[int] = None) -> None:
-        """Raise one clear sentence if this model cannot be split `tp` ways (its experts `etp` ways, default tp)."""
-        sizes = [("num_attention_heads", self.num_attention_heads), ("ffn_hidden_size", self.ffn_hidden_size)]
+        """Raise one clear sentence if this model cannot be split `tp` ways (its experts `etp` ways, default tp):
+        the command line's rules (shape_rules.py), for a model built from elsewhere."""
+        shape_rules.heads_split(self.num_attention_heads, tp)
+        shape_rules.ffn_split(self.ffn_hidden_size, tp)
         if self.num_experts is not None:
             if self.moe_ffn_hidden_size % (etp or tp) != 0:
                 raise ValueError(f"moe_ffn_hidden_size {self.moe_ffn_hidden_size} is not divisible by the "
                                  f"expert-tensor-parallel size {etp or tp}")
-            if self.moe_shared_expert_intermediate_size is not None:
-                sizes.append(("moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size))
-        for what, n in sizes:
-            if n % tp != 0:
-                raise ValueError(f"{what} {n} is not divisible by the tensor-parallel size {tp}")
-        groups = self.num_query_groups
-        if (groups % tp if groups >= tp else tp % groups) != 0:
-            raise ValueError(f"num_query_groups {groups} and the tensor-parallel size {tp} must divide one another")
-        if self.qkv_size % tp != 0:
-            raise ValueError(f"the fused QKV size {self.qkv_size} is not divisible by the tensor-parallel size {tp}")
-        if self.sequence_parallel and self.seq_length % tp != 0:
-            raise ValueError(f"seq_length {self.seq_length} is not divisible by the tensor-parallel size {tp}, "
-                             "which sequence parallelism splits it over")
+            shared = self.moe_shared_expert_intermediate_size
+            if shared is not None and shared % tp != 0:
+                raise ValueError(f"moe_shared_expert_intermediate_size {shared} is not divisible by the "
+                                 f"tensor-parallel size {tp}")
+        shape_rules.query_groups_split(self.num_query_groups, tp)
+        shape_rules.qkv_split(self.num_attention_heads, self.num_query_groups, self.head_dim, tp)
+        shape_rules.sequence_split(self.seq_length, tp, self.sequence_parallel)
 
