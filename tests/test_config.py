@@ -224,3 +224,13 @@ def test_model_shape_rules_are_one_sentence_for_flags_and_gptconfig(changes, tp,
     with pytest.raises(ModelShapeError) as err:
         GPTConfig(**{**_MODEL, **model}).check_tp(tp)
     assert refused(with_flags(BASE, **changes), tp, capsys).strip() == f"pretrain_gpt.py: error: {err.value}"
+
+
+def test_only_config_reads_the_namespace_by_name():
+    """Outside config/ code reads the typed sections or the checked attributes, never getattr(args, ...) with a
+    fallback (the standalone zero_to_fp32 copy, which reads other writers' saved args, excepted)."""
+    readers = sorted({path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.py")
+                      for node in ast.walk(ast.parse(path.read_text()))
+                      if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "getattr" and node.args
+                      and getattr(node.args[0], "id", None) == "args"})
+    assert [r for r in readers if not r.startswith("config/")] == ["checkpoint/export/standalone_zero_to_fp32.py"]

@@ -66,8 +66,7 @@ def check(args) -> None:
             f"--fp8-recipe {recipe} scales each tensor by its current amax; drop them or use --fp8-recipe delayed")
     require(args.fp8_amax_history_len is None or args.fp8_amax_history_len >= 1,
             f"--fp8-amax-history-len {args.fp8_amax_history_len} must be at least 1")
-    require(recipe != "delayed" or not (getattr(args, "recompute_granularity", None) == "full"
-                                        or getattr(args, "checkpoint_activations", False)),
+    require(recipe != "delayed" or args.recompute_granularity != "full",
             "--fp8-recipe delayed with --recompute-granularity full: the recomputed forward would cast with "
             "scales the first forward's amaxes have already moved, so its activations would differ from the "
             "first forward's; use --fp8-recipe tensorwise, or --recompute-granularity selective")
