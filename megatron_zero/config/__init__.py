@@ -8,8 +8,8 @@
                          data-parallel size and every cross-degree rule; check_layout builds it first)
            model         GPTConfig, by model/architecture.gpt_config (the one args -> model mapping,
                          also for a checkpoint's saved args)
-           optimizer     OptimizerConfig -> ZeroOptimizer (optimizer_setup.py); the schedule (lr_schedule.py)
-                         still reads the namespace
+           optimizer     OptimizerConfig -> ZeroOptimizer (optimizer_setup.py); the schedule
+                         (lr_schedule.build_lr_schedule(Config))
            checkpoint    CheckpointConfig: save/resume (training.py); the resume check compares the saved args'
                          and the run's model/architecture.ModelSettings (checkpoint/compat.py)
 
