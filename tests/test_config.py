@@ -214,6 +214,14 @@ _MODEL = dict(vocab_size=128, hidden_size=64, num_layers=4, num_attention_heads=
     (dict(recompute_granularity="full"), 1, dict(recompute_granularity="full")),
     (dict(seq_length=31, sequence_parallel=True, tensor_model_parallel_size=2), 2,
      dict(seq_length=31, max_position_embeddings=31, sequence_parallel=True)),
+    (dict(num_experts=4, moe_shared_expert_gate=True), 1, dict(num_experts=4, moe_shared_expert_gate=True)),
+    (dict(num_experts=4, moe_ffn_hidden_size=129, tensor_model_parallel_size=2), 2,
+     dict(num_experts=4, moe_ffn_hidden_size=129)),
+    (dict(num_experts=4, moe_pad_expert_input_to_capacity=True), 1,
+     dict(num_experts=4, moe_pad_expert_input_to_capacity=True)),
+    (dict(num_experts=4, topk=3), 1, dict(num_experts=4, moe_capacity_factor=1.0, moe_router_topk=3)),
+    (dict(num_experts=4, moe_train_capacity_factor=-1.0), 1,
+     dict(num_experts=4, moe_capacity_factor=-1.0, moe_eval_capacity_factor=1.0, moe_router_topk=1)),
 ])
 def test_model_shape_rules_are_one_sentence_for_flags_and_gptconfig(changes, tp, model, capsys):
     """Each shape rule is written once (model/shape_rules.py): the command line refuses with the sentence GPTConfig

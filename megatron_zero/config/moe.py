@@ -8,6 +8,7 @@ import argparse
 from typing import Optional
 
 from ..moe.expert_counts import check_expert_counts
+from ..model import shape_rules
 from ..model.config import GPTConfig
 from ..model.moe_layers import parse_moe_layer_freq, placement
 from ..topology import Layout
@@ -141,9 +142,7 @@ def check(args, layout: Layout, given: set) -> None:
             f"--moe-layer-freq {args.moe_layer_freq} must be at least 1")
     if args.moe_ffn_hidden_size is None:
         args.moe_ffn_hidden_size = args.ffn_hidden_size
-    require(args.moe_ffn_hidden_size >= 1 and args.moe_ffn_hidden_size % etp == 0,
-            f"--moe-ffn-hidden-size {args.moe_ffn_hidden_size} is not a positive multiple of "
-            f"--expert-tensor-parallel-size {etp}" + (" (default: --tensor-model-parallel-size)" if etp == tp else ""))
+    shape_rules.expert_ffn_split(args.moe_ffn_hidden_size, etp, etp == tp)
     check_core_router_flags(args)
     require(args.moe_aux_loss_coeff >= 0 and (args.moe_z_loss_coeff or 0) >= 0,
             "--moe-aux-loss-coeff and --moe-z-loss-coeff must not be negative")
@@ -194,8 +193,5 @@ def _check_shared_expert(args, tp: int) -> None:
             "runs after the routed experts; drop the flag (the result is the same)")
     require(shared is None or args.num_experts is not None,
             f"--moe-shared-expert-intermediate-size {shared} belongs to MoE layers; give --num-experts")
-    require(not args.moe_shared_expert_gate or shared is not None,
-            "--moe-shared-expert-gate gates the shared expert; give --moe-shared-expert-intermediate-size")
-    require(shared is None or (shared >= 1 and shared % tp == 0),
-            f"--moe-shared-expert-intermediate-size {shared} is not a positive multiple of "
-            f"--tensor-model-parallel-size {tp}")
+    shape_rules.shared_expert_gate(args.moe_shared_expert_gate, shared)
+    shape_rules.shared_expert_split(shared, tp)

@@ -12,6 +12,7 @@ must agree. --create-moe-param-group: expert parameters are in optimizer groups 
 """
 from __future__ import annotations
 
+from ..model import shape_rules
 from .errors import require
 
 GATING = (("--topk", "topk"), ("--expert-interval", "expert_interval"),
@@ -46,18 +47,14 @@ def apply_deepspeed_moe_flags(args, given: set) -> None:
     require(not core, f"{gating[0]} (DeepSpeed-MoE's capacity gating) and {core[0] if core else ''} "
             "(Megatron-Core's dropless router) are flags of two different routers; give one family")
     k = 1 if args.topk is None else args.topk
-    require(k in (1, 2), f"--topk {k}: DeepSpeed-MoE's capacity gating here routes to 1 or 2 experts "
-            "(its top-k gating for k > 2 is not implemented)")
+    shape_rules.capacity_gating_topk(k)
     interval = 2 if args.expert_interval is None else args.expert_interval
     require(1 <= interval <= args.num_layers, f"--expert-interval {interval} must lie in 1..--num-layers "
             f"{args.num_layers} (an MoE layer in blocks N-1, 2N-1, ...)")
     args.moe_capacity_factor = 1.0 if args.moe_capacity_factor is None else args.moe_capacity_factor
     if args.moe_eval_capacity_factor is None:
         args.moe_eval_capacity_factor = 1.0
-    require(args.moe_capacity_factor > 0 and args.moe_eval_capacity_factor > 0 and args.moe_min_capacity >= 0,
-            f"--moe-train-capacity-factor {args.moe_capacity_factor} and --moe-eval-capacity-factor "
-            f"{args.moe_eval_capacity_factor} must be positive, --moe-min-capacity {args.moe_min_capacity} not "
-            "negative")
+    shape_rules.capacity_factors(args.moe_capacity_factor, args.moe_eval_capacity_factor, args.moe_min_capacity)
     tokens = args.micro_batch_size * args.seq_length // args.context_parallel_size
     require(k != 1 or tokens >= args.moe_min_capacity,
             f"--moe-min-capacity {args.moe_min_capacity} exceeds the {tokens} tokens an MoE layer routes per "

@@ -5,6 +5,7 @@ Declared in config/moe.py's MoeConfig, checked here with the other MoE flags; th
 flags' names."""
 from __future__ import annotations
 
+from ..model import shape_rules
 from .errors import require
 
 
@@ -13,11 +14,8 @@ def check_core_router_flags(args) -> None:
     if args.moe_expert_capacity_factor is not None and args.moe_expert_capacity_factor < 0:
         args.moe_expert_capacity_factor = None  # Megatron-Core: a negative factor means dropless
     capacity = args.moe_expert_capacity_factor
-    require(not args.moe_pad_expert_input_to_capacity or capacity is not None,
-            "--moe-pad-expert-input-to-capacity pads to the capacity --moe-expert-capacity-factor sets; give it too")
-    require(capacity is None or args.moe_capacity_factor is None,
-            "--moe-expert-capacity-factor (Megatron-Core's capacity) and DeepSpeed-MoE's capacity gating flags "
-            "(--moe-train-capacity-factor, --topk, ...) configure two different routers; give one family")
+    shape_rules.capacity_padding(args.moe_pad_expert_input_to_capacity, capacity)
+    shape_rules.one_capacity(capacity, args.moe_capacity_factor)
     cp = args.context_parallel_size
     require(cp == 1 or (capacity is None and args.moe_capacity_factor is None),
             f"--context-parallel-size {cp} with an expert capacity ("

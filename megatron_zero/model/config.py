@@ -135,28 +135,21 @@ class GPTConfig:
             raise ValueError(f"moe_layer_freq {self.moe_layer_freq} must be at least 1 and moe_layer_offset "
                              f"{self.moe_layer_offset} lie in 0..moe_layer_freq - 1")
         if self.moe_capacity_factor is not None:
-            if self.moe_router_topk not in (1, 2):
-                raise ValueError(f"capacity gating routes to 1 or 2 experts, not moe_router_topk {self.moe_router_topk}")
+            shape_rules.capacity_gating_topk(self.moe_router_topk)
             if self.moe_eval_capacity_factor is None:
                 self.moe_eval_capacity_factor = self.moe_capacity_factor
-            if min(self.moe_capacity_factor, self.moe_eval_capacity_factor) <= 0 or self.moe_min_capacity < 0:
-                raise ValueError("moe capacity factors must be positive and moe_min_capacity not negative")
+            shape_rules.capacity_factors(self.moe_capacity_factor, self.moe_eval_capacity_factor,
+                                         self.moe_min_capacity)
         if self.moe_router_score_function not in ("softmax", "sigmoid"):
             raise ValueError(f"moe_router_score_function {self.moe_router_score_function!r} is not softmax or sigmoid")
+        shape_rules.one_capacity(self.moe_expert_capacity_factor, self.moe_capacity_factor)
+        shape_rules.capacity_padding(self.moe_pad_expert_input_to_capacity, self.moe_expert_capacity_factor)
         if self.moe_expert_capacity_factor is not None:
-            if self.moe_capacity_factor is not None:
-                raise ValueError("moe_expert_capacity_factor (Megatron-Core's capacity) and moe_capacity_factor "
-                                 "(DeepSpeed-MoE's gating) are two routers' capacities; set one")
             if self.moe_expert_capacity_factor < 0 or self.moe_token_drop_policy not in ("probs", "position"):
                 raise ValueError(f"moe_expert_capacity_factor {self.moe_expert_capacity_factor} must not be negative "
                                  f"and moe_token_drop_policy {self.moe_token_drop_policy!r} be probs or position")
-        elif self.moe_pad_expert_input_to_capacity:
-            raise ValueError("moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor")
-        shared = self.moe_shared_expert_intermediate_size
-        if shared is not None and shared < 1:
-            raise ValueError(f"moe_shared_expert_intermediate_size {shared} must be positive")
-        if self.moe_shared_expert_gate and shared is None:
-            raise ValueError("moe_shared_expert_gate gates the shared expert; set moe_shared_expert_intermediate_size")
+        shape_rules.shared_expert_split(self.moe_shared_expert_intermediate_size, 1)
+        shape_rules.shared_expert_gate(self.moe_shared_expert_gate, self.moe_shared_expert_intermediate_size)
         if self.moe_router_load_balancing_type not in MOE_LOAD_BALANCING_TYPES:
             raise ValueError(f"moe_router_load_balancing_type {self.moe_router_load_balancing_type!r} is not one "
                              f"of {MOE_LOAD_BALANCING_TYPES}")
@@ -220,13 +213,8 @@ class GPTConfig:
         shape_rules.heads_split(self.num_attention_heads, tp)
         shape_rules.ffn_split(self.ffn_hidden_size, tp)
         if self.num_experts is not None:
-            if self.moe_ffn_hidden_size % (etp or tp) != 0:
-                raise ValueError(f"moe_ffn_hidden_size {self.moe_ffn_hidden_size} is not divisible by the "
-                                 f"expert-tensor-parallel size {etp or tp}")
-            shared = self.moe_shared_expert_intermediate_size
-            if shared is not None and shared % tp != 0:
-                raise ValueError(f"moe_shared_expert_intermediate_size {shared} is not divisible by the "
-                                 f"tensor-parallel size {tp}")
+            shape_rules.expert_ffn_split(self.moe_ffn_hidden_size, etp or tp, etp is None or etp == tp)
+            shape_rules.shared_expert_split(self.moe_shared_expert_intermediate_size, tp)
         shape_rules.query_groups_split(self.num_query_groups, tp)
         shape_rules.qkv_split(self.num_attention_heads, self.num_query_groups, self.head_dim, tp)
         shape_rules.sequence_split(self.seq_length, tp, self.sequence_parallel)
