@@ -2,6 +2,7 @@
 code that owns the rule), a feature's flags module plugs in with one entry, and the files stay small."""
 import ast
 import dataclasses
+import functools
 import os
 import typing
 from pathlib import Path
@@ -52,10 +53,16 @@ def test_expert_count_refused_in_one_sentence_everywhere(changes, counts, capsys
     experts, topk, ep = counts
     sentence = _sentence(ValueError, lambda: check_expert_counts(experts, topk, ep))
     assert refused(with_flags(BASE, **changes), 2, capsys).strip() == f"pretrain_gpt.py: error: {sentence}"
-    callers = [path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.py")
-               for node in ast.walk(ast.parse(path.read_text()))
-               if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "check_expert_counts"]
-    assert callers == ["config/moe.py"]
+    assert [module for module, name, _ in _package_calls() if name == "check_expert_counts"] == ["config/moe.py"]
+
+
+@functools.lru_cache(maxsize=None)
+def _package_calls() -> tuple:
+    """(module, function name, first argument's name) of each call of a bare name in the package."""
+    return tuple((path.relative_to(PACKAGE).as_posix(), node.func.id, getattr(node.args[0], "id", None)
+                  if node.args else None)
+                 for path in sorted(PACKAGE.rglob("*.py")) for node in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Name))
 
 
 def _feature_flags(parser):
@@ -237,8 +244,5 @@ def test_model_shape_rules_are_one_sentence_for_flags_and_gptconfig(changes, tp,
 def test_only_config_reads_the_namespace_by_name():
     """Outside config/ code reads the typed sections or the checked attributes, never getattr(args, ...) with a
     fallback (the standalone zero_to_fp32 copy, which reads other writers' saved args, excepted)."""
-    readers = sorted({path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.py")
-                      for node in ast.walk(ast.parse(path.read_text()))
-                      if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "getattr" and node.args
-                      and getattr(node.args[0], "id", None) == "args"})
+    readers = sorted({module for module, name, first in _package_calls() if (name, first) == ("getattr", "args")})
     assert [r for r in readers if not r.startswith("config/")] == ["checkpoint/export/standalone_zero_to_fp32.py"]
