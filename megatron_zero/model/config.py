@@ -4,6 +4,10 @@ The defaults are GPT-2 as Megatron builds it. The architecture switches (Megatro
 make the Llama / Mistral family: `normalization="RMSNorm"`, `position_embedding_type="rope"`,
 `swiglu=True`, `num_query_groups < num_attention_heads` (grouped-query attention),
 `untie_embeddings_and_output_weights=True`, `add_bias_linear=False`.
+
+The defaults below are the model flags' too (config/model.py and config/moe.py read them from here), and the
+shape rules GPTConfig checks are the flags' (shape_rules.py), so a model the command line accepts is one this
+accepts.
 """
 from __future__ import annotations
 
