@@ -33,11 +33,12 @@ from ..batch_schedule import BatchScheduleError
 from ..deepspeed_config import DeepSpeedConfigError, apply_deepspeed_config
 from ..moe.expert_counts import ExpertCountError
 from ..topology import TopologyError
-from . import checkpointing, data, log, model, moe, muon, optimizer, parallel, runtime, training
+from . import checkpointing, data, log, mla, model, moe, muon, optimizer, parallel, runtime, training
 from .checkpointing import CheckpointConfig
 from .data import DataConfig
 from .errors import ArgumentError
 from .log import LogConfig
+from .mla import MLAConfig
 from .muon import MuonConfig
 from .optimizer import OptimizerConfig
 from .parallel import ParallelConfig
@@ -45,7 +46,7 @@ from .runtime import RuntimeConfig
 from .training import TrainingConfig
 
 # the areas in --help's order
-AREAS = (model, moe, parallel, optimizer, muon, training, data, checkpointing, log, runtime)
+AREAS = (model, mla, moe, parallel, optimizer, muon, training, data, checkpointing, log, runtime)
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -64,10 +65,11 @@ class Config:
     checkpoint: CheckpointConfig
     log: LogConfig
     runtime: RuntimeConfig
+    mla: MLAConfig
 
 
 SECTIONS = {"parallel": ParallelConfig, "optimizer": OptimizerConfig, "muon": MuonConfig, "training": TrainingConfig,
-            "data": DataConfig, "checkpoint": CheckpointConfig, "log": LogConfig, "runtime": RuntimeConfig}
+            "data": DataConfig, "checkpoint": CheckpointConfig, "log": LogConfig, "runtime": RuntimeConfig, "mla": MLAConfig}
 
 
 def from_args(args) -> Config:
@@ -95,6 +97,7 @@ def _validate(args, world_size: int, given: set, feature_checks: Iterable[Callab
     parallel.check_batch(args, layout)
     training.check_stop_rules(args)
     model.check(args, layout.tp)
+    mla.check(args, given)
     moe.check(args, layout, given)
     parallel.check_pipeline(args, layout)
     model.check_recompute(args, layout.tp)
