@@ -59,6 +59,10 @@ def check(args, given: set) -> None:
     require(args.qk_pos_emb_head_dim % 2 == 0, f"--qk-pos-emb-head-dim {args.qk_pos_emb_head_dim} must be even: "
             "RoPE rotates pairs")
     require(args.rotary_scaling_factor > 0, f"--rotary-scaling-factor {args.rotary_scaling_factor} must be positive")
+    q_head_dim = args.qk_head_dim + args.qk_pos_emb_head_dim
+    require(args.context_parallel_size == 1 or args.cp_comm_type == "a2a" or args.v_head_dim <= q_head_dim,
+            f"--v-head-dim {args.v_head_dim} above --qk-head-dim + --qk-pos-emb-head-dim {q_head_dim} with "
+            f"--cp-comm-type {args.cp_comm_type}: the exchange moves v padded to k's width; use --cp-comm-type a2a")
     require(not (getattr(args, "qk_clip", False) or getattr(args, "log_max_attention_logit", False)),
             "--qk-clip and --log-max-attention-logit scale the fused QKV projection's heads, which "
             "--multi-latent-attention replaces; drop them")

@@ -19,11 +19,14 @@ copy_to_tensor_model_parallel_region, so its gradient (like the latents', throug
 layers) is summed over TP and the replicated weights get the whole gradient on every rank. With
 sequence parallelism the down-projections and latent norms work on the rank's chunk (their gradients
 summed over TP), the up-projections all-gather the normed latents and k_pe is all-gathered (its
-gradient reduce-scattered). With a CP group the positions are this rank's chunks'.
+gradient reduce-scattered). With a CP group the positions are this rank's chunks', and where the CP exchange
+moves k and v as one tensor (p2p, all_gather, a2a+p2p) v travels padded with zeros to q's and k's width (the
+padded context columns are zero and dropped); --v-head-dim above it is refused there (config/mla.py).
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..context_parallel import context_parallel_attention
@@ -152,6 +155,10 @@ class MultiLatentAttention(nn.Module):
         """Causal attention of q, k [b, heads, s, qk + pos] and v [b, heads, s, v] -> [b, heads, s, v]."""
         if self.cp_group is not None:
             core = lambda q_, k_, v_: attention_core(q_, k_, v_, self.backend, self.dropout_p, self.training)  # noqa: E731
-            return context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type, core,
-                                              self.dropout_p if self.training else 0.0, self.cp_hierarchy, self.backend)
+            pad = q.shape[-1] - v.shape[-1] if self.cp_comm_type != "a2a" else 0
+            if pad:  # the rings and the all-gather move k and v as one tensor: v padded with zeros to k's width
+                v = F.pad(v, (0, pad))
+            out = context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type, core,
+                                             self.dropout_p if self.training else 0.0, self.cp_hierarchy, self.backend)
+            return out[..., :self.v_head_dim] if pad else out
         return attention_core(q, k.contiguous(), v.contiguous(), self.backend, self.dropout_p, self.training)
