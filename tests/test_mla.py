@@ -216,3 +216,67 @@ def test_fp8_converts_mla_linear_layers_and_trains():
     assert "14 linear layers" in line  # 2 blocks x (5 attention + 2 MLP)
     loss, grads = _loss_and_grads(model)
     assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads.values())
+
+
+# ---- pretrain_gpt.py --------------------------------------------------------------------------------------------
+# the toy on the command line: Megatron-LM's DeepSeek flags (YaRN by default with MLA) on the tiny Llama of cli.py
+CLI_MLA = {"multi-latent-attention": True, "q-lora-rank": 16, "kv-lora-rank": 12, "qk-head-dim": 8,
+           "qk-pos-emb-head-dim": 4, "v-head-dim": 6, "qk-layernorm": True, "rotary-scaling-factor": 4.0,
+           "mscale": 0.707, "mscale-all-dim": 0.707, "original-max-position-embeddings": 8,
+           "group-query-attention": None, "num-query-groups": None}
+CLI_ITERS, CLI_SAVE_AT = 4, 2
+
+
+def _cli_flags(data, root, *changes):
+    from megatron_zero.testing.cli import cli_flags
+    return cli_flags(data, root / "cache", "llama", CLI_MLA, *changes)
+
+
+def _cli_rtol(data, root):
+    """The losses' tolerance: the step's summation path of the toy pretrain_gpt.py builds."""
+    from megatron_zero.arguments import parse_args
+    from megatron_zero.model.architecture import gpt_config
+    from megatron_zero.testing.cli import TINY
+
+    cfg = gpt_config(parse_args(_cli_flags(data, root), world_size=1), 257)
+    return model_rtol(gpt_path_length(cfg, TINY["global-batch-size"] * TINY["seq-length"]))
+
+
+@pytest.fixture(scope="module")
+def cli_reference(tmp_path_factory):
+    """The corpus and the one-process run's losses."""
+    from megatron_zero.testing.cli import logged_losses, pretrain_cli, text_data
+
+    root = tmp_path_factory.mktemp("mla_cli")
+    data = text_data(root / "text")
+    run = pretrain_cli(1, _cli_flags(data, root, {"train-iters": CLI_ITERS}), timeout=600)
+    return data, root, logged_losses(run)
+
+
+def _in_order(losses):
+    return [losses[i] for i in sorted(losses)]
+
+
+@pytest.mark.slow  # default tier: test_tp2_with_and_without_sequence_parallelism_matches_one_process
+def test_cli_tp2_pp2_sequence_parallel_matches_one_process_and_resumes_at_tp1(cli_reference, tmp_path):
+    from megatron_zero.testing.cli import CliResume
+
+    data, root, want = cli_reference
+    layout = {"tensor-model-parallel-size": 2, "pipeline-model-parallel-size": 2, "sequence-parallel": True}
+    run = CliResume(str(tmp_path), lambda *changes: _cli_flags(data, root, *changes), layout, nproc=4,
+                    iters=CLI_ITERS, save_at=CLI_SAVE_AT)
+    rtol = _cli_rtol(data, root)
+    assert_losses_close(_in_order(run.losses), _in_order(want), rtol, "TP2 x PP2 with sequence parallelism")
+    at_tp1 = {"tensor-model-parallel-size": 1, "pipeline-model-parallel-size": 1, "sequence-parallel": None}
+    run.assert_matches(run.resume("universal", at_tp1), rtol)
+
+
+@pytest.mark.slow  # default tier: test_tp2_with_and_without_sequence_parallelism_matches_one_process
+@pytest.mark.parametrize("comm", ["p2p", "a2a"])
+def test_cli_context_parallel_matches_one_process(cli_reference, comm):
+    from megatron_zero.testing.cli import logged_losses, pretrain_cli
+
+    data, root, want = cli_reference
+    run = pretrain_cli(2, _cli_flags(data, root, {"train-iters": CLI_ITERS, "context-parallel-size": 2,
+                                                  "cp-comm-type": comm}), timeout=600)
+    assert_losses_close(_in_order(logged_losses(run)), _in_order(want), _cli_rtol(data, root), f"CP2 {comm}")
