@@ -238,7 +238,7 @@ def _cli_rtol(data, root):
     from megatron_zero.model.architecture import gpt_config
     from megatron_zero.testing.cli import TINY
 
-    cfg = gpt_config(parse_args(_cli_flags(data, root), world_size=1), 257)
+    cfg = gpt_config(parse_args(_cli_flags(data, root, {"train-iters": CLI_ITERS}), world_size=1), 257)
     return model_rtol(gpt_path_length(cfg, TINY["global-batch-size"] * TINY["seq-length"]))
 
 
