@@ -11,6 +11,7 @@
 - TP2 with and without sequence parallelism: loss and every gathered gradient of a 2-layer MLA toy within
   model_rtol of the one-process model (the replicated down-projections' gradients are the sums this checks);
 - FP8 (torchao, emulated) converts MLA's five linear layers of each block and trains a step;
+- the Hugging Face export refuses an MLA model in one sentence (it would otherwise match Llama's switches);
 - pretrain_gpt.py (slow tier): TP2 x PP2 with sequence parallelism matches the one-process run, its checkpoint
   converted by tools/ds_to_universal.py resumes at TP1 with the loss continuing; CP2 (p2p, a2a) matches too.
 """
@@ -201,6 +202,14 @@ def test_tp2_with_and_without_sequence_parallelism_matches_one_process():
             assert set(grads) == set(ref_grads)
             for name, g in grads.items():
                 assert_close_normwise(g, ref_grads[name], rtol, f"{what} {name}")
+
+
+def test_hugging_face_export_refuses_mla_in_one_sentence():
+    from megatron_zero.checkpoint.errors import CheckpointError
+    from megatron_zero.checkpoint.export.hf import for_config
+
+    with pytest.raises(CheckpointError, match="multi-latent attention, which no Hugging Face export here writes"):
+        for_config(GPTConfig(**TOY))
 
 
 def test_fp8_converts_mla_linear_layers_and_trains():
