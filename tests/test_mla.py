@@ -289,3 +289,45 @@ def test_cli_context_parallel_matches_one_process(cli_reference, comm):
     run = pretrain_cli(2, _cli_flags(data, root, {"train-iters": CLI_ITERS, "context-parallel-size": 2,
                                                   "cp-comm-type": comm}), timeout=600)
     assert_losses_close(_in_order(logged_losses(run)), _in_order(want), _cli_rtol(data, root), f"CP2 {comm}")
+
+
+@pytest.mark.slow  # default tier: test_tp2_with_and_without_sequence_parallelism_matches_one_process
+def test_cli_zero3_dp2_matches_one_process(cli_reference):
+    from megatron_zero.testing.cli import logged_losses, pretrain_cli
+
+    data, root, want = cli_reference
+    run = pretrain_cli(2, _cli_flags(data, root, {"train-iters": CLI_ITERS, "zero-stage": 3}), timeout=600)
+    assert_losses_close(_in_order(logged_losses(run)), _in_order(want), _cli_rtol(data, root), "DP2 ZeRO-3")
+
+
+@pytest.mark.slow  # default tier: test_fp8_converts_mla_linear_layers_and_trains
+def test_cli_fp8_trains_mla_at_tp2_with_sequence_parallelism(cli_reference):
+    pytest.importorskip("torchao")
+    from megatron_zero.testing.cli import logged_losses, pretrain_cli
+
+    data, root, want = cli_reference
+    run = pretrain_cli(2, _cli_flags(data, root, {"train-iters": CLI_ITERS, "tensor-model-parallel-size": 2,
+                                                  "sequence-parallel": True, "fp8-format": "hybrid",
+                                                  "fp8-emulate": True}), timeout=600)
+    assert "14 linear layers of this stage's blocks" in run.stdout + run.stderr  # 2 blocks x (5 MLA + 2 MLP)
+    losses = logged_losses(run)
+    assert sorted(losses) == list(range(1, CLI_ITERS + 1))
+    assert losses[CLI_ITERS] < losses[1]  # it learns
+
+
+def test_flops_per_iteration_counts_mla_matmuls():
+    """throughput's count with MLA's sizes is torch's FlopCounterMode count of the layer's matmuls (forward; the
+    unfused core multiplies the whole s x s, as the count assumes)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron_zero.model.mla import MultiLatentAttention, mla_flop_sizes
+    from megatron_zero.throughput import gpt_flops_per_iteration
+
+    for change in CASES:
+        cfg = layer_config(**change, attention_backend="unfused")
+        with FlopCounterMode(display=False) as counter:
+            MultiLatentAttention(cfg)(torch.randn(2, cfg.seq_length, cfg.hidden_size))
+        def count(attention):
+            return gpt_flops_per_iteration(2, cfg.seq_length, 1, cfg.hidden_size, 0, attention=attention)
+        attention = count(mla_flop_sizes(cfg)) - count((0, 0))  # the count less its MLP's
+        assert attention == 3 * counter.get_total_flops(), change  # forward + backward (twice the forward)

@@ -43,6 +43,19 @@ from .config import GPTConfig
 from .transformer import LayerNorm, RMSNorm, local_positions, sequence_parallel_active
 
 
+def mla_flop_sizes(config: GPTConfig):
+    """(the attention's weights per layer, heads x (q head + v head)) for throughput.gpt_flops_per_iteration, or
+    None for a model without MLA."""
+    c = config
+    if not c.multi_latent_attention:
+        return None
+    heads, q_head = c.num_attention_heads, c.qk_head_dim + c.qk_pos_emb_head_dim
+    h = c.hidden_size
+    q = h * heads * q_head if c.q_lora_rank is None else c.q_lora_rank * (h + heads * q_head)
+    kv = h * (c.kv_lora_rank + c.qk_pos_emb_head_dim) + c.kv_lora_rank * heads * (c.qk_head_dim + c.v_head_dim)
+    return q + kv + heads * c.v_head_dim * h, heads * (q_head + c.v_head_dim)
+
+
 class MLARotary:
     """cos/sin tables of MLA's position part (rope or yarn), built once per sequence length and device."""
 
