@@ -13,7 +13,8 @@
 - FP8 (torchao, emulated) converts MLA's five linear layers of each block and trains a step;
 - the Hugging Face export refuses an MLA model in one sentence (it would otherwise match Llama's switches);
 - pretrain_gpt.py (slow tier): TP2 x PP2 with sequence parallelism matches the one-process run, its checkpoint
-  converted by tools/ds_to_universal.py resumes at TP1 with the loss continuing; CP2 (p2p, a2a) matches too.
+  converted by tools/ds_to_universal.py (and as saved, reshaped while loading) resumes at TP1 with the loss
+  continuing; CP2 (p2p, a2a) and DP2 ZeRO-3 match too; FP8 at TP2 with sequence parallelism trains.
 """
 import pytest
 import torch
@@ -278,6 +279,7 @@ def test_cli_tp2_pp2_sequence_parallel_matches_one_process_and_resumes_at_tp1(cl
     assert_losses_close(_in_order(run.losses), _in_order(want), rtol, "TP2 x PP2 with sequence parallelism")
     at_tp1 = {"tensor-model-parallel-size": 1, "pipeline-model-parallel-size": 1, "sequence-parallel": None}
     run.assert_matches(run.resume("universal", at_tp1), rtol)
+    run.assert_matches(run.resume("reshaped", at_tp1), rtol)  # loaded at TP1 directly, without the conversion
 
 
 @pytest.mark.slow  # default tier: test_tp2_with_and_without_sequence_parallelism_matches_one_process
