@@ -92,12 +92,12 @@ def main():
             times[name].append(step_seconds(m, x))
     base = next(iter(models))
     print(f"\nseq {a.seq}, {a.layers} layers, hidden {a.hidden}, {a.heads} heads, fp32, forward + backward")
-    print(f"{'attention':<24}{'params':>12}{'tokens/s':>12}{'ratio':>8}{'saved MiB':>12}{'ratio':>8}")
+    print("| attention | params | tokens/s | ratio | saved MiB | ratio |\n|---|---|---|---|---|---|")
     for name, m in models.items():
         tps = a.seq / statistics.median(times[name])
         base_tps = a.seq / statistics.median(times[base])
-        print(f"{name:<24}{params(m):>12,}{tps:>12,.0f}{tps / base_tps:>8.2f}{memory[name] / 2**20:>12.1f}"
-              f"{memory[name] / memory[base]:>8.2f}")
+        print(f"| {name} | {params(m):,} | {tps:,.0f} | {tps / base_tps:.2f} | {memory[name] / 2**20:.1f} | "
+              f"{memory[name] / memory[base]:.2f} |")
 
 
 if __name__ == "__main__":
