@@ -93,8 +93,6 @@ SECTIONS = (
     Section("data", "Data: preprocessing, tokenizing, the start-up token check",
             (("bench_preprocess.py",), ("bench_gpt2_bpe.py",), ("bench_token_range.py", "--reps", "3")),
             ("tools/preprocess_data.py", "megatron_zero/data"), printed="block"),
-    Section("mla", "Multi-latent attention against grouped-query attention", (("bench_mla.py",),),
-            ("megatron_zero/model", "megatron_zero/ops", "megatron_zero/tensor_parallel")),
 )
 
 
