@@ -205,6 +205,21 @@ def test_tp2_with_and_without_sequence_parallelism_matches_one_process():
                 assert_close_normwise(g, ref_grads[name], rtol, f"{what} {name}")
 
 
+def test_flash_backend_pads_v_and_equals_the_unfused_core():
+    from megatron_zero.model.mla import MultiLatentAttention
+
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(5))
+    outs = {}
+    for backend in ("flash", "unfused"):
+        torch.manual_seed(0)
+        layer = MultiLatentAttention(layer_config(attention_backend=backend))
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.normal_(0, 0.2)
+        outs[backend] = layer(x).detach()
+    assert_close_normwise(outs["flash"], outs["unfused"], model_rtol(_layer_path(layer_config())), "flash")
+
+
 def test_hugging_face_export_refuses_mla_in_one_sentence():
     from megatron_zero.checkpoint.errors import CheckpointError
     from megatron_zero.checkpoint.export.hf import for_config

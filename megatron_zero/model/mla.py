@@ -21,7 +21,8 @@ sequence parallelism the down-projections and latent norms work on the rank's ch
 summed over TP), the up-projections all-gather the normed latents and k_pe is all-gathered (its
 gradient reduce-scattered). With a CP group the positions are this rank's chunks', and where the CP exchange
 moves k and v as one tensor (p2p, all_gather, a2a+p2p) v travels padded with zeros to q's and k's width (the
-padded context columns are zero and dropped); --v-head-dim above it is refused there (config/mla.py).
+padded context columns are zero and dropped); --v-head-dim above it is refused there (config/mla.py). So does
+torch's flash attention, which takes one head dimension (`--attention-backend flash`, and `auto` on CUDA).
 """
 from __future__ import annotations
 
@@ -174,4 +175,8 @@ class MultiLatentAttention(nn.Module):
             out = context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type, core,
                                              self.dropout_p if self.training else 0.0, self.cp_hierarchy, self.backend)
             return out[..., :self.v_head_dim] if pad else out
-        return attention_core(q, k.contiguous(), v.contiguous(), self.backend, self.dropout_p, self.training)
+        pad = q.shape[-1] - v.shape[-1] if self.backend == "flash" or (self.backend == "auto" and q.is_cuda) else 0
+        if pad > 0:  # torch's flash kernels take one head dimension: v padded with zeros, the padding dropped
+            v = F.pad(v, (0, pad))
+        out = attention_core(q, k.contiguous(), v.contiguous(), self.backend, self.dropout_p, self.training)
+        return out[..., :self.v_head_dim] if pad > 0 else out
