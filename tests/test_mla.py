@@ -151,6 +151,8 @@ def test_flags_reach_the_model_and_the_catalogue_names_its_parameters(capsys):
     line = refused(BASE + mla + ["--v-head-dim", "32", "--context-parallel-size", "2", "--cp-comm-type", "p2p"], 2,
                    capsys)
     assert "--v-head-dim 32 above --qk-head-dim + --qk-pos-emb-head-dim 20" in line
+    line = refused(BASE + mla + ["--v-head-dim", "32", "--attention-backend", "flash"], 1, capsys)
+    assert "--v-head-dim 32 above" in line and "--attention-backend flash" in line
 
 
 # ---- tensor parallelism against the one-process model ---------------------------------------------------------

@@ -63,6 +63,9 @@ def check(args, given: set) -> None:
     require(args.context_parallel_size == 1 or args.cp_comm_type == "a2a" or args.v_head_dim <= q_head_dim,
             f"--v-head-dim {args.v_head_dim} above --qk-head-dim + --qk-pos-emb-head-dim {q_head_dim} with "
             f"--cp-comm-type {args.cp_comm_type}: the exchange moves v padded to k's width; use --cp-comm-type a2a")
+    require(args.attention_backend != "flash" or args.v_head_dim <= q_head_dim,
+            f"--v-head-dim {args.v_head_dim} above --qk-head-dim + --qk-pos-emb-head-dim {q_head_dim} with "
+            "--attention-backend flash: torch's flash kernels take v padded to q's width; use another backend")
     require(not (getattr(args, "qk_clip", False) or getattr(args, "log_max_attention_logit", False)),
             "--qk-clip and --log-max-attention-logit scale the fused QKV projection's heads, which "
             "--multi-latent-attention replaces; drop them")
