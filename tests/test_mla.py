@@ -14,7 +14,7 @@
 - the Hugging Face export refuses an MLA model in one sentence (it would otherwise match Llama's switches);
 - pretrain_gpt.py (slow tier): TP2 x PP2 with sequence parallelism matches the one-process run, its checkpoint
   converted by tools/ds_to_universal.py (and as saved, reshaped while loading) resumes at TP1 with the loss
-  continuing; CP2 (p2p, a2a) and DP2 ZeRO-3 match too; FP8 at TP2 with sequence parallelism trains.
+  continuing; CP2 (p2p, a2a) and DP2 ZeRO-3 with selective recomputation match too; FP8 at TP2 with sequence parallelism trains.
 """
 import pytest
 import torch
@@ -311,12 +311,14 @@ def test_cli_context_parallel_matches_one_process(cli_reference, comm):
 
 
 @pytest.mark.slow  # default tier: test_tp2_with_and_without_sequence_parallelism_matches_one_process
-def test_cli_zero3_dp2_matches_one_process(cli_reference):
+def test_cli_zero3_dp2_with_selective_recompute_matches_one_process(cli_reference):
     from megatron_zero.testing.cli import logged_losses, pretrain_cli
 
     data, root, want = cli_reference
-    run = pretrain_cli(2, _cli_flags(data, root, {"train-iters": CLI_ITERS, "zero-stage": 3}), timeout=600)
-    assert_losses_close(_in_order(logged_losses(run)), _in_order(want), _cli_rtol(data, root), "DP2 ZeRO-3")
+    run = pretrain_cli(2, _cli_flags(data, root, {"train-iters": CLI_ITERS, "zero-stage": 3,
+                                                  "recompute-granularity": "selective"}), timeout=600)
+    assert_losses_close(_in_order(logged_losses(run)), _in_order(want), _cli_rtol(data, root),
+                        "DP2 ZeRO-3, selective recompute")
 
 
 @pytest.mark.slow  # default tier: test_fp8_converts_mla_linear_layers_and_trains
