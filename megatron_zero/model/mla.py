@@ -26,6 +26,8 @@ torch's flash attention, which takes one head dimension (`--attention-backend fl
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -167,16 +169,20 @@ class MultiLatentAttention(nn.Module):
 
     def _core(self, q, k, v):
         """Causal attention of q, k [b, heads, s, qk + pos] and v [b, heads, s, v] -> [b, heads, s, v]."""
+        pad = q.shape[-1] - v.shape[-1] if self._pads_v(q) else 0
+        if pad > 0:
+            v = F.pad(v, (0, pad))
         if self.cp_group is not None:
-            core = lambda q_, k_, v_: attention_core(q_, k_, v_, self.backend, self.dropout_p, self.training)  # noqa: E731
-            pad = q.shape[-1] - v.shape[-1] if self.cp_comm_type != "a2a" else 0
-            if pad:  # the rings and the all-gather move k and v as one tensor: v padded with zeros to k's width
-                v = F.pad(v, (0, pad))
+            core = partial(attention_core, backend=self.backend, dropout_p=self.dropout_p, training=self.training)
             out = context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type, core,
                                              self.dropout_p if self.training else 0.0, self.cp_hierarchy, self.backend)
-            return out[..., :self.v_head_dim] if pad else out
-        pad = q.shape[-1] - v.shape[-1] if self.backend == "flash" or (self.backend == "auto" and q.is_cuda) else 0
-        if pad > 0:  # torch's flash kernels take one head dimension: v padded with zeros, the padding dropped
-            v = F.pad(v, (0, pad))
-        out = attention_core(q, k.contiguous(), v.contiguous(), self.backend, self.dropout_p, self.training)
+        else:
+            out = attention_core(q, k.contiguous(), v.contiguous(), self.backend, self.dropout_p, self.training)
         return out[..., :self.v_head_dim] if pad > 0 else out
+
+    def _pads_v(self, q) -> bool:
+        """Whether v goes in padded with zeros to q's width (the padded context columns are zero and dropped): for
+        the CP exchanges that move k and v as one tensor (all but a2a) and torch's flash kernels, which take one
+        head dimension (--attention-backend flash, and auto on CUDA)."""
+        return ((self.cp_group is not None and self.cp_comm_type != "a2a") or self.backend == "flash"
+                or (self.backend == "auto" and q.is_cuda))
