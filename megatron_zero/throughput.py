@@ -5,7 +5,7 @@ training dtype. The peak is `--peak-tflops` when given; otherwise the dense peak
 accelerator (PEAK_TFLOPS, from the vendors' data sheets, without sparsity); otherwise none, and MFU
 is not reported: a CPU has no peak that this code could know (give --peak-tflops to get one).
 """
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -21,20 +21,23 @@ PEAK_TFLOPS = {
 
 def gpt_flops_per_iteration(batch_size: int, seq_length: int, num_layers: int, hidden_size: int,
                             vocab_size: int, ffn_hidden_size: int = None, qkv_size: int = None,
-                            swiglu: bool = False) -> float:
+                            swiglu: bool = False, attention: Optional[Tuple[int, int]] = None) -> float:
     """Forward + backward FLOPs of one global batch (no activation recomputation).
 
     The standard 6N-per-token count for the weight matmuls plus the attention
     score and context matmuls: per layer and token, forward 2*(4h^2 + 2h*ffn)
     for QKV/dense/MLP and 4*s*h for attention; backward twice the forward; and
     the logit layer 2*h*V forward. Grouped-query attention shrinks QKV to `qkv_size` rows
-    (default 3h); SwiGLU doubles the first MLP matmul.
+    (default 3h); SwiGLU doubles the first MLP matmul. `attention`: another attention's (weights per layer,
+    the width its score and context matmuls run over per position: heads x (q head + v head)), e.g.
+    multi-latent attention's (model/mla.py's `mla_flop_sizes`); the default is (h qkv + h^2, 2h).
     """
     h, s, L, V = hidden_size, seq_length, num_layers, vocab_size
     ffn = ffn_hidden_size or 4 * h
     qkv = qkv_size or 3 * h
     mlp_in = 2 * ffn if swiglu else ffn
-    per_token_forward = L * (2 * (h * qkv + h * h + h * mlp_in + ffn * h) + 4 * s * h) + 2 * h * V
+    weights, width = attention or (h * qkv + h * h, 2 * h)
+    per_token_forward = L * (2 * (weights + h * mlp_in + ffn * h) + 2 * s * width) + 2 * h * V
     return 3.0 * per_token_forward * batch_size * s
 
 

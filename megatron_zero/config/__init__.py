@@ -33,7 +33,7 @@ from ..deepspeed_config import DeepSpeedConfigError, apply_deepspeed_config
 from ..model.shape_rules import ModelShapeError
 from ..moe.expert_counts import ExpertCountError
 from ..topology import TopologyError
-from . import checkpointing, data, log, model, moe, muon, optimizer, parallel, runtime, training
+from . import checkpointing, data, log, mla, model, moe, muon, optimizer, parallel, runtime, training
 from .checkpointing import CheckpointConfig
 from .compat import CompatConfig
 from .compile import CompileConfig
@@ -43,6 +43,7 @@ from .errors import ArgumentError
 from .fp8 import Fp8Config
 from .log import LogConfig
 from .loss import LossConfig
+from .mla import MLAConfig
 from .model import ModelConfig
 from .moe import MoeConfig
 from .muon import MuonConfig
@@ -52,7 +53,7 @@ from .runtime import RuntimeConfig
 from .training import TrainingConfig
 
 # the areas in --help's order
-AREAS = (model, moe, parallel, optimizer, muon, training, data, checkpointing, log, runtime)
+AREAS = (model, mla, moe, parallel, optimizer, muon, training, data, checkpointing, log, runtime)
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -66,6 +67,7 @@ class Config:
     (FEATURES in arguments.py) after the core areas'."""
     model: ModelConfig
     moe: MoeConfig
+    mla: MLAConfig
     parallel: ParallelConfig
     optimizer: OptimizerConfig
     muon: MuonConfig
@@ -81,7 +83,7 @@ class Config:
     compile: CompileConfig
 
 
-SECTIONS = {"model": ModelConfig, "moe": MoeConfig, "parallel": ParallelConfig, "optimizer": OptimizerConfig,
+SECTIONS = {"model": ModelConfig, "moe": MoeConfig, "mla": MLAConfig, "parallel": ParallelConfig, "optimizer": OptimizerConfig,
             "muon": MuonConfig, "training": TrainingConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
             "log": LogConfig, "runtime": RuntimeConfig, "compat": CompatConfig, "elastic": ElasticConfig,
             "loss": LossConfig, "fp8": Fp8Config, "compile": CompileConfig}
@@ -113,6 +115,7 @@ def _validate(args, world_size: int, given: set, feature_checks: Iterable[Callab
     parallel.check_batch(args, layout)
     training.check_stop_rules(args)
     model.check(args, layout.tp)
+    mla.check(args, given)
     moe.check(args, layout, given)
     parallel.check_pipeline(args, layout)
     model.check_recompute(args, layout.tp)

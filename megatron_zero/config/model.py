@@ -157,7 +157,7 @@ def _check_architecture(args, tp: int) -> None:
     shape_rules.qkv_split(heads, groups, head_dim, tp)
     shape_rules.rotary_percent_range(args.rotary_percent)
     require(args.rotary_base >= 1, f"--rotary-base {args.rotary_base} must be positive")
-    if args.position_embedding_type == "rope":
+    if args.position_embedding_type == "rope" and not args.multi_latent_attention:  # MLA's: config/mla.py
         shape_rules.rope_pairs(args.rotary_percent, head_dim)
 
 

@@ -53,8 +53,8 @@ class Float8Converter:
                                               self.expert_dp_group, s.margin, history)
                     experts += 1
                 else:
-                    module.fp8 = Float8Matmul(self.config, SPLIT[cls], module.tp_group, self.cp_group, s.margin,
-                                              history, self.dp_group, s.param_gather)
+                    module.fp8 = Float8Matmul(self.config, SPLIT[cls], module.tp_group, _token_group(module,
+                                              self.cp_group), s.margin, history, self.dp_group, s.param_gather)
                 count += 1
         s = self.settings
         delayed = f", amax history {s.amax_history_len} ({s.amax_compute_algo})" if s.delayed else ""
@@ -63,6 +63,13 @@ class Float8Converter:
                 f"{f' ({experts} of them the MoE experts, each scaled on its own rows)' if experts else ''} run "
                 "their GEMMs through torchao's float8"
                 f"{_gathered(s.param_gather, experts)}")
+
+
+def _token_group(module, cp_group):
+    """The group splitting a layer's tokens: CP's, or for a replicated layer on a sequence-parallel chunk (MLA's
+    down-projections) the sequence-parallel group (with CP as well, CP's alone: the amaxes then differ over TP)."""
+    sp_group = getattr(module, "sequence_parallel_group", None)
+    return cp_group if cp_group is not None or sp_group is None else sp_group
 
 
 def _gathered(param_gather: bool, experts: int) -> str:

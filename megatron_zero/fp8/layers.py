@@ -7,7 +7,8 @@ the row-parallel layer sums or reduce-scatters its partial products. Only the ma
 """
 from __future__ import annotations
 
-from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, sum_sequence_parallel_grad
+from ..tensor_parallel.replicated_linear import ReplicatedLinear
 from ..tensor_parallel.mappings import copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region
 from ..tensor_parallel.utils import tp_world_size
 
@@ -31,6 +32,17 @@ class Float8RowParallelLinear(RowParallelLinear):
         return self.fp8(x, self.weight)
 
 
-FLOAT8_CLASS = {ColumnParallelLinear: Float8ColumnParallelLinear, RowParallelLinear: Float8RowParallelLinear}
-SPLIT = {ColumnParallelLinear: "column", RowParallelLinear: "row"}
-__all__ = ["FLOAT8_CLASS", "SPLIT", "Float8ColumnParallelLinear", "Float8RowParallelLinear"]
+class Float8ReplicatedLinear(ReplicatedLinear):
+    """MLA's down-projections: the whole weight on every rank, applied to its tokens (a sequence chunk with
+    sequence parallelism, whose amaxes the converter reduces over that group)."""
+    fp8 = None
+
+    def _linear(self, x, bias):
+        y = self.fp8(x, sum_sequence_parallel_grad(self.weight, self.sequence_parallel_group))
+        return y if bias is None else y + sum_sequence_parallel_grad(bias, self.sequence_parallel_group).to(y.dtype)
+
+
+FLOAT8_CLASS = {ColumnParallelLinear: Float8ColumnParallelLinear, RowParallelLinear: Float8RowParallelLinear,
+                ReplicatedLinear: Float8ReplicatedLinear}
+SPLIT = {ColumnParallelLinear: "column", RowParallelLinear: "row", ReplicatedLinear: "column"}
+__all__ = ["FLOAT8_CLASS", "SPLIT", "Float8ColumnParallelLinear", "Float8RowParallelLinear", "Float8ReplicatedLinear"]

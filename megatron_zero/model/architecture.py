@@ -30,6 +30,8 @@ recorded args (the resume check, the saved-config readers) and the run's own fla
     qk_layernorm              qk_layernorm (Megatron-LM's)                  False
     kv_channels               kv_channels (Megatron-LM's; hidden / heads    hidden / heads
                               is read as unset)
+    multi_latent_attention    multi_latent_attention and its sizes          False (the sizes: not compared)
+                              (Megatron-LM's names: q_lora_rank, ...)
     shared expert             moe_shared_expert_intermediate_size,          none (no shared expert)
                               moe_shared_expert_gate (Megatron-Core's)
 
@@ -48,10 +50,11 @@ SWITCHES = {"swiglu": False, "normalization": "LayerNorm", "untie_embeddings_and
             "add_bias_linear": True, "apply_residual_connection_post_layernorm": False,
             "position_embedding_type": "learned_absolute", "add_position_embedding": True,
             "apply_layernorm_1p": False, "moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False,
-            "add_qkv_bias": False, "qk_layernorm": False}
+            "add_qkv_bias": False, "qk_layernorm": False, "multi_latent_attention": False}
 # sizes and numbers of the model (compared where both sides have one)
 SIZES = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
-         "make_vocab_size_divisible_by", "layernorm_epsilon", "num_query_groups", "rotary_base", "rotary_percent", "kv_channels")
+         "make_vocab_size_divisible_by", "layernorm_epsilon", "num_query_groups", "rotary_base", "rotary_percent", "kv_channels",
+         "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
 
 
 def _normalization(value) -> str:
@@ -146,6 +149,12 @@ class ModelSettings:
     moe_shared_expert_gate: bool
     add_qkv_bias: bool
     qk_layernorm: bool
+    multi_latent_attention: bool
+    q_lora_rank: Optional[int]
+    kv_lora_rank: Optional[int]
+    qk_head_dim: Optional[int]
+    qk_pos_emb_head_dim: Optional[int]
+    v_head_dim: Optional[int]
     num_experts: Union[None, int, List[int]]  # None: dense
     moe_layer_freq: Optional[object] = None  # an interval or a per-layer pattern, as recorded
     moe_layer_offset: Optional[int] = None

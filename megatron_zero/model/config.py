@@ -24,6 +24,7 @@ RECOMPUTE_METHODS = ("uniform", "block")
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
+ROPE_TYPES = ("rope", "yarn")
 MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none", "sinkhorn")
 
 
@@ -59,7 +60,22 @@ class GPTConfig:
     add_bias_linear: bool = True
     add_qkv_bias: bool = False                       # a bias on the QKV projection even without add_bias_linear
     kv_channels: Optional[int] = None                # each head's dimension (None: hidden_size / num_attention_heads)
-    qk_layernorm: bool = False                       # the model's norm over each head's q and k, before RoPE (Qwen3)
+    qk_layernorm: bool = False                       # the model's norm over each head's q and k, before RoPE (Qwen3);
+    #                                                  with MLA the norms of the q and kv latents (Megatron-Core's)
+    # multi-latent attention (DeepSeek-V2/V3; model/mla.py), Megatron-Core's MLATransformerConfig names
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None                # None: q projected directly, without a latent
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128                           # each head's q and k without position (q_head_dim adds pos)
+    qk_pos_emb_head_dim: int = 64                    # the rotary part of q and k (one k part shared by the heads)
+    v_head_dim: int = 128
+    rope_type: str = "rope"                          # MLA's rotary tables: rope or yarn (ops/yarn.py)
+    rotary_scaling_factor: float = 1.0               # YaRN's context extension factor (and the softmax's mscale)
+    original_max_position_embeddings: int = 4096     # YaRN: the context the model was first trained at
+    beta_fast: float = 32.0                          # YaRN's ramp: dimensions turning more often keep their frequency
+    beta_slow: float = 1.0                           # ... fewer: interpolated by the scaling factor
+    mscale: float = 1.0                              # YaRN's concentration factor on cos and sin
+    mscale_all_dim: float = 0.0                      # ... divided by this one's, whose square scales the softmax
     # mixture of experts (Megatron-Core's names; megatron_zero/moe/): None -> every layer has a dense MLP
     num_experts: Optional[int] = None
     moe_layer_freq: object = 1                       # every N-th layer (offset, offset + N, ...) is an MoE layer, or a
@@ -124,8 +140,29 @@ class GPTConfig:
         shape_rules.full_recompute_method(self.recompute_granularity, self.recompute_method)
         if self.recompute_num_layers < 1:
             raise ValueError(f"recompute_num_layers {self.recompute_num_layers} must be at least 1")
-        if self.position_embedding_type == "rope":
+
+        if self.multi_latent_attention:
+            self._check_mla()
+        elif self.position_embedding_type == "rope":
             shape_rules.rope_pairs(self.rotary_percent, self.head_dim)
+
+    def _check_mla(self) -> None:
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_type {self.rope_type!r} is not one of {ROPE_TYPES}")
+        for what in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            if getattr(self, what) < 1:
+                raise ValueError(f"{what} {getattr(self, what)} must be at least 1")
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ValueError(f"q_lora_rank {self.q_lora_rank} must be at least 1 (or None: no q latent)")
+        if self.mla_rotary_dim % 2 != 0:
+            raise ValueError(f"the rotary part of qk_pos_emb_head_dim {self.qk_pos_emb_head_dim} is odd; RoPE "
+                             "rotates pairs")
+
+    @property
+    def mla_rotary_dim(self) -> int:
+        """MLA's rotated width: the whole position part with YaRN, rotary_percent of it with plain RoPE."""
+        pos = self.qk_pos_emb_head_dim
+        return pos if self.rope_type == "yarn" else int(pos * self.rotary_percent)
 
     def _check_moe(self) -> None:
         if self.num_experts is None:
@@ -181,8 +218,8 @@ class GPTConfig:
 
     @property
     def query_projection_size(self) -> int:
-        """The attention's width between the heads and the output projection: heads x head_dim."""
-        return self.num_attention_heads * self.head_dim
+        """The attention's width between the heads and the output projection: heads x head_dim (MLA: v_head_dim)."""
+        return self.num_attention_heads * (self.v_head_dim if self.multi_latent_attention else self.head_dim)
 
     @property
     def rotary_dim(self) -> int:

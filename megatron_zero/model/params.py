@@ -10,6 +10,11 @@ Names are Megatron-DeepSpeed's pipeline names (GPTModelPipe):
 Block parameters are `{i}.<suffix>` with the suffixes of BLOCK_PARAMS; the config decides which
 exist (no `*.bias` of a linear layer with add_bias_linear=False, but the QKV bias with add_qkv_bias; no norm
 bias with RMSNorm; `self_attention.q_layernorm.*` / `k_layernorm.*` [head_dim], replicated, with qk_layernorm).
+With multi-latent attention (model/mla.py) the attention holds Megatron-Core's projections in place of
+query_key_value: `linear_q_down_proj` [q_lora_rank, h] and `linear_kv_down_proj` [kv_lora_rank + pos, h]
+replicated, `linear_q_up_proj` [heads (qk + pos), q_lora_rank] (or, without a q latent, `linear_q_proj`
+[heads (qk + pos), h]) and `linear_kv_up_proj` [heads (qk + v), kv_lora_rank] split over heads (rows), the
+output `dense` [h, heads v]; with qk_layernorm `q_layernorm.*` [q_lora_rank] and `kv_layernorm.*` [kv_lora_rank].
 The final norm is `{L+2}.weight` (and `{L+2}.bias` for LayerNorm). With `apply_layernorm_1p` a norm weight
 holds w, zero-centred (initialised to 0), and the norm applies gamma = 1 + w (Megatron-Core's
 zero_centered_gamma); every tensor of our own formats holds w, an exporter converts where a format holds gamma.
@@ -56,6 +61,15 @@ BLOCK_PARAMS = {
     "self_attention.q_layernorm.bias": (None, "zeros"),
     "self_attention.k_layernorm.weight": (None, "ones"),
     "self_attention.k_layernorm.bias": (None, "zeros"),
+    # multi-latent attention (model/mla.py) in place of query_key_value and the QK-norm: the down-projections
+    # replicated, the up-projections split over heads; q_layernorm and kv_layernorm norm the latents
+    "self_attention.linear_q_proj.weight": (0, "normal"),
+    "self_attention.linear_q_down_proj.weight": (None, "normal"),
+    "self_attention.linear_q_up_proj.weight": (0, "normal"),
+    "self_attention.linear_kv_down_proj.weight": (None, "normal"),
+    "self_attention.linear_kv_up_proj.weight": (0, "normal"),
+    "self_attention.kv_layernorm.weight": (None, "ones"),
+    "self_attention.kv_layernorm.bias": (None, "zeros"),
     "post_attention_layernorm.weight": (None, "ones"),
     "post_attention_layernorm.bias": (None, "zeros"),
     "mlp.dense_h_to_4h.weight": (0, "normal"),
@@ -65,10 +79,14 @@ BLOCK_PARAMS = {
 }
 QK_NORM_SUFFIXES = ("self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
                     "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias")
+MLA_SUFFIXES = ("self_attention.linear_q_proj.weight", "self_attention.linear_q_down_proj.weight",
+                "self_attention.linear_q_up_proj.weight", "self_attention.linear_kv_down_proj.weight",
+                "self_attention.linear_kv_up_proj.weight", "self_attention.kv_layernorm.weight",
+                "self_attention.kv_layernorm.bias")
 _NORM_BIASES = ("input_layernorm.bias", "post_attention_layernorm.bias", "self_attention.q_layernorm.bias",
-                "self_attention.k_layernorm.bias")
+                "self_attention.k_layernorm.bias", "self_attention.kv_layernorm.bias")
 _NORM_WEIGHTS = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attention.q_layernorm.weight",
-                 "self_attention.k_layernorm.weight")
+                 "self_attention.k_layernorm.weight", "self_attention.kv_layernorm.weight")
 MOE_ROUTER_SUFFIX = "mlp.deepspeed_moe.gate.wg.weight"
 MOE_EXPERT_PREFIX = "mlp.deepspeed_moe.experts.deepspeed_experts."
 SHARED_EXPERT_PREFIX = "mlp.shared_expert."
@@ -134,9 +152,29 @@ def block_suffixes(config: GPTConfig, layer_index: Optional[int] = None) -> List
     return out
 
 
+def _mla_suffixes(config: GPTConfig) -> List[str]:
+    """MLA's attention parameters in module order (model/mla.py)."""
+    p = "self_attention."
+    q = ["linear_q_proj.weight"] if config.q_lora_rank is None else ["linear_q_down_proj.weight",
+                                                                      "linear_q_up_proj.weight"]
+    out = q + ["linear_kv_down_proj.weight", "linear_kv_up_proj.weight", "dense.weight"]
+    out += ["dense.bias"] if config.add_bias_linear else []
+    norm = ("weight", "bias") if config.has_norm_bias else ("weight",)
+    if config.qk_layernorm:
+        out += ([f"q_layernorm.{n}" for n in norm] if config.q_lora_rank is not None else [])
+        out += [f"kv_layernorm.{n}" for n in norm]
+    return [p + s for s in out]
+
+
 def _dense_block_suffixes(config: GPTConfig) -> List[str]:
     out = []
     for suffix in BLOCK_PARAMS:
+        if config.multi_latent_attention and suffix.startswith("self_attention."):
+            if suffix == "self_attention.query_key_value.weight":
+                out += _mla_suffixes(config)
+            continue
+        if suffix in MLA_SUFFIXES:
+            continue
         if suffix in _NORM_BIASES and not config.has_norm_bias:
             continue
         if suffix in QK_NORM_SUFFIXES and not config.qk_layernorm:
@@ -154,6 +192,18 @@ def _block_shape(suffix: str, c: GPTConfig, expert: bool = False, shared: bool =
         return {"mlp.dense_h_to_4h.weight": (c.shared_expert_mlp_in_size(), h),
                 "mlp.dense_h_to_4h.bias": (c.shared_expert_mlp_in_size(),),
                 "mlp.dense_4h_to_h.weight": (h, c.moe_shared_expert_intermediate_size)}.get(suffix, (h,))
+    if c.multi_latent_attention and suffix.startswith("self_attention."):
+        heads, q_head_dim = c.num_attention_heads, c.qk_head_dim + c.qk_pos_emb_head_dim
+        return {"self_attention.linear_q_proj.weight": (heads * q_head_dim, h),
+                "self_attention.linear_q_down_proj.weight": (c.q_lora_rank, h),
+                "self_attention.linear_q_up_proj.weight": (heads * q_head_dim, c.q_lora_rank or 0),
+                "self_attention.linear_kv_down_proj.weight": (c.kv_lora_rank + c.qk_pos_emb_head_dim, h),
+                "self_attention.linear_kv_up_proj.weight": (heads * (c.qk_head_dim + c.v_head_dim), c.kv_lora_rank),
+                "self_attention.dense.weight": (h, c.query_projection_size),
+                "self_attention.q_layernorm.weight": (c.q_lora_rank,),
+                "self_attention.q_layernorm.bias": (c.q_lora_rank,),
+                "self_attention.kv_layernorm.weight": (c.kv_lora_rank,),
+                "self_attention.kv_layernorm.bias": (c.kv_lora_rank,)}.get(suffix, (h,))
     if expert:
         return {"mlp.dense_h_to_4h.weight": (c.moe_mlp_in_size(), h), "mlp.dense_h_to_4h.bias": (c.moe_mlp_in_size(),),
                 "mlp.dense_4h_to_h.weight": (h, c.moe_ffn_hidden_size)}.get(suffix, (h,))

@@ -329,7 +329,11 @@ class ParallelTransformerLayer(nn.Module):
         self.hidden_dropout = config.hidden_dropout
         self.sequence_parallel = sequence_parallel_active(config, tp_group)
         self.input_layernorm = build_norm(config, tp_group)
-        self.self_attention = ParallelAttention(config, tp_group, cp_group, cp_hierarchy)
+        if config.multi_latent_attention:
+            from .mla import MultiLatentAttention
+            self.self_attention = MultiLatentAttention(config, tp_group, cp_group, cp_hierarchy)
+        else:
+            self.self_attention = ParallelAttention(config, tp_group, cp_group, cp_hierarchy)
         self.post_attention_layernorm = build_norm(config, tp_group)
         if config.is_moe_layer(block):
             from ..moe import MoELayer

@@ -53,6 +53,9 @@ def for_hf_config(hf: dict, where: str = "config.json") -> ModuleType:
 
 def for_config(config: GPTConfig, name: Optional[str] = None) -> ModuleType:
     """The module an export of `config` uses: `name` if given, else the first that matches."""
+    if config.multi_latent_attention:
+        raise CheckpointError("this checkpoint's model has multi-latent attention, which no Hugging Face export here "
+                              "writes (DeepseekV3ForCausalLM is not available in this build)")
     if name is not None:
         if name not in ARCHITECTURES:
             raise CheckpointError(f"--architecture {name} is unknown; choose one of {', '.join(ARCHITECTURES)}")
