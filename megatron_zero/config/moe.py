@@ -12,6 +12,7 @@ from ..topology import Layout
 from .errors import require
 from .moe_deepspeed import add_deepspeed_moe_flags, apply_deepspeed_moe_flags
 from .moe_router import add_core_router_flags, check_core_router_flags
+from . import moe_router_bias
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -52,6 +53,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                         "than TP the expert groups are carved out of TP x DP, as Megatron-Core does (docs/moe.md)")
 
     add_core_router_flags(g)
+    moe_router_bias.add_flags(p)
     add_deepspeed_moe_flags(p)
 
 
@@ -64,6 +66,7 @@ def check(args, layout: Layout, given: set) -> None:
     ep, experts = args.expert_model_parallel_size, args.num_experts
     require(ep >= 1, f"--expert-model-parallel-size {ep} must be at least 1")
     _check_shared_expert(args, tp)
+    moe_router_bias.check(args)
     if args.expert_tensor_parallel_size is None:
         args.expert_tensor_parallel_size = tp
     etp = args.expert_tensor_parallel_size

@@ -1,0 +1,161 @@
+"""DeepSeek-V3's router (--moe-router-enable-expert-bias, --moe-router-bias-update-rate, --moe-router-num-groups,
+--moe-router-group-topk) against megatron-core 0.16.1's own TopKRouter on the CPU, given the same router weight,
+expert bias and tokens (its token order [s, b], ours [b, s]): the chosen experts and the router weights equal,
+bit for bit (the same fp32 operations); the tokens per expert a training forward counts (none in evaluation) and
+the bias update equal Megatron-Core's get_updated_expert_bias; the flags and their refusals."""
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+import torch
+
+from megatron_zero.arguments import parse_args
+from megatron_zero.moe.expert_bias import ExpertBiasUpdate
+from megatron_zero.moe.layer import MoELayer
+from megatron_zero.model.transformer import ParallelMLP
+from megatron_zero.testing.flag_checks import BASE, refused, with_flags
+from megatron_zero.testing.tiny_gpt import tiny_gpt_config
+
+router_module = pytest.importorskip("megatron.core.transformer.moe.router")
+moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+
+S, B, H, E = 16, 2, 32, 8
+RATE = 1e-3
+# (score function, pre-softmax, top-k, groups, group top-k, expert bias, scaling factor)
+ROUTERS = {
+    "deepseek-v3": ("sigmoid", False, 4, 4, 2, True, 2.5),
+    "sigmoid-bias": ("sigmoid", False, 2, None, None, True, None),
+    "sigmoid-groups": ("sigmoid", False, 2, 2, 1, False, None),
+    "softmax-groups": ("softmax", False, 4, 4, 2, False, None),
+    "pre-softmax-groups": ("softmax", True, 2, 4, 1, False, None),
+}
+
+
+def megatron_core_router(score, pre, topk, groups, group_topk, bias, scale):
+    """TopKRouter on the CPU: its buffers and gate ask for the current CUDA device and Transformer Engine's GEMM
+    (absent: torch.mm), both answered within `_on_cpu()` only."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=4, num_moe_experts=E,
+                            moe_router_topk=topk, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+                            add_bias_linear=False, moe_router_dtype="fp32", moe_ffn_hidden_size=H,
+                            moe_router_score_function=score, moe_router_pre_softmax=pre,
+                            moe_router_num_groups=groups, moe_router_group_topk=group_topk,
+                            moe_router_enable_expert_bias=bias, moe_router_bias_update_rate=RATE,
+                            moe_router_topk_scaling_factor=scale)
+    return router_module.TopKRouter(cfg, pg_collection=SimpleNamespace(tp=None, cp=None, tp_cp=None, tp_dp_cp=None))
+
+
+def _on_cpu():
+    return (mock.patch("torch.cuda.current_device", lambda: "cpu"),
+            mock.patch.object(moe_utils, "te_general_gemm", None, create=True))
+
+
+def our_layer(score, pre, topk, groups, group_topk, bias, scale):
+    cfg = tiny_gpt_config(hidden_size=H, num_experts=E, moe_router_topk=topk, moe_router_load_balancing_type="none",
+                          moe_router_score_function=score, moe_router_pre_softmax=pre, moe_router_num_groups=groups,
+                          moe_router_group_topk=group_topk, moe_router_enable_expert_bias=bias,
+                          moe_router_bias_update_rate=RATE, moe_router_topk_scaling_factor=scale,
+                          moe_ffn_hidden_size=H)
+    return MoELayer(cfg, mlp_class=ParallelMLP)
+
+
+def _routed(layer, x):
+    """(dense router weights [b s, E], chosen [b s, E]) of our layer's router on x [b, s, h]."""
+    seen = {}
+    import megatron_zero.moe.layer as layer_module
+    route = layer_module.route
+
+    def spy(*args, **kwargs):
+        seen["out"] = route(*args, **kwargs)
+        return seen["out"]
+
+    with mock.patch.object(layer_module, "route", spy):
+        layer(x)
+    weights, ids = seen["out"]
+    dense = torch.zeros(ids.shape[0], E).scatter(1, ids, weights.detach())
+    return dense, dense != 0
+
+
+def _megatron_order(t):
+    return t.view(B, S, E).transpose(0, 1).reshape(S * B, E)
+
+
+@pytest.mark.parametrize("name", list(ROUTERS))
+def test_router_and_bias_update_match_megatron_core(name):
+    settings = ROUTERS[name]
+    cuda_device, te_gemm = _on_cpu()
+    g = torch.Generator().manual_seed(len(name))
+    with cuda_device, te_gemm:
+        mc = megatron_core_router(*settings)
+        with torch.no_grad():
+            mc.weight.copy_(torch.randn(E, H, generator=g))
+            if mc.expert_bias is not None:  # large enough to move choices: the test tells biased from unbiased
+                mc.expert_bias.copy_(torch.randn(E, generator=g) * 0.3)
+        x = torch.randn(S, B, H, generator=g)
+        mc.train()
+        probs, routing_map = mc(x)
+        with torch.no_grad():
+            mc.eval()
+            mc(x)  # evaluation counts nothing
+
+    ours = our_layer(*settings)
+    with torch.no_grad():
+        ours.deepspeed_moe.gate.wg.weight.copy_(mc.weight)
+        if settings[5]:
+            ours.deepspeed_moe.gate.expert_bias.copy_(mc.expert_bias)
+    ours.train()
+    dense, chosen = _routed(ours, x.transpose(0, 1).contiguous())
+    with torch.no_grad():
+        ours.eval()
+        ours(x.transpose(0, 1).contiguous())
+    assert torch.equal(_megatron_order(chosen), routing_map)
+    assert torch.equal(_megatron_order(dense), probs)
+    if settings[3]:  # groups: every token's experts lie in its group-topk groups, not all as the plain top-k's
+        per_group = E // settings[3]
+        assert all(len({int(e) // per_group for e in row.nonzero()}) <= settings[4] for row in chosen)
+        plain = mock.patch.object(ours.deepspeed_moe.config, "moe_router_group_topk", None)
+        with plain, torch.no_grad():
+            assert not torch.equal(_routed(ours, x.transpose(0, 1).contiguous())[1], chosen)
+    if not settings[5]:
+        return
+    gate = ours.deepspeed_moe.gate
+    assert torch.equal(gate.tokens_per_expert, mc.local_tokens_per_expert)
+    unbiased = torch.topk(torch.sigmoid(x.reshape(-1, H) @ mc.weight.detach().T), settings[2], dim=1)[1]
+    assert not torch.equal(torch.zeros(S * B, E).scatter(1, unbiased, 1.0).sum(0), gate.tokens_per_expert)
+    with mock.patch("torch.distributed.all_reduce", lambda *a, **k: None), \
+            mock.patch.object(moe_utils.parallel_state, "get_tensor_and_data_parallel_group", lambda **k: None):
+        want = moe_utils.get_updated_expert_bias(mc.local_tokens_per_expert.clone(), mc.expert_bias, RATE)
+    ExpertBiasUpdate(ours, RATE).step()
+    assert torch.equal(gate.expert_bias, want)
+    assert not torch.equal(want, mc.expert_bias)
+    assert torch.equal(gate.tokens_per_expert, torch.zeros(E))
+    assert "mlp" not in gate.state_dict() and set(ours.state_dict()) >= {"deepspeed_moe.gate.expert_bias"}
+    assert "deepspeed_moe.gate.tokens_per_expert" not in ours.state_dict()
+
+
+DEEPSEEK = dict(num_experts=8, moe_router_topk=4, moe_router_score_function="sigmoid",
+                moe_router_enable_expert_bias=True, moe_router_num_groups=4, moe_router_group_topk=2)
+
+
+def test_deepseek_router_flags_parse():
+    args = parse_args(with_flags(BASE, **DEEPSEEK, moe_router_bias_update_rate=0.01))
+    assert (args.moe_router_enable_expert_bias, args.moe_router_bias_update_rate, args.moe_router_num_groups,
+            args.moe_router_group_topk) == (True, 0.01, 4, 2)
+    assert parse_args(with_flags(BASE, **DEEPSEEK)).moe_router_bias_update_rate == 1e-3  # Megatron-Core's default
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"moe_router_score_function": "softmax"}, "--moe-router-enable-expert-bias biases the sigmoid scores"),
+    ({"moe_router_group_topk": None}, "--moe-router-num-groups 4 needs --moe-router-group-topk"),
+    ({"moe_router_num_groups": None}, "--moe-router-group-topk 2 needs --moe-router-num-groups"),
+    ({"moe_router_num_groups": 3}, "--moe-router-num-groups 3 must divide --num-experts 8"),
+    ({"moe_router_group_topk": 5}, "--moe-router-group-topk 5 must lie in 1..--moe-router-num-groups 4"),
+    ({"moe_router_group_topk": 1}, "the chosen groups must hold topk experts"),
+    ({"moe_router_bias_update_rate": -1.0}, "--moe-router-bias-update-rate -1.0 must not be negative"),
+])
+def test_deepseek_router_flags_refused(changes, message, capsys):
+    flags = {k: v for k, v in {**DEEPSEEK, **changes}.items() if v is not None}
+    assert message in refused(with_flags(BASE, **flags), 1, capsys)
+    dense = with_flags(BASE, moe_router_enable_expert_bias=True)
+    assert "configure the router of MoE layers; give --num-experts" in refused(dense, 1, capsys)
