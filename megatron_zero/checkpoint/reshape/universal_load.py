@@ -28,6 +28,7 @@ from ...zero.universal_state import set_state_from_params
 from ..errors import CheckpointError
 from ..format import LATEST_UNIVERSAL, STATE_KEYS, SUB_PARAMS_KEY, header_tp_pp, model_states_name, rank_rng_state
 from ..megatron_deepspeed import client_from_megatron_deepspeed, is_megatron_deepspeed_client
+from ..model_buffers import restore_buffers, saved_buffers
 from ..storage.reader import Checkpoint, open_directory
 from .universal_source import SourceCheckpoint
 
@@ -170,6 +171,7 @@ def load_from(files, state, model, optimizer, load_optimizer: bool = True) -> di
                 fp32 = _local_tensors(files, n, config, tp, tp_rank, ("fp32",))["fp32"]
                 return {"fp32": fp32, "exp_avg": torch.zeros_like(fp32), "exp_avg_sq": torch.zeros_like(fp32)}
             set_state_from_params(optimizer, weights, 0)
+        restore_buffers(model, saved_buffers(files.model_states, *header_tp_pp(head)), files.directory)
     finally:
         files.close()
     client = {k: v for k, v in head.items() if k not in ("module", "param_shapes", "optimizer")}
