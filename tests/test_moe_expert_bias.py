@@ -159,3 +159,15 @@ def test_deepseek_router_flags_refused(changes, message, capsys):
     assert message in refused(with_flags(BASE, **flags), 1, capsys)
     dense = with_flags(BASE, moe_router_enable_expert_bias=True)
     assert "configure the router of MoE layers; give --num-experts" in refused(dense, 1, capsys)
+
+
+def test_hugging_face_export_refuses_a_router_its_models_lack():
+    """Mixtral / Qwen2-MoE / Qwen3-MoE route by softmax without a bias: a DeepSeek-V3 router has no export there."""
+    from megatron_zero.checkpoint.errors import CheckpointError
+    from megatron_zero.checkpoint.export.hf import for_config
+    from megatron_zero.testing.tiny_gpt import tiny_llama_config
+
+    assert for_config(tiny_llama_config(num_experts=8)).HF_ARCHITECTURE == "MixtralForCausalLM"
+    for router in ({"moe_router_enable_expert_bias": True}, {"moe_router_num_groups": 4, "moe_router_group_topk": 2}):
+        with pytest.raises(CheckpointError, match="no Hugging Face architecture holds this model"):
+            for_config(tiny_llama_config(num_experts=8, moe_router_score_function="sigmoid", **router))
