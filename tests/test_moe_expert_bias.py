@@ -171,3 +171,23 @@ def test_hugging_face_export_refuses_a_router_its_models_lack():
     for router in ({"moe_router_enable_expert_bias": True}, {"moe_router_num_groups": 4, "moe_router_group_topk": 2}):
         with pytest.raises(CheckpointError, match="no Hugging Face architecture holds this model"):
             for_config(tiny_llama_config(num_experts=8, moe_router_score_function="sigmoid", **router))
+
+
+def test_counts_once_under_full_recompute():
+    """A layer run again by full recompute in backward adds no tokens a second time (Megatron-Core counts only
+    with grad on, its recompute's first pass runs without); an evaluation forward adds none."""
+    from megatron_zero.model.gpt import reference_model
+    from megatron_zero.moe.expert_bias import ExpertBiasUpdate as Update
+
+    counts = []
+    for recompute in ({}, {"recompute_granularity": "full", "recompute_method": "uniform"}):
+        torch.manual_seed(0)
+        model = reference_model(tiny_gpt_config(num_layers=2, **{k: v for k, v in DEEPSEEK.items()}, **recompute))
+        tokens = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(1))
+        model.train()
+        model(tokens, tokens).sum().backward()
+        with torch.no_grad():
+            model(tokens, tokens)
+        counts.append([r.tokens_per_expert.clone() for r in Update(model, RATE).routers])
+    assert all(float(c.sum()) == 2 * 8 * DEEPSEEK["moe_router_topk"] for c in counts[0])
+    assert all(torch.equal(a, b) for a, b in zip(*counts))

@@ -88,8 +88,10 @@ def saved_at_ep2(tmp_path_factory):
     ("reshaped", {"expert-model-parallel-size": 1}, 2),
     ("reshaped", {"expert-model-parallel-size": 4}, 4),
     ("reshaped", {"zero-stage": 3}, 2),
+    ("reshaped", {"tensor-model-parallel-size": 2, "expert-model-parallel-size": 1}, 2),
+    ("reshaped", {"pipeline-model-parallel-size": 2, "expert-model-parallel-size": 1}, 2),
     ("universal", {"expert-model-parallel-size": 1}, 1),
-], ids=["as-saved", "ep1", "ep4", "zero3", "universal-ep1"])
+], ids=["as-saved", "ep1", "ep4", "zero3", "tp2", "pp2", "universal-ep1"])
 def test_resume_restores_the_bias(saved_at_ep2, tmp_path, how, layout, nproc):
     run = saved_at_ep2
     saved = saved_expert_biases(run.checkpoint)
