@@ -13,6 +13,8 @@ from megatron_zero.arguments import parse_args
 from megatron_zero.moe.expert_bias import ExpertBiasUpdate
 from megatron_zero.moe.layer import MoELayer
 from megatron_zero.model.transformer import ParallelMLP
+from megatron_zero.testing import run_ranks
+from megatron_zero.testing.expert_bias_runs import layer_bias_update
 from megatron_zero.testing.flag_checks import BASE, refused, with_flags
 from megatron_zero.testing.tiny_gpt import tiny_gpt_config
 
@@ -191,3 +193,34 @@ def test_counts_once_under_full_recompute():
         counts.append([r.tokens_per_expert.clone() for r in Update(model, RATE).routers])
     assert all(float(c.sum()) == 2 * 8 * DEEPSEEK["moe_router_topk"] for c in counts[0])
     assert all(torch.equal(a, b) for a, b in zip(*counts))
+
+
+def test_update_sums_the_tokens_over_data_parallel_ranks():
+    """Two ranks each routing half the tokens make the one-process update on all of them, bit for bit (the
+    counts summed in one all-reduce), step after step (the second step routes with the first's bias)."""
+    cfg = tiny_gpt_config(num_layers=1, **DEEPSEEK, moe_router_bias_update_rate=0.05)
+    want = layer_bias_update(cfg, 4, 0.05)
+    assert not torch.equal(want[0], torch.zeros(E)) and not torch.equal(want[1], want[0])
+    for got in run_ranks(layer_bias_update, 2, cfg, 4, 0.05):
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_checkpoint_buffers_found_in_any_saved_stage():
+    """A reshaped load takes each expert bias from whichever saved stage's model-states file holds it (TP rank 0's
+    of each stage), the bytes as saved; a bias of this rank's layers the model has no place for is refused."""
+    from megatron_zero.checkpoint.errors import CheckpointError
+    from megatron_zero.checkpoint.model_buffers import restore_buffers, saved_buffers
+    from megatron_zero.model.gpt import reference_model
+
+    model = reference_model(tiny_gpt_config(num_layers=2, **DEEPSEEK))
+    names = ["2.mlp.deepspeed_moe.gate.expert_bias", "3.mlp.deepspeed_moe.gate.expert_bias"]
+    values = [torch.randn(E, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    files = {mp: {"module": {n: v}, "buffer_names": [n]} for mp, n, v in ((0, names[0], values[0]),
+                                                                          (2, names[1], values[1]))}
+    saved = saved_buffers(files.get, 2, 2)  # saved at TP2 x PP2: model-parallel ranks 0 and 2 are TP rank 0's
+    restore_buffers(model, saved, "ckpt")
+    got = {n: b for n, b in model.named_buffers() if n.endswith("expert_bias")}
+    assert all(torch.equal(got[n], v) for n, v in zip(names, values))
+    plain = reference_model(tiny_gpt_config(num_layers=2, **{**DEEPSEEK, "moe_router_enable_expert_bias": False}))
+    with pytest.raises(CheckpointError, match="ckpt holds 2.mlp.deepspeed_moe.gate.expert_bias and 1 more, state"):
+        restore_buffers(plain, saved, "ckpt")

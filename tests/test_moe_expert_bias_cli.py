@@ -35,6 +35,7 @@ def _assert_close(got, want, what):
         assert abs(g - w) <= RTOL * abs(w), (what, got, want, RTOL)
 
 
+@pytest.mark.slow  # the default tier: test_moe_expert_bias.py's router against Megatron-Core and its update over 2 ranks
 def test_expert_parallel_matches_one_process(tmp_path):
     """EP2 x DP2 ZeRO-1 (each rank half the experts and half the micro-batches) against one process."""
     (ref_losses, ref_bias), = run_ranks(train_with_biases, 1, _flags(tmp_path), timeout=600)
@@ -55,7 +56,7 @@ def test_the_bias_moves_the_choices(tmp_path):
     assert plain[0] == biased[0] and plain[-1] != biased[-1]
 
 
-@pytest.mark.slow  # the default tier: test_expert_parallel_matches_one_process, test_moe_expert_bias.py's router
+@pytest.mark.slow  # the default tier: test_moe_expert_bias.py's router and its update summed over 2 ranks
 @pytest.mark.parametrize("layout", [
     {"tensor-model-parallel-size": 2, "sequence-parallel": True, "expert-model-parallel-size": 2},
     {"pipeline-model-parallel-size": 2, "expert-model-parallel-size": 2},
@@ -82,7 +83,7 @@ def saved_at_ep2(tmp_path_factory):
     return run
 
 
-@pytest.mark.slow  # the default tier: test_expert_parallel_matches_one_process (the biases at EP2 and EP1)
+@pytest.mark.slow  # the default tier: test_moe_expert_bias.py's update over 2 ranks (no checkpoint in it)
 @pytest.mark.parametrize("how,layout,nproc", [
     ("as saved", {}, 2),
     ("reshaped", {"expert-model-parallel-size": 1}, 2),

@@ -10,6 +10,8 @@ from typing import Dict
 
 import torch
 
+from ..moe.expert_bias import ExpertBiasUpdate
+
 DEEPSEEK_ROUTER = {"num-experts": 8, "moe-router-topk": 2, "moe-router-score-function": "sigmoid",
                    "moe-router-enable-expert-bias": True, "moe-router-bias-update-rate": 0.01,
                    "moe-router-num-groups": 4, "moe-router-group-topk": 2, "moe-router-topk-scaling-factor": 2.5,
@@ -40,4 +42,29 @@ def saved_expert_biases(checkpoint: str) -> Dict[str, torch.Tensor]:
             continue
         states = torch.load(path, map_location="cpu", weights_only=False)
         out.update((n, t) for n, t in (states.get("module") or {}).items() if n.endswith("expert_bias"))
+    return out
+
+
+def layer_bias_update(config, rows: int, rate: float, steps: int = 2):
+    """An MoE layer of `config` (the same router weight on every rank) routing this rank's share of `rows`
+    random tokens (all of them without torch.distributed) and updating its bias over the world group, `steps` times; -> the
+    bias after each step."""
+    import torch.distributed as dist
+
+    from ..model.transformer import ParallelMLP
+    from ..moe.layer import MoELayer
+
+    torch.manual_seed(0)
+    layer = MoELayer(config, mlp_class=ParallelMLP)
+    with torch.no_grad():
+        layer.deepspeed_moe.gate.wg.weight.normal_()
+    ranks = dist.is_initialized()
+    update = ExpertBiasUpdate(layer, rate, dist.group.WORLD if ranks else None)
+    world, rank = (dist.get_world_size(), dist.get_rank()) if ranks else (1, 0)
+    out = []
+    for step in range(steps):
+        x = torch.randn(rows, config.seq_length, config.hidden_size, generator=torch.Generator().manual_seed(step))
+        layer(x[rank * rows // world:(rank + 1) * rows // world]).sum().backward()
+        update.step()
+        out.append(layer.deepspeed_moe.gate.expert_bias.clone())
     return out
