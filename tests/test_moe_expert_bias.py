@@ -224,3 +224,52 @@ def test_checkpoint_buffers_found_in_any_saved_stage():
     plain = reference_model(tiny_gpt_config(num_layers=2, **{**DEEPSEEK, "moe_router_enable_expert_bias": False}))
     with pytest.raises(CheckpointError, match="ckpt holds 2.mlp.deepspeed_moe.gate.expert_bias and 1 more, state"):
         restore_buffers(plain, saved, "ckpt")
+
+
+@pytest.mark.parametrize("freq", [1, 2], ids=["stacked", "per-layer"])
+def test_torch_dist_carries_the_bias_both_ways(tmp_path, freq):
+    """Ours -> torch_dist (write_torch_dist): each MoE block's bias under Megatron-Core's `mlp.router.expert_bias`
+    (stacked [L, E] when every block is MoE, else one key per layer), read back by TorchDistFiles exactly into the
+    model-states buffers a load restores; without --moe-router-enable-expert-bias the key is refused by name."""
+    from megatron_zero.checkpoint.interop.convert import config_args
+    from megatron_zero.checkpoint.interop.dcp_reader import DcpReader
+    from megatron_zero.checkpoint.interop.mcore_names import expert_bias_names
+    from megatron_zero.checkpoint.interop.torch_dist import TorchDistFiles
+    from megatron_zero.checkpoint.interop.to_universal import write_universal
+    from megatron_zero.checkpoint.interop.torch_dist_write import write_torch_dist
+    from megatron_zero.checkpoint.errors import CheckpointError
+    from megatron_zero.model.gpt import reference_model
+    from megatron_zero.model.sharding import gather_state_dicts
+
+    cfg = tiny_gpt_config(num_layers=2, **DEEPSEEK, moe_layer_freq=freq, add_bias_linear=False)
+    torch.manual_seed(0)
+    model = reference_model(cfg)
+    full = gather_state_dicts([{n: p.detach() for n, p in model.named_parameters()}], cfg)
+    names = expert_bias_names(cfg)
+    biases = {n: torch.randn(E, generator=torch.Generator().manual_seed(i)) for i, n in enumerate(names)}
+    assert len(names) == (2 if freq == 1 else 1)
+
+    class Source:
+        has_optimizer = True
+
+        def full(self, name, which):
+            return full[name], None, 1
+
+        def step(self, name):
+            return 3
+    args = dict(config_args(cfg), **{k: getattr(cfg, k) for k in ("num_experts", "moe_router_topk", "moe_layer_freq",
+                                                                    "moe_router_enable_expert_bias")})
+    head = {"iteration": 3, "args": args, "universal_checkpoint_info": {"original_vocab_size": cfg.vocab_size},
+            "module": biases, "buffer_names": list(biases)}
+    write_universal(Source(), cfg, head, str(tmp_path / "u" / "src"), "test")
+    write_torch_dist(str(tmp_path / "u" / "src"), str(tmp_path / "mc"))
+    directory = str(tmp_path / "mc" / "iter_0000003")
+    keys = DcpReader(directory).tensors
+    key = "decoder.layers.mlp.router.expert_bias" if freq == 1 else "decoder.layers.0.mlp.router.expert_bias"
+    assert tuple(keys[key].size) == ((2, E) if freq == 1 else (E,))
+    states = TorchDistFiles(directory, cfg).model_states(0)
+    assert states["buffer_names"] == names and all(torch.equal(states["module"][n], biases[n]) for n in names)
+    plain = tiny_gpt_config(num_layers=2, **{**DEEPSEEK, "moe_router_enable_expert_bias": False}, moe_layer_freq=freq,
+                            add_bias_linear=False)
+    with pytest.raises(CheckpointError, match="give --moe-router-enable-expert-bias"):
+        TorchDistFiles(directory, plain)
