@@ -118,9 +118,7 @@ class Trainer:
         moe_layers = sum(self.config.is_moe_layer(b) for b in range(self.config.num_layers))
         logged = logged_names(self.config)  # the MoE losses the flags compute (none: no MoE log line)
         self.moe_metrics = MoEMetrics(moe_layers, self.device, logged) if moe_layers and logged else None
-        self.expert_bias = (ExpertBiasUpdate(self.model, self.config.moe_router_bias_update_rate, state.dp_group,
-                                             state.tp_group if self.config.sequence_parallel else None)
-                            if self.config.moe_router_enable_expert_bias else None)  # (moe/expert_bias.py)
+        self.expert_bias = ExpertBiasUpdate.of_run(self.model, self.config, state)  # (moe/expert_bias.py)
         self.lr_schedule = build_lr_schedule(args)
         self.batch = par.batch_schedule  # the global batch of each iteration, from the samples consumed
         self.progress = TrainState()
@@ -200,8 +198,7 @@ class Trainer:
         self.decoupled_lr = decoupled_lr(self.lr_schedule, self.args)
         with timers("optimizer", 1):
             updated, grad_norm = self.optimizer.step(lr=lr, decoupled_lr=self.decoupled_lr, votes=votes())
-        if self.expert_bias is not None:  # every step, as Megatron-Core's finalize_model_grads (a skipped one too)
-            self.expert_bias.step()
+        self.expert_bias.step()  # after every step, a skipped one too (Megatron-Core's finalize_model_grads)
         with timers("loss-broadcast", 2):
             loss = reduce_loss(losses, s.is_last_stage, s.layout.pp_group(s.rank)[-1], s.pp_group, s.dp_group,
                                self.device)

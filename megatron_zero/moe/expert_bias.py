@@ -57,6 +57,12 @@ class ExpertBiasUpdate:
         self.rate = rate
         self.groups = [g for g in (dp_group, tp_group) if g is not None and dist.get_world_size(g) > 1]
 
+    @classmethod
+    def of_run(cls, model: torch.nn.Module, config, state) -> "ExpertBiasUpdate":
+        """The update of a training run's stage (no routers, a no-op step, without --moe-router-enable-expert-bias)."""
+        sp_group = state.tp_group if config.sequence_parallel and state.tp_size > 1 else None
+        return cls(model, config.moe_router_bias_update_rate, state.dp_group, sp_group)
+
     @torch.no_grad()
     def step(self) -> None:
         if not self.routers:
