@@ -1,10 +1,11 @@
 """DeepSeek-V3's router as users train it (sigmoid scores, the aux-loss-free expert bias, group-limited routing,
-a top-k scaling factor; megatron_zero/testing/expert_bias_runs.py): EP2 x DP2 against the one-process run, the
-losses to roundoff (model_rtol of a step's path) and the expert biases bit for bit (the same tokens per expert
-summed over the ranks, the same sign steps); the bias moves the choices (the losses differ from the unbiased
-run's). Slow: through pretrain_gpt.py at TP2 (sequence parallel) x EP2 and at PP2 x EP2, and a checkpoint saved
-at EP2 resumed as saved, directly at EP1 and EP4, at ZeRO-3 and from tools/ds_to_universal.py, the biases
-restored bit for bit (the resumed run ends with the uninterrupted run's) and the losses continuing."""
+a top-k scaling factor; megatron_zero/testing/expert_bias_runs.py), all slow (the default tier's cover:
+tests/test_moe_expert_bias.py). EP2 x DP2 against the one-process run in-process, the losses to roundoff
+(model_rtol of a step's path) and the expert biases bit for bit (the same tokens per expert summed over the
+ranks, the same sign steps); the bias moves the choices (the losses differ from the unbiased run's); through
+pretrain_gpt.py at TP2 (sequence parallel) x EP2, PP2 x EP2, CP2 x EP2 and ZeRO-3 x EP2 the same; a checkpoint
+saved at EP2 resumed as saved, directly at EP1, EP4, TP2, PP2 and ZeRO-3 and from tools/ds_to_universal.py, the
+biases restored bit for bit (the resumed run ends with the uninterrupted run's) and the losses continuing."""
 import os
 
 import pytest
@@ -57,14 +58,16 @@ def test_the_bias_moves_the_choices(tmp_path):
 
 
 @pytest.mark.slow  # the default tier: test_moe_expert_bias.py's router and its update summed over 2 ranks
-@pytest.mark.parametrize("layout", [
-    {"tensor-model-parallel-size": 2, "sequence-parallel": True, "expert-model-parallel-size": 2},
-    {"pipeline-model-parallel-size": 2, "expert-model-parallel-size": 2},
-], ids=["tp2-sp-ep2", "pp2-ep2"])
-def test_pretrain_gpt_layouts_match_one_process(tmp_path, layout):
-    """Through pretrain_gpt.py on 4 ranks: the logged losses and the saved biases against the one-process run."""
+@pytest.mark.parametrize("layout,nproc", [
+    ({"tensor-model-parallel-size": 2, "sequence-parallel": True, "expert-model-parallel-size": 2}, 4),
+    ({"pipeline-model-parallel-size": 2, "expert-model-parallel-size": 2}, 4),
+    ({"context-parallel-size": 2, "expert-model-parallel-size": 2}, 4),
+    ({"zero-stage": 3, "expert-model-parallel-size": 2}, 2),
+], ids=["tp2-sp-ep2", "pp2-ep2", "cp2-ep2", "zero3-ep2"])
+def test_pretrain_gpt_layouts_match_one_process(tmp_path, layout, nproc):
+    """Through pretrain_gpt.py: the logged losses and the saved biases against the one-process run."""
     ref = pretrain_cli(1, _flags(tmp_path, {"save": tmp_path / "ref", "save-interval": ITERS}))
-    run = pretrain_cli(4, _flags(tmp_path, layout, {"save": tmp_path / "run", "save-interval": ITERS}))
+    run = pretrain_cli(nproc, _flags(tmp_path, layout, {"save": tmp_path / "run", "save-interval": ITERS}))
     want, got = logged_losses(ref), logged_losses(run)
     _assert_close([got[i] for i in sorted(got)], [want[i] for i in sorted(want)], str(layout))
     ref_bias = saved_expert_biases(os.path.join(tmp_path, "ref", f"global_step{ITERS}"))
