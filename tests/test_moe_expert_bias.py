@@ -215,9 +215,10 @@ def test_checkpoint_buffers_found_in_any_saved_stage():
     model = reference_model(tiny_gpt_config(num_layers=2, **DEEPSEEK))
     names = ["2.mlp.deepspeed_moe.gate.expert_bias", "3.mlp.deepspeed_moe.gate.expert_bias"]
     values = [torch.randn(E, generator=torch.Generator().manual_seed(i)) for i in range(2)]
-    files = {mp: {"module": {n: v}, "buffer_names": [n]} for mp, n, v in ((0, names[0], values[0]),
-                                                                          (2, names[1], values[1]))}
-    saved = saved_buffers(files.get, 2, 2)  # saved at TP2 x PP2: model-parallel ranks 0 and 2 are TP rank 0's
+    files = {mp: {"module": {n: v}, "buffer_names": [n], "checkpoint_parallel_dimensions": {"tp_degree": 2,
+                                                                                         "pp_degree": 2}}
+             for mp, n, v in ((0, names[0], values[0]), (2, names[1], values[1]))}
+    saved = saved_buffers(files.get)  # saved at TP2 x PP2: model-parallel ranks 0 and 2 are TP rank 0's
     restore_buffers(model, saved, "ckpt")
     got = {n: b for n, b in model.named_buffers() if n.endswith("expert_bias")}
     assert all(torch.equal(got[n], v) for n, v in zip(names, values))

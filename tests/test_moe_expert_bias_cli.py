@@ -13,7 +13,7 @@ import torch
 
 from megatron_zero.model.config import GPTConfig
 from megatron_zero.testing import run_ranks
-from megatron_zero.testing.cli import CliResume, cli_flags, logged_losses, pretrain_cli, text_data
+from megatron_zero.testing.cli import CliResume, cli_flags, logged_losses, pretrain_cli, text_data, tool
 from megatron_zero.testing.expert_bias_runs import DEEPSEEK_ROUTER, saved_expert_biases, train_with_biases
 from megatron_zero.testing.tolerances import gpt_path_length, model_rtol
 
@@ -108,3 +108,16 @@ def test_resume_restores_the_bias(saved_at_ep2, tmp_path, how, layout, nproc):
     final = saved_expert_biases(os.path.join(run.save, f"global_step{run.iters}"))
     ended = saved_expert_biases(os.path.join(out, f"global_step{run.iters}"))
     assert ended.keys() == final.keys() and all(torch.equal(ended[n], final[n]) for n in final), (ended, final)
+
+
+@pytest.mark.slow  # the default tier: test_moe_expert_bias.py's checkpoint buffers test
+def test_consolidation_and_generation_carry_the_bias(saved_at_ep2, tmp_path):
+    """tools/zero_to_fp32.py writes each expert bias beside the weights (as DeepSpeed's does with buffers), the
+    bytes as saved; tools/generate_text.py loads the checkpoint with it and generates."""
+    run = saved_at_ep2
+    saved = saved_expert_biases(run.checkpoint)
+    tool("zero_to_fp32.py", run.checkpoint, tmp_path / "fp32", "--quiet")
+    consolidated = torch.load(tmp_path / "fp32" / "pytorch_model.bin", weights_only=True)
+    assert all(torch.equal(consolidated[n], saved[n]) for n in saved) and len(saved) == 2
+    out = tool("generate_text.py", "--load", run.checkpoint, "--prompt", "def ", "--max-new-tokens", 4, "--greedy")
+    assert out.stdout.strip(), out.stderr[-2000:]

@@ -25,7 +25,7 @@ from ..device import HOST
 from ..fp8.delayed import STATE_KEY as FP8_SCALING, load_scaling_state
 from ..topology import ParallelState
 from ..zero.universal_state import set_state_from_params
-from .deepspeed_layout import EMBED_PREFIX, param_shapes, persistent_buffers
+from .deepspeed_layout import EMBED_PREFIX, layer_of, param_shapes, persistent_buffers
 from .errors import CheckpointError
 from .expert_layout import expert_files, is_expert_param
 from .megatron_deepspeed import client_from_megatron_deepspeed, is_megatron_deepspeed_client
@@ -112,11 +112,9 @@ def _load_layers(ckpt: Checkpoint, model, tp_rank: int, device: torch.device, mp
     names = set(model.state_dict())  # the parameters' shapes are checked: what else is there is saved state
     extra = [k for k in sd if k not in names]
     if extra:
-        from .deepspeed_layout import layer_of
         refuse_unknown(extra, ckpt.path(layer_file_name(layer_of(extra[0])[0], tp_rank)))
     missing = [k for k in model.state_dict() if k not in sd]
     if missing:
-        from .deepspeed_layout import layer_of
         files = sorted({layer_file_name(layer_of(k)[0], tp_rank) for k in missing})
         raise CheckpointError(f"the checkpoint file {ckpt.path(files[0])} is missing (it holds {missing[0]}"
                               f"{f' and {len(missing) - 1} more parameters' if len(missing) > 1 else ''})")

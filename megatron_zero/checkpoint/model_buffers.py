@@ -19,6 +19,7 @@ import torch
 
 from .deepspeed_layout import layer_of, persistent_buffers
 from .errors import CheckpointError
+from .format import header_tp_pp
 
 
 def restore_buffers(model, saved: Optional[Dict[str, torch.Tensor]], where: str) -> None:
@@ -46,9 +47,10 @@ def refuse_unknown(names, where: str) -> None:
                               "--moe-router-enable-expert-bias); build the model with the checkpoint's arguments")
 
 
-def saved_buffers(model_states: Callable[[int], Optional[dict]], tp: Optional[int], pp: Optional[int]) -> dict:
+def saved_buffers(model_states: Callable[[int], Optional[dict]]) -> dict:
     """name -> tensor of every persistent buffer the saved stages' model-states files hold (`model_states(mp)`:
-    the file of model-parallel rank mp = pp_rank x TP + tp_rank, or None)."""
+    the file of model-parallel rank mp = pp_rank x TP + tp_rank, or None; TP and PP as the first one records)."""
+    tp, pp = header_tp_pp(model_states(0) or {})
     out: dict = {}
     for stage in range(pp or 1):
         states = model_states(stage * (tp or 1)) or {}

@@ -33,7 +33,7 @@ import torch
 from ...model.architecture import gpt_config, model_settings
 from ...model.params import param_names, param_spec
 from ..errors import CheckpointError
-from ..format import LATEST_ITERATION, STATE_KEYS, UNIVERSAL_CHECKPOINT_INFO, header_args, header_tp_pp
+from ..format import LATEST_ITERATION, STATE_KEYS, UNIVERSAL_CHECKPOINT_INFO, header_args
 from ..model_buffers import saved_buffers
 from ..reshape.universal_load import ReshapedFiles, UniversalFiles, find_universal_dir
 from ..progress import Progress
@@ -159,7 +159,7 @@ def write_torch_dist(source: str, out: str, target_tp: int = 1, verify: bool = T
         for prefix in ("", f"{OPTIMIZER_PREFIX}exp_avg.", f"{OPTIMIZER_PREFIX}exp_avg_sq."):
             chunks.append(Chunk(prefix + fqn, index, size))
             total += 4 * torch.Size(shape).numel()
-    biases = saved_buffers(files.model_states, *header_tp_pp(head))  # the routers' expert biases: no moments
+    biases = saved_buffers(files.model_states)  # the routers' expert biases: no moments
     for name in expert_bias_names(config):
         if name not in biases:
             raise CheckpointError(f"{source} has no {name} in its model-states files, though its args say "
