@@ -67,6 +67,7 @@ from .optimizer_setup import build_optimizer, param_groups  # noqa: F401 (param_
 from .topology import build_parallel_state
 from .training_log import TrainingLog, architecture_name
 from .moe import reset_aux_losses, set_aux_loss_scale
+from .moe.expert_bias import ExpertBiasUpdate
 from .moe.metrics import MoEMetrics, logged_names
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -120,6 +121,7 @@ class Trainer:
         moe_layers = sum(self.config.is_moe_layer(b) for b in range(self.config.num_layers))
         logged = logged_names(self.config)  # the MoE losses the flags compute (none: no MoE log line)
         self.moe_metrics = MoEMetrics(moe_layers, self.device, logged) if moe_layers and logged else None
+        self.expert_bias = ExpertBiasUpdate.of_run(self.model, self.config, state)  # (moe/expert_bias.py)
         self.lr_schedule = build_lr_schedule(self.sections)
         self.batch = par.batch_schedule  # the global batch of each iteration, from the samples consumed
         self.progress = TrainState()
@@ -199,6 +201,7 @@ class Trainer:
         self.decoupled_lr = decoupled_lr(self.lr_schedule, self.sections.optimizer)
         with timers("optimizer", 1):
             updated, grad_norm = self.optimizer.step(lr=lr, decoupled_lr=self.decoupled_lr, votes=votes())
+        self.expert_bias.step()  # after every step, a skipped one too (Megatron-Core's finalize_model_grads)
         with timers("loss-broadcast", 2):
             loss = reduce_loss(losses, s.is_last_stage, s.layout.pp_group(s.rank)[-1], s.pp_group, s.dp_group,
                                self.device)

@@ -12,6 +12,7 @@ import os
 import sys
 
 from megatron_zero.checkpoint import CheckpointError, add_verify_flag
+from megatron_zero.checkpoint.deepspeed_layout import persistent_buffers
 from megatron_zero.checkpoint.export.consolidate import get_fp32_state_dict, load_consolidated, resolve_checkpoint_dir
 from megatron_zero.checkpoint.saved_config import saved_args, saved_config
 from megatron_zero.data import DataError, build_tokenizer
@@ -33,7 +34,9 @@ def load_model(path: str, num_heads=None, verify: bool = True):
     config = saved_config(list(sd), lambda n: sd[n].shape, args, num_heads, where=path)
     config.make_vocab_size_divisible_by = int(args.get("make_vocab_size_divisible_by", 128))
     model = reference_model(config)
-    model.load_state_dict(shard_state_dict(sd, config, 1, 0), strict=True)
+    buffers = persistent_buffers(model)  # the routers' expert biases: whole, not sharded
+    state = shard_state_dict({n: t for n, t in sd.items() if n not in buffers}, config, 1, 0)
+    model.load_state_dict({**state, **{n: sd[n] for n in buffers if n in sd}}, strict=True)
     return model, config, args
 
 

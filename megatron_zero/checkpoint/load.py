@@ -25,10 +25,11 @@ from ..device import HOST
 from ..fp8.delayed import STATE_KEY as FP8_SCALING, load_scaling_state
 from ..topology import ParallelState
 from ..zero.universal_state import set_state_from_params
-from .deepspeed_layout import EMBED_PREFIX, param_shapes
+from .deepspeed_layout import EMBED_PREFIX, layer_of, param_shapes, persistent_buffers
 from .errors import CheckpointError
 from .expert_layout import expert_files, is_expert_param
 from .megatron_deepspeed import client_from_megatron_deepspeed, is_megatron_deepspeed_client
+from .model_buffers import refuse_unknown, restore_buffers
 from .format import LATEST, layer_file_name, model_states_name, optim_states_name, rank_rng_state
 from .storage.reader import Checkpoint, open_checkpoint
 
@@ -106,9 +107,14 @@ def _load_layers(ckpt: Checkpoint, model, tp_rank: int, device: torch.device, mp
             sd[prefix + k] = v
     if model.config.num_experts is not None:
         _load_experts(ckpt, model, mp_rank, device, sd)
+    buffers = persistent_buffers(model)  # one the checkpoint lacks keeps its value (model_buffers.py)
+    sd.update((k, v) for k, v in buffers.items() if k not in sd)
+    names = set(model.state_dict())  # the parameters' shapes are checked: what else is there is saved state
+    extra = [k for k in sd if k not in names]
+    if extra:
+        refuse_unknown(extra, ckpt.path(layer_file_name(layer_of(extra[0])[0], tp_rank)))
     missing = [k for k in model.state_dict() if k not in sd]
     if missing:
-        from .deepspeed_layout import layer_of
         files = sorted({layer_file_name(layer_of(k)[0], tp_rank) for k in missing})
         raise CheckpointError(f"the checkpoint file {ckpt.path(files[0])} is missing (it holds {missing[0]}"
                               f"{f' and {len(missing) - 1} more parameters' if len(missing) > 1 else ''})")
@@ -178,6 +184,8 @@ def load_checkpoint(load_dir: str, state: ParallelState, model, optimizer, load_
     _check_shapes(states["param_shapes"], model, optimizer, ckpt.path(ms_name))
     if stage < 3:
         _load_layers(ckpt, model, state.tp_rank, model_device, getattr(state, "expert_mp_rank", mp))
+    else:  # the buffers (the routers' expert bias) from this rank's model-states file
+        restore_buffers(model, states.get("module"), ckpt.path(ms_name))
     bf16 = optimizer.dtype == torch.bfloat16
     opt_name = optim_states_name(dp, mp, bf16)
     if not ckpt.has(opt_name) and ckpt.has(optim_states_name(dp, mp, not bf16)):

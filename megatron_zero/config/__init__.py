@@ -46,6 +46,7 @@ from .loss import LossConfig
 from .mla import MLAConfig
 from .model import ModelConfig
 from .moe import MoeConfig
+from .moe_router_bias import MoERouterBiasConfig
 from .muon import MuonConfig
 from .optimizer import OptimizerConfig
 from .parallel import ParallelConfig
@@ -67,6 +68,7 @@ class Config:
     (FEATURES in arguments.py) after the core areas'."""
     model: ModelConfig
     moe: MoeConfig
+    router_bias: MoERouterBiasConfig
     mla: MLAConfig
     parallel: ParallelConfig
     optimizer: OptimizerConfig
@@ -83,7 +85,7 @@ class Config:
     compile: CompileConfig
 
 
-SECTIONS = {"model": ModelConfig, "moe": MoeConfig, "mla": MLAConfig, "parallel": ParallelConfig, "optimizer": OptimizerConfig,
+SECTIONS = {"model": ModelConfig, "moe": MoeConfig, "router_bias": MoERouterBiasConfig, "mla": MLAConfig, "parallel": ParallelConfig, "optimizer": OptimizerConfig,
             "muon": MuonConfig, "training": TrainingConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
             "log": LogConfig, "runtime": RuntimeConfig, "compat": CompatConfig, "elastic": ElasticConfig,
             "loss": LossConfig, "fp8": Fp8Config, "compile": CompileConfig}

@@ -16,6 +16,7 @@ from .errors import require
 from .fields import add_section_flags, derived, flag, section
 from .moe_deepspeed import apply_deepspeed_moe_flags
 from .moe_router import check_core_router_flags
+from . import moe_router_bias
 
 
 DEEPSPEED = "mixture of experts, Megatron-DeepSpeed's flags (DeepSpeed-MoE's capacity gating; docs/moe.md)"
@@ -109,6 +110,7 @@ class MoeConfig:
 
 def add_flags(p: argparse.ArgumentParser) -> None:
     add_section_flags(p, MoeConfig)
+    moe_router_bias.add_flags(p)
     p.set_defaults(moe_layer_offset=0)
 
 
@@ -121,6 +123,7 @@ def check(args, layout: Layout, given: set) -> None:
     ep, experts = args.expert_model_parallel_size, args.num_experts
     require(ep >= 1, f"--expert-model-parallel-size {ep} must be at least 1")
     _check_shared_expert(args, tp)
+    moe_router_bias.check(args)
     if args.expert_tensor_parallel_size is None:
         args.expert_tensor_parallel_size = tp
     etp = args.expert_tensor_parallel_size

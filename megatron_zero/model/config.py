@@ -92,6 +92,10 @@ class GPTConfig:
     moe_router_score_function: str = "softmax"       # or "sigmoid" (moe/router.py)
     moe_router_topk_scaling_factor: Optional[float] = None  # router weights times this
     moe_router_dtype: Optional[str] = None           # "fp32": the router's GEMM in fp32 (None: the model dtype)
+    moe_router_enable_expert_bias: bool = False      # the aux-loss-free expert bias (moe/expert_bias.py)
+    moe_router_bias_update_rate: float = 1e-3        # its step per global batch
+    moe_router_num_groups: Optional[int] = None      # group-limited routing: groups of experts (moe/router.py)
+    moe_router_group_topk: Optional[int] = None      # groups each token's experts come from
     # Megatron-Core's capacity (moe/token_dropping.py): None -> dropless
     moe_expert_capacity_factor: Optional[float] = None
     moe_token_drop_policy: str = "probs"              # or "position"

@@ -32,6 +32,7 @@ from .capacity_gating import capacity_route
 from ..tensor_parallel.layers import sequence_parallel_param, sum_sequence_parallel_grad
 from ..tensor_parallel.utils import tp_rank_in, tp_world_size
 from .dispatch import ExpertParallelExchange, permute, unpermute
+from .expert_bias import add_expert_bias, record
 from .expert_tp import ExpertTensorParallelRows, experts_over_etp
 from .grouped_mlp import GroupedMLP
 from .router import route
@@ -67,11 +68,14 @@ class RouterWeight(nn.Module):
 
 
 class Gate(nn.Module):
-    """The router's weight `wg.weight` [E, h] (replicated over TP and EP; init.py fills it, no RNG draw here)."""
+    """The router's weight `wg.weight` [E, h] (replicated over TP and EP; init.py fills it, no RNG draw here)
+    and, with --moe-router-enable-expert-bias, its `expert_bias` [E] (expert_bias.py)."""
 
     def __init__(self, config):
         super().__init__()
         self.wg = RouterWeight(config)
+        if config.moe_router_enable_expert_bias:
+            add_expert_bias(self, config.num_experts)
 
 
 class DeepSpeedMoE(nn.Module):
@@ -120,7 +124,8 @@ class DeepSpeedMoE(nn.Module):
             weights, expert_ids = route(logits, c.moe_router_topk, c.moe_router_pre_softmax,
                                         c.moe_router_load_balancing_type, c.moe_aux_loss_coeff, c.moe_z_loss_coeff,
                                         c.moe_router_score_function, c.moe_router_topk_scaling_factor, shape[0],
-                                        self.training, self.cp_group, self.sp_group)
+                                        self.training, self.cp_group, self.sp_group, c.moe_router_num_groups,
+                                        c.moe_router_group_topk, getattr(self.gate, "expert_bias", None))
             if c.moe_expert_capacity_factor is not None:  # Megatron-Core's capacity (token_dropping.py)
                 kept = kept_pairs(weights, expert_ids, c.num_experts, c.moe_expert_capacity_factor,
                                   c.moe_token_drop_policy, shape[0])
@@ -136,10 +141,12 @@ class DeepSpeedMoE(nn.Module):
             ours = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
             weights, expert_ids, kept = (t.index_select(0, ours) for t in routed)
             expert_ids = torch.where(kept, expert_ids, c.num_experts)  # dropped: sorted past every expert
+        counts = torch.bincount(expert_ids.reshape(-1), minlength=c.num_experts + 1)[:c.num_experts]
+        if c.moe_router_enable_expert_bias:
+            record(self.gate, counts)
         if self.ep_group is not None and c.moe_token_dispatcher_type == "allgather":
             out = allgather_dispatch(tokens, weights, expert_ids, self.experts, self.ep_group, self.first, self.local)
             return out.view(shape)
-        counts = torch.bincount(expert_ids.reshape(-1), minlength=c.num_experts + 1)[:c.num_experts]
         if self.ep_group is None and self.etp_group is None:
             rows_per_expert = counts.tolist()  # the layer's one host read
             rows, order, token_of_row = permute(tokens, expert_ids, sum(rows_per_expert))

@@ -15,6 +15,11 @@
     --moe-router-score-function sigmoid: top-k of sigmoid(logits), normalised to sum 1 (k > 1); the aux
         losses then take sigmoid(logits) normalised over all E; --moe-router-topk-scaling-factor s: the
         router weights times s
+    --moe-router-enable-expert-bias (sigmoid): the top-k of sigmoid(logits) + b chooses the experts, the
+        weights are the unbiased sigmoid(logits) at them; b, a layer's [E] state, moves after each step
+        (expert_bias.py)
+    --moe-router-num-groups G --moe-router-group-topk g: the E experts in G groups of E/G; a token's g groups
+        of the highest sum of their top-(k/g) scores, then its top-k among those groups' experts
 
 The losses do not join the model's output: `AuxLossScaler` returns its input unchanged and, in
 backward, adds the loss's gradient times the current scale (Megatron's MoEAuxLossAutoScaler). The
@@ -119,17 +124,40 @@ def seq_load_balancing_loss(scores: torch.Tensor, tokens_per_expert: torch.Tenso
     return torch.sum(per_seq * tokens_per_expert) * (experts * coeff / (topk * seq * seq)) / batch
 
 
+def group_limited_topk(scores: torch.Tensor, topk: int, num_groups: int, group_topk: int) -> tuple:
+    """Megatron-Core's group_limited_topk: scores [T, E] -> (top-k scores, ids) [T, k] among each token's
+    `group_topk` groups (of `num_groups` equal runs of experts) with the highest sum of top-(k / g) scores."""
+    tokens, experts = scores.shape
+    group_scores = scores.view(tokens, num_groups, -1).topk(topk // group_topk, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=group_topk, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(tokens, num_groups, experts // num_groups).reshape(tokens, -1)
+    return torch.topk(scores.masked_fill(~score_mask.bool(), float("-inf")), k=topk, dim=-1)
+
+
+def _topk(scores: torch.Tensor, topk: int, num_groups, group_topk) -> tuple:
+    if group_topk:
+        return group_limited_topk(scores, topk, num_groups, group_topk)
+    return torch.topk(scores, topk, dim=-1)
+
+
 def scores_and_choice(logits: torch.Tensor, topk: int, pre_softmax: bool, score_function: str,
-                      scaling_factor) -> tuple:
-    """Megatron-Core's topk_routing_with_score_function (no groups, no expert bias): (weights, ids) [T, k]."""
+                      scaling_factor, num_groups=None, group_topk=None, expert_bias=None) -> tuple:
+    """Megatron-Core's topk_routing_with_score_function: (weights, ids) [T, k]. `expert_bias` [E] (sigmoid
+    only): added to the scores to choose the experts; the weights are the unbiased scores at them."""
     if score_function == "sigmoid":
-        weights, experts = torch.topk(torch.sigmoid(logits), topk, dim=-1)
+        scores = torch.sigmoid(logits)
+        if expert_bias is not None:
+            experts = _topk(scores + expert_bias, topk, num_groups, group_topk)[1]
+            weights = torch.gather(scores, 1, experts)
+        else:
+            weights, experts = _topk(scores, topk, num_groups, group_topk)
         if topk > 1:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     elif pre_softmax:
-        weights, experts = torch.topk(torch.softmax(logits, dim=-1), topk, dim=-1)
+        weights, experts = _topk(torch.softmax(logits, dim=-1), topk, num_groups, group_topk)
     else:
-        top, experts = torch.topk(logits, topk, dim=-1)
+        top, experts = _topk(logits, topk, num_groups, group_topk)
         weights = torch.softmax(top, dim=-1)
     if scaling_factor:
         weights = weights * scaling_factor
@@ -148,12 +176,13 @@ def scores_for_aux_loss(logits: torch.Tensor, topk: int, score_function: str) ->
 
 def route(logits: torch.Tensor, topk: int, pre_softmax: bool, balancing: str, aux_coeff: float,
           z_coeff, score_function: str = "softmax", scaling_factor=None, batch: int = 1, training: bool = True,
-          reduce_group=None, sp_group=None) -> tuple:
+          reduce_group=None, sp_group=None, num_groups=None, group_topk=None, expert_bias=None) -> tuple:
     """logits [T, E] (fp32, T = batch x seq tokens, batch-major) -> (weights [T, k], expert ids [T, k]) with
     the aux losses attached to `weights`. `training`: Sinkhorn routing chooses by the balanced scores only
     in training (sinkhorn.py). The ranks holding the other tokens of these micro-batches: `reduce_group`
     (context parallelism: the other chunks of the sequences) and `sp_group` (sequence parallelism); None:
-    all are here. Megatron-Core's tp_cp group is the two together."""
+    all are here. Megatron-Core's tp_cp group is the two together. `num_groups`, `group_topk`: group-limited
+    routing; `expert_bias` [E]: the aux-loss-free bias (sigmoid scores; see scores_and_choice)."""
     parts = _size(reduce_group) * _size(sp_group)
     if z_coeff:
         zl = z_loss(logits, z_coeff / parts)
@@ -161,7 +190,8 @@ def route(logits: torch.Tensor, topk: int, pre_softmax: bool, balancing: str, au
         logits = AuxLossScaler.apply(logits, zl)
     if balancing == "sinkhorn":
         return sinkhorn_routing(logits, topk, training)
-    weights, experts = scores_and_choice(logits, topk, pre_softmax, score_function, scaling_factor)
+    weights, experts = scores_and_choice(logits, topk, pre_softmax, score_function, scaling_factor, num_groups,
+                                         group_topk, expert_bias)
     if balancing in ("aux_loss", "seq_aux_loss") and aux_coeff > 0:
         scores, chosen = scores_for_aux_loss(logits, topk, score_function)
         if balancing == "aux_loss":

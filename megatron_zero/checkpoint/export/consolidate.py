@@ -13,7 +13,8 @@ pytorch_model.bin through TorchZipWriter (torch.save's zip layout, data.pkl writ
 safetensors with the header written last into room reserved in front. Peak host memory is
 about one parameter, never the model. A parameter that is a single fragment (a view of a
 mapped file) is copied file-to-file in the kernel (copy_file_range) without passing through
-this process.
+this process. The model's persistent buffers (the routers' expert bias, checkpoint/model_buffers.py) follow the
+parameters, as DeepSpeed's zero_to_fp32 adds them.
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ from ..storage.reader import open_directory
 from ..storage.torch_zip_writer import TensorBytesWriter, TorchZipWriter, cpu_contiguous
 from ..progress import Progress
 from ..reshape.universal_convert import batches, param_numels
-from ..reshape.universal_load import find_universal_dir
+from ..model_buffers import saved_buffers
+from ..reshape.universal_load import UniversalFiles, find_universal_dir, source_model_states
 from ..reshape.universal_source import SourceCheckpoint
 
 DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -66,13 +68,14 @@ def resolve_checkpoint_dir(path: str, tag: str = None) -> str:
 
 def fp32_source(checkpoint_dir: str, progress: bool = False,
                 verify: bool = True) -> Tuple[List[str], Iterator[Tuple[str, torch.Tensor]]]:
-    """(every parameter's name, an iterator of (name, full fp32 tensor) one at a time), each file verified
-    against the checkpoint's manifest as it is read (verify=False: unverified)."""
+    """(every parameter's and persistent buffer's name, an iterator of (name, full fp32 tensor) one at a time),
+    each file verified against the checkpoint's manifest as it is read (verify=False: unverified)."""
     universal = find_universal_dir(checkpoint_dir)
     if universal is not None:
         files = open_directory(universal, verify)
         zero = os.path.join(universal, "zero")
         names = sorted(d for d in os.listdir(zero) if os.path.isdir(os.path.join(zero, d)))
+        buffers = saved_buffers(UniversalFiles(files).model_states)
 
         def from_universal():
             bar = Progress("zero_to_fp32", len(names), progress, unit="parameters")
@@ -81,8 +84,10 @@ def fp32_source(checkpoint_dir: str, progress: bool = False,
                 bar.update(1, t.numel() * t.element_size())
                 yield name, t
             bar.close()
-        return names, from_universal()
+            yield from buffers.items()
+        return names + list(buffers), from_universal()
     src = SourceCheckpoint(checkpoint_dir, verify=verify)
+    buffers = saved_buffers(lambda mp: source_model_states(src, mp))
 
     def from_zero():
         bar = Progress("zero_to_fp32", len(src.params), progress, unit="parameters",
@@ -97,7 +102,8 @@ def fp32_source(checkpoint_dir: str, progress: bool = False,
                     raise CheckpointError(f"TP-replicated parameters differ across TP ranks in {checkpoint_dir}: "
                                           f"{', '.join(reader.mismatched)}")
         bar.close()
-    return [n for n, _ in src.params], from_zero()
+        yield from buffers.items()
+    return [n for n, _ in src.params] + list(buffers), from_zero()
 
 
 def iter_fp32(checkpoint_dir: str, progress: bool = False, verify: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:

@@ -25,7 +25,7 @@ from ..errors import CheckpointError
 from ..format import UNIVERSAL_CHECKPOINT_INFO
 from .dcp_reader import DcpReader
 from .megatron_layout import LEGACY, TORCH_DIST, find_megatron_checkpoint
-from .torch_dist import TorchDistFiles, megatron_head, read_common
+from .torch_dist import TorchDistFiles, read_common
 
 SOURCES = ("deepspeed", "universal", "torch_dist", "megatron_legacy", "dcp")
 SINKS = ("universal", "torch_dist", "dcp")
@@ -85,7 +85,7 @@ def open_any(fmt: str, path: str, vocab_size: Optional[int] = None, global_batch
             common = read_common(directory)
             config, args = config_from_common(common, vocab_size, directory)
             files = TorchDistFiles(directory, config)
-            head = megatron_head(common, files.has_optimizer)
+            head = files.model_states(0)  # Megatron-LM's header, with the routers' expert biases
         else:
             from .megatron_legacy import LegacyFiles, legacy_files
             from ..storage.safe_pickle import safe_load

@@ -25,19 +25,20 @@ An MoE block (mcore_location; Megatron-Core's SequentialMLP, GroupedMLP and TEGr
     {i}.mlp.shared_expert.dense_h_to_4h|dense_4h_to_h.*
                                              mlp.shared_experts.linear_fc1|linear_fc2.*
     {i}.mlp.shared_expert_gate.weight         mlp.shared_experts.gate_weight            [L, 1, h]
+    {i}.mlp.deepspeed_moe.gate.expert_bias    mlp.router.expert_bias                   [L, E]  (a buffer: expert_bias_names)
     {i}.post_attention_layernorm.*           mlp.linear_fc1.layer_norm_* (local spec), or pre_mlp_layernorm.*
 
 Both fused layouts agree with ours, so tensors map one to one. The stacked form is `mcore_location`'s;
 torch_dist.py also finds the per-layer and per-expert forms Megatron-Core writes otherwise. Keys no
-parameter maps to (the router's expert bias, q/k layernorm, multi-token prediction) are refused by
-`unmapped`, naming the key.
+parameter or buffer maps to (the router's expert bias without --moe-router-enable-expert-bias, q/k layernorm,
+multi-token prediction) are refused by `unmapped`, naming the key.
 """
 from __future__ import annotations
 
 from typing import Iterable, List, Optional, Tuple
 
 from ...model.config import GPTConfig
-from ...model.layer_indices import block_number, final_norm_index, is_block_index
+from ...model.layer_indices import block_layer_index, block_number, final_norm_index, is_block_index
 from ...model.params import (lm_head_name, param_names, parse_expert_suffix, position_embeddings_name,
                              word_embeddings_name)
 
@@ -62,6 +63,7 @@ MOE_BLOCK = {
     "mlp.shared_expert.dense_4h_to_h.weight": "mlp.shared_experts.linear_fc2.weight",
     "mlp.shared_expert.dense_4h_to_h.bias": "mlp.shared_experts.linear_fc2.bias",
     "mlp.shared_expert_gate.weight": "mlp.shared_experts.gate_weight",
+    "mlp.deepspeed_moe.gate.expert_bias": "mlp.router.expert_bias",
 }
 EXPERT_MLP = {"mlp.dense_h_to_4h.weight": "linear_fc1.weight", "mlp.dense_h_to_4h.bias": "linear_fc1.bias",
               "mlp.dense_4h_to_h.weight": "linear_fc2.weight", "mlp.dense_4h_to_h.bias": "linear_fc2.bias"}
@@ -110,6 +112,14 @@ def _dense_key(name: str, config: GPTConfig) -> Tuple[str, Optional[int]]:
     raise ValueError(f"{name!r} has no Megatron-Core name")
 
 
+def expert_bias_names(config: GPTConfig) -> List[str]:
+    """Our names of the model's expert biases (buffers, not parameters: moe/expert_bias.py), one per MoE block."""
+    if not config.num_experts or not config.moe_router_enable_expert_bias:
+        return []
+    return [f"{block_layer_index(b)}.mlp.deepspeed_moe.gate.expert_bias" for b in range(config.num_layers)
+            if config.is_moe_layer(b)]
+
+
 def mcore_keys(config: GPTConfig) -> List[str]:
     """Every Megatron-Core tensor key this model's parameters map to, in first-use order."""
     seen = []
@@ -139,7 +149,7 @@ def refusal(key: str, where: str) -> str:
     """One sentence for a key that cannot be mapped."""
     if any(m in "." + key for m in EXPERT_MARKERS):
         return (f"{where} holds the mixture-of-experts tensor {key}, which no parameter of this model maps to "
-                "(the router's expert bias is not built here; otherwise the checkpoint's args describe another "
-                "model: --num-experts, --moe-layer-freq, the shared expert)")
+                "(the router's expert bias: give --moe-router-enable-expert-bias; otherwise the checkpoint's args "
+                "describe another model: --num-experts, --moe-layer-freq, the shared expert)")
     return (f"{where} holds {key}, which no parameter of this model maps to (a layer type or architecture "
             "this trainer does not build, or flags that describe another model)")

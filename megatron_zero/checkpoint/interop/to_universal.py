@@ -29,7 +29,7 @@ from ..storage.manifest import write_manifest
 from ..storage.tensor_io import save_file
 from .megatron_layout import TORCH_DIST, find_megatron_checkpoint
 from .output_guard import check_output
-from .torch_dist import TorchDistFiles, megatron_head, read_common
+from .torch_dist import TorchDistFiles, read_common
 
 
 def config_from_common(common: dict, vocab_size: Optional[int], where: str):
@@ -65,7 +65,7 @@ def torch_dist_to_universal(src: str, out: str, vocab_size: Optional[int] = None
     common = read_common(directory)
     config, args = config_from_common(common, vocab_size, directory)
     files = TorchDistFiles(directory, config)
-    head = megatron_head(common, files.has_optimizer)
+    head = files.model_states(0)  # Megatron-LM's header, with the routers' expert biases
     head[UNIVERSAL_CHECKPOINT_INFO] = {"original_vocab_size": config.vocab_size,
                                        "padded_vocab_size": args.get("padded_vocab_size")}
     summary = write_universal(files, config, head, out, directory, force)

@@ -37,7 +37,7 @@ import torch
 
 from ...model.params import param_names
 from .mcore_forms import locate
-from .mcore_names import OPTIMIZER_PREFIX, mcore_location, refusal, unmapped
+from .mcore_names import OPTIMIZER_PREFIX, expert_bias_names, mcore_location, refusal, unmapped
 
 
 def read_common(directory: str) -> dict:
@@ -94,7 +94,16 @@ class TorchDistFiles:
             found = locate(self.reader.tensors, key, index, config.num_layers, config.num_experts)
             if found is not None:
                 self.parts[name] = found
-        extra = unmapped(self.reader.tensors, config, {f for parts in self.parts.values() for f, _, _ in parts})
+        known = {f for parts in self.parts.values() for f, _, _ in parts}
+        self.buffers = {}  # the routers' expert biases (buffers: the model-states' `module`, model_buffers.py)
+        for name in expert_bias_names(config):
+            key, index = mcore_location(name, config)
+            found = locate(self.reader.tensors, key, index, config.num_layers, config.num_experts)
+            if found is not None:  # one a checkpoint lacks keeps its initial zeros
+                (fqn, idx, dims), = found
+                self.buffers[name] = self._read(fqn, idx, dims, name).reshape(config.num_experts)
+                known.add(fqn)
+        extra = unmapped(self.reader.tensors, config, known)
         if extra:
             raise CheckpointError(refusal(extra[0], where) + (f" (and {len(extra) - 1} more keys)" if len(extra) > 1
                                                               else ""))
@@ -144,7 +153,8 @@ class TorchDistFiles:
         return {}  # no loss scaler to carry over: an FP32 run has none, a mixed-precision one starts its own
 
     def model_states(self, mp_rank: int) -> dict:
-        return megatron_head(self.common, self.has_optimizer)
+        return {**megatron_head(self.common, self.has_optimizer), "module": dict(self.buffers),
+                "buffer_names": list(self.buffers)}
 
     def close(self):
         pass

@@ -12,7 +12,8 @@ and each chunk is read from the source when the writer asks for it, then dropped
 holding a newer iteration, or a megatron_zero save directory, is refused unless forced (output_guard.py). The vocabulary is
 padded with zero rows to make_vocab_size_divisible_by x `target_tp` (Megatron's rule; the padded size goes into
 the args). Adam's moments go in as `optimizer.state.exp_avg|exp_avg_sq.<key>` and the step as
-`optimizer.state.common_step` (FP32Optimizer's layout). MoE blocks: the router, each expert
+`optimizer.state.common_step` (FP32Optimizer's layout). MoE blocks: the router (and its expert bias,
+`mlp.router.expert_bias` [L, E], a buffer: no moments), each expert
 (`mlp.experts.experts.linear_fc1.weight` [L, E, ...], one chunk per layer and expert, under global ids:
 Megatron-Core loads it at any EP) and the shared expert; dense and MoE blocks mixed (--moe-layer-freq N > 1)
 are saved one key per layer (`decoder.layers.<i>.*`), as Megatron-Core's TransformerBlock saves them. The
@@ -33,11 +34,12 @@ from ...model.architecture import gpt_config, model_settings
 from ...model.params import param_names, param_spec
 from ..errors import CheckpointError
 from ..format import LATEST_ITERATION, STATE_KEYS, UNIVERSAL_CHECKPOINT_INFO, header_args
+from ..model_buffers import saved_buffers
 from ..reshape.universal_load import ReshapedFiles, UniversalFiles, find_universal_dir
 from ..progress import Progress
 from ..storage.reader import open_directory
 from .dcp_stream import Chunk, save_streamed
-from .mcore_names import EXPERTS, LAYERS, OPTIMIZER_PREFIX, mcore_location
+from .mcore_names import EXPERTS, LAYERS, OPTIMIZER_PREFIX, expert_bias_names, mcore_location
 from .output_guard import check_output
 from ..storage.commit import checkpoint_in
 
@@ -157,6 +159,14 @@ def write_torch_dist(source: str, out: str, target_tp: int = 1, verify: bool = T
         for prefix in ("", f"{OPTIMIZER_PREFIX}exp_avg.", f"{OPTIMIZER_PREFIX}exp_avg_sq."):
             chunks.append(Chunk(prefix + fqn, index, size))
             total += 4 * torch.Size(shape).numel()
+    biases = saved_buffers(files.model_states)  # the routers' expert biases: no moments
+    for name in expert_bias_names(config):
+        if name not in biases:
+            raise CheckpointError(f"{source} has no {name} in its model-states files, though its args say "
+                                  "--moe-router-enable-expert-bias; it was not written by this trainer")
+        fqn, index, size = saved_location(name, config, (config.num_experts,))
+        by_key[(fqn, index)] = name
+        chunks.append(Chunk(fqn, index, size))
     blobs = {}
     buf = io.BytesIO()
     torch.save([None], buf)  # what Megatron-Core writes for a local linear layer (a list of its replicas)
@@ -170,6 +180,8 @@ def write_torch_dist(source: str, out: str, target_tp: int = 1, verify: bool = T
             if fqn.startswith(f"{OPTIMIZER_PREFIX}{k}."):
                 which, fqn = k, fqn[len(f"{OPTIMIZER_PREFIX}{k}."):]
         name = by_key[(fqn, index)]
+        if name in biases:
+            return biases[name].float().reshape((1,) * len(index) + (config.num_experts,))
         full, _, _ = files.full(name, which)
         step[0] = files.step(name)
         if param_spec(name, config).is_vocab and full.shape[0] < padded:

@@ -28,6 +28,7 @@ from ...zero.universal_state import set_state_from_params
 from ..errors import CheckpointError
 from ..format import LATEST_UNIVERSAL, STATE_KEYS, SUB_PARAMS_KEY, header_tp_pp, model_states_name, rank_rng_state
 from ..megatron_deepspeed import client_from_megatron_deepspeed, is_megatron_deepspeed_client
+from ..model_buffers import restore_buffers, saved_buffers
 from ..storage.reader import Checkpoint, open_directory
 from .universal_source import SourceCheckpoint
 
@@ -86,6 +87,14 @@ class UniversalFiles:
         pass
 
 
+def source_model_states(src: SourceCheckpoint, mp_rank: int) -> Optional[dict]:
+    """The model-states file of model-parallel rank `mp_rank` of a ZeRO checkpoint (DP rank 0's at ZeRO-3), or None."""
+    name = src.model_files.get(mp_rank)
+    if name is None and src.files.has(model_states_name(mp_rank, 3, 0)):  # a ZeRO-3 source
+        name = model_states_name(mp_rank, 3, 0)
+    return src.files.load(name, mmap=False) if name else None
+
+
 class ReshapedFiles:
     """Full tensors assembled on the fly from a plain ZeRO checkpoint's optimizer files."""
 
@@ -119,10 +128,7 @@ class ReshapedFiles:
         return {"loss_scaler": sd.get("loss_scaler")}
 
     def model_states(self, mp_rank: int) -> Optional[dict]:
-        name = self.src.model_files.get(mp_rank)
-        if name is None and self.src.files.has(model_states_name(mp_rank, 3, 0)):  # a ZeRO-3 source
-            name = model_states_name(mp_rank, 3, 0)
-        return self.src.files.load(name, mmap=False) if name else None
+        return source_model_states(self.src, mp_rank)
 
     def close(self):
         for r in self.readers.values():
@@ -170,6 +176,7 @@ def load_from(files, state, model, optimizer, load_optimizer: bool = True) -> di
                 fp32 = _local_tensors(files, n, config, tp, tp_rank, ("fp32",))["fp32"]
                 return {"fp32": fp32, "exp_avg": torch.zeros_like(fp32), "exp_avg_sq": torch.zeros_like(fp32)}
             set_state_from_params(optimizer, weights, 0)
+        restore_buffers(model, saved_buffers(files.model_states), files.directory)
     finally:
         files.close()
     client = {k: v for k, v in head.items() if k not in ("module", "param_shapes", "optimizer")}

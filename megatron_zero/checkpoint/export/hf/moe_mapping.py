@@ -53,6 +53,9 @@ def moe_flags(config: GPTConfig) -> List[str]:
 
 
 def dropless_topk(config: GPTConfig) -> bool:
-    """Whether the model routes as Megatron-Core's dropless top-k router without extras (what both HF models do)."""
+    """Whether the model routes as Megatron-Core's dropless top-k router without extras (what both HF models do):
+    softmax scores, no expert bias, groups or scaling factor (DeepSeek-V3's router, which these models lack)."""
     return (config.num_experts is not None and config.moe_capacity_factor is None
-            and config.moe_layer_offset == 0 and not config.add_bias_linear)
+            and config.moe_layer_offset == 0 and not config.add_bias_linear
+            and config.moe_router_score_function == "softmax" and not config.moe_router_enable_expert_bias
+            and not config.moe_router_group_topk and not config.moe_router_topk_scaling_factor)
