@@ -41,6 +41,19 @@ def gpt_flops_per_iteration(batch_size: int, seq_length: int, num_layers: int, h
     return 3.0 * per_token_forward * batch_size * s
 
 
+def model_flops_per_iteration(config, global_batch_size: int, tp_size: int = 1) -> float:
+    """gpt_flops_per_iteration of a GPTConfig's model (what the log's TFLOP/s and MFU and the planner's step time
+    count): an MoE token runs its top-k experts' MLPs and the shared expert's, multi-latent attention its own
+    matmuls (model/mla.py's `mla_flop_sizes`)."""
+    from .model.mla import mla_flop_sizes
+    c = config
+    ffn = c.ffn_hidden_size
+    if c.num_experts:
+        ffn = c.moe_router_topk * c.moe_ffn_hidden_size + (c.moe_shared_expert_intermediate_size or 0)
+    return gpt_flops_per_iteration(global_batch_size, c.seq_length, c.num_layers, c.hidden_size,
+                                   c.padded_vocab_size(tp_size), ffn, c.qkv_size, c.swiglu, mla_flop_sizes(c))
+
+
 def tflops_per_rank(flops: float, seconds: float, world_size: int) -> float:
     return flops / seconds / world_size / 1e12 if seconds > 0 else 0.0
 

@@ -41,10 +41,9 @@ from .elastic.straggler import straggler_report
 from .elastic.watchdog import watch_steps
 from .exit_signal import INTERRUPTED, ExitPolicy, ctrl_c_line, report_interrupt
 from .logger import format_eval_line
-from .throughput import gpt_flops_per_iteration
+from .throughput import model_flops_per_iteration
 from .lr_schedule import build_lr_schedule, decoupled_lr
 from .model.architecture import gpt_config
-from .model.mla import mla_flop_sizes
 from .model_transforms import apply_model_transforms, model_converters
 from .ops import kernel_report, require_fused_kernels, set_fusion_flags
 from .pipeline.gpt_stage import (activation_shape, build_gpt_stage, grad_reduce_arming, make_forward_step,
@@ -130,9 +129,7 @@ class Trainer:
                              par.virtual_pipeline_model_parallel_size)
         writer_rank = state.layout.rank(state.pp_size - 1, 0, 0)
         self.is_writer = state.rank == writer_rank
-        flops = gpt_flops_per_iteration(par.global_batch_size, args.seq_length, args.num_layers, args.hidden_size,
-                                        self.config.padded_vocab_size(state.tp_size), self.config.ffn_hidden_size,
-                                        self.config.qkv_size, self.config.swiglu, mla_flop_sizes(self.config))
+        flops = model_flops_per_iteration(self.config, par.global_batch_size, state.tp_size)
         self.log = TrainingLog(args, state.layout.world_size, flops, next(self.model.parameters()).device,
                                self.is_writer, self._log)
         self.train_p2p = TimedCalls(self.p2p, self.log.timers("pipeline-p2p", 2))

@@ -85,7 +85,8 @@ class Config:
     compile: CompileConfig
 
 
-SECTIONS = {"model": ModelConfig, "moe": MoeConfig, "router_bias": MoERouterBiasConfig, "mla": MLAConfig, "parallel": ParallelConfig, "optimizer": OptimizerConfig,
+SECTIONS = {"model": ModelConfig, "moe": MoeConfig, "router_bias": MoERouterBiasConfig, "mla": MLAConfig,
+            "parallel": ParallelConfig, "optimizer": OptimizerConfig,
             "muon": MuonConfig, "training": TrainingConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
             "log": LogConfig, "runtime": RuntimeConfig, "compat": CompatConfig, "elastic": ElasticConfig,
             "loss": LossConfig, "fp8": Fp8Config, "compile": CompileConfig}

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..throughput import gpt_flops_per_iteration
+from ..throughput import model_flops_per_iteration
 
 # fitted on our H200 run of GPT 1.3B, seq 2048, mb 4, GA 8, bf16, one GPU: 49.8 % MFU (BENCHMARKS.md, the GPU section);
 # checked against the same run's Llama-3-8B shape (16 layers, seq 4096, mb 1, GA 8): 50.2 % measured
@@ -73,11 +73,7 @@ def _link(group_span: int, cluster: Cluster) -> float:
 def step_time(plan, cluster: Cluster, stage_parameters: int, recompute: str = None, fp8: bool = False) -> StepTime:
     c = plan.config
     s, h, L = c.seq_length, c.hidden_size, c.num_layers
-    ffn = c.ffn_hidden_size
-    if c.num_experts:  # a token runs its top-k experts' MLPs (and the shared expert's): their width
-        ffn = c.moe_router_topk * c.moe_ffn_hidden_size + (c.moe_shared_expert_intermediate_size or 0)
-    flops = gpt_flops_per_iteration(plan.global_batch, s, L, h, c.padded_vocab_size(plan.tp), ffn, c.qkv_size,
-                                    c.swiglu)
+    flops = model_flops_per_iteration(c, plan.global_batch, plan.tp)
     hardware = flops * (4 / 3 if recompute == "full" else 1.0)
     peak = cluster.gpu_tflops * 1e12
     if fp8:
