@@ -18,6 +18,7 @@ from .compile_flags import add_compile_flags, check_compile_flags
 from .elastic_flags import add_local_tier_flags, add_straggler_flags, check_local_tier_flags, check_straggler_flags
 from .config.errors import ArgumentError
 from .config.parallel import cp_a2a_size
+from .config.rerun import add_flags as add_rerun_flags, check as check_rerun_flags
 from .flag_refusals import refusals, unknown_flag_sentence
 from .fp8.flags import add_fp8_flags, check_fp8_flags
 from .tensor_parallel.loss_flags import add_loss_flags
@@ -30,7 +31,8 @@ __all__ = ["ArgumentError", "FEATURES", "args_to_dict", "build_parser", "cp_a2a_
 FEATURES = ((add_compat_flags, validate_compat), (add_local_tier_flags, check_local_tier_flags),
             (add_straggler_flags, check_straggler_flags),
             (add_loss_flags, None), (add_fp8_flags, check_fp8_flags),
-            (add_compile_flags, check_compile_flags))  # None: no check of its own
+            (add_compile_flags, check_compile_flags),
+            (add_rerun_flags, check_rerun_flags))  # None: no check of its own
 
 
 class _HelpFormatter(argparse.HelpFormatter):
