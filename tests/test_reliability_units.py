@@ -90,5 +90,8 @@ def test_the_flags_parse_and_bad_combinations_are_refused_in_one_sentence(tmp_pa
         parse_args(BASE + ["--error-injection-rate", "8"])
     with pytest.raises(ArgumentError, match="--result-rejected-tracker-filename .*: its directory does not exist"):
         parse_args(BASE + ["--result-rejected-tracker-filename", str(tmp_path / "no" / "t.txt")])
+    with pytest.raises(ArgumentError, match="--check-for-spiky-loss is checked by the re-run machine: give "
+                                            "--rerun-mode validate_results"):
+        parse_args(BASE + ["--check-for-spiky-loss", "--rerun-mode", "report_stats"])
     with pytest.raises(ArgumentError, match="iterations are counted from 1"):
         parse_args(BASE + ["--iterations-to-skip", "0"])

@@ -20,7 +20,8 @@ class RerunConfig:
         "different result is a transient fault (the re-run's result kept), the same one on every rank a genuine "
         "anomaly (the step rejected and its global batch skipped), the same one on one rank only a persistent fault "
         "(the run stops, exit 17); report_stats: every step is run twice and the differences reported; disabled: "
-        "a failed check stops the run (exit 2). Megatron-LM defaults to validate_results, here disabled",
+        "only --check-for-nan-in-loss-and-grad's stop rule (exit 2). Megatron-LM defaults to validate_results, "
+        "here disabled",
         "disabled", choices=["disabled", "validate_results", "report_stats"])
     check_for_spiky_loss: bool = flag(
         "a loss at least 10 times the largest of the last 100 accepted ones fails the check (Megatron-LM's factor; "
@@ -55,6 +56,12 @@ def check(args) -> None:
     require(not (args.error_injection_rate and not validating),
             f"--error-injection-rate {args.error_injection_rate} injects errors for the re-run machine to find: give "
             "--rerun-mode validate_results (or report_stats)")
+    spikes = [f for f, on in (("--check-for-spiky-loss", args.check_for_spiky_loss),
+                              ("--check-for-large-grads", args.check_for_large_grads)) if on]
+    require(not spikes or args.rerun_mode == "validate_results",
+            f"{' and '.join(spikes)} {'are' if len(spikes) > 1 else 'is'} checked by the re-run machine: give "
+            f"--rerun-mode validate_results (with --rerun-mode {args.rerun_mode} nothing would check "
+            f"{'them' if len(spikes) > 1 else 'it'})")
     require(args.error_injection_rate >= 0, f"--error-injection-rate {args.error_injection_rate} must be 0 (never) "
             "or positive")
     require(args.result_window >= 1, f"--result-window {args.result_window} must be at least 1")
