@@ -3,7 +3,8 @@ checks) vs report_stats (every step run twice), pretrain_gpt.py as a user runs i
 
     .venv/bin/python bench/bench_rerun.py [--rounds 3] [--iters 40] [--nproc 2]
 
-Each round launches the three modes in turn (alternating, so a busy machine slows them alike): torchrun with
+Each round launches the three modes in turn, starting with another each round (so a busy machine slows them
+alike): torchrun with
 --nproc ranks (gloo, OMP_NUM_THREADS=1), the tiny 2-layer GPT of the command-line tests on byte-level text,
 no fault injected. The time per step is the median of the log's `elapsed time per iteration` over the
 iterations after the first five; the table gives each mode's median over the rounds and its ratio to disabled
@@ -50,9 +51,10 @@ def main():
     with tempfile.TemporaryDirectory() as where:
         data = text_data(os.path.join(where, "text"))
         ms = {name: [] for name in MODES}
-        for _ in range(a.rounds):
-            for name, mode in MODES.items():
-                ms[name].append(step_ms(where, data, a.nproc, a.iters, mode))
+        names = list(MODES)
+        for r in range(a.rounds):
+            for name in names[r % 3:] + names[:r % 3]:  # each round starts with another mode
+                ms[name].append(step_ms(where, data, a.nproc, a.iters, MODES[name]))
     base = statistics.median(ms["disabled"])
     print(f"{a.nproc} ranks (gloo), 2-layer GPT hidden 32, 8 sequences of 16 tokens a step; medians of {a.rounds} "
           "rounds\n")

@@ -380,6 +380,7 @@ class Trainer:
                 outcome = self._validated_step(p.iteration + 1, micro, policy)
                 if outcome.rejected:
                     self._skip_batch(p, gbs, self.rerun.rejection_line(p.iteration + 1, gbs, outcome.rejected))
+                    self.hooks.after_step(p.iteration)
                     continue
                 loss, lr, updated, grad_norm = outcome.result
             else:

@@ -95,3 +95,45 @@ def test_the_flags_parse_and_bad_combinations_are_refused_in_one_sentence(tmp_pa
         parse_args(BASE + ["--check-for-spiky-loss", "--rerun-mode", "report_stats"])
     with pytest.raises(ArgumentError, match="iterations are counted from 1"):
         parse_args(BASE + ["--iterations-to-skip", "0"])
+
+
+def _machine(mode="validate_results"):
+    import types
+
+    import torch
+
+    from megatron_zero.reliability.rerun import RerunMachine
+
+    cfg = types.SimpleNamespace(rerun_mode=mode, check_for_spiky_loss=False, check_for_large_grads=False,
+                                spiky_loss_factor=10.0, large_grads_factor=10.0, result_window=100,
+                                result_rejected_tracker_filename=None, iterations_to_skip=(), error_injection_rate=0,
+                                error_injection_type="transient_error")
+    return RerunMachine(cfg, True, False, 1, 0, 2, torch.device("cpu"), ["host0", "host1"])
+
+
+def _step(machine, *runs):
+    """Run a step whose successive runs give these copies of the loss (rank 0's, rank 1's)."""
+    given = iter(runs)
+
+    def attempt(riders, gate):
+        return gate(1.0, False, list(next(given)))
+
+    return machine.run_step(3, attempt)
+
+
+def test_a_failed_check_is_settled_by_the_re_run_and_the_other_ranks_copies():
+    from megatron_zero.reliability.rerun import ResultFault
+
+    nan = float("nan")
+    machine = _machine()
+    assert _step(machine, (5.0, 5.0)).result is True  # passes: applied at once
+    assert _step(machine, (5.0, nan), (5.0, 5.0)).result is True  # differs on re-run: transient, re-run applied
+    assert machine.transient_by_rank == {1: 1}
+    assert _step(machine, (nan, nan), (nan, nan)).rejected == "found NaN in the loss"  # every rank: the data
+    with pytest.raises(ResultFault, match=r"^rank 0 \(host0\) computed a wrong result at iteration 3 twice \(found "
+                                          "NaN in the loss\\) where the other ranks did not"):
+        _step(machine, (nan, 5.0), (nan, 5.0))  # the faulty rank named, though it is the first of two
+    with pytest.raises(ResultFault, match=r"^rank 1 \(host1\) computed .* \(its copy of the loss differs"):
+        _step(machine, (5.0, 6.0), (5.0, 6.0))  # a corrupted copy that passes the checks
+    stats = _machine("report_stats")
+    assert _step(stats, (5.0, 5.0), (5.0, 5.0)).result is True and stats.differences == [0.0]

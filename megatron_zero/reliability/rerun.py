@@ -84,6 +84,7 @@ class RerunMachine:
         self._first = None  # (norm, overflow, copies) of the first run, when it failed a check
         self._failing: List[int] = []  # the ranks whose first-run results failed
         self._why: Optional[str] = None
+        self.iteration = 0  # the step being run (1-based)
         self._verdict = None
 
     @property
@@ -130,11 +131,13 @@ class RerunMachine:
         return copies
 
     def _failures(self, norm: float, overflow: bool, copies: List[float]) -> List[str]:
-        """Per rank: what its copy of the results fails, or ''."""
-        common = Counter(_bits(c) for c in copies).most_common(1)[0][0]
-        return [self.checks.failure(c, norm, overflow) or
-                ("its copy of the loss differs from the other ranks'" if _bits(c) != common else "")
-                for c in copies]
+        """Per rank: what its copy of the results fails, or '' (a copy that passes the checks but differs from
+        the most common passing copy fails too)."""
+        checked = [self.checks.failure(c, norm, overflow) or "" for c in copies]
+        passing = [_bits(c) for c, why in zip(copies, checked) if not why] or [_bits(c) for c in copies]
+        common = Counter(passing).most_common(1)[0][0]
+        return [why or ("its copy of the loss differs from the other ranks'" if _bits(c) != common else "")
+                for c, why in zip(copies, checked)]
 
     def _gate(self, attempt: int, norm: float, overflow: bool, copies: List[float]) -> bool:
         """ZeroOptimizer.step's gate: whether this run's update is applied (sets self._verdict)."""
