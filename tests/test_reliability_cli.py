@@ -22,6 +22,7 @@ from conftest import ROOT
 
 from megatron_zero.testing.cli import cli_flags, logged_losses, pretrain_cli, text_data
 from megatron_zero.testing.launch import PRETRAIN
+from megatron_zero.reliability.tracker import iterations_to_skip
 from megatron_zero.testing.multirank import free_port
 
 VALIDATE = {"rerun-mode": "validate_results"}
@@ -101,7 +102,9 @@ def test_injected_transient_errors_leave_every_loss_equal_to_a_clean_run(tmp_pat
 def test_injected_anomalies_leave_the_losses_of_a_clean_run_given_iterations_to_skip(tmp_path):
     data = text_data(str(tmp_path / "text"))
     healed = pretrain_cli(2, _flags(tmp_path, data, _inject("correct_result", 10, str(tmp_path / "t.txt"))))
-    clean = pretrain_cli(2, _flags(tmp_path, data, {"iterations-to-skip": [7]}))
+    skip = iterations_to_skip(str(tmp_path / "t.txt"))
+    assert skip == [7]
+    clean = pretrain_cli(2, _flags(tmp_path, data, {"iterations-to-skip": skip}))
     assert "iteration 7 skipped as asked" in clean.stdout
     assert logged_losses(healed) == logged_losses(clean) and sorted(logged_losses(clean)) == [1, 2, 3, 4, 5, 6, 8, 9,
                                                                                               10]
@@ -170,8 +173,8 @@ def test_on_tp2_pp2_dp2_transients_heal_anomalies_skip_and_a_persistent_fault_st
     clean = logged_losses(pretrain_cli(8, flags()))
     healed = pretrain_cli(8, flags(_inject("transient_error", 16)))  # ranks 3, 7, 2, 2 at iterations 1, 3, 4, 5
     assert _summary(healed).startswith("result validation: 4 transient faults") and logged_losses(healed) == clean
-    rejected = pretrain_cli(8, flags(_inject("correct_result", 24)))  # iteration 6
-    skipped = pretrain_cli(8, flags({"iterations-to-skip": [6]}))
+    rejected = pretrain_cli(8, flags(_inject("correct_result", 24, str(tmp_path / "t.txt"))))  # iteration 6
+    skipped = pretrain_cli(8, flags({"iterations-to-skip": iterations_to_skip(str(tmp_path / "t.txt"))}))
     assert "iteration 6 rejected" in rejected.stdout and logged_losses(rejected) == logged_losses(skipped)
     assert sorted(logged_losses(skipped)) == [1, 2, 3, 4, 5]
     _stopped_by_a_persistent_fault(tmp_path, 8, flags(_inject("persistent_error", 24)), 6, 4,

@@ -137,3 +137,13 @@ def test_a_failed_check_is_settled_by_the_re_run_and_the_other_ranks_copies():
         _step(machine, (5.0, 6.0), (5.0, 6.0))  # a corrupted copy that passes the checks
     stats = _machine("report_stats")
     assert _step(stats, (5.0, 5.0), (5.0, 5.0)).result is True and stats.differences == [0.0]
+
+
+def test_more_than_5_rejections_within_100_iterations_stop_the_run():
+    from megatron_zero.reliability.rerun import TooManyRejected
+
+    nan, machine = float("nan"), _machine()
+    for _ in range(5):
+        assert _step(machine, (nan, nan), (nan, nan)).rejected
+    with pytest.raises(TooManyRejected, match="^6 steps were rejected within 100 iterations"):
+        _step(machine, (nan, nan), (nan, nan))
