@@ -500,7 +500,8 @@ class Trainer:
 def pretrain(argv=None) -> int:
     """Train as the flags say. Exit code 0 when done (or stopped by a signal or Ctrl-C, saved); 2 on bad input, or
     a run that stopped learning (stop_rules.py): one sentence from the rank that found it, the other ranks quiet
-    (also 2); 1 when a rank lost contact with another that said nothing; 130 when stopped at once by Ctrl-C."""
+    (also 2); 1 when a rank lost contact with another that said nothing; 130 when stopped at once by Ctrl-C; 17 when
+    a rank computes wrong results reproducibly (--rerun-mode validate_results: reliability/rerun.py)."""
     lock = trainer = state = None
     try:
         launch = read_launch_env()
