@@ -51,8 +51,10 @@ def _syncs_per_iteration(argv, tp, pp):
     return [tracker.syncs[a:b] for a, b in zip(starts, ends)]  # from one step's start to the next's
 
 
-# dp2_zero1_muon_qk_clip (slow: the tier has dp2_zero2's path): Muon's step and QK-clip read nothing either
-@pytest.mark.parametrize("layout", ["pp2", "dp2_zero2", "dp2_zero2_growing_batch", "pp2_validate_results",
+# dp2_zero1_muon_qk_clip (slow: the tier has dp2_zero2's path): Muon's step and QK-clip read nothing either;
+# pp2_validate_results (slow: pp2 holds the step's one read, which the checks' riders join)
+@pytest.mark.parametrize("layout", ["pp2", "dp2_zero2", "dp2_zero2_growing_batch",
+                                    pytest.param("pp2_validate_results", marks=pytest.mark.slow),
                                     pytest.param("dp2_zero1_muon_qk_clip", marks=pytest.mark.slow)])
 def test_no_host_read_between_log_lines_but_the_steps_one(builtin_corpus, tmp_path, layout):
     data, tok = builtin_corpus
