@@ -16,6 +16,7 @@ from . import config
 from .config import compat, compile, elastic, fp8, loss
 from .config.errors import ArgumentError
 from .config.parallel import cp_a2a_size
+from .config.rerun import add_flags as add_rerun_flags, check as check_rerun_flags
 from .flag_refusals import refusals, unknown_flag_sentence
 
 __all__ = ["ArgumentError", "FEATURES", "args_to_dict", "build_parser", "cp_a2a_size", "explicit_flags",
@@ -24,7 +25,8 @@ __all__ = ["ArgumentError", "FEATURES", "args_to_dict", "build_parser", "cp_a2a_
 # A feature's own flags module: (declare its flags on the parser, check them once the layout, model and run
 # length are checked). Its flags join --help after the core areas'.
 FEATURES = ((compat.add_flags, compat.validate_compat), (elastic.add_flags, elastic.check), (loss.add_flags, None),
-            (fp8.add_flags, fp8.check), (compile.add_flags, compile.check))  # None: no check of its own
+            (fp8.add_flags, fp8.check), (compile.add_flags, compile.check),
+            (add_rerun_flags, check_rerun_flags))  # None: no check of its own
 
 
 class _HelpFormatter(argparse.HelpFormatter):

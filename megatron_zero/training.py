@@ -51,6 +51,8 @@ from .pipeline.gpt_stage import (activation_shape, build_gpt_stage, grad_reduce_
 from .pipeline.interleaved_schedule import schedule_for
 from .planning.cli import plan_from
 from .planning.startup import check_device_memory
+from .reliability.rerun import ResultFault, RerunMachine, TooManyRejected, hostnames
+from .config.rerun import RerunConfig
 from .pipeline.schedule import broadcast_loss, reduce_loss
 from .rng_state import get_rng_state, set_rng_state
 from .run_summary import RunSummary
@@ -137,6 +139,11 @@ class Trainer:
         self.last_checkpoint = None  # the newest checkpoint loaded or saved: what a stopped run names
         self.hooks = StepHooks(args, self.device, state.rank, self.optimizer.wait_params)  # --manual-gc, --profile, ...
         self.local_tier = LocalTier(args, state, state.layout.world_size)  # --non-persistent-save-interval
+        rerun = RerunConfig.from_args(args)  # --rerun-mode, --iterations-to-skip, ...
+        self.rerun = RerunMachine(rerun, self.sections.training.check_for_nan_in_loss_and_grad,
+                                  self.optimizer.loss_scaler.dynamic, self.sections.training.seed, state.rank,
+                                  state.layout.world_size, self.device,
+                                  hostnames(state.layout.world_size) if rerun.rerun_mode != "disabled" else [])
         resumed = bool(where := resume_dir(args, self._log)) and self.load(where)  # or the local tier's newer copy
         if self.sections.checkpoint.save:
             if not resumed and not self.sections.checkpoint.overwrite_checkpoints:
@@ -177,10 +184,12 @@ class Trainer:
                 for micro in samples]
 
     # ---- one iteration ---------------------------------------------------------------
-    def train_step(self, micro, votes=tuple):
+    def train_step(self, micro, votes=tuple, riders=None, gate=None):
         """One global batch -> (mean loss as a device tensor, lr, updated, grad norm). `votes()`, taken just
         before the optimizer step (ExitPolicy.votes: a signal received during this iteration's forward and
-        backward counts), rides in the step's norm all-reduce; the sums are left in optimizer.summed_votes."""
+        backward counts), rides in the step's norm all-reduce; the sums are left in optimizer.summed_votes.
+        `riders(loss)` and `gate` (reliability/rerun.py): the loss is reduced before the optimizer step, and
+        the riders it gives are checked by the gate before the update."""
         s, timers = self.state, self.log.timers
         self.model.train()
         # the MoE losses weigh as the LM loss does (a CP rank's share of a sequence's, times CP as its LM loss)
@@ -196,12 +205,18 @@ class Trainer:
             sync_tied_embedding_grads(self.model, s, torch.bfloat16 if self.args.grad_reduce_in_bf16 else None)
         lr = self.lr_schedule.lr()
         self.decoupled_lr = decoupled_lr(self.lr_schedule, self.sections.optimizer)
+        if gate is not None:
+            with timers("loss-broadcast", 2):
+                loss = reduce_loss(losses, s.is_last_stage, s.layout.pp_group(s.rank)[-1], s.pp_group, s.dp_group,
+                                   self.device)
         with timers("optimizer", 1):
-            updated, grad_norm = self.optimizer.step(lr=lr, decoupled_lr=self.decoupled_lr, votes=votes())
+            updated, grad_norm = self.optimizer.step(lr=lr, decoupled_lr=self.decoupled_lr, votes=votes(),
+                                                     riders=None if gate is None else riders(loss), gate=gate)
         self.expert_bias.step()  # after every step, a skipped one too (Megatron-Core's finalize_model_grads)
-        with timers("loss-broadcast", 2):
-            loss = reduce_loss(losses, s.is_last_stage, s.layout.pp_group(s.rank)[-1], s.pp_group, s.dp_group,
-                               self.device)
+        if gate is None:
+            with timers("loss-broadcast", 2):
+                loss = reduce_loss(losses, s.is_last_stage, s.layout.pp_group(s.rank)[-1], s.pp_group, s.dp_group,
+                                   self.device)
         return loss, lr, updated, grad_norm
 
     @torch.no_grad()
@@ -355,11 +370,24 @@ class Trainer:
                     self.hooks.before_eval_or_save()
                     self.save()
                     saved_at = p.iteration
+            if self.rerun.skips(p.iteration + 1):  # --iterations-to-skip, and the tracker file's
+                self._skip_batch(p, gbs, f"iteration {p.iteration + 1} skipped as asked (--iterations-to-skip or the "
+                                         "--result-rejected-tracker-filename): its global "
+                                         f"batch of {gbs} samples consumed, not trained on", "skipped")
+                continue
             self.hooks.before_step(p.iteration)
             last = p.iteration + 1 >= t.train_iters
             micro = self._micro_batches(self.train_ds, p.consumed_train_samples, gbs,
                                         None if last else self.batch.global_batch_size(p.consumed_train_samples + gbs))
-            loss, lr, updated, grad_norm = self.train_step(micro, policy.votes)
+            if self.rerun.enabled:  # checked, and re-run where a check fails (reliability/rerun.py)
+                outcome = self._validated_step(p.iteration + 1, micro, policy)
+                if outcome.rejected:
+                    self._skip_batch(p, gbs, self.rerun.rejection_line(p.iteration + 1, gbs, outcome.rejected))
+                    self.hooks.after_step(p.iteration)
+                    continue
+                loss, lr, updated, grad_norm = outcome.result
+            else:
+                loss, lr, updated, grad_norm = self.train_step(micro, policy.votes)
             p.iteration += 1
             p.consumed_train_samples += gbs
             if updated:  # as Megatron-LM (and DeepSpeed): a skipped step does not advance the schedule
@@ -410,11 +438,33 @@ class Trainer:
             self.save()
         ckpt.finalize_async_saves()
         self._log(summary.line(p, self.log.last_loss, self.last_checkpoint))
+        if self.rerun.summary():
+            self._log(self.rerun.summary())
         policy.restore()
         self.hooks.close()
         self.prefetch.close()
         self.log.close()
         return 0
+
+    def _validated_step(self, iteration: int, micro, policy):
+        """The step through the re-run machine; a fault that stops the run saves nothing more."""
+        try:
+            return self.rerun.run_step(iteration, lambda riders, gate: self.train_step(micro, policy.votes, riders,
+                                                                                        gate))
+        except (ResultFault, TooManyRejected):
+            ckpt.finalize_async_saves()  # taken before the fault: committed
+            policy.restore()
+            self.log.close()
+            raise
+
+    def _skip_batch(self, p: TrainState, gbs: int, line: str, kind: Optional[str] = None):
+        """An iteration not trained on: counted, its global batch consumed, the schedule not stepped (as
+        Megatron-LM's --iterations-to-skip)."""
+        p.iteration += 1
+        p.consumed_train_samples += gbs
+        if kind:
+            self.rerun.counts[kind] += 1
+        self._log(line)
 
     def _stop_learning(self, iteration: int, why: str, policy):
         """Stop a run that has stopped learning, saving nothing more: an async save in flight was taken
@@ -453,7 +503,8 @@ class Trainer:
 def pretrain(argv=None) -> int:
     """Train as the flags say. Exit code 0 when done (or stopped by a signal or Ctrl-C, saved); 2 on bad input, or
     a run that stopped learning (stop_rules.py): one sentence from the rank that found it, the other ranks quiet
-    (also 2); 1 when a rank lost contact with another that said nothing; 130 when stopped at once by Ctrl-C."""
+    (also 2); 1 when a rank lost contact with another that said nothing; 130 when stopped at once by Ctrl-C; 17 when
+    a rank computes wrong results reproducibly (--rerun-mode validate_results: reliability/rerun.py)."""
     lock = trainer = state = None
     try:
         launch = read_launch_env()
@@ -472,9 +523,13 @@ def pretrain(argv=None) -> int:
         code = trainer.train()
     except KeyboardInterrupt:  # Ctrl-C before training, or a second one during it (exit_signal.py)
         code = report_interrupt(getattr(trainer, "last_checkpoint", None))
-    except (ArgumentError, LaunchError, DeviceError, DataError, ckpt.CheckpointError, RunStopped) as err:
+    except (ArgumentError, LaunchError, DeviceError, DataError, ckpt.CheckpointError, RunStopped,
+            TooManyRejected) as err:
         report_failure(str(err), lambda line: print(f"pretrain_gpt.py: error: {line}", file=sys.stderr, flush=True))
         code = 2
+    except ResultFault as err:  # a rank computing wrong results: the job exits 17, the node to be excluded
+        report_failure(str(err), lambda line: print(f"pretrain_gpt.py: error: {line}", file=sys.stderr, flush=True))
+        code = ResultFault.exit_code
     except Exception as err:
         if not is_peer_failure(err):
             report_failure(f"{type(err).__name__}: {err}", lambda line: None)  # the traceback says it

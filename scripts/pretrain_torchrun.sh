@@ -11,7 +11,8 @@
 # Ctrl-C (SIGINT, to this script's process group from a terminal) goes to the workers too, and torchrun leaves
 # it alone (it would stop the workers 30 s later and print a SignalException traceback): the first stops every
 # rank after the current iteration, saved, exit 0, the second at once, one line, exit 130 (torchrun's report of
-# the workers' ends left out, as for bad input).
+# the workers' ends left out, as for bad input). A worker that exits 17 has named a rank that computes wrong
+# results (--rerun-mode validate_results, docs/reliability.md): the job exits 17, its report left out too.
 # OMP_NUM_THREADS defaults to 1 here (what torchrun sets, without its four-line warning about it).
 # Used by pretrain_local.sh, torchrun_node.sh and pretrain_slurm.sbatch (LAUNCHER=torchrun).
 set -uo pipefail
@@ -67,6 +68,8 @@ except ChildFailedError as failed:
     codes = {f.exitcode for f in failed.failures.values()}
     if 130 in codes and codes <= {130, -signal.SIGTERM}:  # stopped at once by Ctrl-C: rank 0 has said so
         sys.exit(130)
+    if 17 in codes:  # a rank computes wrong results (--rerun-mode): it has said which, on which host
+        sys.exit(17)
     if all(f.exitcode != 2 for f in failed.failures.values()):
         from megatron_zero.distributed import first_failure
         print(f"pretrain_torchrun: {first_failure(failed.failures)}", file=sys.stderr, flush=True)

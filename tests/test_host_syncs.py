@@ -13,7 +13,9 @@ made by device.HOST factories or from host tensors only; on the CPU the rest sta
 device memory). Iterations 2, 4 and 5 must show exactly that one read (the first sets up each group's
 shared memory at its first use, with object collectives). --exit-signal-handler and
 --exit-duration-in-mins are on, so the exit votes are exercised; PP2 (the loss crosses the pipeline)
-and DP2 ZeRO-2, also with a global batch that grows at iteration 4 (--step-batch-size-schedule).
+and DP2 ZeRO-2, also with a global batch that grows at iteration 4 (--step-batch-size-schedule); PP2 with
+--rerun-mode validate_results and every check on (the step's loss copies ride in the norm's all-reduce: still
+the one read).
 """
 import pytest
 import torch.distributed as dist
@@ -49,19 +51,24 @@ def _syncs_per_iteration(argv, tp, pp):
     return [tracker.syncs[a:b] for a, b in zip(starts, ends)]  # from one step's start to the next's
 
 
-# dp2_zero1_muon_qk_clip (slow: the tier has dp2_zero2's path): Muon's step and QK-clip read nothing either
+# dp2_zero1_muon_qk_clip (slow: the tier has dp2_zero2's path): Muon's step and QK-clip read nothing either;
+# pp2_validate_results (slow: pp2 holds the step's one read, which the checks' riders join)
 @pytest.mark.parametrize("layout", ["pp2", "dp2_zero2", "dp2_zero2_growing_batch",
+                                    pytest.param("pp2_validate_results", marks=pytest.mark.slow),
                                     pytest.param("dp2_zero1_muon_qk_clip", marks=pytest.mark.slow)])
 def test_no_host_read_between_log_lines_but_the_steps_one(builtin_corpus, tmp_path, layout):
     data, tok = builtin_corpus
-    pp = 2 if layout == "pp2" else 1
-    flags = {"pipeline-model-parallel-size": pp, "zero-stage": 1 if layout == "pp2" else 2, "device": "cpu",
+    pp = 2 if layout.startswith("pp2") else 1
+    flags = {"pipeline-model-parallel-size": pp, "zero-stage": 1 if pp == 2 else 2, "device": "cpu",
              "num-layers": 2, "hidden-size": 32, "num-attention-heads": 4, "seq-length": 32,
              "micro-batch-size": 1, "global-batch-size": 4, "train-iters": 6, "eval-iters": 0,
              "log-interval": 3, "exit-signal-handler": True, "exit-duration-in-mins": 1000,
              "data-cache-path": tmp_path / "cache"}
     if layout.endswith("growing_batch"):  # batch 2 for 3 iterations (6 samples = 192 tokens), then 4
         flags.update({"global-batch-size": None, "step-batch-size-schedule": "0:2 192:4"})
+    if layout.endswith("validate_results"):  # the checks read the loss copies riding in the norm's all-reduce
+        flags.update({"rerun-mode": "validate_results", "check-for-spiky-loss": True, "check-for-large-grads": True,
+                      "result-window": 2})
     if layout.endswith("muon_qk_clip"):  # the max logit is read at the log line only
         flags.update({"zero-stage": 1, "optimizer": "dist_muon", "muon-use-nesterov": True, "qk-clip": True})
     results = run_ranks(_syncs_per_iteration, 2, model_flags(data, tok, **flags), 1, pp, timeout=300)

@@ -43,7 +43,7 @@ def norms_fp64(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
 
 
 def local_sums(tensors: List[torch.Tensor], counted: List[List[Tuple[int, int]]], device: torch.device,
-               votes: Sequence[float] = ()) -> torch.Tensor:
+               votes: Sequence[float] = (), riders: Optional[torch.Tensor] = None) -> torch.Tensor:
     """[sum of squares over counted fragments, number of tensors with a non-finite element, *votes] (fp64),
     on `device`, ready for reduce_sums.
 
@@ -52,13 +52,15 @@ def local_sums(tensors: List[torch.Tensor], counted: List[List[Tuple[int, int]]]
     values cannot overflow. All norms are one multi-tensor pass. The tensors may live in host memory
     (offloaded fp32 masters): the sums are computed there and the few numbers copied to `device`, where
     the collective runs (NCCL reduces device tensors only). `votes` ride along to be summed over every
-    rank by the same all-reduce (the exit policy's).
+    rank by the same all-reduce (the exit policy's); `riders`, a device tensor, after them (the step's
+    results the re-run machine checks: reliability/rerun.py), summed alike without a read of their own.
     """
     fragments = [t.narrow(0, start, numel) for t, frags in zip(tensors, counted) for start, numel in frags]
     partial = [t for t, frags in zip(tensors, counted) if sum(numel for _, numel in frags) != t.numel()]
     norms = norms_fp64(fragments + partial)
     if not norms:
-        return torch.tensor([0.0, 0.0, *votes], dtype=torch.float64, device=device)
+        sums = torch.tensor([0.0, 0.0, *votes], dtype=torch.float64, device=device)
+        return sums if riders is None else torch.cat([sums, riders.to(device, torch.float64)])
     by_fragment, by_partial = norms[:len(fragments)], norms[len(fragments):]
     home = norms[0].device
     sq = torch.stack(by_fragment).square().sum() if by_fragment else torch.zeros((), dtype=torch.float64,
@@ -68,6 +70,8 @@ def local_sums(tensors: List[torch.Tensor], counted: List[List[Tuple[int, int]]]
     sums = torch.stack([sq, bad])
     if votes:
         sums = torch.cat([sums, torch.tensor(list(votes), dtype=torch.float64, device=home)])
+    if riders is not None:
+        sums = torch.cat([sums, riders.to(home, torch.float64)])
     return sums.to(device)
 
 

@@ -187,19 +187,27 @@ class ZeroOptimizer:
         if hasattr(self.impl, "wait_params"):
             self.impl.wait_params()
 
-    def step(self, lr: Optional[float] = None, votes: Sequence[float] = (), decoupled_lr: Optional[float] = None):
+    def step(self, lr: Optional[float] = None, votes: Sequence[float] = (), decoupled_lr: Optional[float] = None,
+             riders: Optional[torch.Tensor] = None, gate=None):
         """Reduce, unscale, check overflow, clip, step, publish weights. -> (updated, grad_norm).
         `votes`: summed over every rank with the gradient norm, into ``summed_votes``; `decoupled_lr`: the lr
-        of the groups marked is_decoupled_lr (required when there are any and `lr` is given)."""
+        of the groups marked is_decoupled_lr (required when there are any and `lr` is given). `riders` (a
+        device tensor) are summed the same way and handed, with the norm and the overflow test, to
+        `gate(norm, overflow, summed_riders)`: False leaves weights, optimizer state and loss scale as they
+        were (the gradients dropped) and returns (False, norm) (reliability/rerun.py)."""
         self._state_about_to_change()
         self.impl.finish_backward()  # idempotent: for schedules that call loss.backward() themselves
         grads = self.impl.grad_partitions()
         inv = 1.0 / (self.loss_scaler.loss_scale * self.impl.reduce_dp)
         for g in grads:
             g.mul_(inv)
-        sums = reduce_sums(local_sums(grads, self.counted, self.device, votes), self.norm_groups)
-        norm, overflow, self.summed_votes = norm_and_overflow(sums)
+        sums = reduce_sums(local_sums(grads, self.counted, self.device, votes, riders), self.norm_groups)
+        norm, overflow, summed = norm_and_overflow(sums)
+        self.summed_votes = summed[:len(votes)]
         self.overflow = overflow
+        if gate is not None and not gate(norm, overflow, summed[len(votes):]):
+            self.zero_grad()
+            return False, norm
         if overflow:
             self.loss_scaler.update(True)
             self.zero_grad()
