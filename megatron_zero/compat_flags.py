@@ -40,10 +40,6 @@ def add_compat_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--calculate-per-token-loss", action="store_true",
                    help="no-op: every micro-batch counts seq-length x micro-batch-size tokens (no loss mask), so "
                         "the per-token and per-micro-batch averages are the same number")
-    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
-                   dest="override_opt_param_scheduler", action="store_true",
-                   help="no-op: on --load the schedule always comes from the flags (only its step count is "
-                        "restored from the checkpoint)")
     g.add_argument("--log-throughput", action="store_true",
                    help="no-op: the log line always carries throughput per GPU (TFLOP/s/GPU) here")
     g.add_argument("--no-position-embedding", dest="add_position_embedding", action="store_false",

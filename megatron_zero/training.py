@@ -42,6 +42,7 @@ from .elastic.watchdog import watch_steps
 from .exit_signal import INTERRUPTED, ExitPolicy, ctrl_c_line, report_interrupt
 from .logger import format_eval_line
 from .throughput import gpt_flops_per_iteration
+from .schedule_resume import resume_schedule
 from .lr_schedule import build_lr_schedule, decoupled_lr
 from .model.architecture import gpt_config
 from .model_transforms import apply_model_transforms, model_converters
@@ -299,7 +300,8 @@ class Trainer:
             return True
         self.progress = TrainState(**client["train_state"])
         note_resize(client, a, self._log)  # a restart at another world size: the micro-batches a step
-        self.lr_schedule.load_state_dict(client["lr_scheduler"])
+        resume_schedule(self.lr_schedule, client["lr_scheduler"], c.override_opt_param_scheduler,
+                        c.use_checkpoint_opt_param_scheduler)
         if not c.no_load_rng and client.get("rng_state") is not None:
             set_rng_state(client["rng_state"])
         return True
