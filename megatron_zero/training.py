@@ -300,7 +300,8 @@ class Trainer:
             return True
         self.progress = TrainState(**client["train_state"])
         note_resize(client, a, self._log)  # a restart at another world size: the micro-batches a step
-        resume_schedule(self.lr_schedule, client["lr_scheduler"], c.override_opt_param_scheduler,
+        # --no-load-optim: the flags' schedule unchecked, as Megatron-LM, which then reads no scheduler state
+        resume_schedule(self.lr_schedule, client["lr_scheduler"], c.override_opt_param_scheduler or c.no_load_optim,
                         c.use_checkpoint_opt_param_scheduler)
         if not c.no_load_rng and client.get("rng_state") is not None:
             set_rng_state(client["rng_state"])
