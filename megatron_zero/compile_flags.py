@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 
 from .config.errors import require
-from .compile.layers import MODES
+
+# torch.compile's modes (compile/layers.py passes the one given)
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 def add_compile_flags(p: argparse.ArgumentParser) -> None:

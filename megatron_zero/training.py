@@ -450,16 +450,17 @@ class Trainer:
             print(line, flush=True)
 
 
-def pretrain(argv=None) -> int:
-    """Train as the flags say. Exit code 0 when done (or stopped by a signal or Ctrl-C, saved); 2 on bad input, or
-    a run that stopped learning (stop_rules.py): one sentence from the rank that found it, the other ranks quiet
-    (also 2); 1 when a rank lost contact with another that said nothing; 130 when stopped at once by Ctrl-C."""
+def pretrain(argv=None, args=None) -> int:
+    """Train as the flags say (`args`: them checked, as pretrain_gpt.py does before it imports torch). Exit code 0
+    when done (or stopped by a signal or Ctrl-C, saved); 2 on bad input, or a run that stopped learning
+    (stop_rules.py): one sentence from the rank that found it, the other ranks quiet (also 2); 1 when a rank lost
+    contact with another that said nothing; 130 when stopped at once by Ctrl-C."""
     lock = trainer = state = None
     try:
         launch = read_launch_env()
         if launch.source != "single":
             stop_with_launcher()
-        args = parse_for_launch(argv, launch.rank, launch.world_size)
+        args = parse_for_launch(argv, launch.rank, launch.world_size) if args is None else args
         device = select_device(args.device, launch.local_rank)
         backend = backend_for(device, args.distributed_backend)
         use_device(device)

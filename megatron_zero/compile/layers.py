@@ -38,7 +38,6 @@ LAYER_KERNELS = ((("bias_gelu_fusion",), "bias_gelu"),
                  (("masked_softmax_fusion",), "scaled_upper_triang_masked_softmax"),
                  (("layer_norm_fusion", "persist_layer_norm"), "layer_norm"),
                  (("layer_norm_fusion", "persist_layer_norm"), "rms_norm"), (("rope_fusion",), "rope"))
-MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 def eager_kernels(device: torch.device) -> List[str]:

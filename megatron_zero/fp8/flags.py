@@ -13,8 +13,7 @@ from __future__ import annotations
 import argparse
 
 from ..config.errors import require
-from .delayed import ALGOS
-from .settings import DEFAULT_RECIPE, FORMATS, RECIPES, Float8Error, import_torchao_float8
+from .settings import ALGOS, DEFAULT_RECIPE, FORMATS, RECIPES, Float8Error, import_torchao_float8
 
 
 def add_fp8_flags(p: argparse.ArgumentParser) -> None:
