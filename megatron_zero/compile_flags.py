@@ -16,7 +16,7 @@ MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagrap
 
 
 def add_compile_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("compiled layers (torch.compile of each transformer layer; docs/running.md)")
+    g = p.add_argument_group("compiled layers (torch.compile of each transformer layer; docs/compile.md)")
     g.add_argument("--compile-layers", action="store_true",
                    help="compile each transformer layer's forward with torch.compile (inductor), one layer at a "
                         "time as torchtitan does; the embedding, output layer, loss, pipeline schedule, ZeRO "
