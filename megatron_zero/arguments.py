@@ -12,7 +12,7 @@ import sys
 import weakref
 from typing import List, Optional
 
-from . import config
+from . import compat_noops, config
 from .compat_flags import add_compat_flags, validate_compat
 from .compile_flags import add_compile_flags, check_compile_flags
 from .elastic_flags import add_local_tier_flags, add_straggler_flags, check_local_tier_flags, check_straggler_flags
@@ -30,7 +30,8 @@ __all__ = ["ArgumentError", "FEATURES", "args_to_dict", "build_parser", "cp_a2a_
 FEATURES = ((add_compat_flags, validate_compat), (add_local_tier_flags, check_local_tier_flags),
             (add_straggler_flags, check_straggler_flags),
             (add_loss_flags, None), (add_fp8_flags, check_fp8_flags),
-            (add_compile_flags, check_compile_flags))  # None: no check of its own
+            (add_compile_flags, check_compile_flags),
+            (compat_noops.add_flags, compat_noops.check))  # None: no check of its own
 
 
 class _HelpFormatter(argparse.HelpFormatter):
