@@ -2,9 +2,12 @@
 one sentence with its reason, all together, from the command line pretrain_gpt.py parses; the ones taken as
 documented no-ops parse and change nothing else, and one that would be ignored is refused.
 (tests/test_launch_script_flags.py holds docs/coming_from_megatron.md's refusal table equal to the code's.)"""
+import os
+
 import pytest
 
 from megatron_zero.arguments import ArgumentError, parse_args, parse_command_line, validate_args
+from megatron_zero.compat_noops import SWITCHES
 from megatron_zero.testing.flag_checks import BASE
 from megatron_zero.unsupported_flags import UNSUPPORTED
 
@@ -41,3 +44,10 @@ def test_the_no_ops_parse_and_change_nothing_else():
 def test_a_no_op_that_would_be_ignored_is_refused(extra, words):
     with pytest.raises(ArgumentError, match=words):
         validate_args(parse_command_line(BASE + extra), 1)
+
+
+def test_the_no_ops_are_in_the_documented_table():
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "coming_from_megatron.md")).read()
+    table = doc.split("Documented no-ops", 1)[1].split("\n## ", 1)[0]
+    for flag in [*SWITCHES, "--no-bias-dropout-fusion", "--dataloader-type single"]:
+        assert f"| `{flag}` |" in table, flag
