@@ -13,10 +13,9 @@ import weakref
 from typing import List, Optional
 
 from . import config
-from .config import compat, compile, elastic, fp8, loss
+from .config import compat, compat_noops, compile, elastic, fp8, loss, rerun
 from .config.errors import ArgumentError
 from .config.parallel import cp_a2a_size
-from .config.rerun import add_flags as add_rerun_flags, check as check_rerun_flags
 from .flag_refusals import refusals, unknown_flag_sentence
 
 __all__ = ["ArgumentError", "FEATURES", "args_to_dict", "build_parser", "cp_a2a_size", "explicit_flags",
@@ -26,7 +25,7 @@ __all__ = ["ArgumentError", "FEATURES", "args_to_dict", "build_parser", "cp_a2a_
 # length are checked). Its flags join --help after the core areas'.
 FEATURES = ((compat.add_flags, compat.validate_compat), (elastic.add_flags, elastic.check), (loss.add_flags, None),
             (fp8.add_flags, fp8.check), (compile.add_flags, compile.check),
-            (add_rerun_flags, check_rerun_flags))  # None: no check of its own
+            (rerun.add_flags, rerun.check), (compat_noops.add_flags, compat_noops.check))  # None: no check of its own
 
 
 class _HelpFormatter(argparse.HelpFormatter):

@@ -21,12 +21,10 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from .device_error import DeviceError
+
 HOST = torch.device("cpu")
 DEVICE_CHOICES = ("auto", "cuda", "cpu")
-
-
-class DeviceError(RuntimeError):
-    """The device asked for is not present (one sentence)."""
 
 
 def select_device(choice: str = "auto", local_rank: int = 0) -> torch.device:

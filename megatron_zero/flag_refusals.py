@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
+from .unsupported_flags import UNSUPPORTED
+
 Given = Dict[str, Optional[str]]  # flag -> its value as written (None for a switch), last one wins
 
 
@@ -37,6 +39,11 @@ REFUSED: Dict[str, Refusal] = {
                                   lambda v, g: v == "fp64", "fp64"),
     # model
     "--optimizer": Refusal("Adam/AdamW and Muon are available in this build, not SGD", lambda v, g: v == "sgd", "sgd"),
+    "--dataloader-type": Refusal("the sampler here is Megatron-LM's single: each global batch is the next samples "
+                                 "of the shuffled dataset, resumed exactly", lambda v, g: v != "single",
+                                 "other than single"),
+    # Megatron-LM's pretraining flags this build does not have (unsupported_flags.py)
+    **{flag: Refusal(reason) for flag, reason in UNSUPPORTED.items()},
 }
 
 

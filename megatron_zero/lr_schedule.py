@@ -19,7 +19,8 @@ WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 class LRSchedule:
     def __init__(self, max_lr: float, min_lr: float = 0.0, warmup_steps: int = 0,
                  decay_steps: int = 0, decay_style: str = "linear", num_steps: int = 0,
-                 wsd_decay_steps: Optional[int] = None, wsd_decay_style: str = "exponential"):
+                 wsd_decay_steps: Optional[int] = None, wsd_decay_style: str = "exponential",
+                 train_steps: Optional[int] = None):
         if decay_style not in DECAY_STYLES:
             raise ValueError(f"lr decay style {decay_style!r} must be one of {', '.join(DECAY_STYLES)}")
         if decay_style == "WSD" and (wsd_decay_steps is None or wsd_decay_style not in WSD_DECAY_STYLES):
@@ -31,6 +32,9 @@ class LRSchedule:
         self.decay_steps = int(decay_steps)
         self.decay_style = decay_style
         self.num_steps = int(num_steps)
+        # the run's length in the schedule's unit, saved as Megatron's wd_incr_steps (train iters x global batch,
+        # or train samples) so that a resume checks --train-iters as Megatron-LM does (schedule_resume.py)
+        self.train_steps = None if train_steps is None else int(train_steps)
 
     def lr(self, step: int = None, max_lr: Optional[float] = None, min_lr: Optional[float] = None) -> float:
         """The learning rate for the optimizer step that follows `step` completed steps (of a group whose peak
@@ -70,7 +74,7 @@ class LRSchedule:
         # Megatron's OptimizerParamScheduler keys, so its tools recognise them.
         return {"max_lr": self.max_lr, "min_lr": self.min_lr, "lr_warmup_steps": self.warmup_steps,
                 "lr_decay_steps": self.decay_steps, "lr_decay_style": self.decay_style,
-                "num_steps": self.num_steps}
+                "num_steps": self.num_steps, "wd_incr_steps": self.train_steps}
 
     def load_state_dict(self, state: dict):
         self.num_steps = int(state["num_steps"])
@@ -105,7 +109,8 @@ class DeepSpeedWarmupSchedule(LRSchedule):
         else:
             peak = float(p.get("warmup_max_lr", lr if kind == "WarmupLR" else 0.001))
             floor = float(p.get("warmup_min_lr", 0.0))
-        super().__init__(peak, floor, warmup, self.total_num_steps, DEEPSPEED_STYLES[kind], num_steps)
+        super().__init__(peak, floor, warmup, self.total_num_steps, DEEPSPEED_STYLES[kind], num_steps,
+                         train_steps=train_iters)
 
     def _warmup_gamma(self, t: int) -> float:
         if self.warmup_type == "log":
@@ -143,8 +148,11 @@ def build_lr_schedule(sections) -> LRSchedule:
     if ds is not None:
         return DeepSpeedWarmupSchedule(ds["type"], ds["params"], opt.lr, run.train_iters)
     # the unit (iterations, samples or tokens) and its lengths come from config/compat.py's _schedule_units
+    samples = units.lr_schedule_unit == "samples" and run.train_samples is not None
+    train = run.train_samples if samples else run.train_iters * units.lr_schedule_per_step
     return LRSchedule(opt.lr, opt.min_lr, units.lr_schedule_warmup, units.lr_schedule_decay, run.lr_decay_style,
-                      wsd_decay_steps=units.lr_schedule_wsd_decay, wsd_decay_style=run.lr_wsd_decay_style)
+                      wsd_decay_steps=units.lr_schedule_wsd_decay, wsd_decay_style=run.lr_wsd_decay_style,
+                      train_steps=train)
 
 
 def decoupled_lr(schedule: LRSchedule, opt) -> Optional[float]:

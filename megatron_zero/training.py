@@ -42,6 +42,7 @@ from .elastic.watchdog import watch_steps
 from .exit_signal import INTERRUPTED, ExitPolicy, ctrl_c_line, report_interrupt
 from .logger import format_eval_line
 from .throughput import model_flops_per_iteration
+from .schedule_resume import resume_schedule
 from .lr_schedule import build_lr_schedule, decoupled_lr
 from .model.architecture import gpt_config
 from .model_transforms import apply_model_transforms, model_converters
@@ -317,7 +318,9 @@ class Trainer:
             return True
         self.progress = TrainState(**client["train_state"])
         note_resize(client, a, self._log)  # a restart at another world size: the micro-batches a step
-        self.lr_schedule.load_state_dict(client["lr_scheduler"])
+        # --no-load-optim: the flags' schedule unchecked, as Megatron-LM, which then reads no scheduler state
+        resume_schedule(self.lr_schedule, client["lr_scheduler"], c.override_opt_param_scheduler or c.no_load_optim,
+                        c.use_checkpoint_opt_param_scheduler)
         if not c.no_load_rng and client.get("rng_state") is not None:
             set_rng_state(client["rng_state"])
         return True
@@ -500,17 +503,18 @@ class Trainer:
             print(line, flush=True)
 
 
-def pretrain(argv=None) -> int:
-    """Train as the flags say. Exit code 0 when done (or stopped by a signal or Ctrl-C, saved); 2 on bad input, or
-    a run that stopped learning (stop_rules.py): one sentence from the rank that found it, the other ranks quiet
-    (also 2); 1 when a rank lost contact with another that said nothing; 130 when stopped at once by Ctrl-C; 17 when
-    a rank computes wrong results reproducibly (--rerun-mode validate_results: reliability/rerun.py)."""
+def pretrain(argv=None, args=None) -> int:
+    """Train as the flags say (`args`: them checked, as pretrain_gpt.py does before it imports torch). Exit code 0
+    when done (or stopped by a signal or Ctrl-C, saved); 2 on bad input, or a run that stopped learning
+    (stop_rules.py): one sentence from the rank that found it, the other ranks quiet (also 2); 1 when a rank lost
+    contact with another that said nothing; 130 when stopped at once by Ctrl-C; 17 when a rank computes wrong
+    results reproducibly (--rerun-mode validate_results: reliability/rerun.py)."""
     lock = trainer = state = None
     try:
         launch = read_launch_env()
         if launch.source != "single":
             stop_with_launcher()
-        args = parse_for_launch(argv, launch.rank, launch.world_size)
+        args = parse_for_launch(argv, launch.rank, launch.world_size) if args is None else args
         device = select_device(args.device, launch.local_rank)
         backend = backend_for(device, args.distributed_backend)
         use_device(device)

@@ -154,15 +154,17 @@ def checkpoint_steps(ngpus: int, work: str) -> List[Step]:
         "--num_merge_workers", "2"])
     rss = "host RSS: the peak of the run that saves"
     if ngpus == 1:
-        return [train("save (1 GPU, ZeRO-1)", 1, model_flags(work, 10, save=ckpt, **{"save-interval": 10}), rss),
-                train("resume (1 GPU)", 1, model_flags(work, 15, load=ckpt, save=ckpt)),
+        # one schedule (--train-iters 20) for the three runs, each stopping at --exit-interval: a resume checks it
+        return [train("save (1 GPU, ZeRO-1)", 1, model_flags(work, 20, save=ckpt, **{"save-interval": 10,
+                                                                                      "exit-interval": 10}), rss),
+                train("resume (1 GPU)", 1, model_flags(work, 20, load=ckpt, save=ckpt, **{"exit-interval": 15})),
                 to_universal(15),
                 train("universal resume (1 GPU, ZeRO-2)", 1, model_flags(
                     work, 20, load=ckpt, save=ckpt, **{"universal-checkpoint": True, "zero-stage": 2}))]
-    return [train("save (2 GPUs: TP2)", 2, model_flags(work, 10, save=ckpt, **{
-                "save-interval": 10, "tensor-model-parallel-size": 2}), rss),
+    return [train("save (2 GPUs: TP2)", 2, model_flags(work, 20, save=ckpt, **{
+                "save-interval": 10, "exit-interval": 10, "tensor-model-parallel-size": 2}), rss),
             train("reshaped resume (2 GPUs: TP2 -> DP2 ZeRO-2)", 2, model_flags(
-                work, 15, load=ckpt, save=ckpt, **{"zero-stage": 2})),
+                work, 20, load=ckpt, save=ckpt, **{"zero-stage": 2, "exit-interval": 15})),
             to_universal(15),
             train("universal resume (2 GPUs: PP2)", 2, model_flags(
                 work, 20, load=ckpt, save=ckpt, **{"universal-checkpoint": True, "pipeline-model-parallel-size": 2}))]

@@ -13,6 +13,8 @@
 # rank after the current iteration, saved, exit 0, the second at once, one line, exit 130 (torchrun's report of
 # the workers' ends left out, as for bad input). A worker that exits 17 has named a rank that computes wrong
 # results (--rerun-mode validate_results, docs/reliability.md): the job exits 17, its report left out too.
+# pretrain_gpt.py's flags are checked before torchrun starts (megatron_zero/flag_precheck.py: torchrun imports
+# torch, seconds): a bad flag is refused at once, in the one sentence rank 0 would print, exit 2.
 # OMP_NUM_THREADS defaults to 1 here (what torchrun sets, without its four-line warning about it).
 # Used by pretrain_local.sh, torchrun_node.sh and pretrain_slurm.sbatch (LAUNCHER=torchrun).
 set -uo pipefail
@@ -22,6 +24,8 @@ PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "${PYTHON:-$root/.venv/bin/python}
 import logging
 import signal
 import sys
+from megatron_zero.flag_precheck import check_before_launch
+check_before_launch(sys.argv[1:])  # a bad pretrain_gpt.py flag: one sentence, exit 2, before torch loads
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 

@@ -28,7 +28,7 @@ def test_a_damaged_latest_resumes_from_the_newest_verified_checkpoint(tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     latest = ckpt / "latest"
     latest.write_bytes(GARBAGE)
-    resumed = pretrain(tmp_path, data, load=ckpt, **{"train-iters": 3})
+    resumed = pretrain(tmp_path, data, load=ckpt, **{"train-iters": 3, "override-opt_param-scheduler": True})
     assert resumed.returncode == 0 and "Traceback" not in resumed.stderr, resumed.stderr[-3000:]
     assert (f"{latest} holds 40 bytes that are not UTF-8 text, so it is ignored; resuming from its newest "
             "verified checkpoint global_step2\n") in resumed.stdout, resumed.stdout
@@ -42,7 +42,7 @@ def test_a_latest_naming_a_directory_that_is_gone_resumes_from_the_newest_verifi
     assert first.returncode == 0, first.stderr[-3000:]
     latest = ckpt / "latest"
     latest.write_text("global_step9\n")  # its directory deleted by hand
-    resumed = pretrain(tmp_path, data, load=ckpt, **{"train-iters": 3})
+    resumed = pretrain(tmp_path, data, load=ckpt, **{"train-iters": 3, "override-opt_param-scheduler": True})
     assert resumed.returncode == 0 and "Traceback" not in resumed.stderr, resumed.stderr[-3000:]
     assert (f"{latest} names global_step9, but the directory {ckpt / 'global_step9'} does not exist, so it is "
             "ignored; resuming from its newest verified checkpoint global_step2\n") in resumed.stdout, resumed.stdout

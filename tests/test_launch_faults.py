@@ -103,7 +103,7 @@ def test_a_fault_one_rank_finds_is_one_sentence(tmp_path):
     raw[len(raw) // 2] ^= 0xFF  # only DP rank 1 reads this file
     shard.write_bytes(bytes(raw))
     run = subprocess.run(["bash", WRAPPER] + torchrun_args(2) + [PRETRAIN] +
-                         tiny_flags(tmp_path, data, load=tmp_path / "ckpt", **{"train-iters": 4}),
+                         tiny_flags(tmp_path, data, load=tmp_path / "ckpt", **{"train-iters": 4, "override-opt_param-scheduler": True}),
                          capture_output=True, text=True, env=ENV, timeout=240)
     out = run.stdout + run.stderr
     assert run.returncode == 2, out[-3000:]

@@ -102,8 +102,12 @@ def cut_down_argv(name, corpus, tmp_path):
 def _universal_checkpoint_to_load(argv, ranks, tmp_path):
     """run_universal_bf16.sh resumes from a universal checkpoint of an earlier run (its README's steps): train
     the same model 5 iterations without --universal-checkpoint, convert with tools/ds_to_universal.py into
-    the script's --load directory; the script then trains iterations 6 to 10."""
+    the script's --load directory; the script then trains iterations 6 to 10. Both runs have --train-iters 10,
+    the first stopping at --exit-interval 5, as the script's own runs share --train-iters and stop at its
+    --exit-interval: the schedule a resume checks is the one saved."""
+    argv = replace_flag(argv, "--train-iters", "10")
     first = replace_flag(replace_flag(argv, "--save", str(tmp_path / "first")), "--load", str(tmp_path / "first"))
+    first = replace_flag(first, "--exit-interval", "5")
     run = torchrun(ranks, [t for t in first if t != "--universal-checkpoint"], timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     convert = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "ds_to_universal.py"), "--input_folder",
@@ -111,7 +115,7 @@ def _universal_checkpoint_to_load(argv, ranks, tmp_path):
                               str(tmp_path / "load" / "global_step5_universal")], capture_output=True, text=True)
     assert convert.returncode == 0, convert.stderr
     (tmp_path / "load" / "latest_universal").write_text("global_step5_universal")
-    return replace_flag(argv, "--train-iters", "10"), 10
+    return argv, 10
 
 
 @pytest.mark.parametrize("name", sorted(CUTS))

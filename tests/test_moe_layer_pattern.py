@@ -52,7 +52,8 @@ def test_cli_trains_saves_and_resumes_the_pattern(tmp_path):
     moe = {"num-experts": 4, "expert-model-parallel-size": 2, "moe-layer-freq": "[0]*1+[1]*1", "save-interval": 2}
     run = torchrun(2, tiny_flags(tmp_path, data, **moe))
     assert run.returncode == 0, run.stderr[-3000:]
-    resume = torchrun(2, tiny_flags(tmp_path, data, **moe, **{"train-iters": 3, "load": tmp_path / "ckpt"}))
+    resume = torchrun(2, tiny_flags(tmp_path, data, **moe, **{"train-iters": 3, "load": tmp_path / "ckpt",
+                                                             "override-opt_param-scheduler": True}))
     assert resume.returncode == 0, resume.stderr[-3000:]
     out = resume.stdout + resume.stderr
     assert "loaded checkpoint" in out and "iteration        3/" in out

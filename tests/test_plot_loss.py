@@ -77,7 +77,8 @@ def test_a_run_and_its_resume_drawn(tmp_path):
     data = byte_data(tmp_path / "bytes")
     first = pretrain(tmp_path, data, **{"train-iters": 4, "tensorboard-dir": tmp_path / "tb1"})
     assert first.returncode == 0, first.stderr[-2000:]
-    second = pretrain(tmp_path, data, **{"train-iters": 8, "load": tmp_path / "ckpt", "tensorboard-dir": tmp_path / "tb2"})
+    second = pretrain(tmp_path, data, **{"train-iters": 8, "load": tmp_path / "ckpt", "tensorboard-dir": tmp_path / "tb2",
+                                        "override-opt_param-scheduler": True})
     assert second.returncode == 0, second.stderr[-2000:]
     run = _tool(tmp_path / "tb1", tmp_path / "tb2", "--output", tmp_path / "loss.png")
     assert run.returncode == 0 and (tmp_path / "loss.png").read_bytes()[:8] == PNG_SIGNATURE, run.stderr

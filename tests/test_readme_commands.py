@@ -126,7 +126,7 @@ def test_every_script_and_tool_the_readme_names_exists():
 SHRINK = {  # README text -> the same command at a test's size
     1: [("--hidden-size 256", "--hidden-size 64"), ("--seq-length 256", "--seq-length 32"),
         ("--micro-batch-size 4 --global-batch-size 16", "--micro-batch-size 2 --global-batch-size 8"),
-        ("--train-iters 100", "--train-iters 4"), ("--train-iters 150", "--train-iters 6"),
+        ("--train-iters 150", "--train-iters 6"), ("--exit-interval 100", "--exit-interval 4"),
         ("--save-interval 50", "--save-interval 2"), ("global_step100", "global_step4")],
     2: [("n_positions=256", "n_positions=32"), ("n_embd=256", "n_embd=64"),
         ("--micro-batch-size 4 --global-batch-size 16", "--micro-batch-size 2 --global-batch-size 4"),

@@ -99,6 +99,7 @@ def test_sigterm_saves_and_exits_zero_then_resumes(builtin_corpus, tmp_path):
     assert 3 <= stopped < 200
     assert (save / "latest").read_text().strip() == f"global_step{stopped}"
     resumed = torchrun(2, model_flags(data, tok, **{"train-iters": stopped + 2, "load": save,
+                                                    "override-opt_param-scheduler": True,
                                                     "data-cache-path": tmp_path / "cache", "eval-iters": 0}))
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     assert f"from iteration {stopped}" in resumed.stdout

@@ -36,6 +36,7 @@ from ..topology import TopologyError
 from . import checkpointing, data, log, mla, model, moe, muon, optimizer, parallel, runtime, training
 from .checkpointing import CheckpointConfig
 from .compat import CompatConfig
+from .compat_noops import CompatNoopsConfig
 from .compile import CompileConfig
 from .data import DataConfig
 from .elastic import ElasticConfig
@@ -50,6 +51,7 @@ from .moe_router_bias import MoERouterBiasConfig
 from .muon import MuonConfig
 from .optimizer import OptimizerConfig
 from .parallel import ParallelConfig
+from .rerun import RerunConfig
 from .runtime import RuntimeConfig
 from .training import TrainingConfig
 
@@ -83,13 +85,16 @@ class Config:
     loss: LossConfig
     fp8: Fp8Config
     compile: CompileConfig
+    rerun: RerunConfig
+    compat_noops: CompatNoopsConfig
 
 
 SECTIONS = {"model": ModelConfig, "moe": MoeConfig, "router_bias": MoERouterBiasConfig, "mla": MLAConfig,
             "parallel": ParallelConfig, "optimizer": OptimizerConfig,
             "muon": MuonConfig, "training": TrainingConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
             "log": LogConfig, "runtime": RuntimeConfig, "compat": CompatConfig, "elastic": ElasticConfig,
-            "loss": LossConfig, "fp8": Fp8Config, "compile": CompileConfig}
+            "loss": LossConfig, "fp8": Fp8Config, "compile": CompileConfig,
+            "rerun": RerunConfig, "compat_noops": CompatNoopsConfig}
 
 
 def from_args(args) -> Config:

@@ -40,6 +40,13 @@ class CheckpointConfig:
     no_load_rng: bool = flag("do not restore the random number generators' states", False, action="store_true")
     finetune: bool = flag("load the weights only: fresh optimizer, schedule and iteration 0", False,
                           action="store_true")
+    override_opt_param_scheduler: bool = flag(
+        "on --load, take the learning-rate schedule (--lr, --min-lr, warm-up, decay length and style) from the flags "
+        "even where the checkpoint's differs (only its step count is restored)", False, action="store_true",
+        names=("--override-opt_param-scheduler", "--override-opt-param-scheduler"))
+    use_checkpoint_opt_param_scheduler: bool = flag(
+        "on --load, take the learning-rate schedule from the checkpoint, whatever the flags say", False,
+        action="store_true", names=("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler"))
     overwrite_checkpoints: bool = flag("start from scratch even though --save holds checkpoints (they are "
                                        "overwritten)", False, action="store_true")
     verify_checkpoint: bool = flag("read checkpoint files without checking them against the checkpoint's manifest "

@@ -44,10 +44,6 @@ class CompatConfig:
     calculate_per_token_loss: bool = flag(
         "no-op: every micro-batch counts seq-length x micro-batch-size tokens (no loss mask), so the per-token and "
         "per-micro-batch averages are the same number", False, action="store_true")
-    override_opt_param_scheduler: bool = flag(
-        "no-op: on --load the schedule always comes from the flags (only its step count is restored from the "
-        "checkpoint)", False, names=("--override-opt_param-scheduler", "--override-opt-param-scheduler"),
-        action="store_true")
     log_throughput: bool = flag("no-op: the log line always carries throughput per GPU (TFLOP/s/GPU) here", False,
                                 action="store_true")
     add_position_embedding: bool = flag("no learned absolute position table: with --position-embedding-type rope, as "

@@ -17,7 +17,7 @@ from .fields import add_section_flags, flag, section
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
-@section("compiled layers (torch.compile of each transformer layer; docs/running.md)")
+@section("compiled layers (torch.compile of each transformer layer; docs/compile.md)")
 class CompileConfig:
     """Whether and how each transformer layer is compiled, checked."""
     compile_layers: bool = flag("compile each transformer layer's forward with torch.compile (inductor), one layer "

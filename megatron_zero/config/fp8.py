@@ -13,8 +13,7 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
-from ..fp8.delayed import ALGOS
-from ..fp8.settings import DEFAULT_RECIPE, FORMATS, RECIPES, Float8Error, import_torchao_float8
+from ..fp8.settings import ALGOS, DEFAULT_RECIPE, FORMATS, RECIPES, Float8Error, import_torchao_float8
 from .errors import require
 from .fields import add_section_flags, flag, section
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
-import torch
-
 from ..model import shape_rules
 from ..model.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, GPTConfig, default_ffn_hidden_size
 from .errors import require
@@ -177,7 +175,9 @@ def check_recompute(args, tp: int) -> None:
                 f"--recompute-method {args.recompute_method} applies only to --recompute-granularity full")
     require(1 <= args.recompute_num_layers <= args.num_layers,
             f"--recompute-num-layers {args.recompute_num_layers} must lie between 1 and --num-layers {args.num_layers}")
-    require(args.attention_backend != "flash" or args.attention_dropout == 0 or torch.cuda.is_available(),
-            f"--attention-backend flash with --attention-dropout {args.attention_dropout} needs CUDA: torch has "
-            "no flash kernel with dropout on this machine; use --attention-backend auto or --attention-dropout 0")
+    if args.attention_backend == "flash" and args.attention_dropout != 0:
+        import torch  # here only: the flags are checked before torch is loaded (a bad flag is refused at once)
+        require(torch.cuda.is_available(),
+                f"--attention-backend flash with --attention-dropout {args.attention_dropout} needs CUDA: torch has "
+                "no flash kernel with dropout on this machine; use --attention-backend auto or --attention-dropout 0")
     shape_rules.sequence_split(args.seq_length, tp, args.sequence_parallel)

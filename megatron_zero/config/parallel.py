@@ -7,7 +7,7 @@ import argparse
 from typing import List, Optional
 
 from ..batch_schedule import check_reachable, schedule_from_args
-from ..context_parallel.attention import CP_COMM_TYPES
+from ..context_parallel.comm_types import CP_COMM_TYPES
 from ..model.config import GPTConfig
 from ..topology import Layout
 from .errors import require

@@ -16,12 +16,11 @@ import torch.distributed as dist
 from ..tensor_parallel import get_rng_tracker
 from .all_gather_attention import all_gather_attention
 from .block_attention import Dropout
+from .comm_types import CP_COMM_TYPES
 from .flash_blocks import CPU_OP, CUDA_OP, flash_unavailable
 from .hierarchical_attention import hierarchical_attention
 from .ring_attention import ring_attention
 from .ulysses_attention import ulysses_attention
-
-CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 
 
 def ring_kernel(backend: str, dropout: Optional[Dropout], q: torch.Tensor) -> Tuple[bool, str]:

@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 
 from .experts import is_expert
+from .settings import ALGOS  # noqa: F401  (re-exported: the amax algorithms AmaxHistory takes)
 
 OPERANDS = {"x": 0, "w": 1, "g": 2}
-ALGOS = ("max", "most_recent")
 STATE_KEY = "fp8_delayed_scaling"  # the model-states file's entry
 
 

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+from ..device_error import DeviceError
 
-from ..device import DeviceError
+if TYPE_CHECKING:  # torch loads when a device is asked about, not when the flags are checked
+    import torch
 
 FORMATS = ("e4m3", "hybrid")
 RECIPES = ("delayed", "tensorwise", "rowwise", "rowwise_with_gw_hp")
 DEFAULT_RECIPE = "delayed"  # Megatron-LM's
+ALGOS = ("max", "most_recent")  # delayed scaling's amax compute algorithm (fp8/delayed.py)
 
 
 class Float8Error(DeviceError):
@@ -81,12 +84,16 @@ class Float8Settings:
 
 def has_fp8_tensor_cores(device: torch.device) -> bool:
     """An NVIDIA GPU of compute capability 8.9 (Ada) or later: the first with FP8 tensor cores."""
+    import torch
+
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def require_fp8_device(device: torch.device, emulate: bool) -> None:
     if emulate or has_fp8_tensor_cores(device):
         return
+    import torch
+
     where = ("the CPU" if device.type != "cuda" else
              f"{torch.cuda.get_device_name(device)} (compute capability "
              f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))})")

@@ -12,12 +12,13 @@ accepts.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
-
-import torch
+from typing import TYPE_CHECKING, Optional
 
 from . import shape_rules
 from .moe_layers import is_moe_block
+
+if TYPE_CHECKING:
+    import torch
 
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
@@ -48,7 +49,7 @@ class GPTConfig:
     layernorm_epsilon: float = 1e-5
     init_method_std: float = 0.02
     seed: int = 1234
-    params_dtype: torch.dtype = torch.float32
+    params_dtype: Optional[torch.dtype] = None  # None: torch.float32 (torch loads when a config is made)
     normalization: str = "LayerNorm"                 # or "RMSNorm" (weight only, no bias)
     apply_layernorm_1p: bool = False                 # norm weights stored zero-centred: the norm applies 1 + w
     position_embedding_type: str = "learned_absolute"  # or "rope" (no position-embedding table)
@@ -120,6 +121,10 @@ class GPTConfig:
     cp_comm_type: str = "p2p"  # context parallelism's K/V exchange (context_parallel/), when the model has a CP group
 
     def __post_init__(self):
+        if self.params_dtype is None:
+            import torch
+
+            self.params_dtype = torch.float32
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = default_ffn_hidden_size(self.hidden_size, self.swiglu)
         if self.num_query_groups is None:
