@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
-from .unsupported_flags import UNSUPPORTED
+from .megatron_unsupported import UNSUPPORTED
 
 Given = Dict[str, Optional[str]]  # flag -> its value as written (None for a switch), last one wins
 
@@ -42,7 +42,7 @@ REFUSED: Dict[str, Refusal] = {
     "--dataloader-type": Refusal("the sampler here is Megatron-LM's single: each global batch is the next samples "
                                  "of the shuffled dataset, resumed exactly", lambda v, g: v != "single",
                                  "other than single"),
-    # Megatron-LM's pretraining flags this build does not have (unsupported_flags.py)
+    # Megatron-LM's pretraining flags this build does not have (megatron_unsupported.py)
     **{flag: Refusal(reason) for flag, reason in UNSUPPORTED.items()},
 }
 

@@ -8,6 +8,7 @@ import contextlib
 import pytest
 import torch
 
+from megatron_zero import config
 from megatron_zero.arguments import parse_args
 from megatron_zero.checkpoint.errors import CheckpointError
 from megatron_zero.lr_schedule import build_lr_schedule
@@ -43,7 +44,7 @@ def megatron_core(args, override_opt_param_scheduler=False, use_checkpoint_opt_p
 @pytest.mark.parametrize("changes", CHANGES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "same")
 def test_refused_where_megatron_core_refuses(changes):
     saved_args, args = run_args(), run_args(**changes)
-    saved = build_lr_schedule(saved_args)
+    saved = build_lr_schedule(config.from_args(saved_args))
     saved.step(4)
     theirs = megatron_core(saved_args)
     theirs.step(4 * saved_args.global_batch_size)
@@ -54,14 +55,14 @@ def test_refused_where_megatron_core_refuses(changes):
         refuses = True
     assert refuses == (changes not in ({}, {"lr_decay_iters": 10})), changes  # 10: --train-iters' value
     with pytest.raises(CheckpointError) if refuses else contextlib.nullcontext() as refusal:
-        resume_schedule(build_lr_schedule(args), saved.state_dict())
+        resume_schedule(build_lr_schedule(config.from_args(args)), saved.state_dict())
     if refuses:
         line = str(refusal.value)
         assert "\n" not in line and "--override-opt_param-scheduler" in line, line
         assert "--use-checkpoint-opt_param-scheduler" in line, line
         for ours_flag, mcore_flag in (("override", "override_opt_param_scheduler"),
                                       ("use_checkpoint", "use_checkpoint_opt_param_scheduler")):
-            ours, reference = build_lr_schedule(args), megatron_core(args, **{mcore_flag: True})
+            ours, reference = build_lr_schedule(config.from_args(args)), megatron_core(args, **{mcore_flag: True})
             resume_schedule(ours, saved.state_dict(), **{ours_flag: True})
             reference.load_state_dict(theirs.state_dict())
             for step in range(4, 24):
