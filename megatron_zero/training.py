@@ -11,7 +11,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Optional
 
 import torch
@@ -21,7 +21,6 @@ from . import checkpoint as ckpt
 from . import config
 from .arguments import ArgumentError, args_to_dict
 from .config.checkpointing import load_is_first_run
-from .config.model import transformer_impl_line
 from .checkpoint.compat import check_checkpoint_compat
 from .checkpoint.format import header_args
 from .checkpoint.storage.lock import hold_save_lock
@@ -29,7 +28,6 @@ from .checkpoint.preflight import check_save_dir, checkpoint_bytes
 from .checkpoint.report import async_started_line, checkpoint_size, saved_line
 from .checkpoint.resume import refuse_foreign_load, refuse_fresh_start_over, resume_checkpoint
 from .checkpoint.export.save_16bit import save_16bit_model
-from .config.compat import lr_increment
 from .context_parallel import slice_batch_for_cp
 from .data import DataError, GlobalBatchSampler, build_tokenizer, build_train_valid_test_datasets, collate_gpt
 from .device import DeviceError, backend_for, select_device, to_device, use_device
@@ -39,14 +37,13 @@ from .elastic.local_tier import LocalTier, resume_dir
 from .elastic.restart import note_resize, parse_for_launch
 from .elastic.straggler import straggler_report
 from .elastic.watchdog import watch_steps
-from .exit_signal import INTERRUPTED, ExitPolicy, ctrl_c_line, report_interrupt
-from .logger import format_eval_line
+from .exit_signal import INTERRUPTED, report_interrupt
 from .throughput import model_flops_per_iteration
 from .schedule_resume import resume_schedule
 from .lr_schedule import build_lr_schedule, decoupled_lr
 from .model.architecture import gpt_config
 from .model_transforms import apply_model_transforms, model_converters
-from .ops import kernel_report, require_fused_kernels, set_fusion_flags
+from .ops import require_fused_kernels, set_fusion_flags
 from .pipeline.gpt_stage import (activation_shape, build_gpt_stage, grad_reduce_arming, make_forward_step,
                                  stage_p2p, sync_tied_embedding_grads)
 from .pipeline.interleaved_schedule import schedule_for
@@ -67,20 +64,13 @@ from .optimizer.muon import optimizer_switch
 from .optimizer.qk_clip import QKClip
 from .optimizer_setup import build_optimizer, param_groups  # noqa: F401 (param_groups: training's name for it)
 from .topology import build_parallel_state
-from .training_log import TrainingLog, architecture_name
+from .training_log import TrainingLog
+from .training_steps import LoopSteps, TrainState
 from .moe import reset_aux_losses, set_aux_loss_scale
 from .moe.expert_bias import ExpertBiasUpdate
 from .moe.metrics import MoEMetrics, logged_names
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass
-class TrainState:
-    iteration: int = 0
-    consumed_train_samples: int = 0
-    skipped_iterations: int = 0
-    nan_iterations: int = 0
 
 
 def fusion_flags(sections: config.Config) -> dict:
@@ -92,7 +82,7 @@ def fusion_flags(sections: config.Config) -> dict:
                 cross_entropy_loss_fusion=sections.loss.cross_entropy_loss_fusion)
 
 
-class Trainer:
+class Trainer(LoopSteps):
     def __init__(self, args, state, device: Optional[torch.device] = None, sections: Optional[config.Config] = None):
         """`device`: where this rank trains; None chooses from --device and LOCAL_RANK (select_device).
         `sections`: the typed configuration of the checked `args` (config.from_args(args) when not given)."""
@@ -327,176 +317,44 @@ class Trainer:
 
     # ---- the loop --------------------------------------------------------------------
     def train(self) -> int:
-        a, s, p = self.args, self.state, self.progress
-        t, c, o = self.sections.training, self.sections.checkpoint, self.sections.optimizer
-        policy = ExitPolicy(t.exit_signal_handler, t.exit_duration_in_mins, t.exit_interval, device=self.device,
-                            ctrl_c=True, announce=ctrl_c_line(bool(c.save)) if self.is_writer else None)
+        """The loop, as named steps (training_steps.py): each iteration maybe saves where the batch grows, skips a
+        batch it is told to, steps, checks the run still learns, evaluates, saves and asks whether to exit."""
+        p, t = self.progress, self.sections.training
+        policy = self._exit_policy()
         if p.iteration >= t.train_iters:  # a resume of a finished run: say so, and leave the checkpoint alone
-            limit = (f"--train-iters {t.train_iters}; raise --train-iters above {p.iteration}"
-                     if t.train_samples is None else
-                     f"--train-samples {t.train_samples} ({t.train_iters} iterations); raise --train-samples above "
-                     f"{p.consumed_train_samples}")
-            self._log(f"nothing to train: the checkpoint loaded from --load {c.load} is at iteration {p.iteration}, "
-                      f"at or past {limit} to train on")
-            policy.restore()
-            self.hooks.close()
-            self.log.close()
-            return 0
-        experts = "" if self.config.num_experts is None else (
-            f" with {self.config.num_experts} experts per MoE layer" + (f" (EP={s.ep_size})" if s.ep_size > 1 else ""))
-        self._log(f"training a {self.config.num_layers}-layer {architecture_name(self.config)} model{experts} on "
-                  f"{s.layout}, "
-                  f"ZeRO-{o.zero_stage}, {o.params_dtype}, from iteration {p.iteration}"
-                  f" ({p.consumed_train_samples} samples consumed), "
-                  f"{self.batch.num_micro_batches(p.consumed_train_samples)} micro-batches per step"
-                  + (f" (global batch {self.batch.global_batch_size(p.consumed_train_samples)}, growing to "
-                     f"{self.batch.final})" if self.batch.varies else ""))
-        self._log(kernel_report())
-        if a.transformer_impl is not None:
-            self._log(transformer_impl_line(a))
-        for line in self.transforms:
-            self._log(line)
+            return self._nothing_to_train(policy)
+        self._announce()
         self.log.start()
-        summary = RunSummary(p, a.seq_length, self.log.flops / self.sections.parallel.global_batch_size,
-                             s.layout.world_size, self.log.peak)
-        saved_at = None
+        summary = RunSummary(p, self.args.seq_length, self.log.flops / self.sections.parallel.global_batch_size,
+                             self.state.layout.world_size, self.log.peak)
         rules = StopRules(t.max_consecutive_skipped_iterations, t.check_for_nan_in_loss_and_grad,
                           self.optimizer.loss_scaler.dynamic)
-        micro_batches_before = self.batch.num_micro_batches(p.consumed_train_samples)
+        self.saved_at, self.micro_batches_before = None, self.batch.num_micro_batches(p.consumed_train_samples)
         while p.iteration < t.train_iters:
             gbs = self.batch.global_batch_size(p.consumed_train_samples)
-            if self.batch.num_micro_batches(p.consumed_train_samples) != micro_batches_before:
-                micro_batches_before = self.batch.num_micro_batches(p.consumed_train_samples)
-                self._log(f"the global batch grows to {gbs} ({micro_batches_before} micro-batches per step) at "
-                          f"iteration {p.iteration} ({p.consumed_train_samples} samples consumed)")
-                if c.save and saved_at != p.iteration:  # as Megatron-LM: a checkpoint where the batch changes
-                    self.hooks.before_eval_or_save()
-                    self.save()
-                    saved_at = p.iteration
+            self._save_where_the_batch_grows(gbs)
             if self.rerun.skips(p.iteration + 1):  # --iterations-to-skip, and the tracker file's
                 self._skip_batch(p, gbs, f"iteration {p.iteration + 1} skipped as asked (--iterations-to-skip or the "
                                          "--result-rejected-tracker-filename): its global "
                                          f"batch of {gbs} samples consumed, not trained on", "skipped")
                 continue
-            self.hooks.before_step(p.iteration)
-            last = p.iteration + 1 >= t.train_iters
-            micro = self._micro_batches(self.train_ds, p.consumed_train_samples, gbs,
-                                        None if last else self.batch.global_batch_size(p.consumed_train_samples + gbs))
-            if self.rerun.enabled:  # checked, and re-run where a check fails (reliability/rerun.py)
-                outcome = self._validated_step(p.iteration + 1, micro, policy)
-                if outcome.rejected:
-                    self._skip_batch(p, gbs, self.rerun.rejection_line(p.iteration + 1, gbs, outcome.rejected))
-                    self.hooks.after_step(p.iteration)
-                    continue
-                loss, lr, updated, grad_norm = outcome.result
-            else:
-                loss, lr, updated, grad_norm = self.train_step(micro, policy.votes)
-            p.iteration += 1
-            p.consumed_train_samples += gbs
-            if updated:  # as Megatron-LM (and DeepSpeed): a skipped step does not advance the schedule
-                self.lr_schedule.step(lr_increment(a, gbs))  # 1, or this step's samples / tokens
-            else:
-                p.skipped_iterations += 1
-            self.hooks.after_step(p.iteration)
-            self.log.iteration(p, gbs, loss, lr, grad_norm, self.optimizer.loss_scale, updated,
-                               self.optimizer.params_norm, self.decoupled_lr)
-            if self.moe_metrics is not None:
-                self._log_moe(p, len(micro))
-            if self.qk_clip is not None and (p.iteration % a.log_interval == 0 or p.iteration == a.train_iters):
-                self._log_max_attention_logit(p)
-            save_now = c.save and c.save_interval and p.iteration % c.save_interval == 0
-            save_weights_now = (not save_now and c.save and a.save_weights_interval
-                                and p.iteration % a.save_weights_interval == 0)
-            if save_now or save_weights_now:
+            stepped = self._step(gbs, policy)
+            if stepped is None:  # rejected by the re-run machine: its batch skipped
+                continue
+            saves = self._saves_due()
+            if any(saves):
                 self.log.flush(p)  # the losses up to here, read before anything is saved of this state
-            stop = (rules.after_step(p.iteration, updated, grad_norm)
-                    or rules.after_losses(p.iteration, self.log.first_nonfinite_loss))
+            stop = rules.after_step(p.iteration, *stepped) or rules.after_losses(p.iteration,
+                                                                                 self.log.first_nonfinite_loss)
             if stop:
                 self._stop_learning(p.iteration, stop, policy)
-            if t.eval_iters and self.valid_ds is not None and p.iteration % t.eval_interval == 0:
-                self.hooks.before_eval_or_save()
-                val = self.evaluate()
-                self.log.scalars.scalar("lm loss validation", val, p.iteration, p.consumed_train_samples)
-                self.log.scalars.scalar("lm loss validation ppl", math.exp(min(20.0, val)), p.iteration,
-                                        p.consumed_train_samples)
-                self._log(format_eval_line(p.iteration, val))
-                summary.validated(p.iteration, val)
-            if save_now:
-                self.hooks.before_eval_or_save()
-                self.save()
-                saved_at = p.iteration
-            elif save_weights_now:
-                self.hooks.before_eval_or_save()
-                self.save(weights_only=True)
-            self.local_tier.after_step(self, p.iteration, persistent_saved=bool(save_now))
+            self._evaluate_if_due(summary)
+            self._save_if_due(*saves)
             reason = policy.should_exit(p.iteration, self.optimizer.summed_votes)
             if reason:
                 self._log(f"exiting after iteration {p.iteration}: {reason}")
                 break
-        self.log.flush(p)  # the losses of the iterations since the last log line
-        stop = rules.after_losses(p.iteration, self.log.first_nonfinite_loss)
-        if stop:  # (after a signal or --exit-interval) not saved on the way out
-            self._stop_learning(p.iteration, stop, policy)
-        if c.save and saved_at != p.iteration:
-            self.save()
-        ckpt.finalize_async_saves()
-        self._log(summary.line(p, self.log.last_loss, self.last_checkpoint))
-        if self.rerun.summary():
-            self._log(self.rerun.summary())
-        policy.restore()
-        self.hooks.close()
-        self.prefetch.close()
-        self.log.close()
-        return 0
-
-    def _validated_step(self, iteration: int, micro, policy):
-        """The step through the re-run machine; a fault that stops the run saves nothing more."""
-        try:
-            return self.rerun.run_step(iteration, lambda riders, gate: self.train_step(micro, policy.votes, riders,
-                                                                                        gate))
-        except (ResultFault, TooManyRejected):
-            ckpt.finalize_async_saves()  # taken before the fault: committed
-            policy.restore()
-            self.log.close()
-            raise
-
-    def _skip_batch(self, p: TrainState, gbs: int, line: str, kind: Optional[str] = None):
-        """An iteration not trained on: counted, its global batch consumed, the schedule not stepped (as
-        Megatron-LM's --iterations-to-skip)."""
-        p.iteration += 1
-        p.consumed_train_samples += gbs
-        if kind:
-            self.rerun.counts[kind] += 1
-        self._log(line)
-
-    def _stop_learning(self, iteration: int, why: str, policy):
-        """Stop a run that has stopped learning, saving nothing more: an async save in flight was taken
-        before any rule fired (stop_rules.py), so it is committed and named."""
-        ckpt.finalize_async_saves()
-        policy.restore()
-        self.log.close()
-        last = (f"the last checkpoint is {self.last_checkpoint}" if self.last_checkpoint else
-                "no checkpoint was saved or loaded before it")
-        raise RunStopped(f"training stopped after iteration {iteration} because it has stopped learning: {why}; "
-                         f"{last}, and nothing after it was saved")
-
-    def _log_moe(self, p: TrainState, num_micro_batches: int):
-        """The MoE losses: added up each iteration, reported (a collective) at each log line."""
-        a, s = self.args, self.state
-        self.moe_metrics.iteration(num_micro_batches)
-        if p.iteration % a.log_interval != 0 and p.iteration != a.train_iters:
-            return
-        sp_group = s.tp_group if a.sequence_parallel and s.tp_size > 1 else None  # each TP rank's tokens' share
-        values = self.moe_metrics.report(s.pp_group, s.dp_group, s.data_parallel_size, sp_group)
-        for name, value in values.items():
-            self.log.scalars.scalar(name, value, p.iteration, p.consumed_train_samples)
-        self._log(f" iteration {p.iteration:8d} | " + " | ".join(f"{k}: {v:.6E}" for k, v in values.items()) + " |")
-
-    def _log_max_attention_logit(self, p: TrainState):
-        """--log-max-attention-logit (on with --qk-clip): the last step's max over the model (a collective)."""
-        value = self.qk_clip.report(self.state.mp_group)
-        self.log.scalars.scalar("max-attention-logit", value, p.iteration, p.consumed_train_samples)
-        self._log(f" iteration {p.iteration:8d} | max attention logit: {value:.6E} |")
+        return self._finish(rules, summary, policy)
 
     def _log(self, line: str):
         if self.is_writer:
