@@ -38,7 +38,7 @@ def model_parameters(plan: memory.Plan) -> int:
     """The whole model's parameters, counted on the fake model of one process (TP = PP = EP = 1)."""
     from .fake_rank import trace_rank
     whole = trace_rank(plan.config, dict(tp=1, pp=1, cp=1, ep=1, etp=None), 0, 1, plan.dtype, trace=False)
-    return sum(k for _, k, _ in whole.params)
+    return sum(p.numel for p in whole.params)
 
 
 def plan_from(sections, config, args, gpus: int) -> memory.Plan:
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
                                  cluster_args.host_memory)
     recompute = plan.config.recompute_granularity or "none"
     fp8 = bool(getattr(args, "fp8_format", None) or getattr(args, "fp8", None))
-    cand = search.evaluate(plan, recompute, cluster, {}, fp8=fp8)
+    cand = search.evaluate(plan, recompute, cluster, fp8=fp8)
     parameters = model_parameters(plan)
     host = memory.host_bytes_per_node(cand.plan, list(cand.ranks), cluster.gpus_per_node)
     found = search.search(plan, cluster, offload=plan.offload != "none" or gpus == 1, fp8=fp8) \

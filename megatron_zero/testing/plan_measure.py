@@ -49,7 +49,7 @@ def measure(argv) -> dict:
         model = build_gpt_stage(config, state, device=torch.device("cpu"))
         if sections.optimizer.bf16:
             model = model.to(torch.bfloat16)
-        optimizer = build_optimizer(model, sections.optimizer, state, torch.device("cpu"))
+        optimizer = build_optimizer(model, sections.optimizer, state, torch.device("cpu"), muon=sections.muon)
         for step in range(2):  # the second step's peak: the optimizer's state exists from the first step on
             live.peak = live.current
             loss = model(tokens, labels=tokens)
