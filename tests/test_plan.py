@@ -251,3 +251,28 @@ def test_planned_muon_state_bytes_are_a_real_runs(zero):
     assert {g["measured_states"] - g["predicted_states"] for g in got} == {8}, got
     adam, muon = got
     assert muon["measured_states"] < adam["measured_states"]  # one momentum in place of two moments
+
+
+MULTI_RANK_RUNS = {  # name -> (extra flags on 2 gloo ranks, tolerance of the peak)
+    "dp2_zero2": ("--zero-stage 2 --global-batch-size 4", 0.05),
+    "tp2_sequence_parallel": ("--zero-stage 1 --tensor-model-parallel-size 2 --sequence-parallel", 0.05),
+    "cp2": ("--zero-stage 1 --context-parallel-size 2", 0.05),
+}
+
+
+@pytest.mark.slow  # two-rank torchrun jobs; the default tier: test_planned_step_memory_matches_a_measured_step (one rank)
+@pytest.mark.parametrize("name", sorted(MULTI_RANK_RUNS))
+def test_planned_step_memory_matches_a_two_rank_step(name, tmp_path):
+    """Rank 0's second training step under torchrun on 2 gloo ranks (DP with ZeRO-2, TP with sequence
+    parallelism, CP) against the plan of the same flags on 2 GPUs: the peak within 5 %, never low."""
+    extra, tol = MULTI_RANK_RUNS[name]
+    runs = tmp_path / "runs.json"
+    runs.write_text(json.dumps([[*STEP_FLAGS, *extra.split()]]))
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          str(29500 + os.getpid() % 1000), "-m", "megatron_zero.testing.plan_measure", str(runs)],
+                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"),
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (got,) = json.loads([x for x in out.stdout.splitlines() if x.startswith("[")][-1])
+    assert abs(got["predicted_peak"] - got["measured_peak"]) <= tol * got["measured_peak"], (name, got)
+    assert got["predicted_peak"] >= 0.995 * got["measured_peak"], (name, got)
