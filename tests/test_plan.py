@@ -276,3 +276,12 @@ def test_planned_step_memory_matches_a_two_rank_step(name, tmp_path):
     (got,) = json.loads([x for x in out.stdout.splitlines() if x.startswith("[")][-1])
     assert abs(got["predicted_peak"] - got["measured_peak"]) <= tol * got["measured_peak"], (name, got)
     assert got["predicted_peak"] >= 0.995 * got["measured_peak"], (name, got)
+
+
+def test_plan_cli_json_is_one_object_under_context_parallelism():
+    """--json's stdout is the JSON alone: what the traced model code prints (CP's attention line) goes to stderr."""
+    argv = [*STEP_FLAGS, "--context-parallel-size", "2", "--gpus", "2", "--json"]
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plan.py"), *argv], capture_output=True,
+                         text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout)["layout"].startswith("TP1 PP1 CP2 ") and "context parallelism" in out.stderr

@@ -4,6 +4,7 @@ planner's fake process group cannot live beside the run's real one)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 import torch
@@ -70,11 +71,12 @@ def main(argv=None) -> int:
                                  cluster_args.host_memory)
     recompute = plan.config.recompute_granularity or "none"
     fp8 = bool(getattr(args, "fp8_format", None) or getattr(args, "fp8", None))
-    cand = search.evaluate(plan, recompute, cluster, fp8=fp8)
-    parameters = model_parameters(plan)
-    host = memory.host_bytes_per_node(cand.plan, list(cand.ranks), cluster.gpus_per_node)
-    found = search.search(plan, cluster, offload=plan.offload != "none" or gpus == 1, fp8=fp8) \
-        if cluster_args.search else []
+    with contextlib.redirect_stdout(sys.stderr):  # what the traced model code says is not the plan (--json)
+        cand = search.evaluate(plan, recompute, cluster, fp8=fp8)
+        parameters = model_parameters(plan)
+        host = memory.host_bytes_per_node(cand.plan, list(cand.ranks), cluster.gpus_per_node)
+        found = search.search(plan, cluster, offload=plan.offload != "none" or gpus == 1, fp8=fp8) \
+            if cluster_args.search else []
     if cluster_args.json:
         print(report.as_json(cand, cluster, host, parameters, found))
     else:
