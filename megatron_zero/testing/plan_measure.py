@@ -43,7 +43,9 @@ def measure(argv) -> dict:
     (predicted,) = plan_memory(plan_from(sections, config, args, world))
     set_fusion_flags(**UNFUSED)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29673")
+    if "MASTER_PORT" not in os.environ:  # one rank of its own (torchrun sets it): a port no other run holds
+        from .multirank import free_port
+        os.environ["MASTER_PORT"] = str(free_port())
     dist.init_process_group("gloo", rank=rank, world_size=world)
     state = build_parallel_state(**sections.parallel.degrees())
     model_parallel_seed(config.seed)
