@@ -18,20 +18,25 @@ def param_groups(model, weight_decay: float, decoupled: bool = False, muon: bool
     `is_decoupled_lr` (Megatron's key: the optimizer gives it the decoupled learning rate), where this stage
     holds any. `muon`: the blocks' matrices (optimizer/muon.py's takes_muon) first, in a group of their own marked
     `muon` (weight-decayed), where this stage holds any."""
-    decay, no_decay, own_lr, matrices = [], [], [], []
+    members = {"decay": [], "no_decay": [], "own_lr": [], "muon": []}
     for name, p in model.named_parameters():
-        if p.ndim == 1:
-            no_decay.append((name, p))
-        elif muon and takes_muon(name, p.shape):
-            matrices.append((name, p))
-        else:
-            (own_lr if decoupled and is_embedding_or_output(name) else decay).append((name, p))
+        members[param_group_kind(name, p.shape, decoupled, muon)].append((name, p))
+    decay, no_decay, own_lr, matrices = (members[k] for k in ("decay", "no_decay", "own_lr", "muon"))
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if matrices:
         groups.insert(0, {"params": matrices, "weight_decay": weight_decay, "muon": True})
     if own_lr:
         groups.append({"params": own_lr, "weight_decay": weight_decay, "is_decoupled_lr": True})
     return groups
+
+
+def param_group_kind(name: str, shape, decoupled: bool = False, muon: bool = False) -> str:
+    """Which of param_groups' groups a parameter joins: no_decay, muon, own_lr or decay (the planner's too)."""
+    if len(shape) == 1:
+        return "no_decay"
+    if muon and takes_muon(name, shape):
+        return "muon"
+    return "own_lr" if decoupled and is_embedding_or_output(name) else "decay"
 
 
 def muon_settings(muon: MuonConfig, config) -> MuonSettings:

@@ -60,8 +60,8 @@ def test_traced_parameters_are_the_models():
     config = LAYOUTS["moe"]
     traced = trace_rank(config, dict(tp=1, pp=1, cp=1, ep=1, etp=None), 0, 1, torch.float32, trace=False)
     model = GPTModel(config)
-    assert [(n, k) for n, k, _ in traced.params] == [(n, p.numel()) for n, p in model.named_parameters()]
-    assert any(expert for _, _, expert in traced.params)
+    assert [(p.name, p.numel) for p in traced.params] == [(n, p.numel()) for n, p in model.named_parameters()]
+    assert any(p.expert for p in traced.params)
 
 
 LLAMA3_8B = ("--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --num-query-groups 8 "
@@ -182,3 +182,107 @@ def test_planned_step_memory_matches_a_measured_step():
         assert got["predicted_peak"] >= 0.995 * got["measured_peak"], (name, got)
         if name != "zero2":  # ZeRO-2's plan counts its reduce bucket among the gradients; freed after the step
             assert abs(got["predicted_states"] - got["measured_states"]) <= 0.005 * got["measured_states"], (name, got)
+
+
+PROBED = {  # name -> (config, layouts as (tp, pp, cp, ep)): every stage role, recomputation, sequence parallelism, MoE
+    "llama_full_recompute": (tiny_llama_config(6, **SHAPE, ffn_hidden_size=256, recompute_granularity="full",
+                                               recompute_method="uniform"), [(2, 2, 1, 1)]),
+    "moe": (tiny_llama_config(3, **SHAPE, ffn_hidden_size=256, num_experts=4, moe_router_topk=2), [(1, 1, 1, 2)]),
+    "gpt_middle_stage_context_parallel": (tiny_gpt_config(9, **SHAPE), [(1, 3, 2, 1)]),
+}
+# the middle stage and CP under the slow mark: test_probed_stages_equal_the_exact_trace[llama_full_recompute]
+# covers the scaling rule in the default tier
+PROBED_TIERS = [pytest.param(n, marks=pytest.mark.slow) if "middle" in n else n for n in sorted(PROBED)]
+
+
+@pytest.mark.parametrize("name", PROBED_TIERS)
+def test_probed_stages_equal_the_exact_trace(name):
+    """tools/plan.py's fast path (planning/probe.py: stages scaled from probes of one and two blocks) gives the
+    exact path's numbers: the same parameter list and the same saved and peak bytes, to the byte."""
+    from megatron_zero.planning.memory import traced_ranks
+    from megatron_zero.planning.probe import scalable
+    config, layouts = PROBED[name]
+    for tp, pp, cp, ep in layouts:
+        plan = Plan(config, tp=tp, pp=pp, cp=cp, ep=ep, dp=2, micro_batch=2, global_batch=8, dtype=torch.float32)
+        assert scalable(config, pp)
+        exact, fast = traced_ranks(plan, exact=True), traced_ranks(plan)
+        assert exact == fast, (name, exact, fast)
+
+
+LLAMA3_70B = [*LLAMA3_8B, "--num-layers", "80", "--hidden-size", "8192", "--num-attention-heads", "64",
+              "--ffn-hidden-size", "28672"]
+
+
+@pytest.mark.slow  # minutes on a loaded 2-core machine; the default tier: test_probed_stages_equal_the_exact_trace
+# (the fast path's numbers are the exact path's) and test_llama3_70b_plain_dp_does_not_fit_64_gpus
+def test_plan_cli_search_llama3_70b_on_64_gpus():
+    """Llama-3-70B, seq 8192, on 64 x 80 GiB from the command line: plain DP does not fit, --search lists
+    layouts that do, each with the flags to run it."""
+    argv = [*LLAMA3_70B, "--seq-length", "8192", "--max-position-embeddings", "8192", "--micro-batch-size", "1",
+            "--global-batch-size", "128", "--gpus", "64", "--search", "--json"]
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plan.py"), *argv], capture_output=True,
+                         text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=1800)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout)
+    assert got["parameters"] == 70_553_706_496 and got["fits"] is False
+    assert got["layout"].startswith("TP1 PP1 CP1 EP1 DP64 ")
+    assert len(got["layouts"]) == 10 and all(c["peak"] <= 80 * GIB for c in got["layouts"])
+    speeds = [c["tokens_per_second"] for c in got["layouts"]]
+    assert speeds == sorted(speeds, reverse=True) and all("--tensor-model-parallel-size" in c["flags"]
+                                                          for c in got["layouts"])
+
+
+MUON_FLAGS = [x for x in STEP_FLAGS if x not in ("--normalization", "RMSNorm", "--swiglu", "--position-embedding-type",
+                                                 "rope", "--disable-bias-linear")]  # no RoPE buffers: states exact
+
+
+@pytest.mark.parametrize("zero", [1, pytest.param(3, marks=pytest.mark.slow)])  # slow: the ZeRO-1 case covers the rule
+def test_planned_muon_state_bytes_are_a_real_runs(zero):
+    """--optimizer muon: the blocks' matrices hold one fp32 momentum (and the master), the rest AdamW's two
+    moments, each group partitioned as ZeRO partitions it. Against a real one-rank run's live bytes after a
+    step (model, gradients, optimizer state), beside AdamW's: the planner's model states
+    equal the measured ones but for the same 8 bytes in every run (a scalar the optimizer keeps), so
+    Muon's state bytes are exact."""
+    runs = [[*MUON_FLAGS, "--zero-stage", str(zero), *opt] for opt in ([], ["--optimizer", "muon"])]
+    out = subprocess.run([sys.executable, "-m", "megatron_zero.testing.plan_measure"], input=json.dumps(runs),
+                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.splitlines()[-1])
+    assert {g["measured_states"] - g["predicted_states"] for g in got} == {8}, got
+    adam, muon = got
+    assert muon["measured_states"] < adam["measured_states"]  # one momentum in place of two moments
+
+
+MULTI_RANK_RUNS = {  # name -> (extra flags on 2 gloo ranks, tolerance of the peak)
+    "dp2_zero2": ("--zero-stage 2 --global-batch-size 4", 0.05),
+    "tp2_sequence_parallel": ("--zero-stage 1 --tensor-model-parallel-size 2 --sequence-parallel", 0.05),
+    "cp2": ("--zero-stage 1 --context-parallel-size 2", 0.05),
+}
+
+
+@pytest.mark.slow  # two-rank torchrun jobs; the default tier: test_planned_step_memory_matches_a_measured_step (one rank)
+@pytest.mark.parametrize("name", sorted(MULTI_RANK_RUNS))
+def test_planned_step_memory_matches_a_two_rank_step(name, tmp_path):
+    """Rank 0's second training step under torchrun on 2 gloo ranks (DP with ZeRO-2, TP with sequence
+    parallelism, CP) against the plan of the same flags on 2 GPUs: the peak within 5 %, never low."""
+    from megatron_zero.testing.multirank import free_port
+    extra, tol = MULTI_RANK_RUNS[name]
+    runs = tmp_path / "runs.json"
+    runs.write_text(json.dumps([[*STEP_FLAGS, *extra.split()]]))
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          str(free_port()), "-m", "megatron_zero.testing.plan_measure", str(runs)],
+                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"),
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (got,) = json.loads([x for x in out.stdout.splitlines() if x.startswith("[")][-1])
+    assert abs(got["predicted_peak"] - got["measured_peak"]) <= tol * got["measured_peak"], (name, got)
+    assert got["predicted_peak"] >= 0.995 * got["measured_peak"], (name, got)
+
+
+def test_plan_cli_json_is_one_object_under_context_parallelism():
+    """--json's stdout is the JSON alone: what the traced model code prints (CP's attention line) goes to stderr."""
+    argv = [*STEP_FLAGS, "--context-parallel-size", "2", "--gpus", "2", "--json"]
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plan.py"), *argv], capture_output=True,
+                         text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout)["layout"].startswith("TP1 PP1 CP2 ") and "context parallelism" in out.stderr

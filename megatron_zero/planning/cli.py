@@ -4,6 +4,7 @@ planner's fake process group cannot live beside the run's real one)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 import torch
@@ -38,7 +39,7 @@ def model_parameters(plan: memory.Plan) -> int:
     """The whole model's parameters, counted on the fake model of one process (TP = PP = EP = 1)."""
     from .fake_rank import trace_rank
     whole = trace_rank(plan.config, dict(tp=1, pp=1, cp=1, ep=1, etp=None), 0, 1, plan.dtype, trace=False)
-    return sum(k for _, k, _ in whole.params)
+    return sum(p.numel for p in whole.params)
 
 
 def plan_from(sections, config, gpus: int) -> memory.Plan:
@@ -71,11 +72,12 @@ def main(argv=None) -> int:
                                  cluster_args.host_memory)
     recompute = plan.config.recompute_granularity or "none"
     fp8 = plan_sections.fp8.fp8_format is not None
-    cand = search.evaluate(plan, recompute, cluster, {}, fp8=fp8)
-    parameters = model_parameters(plan)
-    host = memory.host_bytes_per_node(cand.plan, list(cand.ranks), cluster.gpus_per_node)
-    found = search.search(plan, cluster, offload=plan.offload != "none" or gpus == 1, fp8=fp8) \
-        if cluster_args.search else []
+    with contextlib.redirect_stdout(sys.stderr):  # what the traced model code says is not the plan (--json)
+        cand = search.evaluate(plan, recompute, cluster, fp8=fp8)
+        parameters = model_parameters(plan)
+        host = memory.host_bytes_per_node(cand.plan, list(cand.ranks), cluster.gpus_per_node)
+        found = search.search(plan, cluster, offload=plan.offload != "none" or gpus == 1, fp8=fp8) \
+            if cluster_args.search else []
     if cluster_args.json:
         print(report.as_json(cand, cluster, host, parameters, found))
     else:

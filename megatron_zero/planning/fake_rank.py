@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass
-from typing import Iterator, List, Tuple
+from typing import Iterator, List, NamedTuple, Tuple
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..model.params import MOE_EXPERT_PREFIX
 from ..ops.fusion_flags import set_fusion_flags
+from ..optimizer_setup import param_group_kind
 from ..pipeline.gpt_stage import build_gpt_stage
 from ..tensor_parallel.random import model_parallel_seed
 from ..topology import build_parallel_state
@@ -89,13 +90,23 @@ def rank_kinds(pp: int) -> List[RankKind]:
     return kinds + [RankKind("last stage", pp - 1)]
 
 
+class Param(NamedTuple):
+    """One parameter of a stage: its name, elements, whether an expert's, and the optimizer group it joins
+    (optimizer_setup.param_group_kind: decay, no_decay, or muon for the blocks' matrices Muon would take)."""
+
+    name: str
+    numel: int
+    expert: bool
+    group: str
+
+
 @dataclass(frozen=True)
 class TracedRank:
-    """What one rank's stage holds: its parameters as (name, numel, is expert) in module order, and one
+    """What one rank's stage holds: its parameters (Param) in module order, and one
     micro-batch's activations: bytes saved for backward after the forward, and the peak over forward and
     backward (both above the model's own tensors)."""
 
-    params: Tuple[Tuple[str, int, bool], ...]
+    params: Tuple[Param, ...]
     saved_bytes: int
     peak_bytes: int
 
@@ -109,15 +120,26 @@ def trace_rank(config, degrees: dict, pp_rank: int, micro_batch: int, dtype: tor
     `flash` backend is drawn inside CUDA's flash kernel (no s x s mask: traced without it), and with
     expert parallelism the activations are traced at EP 1 (balanced routing gives an EP rank the same
     rows, N x top-k, for its E / EP experts as one rank gets for all E)."""
-    params = _build(config, degrees, pp_rank, dtype, partition_method, virtual_stages, None)[0]
-    saved = peak = 0
-    if trace:
-        traced_config = config
-        if config.attention_backend in ("auto", "flash") and config.attention_dropout > 0:
-            traced_config = dataclasses.replace(config, attention_dropout=0.0)
-        _, saved, peak = _build(traced_config, {**degrees, "ep": 1, "etp": None}, pp_rank, dtype,
-                                partition_method, virtual_stages, micro_batch)
+    params = stage_params(config, degrees, pp_rank, dtype, partition_method, virtual_stages)
+    saved, peak = trace_activations(config, degrees, pp_rank, micro_batch, dtype, partition_method,
+                                    virtual_stages) if trace else (0, 0)
     return TracedRank(params, saved, peak)
+
+
+def stage_params(config, degrees: dict, pp_rank: int, dtype: torch.dtype, partition_method: str = "uniform",
+                 virtual_stages: int = 1) -> Tuple[Param, ...]:
+    """Stage `pp_rank`'s parameters, built on fake tensors."""
+    return _build(config, degrees, pp_rank, dtype, partition_method, virtual_stages, None)[0]
+
+
+def trace_activations(config, degrees: dict, pp_rank: int, micro_batch: int, dtype: torch.dtype,
+                      partition_method: str = "uniform", virtual_stages: int = 1) -> Tuple[int, int]:
+    """(saved bytes, peak bytes) of one traced micro-batch of stage `pp_rank` (trace_rank's choices)."""
+    if config.attention_backend in ("auto", "flash") and config.attention_dropout > 0:
+        config = dataclasses.replace(config, attention_dropout=0.0)
+    _, saved, peak = _build(config, {**degrees, "ep": 1, "etp": None}, pp_rank, dtype, partition_method,
+                            virtual_stages, micro_batch)
+    return saved, peak
 
 
 def _build(config, degrees, pp_rank, dtype, partition_method, virtual_stages, micro_batch):
@@ -136,7 +158,8 @@ def _build(config, degrees, pp_rank, dtype, partition_method, virtual_stages, mi
                                             virtual_stages=virtual_stages)
                 finally:
                     torch.set_default_dtype(default_dtype)
-                params = tuple((n, p.numel(), MOE_EXPERT_PREFIX in n) for n, p in model.named_parameters())
+                params = tuple(Param(n, p.numel(), MOE_EXPERT_PREFIX in n, param_group_kind(n, p.shape, muon=True))
+                               for n, p in model.named_parameters())
                 saved = peak = 0
                 if micro_batch:
                     saved, peak = _trace_micro_batch(model, state, config, micro_batch, dtype)
@@ -155,7 +178,8 @@ def _trace_micro_batch(model, state, config, micro_batch: int, dtype) -> Tuple[i
         inputs = torch.zeros(micro_batch, seq_local, config.hidden_size, dtype=dtype, requires_grad=True)
     for p in model.parameters():  # the optimizer takes each gradient into its own buffers (memory.py counts those)
         p.register_post_accumulate_grad_hook(_drop_grad)
-    with BalancedExpertCounts(), LiveBytes() as live:
+    routing = BalancedExpertCounts() if config.num_experts else contextlib.nullcontext()  # a mode costs per operator
+    with routing, LiveBytes() as live:
         out = model(inputs, labels=tokens if state.is_last_stage else None)
         saved = live.current - out.untyped_storage().nbytes()
         if state.is_last_stage:

@@ -15,15 +15,18 @@ Experts partition over the expert-data-parallel group (DP x CP / EP), the rest o
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from ..zero.partition import partition_group, zero3_param_partition
 from .fake_rank import TracedRank, rank_kinds, trace_rank
+from .probe import Probes, scalable
 
 # elements of optimizer state per parameter element, by optimizer: what a new optimizer plugs in
-OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "muon": 1, "sgd": 1}
+# (Muon's optimizers: its momentum on the blocks' matrices, AdamW's two moments on the rest: optimizer_groups)
+OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "muon": 1}
+MUON_OPTIMIZERS = ("muon", "dist_muon")
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 GIB = 2 ** 30
 
@@ -70,6 +73,7 @@ class RankMemory:
     buffers: int
     host_optimizer: int    # offloaded to host memory (--cpu-optimizer)
     nvme_optimizer: int    # offloaded to files
+    partition: int = 0     # this rank's fp32 partition elements (the master copy's)
 
     @property
     def peak(self) -> int:
@@ -88,34 +92,59 @@ def size(nbytes: float) -> str:
     return f"{nbytes / GIB:.1f} GiB" if nbytes >= GIB else f"{nbytes / 2 ** 20:.1f} MiB"
 
 
-def traced_ranks(plan: Plan, trace: bool = True) -> Dict[str, TracedRank]:
+def traced_ranks(plan: Plan, trace: bool = True, probes: Optional[Probes] = None,
+                 exact: bool = False) -> Dict[str, TracedRank]:
+    """Each rank kind's stage: scaled from probes of one and two blocks where its blocks are alike (probe.py;
+    `probes` of plan.config and dtype, reused across calls), else (or `exact`) built and traced whole."""
+    if not exact and scalable(plan.config, plan.pp, plan.virtual_stages):
+        probes = probes or Probes(plan.config, plan.dtype)
+        return {k.name: probes.rank(k.name, plan.pp, k.pp_rank, plan.degrees(), plan.micro_batch, trace)
+                for k in rank_kinds(plan.pp)}
     return {k.name: trace_rank(plan.config, plan.degrees(), k.pp_rank, plan.micro_batch, plan.dtype,
                                virtual_stages=plan.virtual_stages, trace=trace)
             for k in rank_kinds(plan.pp)}
 
 
+def optimizer_groups(plan: Plan, params) -> List[Tuple[List[Tuple[str, int]], int, int]]:
+    """The flat groups ZeRO partitions, as optimizer_setup.param_groups and ZeroOptimizer form them: decay
+    and no_decay always (Muon's matrices first, in a group of their own, under --optimizer muon), each
+    split into its dense part over DP x CP and, with expert parallelism, its experts' over the
+    expert-data-parallel group. Each as (named numels, its DP size, optimizer states per element)."""
+    muon = plan.optimizer in MUON_OPTIMIZERS
+    kinds = (["muon"] if muon and any(p.group == "muon" for p in params) else []) + ["decay", "no_decay"]
+    dp_dense, dp_expert = plan.dp * plan.cp, max(1, plan.dp * plan.cp // plan.ep)
+    split_experts = plan.ep > 1
+    dense, experts = [], []
+    for kind in kinds:
+        members = [p for p in params if (p.group if muon or p.group != "muon" else "decay") == kind]
+        states = OPTIMIZER_STATES["muon" if kind == "muon" else "adam"] if muon else OPTIMIZER_STATES[plan.optimizer]
+        dense.append(([(p.name, p.numel) for p in members if not (split_experts and p.expert)], dp_dense, states))
+        mine = [(p.name, p.numel) for p in members if split_experts and p.expert]
+        if mine:
+            experts.append((mine, dp_expert, states))
+    return dense + experts
+
+
 def rank_memory(plan: Plan, kind: str, pp_rank: int, traced: TracedRank) -> RankMemory:
     """The bytes of one rank kind, from its traced stage."""
     wb = DTYPE_BYTES[plan.dtype]
-    dense = [(n, k) for n, k, expert in traced.params if not expert]
-    experts = [(n, k) for n, k, expert in traced.params if expert]
-    dp_dense, dp_expert = plan.dp * plan.cp, max(1, plan.dp * plan.cp // plan.ep)
-    numel = sum(k for _, k, _ in traced.params)
-    if plan.zero_stage >= 1:
-        local = sum(partition_group(group, dp).partition_size
-                    for group, dp in ((dense, dp_dense), (experts, dp_expert)) if group)
-    else:
-        local = numel
+    groups = optimizer_groups(plan, traced.params)
+    numel = sum(p.numel for p in traced.params)
     if plan.zero_stage == 3:
-        local = sum(zero3_param_partition(k, dp)[0] for group, dp in ((dense, dp_dense), (experts, dp_expert))
-                    for _, k in group)
+        local = [sum(zero3_param_partition(k, dp)[0] for _, k in group) for group, dp, _ in groups]
+    elif plan.zero_stage >= 1:
+        local = [partition_group(group, dp).partition_size for group, dp, _ in groups]
+    else:
+        local = [sum(k for _, k in group) for group, _, _ in groups]
+    if plan.zero_stage == 3:
         gathered = numel if plan.dp * plan.cp == 1 else min(numel, 2 * _largest_layer(traced.params))
-        weights = (local + gathered) * wb
+        weights = (sum(local) + gathered) * wb
     else:
         weights = numel * wb
     bucket = min(plan.bucket_elements, numel) * 4
-    gradients = numel * 4 if plan.zero_stage < 2 else local * 4 + (bucket if plan.zero_stage == 2 else 0)
-    states = (OPTIMIZER_STATES[plan.optimizer] + 1) * local * 4  # the fp32 master partition, in fp32 runs too
+    gradients = numel * 4 if plan.zero_stage < 2 else sum(local) * 4 + (bucket if plan.zero_stage == 2 else 0)
+    # the fp32 master partition (in fp32 runs too) and each group's optimizer states
+    states = sum((per_element + 1) * n * 4 for n, (_, _, per_element) in zip(local, groups))
     optimizer, host, nvme = states, 0, 0
     if plan.offload == "cpu":
         optimizer, host = 0, states
@@ -125,18 +154,19 @@ def rank_memory(plan: Plan, kind: str, pp_rank: int, traced: TracedRank) -> Rank
     activations = traced.peak_bytes + (in_flight - 1) * traced.saved_bytes
     seq = plan.config.seq_length // plan.cp
     p2p = 2 * plan.micro_batch * seq * plan.config.hidden_size * wb if plan.pp > 1 else 0
-    return RankMemory(kind, numel, weights, gradients, optimizer, activations, p2p, host, nvme)
+    return RankMemory(kind, numel, weights, gradients, optimizer, activations, p2p, host, nvme, sum(local))
 
 
 def _largest_layer(params) -> int:
     per_layer: Dict[str, int] = {}
-    for name, k, _ in params:
-        per_layer[name.split(".")[0]] = per_layer.get(name.split(".")[0], 0) + k
+    for p in params:
+        top = p.name.split(".")[0]
+        per_layer[top] = per_layer.get(top, 0) + p.numel
     return max(per_layer.values())
 
 
-def plan_memory(plan: Plan, trace: bool = True) -> List[RankMemory]:
-    traced = traced_ranks(plan, trace)
+def plan_memory(plan: Plan, trace: bool = True, exact: bool = False) -> List[RankMemory]:
+    traced = traced_ranks(plan, trace, exact=exact)
     return [rank_memory(plan, k.name, k.pp_rank, traced[k.name]) for k in rank_kinds(plan.pp)]
 
 
@@ -149,8 +179,7 @@ def host_bytes_per_node(plan: Plan, ranks: List[RankMemory], gpus_per_node: int)
     per_rank_optimizer = worst.host_optimizer
     pinned = 0
     if plan.offload != "none":
-        states = OPTIMIZER_STATES[plan.optimizer] + 1
-        partition_fp32 = (worst.host_optimizer + worst.nvme_optimizer) // states
+        partition_fp32 = worst.partition * 4
         slots = UPLOAD_SLOTS * OFFLOAD_CHUNK_NUMEL * DTYPE_BYTES[plan.dtype] if plan.dtype != torch.float32 else 0
         pinned = partition_fp32 + slots
     staging = worst.weights + (0 if plan.offload == "cpu" else worst.optimizer + worst.nvme_optimizer)

@@ -45,7 +45,7 @@ def rows():
             if stage is None:
                 traced = trace_rank(config, dict(tp=tp, pp=pp, cp=1, ep=min(ep, dp), etp=None), 0, 1,
                                     torch.bfloat16, trace=False)
-                stage = sum(k for _, k, _ in traced.params)
+                stage = sum(p.numel for p in traced.params)
             plan = Plan(config, tp=tp, pp=pp, ep=min(ep, dp), dp=dp, zero_stage=1, micro_batch=1,
                         global_batch=dp * per_dp)
             t = step_time(plan, Cluster(gpus=gpus), stage)

@@ -3,16 +3,18 @@
 Candidates: TP within a node (powers of two dividing the heads), PP dividing the layers, CP, EP dividing the
 experts, ZeRO 0-3 (3 only without PP), full or no recomputation, micro-batch 1, 2, 4; DP is what remains
 of the GPUs and must divide the global batch. Memory from memory.py (one fake build and trace per
-distinct TP x PP x CP x EP x recompute x micro-batch), time from time_model.py.
+stage kind and TP x CP x recompute x micro-batch, probe.py), time from time_model.py; only the fastest
+layouts whose model states fit are traced, until enough fit.
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Iterator, List, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
-from .memory import GIB, Plan, RankMemory, rank_memory, traced_ranks
-from .fake_rank import rank_kinds
+from .fake_rank import RankKind, rank_kinds, trace_rank
+from .memory import GIB, Plan, RankMemory, rank_memory
+from .probe import Probes, scalable
 from .time_model import Cluster, StepTime, step_time
 
 
@@ -82,38 +84,82 @@ def _with_recompute(config, recompute: str):
                                recompute_num_layers=1)
 
 
-def evaluate(plan: Plan, recompute: str, cluster: Cluster, cache: dict, fp8: bool = False) -> Candidate:
-    config = _with_recompute(plan.config, recompute)
-    plan = dataclasses.replace(plan, config=config)
-    key = (plan.tp, plan.pp, plan.cp, plan.ep, plan.micro_batch, recompute, plan.virtual_stages)
-    if key not in cache:
-        cache[key] = traced_ranks(plan)
-    traced = cache[key]
-    ranks = tuple(rank_memory(plan, k.name, k.pp_rank, traced[k.name]) for k in rank_kinds(plan.pp))
+class StageCache:
+    """The stages a search has built or traced, by layout and recomputation: probes (probe.py) shared by
+    every layout whose blocks are alike, whole traces of the others."""
+
+    def __init__(self):
+        self._probes: Dict[str, Probes] = {}
+        self._exact: dict = {}
+
+    def rank(self, plan: Plan, recompute: str, kind: RankKind, trace: bool = True) -> RankMemory:
+        if scalable(plan.config, plan.pp, plan.virtual_stages):
+            if recompute not in self._probes:
+                self._probes[recompute] = Probes(plan.config, plan.dtype)
+            traced = self._probes[recompute].rank(kind.name, plan.pp, kind.pp_rank, plan.degrees(),
+                                                  plan.micro_batch, trace)
+        else:
+            key = (plan.tp, plan.pp, plan.cp, plan.ep, plan.micro_batch if trace else 0, recompute,
+                   plan.virtual_stages, kind)
+            if key not in self._exact:
+                self._exact[key] = trace_rank(plan.config, plan.degrees(), kind.pp_rank, plan.micro_batch,
+                                              plan.dtype, virtual_stages=plan.virtual_stages, trace=trace)
+            traced = self._exact[key]
+        return rank_memory(plan, kind.name, kind.pp_rank, traced)
+
+    def ranks(self, plan: Plan, recompute: str, trace: bool = True, limit: float = float("inf")):
+        """Every rank kind's memory, or None as soon as one kind's peak exceeds `limit` bytes."""
+        out = []
+        for kind in rank_kinds(plan.pp):
+            out.append(self.rank(plan, recompute, kind, trace))
+            if out[-1].peak > limit:
+                return None
+        return tuple(out)
+
+
+def evaluate(plan: Plan, recompute: str, cluster: Cluster, cache: Optional[StageCache] = None,
+             fp8: bool = False) -> Candidate:
+    plan = dataclasses.replace(plan, config=_with_recompute(plan.config, recompute))
+    ranks = (cache or StageCache()).ranks(plan, recompute)
     stage_params = max(r.parameters for r in ranks)
     return Candidate(plan, recompute, ranks, step_time(plan, cluster, stage_params, recompute, fp8))
 
 
 def search(base: Plan, cluster: Cluster, offload: bool = False, fp8: bool = False, limit: int = 10,
            fits_host: bool = True, near: bool = False) -> List[Candidate]:
-    """The layouts that fit the GPUs' memory (and, with offload, the host's), best tokens/s first."""
+    """The layouts that fit the GPUs' memory (and, with offload, the host's), best tokens/s first.
+
+    The step time needs no trace: every layout whose model states alone fit is timed, and only the fastest
+    are traced, in order, until `limit` fit (a trace is the costly part). A layout is traced only where
+    the same layout at micro-batch 1 with full recomputation fits (it holds the fewest activations: if it
+    does not fit, no micro-batch or recomputation of that layout does), and its rank kinds one at a time,
+    stopping at the first that does not fit."""
     from .memory import host_bytes_per_node
-    cache: dict = {}
-    states: dict = {}  # (tp, pp, cp, ep) -> the stages built without a trace: their model states alone
-    fitting = []
+    cache = StageCache()
+    device = cluster.gpu_memory_gib * GIB
+    timed = []
     for plan, recompute in layouts(base, cluster, offload, near):
-        key = (plan.tp, plan.pp, plan.cp, plan.ep)
-        if key not in states:
-            states[key] = traced_ranks(plan, trace=False)
-        untraced = [rank_memory(plan, k.name, k.pp_rank, states[key][k.name]) for k in rank_kinds(plan.pp)]
-        if max(r.peak for r in untraced) > cluster.gpu_memory_gib * GIB:
+        plan = dataclasses.replace(plan, config=_with_recompute(plan.config, recompute))
+        states = cache.ranks(plan, recompute, trace=False)
+        if max(r.peak for r in states) > device:
             continue  # the weights, gradients and optimizer state alone do not fit: no trace needed
-        cand = evaluate(plan, recompute, cluster, cache, fp8)
-        if cand.peak > cluster.gpu_memory_gib * GIB:
+        time = step_time(plan, cluster, max(r.parameters for r in states), recompute, fp8)
+        timed.append((plan, recompute, time))
+    timed.sort(key=lambda t: -t[2].tokens_per_second)
+    fitting = []
+    for plan, recompute, time in timed:
+        least = dataclasses.replace(plan, micro_batch=1, global_batch=plan.global_batch // plan.micro_batch,
+                                    config=_with_recompute(plan.config, "full"))  # as many micro-batches
+        if (plan.micro_batch, recompute) != (1, "full") and cache.ranks(least, "full", limit=device) is None:
             continue
+        ranks = cache.ranks(plan, recompute, limit=device)
+        if ranks is None:
+            continue
+        cand = Candidate(plan, recompute, ranks, time)
         host = host_bytes_per_node(cand.plan, list(cand.ranks), cluster.gpus_per_node)["total"]
         if fits_host and host > cluster.host_memory_gib * GIB:
             continue
         fitting.append(cand)
-    fitting.sort(key=lambda c: -c.time.tokens_per_second)
-    return fitting[:limit]
+        if len(fitting) == limit:
+            break
+    return fitting

@@ -28,7 +28,7 @@ def memory_plan_problem(plan: Plan, device_bytes: int, gpus_per_node: int) -> Op
     parts, and the fastest layouts that fit, nearest first: the run's own TP x PP x CP x EP with another
     micro-batch, recomputation, ZeRO stage or offload, else any layout of the same GPUs."""
     cluster = Cluster(gpus=plan.gpus, gpus_per_node=gpus_per_node, gpu_memory_gib=device_bytes / GIB)
-    cand = evaluate(plan, plan.config.recompute_granularity or "none", cluster, {})
+    cand = evaluate(plan, plan.config.recompute_granularity or "none", cluster)
     if cand.peak <= device_bytes:
         return None
     worst = max(cand.ranks, key=lambda r: r.peak)

@@ -2,12 +2,15 @@
 model is built, beside the planner's prediction for the same flags (tests/test_plan.py):
 
     python -m megatron_zero.testing.plan_measure < RUNS.json  # a list of flag lists in; a list of these out
+    torchrun --nproc_per_node N -m megatron_zero.testing.plan_measure RUNS.json   # N ranks (TP, CP, DP)
         {"measured_states": after the step (weights, gradients, optimizer state),
          "predicted_states": weights + gradients + optimizer of planning/memory.py,
          "measured_peak": the second step's peak, "predicted_peak": the plan's peak}
 
-Each run in a gloo world of one rank in this process (the planner's fake one is made and gone before it); the
-compiled kernels off, as the planner's trace takes PyTorch's path (planning/fake_rank.py).
+Each run in a gloo world of one rank in this process, or of torchrun's ranks (rank 0 measures and prints; the
+planner's fake world is made and gone before the real one); the compiled kernels off, as the planner's trace
+takes PyTorch's path (planning/fake_rank.py). Without a pipeline: a rank's one stage takes each micro-batch,
+its share of the sequence under CP.
 """
 from __future__ import annotations
 
@@ -33,23 +36,26 @@ def measure(argv) -> dict:
     from ..tensor_parallel.random import model_parallel_seed
     from ..topology import build_parallel_state
 
-    args = parse_args(argv, world_size=1)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    args = parse_args(argv, world_size=world)
     sections = from_args(args)
     config = gpt_config(args, args.vocab_size)
-    (predicted,) = plan_memory(plan_from(sections, config, 1))
+    (predicted,) = plan_memory(plan_from(sections, config, world))
     set_fusion_flags(**UNFUSED)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29673")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    if "MASTER_PORT" not in os.environ:  # one rank of its own (torchrun sets it): a port no other run holds
+        from .multirank import free_port
+        os.environ["MASTER_PORT"] = str(free_port())
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     state = build_parallel_state(**sections.parallel.degrees())
     model_parallel_seed(config.seed)
     mb = sections.parallel.micro_batch_size
-    tokens = torch.randint(0, config.vocab_size, (mb, config.seq_length))
+    tokens = torch.randint(0, config.vocab_size, (mb, config.seq_length // state.cp_size))
     with LiveBytes() as live:
         model = build_gpt_stage(config, state, device=torch.device("cpu"))
         if sections.optimizer.bf16:
             model = model.to(torch.bfloat16)
-        optimizer = build_optimizer(model, sections.optimizer, state, torch.device("cpu"))
+        optimizer = build_optimizer(model, sections.optimizer, state, torch.device("cpu"), muon=sections.muon)
         for step in range(2):  # the second step's peak: the optimizer's state exists from the first step on
             live.peak = live.current
             loss = model(tokens, labels=tokens)
@@ -63,4 +69,7 @@ def measure(argv) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps([measure(argv) for argv in json.load(sys.stdin)]))
+    runs = json.load(open(sys.argv[1]) if len(sys.argv) > 1 else sys.stdin)
+    measured = [measure(argv) for argv in runs]
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(json.dumps(measured))
