@@ -102,8 +102,9 @@ def make_forward_step(model: GPTModel, micro_batches: List[dict], state: Paralle
     def forward_step(i, x, chunk=0):
         batch = micro_batches[i]
         inputs = batch["tokens"] if state.is_first_stage and chunk == 0 else x
-        if state.is_last_stage and chunk == last_chunk:
-            return model(inputs, labels=batch["labels"], loss_mask=batch.get("loss_mask"), chunk=chunk) / m
+        if state.is_last_stage and chunk == last_chunk:  # (the tokens: multi-token prediction's)
+            return model(inputs, labels=batch["labels"], loss_mask=batch.get("loss_mask"), chunk=chunk,
+                         tokens=batch.get("tokens")) / m
         return model(inputs, chunk=chunk)
 
     return forward_step
