@@ -15,7 +15,7 @@
 
 Each area is a module that declares its flags (`add_flags(parser)`, each with help; where the area has a
 typed section, generated from the section's fields: fields.py) and owns their checks: model.py, moe.py
-(with moe_deepspeed.py, moe_router.py), mtp.py, parallel.py, optimizer.py, training.py, data.py, checkpointing.py,
+(with moe_deepspeed.py, moe_router.py), mtp.py, parallel.py, recompute.py, optimizer.py, training.py, data.py, checkpointing.py,
 log.py, runtime.py. A feature's own flags module plugs in
 through arguments.py's FEATURES: its `add_flags(parser)` and a `check(args)` that runs once the
 layout, model and run length are checked (compat_flags.py is one).
@@ -33,7 +33,7 @@ from ..batch_schedule import BatchScheduleError
 from ..deepspeed_config import DeepSpeedConfigError, apply_deepspeed_config
 from ..moe.expert_counts import ExpertCountError
 from ..topology import TopologyError
-from . import checkpointing, data, log, model, moe, mtp, muon, optimizer, parallel, runtime, training
+from . import checkpointing, data, log, model, moe, mtp, muon, optimizer, parallel, recompute, runtime, training
 from .checkpointing import CheckpointConfig
 from .data import DataConfig
 from .errors import ArgumentError
@@ -45,7 +45,7 @@ from .runtime import RuntimeConfig
 from .training import TrainingConfig
 
 # the areas in --help's order
-AREAS = (model, moe, mtp, parallel, optimizer, muon, training, data, checkpointing, log, runtime)
+AREAS = (model, recompute, moe, mtp, parallel, optimizer, muon, training, data, checkpointing, log, runtime)
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -97,6 +97,7 @@ def _validate(args, world_size: int, given: set, feature_checks: Iterable[Callab
     model.check(args, layout.tp)
     moe.check(args, layout, given)
     parallel.check_pipeline(args, layout)
+    recompute.check(args)
     model.check_recompute(args, layout.tp)
     mtp.check(args)
     parallel.check_context_parallel(args, layout.tp)

@@ -94,6 +94,7 @@ class GPTConfig:
     recompute_granularity: Optional[str] = None  # None, 'full' or 'selective'
     recompute_method: Optional[str] = None       # 'uniform' or 'block' (full granularity)
     recompute_num_layers: int = 1
+    moe_layer_recompute: bool = False            # each MoE layer runs again in backward (moe/layer.py)
     attention_backend: str = "auto"
     sequence_parallel: bool = False
     cp_comm_type: str = "p2p"  # context parallelism's K/V exchange (context_parallel/), when the model has a CP group
