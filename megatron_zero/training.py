@@ -118,7 +118,7 @@ class Trainer:
         moe_layers = sum(self.config.is_moe_layer(b) for b in range(self.config.num_layers))
         logged = logged_names(self.config)  # the MoE losses the flags compute (none: no MoE log line)
         self.moe_metrics = MoEMetrics(moe_layers, self.device, logged) if moe_layers and logged else None
-        self.mtp_metrics = MTPMetrics(self.config.mtp_num_layers, self.device) if self.model.mtp is not None else None
+        self.mtp_metrics = MTPMetrics.of(self.model, state, args, self.device)  # None: no MTP layers on this stage
         self.lr_schedule = build_lr_schedule(args)
         self.batch = par.batch_schedule  # the global batch of each iteration, from the samples consumed
         self.progress = TrainState()
@@ -370,8 +370,8 @@ class Trainer:
                                self.optimizer.params_norm, self.decoupled_lr)
             if self.moe_metrics is not None:
                 self._log_moe(p, len(micro))
-            if self.mtp_metrics is not None:  # the stage holding the MTP layers
-                self._log_mtp(p, len(micro))
+            if self.mtp_metrics is not None:  # the stage holding the MTP layers: each depth's loss
+                self.mtp_metrics.after_iteration(self.model.mtp, len(micro), p, self.log.scalars, self._log)
             if self.qk_clip is not None and (p.iteration % a.log_interval == 0 or p.iteration == a.train_iters):
                 self._log_max_attention_logit(p)
             save_now = c.save and c.save_interval and p.iteration % c.save_interval == 0
@@ -439,15 +439,6 @@ class Trainer:
         for name, value in values.items():
             self.log.scalars.scalar(name, value, p.iteration, p.consumed_train_samples)
         self._log(f" iteration {p.iteration:8d} | " + " | ".join(f"{k}: {v:.6E}" for k, v in values.items()) + " |")
-
-    def _log_mtp(self, p: TrainState, num_micro_batches: int):
-        """Each MTP depth's loss: added up each iteration, reported (a collective over DP) at each log line."""
-        self.mtp_metrics.iteration(self.model.mtp, num_micro_batches)
-        if p.iteration % self.args.log_interval == 0 or p.iteration == self.args.train_iters:
-            values = self.mtp_metrics.report(self.state.dp_group, self.state.data_parallel_size)
-            for name, value in values.items():
-                self.log.scalars.scalar(name, value, p.iteration, p.consumed_train_samples)
-            self._log(f" iteration {p.iteration:8d} | " + " | ".join(f"{k}: {v:.6E}" for k, v in values.items()) + " |")
 
     def _log_max_attention_logit(self, p: TrainState):
         """--log-max-attention-logit (on with --qk-clip): the last step's max over the model (a collective)."""
