@@ -7,7 +7,8 @@ model_rtol of the longest path (the model's layers, then each depth's projection
 pretrain_gpt.py: a toy with one depth at TP2 x PP2 with sequence parallelism and at DP2 ZeRO-3 logs the losses
 (the LM loss and mtp_1 loss) of the one-process run within the same rtol; a TP2 x PP2 save resumes at TP1 x PP1,
 reshaped while loading and through tools/ds_to_universal.py, with the losses continuing (the reshape tests'
-relative 1e-5). The flags reach the model; what is not implemented is refused in one sentence.
+relative 1e-5), and tools/convert_to_hf.py exports it as a Llama without the depths, saying so. The flags reach
+the model; what is not implemented is refused in one sentence.
 """
 import os
 import re
@@ -21,7 +22,7 @@ from megatron_zero.model.architecture import gpt_config
 from megatron_zero.model.layer_indices import layer_kind, mtp_index
 from megatron_zero.model.params import param_names, param_spec
 from megatron_zero.testing import run_ranks
-from megatron_zero.testing.cli import TINY, CliResume, cli_flags, logged_losses, pretrain_cli, text_data
+from megatron_zero.testing.cli import TINY, CliResume, cli_flags, logged_losses, pretrain_cli, text_data, tool
 from megatron_zero.testing.flag_checks import BASE, refused, with_flags
 from megatron_zero.testing.tiny_gpt import tiny_gpt_config, tiny_llama_config
 from megatron_zero.testing.tolerances import (assert_close_normwise, assert_losses_close, gpt_path_length,
@@ -202,6 +203,9 @@ def test_tp2_pp2_save_resumes_at_tp1_pp1(tmp_path):
     flat = {"tensor-model-parallel-size": 1, "pipeline-model-parallel-size": 1}
     run.assert_matches(run.resume("reshaped", flat), RESHAPE_BOUND)
     run.assert_matches(run.resume("universal", flat), RESHAPE_BOUND)
+    # Hugging Face's Llama has no MTP layers: the export leaves the depths out and says so
+    out = tool("convert_to_hf.py", run.checkpoint, os.path.join(tmp_path, "hf"))
+    assert "left out 10 parameters of the multi-token prediction depths" in out.stdout, out.stdout
 
 
 def _tp2_step(cfg):
