@@ -53,6 +53,11 @@ def test_catalogue_and_module_agree():
     # a pipeline's last stage holds the depths with the output head; the first does not
     assert f"{L + 4}.0.eh_proj.weight" in param_names(cfg, [L + 2, L + 3])
     assert not any(n.startswith(f"{L + 4}.") for n in param_names(cfg, [0, 1, 2]))
+    # Megatron-Core's torch_dist names (Transformer-Engine spec): each depth's tensors of its own
+    from megatron_zero.checkpoint.interop.mcore_names import mcore_key
+    assert mcore_key(f"{L + 4}.1.eh_proj.weight", cfg) == ("mtp.layers.1.eh_proj.weight", None)
+    assert mcore_key(f"{L + 4}.0.transformer_layer.input_layernorm.weight", cfg) == (
+        "mtp.layers.0.transformer_layer.self_attention.linear_qkv.layer_norm_weight", None)
 
 
 def test_one_process_formula():
@@ -160,6 +165,15 @@ def _tiny_config():
                            vocab_size=ByteTokenizer.vocab_size, mtp_num_layers=1)
 
 
+def _mtp_llama():
+    """The model MTP_FLAGS make of cli_flags' tiny Llama (a tied embedding), for its parameter names."""
+    from megatron_zero.data.tokenizers import ByteTokenizer
+    return tiny_llama_config(num_layers=TINY["num-layers"], hidden_size=TINY["hidden-size"],
+                             seq_length=TINY["seq-length"], max_position_embeddings=TINY["seq-length"],
+                             vocab_size=ByteTokenizer.vocab_size, untie_embeddings_and_output_weights=False,
+                             mtp_num_layers=1)
+
+
 def mtp_losses(run):
     """{iteration: mtp_1 loss} from a run's log."""
     return {int(it): float(v) for it, v in re.findall(r"iteration +(\d+) \| mtp_1 loss: ([0-9.E+-]+)", run.stdout)}
@@ -203,6 +217,20 @@ def test_tp2_pp2_save_resumes_at_tp1_pp1(tmp_path):
     flat = {"tensor-model-parallel-size": 1, "pipeline-model-parallel-size": 1}
     run.assert_matches(run.resume("reshaped", flat), RESHAPE_BOUND)
     run.assert_matches(run.resume("universal", flat), RESHAPE_BOUND)
+    # to Megatron-Core's torch_dist and back: the depths' weights and Adam moments unchanged
+    import torch
+    for source, out in (("deepspeed", run.checkpoint), ("torch_dist", None)):
+        if source == "torch_dist":
+            tool("convert_checkpoint.py", "--from", "deepspeed", "--to", "torch_dist", "--input", run.checkpoint,
+                 "--output", os.path.join(tmp_path, "td"), "--quiet")
+            out = os.path.join(tmp_path, "td", "iter_0000003")
+        tool("convert_checkpoint.py", "--from", source, "--to", "universal", "--input", out, "--output",
+             os.path.join(tmp_path, f"u_{source}"), "--quiet")
+    for name in (n for n in param_names(_mtp_llama()) if n.startswith("6.")):
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            a, b = (torch.load(os.path.join(tmp_path, f"u_{s}", "zero", name, f"{key}.pt"))["param"]
+                    for s in ("deepspeed", "torch_dist"))
+            assert torch.equal(a, b), (name, key)
     # Hugging Face's Llama has no MTP layers: the export leaves the depths out and says so
     out = tool("convert_to_hf.py", run.checkpoint, os.path.join(tmp_path, "hf"))
     assert "left out 10 parameters of the multi-token prediction depths" in out.stdout, out.stdout
