@@ -53,6 +53,17 @@ def test_catalogue_and_module_agree():
     # a pipeline's last stage holds the depths with the output head; the first does not
     assert f"{L + 4}.0.eh_proj.weight" in param_names(cfg, [L + 2, L + 3])
     assert not any(n.startswith(f"{L + 4}.") for n in param_names(cfg, [0, 1, 2]))
+    # untied at PP2: the last stage holds a copy of the first's embedding under its names, kept equal as a tied one
+    from megatron_zero.model import GPTModel
+    untied = replace(cfg, untie_embeddings_and_output_weights=True)
+    last = GPTModel(untied, layer_indices=[L + 1, L + 2, L + 3])
+    assert [n for n, _ in last.named_parameters()] == param_names(untied, [L + 1, L + 2, L + 3])
+    assert "1.word_embeddings.weight" in param_names(untied, [L + 1, L + 2, L + 3])
+    assert last.pipeline_shared_embedding() is last.embedding is last._modules["1"]
+    assert 1 not in last.layer_indices  # its layer_01 file is the first stage's
+    first = GPTModel(untied, layer_indices=[0, 1, 2])
+    assert first.pipeline_shared_embedding() is first.embedding
+    assert GPTModel(replace(untied, mtp_num_layers=None), layer_indices=[0, 1, 2]).pipeline_shared_embedding() is None
     # Megatron-Core's torch_dist names (Transformer-Engine spec): each depth's tensors of its own
     from megatron_zero.checkpoint.interop.mcore_names import mcore_key
     assert mcore_key(f"{L + 4}.1.eh_proj.weight", cfg) == ("mtp.layers.1.eh_proj.weight", None)
@@ -148,9 +159,8 @@ def test_flags_reach_the_model_and_refusals(capsys):
     assert parse_args(with_flags(BASE, mtp_num_layers=1), world_size=1).mtp_loss_scaling_factor == 0.1
     line = refused(with_flags(BASE, mtp_num_layers=1, context_parallel_size=2), 2, capsys)
     assert "--mtp-num-layers" in line and "--context-parallel-size 2" in line
-    line = refused(with_flags(BASE, mtp_num_layers=1, untie_embeddings_and_output_weights=True,
-                              pipeline_model_parallel_size=2), 2, capsys)
-    assert "--untie-embeddings-and-output-weights" in line
+    parse_args(with_flags(BASE, mtp_num_layers=1, untie_embeddings_and_output_weights=True,
+                          pipeline_model_parallel_size=2), world_size=2)  # the last stage holds a copy
     line = refused(with_flags(BASE, mtp_num_layers=1, num_experts=4), 1, capsys)
     assert "MoE" in line and "--moe-layer-freq" in line
     parse_args(with_flags(BASE, mtp_num_layers=1, num_experts=4, moe_layer_freq="[1,1,1,0]"), world_size=1)
@@ -185,7 +195,8 @@ MTP_FLAGS = {"mtp-num-layers": 1, "untie-embeddings-and-output-weights": None, "
 
 def _cli_parity(tmp_path, nproc, layout):
     data = text_data(str(tmp_path / "text"))
-    want = pretrain_cli(1, cli_flags(data, tmp_path / "cache", "llama", MTP_FLAGS), timeout=600)
+    tie = {k: v for k, v in layout.items() if k == "untie-embeddings-and-output-weights"}
+    want = pretrain_cli(1, cli_flags(data, tmp_path / "cache", "llama", MTP_FLAGS, tie), timeout=600)
     got = pretrain_cli(nproc, cli_flags(data, tmp_path / "cache", "llama", MTP_FLAGS, layout), timeout=900)
     rtol = model_rtol(mtp_path_length(_tiny_config(), TINY["global-batch-size"] * TINY["seq-length"]))
     for read in (logged_losses, mtp_losses):
@@ -194,10 +205,12 @@ def _cli_parity(tmp_path, nproc, layout):
         assert_losses_close([g[i] for i in sorted(g)], [w[i] for i in sorted(w)], rtol, read.__name__)
 
 
-@pytest.mark.slow  # default tier: test_tp2_sequence_parallel_step (TP2 + SP in one step)
-def test_pretrain_gpt_tp2_pp2_sequence_parallel_matches_one_process(tmp_path):
+@pytest.mark.slow  # default tier: test_tp2_sequence_parallel_step (TP2 + SP in one step), test_catalogue_and_module_agree
+@pytest.mark.parametrize("embedding", ["tied", "untied"])  # untied: the last stage's copy of the embedding
+def test_pretrain_gpt_tp2_pp2_sequence_parallel_matches_one_process(tmp_path, embedding):
     _cli_parity(tmp_path, 4, {"tensor-model-parallel-size": 2, "pipeline-model-parallel-size": 2,
-                              "sequence-parallel": True})
+                              "sequence-parallel": True,
+                              **({"untie-embeddings-and-output-weights": True} if embedding == "untied" else {})})
 
 
 @pytest.mark.slow  # default tier: test_one_process_formula (ZeRO-3's units: each depth its own)

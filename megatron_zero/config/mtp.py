@@ -39,10 +39,6 @@ def check(args) -> None:
     cp = args.context_parallel_size
     require(cp == 1, f"--mtp-num-layers with --context-parallel-size {cp} is not implemented here: its shifted "
             "tokens and labels cross the context-parallel ranks' chunks; train MTP without context parallelism")
-    require(not (args.untie_embeddings_and_output_weights and args.pipeline_model_parallel_size > 1),
-            "--mtp-num-layers embeds tokens on the last pipeline stage, and with --untie-embeddings-and-output-weights "
-            f"at --pipeline-model-parallel-size {args.pipeline_model_parallel_size} the embedding is only on the "
-            "first; not implemented here (tie the embeddings, or train at one pipeline stage)")
     experts = args.num_experts[0] if isinstance(args.num_experts, (list, tuple)) else args.num_experts
     last_is_moe = experts not in (None, 1) and is_moe_block(args.moe_layer_freq, getattr(args, "moe_layer_offset", 0),
                                                             args.num_layers - 1)

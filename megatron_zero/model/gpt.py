@@ -48,14 +48,15 @@ class GPTModel(nn.Module):
             raise ValueError(f"layer_indices must be non-empty, increasing and within 0..{len(all_layers) - 1}, "
                              f"got {self.layer_indices}")
         self.tied = not config.untie_embeddings_and_output_weights
+        mirror = False  # an untied embedding's copy on the last stage, which multi-token prediction embeds with
         if config.mtp_num_layers and lm_head_index(L) in self.layer_indices:
-            if not self.tied and EMBEDDING_INDEX not in self.layer_indices:
-                raise ValueError("multi-token prediction embeds tokens on the stage of the output head, which an "
-                                 "untied embedding on another pipeline stage does not reach")
+            mirror = not self.tied and EMBEDDING_INDEX not in self.layer_indices
             self.layer_indices.append(mtp_index(L))
         self.chunks = _contiguous_runs(self.layer_indices)  # the model chunks of an interleaved stage
         if self.tied and holds_embedding(self.layer_indices, L):
             self.tied_modules = nn.ModuleDict({"embed": Embedding(config, tp_group, cp_group)})
+        if mirror:  # under the first stage's names (`1.`), kept equal to it as a tied embedding is (gpt_stage.py)
+            self.add_module(str(EMBEDDING_INDEX), Embedding(config, tp_group, cp_group))
         for i in self.layer_indices:
             kind = layer_kind(i, L)
             if kind == "embedding" and not self.tied:
@@ -75,6 +76,13 @@ class GPTModel(nn.Module):
     def mtp(self) -> Optional[MultiTokenPrediction]:
         """The multi-token prediction depths this stage holds (with the output head), or None."""
         return self._modules.get(str(mtp_index(self.config.num_layers)))
+
+    def pipeline_shared_embedding(self) -> Optional[nn.Module]:
+        """The embedding the first and the last pipeline stage both hold (each its own copy, kept equal): the
+        tied one, or with multi-token prediction the untied one; None where this stage holds no such copy."""
+        if self.tied:
+            return self.tied_modules["embed"] if hasattr(self, "tied_modules") else None
+        return self._modules.get(str(EMBEDDING_INDEX)) if self.config.mtp_num_layers else None
 
     @property
     def embedding(self) -> Embedding:

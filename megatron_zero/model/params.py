@@ -292,8 +292,8 @@ def param_names(config: GPTConfig, layer_indices=None) -> List[str]:
     indices = list(range(num_pipeline_layers(config.num_layers)) if layer_indices is None else layer_indices)
     names = []
     tied = not config.untie_embeddings_and_output_weights
-    if tied and lm_head_index(config.num_layers) in indices and EMBEDDING_INDEX not in indices:
-        names += layer_param_names(EMBEDDING_INDEX, config)
+    if (tied or config.mtp_num_layers) and lm_head_index(config.num_layers) in indices and EMBEDDING_INDEX not in indices:
+        names += layer_param_names(EMBEDDING_INDEX, config)  # the last stage's copy (tied, or for MTP's tokens)
     for i in indices:
         names += layer_param_names(i, config)
     if lm_head_index(config.num_layers) in indices and mtp_index(config.num_layers) not in indices:
