@@ -131,6 +131,9 @@ class GPTModel(nn.Module):
                 loss = self.loss(self.output_losses(x, labels), loss_mask)
                 if self.mtp is not None and self.training and torch.is_grad_enabled():
                     tokens = inputs if tokens is None else tokens
+                    if tokens.is_floating_point():
+                        raise ValueError("multi-token prediction embeds the input tokens on the stage of the "
+                                         "output head: pass them as forward's `tokens`")
                     positions = local_positions(tokens.shape[1], self.cp_group, tokens.device)
                     loss = loss + self.mtp.gradient_term(self, x, tokens, positions, labels, loss_mask)
                 return loss

@@ -156,7 +156,8 @@ def _trace_micro_batch(model, state, config, micro_batch: int, dtype) -> Tuple[i
     for p in model.parameters():  # the optimizer takes each gradient into its own buffers (memory.py counts those)
         p.register_post_accumulate_grad_hook(_drop_grad)
     with BalancedExpertCounts(), LiveBytes() as live:
-        out = model(inputs, labels=tokens if state.is_last_stage else None)
+        out = model(inputs, labels=tokens if state.is_last_stage else None,
+                    tokens=tokens if state.is_last_stage else None)  # (multi-token prediction embeds them)
         saved = live.current - out.untyped_storage().nbytes()
         if state.is_last_stage:
             out.backward()
