@@ -166,6 +166,12 @@ def test_flags_reach_the_model_and_refusals(capsys):
     parse_args(with_flags(BASE, mtp_num_layers=1, num_experts=4, moe_layer_freq="[1,1,1,0]"), world_size=1)
     line = refused(with_flags(BASE, mtp_num_layers=-1), 1, capsys)
     assert "--mtp-num-layers -1" in line
+    # a resume with other depths than the checkpoint's is refused by the model check, naming them
+    from megatron_zero.checkpoint.compat import disagreements
+    saved = {"args": vars(parse_args(with_flags(BASE, mtp_num_layers=1), world_size=1))}
+    assert disagreements(saved, parse_args(BASE, world_size=1), 100, lambda tp: 128) == [
+        "mtp_num_layers 1 in the checkpoint vs None here"]
+    assert disagreements(saved, parse_args(with_flags(BASE, mtp_num_layers=1), world_size=1), 100, lambda tp: 128) == []
 
 
 def _tiny_config():
