@@ -64,6 +64,13 @@ def test_catalogue_and_module_agree():
     first = GPTModel(untied, layer_indices=[0, 1, 2])
     assert first.pipeline_shared_embedding() is first.embedding
     assert GPTModel(replace(untied, mtp_num_layers=None), layer_indices=[0, 1, 2]).pipeline_shared_embedding() is None
+    # Muon takes the depths' matrices as Megatron-Core's does: the projection, and the block's as a block's
+    from megatron_zero.optimizer.muon import block_matrix_dim, is_qkv, takes_muon
+    assert block_matrix_dim(f"{L + 4}.0.eh_proj.weight") == 0
+    assert block_matrix_dim(f"{L + 4}.0.transformer_layer.self_attention.dense.weight") == 1
+    assert is_qkv(f"{L + 4}.1.transformer_layer.self_attention.query_key_value.weight")
+    assert not takes_muon(f"{L + 4}.0.enorm.weight", (h,))
+    assert not takes_muon(f"{L + 4}.0.transformer_layer.input_layernorm.weight", (h,))
     # Megatron-Core's torch_dist names (Transformer-Engine spec): each depth's tensors of its own
     from megatron_zero.checkpoint.interop.mcore_names import mcore_key
     assert mcore_key(f"{L + 4}.1.eh_proj.weight", cfg) == ("mtp.layers.1.eh_proj.weight", None)
