@@ -7,12 +7,13 @@ positions zero: Megatron-Core's roll_tensor), and h_0 the main model's output af
     h_k    = final_layernorm_k(block_k(eh_proj_k([enorm_k(embed(tokens_k)), hnorm_k(h_{k-1})])))
     loss_k = the masked mean cross-entropy of the shared output layer on h_k against labels_k
 
-The embedding and output layer are the model's own (a pipeline's last stage holds the tied embedding for
-that); block_k has the last block's structure. The step's objective adds mtp_loss_scaling_factor x mean_k
-loss_k to the language-model loss (Megatron-Core's MTPLossAutoScaler: the value returned, and logged as the
-LM loss, is the main loss alone). Tensor parallel as the model's other layers: eh_proj column-parallel, its
-output gathered, and with sequence parallelism scattered back to this rank's tokens before the block.
-Each depth is one unit of ZeRO-3's gathers, and is recomputed in backward under --recompute-granularity full.
+The embedding and output layer are the model's own (a pipeline's last stage holds its copy of the tied
+embedding for that, or of an untied one: GPTModel, pipeline/gpt_stage.py); block_k has the last block's
+structure. The step's objective adds mtp_loss_scaling_factor x mean_k loss_k to the language-model loss
+(Megatron-Core's MTPLossAutoScaler: the value returned, and logged as the LM loss, is the main loss alone).
+Tensor parallel as the model's other layers: eh_proj column-parallel, its output gathered, and with sequence
+parallelism scattered back to this rank's tokens before the block. Each depth is one unit of ZeRO-3's
+gathers, and is recomputed in backward under --recompute-granularity full.
 """
 from __future__ import annotations
 

@@ -23,7 +23,8 @@ width moe_shared_expert_intermediate_size) and with its gate `mlp.shared_expert_
 With multi-token prediction (model/multi_token_prediction.py) the layer `{L+4}` holds, per depth k,
 Megatron-Core's MultiTokenPredictionLayer: `{L+4}.{k}.enorm.*` and `.hnorm.*` (the model's norm, [h]),
 `{L+4}.{k}.eh_proj.weight` [h, 2h] (column-parallel), `{L+4}.{k}.transformer_layer.<a dense block's suffix>`
-(split as a block's) and `{L+4}.{k}.final_layernorm.*`; the embedding and output layer are the model's.
+(split as a block's) and `{L+4}.{k}.final_layernorm.*`; the embedding and output layer are the model's (a last
+pipeline stage holds a copy of an untied embedding too, under its names `1.*`, as of a tied one).
 
 The full shape of a vocabulary tensor is the *unpadded* one, [config.vocab_size, h]; padding
 to `config.padded_vocab_size(tp)` happens when a full tensor is sharded. Two full layouts
