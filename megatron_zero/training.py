@@ -69,6 +69,7 @@ from .training_steps import LoopSteps, TrainState
 from .moe import reset_aux_losses, set_aux_loss_scale
 from .moe.expert_bias import ExpertBiasUpdate
 from .moe.metrics import MoEMetrics, logged_names
+from .model.mtp_metrics import MTPMetrics
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -114,6 +115,7 @@ class Trainer(LoopSteps):
         logged = logged_names(self.config)  # the MoE losses the flags compute (none: no MoE log line)
         self.moe_metrics = MoEMetrics(moe_layers, self.device, logged) if moe_layers and logged else None
         self.expert_bias = ExpertBiasUpdate.of_run(self.model, self.config, state)  # (moe/expert_bias.py)
+        self.mtp_metrics = MTPMetrics.of(self.model, state, args, self.device)  # None: no MTP layers on this stage
         self.lr_schedule = build_lr_schedule(self.sections)
         self.batch = par.batch_schedule  # the global batch of each iteration, from the samples consumed
         self.progress = TrainState()

@@ -108,6 +108,8 @@ class LoopSteps:
                            self.optimizer.params_norm, self.decoupled_lr)
         if self.moe_metrics is not None:
             self._log_moe(p, len(micro))
+        if self.mtp_metrics is not None:  # the stage holding the MTP layers: each depth's loss
+            self.mtp_metrics.after_iteration(self.model.mtp, len(micro), p, self.log.scalars, self._log)
         if self.qk_clip is not None and (p.iteration % self.args.log_interval == 0 or p.iteration == t.train_iters):
             self._log_max_attention_logit(p)
         return updated, grad_norm

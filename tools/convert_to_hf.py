@@ -41,6 +41,9 @@ def main(argv=None) -> int:
     cfg = out["config"]
     print(f"wrote {out['architecture']} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, "
           f"{a.dtype}) to {a.output_dir}: {', '.join(out['files'])}")
+    if out["dropped"]:
+        print(f"left out {len(out['dropped'])} parameters of the multi-token prediction depths ({out['dropped'][0]}, "
+              f"...): {out['architecture']} has no MTP layers")
     return 0
 
 

@@ -19,8 +19,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..model.layer_indices import EMBEDDING_INDEX
-from ..model.params import (BLOCK_PARAMS, LM_HEAD_SUFFIX, SWIGLU_SUFFIXES, block_suffixes, position_embeddings_name,
-                            word_embeddings_name)
+from ..model.params import (BLOCK_PARAMS, LM_HEAD_SUFFIX, MTP_LAYER_PREFIX, MTP_PROJECTION, SWIGLU_SUFFIXES,
+                            block_suffixes, mtp_suffixes, position_embeddings_name, word_embeddings_name)
 from .format import (DS_VERSION, PIPELINE_REPLICATED_PATTERNS, ROW_PARALLEL_PATTERNS, SUB_PARAMS_PATTERNS,
                      TO_AVERAGE_PATTERNS, TP_REPLICATED_PATTERNS, UNIVERSAL_CHECKPOINT_VERSION, VOCAB_PATTERNS)
 
@@ -72,6 +72,11 @@ def universal_checkpoint_info(config, padded_vocab_size: int) -> dict:
     replicated = [re.escape(positions)] if positions else []
     replicated += [pat(s) for s in suffixes if BLOCK_PARAMS[s][0] is None]
     replicated += [pat("weight"), pat("bias")]  # the final norm, `{L+2}.weight|bias`
+    row = [pat(s) for s in suffixes if BLOCK_PARAMS[s][0] == 1]
+    swiglu = [pat(s) for s in suffixes if s in SWIGLU_SUFFIXES]
+    if config.mtp_num_layers:  # `{L+4}.{k}.<local>`: the norms replicated, the block's as a block's
+        depth = mtp_patterns(config)
+        replicated, row, swiglu = replicated + depth["replicated"], row + depth["row"], swiglu + depth["swiglu"]
     tied = not config.untie_embeddings_and_output_weights
     return {
         "universal_checkpoint_version": UNIVERSAL_CHECKPOINT_VERSION,
@@ -80,10 +85,23 @@ def universal_checkpoint_info(config, padded_vocab_size: int) -> dict:
         VOCAB_PATTERNS: [re.escape(word)] + ([] if tied else [pat(LM_HEAD_SUFFIX)]),
         PIPELINE_REPLICATED_PATTERNS: [re.escape(n) for n in (word, positions) if n and tied],
         TP_REPLICATED_PATTERNS: replicated,
-        ROW_PARALLEL_PATTERNS: [pat(s) for s in suffixes if BLOCK_PARAMS[s][0] == 1],
+        ROW_PARALLEL_PATTERNS: row,
         TO_AVERAGE_PATTERNS: [],
-        **({SUB_PARAMS_PATTERNS: [pat(s) for s in suffixes if s in SWIGLU_SUFFIXES]} if config.swiglu else {}),
+        **({SUB_PARAMS_PATTERNS: swiglu} if config.swiglu else {}),
     }
+
+
+def mtp_patterns(config) -> Dict[str, List[str]]:
+    """The multi-token prediction depths' names in DeepSpeed's pattern lists: replicated, row-parallel, SwiGLU."""
+    def pat(local):
+        return r"\d+\.\d+\." + re.escape(local)
+
+    locals_ = mtp_suffixes(config)
+    block = {s: s[len(MTP_LAYER_PREFIX):] for s in locals_ if s.startswith(MTP_LAYER_PREFIX)}
+    return {"replicated": [pat(s) for s in locals_ if s not in block and s != MTP_PROJECTION]
+            + [pat(s) for s, b in block.items() if BLOCK_PARAMS[b][0] is None],
+            "row": [pat(s) for s, b in block.items() if BLOCK_PARAMS[b][0] == 1],
+            "swiglu": [pat(s) for s, b in block.items() if b in SWIGLU_SUFFIXES]}
 
 
 def param_shapes(optimizer, named_params: Dict) -> List["OrderedDict"]:

@@ -95,8 +95,8 @@ def _load_experts(ckpt: Checkpoint, model, mp_rank: int, device: torch.device, s
 def _load_layers(ckpt: Checkpoint, model, tp_rank: int, device: torch.device, mp_rank: int = 0):
     """`mp_rank`: the model-parallel index of this rank's expert slices (pp x ETP + etp)."""
     indices = list(model.layer_indices)
-    if hasattr(model, "tied_modules") and 1 not in indices:
-        indices = [1] + indices  # a last stage's copy of the tied embedding comes from layer_01
+    if (hasattr(model, "tied_modules") or "1" in model._modules) and 1 not in indices:
+        indices = [1] + indices  # a last stage's copy of the tied (or, with MTP, untied) embedding: from layer_01
     sd = OrderedDict()
     for i in indices:
         name = layer_file_name(i, tp_rank)

@@ -14,10 +14,11 @@
                          and the run's model/architecture.ModelSettings (checkpoint/compat.py)
 
 Each area is a module whose typed section's fields declare its flags (`add_flags(parser)` generates them,
-fields.py) and which owns their checks: model.py, moe.py (with moe_deepspeed.py, moe_router.py), parallel.py,
-optimizer.py, training.py, data.py, checkpointing.py, log.py, runtime.py. A feature's flags (compat.py,
-elastic.py, loss.py, fp8.py, compile.py) plug in through arguments.py's FEATURES: the module's
-`add_flags(parser)` and a `check(args)` that runs once the layout, model and run length are checked.
+fields.py) and which owns their checks: model.py, recompute.py, mla.py, moe.py (with moe_deepspeed.py,
+moe_router.py, moe_router_bias.py), mtp.py, parallel.py, optimizer.py, muon.py, training.py, data.py,
+checkpointing.py, log.py, runtime.py. A feature's flags (compat.py, compat_noops.py, elastic.py, loss.py, fp8.py,
+compile.py, rerun.py) plug in through arguments.py's FEATURES: the module's `add_flags(parser)` and a
+`check(args)` that runs once the layout, model and run length are checked.
 
 A refusal is one sentence (errors.ArgumentError) naming the flags, their values and what would be right.
 Downstream code takes the checked values and does not check them again.
@@ -33,7 +34,7 @@ from ..deepspeed_config import DeepSpeedConfigError, apply_deepspeed_config
 from ..model.shape_rules import ModelShapeError
 from ..moe.expert_counts import ExpertCountError
 from ..topology import TopologyError
-from . import checkpointing, data, log, mla, model, moe, muon, optimizer, parallel, runtime, training
+from . import checkpointing, data, log, mla, model, moe, mtp, muon, optimizer, parallel, recompute, runtime, training
 from .checkpointing import CheckpointConfig
 from .compat import CompatConfig
 from .compat_noops import CompatNoopsConfig
@@ -48,15 +49,17 @@ from .mla import MLAConfig
 from .model import ModelConfig
 from .moe import MoeConfig
 from .moe_router_bias import MoERouterBiasConfig
+from .mtp import MTPConfig
 from .muon import MuonConfig
 from .optimizer import OptimizerConfig
 from .parallel import ParallelConfig
+from .recompute import RecomputeConfig
 from .rerun import RerunConfig
 from .runtime import RuntimeConfig
 from .training import TrainingConfig
 
 # the areas in --help's order
-AREAS = (model, mla, moe, parallel, optimizer, muon, training, data, checkpointing, log, runtime)
+AREAS = (model, recompute, mla, moe, mtp, parallel, optimizer, muon, training, data, checkpointing, log, runtime)
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -72,6 +75,8 @@ class Config:
     moe: MoeConfig
     router_bias: MoERouterBiasConfig
     mla: MLAConfig
+    mtp: MTPConfig
+    recompute: RecomputeConfig
     parallel: ParallelConfig
     optimizer: OptimizerConfig
     muon: MuonConfig
@@ -90,11 +95,11 @@ class Config:
 
 
 SECTIONS = {"model": ModelConfig, "moe": MoeConfig, "router_bias": MoERouterBiasConfig, "mla": MLAConfig,
-            "parallel": ParallelConfig, "optimizer": OptimizerConfig,
+            "mtp": MTPConfig, "recompute": RecomputeConfig, "parallel": ParallelConfig, "optimizer": OptimizerConfig,
             "muon": MuonConfig, "training": TrainingConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
             "log": LogConfig, "runtime": RuntimeConfig, "compat": CompatConfig, "elastic": ElasticConfig,
-            "loss": LossConfig, "fp8": Fp8Config, "compile": CompileConfig,
-            "rerun": RerunConfig, "compat_noops": CompatNoopsConfig}
+            "loss": LossConfig, "fp8": Fp8Config, "compile": CompileConfig, "rerun": RerunConfig,
+            "compat_noops": CompatNoopsConfig}
 
 
 def from_args(args) -> Config:
@@ -126,7 +131,9 @@ def _validate(args, world_size: int, given: set, feature_checks: Iterable[Callab
     mla.check(args, given)
     moe.check(args, layout, given)
     parallel.check_pipeline(args, layout)
+    recompute.check(args)
     model.check_recompute(args, layout.tp)
+    mtp.check(args)
     parallel.check_context_parallel(args, layout.tp)
     model.check_positions(args)
     optimizer.check_precision(args)

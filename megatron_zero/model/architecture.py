@@ -28,6 +28,7 @@ recorded args (the resume check, the saved-config readers) and the run's own fla
                               post_layernorm
     add_qkv_bias              add_qkv_bias (Megatron-LM's)                  False
     qk_layernorm              qk_layernorm (Megatron-LM's)                  False
+    mtp_num_layers            mtp_num_layers (Megatron-LM's; 0 is none)     None
     kv_channels               kv_channels (Megatron-LM's; hidden / heads    hidden / heads
                               is read as unset)
     multi_latent_attention    multi_latent_attention and its sizes          False (the sizes: not compared)
@@ -50,7 +51,8 @@ SWITCHES = {"swiglu": False, "normalization": "LayerNorm", "untie_embeddings_and
             "add_bias_linear": True, "apply_residual_connection_post_layernorm": False,
             "position_embedding_type": "learned_absolute", "add_position_embedding": True,
             "apply_layernorm_1p": False, "moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False,
-            "add_qkv_bias": False, "qk_layernorm": False, "multi_latent_attention": False}
+            "add_qkv_bias": False, "qk_layernorm": False, "multi_latent_attention": False,
+            "mtp_num_layers": None}
 # sizes and numbers of the model (compared where both sides have one)
 SIZES = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
          "make_vocab_size_divisible_by", "layernorm_epsilon", "num_query_groups", "rotary_base", "rotary_percent", "kv_channels",
@@ -79,6 +81,7 @@ def model_settings(args, fill_sizes: bool = True) -> dict:
     for key, gpt2 in SWITCHES.items():
         out[key] = gpt2 if args.get(key) is None else args[key]
     out["normalization"] = _normalization(out["normalization"])
+    out["mtp_num_layers"] = out["mtp_num_layers"] or None
     if args.get("normalization") == "rmsnorm":  # Megatron-DeepSpeed's RMSNorm trains gamma as is, 1p or not
         out["apply_layernorm_1p"] = False
     if args.get("use_rotary_position_embeddings"):
@@ -159,6 +162,7 @@ class ModelSettings:
     moe_layer_freq: Optional[object] = None  # an interval or a per-layer pattern, as recorded
     moe_layer_offset: Optional[int] = None
     moe_ffn_hidden_size: Optional[int] = None
+    mtp_num_layers: Optional[int] = None  # multi-token prediction's depths (None: none)
 
     @classmethod
     def from_args(cls, args) -> "ModelSettings":

@@ -111,11 +111,15 @@ class GPTConfig:
     moe_drop_tokens: bool = True                     # False: capacity is never exceeded, nothing dropped
     moe_use_rts: bool = True                         # top-1: random token selection past capacity
     moe_top2_2nd_expert_sampling: bool = True        # top-2: the second expert from Gumbel-noised logits
+    # multi-token prediction (Megatron-Core's MTP, model/multi_token_prediction.py): None -> none
+    mtp_num_layers: Optional[int] = None
+    mtp_loss_scaling_factor: float = 0.1             # the depths' mean loss times this joins the LM loss's gradient
     # memory and speed (model/recompute.py, model/attention_core.py, sequence parallelism): none of
     # these changes a parameter, so checkpoints never record or need them
     recompute_granularity: Optional[str] = None  # None, 'full' or 'selective'
     recompute_method: Optional[str] = None       # 'uniform' or 'block' (full granularity)
     recompute_num_layers: int = 1
+    moe_layer_recompute: bool = False            # each MoE layer runs again in backward (moe/layer.py)
     attention_backend: str = "auto"
     sequence_parallel: bool = False
     cp_comm_type: str = "p2p"  # context parallelism's K/V exchange (context_parallel/), when the model has a CP group
@@ -132,6 +136,7 @@ class GPTConfig:
         if self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
         self._check_moe()
+        self._check_mtp()
         if self.normalization not in NORMALIZATIONS:
             raise ValueError(f"normalization {self.normalization!r} is not one of {NORMALIZATIONS}")
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
@@ -207,6 +212,15 @@ class GPTConfig:
             raise ValueError("sinkhorn routing balances without an aux loss; set moe_aux_loss_coeff 0")
         if self.moe_token_dispatcher_type not in ("alltoall", "allgather"):
             raise ValueError(f"moe_token_dispatcher_type {self.moe_token_dispatcher_type!r} is not alltoall or allgather")
+
+    def _check_mtp(self) -> None:
+        if not self.mtp_num_layers:
+            self.mtp_num_layers = None
+            return
+        if self.mtp_num_layers < 0:
+            raise ValueError(f"mtp_num_layers {self.mtp_num_layers} must not be negative")
+        if self.is_moe_layer(self.num_layers - 1):
+            raise ValueError("an MTP layer takes the last block's structure, and an MoE one is not implemented here")
 
     def is_moe_layer(self, block: int) -> bool:
         """Whether transformer block `block` (0-based) has an MoE layer in place of its MLP (Megatron-Core's

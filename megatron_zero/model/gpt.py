@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
+import torch
 from torch import nn
 
 from .. import shm_comm
@@ -25,9 +26,11 @@ from ..tensor_parallel import vocab_parallel_cross_entropy
 from ..tensor_parallel.utils import tp_rank_in, tp_world_size
 from .config import GPTConfig
 from .init import initialize_parameters
-from .layer_indices import EMBEDDING_INDEX, block_number, holds_embedding, is_block_index, layer_kind, lm_head_index, num_pipeline_layers
+from .layer_indices import (EMBEDDING_INDEX, block_number, holds_embedding, is_block_index, layer_kind, lm_head_index,
+                            mtp_index, num_pipeline_layers)
+from .multi_token_prediction import MultiTokenPrediction
 from .recompute import run_layers
-from .transformer import Embedding, LMHead, ParallelTransformerLayer, build_norm
+from .transformer import Embedding, LMHead, ParallelTransformerLayer, build_norm, local_positions
 
 
 class GPTModel(nn.Module):
@@ -44,10 +47,16 @@ class GPTModel(nn.Module):
                 or self.layer_indices[0] < 0 or self.layer_indices[-1] >= len(all_layers):
             raise ValueError(f"layer_indices must be non-empty, increasing and within 0..{len(all_layers) - 1}, "
                              f"got {self.layer_indices}")
-        self.chunks = _contiguous_runs(self.layer_indices)  # the model chunks of an interleaved stage
         self.tied = not config.untie_embeddings_and_output_weights
+        mirror = False  # an untied embedding's copy on the last stage, which multi-token prediction embeds with
+        if config.mtp_num_layers and lm_head_index(L) in self.layer_indices:
+            mirror = not self.tied and EMBEDDING_INDEX not in self.layer_indices
+            self.layer_indices.append(mtp_index(L))
+        self.chunks = _contiguous_runs(self.layer_indices)  # the model chunks of an interleaved stage
         if self.tied and holds_embedding(self.layer_indices, L):
             self.tied_modules = nn.ModuleDict({"embed": Embedding(config, tp_group, cp_group)})
+        if mirror:  # under the first stage's names (`1.`), kept equal to it as a tied embedding is (gpt_stage.py)
+            self.add_module(str(EMBEDDING_INDEX), Embedding(config, tp_group, cp_group))
         for i in self.layer_indices:
             kind = layer_kind(i, L)
             if kind == "embedding" and not self.tied:
@@ -59,7 +68,21 @@ class GPTModel(nn.Module):
                 self.add_module(str(i), build_norm(config, tp_group))
             elif kind == "lm_head" and not self.tied:
                 self.add_module(str(i), LMHead(config, tp_group))
+            elif kind == "mtp":
+                self.add_module(str(i), MultiTokenPrediction(config, tp_group))
         initialize_parameters(self, config, self.tp, self.tp_rank)
+
+    @property
+    def mtp(self) -> Optional[MultiTokenPrediction]:
+        """The multi-token prediction depths this stage holds (with the output head), or None."""
+        return self._modules.get(str(mtp_index(self.config.num_layers)))
+
+    def pipeline_shared_embedding(self) -> Optional[nn.Module]:
+        """The embedding the first and the last pipeline stage both hold (each its own copy, kept equal): the
+        tied one, or with multi-token prediction the untied one; None where this stage holds no such copy."""
+        if self.tied:
+            return self.tied_modules["embed"] if hasattr(self, "tied_modules") else None
+        return self._modules.get(str(EMBEDDING_INDEX)) if self.config.mtp_num_layers else None
 
     @property
     def embedding(self) -> Embedding:
@@ -91,9 +114,11 @@ class GPTModel(nn.Module):
         """This stage's transformer layers, in order."""
         return [b for c in range(len(self.chunks)) for b in self.chunk_blocks(c)]
 
-    def forward(self, inputs, labels=None, loss_mask=None, chunk: int = 0):
+    def forward(self, inputs, labels=None, loss_mask=None, chunk: int = 0, tokens=None):
         """Tokens [b, s] (first stage) or hidden [b, s, h] in; hidden, logits, or the mean loss out.
-        `chunk`: which model chunk of an interleaved stage runs (0 for a plain stage)."""
+        `chunk`: which model chunk of an interleaved stage runs (0 for a plain stage). `tokens`: the input
+        tokens on the stage of the output head, for multi-token prediction while training (first stage: the
+        inputs)."""
         x = inputs
         L = self.config.num_layers
         blocks_done = False
@@ -103,7 +128,15 @@ class GPTModel(nn.Module):
             elif i == lm_head_index(L):
                 if labels is None:
                     return self.output_logits(x)
-                return self.loss(self.output_losses(x, labels), loss_mask)
+                loss = self.loss(self.output_losses(x, labels), loss_mask)
+                if self.mtp is not None and self.training and torch.is_grad_enabled():
+                    tokens = inputs if tokens is None else tokens
+                    if tokens.is_floating_point():
+                        raise ValueError("multi-token prediction embeds the input tokens on the stage of the "
+                                         "output head: pass them as forward's `tokens`")
+                    positions = local_positions(tokens.shape[1], self.cp_group, tokens.device)
+                    loss = loss + self.mtp.gradient_term(self, x, tokens, positions, labels, loss_mask)
+                return loss
             elif layer_kind(i, L) == "final_norm":
                 x = self._modules[str(i)](x)
             elif is_block_index(i, L) and not blocks_done:  # the chunk's first block runs them all

@@ -6,6 +6,8 @@
     L+2      final norm (`{L+2}.weight`, and `{L+2}.bias` for LayerNorm)
     L+3      output head: tied to the word embedding (no parameters of its own), or untied,
              Megatron-DeepSpeed's LMHeadPipe (`{L+3}.lm_head.weight`, on the last stage)
+    L+4      the multi-token prediction layers (--mtp-num-layers; `{L+4}.{k}.*`): outside the pipeline's
+             partition, held by the stage that holds the output head
 
 Pure functions, usable offline (checkpoint tools, pipeline partitioning).
 """
@@ -37,12 +39,17 @@ def lm_head_index(num_layers: int) -> int:
     return num_layers + 3
 
 
+def mtp_index(num_layers: int) -> int:
+    """The multi-token prediction block's index: the stage holding the output head holds it too."""
+    return num_layers + 4
+
+
 def is_block_index(layer_index: int, num_layers: int) -> bool:
     return FIRST_BLOCK_INDEX <= layer_index < final_norm_index(num_layers)
 
 
 def layer_kind(layer_index: int, num_layers: int) -> str:
-    """One of 'input', 'embedding', 'block', 'final_norm', 'lm_head'."""
+    """One of 'input', 'embedding', 'block', 'final_norm', 'lm_head', 'mtp'."""
     if layer_index == INPUT_INDEX:
         return "input"
     if layer_index == EMBEDDING_INDEX:
@@ -53,6 +60,8 @@ def layer_kind(layer_index: int, num_layers: int) -> str:
         return "final_norm"
     if layer_index == lm_head_index(num_layers):
         return "lm_head"
+    if layer_index == mtp_index(num_layers):
+        return "mtp"
     raise ValueError(f"layer index {layer_index} lies outside 0..{num_pipeline_layers(num_layers) - 1} "
                      f"for a model of {num_layers} layers")
 

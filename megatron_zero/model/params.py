@@ -25,6 +25,12 @@ replicated) and per expert e `mlp.deepspeed_moe.experts.deepspeed_experts.{e}.de
 (moe/shared_expert.py) also `mlp.shared_expert.dense_h_to_4h.*` / `.dense_4h_to_h.*` (the dense MLP's split,
 width moe_shared_expert_intermediate_size) and with its gate `mlp.shared_expert_gate.weight` [1, h] (replicated).
 
+With multi-token prediction (model/multi_token_prediction.py) the layer `{L+4}` holds, per depth k,
+Megatron-Core's MultiTokenPredictionLayer: `{L+4}.{k}.enorm.*` and `.hnorm.*` (the model's norm, [h]),
+`{L+4}.{k}.eh_proj.weight` [h, 2h] (column-parallel), `{L+4}.{k}.transformer_layer.<a dense block's suffix>`
+(split as a block's) and `{L+4}.{k}.final_layernorm.*`; the embedding and output layer are the model's (a last
+pipeline stage holds a copy of an untied embedding too, under its names `1.*`, as of a tied one).
+
 The full shape of a vocabulary tensor is the *unpadded* one, [config.vocab_size, h]; padding
 to `config.padded_vocab_size(tp)` happens when a full tensor is sharded. Two full layouts
 are fused (see sharding.py for how they split across TP):
@@ -39,8 +45,8 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from .config import GPTConfig
-from .layer_indices import (EMBEDDING_INDEX, block_number, final_norm_index, is_block_index, lm_head_index,
-                            num_pipeline_layers)
+from .layer_indices import (EMBEDDING_INDEX, block_layer_index, block_number, final_norm_index, is_block_index, lm_head_index,
+                            mtp_index, num_pipeline_layers)
 
 WORD_EMBEDDINGS = "tied_modules.embed.word_embeddings.weight"
 POSITION_EMBEDDINGS = "tied_modules.embed.position_embeddings.weight"
@@ -91,6 +97,9 @@ MOE_ROUTER_SUFFIX = "mlp.deepspeed_moe.gate.wg.weight"
 MOE_EXPERT_PREFIX = "mlp.deepspeed_moe.experts.deepspeed_experts."
 SHARED_EXPERT_PREFIX = "mlp.shared_expert."
 SHARED_EXPERT_GATE_SUFFIX = "mlp.shared_expert_gate.weight"
+MTP_NORMS = ("enorm", "hnorm", "final_layernorm")
+MTP_PROJECTION = "eh_proj.weight"
+MTP_LAYER_PREFIX = "transformer_layer."
 
 
 def expert_suffix(expert: int, mlp_suffix: str) -> str:
@@ -226,6 +235,31 @@ def _norm_weight_init(config: GPTConfig) -> str:
     return "zeros" if config.apply_layernorm_1p else "ones"
 
 
+def mtp_suffixes(config: GPTConfig) -> List[str]:
+    """The parameter suffixes of one MTP depth, in module order (model/multi_token_prediction.py)."""
+    def norm(which):
+        return [f"{which}.weight"] + ([f"{which}.bias"] if config.has_norm_bias else [])
+    return (norm("enorm") + norm("hnorm") + [MTP_PROJECTION]
+            + [MTP_LAYER_PREFIX + s for s in _dense_block_suffixes(config)] + norm("final_layernorm"))
+
+
+def parse_mtp_suffix(suffix: str):
+    """(depth, the name within that depth) of an MTP parameter's suffix `{k}.<name>`, or None."""
+    depth, _, rest = suffix.partition(".")
+    return (int(depth), rest) if depth.isdigit() and rest else None
+
+
+def _mtp_spec(name: str, local: str, config: GPTConfig) -> ParamSpec:
+    h = config.hidden_size
+    if local == MTP_PROJECTION:
+        return ParamSpec(name, (h, 2 * h), 0, "normal")
+    if local.startswith(MTP_LAYER_PREFIX):  # a dense block's parameter, shaped and split as one
+        spec = param_spec(f"{block_layer_index(config.num_layers - 1)}.{local[len(MTP_LAYER_PREFIX):]}", config)
+        return ParamSpec(name, spec.full_shape, spec.partition_dim, spec.init, spec.is_vocab, spec.sub_params)
+    init = _norm_weight_init(config) if local.endswith(".weight") else "zeros"
+    return ParamSpec(name, (h,), None, init)
+
+
 def is_embedding_or_output(name: str) -> bool:
     """Megatron's is_embedding_or_output_parameter: the word embedding (either copy of a tied one, on the first
     and the last pipeline stage) and the untied output layer; not the position embedding."""
@@ -240,6 +274,10 @@ def is_norm_weight(name: str, config: GPTConfig) -> bool:
     i = int(index)
     if i == final_norm_index(config.num_layers):
         return suffix == "weight"
+    if i == mtp_index(config.num_layers) and config.mtp_num_layers:
+        depth = parse_mtp_suffix(suffix)
+        local = depth[1] if depth else ""
+        return local in [f"{n}.weight" for n in MTP_NORMS] or local[len(MTP_LAYER_PREFIX):] in _NORM_WEIGHTS
     return is_block_index(i, config.num_layers) and suffix in _NORM_WEIGHTS
 
 
@@ -275,6 +313,10 @@ def param_spec(name: str, config: GPTConfig) -> ParamSpec:
                 init = _norm_weight_init(config)
             sub_params = 2 if config.swiglu and suffix in SWIGLU_SUFFIXES else 1
             return ParamSpec(name, _block_shape(suffix, config), dim, init, sub_params=sub_params)
+        if i == mtp_index(config.num_layers) and config.mtp_num_layers:
+            depth = parse_mtp_suffix(suffix)
+            if depth is not None and depth[0] < config.mtp_num_layers and depth[1] in mtp_suffixes(config):
+                return _mtp_spec(name, depth[1], config)
         if i == final_norm_index(config.num_layers) and (suffix == "weight" or
                                                          (suffix == "bias" and config.has_norm_bias)):
             return ParamSpec(name, (h,), None, _norm_weight_init(config) if suffix == "weight" else "zeros")
@@ -291,6 +333,8 @@ def layer_param_names(layer_index: int, config: GPTConfig) -> List[str]:
         return [f"{layer_index}.weight"] + ([f"{layer_index}.bias"] if config.has_norm_bias else [])
     if layer_index == lm_head_index(L) and config.untie_embeddings_and_output_weights:
         return [lm_head_name(config)]
+    if layer_index == mtp_index(L) and config.mtp_num_layers:
+        return [f"{layer_index}.{k}.{s}" for k in range(config.mtp_num_layers) for s in mtp_suffixes(config)]
     return []
 
 
@@ -299,8 +343,10 @@ def param_names(config: GPTConfig, layer_indices=None) -> List[str]:
     indices = list(range(num_pipeline_layers(config.num_layers)) if layer_indices is None else layer_indices)
     names = []
     tied = not config.untie_embeddings_and_output_weights
-    if tied and lm_head_index(config.num_layers) in indices and EMBEDDING_INDEX not in indices:
-        names += layer_param_names(EMBEDDING_INDEX, config)
+    if (tied or config.mtp_num_layers) and lm_head_index(config.num_layers) in indices and EMBEDDING_INDEX not in indices:
+        names += layer_param_names(EMBEDDING_INDEX, config)  # the last stage's copy (tied, or for MTP's tokens)
     for i in indices:
         names += layer_param_names(i, config)
+    if lm_head_index(config.num_layers) in indices and mtp_index(config.num_layers) not in indices:
+        names += layer_param_names(mtp_index(config.num_layers), config)  # held with the output head
     return names

@@ -135,10 +135,13 @@ class Embedding(nn.Module):
             self.position_embeddings = nn.Embedding(*positions.shape, _weight=positions)  # no draw from the RNG
             set_tensor_model_parallel_attributes(self.position_embeddings.weight, False)
 
-    def forward(self, tokens):
+    def forward(self, tokens, positions=None):
+        """`positions`: the learned positions' rows [s] (default this rank's own; multi-token prediction's
+        are shifted with its tokens)."""
         x = self.word_embeddings(tokens)
         if self.config.has_position_embeddings:
-            positions = local_positions(tokens.shape[1], self.cp_group, tokens.device)
+            if positions is None:
+                positions = local_positions(tokens.shape[1], self.cp_group, tokens.device)
             x = x + self.position_embeddings(positions).unsqueeze(0)
         if self.sequence_parallel:
             # the scatter returns a view, which would keep the whole [b, s, h] alive as long as the shard

@@ -30,6 +30,7 @@ from torch import nn
 from .allgather_dispatch import allgather_dispatch
 from .capacity_gating import capacity_route
 from ..tensor_parallel.layers import sequence_parallel_param, sum_sequence_parallel_grad
+from ..tensor_parallel.random import checkpoint
 from ..tensor_parallel.utils import tp_rank_in, tp_world_size
 from .dispatch import ExpertParallelExchange, permute, unpermute
 from .expert_bias import add_expert_bias, record
@@ -181,6 +182,12 @@ class MoELayer(nn.Module):
         super().__init__()
         self.deepspeed_moe = DeepSpeedMoE(config, tp_group, ep_group, mlp_class, etp_group, cp_group)
         self.shared_expert, self.shared_expert_gate = build_shared_expert(config, tp_group, mlp_class)
+        self.recompute = config.moe_layer_recompute  # --moe-layer-recompute: only the input kept for backward
 
     def forward(self, x):
+        if self.recompute and self.training:
+            return checkpoint(self._forward, x)
+        return self._forward(x)
+
+    def _forward(self, x):
         return add_shared_expert(self.deepspeed_moe(x), x, self.shared_expert, self.shared_expert_gate)

@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 
 from .. import shm_comm
-from ..model.params import BLOCK_PARAMS, MOE_ROUTER_SUFFIX, SHARED_EXPERT_GATE_SUFFIX, parse_expert_suffix
+from ..model.params import (BLOCK_PARAMS, MOE_ROUTER_SUFFIX, MTP_LAYER_PREFIX, MTP_PROJECTION,
+                            SHARED_EXPERT_GATE_SUFFIX, parse_expert_suffix, parse_mtp_suffix)
 from . import newton_schulz
 from .newton_schulz import matmul_precision, orthogonalize, scale_factor
 
@@ -72,6 +73,12 @@ def block_matrix_dim(name: str) -> Optional[int]:
     index, _, suffix = name.partition(".")
     if not index.isdigit() or suffix in (MOE_ROUTER_SUFFIX, SHARED_EXPERT_GATE_SUFFIX):
         return None
+    depth = parse_mtp_suffix(suffix)  # a multi-token prediction depth's: its projection, and its block's as a block's
+    if depth is not None:
+        if depth[1] == MTP_PROJECTION:
+            return 0
+        return block_matrix_dim(f"{index}.{depth[1][len(MTP_LAYER_PREFIX):]}") \
+            if depth[1].startswith(MTP_LAYER_PREFIX) else None
     expert = parse_expert_suffix(suffix)
     if expert is not None:
         suffix = expert[1]
@@ -88,7 +95,9 @@ def takes_muon(name: str, shape) -> bool:
 
 
 def is_qkv(name: str) -> bool:
-    return name.partition(".")[2] == QKV_SUFFIX
+    """A block's fused QKV weight (a multi-token prediction depth's block's too)."""
+    suffix = name.partition(".")[2]
+    return suffix == QKV_SUFFIX or suffix.endswith("." + MTP_LAYER_PREFIX + QKV_SUFFIX)
 
 
 def qkv_pieces(d: torch.Tensor, split_rows) -> list:

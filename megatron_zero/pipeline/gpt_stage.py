@@ -6,7 +6,8 @@ gradients are summed over the embedding group, so both copies take the same
 update and never drift. The position embedding is summed too: the last stage's
 copy gets a zero gradient of its own, so it stays equal to the first stage's.
 An untied model (--untie-embeddings-and-output-weights) has no shared tensor: the embedding
-lives on the first stage, the output head on the last, and none of this applies.
+lives on the first stage, the output head on the last, and none of this applies; but with multi-token
+prediction the last stage embeds tokens too, and holds a copy of the untied embedding (`1.*`) kept equal so.
 The last stage's copies are marked `shared` so the gradient norm counts them once, and
 both copies `zero_defer_reduce` so ZeRO reduces them only after that sum (their micro-batches are
 summed in the optimizer's fp32 `main_grad`, and that is what the sum adds).
@@ -51,8 +52,9 @@ def build_gpt_stage(config, state: ParallelState, partition_method: str = "unifo
         model = GPTModel(config, tp_group, layer_indices=[i for start, end in chunks for i in range(start, end)],
                          cp_group=state.cp_group, ep_group=state.ep_group, etp_group=state.expert_tp_group,
                          cp_hierarchy=state.cp_hierarchy)
-    if state.pp_size > 1 and hasattr(model, "tied_modules"):
-        for param in model.tied_modules.parameters():
+    shared = model.pipeline_shared_embedding()
+    if state.pp_size > 1 and shared is not None:
+        for param in shared.parameters():
             param.zero_defer_reduce = True  # ZeRO reduces it after sync_tied_embedding_grads
             if state.is_last_stage:
                 param.shared = True
@@ -74,10 +76,11 @@ def sync_tied_embedding_grads(model: GPTModel, state: ParallelState, reduce_dtyp
     The sum is of each parameter's fp32 `main_grad` where the ZeRO optimizer keeps one (it does for
     these parameters unless --no-gradient-accumulation-fusion at stage 0/1), else of `.grad`; it is
     reduced in `reduce_dtype` (bfloat16 under --grad-reduce-in-bf16; default: the gradient's dtype)."""
-    if state.pp_size == 1 or not hasattr(model, "tied_modules"):
+    shared = model.pipeline_shared_embedding()
+    if state.pp_size == 1 or shared is None:
         return
     grads = []
-    for param in model.tied_modules.parameters():
+    for param in shared.parameters():
         grad = getattr(param, "main_grad", None)
         if grad is None:
             if param.grad is None:
@@ -102,8 +105,9 @@ def make_forward_step(model: GPTModel, micro_batches: List[dict], state: Paralle
     def forward_step(i, x, chunk=0):
         batch = micro_batches[i]
         inputs = batch["tokens"] if state.is_first_stage and chunk == 0 else x
-        if state.is_last_stage and chunk == last_chunk:
-            return model(inputs, labels=batch["labels"], loss_mask=batch.get("loss_mask"), chunk=chunk) / m
+        if state.is_last_stage and chunk == last_chunk:  # (the tokens: multi-token prediction's)
+            return model(inputs, labels=batch["labels"], loss_mask=batch.get("loss_mask"), chunk=chunk,
+                         tokens=batch.get("tokens")) / m
         return model(inputs, chunk=chunk)
 
     return forward_step

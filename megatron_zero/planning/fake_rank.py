@@ -180,7 +180,8 @@ def _trace_micro_batch(model, state, config, micro_batch: int, dtype) -> Tuple[i
         p.register_post_accumulate_grad_hook(_drop_grad)
     routing = BalancedExpertCounts() if config.num_experts else contextlib.nullcontext()  # a mode costs per operator
     with routing, LiveBytes() as live:
-        out = model(inputs, labels=tokens if state.is_last_stage else None)
+        out = model(inputs, labels=tokens if state.is_last_stage else None,
+                    tokens=tokens if state.is_last_stage else None)  # (multi-token prediction embeds them)
         saved = live.current - out.untyped_storage().nbytes()
         if state.is_last_stage:
             out.backward()

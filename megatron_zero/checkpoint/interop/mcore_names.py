@@ -16,6 +16,8 @@ under the linear layer they feed, whichever spec built the model (the Transforme
     {L+2}.weight|bias                        decoder.final_layernorm.weight|bias
     word / position embeddings               embedding.word_embeddings.weight, embedding.position_embeddings.weight
     {L+3}.lm_head.weight (untied)            output_layer.weight
+    {L+4}.{k}.enorm|hnorm|eh_proj|final_layernorm.*   mtp.layers.{k}.<the same>   (multi-token prediction)
+    {L+4}.{k}.transformer_layer.<a block's>  mtp.layers.{k}.transformer_layer.<its name above> (not stacked)
 
 An MoE block (mcore_location; Megatron-Core's SequentialMLP, GroupedMLP and TEGroupedMLP all save these):
     {i}.mlp.deepspeed_moe.gate.wg.weight      mlp.router.weight                        [L, E, h]
@@ -30,17 +32,17 @@ An MoE block (mcore_location; Megatron-Core's SequentialMLP, GroupedMLP and TEGr
 
 Both fused layouts agree with ours, so tensors map one to one. The stacked form is `mcore_location`'s;
 torch_dist.py also finds the per-layer and per-expert forms Megatron-Core writes otherwise. Keys no
-parameter or buffer maps to (the router's expert bias without --moe-router-enable-expert-bias, q/k layernorm,
-multi-token prediction) are refused by `unmapped`, naming the key.
+parameter or buffer maps to (the router's expert bias without --moe-router-enable-expert-bias, q/k layernorm)
+are refused by `unmapped`, naming the key.
 """
 from __future__ import annotations
 
 from typing import Iterable, List, Optional, Tuple
 
 from ...model.config import GPTConfig
-from ...model.layer_indices import block_layer_index, block_number, final_norm_index, is_block_index
-from ...model.params import (lm_head_name, param_names, parse_expert_suffix, position_embeddings_name,
-                             word_embeddings_name)
+from ...model.layer_indices import block_layer_index, block_number, final_norm_index, is_block_index, mtp_index
+from ...model.params import (MTP_LAYER_PREFIX, lm_head_name, param_names, parse_expert_suffix, parse_mtp_suffix,
+                             position_embeddings_name, word_embeddings_name)
 
 BLOCK = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
@@ -109,6 +111,12 @@ def _dense_key(name: str, config: GPTConfig) -> Tuple[str, Optional[int]]:
         return LAYERS + BLOCK[suffix], block_number(int(index))
     if index.isdigit() and int(index) == final_norm_index(config.num_layers):
         return f"decoder.final_layernorm.{suffix}", None
+    depth = parse_mtp_suffix(suffix) if index.isdigit() and int(index) == mtp_index(config.num_layers) else None
+    if depth is not None:  # a multi-token prediction depth: its own tensors, not stacked
+        k, local = depth
+        if local.startswith(MTP_LAYER_PREFIX) and local[len(MTP_LAYER_PREFIX):] in BLOCK:
+            return f"mtp.layers.{k}.transformer_layer.{BLOCK[local[len(MTP_LAYER_PREFIX):]]}", None
+        return f"mtp.layers.{k}.{local}", None
     raise ValueError(f"{name!r} has no Megatron-Core name")
 
 

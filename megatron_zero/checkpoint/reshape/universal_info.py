@@ -12,7 +12,8 @@ dimension). For any other name, DeepSpeed's pattern lists in the checkpoint's
 A tensor of two sub-parameters (SwiGLU's [gate; up], DeepSpeed's
 `parameter_with_2_sub_params_cat_dim_0`) is merged block by block: [gate_0..gate_n; up_0..up_n].
 An MoE block's experts (`{i}.mlp.deepspeed_moe.experts.deepspeed_experts.{e}.*`, global ids) merge as the
-dense MLP's parameters do; its router (`{i}.mlp.deepspeed_moe.gate.wg.weight`) is TP-replicated.
+dense MLP's parameters do; its router (`{i}.mlp.deepspeed_moe.gate.wg.weight`) is TP-replicated. A multi-token
+prediction depth (`{L+4}.{k}.*`) merges its block's parameters as a block's, eh_proj on dim 0, its norms replicated.
 """
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from ...model.params import (BLOCK_PARAMS, LM_HEAD_SUFFIX, MOE_ROUTER_SUFFIX, POSITION_EMBEDDINGS,
-                            UNTIED_POSITION_EMBEDDINGS, UNTIED_WORD_EMBEDDINGS, WORD_EMBEDDINGS, parse_expert_suffix)
+from ...model.params import (BLOCK_PARAMS, LM_HEAD_SUFFIX, MOE_ROUTER_SUFFIX, MTP_LAYER_PREFIX, MTP_PROJECTION,
+                            POSITION_EMBEDDINGS, UNTIED_POSITION_EMBEDDINGS, UNTIED_WORD_EMBEDDINGS, WORD_EMBEDDINGS,
+                            parse_expert_suffix, parse_mtp_suffix)
 from ..format import ROW_PARALLEL_PATTERNS, SUB_PARAMS_PATTERNS, TO_AVERAGE_PATTERNS, TP_REPLICATED_PATTERNS, VOCAB_PATTERNS
 _LM_HEAD = re.compile(r"\d+\." + re.escape(LM_HEAD_SUFFIX) + "$")
 
@@ -55,6 +57,12 @@ def gpt_rule(name: str, info: Optional[dict]) -> Optional[MergeRule]:
             return MergeRule(BLOCK_PARAMS[suffix][0], sub_params=sub_params)
         if suffix in ("weight", "bias"):
             return MergeRule(None)  # the final norm
+        depth = parse_mtp_suffix(suffix)
+        if depth is not None:  # a multi-token prediction depth's `{k}.<local>`
+            local = depth[1]
+            if local.startswith(MTP_LAYER_PREFIX):  # its block: merged as a block's parameter
+                return gpt_rule(f"{index}.{local[len(MTP_LAYER_PREFIX):]}", info)
+            return MergeRule(0) if local == MTP_PROJECTION else MergeRule(None)  # eh_proj column-parallel; norms
     return None
 
 

@@ -25,6 +25,7 @@ from ...format import MODEL_FILE
 from ...storage.reader import open_directory
 from ...saved_config import saved_args, saved_config
 from ...reshape.universal_load import find_universal_dir
+from ....model.layer_indices import mtp_index
 from . import for_config, mappings_for
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -50,7 +51,8 @@ def _head(directory: str, verify: bool = True) -> dict:
 def export_hf(checkpoint_dir: str, output_dir: str, dtype: str = "fp32", max_shard_size="5GB",
               architecture: Optional[str] = None, num_heads: Optional[int] = None, tag: Optional[str] = None,
               progress: bool = False, verify: bool = True) -> dict:
-    """Convert; returns {'architecture', 'config', 'files', 'params', 'bytes'}."""
+    """Convert; returns {'architecture', 'config', 'files', 'params', 'bytes', 'dropped'}: `dropped` the
+    parameters no Hugging Face model of the architecture holds (the multi-token prediction depths)."""
     if dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype} is unknown; choose one of {', '.join(DTYPES)}")
     directory = resolve_checkpoint_dir(checkpoint_dir, tag)
@@ -61,6 +63,9 @@ def export_hf(checkpoint_dir: str, output_dir: str, dtype: str = "fp32", max_sha
     module = for_config(config, architecture or head.get("hf_architecture"))
     mappings = mappings_for(module, config)
     names, tensors = fp32_source(directory, progress, verify)
+    mtp = f"{mtp_index(config.num_layers)}."  # multi-token prediction's depths: no Hugging Face model holds them
+    dropped = [n for n in names if n.startswith(mtp) and n not in mappings]
+    names = [n for n in names if n not in dropped]
     unmapped = [n for n in names if n not in mappings]
     if unmapped or len(names) != len(mappings):
         raise CheckpointError(f"{directory} holds {len(names)} parameters, a {module.HF_ARCHITECTURE} of its config "
@@ -69,6 +74,8 @@ def export_hf(checkpoint_dir: str, output_dir: str, dtype: str = "fp32", max_sha
 
     def hf_tensors():
         for name, full in tensors:
+            if name in dropped:
+                continue
             m = mappings[name]
             for hf_name, t in zip(m.hf, m.to_hf(full)):
                 yield hf_name, t.to(cast)
@@ -93,4 +100,4 @@ def export_hf(checkpoint_dir: str, output_dir: str, dtype: str = "fp32", max_sha
     if os.path.isdir(tokenizer):
         for f in os.listdir(tokenizer):
             shutil.copyfile(os.path.join(tokenizer, f), os.path.join(output_dir, f))
-    return {"architecture": module.HF_ARCHITECTURE, "config": config, **written}
+    return {"architecture": module.HF_ARCHITECTURE, "config": config, "dropped": dropped, **written}
