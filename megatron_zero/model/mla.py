@@ -43,7 +43,8 @@ from ..tensor_parallel.utils import divide, tp_world_size
 from . import functional
 from .attention_core import attention_core
 from .config import GPTConfig
-from .transformer import LayerNorm, RMSNorm, local_positions, sequence_parallel_active
+from .norms import LayerNorm, RMSNorm, sequence_parallel_active
+from .positions import local_positions
 
 
 def mla_flop_sizes(config: GPTConfig):
