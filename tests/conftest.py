@@ -16,6 +16,8 @@ import sys
 import pytest
 import torch
 
+from slow_cases import SLOW_CASES
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCES = [os.path.join(ROOT, d) for d in ("megatron_zero", "tests", "tools")] + [os.path.join(ROOT, "pretrain_gpt.py")]
 
@@ -50,6 +52,8 @@ def pytest_collection_modifyitems(config, items):
         pytest.mark.skip(reason=f"needs a CUDA device; torch {torch.__version__} sees none "
                                 "(MEGATRON_ZERO_TEST_DEVICE=cpu runs the tier's logic on the CPU)")
     for item in items:
+        if item.nodeid in SLOW_CASES:  # tests/slow_cases.py: the slow tier's cases, each naming its default cover
+            item.add_marker(pytest.mark.slow)
         names = vars(item.module) if item.module is not None else {}
         if "run_ranks" in names or "torchrun" in names:
             item.add_marker(pytest.mark.multirank)
