@@ -72,11 +72,10 @@ def check(args) -> None:
     tracker = args.result_rejected_tracker_filename
     require(tracker is None or os.path.isdir(os.path.dirname(os.path.abspath(tracker))),
             f"--result-rejected-tracker-filename {tracker}: its directory does not exist")
-    require(not (validating and getattr(args, "fp8_format", None) is not None
-                 and getattr(args, "fp8_recipe", None) in (None, "delayed")),
+    require(not (validating and args.fp8_format is not None and args.fp8_recipe in (None, "delayed")),
             f"--rerun-mode {args.rerun_mode} re-runs steps, which would record FP8 delayed scaling's amaxes twice; "
             "use --fp8-recipe tensorwise (or another current-scaling recipe) with it")
-    require(not (validating and getattr(args, "moe_router_enable_expert_bias", False)),
+    require(not (validating and args.moe_router_enable_expert_bias),
             f"--rerun-mode {args.rerun_mode} re-runs steps, which would count the tokens per expert twice and move "
             "--moe-router-enable-expert-bias's bias between a step and its re-run; drop one of the two")
     args.iterations_to_skip = tuple(sorted(set(args.iterations_to_skip)))
