@@ -6,7 +6,9 @@ writes
     <ckpt>/zero/<param>/fp32.pt           {'param': full fp32 tensor, ['cat_dim'], ['vocab_tensor'],
                                            ['param_n_sub_params']}
     <ckpt>/zero/optimizer_state.pt        {} (no optimizer: the run starts with a fresh one)
-    <ckpt>/mp_rank_00_model_states.pt     {'args': the model's flags, 'iteration': 0, 'weights_only': True, ...}
+    <ckpt>/mp_rank_00_model_states.pt     {'args': the model's flags, 'iteration': 0, 'weights_only': True,
+                                           'module' / 'buffer_names': the persistent buffers the HF model holds too
+                                           (the expert bias: checkpoint/model_buffers.py), ...}
     <ckpt>/megatron_flags.txt             the flags that build this model, one command line
     <ckpt>/tokenizer/                     tokenizer.json (+ its config) when the HF directory has one
 
@@ -94,6 +96,9 @@ def import_hf(input_dir: str, output_dir: str, tp: int = 1, pp: int = 1, apply_l
             os.makedirs(os.path.join(tmp, "zero", name))
             total += write(record, f"zero/{name}/fp32.pt")
             del full, record
+        params = set(names)  # the mapped names beyond the parameters are buffers (the expert bias), kept whole
+        buffers = {n: m.to_ours([hf.get(h) for h in m.hf]).float().contiguous() for n, m in mappings.items()
+                   if n not in params}
         tokenizer_dir = None
         if os.path.isfile(os.path.join(input_dir, "tokenizer.json")):
             tokenizer_dir = os.path.join(output_dir, "tokenizer")
@@ -107,7 +112,8 @@ def import_hf(input_dir: str, output_dir: str, tp: int = 1, pp: int = 1, apply_l
                     tokenizer_type="HuggingFaceTokenizer" if tokenizer_dir else None, tokenizer_model=tokenizer_dir)
         write({}, "zero/optimizer_state.pt")
         write({"args": args, "iteration": 0, "weights_only": True, "hf_architecture": module.HF_ARCHITECTURE,
-               "hf_config": hf.config, "megatron_flags": flags}, model_states_name(0, 1))
+               "hf_config": hf.config, "megatron_flags": flags, "module": buffers, "buffer_names": list(buffers)},
+              model_states_name(0, 1))
         write_manifest(tmp, files, {"universal": True, "source": os.path.abspath(input_dir), "iteration": 0})
         with open(os.path.join(tmp, FLAGS_FILE), "w") as f:
             f.write(shlex.join(flags) + "\n")
