@@ -12,7 +12,9 @@ what transformers' class computes otherwise than ours is refused in one sentence
 the directory and prints the flags, which build the very model. Slow: the import's first training loss at EP2 (the
 bias restored whole on each rank) is transformers' loss on that batch (1e-5); pretrain_gpt.py trains the import
 at EP2 with the bias moving, and tools/convert_to_hf.py exports that two-rank save to a DeepseekV3ForCausalLM whose
-logits are ours (1e-5), its e_score_correction_bias the trained bias."""
+logits are ours (1e-5), its e_score_correction_bias the trained bias; a model of an import's flags trained with
+--mtp-num-layers 1 exports without the depth, one line saying so. The released DeepSeek-V3 config.json gives
+Megatron-LM's DeepSeek-V3 model flags."""
 import json
 import os
 
@@ -101,6 +103,30 @@ def test_import_matches_logits_and_round_trips(tmp_path, variant):
     reloaded = transformers.DeepseekV3ForCausalLM.from_pretrained(back).eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(toks).logits, want, rtol=0, atol=0)
+
+
+def test_released_config_gives_megatron_lms_deepseek_v3_flags():
+    """DeepSeek-V3's released config.json (its keys as published: rope_scaling of type yarn, rope_theta at the top)
+    gives the model flags Megatron-LM trains DeepSeek-V3 with (docs/models.md)."""
+    released = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=129280,
+                    hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+                    num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256,
+                    routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128,
+                    qk_nope_head_dim=128, n_group=8, topk_group=4, num_experts_per_tok=8, first_k_dense_replace=3,
+                    norm_topk_prob=True, hidden_act="silu", max_position_embeddings=163840, rms_norm_eps=1e-6,
+                    rope_theta=10000, num_nextn_predict_layers=1, tie_word_embeddings=False,
+                    rope_scaling=dict(beta_fast=32, beta_slow=1, factor=40, mscale=1.0, mscale_all_dim=1.0,
+                                      original_max_position_embeddings=4096, type="yarn"))
+    assert for_hf_config(released) is deepseek_v3
+    flags = " ".join(deepseek_v3.flags(deepseek_v3.config_from_hf(released)))
+    for want in ("--multi-latent-attention --qk-layernorm --kv-lora-rank 512 --qk-head-dim 128 --qk-pos-emb-head-dim 64 "
+                 "--v-head-dim 128 --rope-type yarn --q-lora-rank 1536 --rotary-scaling-factor 40.0 "
+                 "--original-max-position-embeddings 4096 --beta-fast 32.0 --beta-slow 1.0 --mscale 1.0 --mscale-all-dim 1.0",
+                 "--num-experts 256 --moe-router-topk 8 --moe-ffn-hidden-size 2048 --moe-shared-expert-intermediate-size "
+                 "2048 --moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-dtype fp32 "
+                 "--moe-layer-freq [0]*3+[1]*58 --moe-router-num-groups 8 --moe-router-group-topk 4 "
+                 "--moe-router-topk-scaling-factor 2.5", "--rotary-base 10000 "):
+        assert want in flags, (want, flags)
 
 
 def test_what_transformers_computes_otherwise_is_refused_in_one_sentence():
@@ -197,3 +223,48 @@ def test_cli_trains_the_import_at_ep2_and_exports_the_save(tmp_path):
     with torch.no_grad():
         theirs = model(toks).logits
     assert_close_normwise(theirs, our_logits(ckpt, config, toks), 1e-5, "DeepSeek-V3 logits")
+
+
+@pytest.mark.slow  # default tier: test_import_matches_logits_and_round_trips; tests/test_multi_token_prediction.py
+def test_cli_export_leaves_the_mtp_depths_out_and_says_so(tmp_path):
+    """A model of an import's flags (every block dense: an MTP layer takes the last block's structure, an MoE one
+    is not implemented here) trained by pretrain_gpt.py with --mtp-num-layers 1: tools/convert_to_hf.py writes a
+    DeepseekV3ForCausalLM without the depth, says so in one line, and transformers computes our logits."""
+    from megatron_zero.checkpoint.export.consolidate import get_fp32_state_dict, resolve_checkpoint_dir
+    from megatron_zero.checkpoint.export.hf.exporter import shape_reader
+    from megatron_zero.checkpoint.saved_config import saved_args, saved_config
+    from megatron_zero.model.gpt import reference_model
+    from megatron_zero.model.layer_indices import mtp_index
+    from megatron_zero.model.sharding import shard_state_dict
+    from megatron_zero.testing.cli import cli_flags, imported_flags, pretrain_cli, text_data, tool
+    from megatron_zero.testing.launch import flags_argv
+    from megatron_zero.testing.tolerances import assert_close_normwise
+
+    path = str(tmp_path / "dense")
+    torch.manual_seed(0)
+    fields = {**COMMON, **VARIANTS["v3"], "vocab_size": 257, "bos_token_id": 256, "eos_token_id": 256,
+              "first_k_dense_replace": 2}
+    transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**fields)).save_pretrained(path)
+    imported, save = str(tmp_path / "imported"), str(tmp_path / "trained")
+    tool("convert_from_hf.py", "--input-dir", path, "--output-dir", imported)
+    data = text_data(str(tmp_path / "text"))
+    flags = cli_flags(data, str(tmp_path / "cache"), None) + imported_flags(imported)
+    pretrain_cli(1, flags + flags_argv({"train-iters": 2, "mtp-num-layers": 1, "save": save}))
+    exported = str(tmp_path / "exported")
+    lines = [line for line in tool("convert_to_hf.py", save, exported).stdout.splitlines()
+             if "multi-token prediction" in line]
+    assert len(lines) == 1 and "DeepseekV3ForCausalLM has no MTP layers" in lines[0], lines
+    assert not any(n.startswith("model.layers.2.") for n in hf_tensors(exported))
+    ckpt = resolve_checkpoint_dir(save, None)
+    config = saved_config(*shape_reader(ckpt), saved_args(ckpt))
+    assert config.mtp_num_layers == 1
+    depth = f"{mtp_index(config.num_layers)}."
+    config.mtp_num_layers = None  # our model's own output, without the depth
+    ours = reference_model(config)
+    ours.load_state_dict(shard_state_dict({n: t for n, t in get_fp32_state_dict(ckpt).items()
+                                           if not n.startswith(depth)}, config, 1, 0))
+    model = transformers.AutoModelForCausalLM.from_pretrained(exported, torch_dtype=torch.float32).eval()
+    toks = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        theirs, want = model(toks).logits, ours.eval()(toks)[..., :257]
+    assert_close_normwise(theirs, want, 1e-5, "DeepSeek-V3 logits without the MTP depth")
