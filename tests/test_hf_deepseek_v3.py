@@ -9,12 +9,12 @@ every block MoE.
 Claims (fp32): our model on an imported checkpoint gives transformers' logits (1e-5); HF -> ours -> HF is
 bit-exact on every tensor (the expert bias included) and transformers computes the very logits from the export;
 what transformers' class computes otherwise than ours is refused in one sentence; tools/convert_from_hf.py takes
-the directory and prints the flags, which build the very model. Slow: the import's first training loss at EP2 (the
-bias restored whole on each rank) is transformers' loss on that batch (1e-5); pretrain_gpt.py trains the import
-at EP2 with the bias moving, and tools/convert_to_hf.py exports that two-rank save to a DeepseekV3ForCausalLM whose
-logits are ours (1e-5), its e_score_correction_bias the trained bias; a model of an import's flags trained with
---mtp-num-layers 1 exports without the depth, one line saying so. The released DeepSeek-V3 config.json gives
-Megatron-LM's DeepSeek-V3 model flags."""
+the directory, prints the flags, which build the very model, and says it left DeepSeek's MTP layer out; the
+released DeepSeek-V3 config.json gives Megatron-LM's DeepSeek-V3 model flags. Slow: the import's first training
+loss at EP2 (the bias restored whole on each rank) is transformers' loss on that batch (1e-5); pretrain_gpt.py
+trains the import at EP2 with the bias moving, and tools/convert_to_hf.py exports that two-rank save to a
+DeepseekV3ForCausalLM whose logits are ours (1e-5), its e_score_correction_bias the trained bias; a model of an
+import's flags trained with --mtp-num-layers 1 exports without the depth, one line saying so."""
 import json
 import os
 
@@ -156,11 +156,18 @@ def test_cli_import_prints_the_flags_that_build_the_model(tmp_path, capsys):
     from megatron_zero.testing.cli import imported_flags
     from tools.convert_from_hf import main
 
+    from safetensors.torch import load_file, save_file
+
     src = save_hf(tmp_path)
+    weights = os.path.join(src, "model.safetensors")  # DeepSeek's files hold its MTP layer as the next block
+    save_file({**load_file(weights), "model.layers.2.eh_proj.weight": torch.zeros(64, 128)}, weights, {"format": "pt"})
+    with open(os.path.join(src, "config.json")) as f:
+        assert json.load(f)["num_nextn_predict_layers"] == 1
     ckpt = str(tmp_path / "ckpt")
     assert main(["--input-dir", src, "--output-dir", ckpt]) == 0
     printed = capsys.readouterr().out
     assert "DeepseekV3ForCausalLM" in printed and "--multi-latent-attention" in printed
+    assert "left out 1 tensors (model.layers.2.eh_proj.weight, ...): the multi-token prediction layers" in printed
     config = deepseek_v3.config_from_hf(read_config(src))
     argv = imported_flags(ckpt) + ["--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "1",
                                    "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",

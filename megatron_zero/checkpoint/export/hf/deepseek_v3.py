@@ -37,8 +37,8 @@ What differs in meaning is refused (`unsupported_export` names it for an export;
 HF scores a group by the sum of its top 2 experts, Megatron-Core by its top k / group-topk (equal where that is 2,
 as DeepSeek-V3's 8 / 4); HF's latent norms use epsilon 1e-6 whatever rms_norm_eps says, ours the model's;
 HF's sigmoid router renormalises the top-k weights only with norm_topk_prob, Megatron-Core's always for k > 1.
-Multi-token prediction: HF's class has none (its loader ignores DeepSeek-V3's model.layers.61, and so does an
-import here); an export leaves our depths out and says so (exporter.py).
+Multi-token prediction: HF's class has none (its loader ignores DeepSeek-V3's model.layers.61); an import leaves
+those layers out and says so (`dropped_hf`), an export leaves our depths out and says so (exporter.py).
 """
 from __future__ import annotations
 
@@ -55,8 +55,7 @@ from .moe_mapping import moe_block_mappings
 
 HF_ARCHITECTURE = "DeepseekV3ForCausalLM"
 MODEL_TYPE = "deepseek_v3"
-# llama's, and DeepSeek-V3's multi-token prediction layer, which transformers' loader ignores by this very name
-SKIPPED_HF = llama.SKIPPED_HF + (r"^model\.layers\.61\.",)
+SKIPPED_HF = llama.SKIPPED_HF
 PRESERVED_HF = ()
 LATENT_NORM_EPS = 1e-6  # HF's q_a_layernorm and kv_a_layernorm: DeepseekV3RMSNorm's default, never rms_norm_eps
 EXPERT_BIAS_SUFFIX = "mlp.deepspeed_moe.gate.expert_bias"
@@ -129,6 +128,14 @@ def _router(hf: dict, layers: int, refuse) -> dict:
                 moe_layer_offset=offset, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                 moe_router_dtype="fp32", moe_router_topk_scaling_factor=None if scaling == 1.0 else scaling,
                 moe_shared_expert_intermediate_size=moe * shared)
+
+
+def dropped_hf(hf: dict) -> str:
+    """A regex of the tensors an import leaves out: DeepSeek's multi-token prediction layers, stored as blocks
+    num_hidden_layers .. + num_nextn_predict_layers - 1 (DeepSeek-V3's model.layers.61, which transformers'
+    loader ignores too). They are not mapped to our --mtp-num-layers depths: a run with depths starts them afresh."""
+    first, count = int(hf.get("num_hidden_layers", 61)), int(hf.get("num_nextn_predict_layers") or 0)
+    return rf"^model\.layers\.({'|'.join(str(first + k) for k in range(count)) or 'none'})\."
 
 
 def config_from_hf(hf: dict) -> GPTConfig:
