@@ -7,7 +7,8 @@ of two widths. The other toy: q projected directly (q_lora_rank null), plain RoP
 every block MoE.
 
 Claims (fp32): our model on an imported checkpoint gives transformers' logits (1e-5); HF -> ours -> HF is
-bit-exact on every tensor (the expert bias included) and transformers computes the very logits from the export;
+bit-exact on every tensor (the expert bias included, kept fp32 by a bf16 export) and transformers computes the
+very logits from the export; a router without the bias exports with zeros in its place;
 what transformers' class computes otherwise than ours is refused in one sentence; tools/convert_from_hf.py takes
 the directory, prints the flags, which build the very model, and says it left DeepSeek's MTP layer out; the
 released DeepSeek-V3 config.json gives Megatron-LM's DeepSeek-V3 model flags. Slow: the import's first training
@@ -15,6 +16,7 @@ loss at EP2 (the bias restored whole on each rank) is transformers' loss on that
 trains the import at EP2 with the bias moving, and tools/convert_to_hf.py exports that two-rank save to a
 DeepseekV3ForCausalLM whose logits are ours (1e-5), its e_score_correction_bias the trained bias; a model of an
 import's flags trained with --mtp-num-layers 1 exports without the depth, one line saying so."""
+import dataclasses
 import json
 import os
 
@@ -22,7 +24,7 @@ import pytest
 import torch
 
 from megatron_zero.checkpoint.errors import CheckpointError
-from megatron_zero.checkpoint.export.hf import deepseek_v3, for_hf_config
+from megatron_zero.checkpoint.export.hf import deepseek_v3, for_config, for_hf_config
 from megatron_zero.checkpoint.export.hf.exporter import export_hf
 from megatron_zero.checkpoint.export.hf.importer import import_hf
 from megatron_zero.testing import run_ranks
@@ -103,6 +105,10 @@ def test_import_matches_logits_and_round_trips(tmp_path, variant):
     reloaded = transformers.DeepseekV3ForCausalLM.from_pretrained(back).eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(toks).logits, want, rtol=0, atol=0)
+    if variant == "v3":  # a bf16 export keeps the bias in fp32, as transformers holds it
+        export_hf(str(tmp_path / "ckpt"), str(tmp_path / "bf16"), dtype="bf16")
+        half = hf_tensors(str(tmp_path / "bf16"))
+        assert all((t.dtype == torch.float32) == n.endswith("e_score_correction_bias") for n, t in half.items())
 
 
 def test_released_config_gives_megatron_lms_deepseek_v3_flags():
@@ -140,11 +146,20 @@ def test_what_transformers_computes_otherwise_is_refused_in_one_sentence():
         with pytest.raises(CheckpointError, match=words) as e:
             deepseek_v3.config_from_hf({**hf, **change})
         assert "\n" not in str(e.value) and str(e.value).startswith("this DeepSeek-V3 config has")
-    # an export refuses what the class cannot hold: the MoE blocks must follow the dense ones
+    # a router without the expert bias exports with zeros in its place (they route as it does)
+    from megatron_zero.checkpoint.export.hf import mappings_for
+    from megatron_zero.model.layer_indices import block_layer_index
+    from megatron_zero.model.params import MOE_ROUTER_SUFFIX
+
     config = deepseek_v3.config_from_hf(hf)
+    unbiased = dataclasses.replace(config, moe_router_enable_expert_bias=False)
+    router = mappings_for(for_config(unbiased), unbiased)[f"{block_layer_index(1)}.{MOE_ROUTER_SUFFIX}"]
+    weight = torch.randn(8, 64)
+    assert router.hf[1] == "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert all(torch.equal(a, b) for a, b in zip(router.to_hf(weight), [weight, torch.zeros(8)]))
+    # an export refuses what the class cannot hold: the MoE blocks must follow the dense ones
     config.moe_layer_freq, config.moe_layer_offset = (1, 0), 0
     with pytest.raises(CheckpointError, match=r"MoE blocks at \[1, 0\].*cannot hold"):
-        from megatron_zero.checkpoint.export.hf import for_config
         for_config(config)
 
 

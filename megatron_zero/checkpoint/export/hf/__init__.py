@@ -13,6 +13,7 @@ An architecture module (see gpt2.py) provides
     tensor_mappings(config) -> list[TensorMapping]   one per parameter of ours, in our model order, and one per
                                                      persistent buffer the HF model holds too (the expert bias)
     dropped_hf(hf) -> regex                      optional: HF tensors an import leaves out, and says so (MTP layers)
+    FP32_HF                    optional: regexes of HF tensors an export keeps in fp32 whatever its --dtype
 
 Tensors are in our full form (model/sharding.py): unsharded, the unpadded vocabulary, the fused QKV in
 Megatron's grouped layout (per query group: its q heads, then k, then v), the fused SwiGLU weight as

@@ -12,7 +12,8 @@ blocks.
     self_attn.kv_b_proj.weight [heads (nope + v), kv_lora]   self_attention.linear_kv_up_proj.weight
     self_attn.o_proj.weight                                  self_attention.dense.weight
     mlp.gate.weight [E, h]                                   mlp.deepspeed_moe.gate.wg.weight
-    mlp.gate.e_score_correction_bias [E] (a buffer)          mlp.deepspeed_moe.gate.expert_bias (a buffer)
+    mlp.gate.e_score_correction_bias [E] (a buffer)          mlp.deepspeed_moe.gate.expert_bias (a buffer; zeros
+                                                             written for a router without one)
     mlp.experts.{e}.{gate,up,down}_proj.weight               the expert's dense_h_to_4h [gate; up], dense_4h_to_h
     mlp.shared_experts.{gate,up,down}_proj.weight            mlp.shared_expert.* (width n_shared_experts x moe)
     a dense block's mlp.{gate,up,down}_proj.weight           mlp.* (the first first_k_dense_replace blocks)
@@ -45,6 +46,8 @@ from __future__ import annotations
 import math
 from typing import List, Optional
 
+import torch
+
 from ....model.config import GPTConfig
 from ....model.moe_layers import as_pattern, placement
 from ....ops.yarn import concentration_factor, yarn_mscale
@@ -57,6 +60,7 @@ HF_ARCHITECTURE = "DeepseekV3ForCausalLM"
 MODEL_TYPE = "deepseek_v3"
 SKIPPED_HF = llama.SKIPPED_HF
 PRESERVED_HF = ()
+FP32_HF = (r"\.e_score_correction_bias$",)  # transformers keeps it fp32 (_keep_in_fp32_modules_strict); so does an export
 LATENT_NORM_EPS = 1e-6  # HF's q_a_layernorm and kv_a_layernorm: DeepseekV3RMSNorm's default, never rms_norm_eps
 EXPERT_BIAS_SUFFIX = "mlp.deepspeed_moe.gate.expert_bias"
 
@@ -204,7 +208,6 @@ def unsupported_export(config: GPTConfig) -> Optional[str]:
                 "after the first k dense ones)")
     shared = c.moe_shared_expert_intermediate_size or 0
     checks = ((c.moe_router_score_function != "sigmoid", "softmax routing (sigmoid scores)"),
-              (not c.moe_router_enable_expert_bias, "no expert bias (--moe-router-enable-expert-bias)"),
               (c.moe_capacity_factor is not None or c.moe_expert_capacity_factor is not None,
                "an expert capacity (dropless routing)"),
               (_limits_groups(c) and c.moe_router_topk // c.moe_router_group_topk != 2,
@@ -301,7 +304,13 @@ def _mlp(config: GPTConfig, block: int, ours: str, hf: str) -> List[TensorMappin
     out = moe_block_mappings(config, ours, hf, "mlp.gate.weight", "mlp.experts.{}.",
                              ("gate_proj", "up_proj", "down_proj"))
     out += llama.mlp_mappings(ours + "mlp.shared_expert.", hf + "mlp.shared_experts.", ("weight",))
-    return out + [same(ours + EXPERT_BIAS_SUFFIX, hf + "mlp.gate.e_score_correction_bias")]  # a buffer, not a param
+    bias = hf + "mlp.gate.e_score_correction_bias"
+    if config.moe_router_enable_expert_bias:
+        return out + [same(ours + EXPERT_BIAS_SUFFIX, bias)]  # a buffer, not a parameter
+    router = out[0]  # no bias of ours: HF's router always adds one, and zeros route as ours (an export only)
+    zeros = TensorMapping(router.ours, router.hf + (bias,), lambda ts: ts[0],
+                          lambda t: [t, torch.zeros(config.num_experts, dtype=torch.float32)])
+    return [zeros] + out[1:]
 
 
 def tensor_mappings(config: GPTConfig) -> List[TensorMapping]:
