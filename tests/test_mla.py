@@ -11,7 +11,8 @@
 - TP2 with and without sequence parallelism: loss and every gathered gradient of a 2-layer MLA toy within
   model_rtol of the one-process model (the replicated down-projections' gradients are the sums this checks);
 - FP8 (torchao, emulated) converts MLA's five linear layers of each block and trains a step;
-- the Hugging Face export refuses an MLA model in one sentence (it would otherwise match Llama's switches);
+- the Hugging Face export of an MLA model is DeepseekV3ForCausalLM, never Llama (whose other switches it has); what
+  that class cannot hold is refused in one sentence;
 - pretrain_gpt.py (slow tier): TP2 x PP2 with sequence parallelism matches the one-process run, its checkpoint
   converted by tools/ds_to_universal.py (and as saved, reshaped while loading) resumes at TP1 with the loss
   continuing; CP2 (p2p, a2a) and DP2 ZeRO-3 with selective recomputation match too; FP8 at TP2 with sequence parallelism trains.
@@ -222,12 +223,19 @@ def test_flash_backend_pads_v_and_equals_the_unfused_core():
     assert_close_normwise(outs["flash"], outs["unfused"], model_rtol(_layer_path(layer_config())), "flash")
 
 
-def test_hugging_face_export_refuses_mla_in_one_sentence():
+def test_hugging_face_export_is_deepseek_v3_and_refuses_what_it_cannot_hold_in_one_sentence():
+    """An MLA model exports as DeepseekV3ForCausalLM (tests/test_hf_deepseek_v3.py: the logits), never as the Llama
+    whose other switches it has; what that class cannot hold is refused in one sentence."""
     from megatron_zero.checkpoint.errors import CheckpointError
     from megatron_zero.checkpoint.export.hf import for_config
 
-    with pytest.raises(CheckpointError, match="multi-latent attention, which no Hugging Face export here writes"):
-        for_config(GPTConfig(**TOY))
+    toy = {**TOY, "layernorm_epsilon": 1e-6}
+    assert for_config(GPTConfig(**toy)).HF_ARCHITECTURE == "DeepseekV3ForCausalLM"
+    for change, words in (({"qk_layernorm": False}, "no latent norms"), ({"layernorm_epsilon": 1e-5}, "norm epsilon")):
+        with pytest.raises(CheckpointError, match=f"multi-latent attention with {words}.*DeepseekV3ForCausalLM"):
+            for_config(GPTConfig(**{**toy, **change}))
+    with pytest.raises(CheckpointError, match="--architecture LlamaForCausalLM cannot hold"):
+        for_config(GPTConfig(**toy), "LlamaForCausalLM")
 
 
 def test_fp8_converts_mla_linear_layers_and_trains():

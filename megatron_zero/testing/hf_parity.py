@@ -8,6 +8,7 @@ import torch.distributed as dist
 from ..checkpoint.export.consolidate import get_fp32_state_dict
 from ..checkpoint.reshape.universal_load import load_universal_checkpoint
 from ..model.gpt import reference_model
+from ..model.params import param_names
 from ..model.sharding import shard_state_dict
 from ..pipeline.gpt_stage import activation_shape, build_gpt_stage, make_forward_step
 from ..pipeline.p2p import P2P
@@ -25,9 +26,12 @@ def tokens(batch=3):
 
 
 def our_logits(ckpt, config, toks):
-    """Our single-process model's logits on `toks` with the weights of checkpoint `ckpt` (padding cut)."""
+    """Our single-process model's logits on `toks` with the weights (and persistent buffers: the expert bias) of
+    checkpoint `ckpt` (padding cut)."""
     model = reference_model(config)
-    model.load_state_dict(shard_state_dict(get_fp32_state_dict(ckpt), config, 1, 0))
+    full, params = get_fp32_state_dict(ckpt), set(param_names(config))
+    buffers = {n: t for n, t in full.items() if n not in params}  # whole at every layout
+    model.load_state_dict({**shard_state_dict({n: t for n, t in full.items() if n in params}, config, 1, 0), **buffers})
     model.eval()
     with torch.no_grad():
         return model(toks)[..., :config.vocab_size]

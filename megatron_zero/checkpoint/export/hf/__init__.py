@@ -10,7 +10,10 @@ An architecture module (see gpt2.py) provides
     hf_config(config) -> dict                    config.json for an export
     flags(config) -> list[str]                   the Megatron flags that build this model
     matches(config) -> bool                      whether an export of `config` is this architecture
-    tensor_mappings(config) -> list[TensorMapping]   one per parameter of ours, in our model order
+    tensor_mappings(config) -> list[TensorMapping]   one per parameter of ours, in our model order, and one per
+                                                     persistent buffer the HF model holds too (the expert bias)
+    dropped_hf(hf) -> regex                      optional: HF tensors an import leaves out, and says so (MTP layers)
+    FP32_HF                    optional: regexes of HF tensors an export keeps in fp32 whatever its --dtype
 
 Tensors are in our full form (model/sharding.py): unsharded, the unpadded vocabulary, the fused QKV in
 Megatron's grouped layout (per query group: its q heads, then k, then v), the fused SwiGLU weight as
@@ -31,11 +34,11 @@ from typing import Optional
 
 from ....model.config import GPTConfig
 from ...errors import CheckpointError
-from . import gpt2, llama, mistral, mixtral, qwen2_moe, qwen3, qwen3_moe
+from . import deepseek_v3, gpt2, llama, mistral, mixtral, qwen2_moe, qwen3, qwen3_moe
 from ....model.params import is_norm_weight
 from .mapping import TensorMapping, zero_centred
 
-ARCHITECTURES = {m.HF_ARCHITECTURE: m for m in (qwen3_moe, mixtral, qwen2_moe, qwen3, llama, mistral, gpt2)}
+ARCHITECTURES = {m.HF_ARCHITECTURE: m for m in (deepseek_v3, qwen3_moe, mixtral, qwen2_moe, qwen3, llama, mistral, gpt2)}
 
 
 def for_hf_config(hf: dict, where: str = "config.json") -> ModuleType:
@@ -53,9 +56,15 @@ def for_hf_config(hf: dict, where: str = "config.json") -> ModuleType:
 
 def for_config(config: GPTConfig, name: Optional[str] = None) -> ModuleType:
     """The module an export of `config` uses: `name` if given, else the first that matches."""
-    if config.multi_latent_attention:
-        raise CheckpointError("this checkpoint's model has multi-latent attention, which no Hugging Face export here "
-                              "writes (DeepseekV3ForCausalLM is not available in this build)")
+    if config.multi_latent_attention:  # only DeepSeek-V3's class has it (the others would match its other switches)
+        problem = deepseek_v3.unsupported_export(config)
+        if problem is not None:
+            raise CheckpointError(f"this checkpoint's model has multi-latent attention with {problem}, which "
+                                  f"{deepseek_v3.HF_ARCHITECTURE}, the Hugging Face model with it, cannot hold")
+        if name not in (None, deepseek_v3.HF_ARCHITECTURE):
+            raise CheckpointError(f"--architecture {name} cannot hold this checkpoint's model (multi-latent attention: "
+                                  f"{deepseek_v3.HF_ARCHITECTURE})")
+        return deepseek_v3
     if name is not None:
         if name not in ARCHITECTURES:
             raise CheckpointError(f"--architecture {name} is unknown; choose one of {', '.join(ARCHITECTURES)}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from typing import Optional
 
@@ -71,6 +72,7 @@ def export_hf(checkpoint_dir: str, output_dir: str, dtype: str = "fp32", max_sha
         raise CheckpointError(f"{directory} holds {len(names)} parameters, a {module.HF_ARCHITECTURE} of its config "
                               f"{len(mappings)}{': no mapping for ' + ', '.join(unmapped[:3]) if unmapped else ''}")
     cast = DTYPES[dtype]
+    kept_fp32 = [re.compile(p) for p in getattr(module, "FP32_HF", ())]  # stored fp32 whatever --dtype says
 
     def hf_tensors():
         for name, full in tensors:
@@ -78,7 +80,7 @@ def export_hf(checkpoint_dir: str, output_dir: str, dtype: str = "fp32", max_sha
                 continue
             m = mappings[name]
             for hf_name, t in zip(m.hf, m.to_hf(full)):
-                yield hf_name, t.to(cast)
+                yield hf_name, t.to(torch.float32 if any(p.search(hf_name) for p in kept_fp32) else cast)
 
     os.makedirs(output_dir, exist_ok=True)
     for stale in ("model.safetensors", "model.safetensors.index.json"):

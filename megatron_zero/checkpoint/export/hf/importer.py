@@ -6,7 +6,9 @@ writes
     <ckpt>/zero/<param>/fp32.pt           {'param': full fp32 tensor, ['cat_dim'], ['vocab_tensor'],
                                            ['param_n_sub_params']}
     <ckpt>/zero/optimizer_state.pt        {} (no optimizer: the run starts with a fresh one)
-    <ckpt>/mp_rank_00_model_states.pt     {'args': the model's flags, 'iteration': 0, 'weights_only': True, ...}
+    <ckpt>/mp_rank_00_model_states.pt     {'args': the model's flags, 'iteration': 0, 'weights_only': True,
+                                           'module' / 'buffer_names': the persistent buffers the HF model holds too
+                                           (the expert bias: checkpoint/model_buffers.py), ...}
     <ckpt>/megatron_flags.txt             the flags that build this model, one command line
     <ckpt>/tokenizer/                     tokenizer.json (+ its config) when the HF directory has one
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shlex
 import shutil
 import time
@@ -46,8 +49,10 @@ def implied_flags(module, config, tp: int, pp: int, tokenizer_dir: Optional[str]
 
 
 def import_hf(input_dir: str, output_dir: str, tp: int = 1, pp: int = 1, apply_layernorm_1p: bool = False) -> dict:
-    """Convert; returns {'architecture', 'params', 'bytes', 'seconds', 'flags'}. `apply_layernorm_1p`: the
-    checkpoint holds a zero-centred model (each norm weight stored as gamma - 1), to train with that flag."""
+    """Convert; returns {'architecture', 'params', 'bytes', 'seconds', 'flags', 'dropped'}: `dropped` the HF
+    tensors left out (an architecture's `dropped_hf(config.json)` pattern: DeepSeek's MTP layers).
+    `apply_layernorm_1p`: the checkpoint holds a zero-centred model (each norm weight stored as gamma - 1), to
+    train with that flag."""
     start = time.monotonic()
     hf = HFModelDir(input_dir)
     module = for_hf_config(hf.config, os.path.join(input_dir, "config.json"))
@@ -67,7 +72,10 @@ def import_hf(input_dir: str, output_dir: str, tp: int = 1, pp: int = 1, apply_l
     missing = [n for n in names if n not in mappings]
     if missing:
         raise CheckpointError(f"the {module.HF_ARCHITECTURE} mapping gives no tensor for {', '.join(missing[:3])}")
-    unused = hf.unused([h for m in mappings.values() for h in m.hf], module.SKIPPED_HF)
+    dropped_pattern = module.dropped_hf(hf.config) if hasattr(module, "dropped_hf") else None
+    dropped = hf.unused([h for m in mappings.values() for h in m.hf], module.SKIPPED_HF)
+    unused = [n for n in dropped if dropped_pattern is None or not re.search(dropped_pattern, n)]
+    dropped = [n for n in dropped if n not in unused]
     if unused:
         raise CheckpointError(f"{input_dir} holds tensors a {module.HF_ARCHITECTURE} of this config.json does not "
                               f"have ({', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''})")
@@ -94,6 +102,9 @@ def import_hf(input_dir: str, output_dir: str, tp: int = 1, pp: int = 1, apply_l
             os.makedirs(os.path.join(tmp, "zero", name))
             total += write(record, f"zero/{name}/fp32.pt")
             del full, record
+        params = set(names)  # the mapped names beyond the parameters are buffers (the expert bias), kept whole
+        buffers = {n: m.to_ours([hf.get(h) for h in m.hf]).float().contiguous() for n, m in mappings.items()
+                   if n not in params}
         tokenizer_dir = None
         if os.path.isfile(os.path.join(input_dir, "tokenizer.json")):
             tokenizer_dir = os.path.join(output_dir, "tokenizer")
@@ -107,7 +118,8 @@ def import_hf(input_dir: str, output_dir: str, tp: int = 1, pp: int = 1, apply_l
                     tokenizer_type="HuggingFaceTokenizer" if tokenizer_dir else None, tokenizer_model=tokenizer_dir)
         write({}, "zero/optimizer_state.pt")
         write({"args": args, "iteration": 0, "weights_only": True, "hf_architecture": module.HF_ARCHITECTURE,
-               "hf_config": hf.config, "megatron_flags": flags}, model_states_name(0, 1))
+               "hf_config": hf.config, "megatron_flags": flags, "module": buffers, "buffer_names": list(buffers)},
+              model_states_name(0, 1))
         write_manifest(tmp, files, {"universal": True, "source": os.path.abspath(input_dir), "iteration": 0})
         with open(os.path.join(tmp, FLAGS_FILE), "w") as f:
             f.write(shlex.join(flags) + "\n")
@@ -117,5 +129,5 @@ def import_hf(input_dir: str, output_dir: str, tp: int = 1, pp: int = 1, apply_l
         raise
     finally:
         hf.close()
-    return {"architecture": module.HF_ARCHITECTURE, "params": len(names), "bytes": total,
+    return {"architecture": module.HF_ARCHITECTURE, "params": len(names), "bytes": total, "dropped": dropped,
             "seconds": time.monotonic() - start, "flags": flags}

@@ -133,17 +133,23 @@ def dense_block_mlp(config: GPTConfig, block: int, ours: str, hf: str) -> List[T
     return mlp_mappings(ours + "mlp.", hf + "mlp.", ("weight", "bias") if config.add_bias_linear else ("weight",))
 
 
-def tensor_mappings(config: GPTConfig, block_mlp=dense_block_mlp) -> List[TensorMapping]:
-    """`block_mlp(config, block, our prefix, HF prefix)`: a block's MLP mappings (an MoE architecture's own)."""
-    out = [same(word_embeddings_name(config), "model.embed_tokens.weight")]
+def block_attention(config: GPTConfig, ours: str, hf: str) -> List[TensorMapping]:
+    """A block's attention (ours: `{i}.`, HF: `model.layers.{b}.`): q, k, v <-> the fused QKV, o_proj <-> dense."""
     kinds = ("weight", "bias") if config.add_bias_linear else ("weight",)
     qkv_kinds = ("weight", "bias") if config.add_bias_linear or config.add_qkv_bias else ("weight",)
+    out = [_qkv(ours + f"self_attention.query_key_value.{k}", [hf + f"self_attn.{p}_proj.{k}" for p in "qkv"], config)
+           for k in qkv_kinds]
+    return out + [same(ours + f"self_attention.dense.{k}", hf + f"self_attn.o_proj.{k}") for k in kinds]
+
+
+def tensor_mappings(config: GPTConfig, block_mlp=dense_block_mlp, attention=block_attention) -> List[TensorMapping]:
+    """`block_mlp(config, block, our prefix, HF prefix)`: a block's MLP mappings (an MoE architecture's own);
+    `attention(config, our prefix, HF prefix)`: its attention's (multi-latent attention's: deepseek_v3.py)."""
+    out = [same(word_embeddings_name(config), "model.embed_tokens.weight")]
     for b in range(config.num_layers):
         i, h = f"{block_layer_index(b)}.", f"model.layers.{b}."
         out.append(same(i + "input_layernorm.weight", h + "input_layernorm.weight"))
-        out += [_qkv(i + f"self_attention.query_key_value.{k}", [h + f"self_attn.{p}_proj.{k}" for p in "qkv"],
-                     config) for k in qkv_kinds]
-        out += [same(i + f"self_attention.dense.{k}", h + f"self_attn.o_proj.{k}") for k in kinds]
+        out += attention(config, i, h)
         out.append(same(i + "post_attention_layernorm.weight", h + "post_attention_layernorm.weight"))
         out += block_mlp(config, b, i, h)
     out.append(same(f"{final_norm_index(config.num_layers)}.weight", "model.norm.weight"))
