@@ -116,6 +116,9 @@ def _dense_key(name: str, config: GPTConfig) -> Tuple[str, Optional[int]]:
         k, local = depth
         if local.startswith(MTP_LAYER_PREFIX) and local[len(MTP_LAYER_PREFIX):] in BLOCK:
             return f"mtp.layers.{k}.transformer_layer.{BLOCK[local[len(MTP_LAYER_PREFIX):]]}", None
+        if local.startswith(MTP_LAYER_PREFIX + "mlp."):
+            raise ValueError(f"{name!r} belongs to an MoE multi-token prediction layer, which has no Megatron-Core "
+                             "name here")
         return f"mtp.layers.{k}.{local}", None
     raise ValueError(f"{name!r} has no Megatron-Core name")
 

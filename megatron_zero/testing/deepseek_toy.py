@@ -1,0 +1,59 @@
+"""The DeepSeek-V3-shaped toy every DeepSeek test trains through pretrain_gpt.py: the tiny Llama of cli.py with
+DeepSeek-V3's pieces at toy sizes, in Megatron-LM's flags.
+
+    attention   multi-latent (q and kv LoRA ranks, their norms through --qk-layernorm, the decoupled RoPE part,
+                YaRN scaling)
+    router      sigmoid scores, the aux-loss-free expert bias, 8 experts in 4 groups of which a token's best 2,
+                top-2 scaled by 2.5, the sequence-level aux loss, the router's GEMM in fp32
+    experts     a shared expert beside them; the first block dense (--moe-layer-freq "[0]+[1]*1")
+    MTP         one depth, built as the last block: an MoE layer
+
+    flags = deepseek_toy_flags(data, cache, {"expert-model-parallel-size": 2})
+    config = deepseek_toy_config(100, **{"seq-length": 8})   # the model those flags build, for in-process runs
+    rtol = deepseek_toy_rtol()        # a step's roundoff bound on the logged losses of two layouts
+"""
+from __future__ import annotations
+
+from typing import List
+
+from .cli import TINY, cli_flags
+
+DEEPSEEK_TOY = {
+    # multi-latent attention (replacing the Llama's grouped-query attention), YaRN by default with it
+    "multi-latent-attention": True, "q-lora-rank": 16, "kv-lora-rank": 12, "qk-head-dim": 8,
+    "qk-pos-emb-head-dim": 4, "v-head-dim": 6, "qk-layernorm": True, "rotary-scaling-factor": 4.0,
+    "mscale": 0.707, "mscale-all-dim": 0.707, "original-max-position-embeddings": 8,
+    "group-query-attention": None, "num-query-groups": None,
+    # DeepSeek-V3's router and experts
+    "num-experts": 8, "moe-router-topk": 2, "moe-ffn-hidden-size": 16, "moe-shared-expert-intermediate-size": 16,
+    "moe-router-score-function": "sigmoid", "moe-router-enable-expert-bias": True,
+    "moe-router-bias-update-rate": 0.01, "moe-router-num-groups": 4, "moe-router-group-topk": 2,
+    "moe-router-topk-scaling-factor": 2.5, "moe-router-load-balancing-type": "seq_aux_loss",
+    "moe-aux-loss-coeff": 1e-3, "moe-router-dtype": "fp32", "moe-layer-freq": "[0]+[1]*1",
+    # one multi-token prediction depth (an MoE layer: the last block is one)
+    "mtp-num-layers": 1,
+}
+
+
+def deepseek_toy_flags(data: str, cache: str, *changes: dict) -> List[str]:
+    """pretrain_gpt.py's flags of the toy on `data`, then each dict of `changes` (cli_flags' order)."""
+    return cli_flags(data, cache, "llama", DEEPSEEK_TOY, *changes)
+
+
+def deepseek_toy_config(vocab_size: int = 257, **changes):
+    """The GPTConfig pretrain_gpt.py builds from the toy's flags (with `changes`: flag -> value) for `vocab_size`
+    (257: the ByteTokenizer's)."""
+    from ..arguments import parse_args
+    from ..model.architecture import gpt_config
+
+    args = parse_args(deepseek_toy_flags("unused", "unused", {"train-iters": 1, **changes}), world_size=1)
+    return gpt_config(args, vocab_size)
+
+
+def deepseek_toy_rtol() -> float:
+    """The logged losses' tolerance between two layouts: one step's summation path of the toy (its blocks and
+    the MTP depth, tolerances.mtp_path_length) over a global batch."""
+    from .tolerances import model_rtol, mtp_path_length
+
+    return model_rtol(mtp_path_length(deepseek_toy_config(), TINY["global-batch-size"] * TINY["seq-length"]))
+
