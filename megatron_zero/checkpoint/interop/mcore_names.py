@@ -123,6 +123,15 @@ def _dense_key(name: str, config: GPTConfig) -> Tuple[str, Optional[int]]:
     raise ValueError(f"{name!r} has no Megatron-Core name")
 
 
+def refuse_moe_mtp(config: GPTConfig, where: str) -> None:
+    """One sentence for a model with MoE multi-token prediction layers, whose Megatron-Core names are not mapped."""
+    if config.mtp_num_layers and config.is_moe_layer(config.num_layers - 1):
+        from ..errors import CheckpointError
+        raise CheckpointError(f"{where} is a model with MoE multi-token prediction layers (--mtp-num-layers with an "
+                              "MoE last layer), whose Megatron-Core torch_dist names are not mapped here; convert it "
+                              "to universal or dcp instead")
+
+
 def expert_bias_names(config: GPTConfig) -> List[str]:
     """Our names of the model's expert biases (buffers, not parameters: moe/expert_bias.py), one per MoE block."""
     if not config.num_experts or not config.moe_router_enable_expert_bias:
