@@ -25,7 +25,8 @@ from megatron_zero.model import reference_model
 from megatron_zero.model.params import param_names, param_spec, with_expert
 from megatron_zero.testing.cli import CliResume, logged_losses, mtp_losses, pretrain_cli, text_data
 from megatron_zero.testing import run_ranks
-from megatron_zero.testing.deepseek_toy import deepseek_toy_config, deepseek_toy_flags, deepseek_toy_rtol
+from megatron_zero.testing.deepseek_toy import (MEGATRON_DEEPSEEK_R1, deepseek_toy_config, deepseek_toy_flags,
+                                                deepseek_toy_rtol)
 from megatron_zero.testing.expert_bias_runs import saved_expert_biases
 from megatron_zero.testing.moe_train import GBS, parallel_run, reference_run
 from megatron_zero.testing.tiny_gpt import tiny_llama_config
@@ -206,3 +207,23 @@ def test_ep2_tp2_pp2_matches_one_process(reference, saved_at_ep2_tp2_pp2):
 ], ids=["universal-ep1-tp1-pp1", "ep1", "ep4-pp1", "tp1", "pp1", "zero3-pp1"])
 def test_ep2_tp2_pp2_save_resumes(saved_at_ep2_tp2_pp2, tmp_path, how, layout, nproc):
     _assert_resumes(saved_at_ep2_tp2_pp2, how, layout, nproc, tmp_path / "resumed")
+
+
+@pytest.mark.slow  # 4 ranks, bf16; default tier: test_ep2_steps_match_one_process (the same pieces in fp32)
+@pytest.mark.multirank
+def test_megatron_lm_deepseek_r1_flags_train(tmp_path):
+    """Megatron-LM's own DeepSeek-R1 model flags (testing/deepseek_toy.py: its script's, toy sizes) with one MTP
+    depth train at TP2 (sequence parallel, the sequence-level aux loss over the TP ranks' tokens) x EP2 x DP2."""
+    import math
+
+    from megatron_zero.testing.launch import flags_argv
+
+    data = text_data(tmp_path / "text")
+    run = pretrain_cli(4, MEGATRON_DEEPSEEK_R1 + flags_argv({
+        "data-path": data, "data-cache-path": tmp_path / "cache", "split": "100,0,0", "save": tmp_path / "ckpt",
+        "train-iters": 3, "global-batch-size": 4, "lr": 1e-3, "log-interval": 1, "eval-iters": 0,
+        "mtp-num-layers": 1, "tensor-model-parallel-size": 2, "expert-model-parallel-size": 2}), timeout=900)
+    lm, mtp = logged_losses(run), mtp_losses(run)
+    assert sorted(lm) == sorted(mtp) == [1, 2, 3], run.stdout[-3000:]
+    assert all(math.isfinite(v) for v in [*lm.values(), *mtp.values()])
+    assert "seq_load_balancing_loss" in run.stdout
