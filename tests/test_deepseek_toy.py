@@ -25,12 +25,13 @@ from megatron_zero.model import reference_model
 from megatron_zero.model.params import param_names, param_spec, with_expert
 from megatron_zero.testing.cli import CliResume, logged_losses, mtp_losses, pretrain_cli, text_data
 from megatron_zero.testing import run_ranks
-from megatron_zero.testing.deepseek_toy import (MEGATRON_DEEPSEEK_R1, deepseek_toy_config, deepseek_toy_flags,
-                                                deepseek_toy_rtol)
+from megatron_zero.testing.deepseek_toy import (MEGATRON_DEEPSEEK_R1, SEQ_AUX, deepseek_toy_config, deepseek_toy_flags,
+                                                deepseek_toy_rtol, seq_aux_route)
 from megatron_zero.testing.expert_bias_runs import saved_expert_biases
 from megatron_zero.testing.moe_train import GBS, parallel_run, reference_run
 from megatron_zero.testing.tiny_gpt import tiny_llama_config
-from megatron_zero.testing.tolerances import assert_losses_close, global_norm_rtol, model_rtol, mtp_path_length
+from megatron_zero.testing.tolerances import (assert_close_normwise, assert_losses_close, global_norm_rtol, model_rtol,
+                                              mtp_path_length)
 
 ITERS, SAVE_AT = 4, 2
 
@@ -96,18 +97,29 @@ def test_mtp_depth_is_an_moe_layer_where_the_last_block_is():
     assert float(router.expert_bias.abs().sum()) > 0
 
 
+def _ep2_steps_and_sequence_parallel_routing(cfg):
+    return parallel_run(cfg, 1, 1, 2, 1, 2, 2), seq_aux_route(True)
+
+
 @pytest.mark.multirank
 def test_ep2_steps_match_one_process():
     """The toy's model at EP2 x DP2 ZeRO-1 (each rank half the experts of both MoE layers, the depth's too, and half
-    the micro-batches): two steps' losses and gradient norms against the one-process model's."""
+    the micro-batches): two steps' losses and gradient norms against the one-process model's. On the same two
+    ranks as a TP group with sequence parallelism, the toy's sequence-level aux loss: a rank's rows are its share
+    of the batch-major tokens, here crossing a sequence; the ranks' losses sum to the one-process loss and their
+    gradients are its rows' (roundoff of sums of a few terms)."""
     cfg = deepseek_toy_config(100, **{"seq-length": 8})
     ref_losses, ref_norms = reference_run(cfg, 2, 2, steps=2)
-    results = run_ranks(parallel_run, 2, cfg, 1, 1, 2, 1, 2, 2, timeout=600)
+    results = run_ranks(_ep2_steps_and_sequence_parallel_routing, 2, cfg, timeout=600)
     rtol = model_rtol(mtp_path_length(cfg, GBS * cfg.seq_length))
     count = sum(p.numel() for p in reference_model(cfg).parameters())
-    for losses, norms in results:
+    for (losses, norms), _ in results:
         assert_losses_close(losses, ref_losses, rtol, "EP2 x DP2 loss")
         assert_losses_close(norms, ref_norms, global_norm_rtol(rtol, count), "EP2 x DP2 grad norm")
+    want_loss, want_grad = seq_aux_route(False)
+    terms = SEQ_AUX["batch"] * SEQ_AUX["seq"] * SEQ_AUX["experts"]  # the most terms any value sums
+    assert_close_normwise(sum(loss for _, (loss, _) in results), want_loss, model_rtol(terms), "seq aux loss")
+    assert_close_normwise(torch.cat([grad for _, (_, grad) in results]), want_grad, model_rtol(terms), "its gradient")
 
 
 # ---- pretrain_gpt.py ---------------------------------------------------------------------------------------------

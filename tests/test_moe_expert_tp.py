@@ -108,7 +108,8 @@ LAYOUTS = {  # name: (tp, dp, ep, etp, zero stage, micro-batch, llama, config ov
     "etp1_tp2_dp2_sp_zero2_llama_shared_gate": (2, 2, 1, 1, 2, 2, True, dict(
         moe_shared_expert_intermediate_size=64, moe_shared_expert_gate=True)),
     "tp2_dp2_sp_zero3": (2, 2, 1, 2, 3, 2, False, {}),  # ZeRO-3 gathers the experts the ETP path reads directly
-    # the sequence-level aux loss: each sequence's tokens per expert summed over the TP ranks' chunks (router.py)
+    # the sequence-level aux loss: each sequence's tokens per expert summed over the TP ranks' rows (router.py;
+    # default tier: tests/test_deepseek_toy.py::test_ep2_steps_match_one_process, its sequence-parallel routing)
     "ep2_tp2_sp_zero1_seq_aux": (2, 2, 2, 2, 1, 2, False, dict(moe_router_load_balancing_type="seq_aux_loss")),
 }
 DEFAULT_TIER = {"ep2_tp2_sp_zero1"}  # ~15 s on 4 ranks; the others 25 s and more

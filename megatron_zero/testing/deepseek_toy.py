@@ -78,3 +78,27 @@ MEGATRON_DEEPSEEK_R1 = """
     --rotary-scaling-factor 40 --mscale 1.0 --mscale-all-dim 1.0 --recompute-activations --moe-layer-recompute
     --sequence-parallel
 """.split()
+
+
+SEQ_AUX = dict(batch=3, seq=4, experts=4, topk=2)  # 12 tokens, 6 a TP rank: rank 0 holds sequence 0 and half of 1
+
+
+def seq_aux_route(sequence_parallel: bool):
+    """The sigmoid router's sequence-level aux loss (its tracked value) and the logits' gradient through it alone,
+    on SEQ_AUX's fixed logits: all rows here, or (`sequence_parallel`, 2 ranks) this rank's share of the batch-major
+    rows with the world as the TP group, a share that crosses a sequence."""
+    import torch
+    import torch.distributed as dist
+
+    from ..moe.router import aux_losses, reset_aux_losses, route, set_aux_loss_scale
+
+    b, s, e, k = SEQ_AUX["batch"], SEQ_AUX["seq"], SEQ_AUX["experts"], SEQ_AUX["topk"]
+    rank = dist.get_rank() if sequence_parallel else 0
+    rows = slice(rank * b * s // 2, (rank + 1) * b * s // 2) if sequence_parallel else slice(None)
+    logits = torch.randn(b * s, e, generator=torch.Generator().manual_seed(0))[rows].clone().requires_grad_()
+    set_aux_loss_scale(1.0)
+    reset_aux_losses()
+    weights, _ = route(logits, k, False, "seq_aux_loss", 1e-2, None, "sigmoid", None, b, True, None,
+                       dist.group.WORLD if sequence_parallel else None)
+    (weights * 0).sum().backward()
+    return float(aux_losses()["seq_load_balancing_loss"]), logits.grad
