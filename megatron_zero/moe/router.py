@@ -129,12 +129,12 @@ def seq_load_balancing_loss(scores: torch.Tensor, tokens_per_expert: torch.Tenso
     return torch.sum(per_seq * tokens_per_expert) * (experts * coeff / (topk * seq * seq)) / batch
 
 
-def tokens_of_sequences(tokens: int, batch: int, sp_group) -> torch.Tensor:
+def tokens_of_sequences(tokens: int, batch: int, sp_group, device=None) -> torch.Tensor:
     """The sequence of each of this rank's `tokens` rows: with sequence parallelism a TP rank holds its contiguous
     share of the micro-batch's batch-major tokens (tensor_parallel/mappings.py), which need not be s / TP of
     every sequence."""
     sp, rank = _size(sp_group), dist.get_rank(sp_group)
-    return (rank * tokens + torch.arange(tokens)) // (tokens * sp // batch)
+    return (rank * tokens + torch.arange(tokens, device=device)) // (tokens * sp // batch)
 
 
 def group_limited_topk(scores: torch.Tensor, topk: int, num_groups: int, group_topk: int) -> tuple:
@@ -221,7 +221,7 @@ def route(logits: torch.Tensor, topk: int, pre_softmax: bool, balancing: str, au
                 counts = counts.scatter_(2, chosen.view(batch, -1, topk), 1.0).sum(dim=1)
                 sequence = None
             else:  # this rank's rows into their sequences' counts, summed over the TP ranks' rows
-                sequence = tokens_of_sequences(logits.shape[0], batch, sp_group).to(logits.device)
+                sequence = tokens_of_sequences(logits.shape[0], batch, sp_group, logits.device)
                 chosen_once = torch.zeros_like(logits).scatter_(1, chosen, 1.0)
                 counts = _group_sum(logits.new_zeros(batch, logits.shape[1]).index_add(0, sequence, chosen_once),
                                     sp_group)
