@@ -111,7 +111,7 @@ class Trainer(LoopSteps):
         m = self.sections.muon  # QK-clip, or the max attention logit logged (optimizer/qk_clip.py)
         self.qk_clip = (QKClip(self.model, self.optimizer, state.dp_group, m.qk_clip, m.qk_clip_alpha,
                                m.qk_clip_threshold) if m.log_max_attention_logit else None)
-        moe_layers = sum(self.config.is_moe_layer(b) for b in range(self.config.num_layers))
+        moe_layers = self.config.num_moe_layers()
         logged = logged_names(self.config)  # the MoE losses the flags compute (none: no MoE log line)
         self.moe_metrics = MoEMetrics(moe_layers, self.device, logged) if moe_layers and logged else None
         self.expert_bias = ExpertBiasUpdate.of_run(self.model, self.config, state)  # (moe/expert_bias.py)

@@ -107,7 +107,7 @@ MOE_ARGS = {"num_experts": 4, "moe_aux_loss_coeff": 0.01}
     ({**MOE_ARGS, "expert_model_parallel_size": 2, "zero_stage": 3, "zero_quantized_weights": True}, 2,
      "runs without ZeRO++"),
     ({**MOE_ARGS, "tensor_model_parallel_size": 2, "sequence_parallel": True,
-      "moe_router_load_balancing_type": "seq_aux_loss"}, 2, "--sequence-parallel"),
+      "moe_expert_capacity_factor": 1.0}, 2, "--sequence-parallel"),
     ({**MOE_ARGS, "tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_model_parallel_size": 2,
       "moe_token_dispatcher_type": "allgather"}, 4, "with --sequence-parallel use alltoall"),
 ])

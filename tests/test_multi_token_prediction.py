@@ -11,7 +11,6 @@ relative 1e-5), and tools/convert_to_hf.py exports it as a Llama without the dep
 the model; what is not implemented is refused in one sentence.
 """
 import os
-import re
 from dataclasses import replace
 
 import pytest
@@ -22,19 +21,13 @@ from megatron_zero.model.architecture import gpt_config
 from megatron_zero.model.layer_indices import layer_kind, mtp_index
 from megatron_zero.model.params import param_names, param_spec
 from megatron_zero.testing import run_ranks
-from megatron_zero.testing.cli import TINY, CliResume, cli_flags, logged_losses, pretrain_cli, text_data, tool
+from megatron_zero.testing.cli import (TINY, CliResume, cli_flags, logged_losses, mtp_losses, pretrain_cli, text_data,
+                                       tool)
 from megatron_zero.testing.flag_checks import BASE, refused, with_flags
 from megatron_zero.testing.tiny_gpt import tiny_gpt_config, tiny_llama_config
-from megatron_zero.testing.tolerances import (assert_close_normwise, assert_losses_close, gpt_path_length,
-                                              model_rtol)
+from megatron_zero.testing.tolerances import assert_close_normwise, assert_losses_close, model_rtol, mtp_path_length
 
 RESHAPE_BOUND = 1e-5  # the reshape tests' relative bound on a resumed run's losses
-
-
-def mtp_path_length(config, tokens: int) -> int:
-    """gpt_path_length with each depth as one more layer, plus its projection's 2h terms forward and backward."""
-    n = config.mtp_num_layers
-    return gpt_path_length(replace(config, num_layers=config.num_layers + n), tokens) + 2 * n * 2 * config.hidden_size
 
 
 def test_catalogue_and_module_agree():
@@ -168,9 +161,9 @@ def test_flags_reach_the_model_and_refusals(capsys):
     assert "--mtp-num-layers" in line and "--context-parallel-size 2" in line
     parse_args(with_flags(BASE, mtp_num_layers=1, untie_embeddings_and_output_weights=True,
                           pipeline_model_parallel_size=2), world_size=2)  # the last stage holds a copy
-    line = refused(with_flags(BASE, mtp_num_layers=1, num_experts=4), 1, capsys)
-    assert "MoE" in line and "--moe-layer-freq" in line
-    parse_args(with_flags(BASE, mtp_num_layers=1, num_experts=4, moe_layer_freq="[1,1,1,0]"), world_size=1)
+    # the depth's block is built as the last one, dense or MoE (tests/test_deepseek_toy.py)
+    for freq in ("[1,1,1,0]", "1"):
+        parse_args(with_flags(BASE, mtp_num_layers=1, num_experts=4, moe_layer_freq=freq), world_size=1)
     line = refused(with_flags(BASE, mtp_num_layers=-1), 1, capsys)
     assert "--mtp-num-layers -1" in line
     # a resume with other depths than the checkpoint's is refused by the model check, naming them
@@ -195,11 +188,6 @@ def _mtp_llama():
                              seq_length=TINY["seq-length"], max_position_embeddings=TINY["seq-length"],
                              vocab_size=ByteTokenizer.vocab_size, untie_embeddings_and_output_weights=False,
                              mtp_num_layers=1)
-
-
-def mtp_losses(run):
-    """{iteration: mtp_1 loss} from a run's log."""
-    return {int(it): float(v) for it, v in re.findall(r"iteration +(\d+) \| mtp_1 loss: ([0-9.E+-]+)", run.stdout)}
 
 
 # a Llama-shaped toy with a tied embedding (the last stage's copy embeds MTP's tokens), one depth, 4 steps

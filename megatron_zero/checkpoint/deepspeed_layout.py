@@ -97,8 +97,10 @@ def mtp_patterns(config) -> Dict[str, List[str]]:
         return r"\d+\.\d+\." + re.escape(local)
 
     locals_ = mtp_suffixes(config)
-    block = {s: s[len(MTP_LAYER_PREFIX):] for s in locals_ if s.startswith(MTP_LAYER_PREFIX)}
-    return {"replicated": [pat(s) for s in locals_ if s not in block and s != MTP_PROJECTION]
+    # the block's dense names, as universal_checkpoint_info lists a block's (an MoE layer's by name: gpt_rule)
+    block = {s: s[len(MTP_LAYER_PREFIX):] for s in locals_
+             if s.startswith(MTP_LAYER_PREFIX) and s[len(MTP_LAYER_PREFIX):] in BLOCK_PARAMS}
+    return {"replicated": [pat(s) for s in locals_ if not s.startswith(MTP_LAYER_PREFIX) and s != MTP_PROJECTION]
             + [pat(s) for s, b in block.items() if BLOCK_PARAMS[b][0] is None],
             "row": [pat(s) for s, b in block.items() if BLOCK_PARAMS[b][0] == 1],
             "swiglu": [pat(s) for s, b in block.items() if b in SWIGLU_SUFFIXES]}

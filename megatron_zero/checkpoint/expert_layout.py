@@ -2,9 +2,11 @@
 
     layer_{M}_expert_{E}_mp_rank_{mp:02d}_model_states.pt     {full parameter name: tensor}
 
-M counts the model's MoE layers from 0 (DeepSpeed's moe_layer_id), E is the global expert id, mp the
+M counts the model's MoE layers from 0 (DeepSpeed's moe_layer_id; an MoE multi-token prediction depth k's
+layer after the blocks', as Megatron-Core numbers it), E is the global expert id, mp the
 model-parallel rank (TP x PP) as in every other file; the names inside carry the global expert id
-(`{i}.mlp.deepspeed_moe.experts.deepspeed_experts.{E}.*`). The layer files hold everything else of a
+(`{i}.mlp.deepspeed_moe.experts.deepspeed_experts.{E}.*`, an MTP depth's
+`{L+4}.{k}.transformer_layer.mlp.deepspeed_moe.experts.deepspeed_experts.{E}.*`). The layer files hold everything else of a
 block, the router included. Each expert's files are written by the first rank of its
 expert-data-parallel group, and read by every rank holding that expert. At ZeRO-3 (no layer files: the
 weights load from the fp32 masters) the expert files are written too, each MoE layer's experts gathered
@@ -18,7 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Dict, Tuple
 
-from ..model.layer_indices import block_number, is_block_index
+from ..model.layer_indices import block_number, is_block_index, mtp_index
 from ..model.params import parse_expert_suffix
 from .format import expert_file_name
 
@@ -28,8 +30,11 @@ def is_expert_param(name: str) -> bool:
     return index.isdigit() and parse_expert_suffix(suffix) is not None
 
 
-def moe_layer_id(config, layer_index: int) -> int:
-    """The ordinal of block `layer_index` among the model's MoE layers."""
+def moe_layer_id(config, layer_index: int, mtp_depth: int = 0) -> int:
+    """The ordinal of block `layer_index` among the model's MoE layers; of the multi-token prediction layer
+    (`layer_index` L+4), depth `mtp_depth`'s: after every block's (as Megatron-Core numbers its MTP layers)."""
+    if layer_index == mtp_index(config.num_layers):
+        return sum(config.is_moe_layer(b) for b in range(config.num_layers)) + mtp_depth
     return sum(config.is_moe_layer(b) for b in range(block_number(layer_index)))
 
 
@@ -38,8 +43,9 @@ def expert_files(model_sd: Dict, config, mp_rank: int) -> "OrderedDict[str, Orde
     out: "OrderedDict[str, OrderedDict]" = OrderedDict()
     for name, tensor in model_sd.items():
         if is_expert_param(name):
-            layer, expert = _layer_expert(name, config)
-            out.setdefault(expert_file_name(moe_layer_id(config, layer), expert, mp_rank), OrderedDict())[name] = tensor
+            layer, depth, expert = _layer_expert(name, config)
+            out.setdefault(expert_file_name(moe_layer_id(config, layer, depth), expert, mp_rank),
+                           OrderedDict())[name] = tensor
     return out
 
 
@@ -59,11 +65,13 @@ def zero3_expert_files(model, config, mp_rank: int, writes: bool) -> "OrderedDic
     return expert_files(weights, config, mp_rank) if writes else OrderedDict()
 
 
-def _layer_expert(name: str, config) -> Tuple[int, int]:
+def _layer_expert(name: str, config) -> Tuple[int, int, int]:
+    """(global layer index, MTP depth (0 for a block), expert id) of an expert parameter."""
     index, _, suffix = name.partition(".")
     layer = int(index)
-    assert is_block_index(layer, config.num_layers)
-    return layer, parse_expert_suffix(suffix)[0]
+    assert is_block_index(layer, config.num_layers) or layer == mtp_index(config.num_layers)
+    depth = int(suffix.partition(".")[0]) if layer == mtp_index(config.num_layers) else 0
+    return layer, depth, parse_expert_suffix(suffix)[0]
 
 
 def without_experts(model_sd: Dict) -> "OrderedDict":

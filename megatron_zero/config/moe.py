@@ -179,11 +179,9 @@ def _check_sequence_parallel(args, tp: int) -> None:
     """--sequence-parallel with MoE layers: each TP rank routes its own sequence chunk (moe/layer.py)."""
     if not (args.sequence_parallel and tp > 1):
         return
-    require(args.moe_router_load_balancing_type != "seq_aux_loss" and args.moe_expert_capacity_factor is None
-            and args.moe_capacity_factor is None,
-            "--sequence-parallel with MoE layers routes each TP rank's sequence chunk alone; "
-            "--moe-router-load-balancing-type seq_aux_loss and expert capacity (--moe-expert-capacity-factor, "
-            "DeepSpeed-MoE's capacity flags) are not available with it")
+    require(args.moe_expert_capacity_factor is None and args.moe_capacity_factor is None,
+            "--sequence-parallel with MoE layers routes each TP rank's sequence chunk alone; expert capacity "
+            "(--moe-expert-capacity-factor, DeepSpeed-MoE's capacity flags) is not available with it")
     require(args.moe_token_dispatcher_type == "alltoall",
             "--moe-token-dispatcher-type allgather runs experts whole on every TP rank's same tokens; with "
             "--sequence-parallel use alltoall")

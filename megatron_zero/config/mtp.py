@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
-from ..model.moe_layers import is_moe_block
 from .errors import require
 from .fields import add_section_flags, flag, section
 
@@ -28,7 +27,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
 
 
 def check(args) -> None:
-    """The depths' count, and the layouts the MTP layers do not run at, in one sentence each."""
+    """The depths' count, and the layouts the MTP layers do not run at, in one sentence each (each depth's block
+    is built as the last transformer layer, dense or MoE)."""
     n = args.mtp_num_layers
     if not n:
         args.mtp_num_layers = None
@@ -39,8 +39,3 @@ def check(args) -> None:
     cp = args.context_parallel_size
     require(cp == 1, f"--mtp-num-layers with --context-parallel-size {cp} is not implemented here: its shifted "
             "tokens and labels cross the context-parallel ranks' chunks; train MTP without context parallelism")
-    experts = args.num_experts[0] if isinstance(args.num_experts, (list, tuple)) else args.num_experts
-    last_is_moe = experts not in (None, 1) and is_moe_block(args.moe_layer_freq, getattr(args, "moe_layer_offset", 0),
-                                                            args.num_layers - 1)
-    require(not last_is_moe, "--mtp-num-layers builds each depth's block like the last transformer layer, and an MoE "
-            "one is not implemented here; make the last layer dense (--moe-layer-freq) or drop --mtp-num-layers")

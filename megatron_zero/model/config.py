@@ -219,8 +219,11 @@ class GPTConfig:
             return
         if self.mtp_num_layers < 0:
             raise ValueError(f"mtp_num_layers {self.mtp_num_layers} must not be negative")
-        if self.is_moe_layer(self.num_layers - 1):
-            raise ValueError("an MTP layer takes the last block's structure, and an MoE one is not implemented here")
+
+    def num_moe_layers(self) -> int:
+        """The MoE layers: the blocks', and the multi-token prediction depths' where the last block is one."""
+        blocks = sum(self.is_moe_layer(b) for b in range(self.num_layers))
+        return blocks + ((self.mtp_num_layers or 0) if self.is_moe_layer(self.num_layers - 1) else 0)
 
     def is_moe_layer(self, block: int) -> bool:
         """Whether transformer block `block` (0-based) has an MoE layer in place of its MLP (Megatron-Core's

@@ -69,7 +69,7 @@ class GPTModel(nn.Module):
             elif kind == "lm_head" and not self.tied:
                 self.add_module(str(i), LMHead(config, tp_group))
             elif kind == "mtp":
-                self.add_module(str(i), MultiTokenPrediction(config, tp_group))
+                self.add_module(str(i), MultiTokenPrediction(config, tp_group, ep_group, etp_group))
         initialize_parameters(self, config, self.tp, self.tp_rank)
 
     @property

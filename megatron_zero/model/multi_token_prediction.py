@@ -9,7 +9,12 @@ positions zero: Megatron-Core's roll_tensor), and h_0 the main model's output af
 
 The embedding and output layer are the model's own (a pipeline's last stage holds its copy of the tied
 embedding for that, or of an untied one: GPTModel, pipeline/gpt_stage.py); block_k has the last block's
-structure. The step's objective adds mtp_loss_scaling_factor x mean_k loss_k to the language-model loss
+structure (Megatron-Core builds it from the decoder's last layer spec): where that block is an MoE layer, so is
+block_k, with the same router, experts over the same expert-parallel groups, shared expert and expert bias (its
+tokens per expert join the bias update as every router's do, moe/expert_bias.py; its aux losses reach the
+gradient through the router as a block's do, and the log averages them over the blocks' and the depths' MoE
+layers, as Megatron-Core's track_moe_metrics counts mtp_num_layers). The step's objective adds
+mtp_loss_scaling_factor x mean_k loss_k to the language-model loss
 (Megatron-Core's MTPLossAutoScaler: the value returned, and logged as the LM loss, is the main loss alone).
 Tensor parallel as the model's other layers: eh_proj column-parallel, its output gathered, and with sequence
 parallelism scattered back to this rank's tokens before the block. Each depth is one unit of ZeRO-3's
@@ -38,14 +43,15 @@ def roll_left(t: torch.Tensor) -> torch.Tensor:
 class MultiTokenPredictionLayer(nn.Module):
     """One depth: the two norms, the projection of their concatenation, a block and its own final norm."""
 
-    def __init__(self, config: GPTConfig, tp_group=None):
+    def __init__(self, config: GPTConfig, tp_group=None, ep_group=None, etp_group=None):
         super().__init__()
         h = config.hidden_size
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel_active(config, tp_group)
         self.enorm, self.hnorm = build_norm(config, tp_group), build_norm(config, tp_group)
         self.eh_proj = ColumnParallelLinear(2 * h, h, tp_group, bias=False, gather_output=True,
                                             params_dtype=config.params_dtype, sequence_parallel=self.sequence_parallel)
-        self.transformer_layer = ParallelTransformerLayer(config, tp_group, block=config.num_layers - 1)
+        self.transformer_layer = ParallelTransformerLayer(config, tp_group, block=config.num_layers - 1,
+                                                          ep_group=ep_group, etp_group=etp_group)
         self.final_layernorm = build_norm(config, tp_group)
 
     def forward(self, hidden: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
@@ -59,8 +65,9 @@ class MultiTokenPrediction(nn.ModuleList):
     """The N depths (a container: ZeRO-3 gathers each depth around its own forward). `loss_sums` holds the
     depths' losses of the micro-batches run since the log last took them (detached, on the device)."""
 
-    def __init__(self, config: GPTConfig, tp_group=None):
-        super().__init__([MultiTokenPredictionLayer(config, tp_group) for _ in range(config.mtp_num_layers)])
+    def __init__(self, config: GPTConfig, tp_group=None, ep_group=None, etp_group=None):
+        super().__init__([MultiTokenPredictionLayer(config, tp_group, ep_group, etp_group)
+                          for _ in range(config.mtp_num_layers)])
         self.scale = config.mtp_loss_scaling_factor / config.mtp_num_layers
         self.recompute = config.recompute_granularity == "full"
         self.loss_sums: Optional[torch.Tensor] = None

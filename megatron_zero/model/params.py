@@ -27,9 +27,10 @@ width moe_shared_expert_intermediate_size) and with its gate `mlp.shared_expert_
 
 With multi-token prediction (model/multi_token_prediction.py) the layer `{L+4}` holds, per depth k,
 Megatron-Core's MultiTokenPredictionLayer: `{L+4}.{k}.enorm.*` and `.hnorm.*` (the model's norm, [h]),
-`{L+4}.{k}.eh_proj.weight` [h, 2h] (column-parallel), `{L+4}.{k}.transformer_layer.<a dense block's suffix>`
-(split as a block's) and `{L+4}.{k}.final_layernorm.*`; the embedding and output layer are the model's (a last
-pipeline stage holds a copy of an untied embedding too, under its names `1.*`, as of a tied one).
+`{L+4}.{k}.eh_proj.weight` [h, 2h] (column-parallel), `{L+4}.{k}.transformer_layer.<the last block's suffix>`
+(split as a block's; where the last block is MoE, its router, experts under global ids and shared expert, as
+Megatron-Core builds the MTP layer from the decoder's last layer spec) and `{L+4}.{k}.final_layernorm.*`; the
+embedding and output layer are the model's (a last pipeline stage holds a copy of an untied embedding too, under its names `1.*`, as of a tied one).
 
 The full shape of a vocabulary tensor is the *unpadded* one, [config.vocab_size, h]; padding
 to `config.padded_vocab_size(tp)` happens when a full tensor is sharded. Two full layouts
@@ -41,6 +42,7 @@ are fused (see sharding.py for how they split across TP):
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -108,11 +110,23 @@ def expert_suffix(expert: int, mlp_suffix: str) -> str:
 
 
 def parse_expert_suffix(suffix: str):
-    """(expert id, the dense MLP's suffix) of an expert parameter's suffix, or None."""
+    """(expert id, the dense MLP's suffix) of an expert parameter's suffix (a block's, or an MTP depth's
+    `{k}.transformer_layer.` + a block's), or None."""
+    depth, _, local = suffix.partition(".")
+    if depth.isdigit() and local.startswith(MTP_LAYER_PREFIX):
+        suffix = local[len(MTP_LAYER_PREFIX):]
     if not suffix.startswith(MOE_EXPERT_PREFIX):
         return None
     expert, _, rest = suffix[len(MOE_EXPERT_PREFIX):].partition(".")
     return (int(expert), "mlp." + rest) if expert.isdigit() else None
+
+
+_EXPERT_ID = re.compile(r"(?<=\.deepspeed_experts\.)\d+(?=\.)")
+
+
+def with_expert(name: str, expert: int) -> str:
+    """An expert parameter's full name with another expert id (the same layer and weight)."""
+    return _EXPERT_ID.sub(str(expert), name, count=1)
 
 
 @dataclass(frozen=True)
@@ -239,8 +253,9 @@ def mtp_suffixes(config: GPTConfig) -> List[str]:
     """The parameter suffixes of one MTP depth, in module order (model/multi_token_prediction.py)."""
     def norm(which):
         return [f"{which}.weight"] + ([f"{which}.bias"] if config.has_norm_bias else [])
+    last_block = block_layer_index(config.num_layers - 1)  # the depth's block is built as the last one (MoE too)
     return (norm("enorm") + norm("hnorm") + [MTP_PROJECTION]
-            + [MTP_LAYER_PREFIX + s for s in _dense_block_suffixes(config)] + norm("final_layernorm"))
+            + [MTP_LAYER_PREFIX + s for s in block_suffixes(config, last_block)] + norm("final_layernorm"))
 
 
 def parse_mtp_suffix(suffix: str):
@@ -253,7 +268,7 @@ def _mtp_spec(name: str, local: str, config: GPTConfig) -> ParamSpec:
     h = config.hidden_size
     if local == MTP_PROJECTION:
         return ParamSpec(name, (h, 2 * h), 0, "normal")
-    if local.startswith(MTP_LAYER_PREFIX):  # a dense block's parameter, shaped and split as one
+    if local.startswith(MTP_LAYER_PREFIX):  # the last block's parameter, shaped and split as one
         spec = param_spec(f"{block_layer_index(config.num_layers - 1)}.{local[len(MTP_LAYER_PREFIX):]}", config)
         return ParamSpec(name, spec.full_shape, spec.partition_dim, spec.init, spec.is_vocab, spec.sub_params)
     init = _norm_weight_init(config) if local.endswith(".weight") else "zeros"

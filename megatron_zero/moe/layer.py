@@ -92,11 +92,10 @@ class DeepSpeedMoE(nn.Module):
         if not own_tokens and tp_world_size(expert_tp) != tp_world_size(tp_group):
             raise ValueError(f"--expert-tensor-parallel-size {tp_world_size(expert_tp)} other than "
                              f"--tensor-model-parallel-size {tp_world_size(tp_group)} needs --sequence-parallel")
-        if sequence_parallel and (config.moe_router_load_balancing_type == "seq_aux_loss"
-                                  or config.moe_capacity_factor is not None
+        if sequence_parallel and (config.moe_capacity_factor is not None
                                   or config.moe_expert_capacity_factor is not None):
-            raise ValueError("--sequence-parallel with MoE layers routes each TP rank's tokens alone: the "
-                             "sequence-level aux loss and expert capacity are not available with it")
+            raise ValueError("--sequence-parallel with MoE layers routes each TP rank's tokens alone: expert "
+                             "capacity is not available with it")
         self.etp_group = expert_tp if own_tokens and tp_world_size(expert_tp) > 1 else None
         if self.etp_group is not None and config.moe_token_dispatcher_type == "allgather":
             raise ValueError("--moe-token-dispatcher-type allgather runs experts whole on every TP rank's same "

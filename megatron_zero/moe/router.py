@@ -6,6 +6,7 @@
     switch load balancing (--moe-router-load-balancing-type aux_loss, --moe-aux-loss-coeff c):
         aux = c * E / (T^2 k) * sum_e (sum_t softmax(logits)_te) * tokens_routed_to_e
     sequence-level (seq_aux_loss): that loss of each sequence alone (T: its tokens), averaged over the batch
+        (with sequence parallelism each rank's rows counted into their sequences, summed over the TP group)
     z-loss (--moe-z-loss-coeff c_z): c_z * mean_t logsumexp(logits_t)^2
     context parallelism (`reduce_group`: the CP group, each rank routing its chunks of every sequence):
         tokens_routed_to_e (per sequence for seq_aux_loss) summed over the group, T the whole sequence's,
@@ -114,14 +115,26 @@ def _group_sum(value: torch.Tensor, group) -> torch.Tensor:
 
 
 def seq_load_balancing_loss(scores: torch.Tensor, tokens_per_expert: torch.Tensor, batch: int, topk: int,
-                            coeff: float, parts: int = 1) -> torch.Tensor:
+                            coeff: float, parts: int = 1, sequence_of_token=None) -> torch.Tensor:
     """Megatron-Core's seq_aux_loss: the switch loss of each sequence on its own, averaged over the batch.
     scores [b s, E] (batch-major; s: this rank's `1 / parts` of each sequence), tokens_per_expert [b, E]
-    (each whole sequence's routing)."""
+    (each whole sequence's routing). `sequence_of_token` [b s]: the sequence each row belongs to, where this
+    rank's rows are not s of each sequence (sequence parallelism: tokens_of_sequences)."""
     tokens, experts = scores.shape
-    per_seq = scores.view(batch, tokens // batch, experts).sum(dim=1)
+    if sequence_of_token is None:
+        per_seq = scores.view(batch, tokens // batch, experts).sum(dim=1)
+    else:
+        per_seq = scores.new_zeros(batch, experts).index_add(0, sequence_of_token, scores)
     seq = tokens // batch * parts
     return torch.sum(per_seq * tokens_per_expert) * (experts * coeff / (topk * seq * seq)) / batch
+
+
+def tokens_of_sequences(tokens: int, batch: int, sp_group, device=None) -> torch.Tensor:
+    """The sequence of each of this rank's `tokens` rows: with sequence parallelism a TP rank holds its contiguous
+    share of the micro-batch's batch-major tokens (tensor_parallel/mappings.py), which need not be s / TP of
+    every sequence."""
+    sp, rank = _size(sp_group), dist.get_rank(sp_group)
+    return (rank * tokens + torch.arange(tokens, device=device)) // (tokens * sp // batch)
 
 
 def group_limited_topk(scores: torch.Tensor, topk: int, num_groups: int, group_topk: int) -> tuple:
@@ -202,11 +215,18 @@ def route(logits: torch.Tensor, topk: int, pre_softmax: bool, balancing: str, au
             aux = switch_load_balancing_loss(scores, counts, topk, aux_coeff, logits.shape[0] * parts)
             track("load_balancing_loss", aux / aux_coeff)
         else:
-            counts = torch.zeros(batch, logits.shape[0] // batch, logits.shape[1], dtype=logits.dtype,
-                                 device=logits.device)
-            counts.scatter_(2, chosen.view(batch, -1, topk), 1.0)
-            aux = seq_load_balancing_loss(scores, _group_sum(counts.sum(dim=1), reduce_group), batch, topk,
-                                          aux_coeff, parts)
+            if sp_group is None:
+                counts = torch.zeros(batch, logits.shape[0] // batch, logits.shape[1], dtype=logits.dtype,
+                                     device=logits.device)
+                counts = counts.scatter_(2, chosen.view(batch, -1, topk), 1.0).sum(dim=1)
+                sequence = None
+            else:  # this rank's rows into their sequences' counts, summed over the TP ranks' rows
+                sequence = tokens_of_sequences(logits.shape[0], batch, sp_group, logits.device)
+                chosen_once = torch.zeros_like(logits).scatter_(1, chosen, 1.0)
+                counts = _group_sum(logits.new_zeros(batch, logits.shape[1]).index_add(0, sequence, chosen_once),
+                                    sp_group)
+            aux = seq_load_balancing_loss(scores, _group_sum(counts, reduce_group), batch, topk, aux_coeff, parts,
+                                          sequence)
             track("seq_load_balancing_loss", aux / aux_coeff)
         weights = AuxLossScaler.apply(weights, aux)
     return weights, experts

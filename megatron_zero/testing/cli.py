@@ -97,6 +97,11 @@ def logged_losses(run: subprocess.CompletedProcess) -> Dict[int, float]:
     return {int(it): float(loss) for it, loss in found}
 
 
+def mtp_losses(run: subprocess.CompletedProcess) -> Dict[int, float]:
+    """{iteration: mtp_1 loss} (the first multi-token prediction depth's) from a run's log."""
+    return {int(it): float(v) for it, v in re.findall(r"iteration +(\d+) \| mtp_1 loss: ([0-9.E+-]+)", run.stdout)}
+
+
 class CliResume:
     """One uninterrupted run through pretrain_gpt.py that saves at `save_at` on the way to `iters`, and runs
     resumed from that checkpoint: as saved, reshaped while loading at another layout, or converted by

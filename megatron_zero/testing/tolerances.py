@@ -56,6 +56,15 @@ def global_norm_rtol(grad_rtol: float, count: int) -> float:
     return grad_rtol + model_rtol(count) / 2
 
 
+def mtp_path_length(config, tokens: int) -> int:
+    """gpt_path_length with each multi-token prediction depth as one more layer, plus its projection's 2h terms
+    forward and backward."""
+    from dataclasses import replace
+
+    n = config.mtp_num_layers or 0
+    return gpt_path_length(replace(config, num_layers=config.num_layers + n), tokens) + 2 * n * 2 * config.hidden_size
+
+
 def gpt_path_length(config, tokens: int, backward: bool = True) -> int:
     """Terms summed along the longest dependency path of one forward (and backward) of a GPT/Llama
     stack on `tokens` tokens: per layer the norm (h), QKV (h), scores (head dim), softmax and context

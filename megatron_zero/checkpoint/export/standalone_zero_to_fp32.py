@@ -140,7 +140,8 @@ def _model_file(path, mp):
     raise FileNotFoundError(f"no model-states file for model-parallel rank {mp} in {path}")
 
 
-_EXPERT = re.compile(r"^(\d+\.mlp\.deepspeed_moe\.experts\.deepspeed_experts\.)(\d+)(\..+)$")
+# a block's expert, or a multi-token prediction depth's (`{L+4}.{k}.transformer_layer.mlp...`)
+_EXPERT = re.compile(r"^(\d+\.(?:\d+\.transformer_layer\.)?mlp\.deepspeed_moe\.experts\.deepspeed_experts\.)(\d+)(\..+)$")
 
 
 def _expert_count(path):

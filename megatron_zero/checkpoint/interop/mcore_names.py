@@ -116,8 +116,20 @@ def _dense_key(name: str, config: GPTConfig) -> Tuple[str, Optional[int]]:
         k, local = depth
         if local.startswith(MTP_LAYER_PREFIX) and local[len(MTP_LAYER_PREFIX):] in BLOCK:
             return f"mtp.layers.{k}.transformer_layer.{BLOCK[local[len(MTP_LAYER_PREFIX):]]}", None
+        if local.startswith(MTP_LAYER_PREFIX + "mlp."):
+            raise ValueError(f"{name!r} belongs to an MoE multi-token prediction layer, which has no Megatron-Core "
+                             "name here")
         return f"mtp.layers.{k}.{local}", None
     raise ValueError(f"{name!r} has no Megatron-Core name")
+
+
+def refuse_moe_mtp(config: GPTConfig, where: str) -> None:
+    """One sentence for a model with MoE multi-token prediction layers, whose Megatron-Core names are not mapped."""
+    if config.mtp_num_layers and config.is_moe_layer(config.num_layers - 1):
+        from ..errors import CheckpointError
+        raise CheckpointError(f"{where} is a model with MoE multi-token prediction layers (--mtp-num-layers with an "
+                              "MoE last layer), whose Megatron-Core torch_dist names are not mapped here; convert it "
+                              "to universal or dcp instead")
 
 
 def expert_bias_names(config: GPTConfig) -> List[str]:

@@ -37,7 +37,7 @@ import torch
 
 from ...model.params import param_names
 from .mcore_forms import locate
-from .mcore_names import OPTIMIZER_PREFIX, expert_bias_names, mcore_location, refusal, unmapped
+from .mcore_names import OPTIMIZER_PREFIX, expert_bias_names, mcore_location, refuse_moe_mtp, refusal, unmapped
 
 
 def read_common(directory: str) -> dict:
@@ -88,6 +88,7 @@ class TorchDistFiles:
         self.reader = DcpReader(directory)
         self.common = read_common(directory)
         where = f"the torch_dist checkpoint {directory}"
+        refuse_moe_mtp(config, where)
         self.parts = {}  # our name -> where its weight is (mcore_forms.locate)
         for name in param_names(config):
             key, index = mcore_location(name, config)

@@ -39,7 +39,7 @@ from ..reshape.universal_load import ReshapedFiles, UniversalFiles, find_univers
 from ..progress import Progress
 from ..storage.reader import open_directory
 from .dcp_stream import Chunk, save_streamed
-from .mcore_names import EXPERTS, LAYERS, OPTIMIZER_PREFIX, expert_bias_names, mcore_location
+from .mcore_names import EXPERTS, LAYERS, OPTIMIZER_PREFIX, expert_bias_names, mcore_location, refuse_moe_mtp
 from .output_guard import check_output
 from ..storage.commit import checkpoint_in
 
@@ -142,6 +142,7 @@ def write_torch_dist(source: str, out: str, target_tp: int = 1, verify: bool = T
     start = time.monotonic()
     files, head = open_source(source, verify)
     config, args = source_config(head, source)
+    refuse_moe_mtp(config, source)
     config.check_tp(target_tp)
     iteration = int(head.get("iteration", 0) or 0)
     check_output("torch_dist", out, iteration, force)

@@ -23,7 +23,7 @@ from typing import Dict, Iterable, List
 
 import torch
 
-from ...model.params import expert_suffix, parse_expert_suffix
+from ...model.params import parse_expert_suffix, with_expert
 from ..errors import CheckpointError
 from ..format import EXPERT_FILE
 
@@ -55,9 +55,8 @@ def all_expert_shapes(groups: List["OrderedDict[str, torch.Size]"], ids: List[in
         for name, shape in g.items():
             parsed = expert_of(name)
             if parsed is not None:
-                index, _, mlp = parsed
                 for e in ids:
-                    expanded.setdefault(f"{index}.{expert_suffix(e, mlp)}", shape)
+                    expanded.setdefault(with_expert(name, e), shape)
         out.append(expanded)
     return out
 
@@ -82,7 +81,7 @@ class LocalExpertNames:
         parsed = expert_of(name)
         if parsed is None:
             return name
-        index, expert, mlp = parsed
+        expert = parsed[1]
         if expert // self.per_rank != dp % self.ep:
             return None
-        return f"{index}.{expert_suffix(expert % self.per_rank, mlp)}"
+        return with_expert(name, expert % self.per_rank)

@@ -12,7 +12,8 @@ dimension). For any other name, DeepSpeed's pattern lists in the checkpoint's
 A tensor of two sub-parameters (SwiGLU's [gate; up], DeepSpeed's
 `parameter_with_2_sub_params_cat_dim_0`) is merged block by block: [gate_0..gate_n; up_0..up_n].
 An MoE block's experts (`{i}.mlp.deepspeed_moe.experts.deepspeed_experts.{e}.*`, global ids) merge as the
-dense MLP's parameters do; its router (`{i}.mlp.deepspeed_moe.gate.wg.weight`) is TP-replicated. A multi-token
+dense MLP's parameters do, and so does its shared expert (`{i}.mlp.shared_expert.*`); its router
+(`{i}.mlp.deepspeed_moe.gate.wg.weight`) and the shared expert's gate are TP-replicated. A multi-token
 prediction depth (`{L+4}.{k}.*`) merges its block's parameters as a block's, eh_proj on dim 0, its norms replicated.
 """
 from __future__ import annotations
@@ -22,8 +23,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ...model.params import (BLOCK_PARAMS, LM_HEAD_SUFFIX, MOE_ROUTER_SUFFIX, MTP_LAYER_PREFIX, MTP_PROJECTION,
-                            POSITION_EMBEDDINGS, UNTIED_POSITION_EMBEDDINGS, UNTIED_WORD_EMBEDDINGS, WORD_EMBEDDINGS,
-                            parse_expert_suffix, parse_mtp_suffix)
+                            POSITION_EMBEDDINGS, SHARED_EXPERT_GATE_SUFFIX, SHARED_EXPERT_PREFIX,
+                            UNTIED_POSITION_EMBEDDINGS, UNTIED_WORD_EMBEDDINGS, WORD_EMBEDDINGS, parse_expert_suffix,
+                            parse_mtp_suffix)
 from ..format import ROW_PARALLEL_PATTERNS, SUB_PARAMS_PATTERNS, TO_AVERAGE_PATTERNS, TP_REPLICATED_PATTERNS, VOCAB_PATTERNS
 _LM_HEAD = re.compile(r"\d+\." + re.escape(LM_HEAD_SUFFIX) + "$")
 
@@ -47,8 +49,10 @@ def gpt_rule(name: str, info: Optional[dict]) -> Optional[MergeRule]:
         return MergeRule(None)
     index, _, suffix = name.partition(".")
     if index.isdigit():
-        if suffix == MOE_ROUTER_SUFFIX:
-            return MergeRule(None)  # the router: replicated across TP ranks
+        if suffix in (MOE_ROUTER_SUFFIX, SHARED_EXPERT_GATE_SUFFIX):
+            return MergeRule(None)  # the router and the shared expert's gate: replicated across TP ranks
+        if suffix.startswith(SHARED_EXPERT_PREFIX):  # the shared expert: merged as the dense MLP's parameter
+            return gpt_rule(f"{index}.mlp.{suffix[len(SHARED_EXPERT_PREFIX):]}", info)
         expert = parse_expert_suffix(suffix)
         if expert is not None:  # an expert: merged as the dense MLP parameter it stands for
             return gpt_rule(f"{index}.{expert[1]}", info)
