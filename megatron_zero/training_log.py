@@ -46,13 +46,13 @@ class TrainingLog:
         """`cfg`: the run's config.Config (its log section, and the run's length, batch, sequence and dtype);
         `flops_per_iteration`: at --global-batch-size (scaled to each iteration's own global batch)."""
         self.world_size, self.device, self.is_writer, self.print = world_size, device, is_writer, print_fn
-        self.cfg = cfg.log
+        self.log_cfg = cfg.log
         self.train_iters, self.global_batch_size = cfg.training.train_iters, cfg.parallel.global_batch_size
         self.seq_length, self.params_dtype = cfg.model.seq_length, cfg.optimizer.params_dtype
-        self.timers = Timers(self.cfg.timing_log_level, self.cfg.timing_log_option, device)
-        self.scalars = ScalarLog(self.cfg, cfg.compat.tensorboard_queue_size, is_writer, run_config=cfg)
+        self.timers = Timers(self.log_cfg.timing_log_level, self.log_cfg.timing_log_option, device)
+        self.scalars = ScalarLog(self.log_cfg, cfg.compat.tensorboard_queue_size, is_writer, run_config=cfg)
         self.flops = flops_per_iteration
-        self.peak = peak_tflops(device, self.params_dtype, self.cfg.peak_tflops)
+        self.peak = peak_tflops(device, self.params_dtype, self.log_cfg.peak_tflops)
         self._loss_sum, self._loss_count, self._iters, self._samples = 0.0, 0, 0, 0
         self._pending = []  # (iteration, consumed samples, loss on the device, updated) not yet read
         self.first_nonfinite_loss = None  # (iteration, loss) of the first inf/NaN loss read (stop_rules.py)
@@ -73,7 +73,7 @@ class TrainingLog:
         """Record one finished iteration of `global_batch` samples (`loss`: a one-element tensor, read at the
         next log line); every --log-interval print the line (params_norm_fn: a collective; `decoupled_lr`: the
         embedding and output layer's, with --decoupled-lr)."""
-        log, p, w = self.cfg, progress, self.scalars
+        log, p, w = self.log_cfg, progress, self.scalars
         it, samples = p.iteration, p.consumed_train_samples
         self._pending.append((it, samples, loss.detach().reshape(1), updated))
         w.scalar("learning-rate", lr, it, samples)
@@ -139,7 +139,7 @@ class TrainingLog:
                             for n in ("forward-backward", "forward-compute", "pipeline-p2p"))
             t("backward-compute", 2).add(max(0.0, fb - fwd - p2p))
         text, max_ms = t.report(normalizer=self._iters)
-        if self.cfg.log_timers_to_tensorboard:
+        if self.log_cfg.log_timers_to_tensorboard:
             for name, ms in max_ms.items():
                 self.scalars.scalar(f"{name}-time", ms, iteration)
         return text
