@@ -121,4 +121,4 @@ def parse_command_line(argv: Optional[List[str]] = None):
 
 def args_to_dict(args) -> dict:
     """The arguments as a plain dict (JSON-able values), for checkpoints."""
-    return {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, list, type(None)))}
+    return config.plain_values(vars(args))

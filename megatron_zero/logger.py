@@ -58,20 +58,21 @@ def memory_scalars(device) -> dict:
 class ScalarLog:
     """TensorBoard (--tensorboard-dir) and wandb (--wandb-project) scalars; a no-op on ranks that do not write."""
 
-    def __init__(self, args, enabled: bool):
+    def __init__(self, log, queue_size: int, enabled: bool, run_config=None):
+        """`log`: the run's LogConfig (--tensorboard-dir, --wandb-*); `queue_size`: --tensorboard-queue-size;
+        `run_config`: the config.Config wandb records (its saved args)."""
         self.writer, self.wandb = None, None
         if not enabled:
             return
-        if args.tensorboard_dir:
+        if log.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(log_dir=args.tensorboard_dir,
-                                        max_queue=args.tensorboard_queue_size)
-        if args.wandb_project:
+            self.writer = SummaryWriter(log_dir=log.tensorboard_dir, max_queue=queue_size)
+        if log.wandb_project:
             import wandb
-            from .arguments import args_to_dict
-            os.makedirs(args.wandb_save_dir, exist_ok=True)
-            self.wandb = wandb.init(project=args.wandb_project, name=args.wandb_exp_name, dir=args.wandb_save_dir,
-                                    config=args_to_dict(args))
+            from .config import saved_args
+            os.makedirs(log.wandb_save_dir, exist_ok=True)
+            self.wandb = wandb.init(project=log.wandb_project, name=log.wandb_exp_name, dir=log.wandb_save_dir,
+                                    config=saved_args(run_config))
 
     def scalar(self, tag: str, value: float, iteration: int, samples: Optional[int] = None):
         """`tag` at `iteration`, and "`tag` vs samples" at `samples` when given (TensorBoard only)."""

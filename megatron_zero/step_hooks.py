@@ -20,17 +20,20 @@ import torch
 
 
 class StepHooks:
-    def __init__(self, args, device: torch.device, rank: int, settle: Optional[Callable[[], None]] = None):
-        """`settle`: waits for the collectives a step leaves in flight (called before the profiler stops)."""
+    def __init__(self, compat, trace_dir: Optional[str], device: torch.device, rank: int,
+                 settle: Optional[Callable[[], None]] = None):
+        """`compat`: the run's CompatConfig (--manual-gc*, --empty-unused-memory-level, --profile*); `trace_dir`:
+        where the trace goes (--tensorboard-dir); `settle`: waits for the collectives a step leaves in flight
+        (called before the profiler stops)."""
         self.device, self.settle = device, settle
-        self.gc_interval = args.manual_gc_interval if args.manual_gc else None
-        self.empty_level = args.empty_unused_memory_level
+        self.gc_interval = compat.manual_gc_interval if compat.manual_gc else None
+        self.empty_level = compat.empty_unused_memory_level
         if self.gc_interval is not None:  # every rank collects at the same iterations: no straggler
             gc.disable()
             gc.collect()
-        self.profile = args.profile and rank in args.profile_ranks
-        self.start, self.end = args.profile_step_start, args.profile_step_end
-        self.trace_dir = args.tensorboard_dir
+        self.profile = compat.profile and rank in compat.profile_ranks
+        self.start, self.end = compat.profile_step_start, compat.profile_step_end
+        self.trace_dir = trace_dir
         self.profiler = None
 
     def _empty_cache(self):

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from . import checkpoint as ckpt
 from . import config
-from .arguments import ArgumentError, args_to_dict
+from .arguments import ArgumentError
 from .config.checkpointing import load_is_first_run
 from .checkpoint.compat import check_checkpoint_compat
 from .checkpoint.format import header_args
@@ -50,7 +50,6 @@ from .pipeline.interleaved_schedule import schedule_for
 from .planning.cli import plan_from
 from .planning.startup import check_device_memory
 from .reliability.rerun import ResultFault, RerunMachine, TooManyRejected, hostnames
-from .config.rerun import RerunConfig
 from .pipeline.schedule import broadcast_loss, reduce_loss
 from .rng_state import get_rng_state, set_rng_state
 from .run_summary import RunSummary
@@ -84,11 +83,11 @@ def fusion_flags(sections: config.Config) -> dict:
 
 
 class Trainer(LoopSteps):
-    def __init__(self, args, state, device: Optional[torch.device] = None, sections: Optional[config.Config] = None):
-        """`device`: where this rank trains; None chooses from --device and LOCAL_RANK (select_device).
-        `sections`: the typed configuration of the checked `args` (config.from_args(args) when not given)."""
-        self.args, self.state = args, state
-        self.sections = sections if sections is not None else config.from_args(args)
+    def __init__(self, cfg: config.Config, state, device: Optional[torch.device] = None):
+        """`cfg`: the checked configuration (config.from_args(parse_args(...))), each part handed the section it
+        reads; `state`: the rank's ParallelState; `device`: where this rank trains (None: from --device and
+        LOCAL_RANK, select_device)."""
+        self.sections, self.state = cfg, state
         par, run, data = self.sections.parallel, self.sections.runtime, self.sections.data
         self.device = device if device is not None else select_device(run.device, read_launch_env().local_rank)
         set_fusion_flags(**fusion_flags(self.sections))
@@ -99,7 +98,7 @@ class Trainer(LoopSteps):
         self.tokenizer = build_tokenizer(data.tokenizer_type, data.tokenizer_model, data.vocab_file, data.merge_file,
                                          data.vocab_size, data.tiktoken_pattern, data.tiktoken_num_special_tokens,
                                          data.tokenizer_special_tokens)
-        self.config = gpt_config(args, self.tokenizer.vocab_size)
+        self.config = gpt_config(config.flat(cfg), self.tokenizer.vocab_size)
         if run.memory_plan_check:  # on a GPU: refuse a run whose predicted peak exceeds the device's memory
             check_device_memory(plan_from(self.sections, self.config, state.layout.world_size), self.device,
                                 int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
@@ -115,7 +114,8 @@ class Trainer(LoopSteps):
         logged = logged_names(self.config)  # the MoE losses the flags compute (none: no MoE log line)
         self.moe_metrics = MoEMetrics(moe_layers, self.device, logged) if moe_layers and logged else None
         self.expert_bias = ExpertBiasUpdate.of_run(self.model, self.config, state)  # (moe/expert_bias.py)
-        self.mtp_metrics = MTPMetrics.of(self.model, state, args, self.device)  # None: no MTP layers on this stage
+        self.mtp_metrics = MTPMetrics.of(self.model, state, cfg.log.log_interval,
+                                        cfg.training.train_iters, self.device)  # None: no MTP layers on this stage
         self.lr_schedule = build_lr_schedule(self.sections)
         self.batch = par.batch_schedule  # the global batch of each iteration, from the samples consumed
         self.progress = TrainState()
@@ -125,19 +125,22 @@ class Trainer(LoopSteps):
         writer_rank = state.layout.rank(state.pp_size - 1, 0, 0)
         self.is_writer = state.rank == writer_rank
         flops = model_flops_per_iteration(self.config, par.global_batch_size, state.tp_size)
-        self.log = TrainingLog(args, state.layout.world_size, flops, next(self.model.parameters()).device,
+        self.log = TrainingLog(cfg, state.layout.world_size, flops, next(self.model.parameters()).device,
                                self.is_writer, self._log)
         self.train_p2p = TimedCalls(self.p2p, self.log.timers("pipeline-p2p", 2))
-        self.log.straggler = straggler_report(args, state, self.device)  # --log-straggler
+        self.log.straggler = straggler_report(cfg.elastic, state, self.device)  # --log-straggler
         self.last_checkpoint = None  # the newest checkpoint loaded or saved: what a stopped run names
-        self.hooks = StepHooks(args, self.device, state.rank, self.optimizer.wait_params)  # --manual-gc, --profile, ...
-        self.local_tier = LocalTier(args, state, state.layout.world_size)  # --non-persistent-save-interval
-        rerun = RerunConfig.from_args(args)  # --rerun-mode, --iterations-to-skip, ...
+        self.hooks = StepHooks(cfg.compat, cfg.log.tensorboard_dir, self.device, state.rank,
+                               self.optimizer.wait_params)  # --manual-gc, --profile, ...
+        self.local_tier = LocalTier(cfg.elastic, cfg.checkpoint.async_save, state,
+                                    state.layout.world_size)  # --non-persistent-save-interval
+        rerun = cfg.rerun  # --rerun-mode, --iterations-to-skip, ...
         self.rerun = RerunMachine(rerun, self.sections.training.check_for_nan_in_loss_and_grad,
                                   self.optimizer.loss_scaler.dynamic, self.sections.training.seed, state.rank,
                                   state.layout.world_size, self.device,
                                   hostnames(state.layout.world_size) if rerun.rerun_mode != "disabled" else [])
-        resumed = bool(where := resume_dir(args, self._log)) and self.load(where)  # or the local tier's newer copy
+        where = resume_dir(cfg.elastic, cfg.checkpoint.load, self._log)  # --load, or the local tier's newer copy
+        resumed = bool(where) and self.load(where)
         if self.sections.checkpoint.save:
             if not resumed and not self.sections.checkpoint.overwrite_checkpoints:
                 refuse_fresh_start_over(self.sections.checkpoint.save)
@@ -146,26 +149,26 @@ class Trainer(LoopSteps):
 
     # ---- data ------------------------------------------------------------------------
     def _build_data(self):
-        a, t, d = self.args, self.sections.training, self.sections.data
+        t, d, compat = self.sections.training, self.sections.data, self.sections.compat
         gbs = self.sections.parallel.global_batch_size
         evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters
         sizes = [t.train_iters * gbs, evals * gbs if t.eval_iters else 0, t.eval_iters * gbs]
         self.train_ds, self.valid_ds, _ = build_train_valid_test_datasets(
-            d.data_path, d.split, a.seq_length, t.seed, sizes, cache_dir=d.data_cache_path,
-            vocab_size=self.tokenizer.vocab_size, mock=a.mock_data, mmap_bin=a.mmap_bin_files)
+            d.data_path, d.split, self.sections.model.seq_length, t.seed, sizes, cache_dir=d.data_cache_path,
+            vocab_size=self.tokenizer.vocab_size, mock=compat.mock_data, mmap_bin=compat.mmap_bin_files)
         # reader threads touch numpy only (torch in a side thread crashes under torch.profiler on the CPU)
-        self.prefetch = BatchPrefetcher(lambda idx: [self.train_ds[i] for i in idx], a.num_workers)
+        self.prefetch = BatchPrefetcher(lambda idx: [self.train_ds[i] for i in idx], compat.num_workers)
 
     def _micro_batches(self, dataset, start: int, gbs: Optional[int] = None, next_gbs: Optional[int] = None):
         """This rank's collated micro-batches of the global batch of `gbs` samples (default: the schedule's at
         `start`) starting at sample `start`: its data replica's samples (training batches through --num-workers'
         read-ahead of the next global batch, of `next_gbs` samples; None: none is read ahead), cut to its
         context-parallel chunks of each sequence."""
-        a, s = self.args, self.state
+        s, mbs = self.state, self.sections.parallel.micro_batch_size
         gbs = self.batch.global_batch_size(start) if gbs is None else gbs
         if not (s.is_first_stage or s.is_last_stage):
-            return [{}] * (gbs // (a.micro_batch_size * self.batch.data_parallel_size))  # they take activations
-        sampler = GlobalBatchSampler(start + gbs + (next_gbs or 0), start, a.micro_batch_size, gbs,
+            return [{}] * (gbs // (mbs * self.batch.data_parallel_size))  # they take activations
+        sampler = GlobalBatchSampler(start + gbs + (next_gbs or 0), start, mbs, gbs,
                                      s.data_parallel_rank, s.data_parallel_size, batch_size_at=self.batch.global_batch_size
                                      if dataset is self.train_ds else None)
         if dataset is self.train_ds:
@@ -195,7 +198,7 @@ class Trainer(LoopSteps):
                                            before_last_backward=grad_reduce_arming(self.model, self.optimizer))
         self.hooks.after_forward_backward()
         with timers("embedding-grads-all-reduce", 2):
-            sync_tied_embedding_grads(self.model, s, torch.bfloat16 if self.args.grad_reduce_in_bf16 else None)
+            sync_tied_embedding_grads(self.model, s, torch.bfloat16 if self.sections.optimizer.grad_reduce_in_bf16 else None)
         lr = self.lr_schedule.lr()
         self.decoupled_lr = decoupled_lr(self.lr_schedule, self.sections.optimizer)
         if gate is not None:
@@ -229,26 +232,26 @@ class Trainer(LoopSteps):
 
     # ---- checkpoints -----------------------------------------------------------------
     def client_state(self, weights_only: bool = False) -> dict:
-        return {"args": args_to_dict(self.args), "iteration": self.progress.iteration,
+        return {"args": config.saved_args(self.sections), "iteration": self.progress.iteration,
                 "train_state": asdict(self.progress), "lr_scheduler": self.lr_schedule.state_dict(),
-                "rng_state": None if self.args.no_save_rng else get_rng_state(),
+                "rng_state": None if self.sections.compat.no_save_rng else get_rng_state(),
                 "consumed_train_samples": self.progress.consumed_train_samples,
                 **({"weights_only": True} if weights_only else {})}
 
     def save(self, weights_only: bool = False):
         """A checkpoint under --save; weights only (--no-save-optim) there, or under <save>/weights_only for
         --save-weights-interval's light saves (their own `latest`, so --load <save> resumes the full ones)."""
-        a, c = self.args, self.sections.checkpoint
+        c, no_save_optim = self.sections.checkpoint, self.sections.compat.no_save_optim
         self.log.flush(self.progress)  # the saved nan count includes every iteration run
         start = time.monotonic()
-        save_dir = os.path.join(c.save, "weights_only") if weights_only and not a.no_save_optim else c.save
+        save_dir = os.path.join(c.save, "weights_only") if weights_only and not no_save_optim else c.save
         tag = ckpt.save_checkpoint(save_dir, self.progress.iteration, self.state, self.model, self.optimizer,
-                                   self.client_state(weights_only or a.no_save_optim), async_save=c.async_save,
+                                   self.client_state(weights_only or no_save_optim), async_save=c.async_save,
                                    keep_last_k=c.keep_last_k, megatron_deepspeed=c.save_megatron_deepspeed_layout)
         seconds, directory = time.monotonic() - start, os.path.join(save_dir, tag)
         self.last_checkpoint = directory
         if self.is_writer:  # a synchronous save is committed on return: its manifest lists every file
-            light = weights_only or a.no_save_optim
+            light = weights_only or no_save_optim
             self._log(async_started_line(directory, seconds, light) if c.async_save else
                       saved_line(directory, seconds, checkpoint_size(directory), light))
         if c.save_16bit_model:  # from the committed files, so an async save is waited for first
@@ -258,13 +261,13 @@ class Trainer(LoopSteps):
 
     def _check_save_dir(self):
         """--save writable and with room for a checkpoint, before the first iteration (rank 0 checks)."""
-        a, c, s = self.args, self.sections.checkpoint, self.state
+        c, s = self.sections.checkpoint, self.state
         local = sum(math.prod(getattr(p, "ds_shape", p.shape)) for p in self.model.parameters())
         counts = [local] if s.layout.world_size == 1 else [None] * s.layout.world_size
         if s.layout.world_size > 1:
             dist.all_gather_object(counts, local)
         one = checkpoint_bytes(sum(counts) // s.dp_size, DTYPES[self.sections.optimizer.params_dtype].itemsize)
-        ahead = max(0, a.train_iters - self.progress.iteration)
+        ahead = max(0, self.sections.training.train_iters - self.progress.iteration)
         planned = 1 + (ahead // c.save_interval if c.save_interval else 0)
         planned += len(self.batch.reached(ahead, self.progress.consumed_train_samples)) - 1  # saves where it grows
         outcome = [None]
@@ -280,7 +283,7 @@ class Trainer(LoopSteps):
 
     def load(self, path) -> bool:
         """Resume from --load; False when it holds no checkpoint (a fresh start)."""
-        a, c = self.args, self.sections.checkpoint
+        c = self.sections.checkpoint
         if load_is_first_run(c):
             self._log(f"--load {path} does not exist yet; starting from scratch")
             return False
@@ -288,7 +291,8 @@ class Trainer(LoopSteps):
         switch = []  # the line saying the checkpoint's optimizer is another family (Adam / Muon), if it is
 
         def check(checkpoint):  # opened, or a Megatron-LM checkpoint's directory
-            head = check_checkpoint_compat(checkpoint, a, self.config.vocab_size, self.config.padded_vocab_size)
+            head = check_checkpoint_compat(checkpoint, config.flat(self.sections), self.config.vocab_size,
+                                           self.config.padded_vocab_size, c.verify_checkpoint)
             self.last_checkpoint = getattr(checkpoint, "directory", checkpoint)
             switch[:] = [optimizer_switch(header_args(head), self.sections.muon.optimizer, self.last_checkpoint)]
 
@@ -309,7 +313,7 @@ class Trainer(LoopSteps):
                           "fresh optimizer (as --finetune)")
             return True
         self.progress = TrainState(**client["train_state"])
-        note_resize(client, a, self._log)  # a restart at another world size: the micro-batches a step
+        note_resize(client, self.sections.parallel, self._log)  # a restart at another world size: the micro-batches a step
         # --no-load-optim: the flags' schedule unchecked, as Megatron-LM, which then reads no scheduler state
         resume_schedule(self.lr_schedule, client["lr_scheduler"], c.override_opt_param_scheduler or c.no_load_optim,
                         c.use_checkpoint_opt_param_scheduler)
@@ -327,7 +331,7 @@ class Trainer(LoopSteps):
             return self._nothing_to_train(policy)
         self._announce()
         self.log.start()
-        summary = RunSummary(p, self.args.seq_length, self.log.flops / self.sections.parallel.global_batch_size,
+        summary = RunSummary(p, self.sections.model.seq_length, self.log.flops / self.sections.parallel.global_batch_size,
                              self.state.layout.world_size, self.log.peak)
         rules = StopRules(t.max_consecutive_skipped_iterations, t.check_for_nan_in_loss_and_grad,
                           self.optimizer.loss_scaler.dynamic)
@@ -374,16 +378,16 @@ def pretrain(argv=None, args=None) -> int:
         launch = read_launch_env()
         if launch.source != "single":
             stop_with_launcher()
-        args = parse_for_launch(argv, launch.rank, launch.world_size) if args is None else args
-        device = select_device(args.device, launch.local_rank)
-        backend = backend_for(device, args.distributed_backend)
+        cfg = config.from_args(parse_for_launch(argv, launch.rank, launch.world_size) if args is None else args)
+        run = cfg.runtime
+        device = select_device(run.device, launch.local_rank)
+        backend = backend_for(device, run.distributed_backend)
         use_device(device)
-        init_distributed(backend, args.distributed_timeout_minutes, device=device)
-        lock = hold_save_lock(args.save) if args.save else None
-        sections = config.from_args(args)
-        state = build_parallel_state(**sections.parallel.degrees())
-        trainer = Trainer(args, state, device, sections)
-        watch_steps(trainer, args.distributed_timeout_minutes, launch.world_size)  # a wait past its timeout ends
+        init_distributed(backend, run.distributed_timeout_minutes, device=device)
+        lock = hold_save_lock(cfg.checkpoint.save) if cfg.checkpoint.save else None
+        state = build_parallel_state(**cfg.parallel.degrees())
+        trainer = Trainer(cfg, state, device)
+        watch_steps(trainer, run.distributed_timeout_minutes, launch.world_size)  # a wait past its timeout ends
         code = trainer.train()
     except KeyboardInterrupt:  # Ctrl-C before training, or a second one during it (exit_signal.py)
         code = report_interrupt(getattr(trainer, "last_checkpoint", None))

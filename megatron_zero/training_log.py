@@ -42,13 +42,17 @@ def architecture_name(config) -> str:
 
 
 class TrainingLog:
-    def __init__(self, args, world_size: int, flops_per_iteration: float, device, is_writer: bool, print_fn):
-        """`flops_per_iteration`: at --global-batch-size (scaled to each iteration's own global batch)."""
-        self.args, self.world_size, self.device, self.is_writer, self.print = args, world_size, device, is_writer, print_fn
-        self.timers = Timers(args.timing_log_level, args.timing_log_option, device)
-        self.scalars = ScalarLog(args, is_writer)
+    def __init__(self, cfg, world_size: int, flops_per_iteration: float, device, is_writer: bool, print_fn):
+        """`cfg`: the run's config.Config (its log section, and the run's length, batch, sequence and dtype);
+        `flops_per_iteration`: at --global-batch-size (scaled to each iteration's own global batch)."""
+        self.world_size, self.device, self.is_writer, self.print = world_size, device, is_writer, print_fn
+        self.log_cfg = cfg.log
+        self.train_iters, self.global_batch_size = cfg.training.train_iters, cfg.parallel.global_batch_size
+        self.seq_length, self.params_dtype = cfg.model.seq_length, cfg.optimizer.params_dtype
+        self.timers = Timers(self.log_cfg.timing_log_level, self.log_cfg.timing_log_option, device)
+        self.scalars = ScalarLog(self.log_cfg, cfg.compat.tensorboard_queue_size, is_writer, run_config=cfg)
         self.flops = flops_per_iteration
-        self.peak = peak_tflops(device, args.params_dtype, args.peak_tflops)
+        self.peak = peak_tflops(device, self.params_dtype, self.log_cfg.peak_tflops)
         self._loss_sum, self._loss_count, self._iters, self._samples = 0.0, 0, 0, 0
         self._pending = []  # (iteration, consumed samples, loss on the device, updated) not yet read
         self.first_nonfinite_loss = None  # (iteration, loss) of the first inf/NaN loss read (stop_rules.py)
@@ -60,7 +64,7 @@ class TrainingLog:
         """The clock for the first interval starts here (after loading and building the data); without a known
         peak, one line says that MFU is left out of the log lines, and how to get it."""
         if self.peak is None:
-            self.print(f"MFU is not reported: no peak TFLOP/s is known for {self.device.type} ({self.args.params_dtype}); "
+            self.print(f"MFU is not reported: no peak TFLOP/s is known for {self.device.type} ({self.params_dtype}); "
                        "give --peak-tflops to get it in every log line")
         self._last = time.monotonic()
 
@@ -69,7 +73,7 @@ class TrainingLog:
         """Record one finished iteration of `global_batch` samples (`loss`: a one-element tensor, read at the
         next log line); every --log-interval print the line (params_norm_fn: a collective; `decoupled_lr`: the
         embedding and output layer's, with --decoupled-lr)."""
-        a, p, w = self.args, progress, self.scalars
+        log, p, w = self.log_cfg, progress, self.scalars
         it, samples = p.iteration, p.consumed_train_samples
         self._pending.append((it, samples, loss.detach().reshape(1), updated))
         w.scalar("learning-rate", lr, it, samples)
@@ -79,27 +83,27 @@ class TrainingLog:
         w.scalar("batch-size", global_batch, it, samples)
         self._iters += 1
         self._samples += global_batch
-        if it % a.log_interval != 0 and it != a.train_iters:
+        if it % log.log_interval != 0 and it != self.train_iters:
             return
         self.flush(p)
         elapsed = (time.monotonic() - self._last) / self._iters
         per_iteration = self._samples / self._iters  # samples: the global batch, or its mean where it grows
-        tflops = tflops_per_rank(self.flops * per_iteration / a.global_batch_size, elapsed, self.world_size)
-        params_norm = params_norm_fn() if a.log_params_norm else None
+        tflops = tflops_per_rank(self.flops * per_iteration / self.global_batch_size, elapsed, self.world_size)
+        params_norm = params_norm_fn() if log.log_params_norm else None
         timing = self._timing_block(it)
         avg_loss = self._loss_sum / self._loss_count if self._loss_count else float("nan")
         w.scalar("iteration-time", elapsed, it, samples)
         w.scalar("throughput", tflops, it, samples)
         if params_norm is not None:
             w.scalar("params-norm", params_norm, it, samples)
-        if a.log_world_size_to_tensorboard:
+        if log.log_world_size_to_tensorboard:
             w.scalar("world-size", self.world_size, it, samples)
-        if a.log_memory_to_tensorboard:
+        if log.log_memory_to_tensorboard:
             for tag, value in memory_scalars(self.device).items():
                 w.scalar(tag, value, it, samples)
-        self.print(format_train_line(it, a.train_iters, samples, elapsed * 1e3, lr, global_batch, avg_loss,
+        self.print(format_train_line(it, self.train_iters, samples, elapsed * 1e3, lr, global_batch, avg_loss,
                                      loss_scale, grad_norm, p.skipped_iterations, p.nan_iterations,
-                                     per_iteration * a.seq_length / elapsed, tflops, mfu(tflops, self.peak),
+                                     per_iteration * self.seq_length / elapsed, tflops, mfu(tflops, self.peak),
                                      params_norm, decoupled_lr))
         if timing:
             self.print(timing)
@@ -135,7 +139,7 @@ class TrainingLog:
                             for n in ("forward-backward", "forward-compute", "pipeline-p2p"))
             t("backward-compute", 2).add(max(0.0, fb - fwd - p2p))
         text, max_ms = t.report(normalizer=self._iters)
-        if self.args.log_timers_to_tensorboard:
+        if self.log_cfg.log_timers_to_tensorboard:
             for name, ms in max_ms.items():
                 self.scalars.scalar(f"{name}-time", ms, iteration)
         return text

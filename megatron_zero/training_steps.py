@@ -61,8 +61,8 @@ class LoopSteps:
                   + (f" (global batch {self.batch.global_batch_size(p.consumed_train_samples)}, growing to "
                      f"{self.batch.final})" if self.batch.varies else ""))
         self._log(kernel_report())
-        if self.args.transformer_impl is not None:
-            self._log(transformer_impl_line(self.args))
+        if self.sections.model.transformer_impl is not None:
+            self._log(transformer_impl_line(self.sections.model))
         for line in self.transforms:
             self._log(line)
 
@@ -100,7 +100,8 @@ class LoopSteps:
         p.iteration += 1
         p.consumed_train_samples += gbs
         if updated:  # as Megatron-LM (and DeepSpeed): a skipped step does not advance the schedule
-            self.lr_schedule.step(lr_increment(self.args, gbs))  # 1, or this step's samples / tokens
+            # 1, or this step's samples / tokens
+            self.lr_schedule.step(lr_increment(self.sections.compat.lr_schedule_unit, gbs, self.sections.model.seq_length))
         else:
             p.skipped_iterations += 1
         self.hooks.after_step(p.iteration)
@@ -110,7 +111,7 @@ class LoopSteps:
             self._log_moe(p, len(micro))
         if self.mtp_metrics is not None:  # the stage holding the MTP layers: each depth's loss
             self.mtp_metrics.after_iteration(self.model.mtp, len(micro), p, self.log.scalars, self._log)
-        if self.qk_clip is not None and (p.iteration % self.args.log_interval == 0 or p.iteration == t.train_iters):
+        if self.qk_clip is not None and (p.iteration % self.sections.log.log_interval == 0 or p.iteration == t.train_iters):
             self._log_max_attention_logit(p)
         return updated, grad_norm
 
@@ -118,8 +119,8 @@ class LoopSteps:
         """(a full save, a weights-only save) due after this iteration (--save-interval, --save-weights-interval)."""
         p, c = self.progress, self.sections.checkpoint
         full = bool(c.save and c.save_interval and p.iteration % c.save_interval == 0)
-        weights = bool(not full and c.save and self.args.save_weights_interval
-                       and p.iteration % self.args.save_weights_interval == 0)
+        every = self.sections.compat.save_weights_interval
+        weights = bool(not full and c.save and every and p.iteration % every == 0)
         return full, weights
 
     def _save_if_due(self, full: bool, weights: bool):
@@ -195,11 +196,11 @@ class LoopSteps:
 
     def _log_moe(self, p: TrainState, num_micro_batches: int):
         """The MoE losses: added up each iteration, reported (a collective) at each log line."""
-        a, s = self.args, self.state
+        s, log_interval = self.state, self.sections.log.log_interval
         self.moe_metrics.iteration(num_micro_batches)
-        if p.iteration % a.log_interval != 0 and p.iteration != a.train_iters:
+        if p.iteration % log_interval != 0 and p.iteration != self.sections.training.train_iters:
             return
-        sp_group = s.tp_group if a.sequence_parallel and s.tp_size > 1 else None  # each TP rank's tokens' share
+        sp_group = s.tp_group if self.sections.parallel.sequence_parallel and s.tp_size > 1 else None  # each TP rank's tokens' share
         values = self.moe_metrics.report(s.pp_group, s.dp_group, s.data_parallel_size, sp_group)
         for name, value in values.items():
             self.log.scalars.scalar(name, value, p.iteration, p.consumed_train_samples)

@@ -110,7 +110,7 @@ def test_lr_schedule_counts_samples_during_rampup():
     assert args.train_iters == 7 and args.lr_schedule_unit == "samples"
     schedule, consumed = build_lr_schedule(from_args(args)), 0
     for size in args.batch_schedule.sizes(0, 3):  # 2, 2, 4 samples: warm-up is 10 samples long
-        schedule.step(lr_increment(args, size))
+        schedule.step(lr_increment(args.lr_schedule_unit, size, args.seq_length))
         consumed += size
     assert schedule.num_steps == consumed == 8 and schedule.lr() == pytest.approx(1e-3 * 8 / 10)
     args = _args(["--step-batch-size-schedule", "0:2", "64:8", "--train-iters", "6", "--lr-warmup-iters", "1"])

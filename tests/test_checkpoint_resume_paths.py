@@ -26,6 +26,7 @@ from megatron_zero.testing.trainer_losses import resume_flags, train_losses
 def _start(argv):
     """Build the Trainer (load, checks) without training: (first iteration, logged lines) or the error."""
     from megatron_zero.arguments import parse_args
+    from megatron_zero.config import from_args
     from megatron_zero.checkpoint import CheckpointError
     from megatron_zero.rng_state import get_rng_state
     from megatron_zero.topology import build_parallel_state
@@ -35,7 +36,7 @@ def _start(argv):
     Trainer._log = lambda self, line: lines.append(line)
     args = parse_args(argv, world_size=dist.get_world_size())
     try:
-        trainer = Trainer(args, build_parallel_state(1, 1))
+        trainer = Trainer(from_args(args), build_parallel_state(1, 1))
     except CheckpointError as e:
         return str(e)
     return trainer.progress.iteration, lines, get_rng_state()["torch_rng_state"]

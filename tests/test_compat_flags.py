@@ -148,10 +148,9 @@ def test_step_hooks_manual_gc_and_profile(tmp_path):
 
     from megatron_zero.step_hooks import StepHooks
 
-    args = argparse.Namespace(manual_gc=True, manual_gc_interval=2, empty_unused_memory_level=2, profile=True,
-                              profile_ranks=[0], profile_step_start=1, profile_step_end=2,
-                              tensorboard_dir=str(tmp_path / "tb"))
-    hooks = StepHooks(args, torch.device("cpu"), rank=0)
+    compat = argparse.Namespace(manual_gc=True, manual_gc_interval=2, empty_unused_memory_level=2, profile=True,
+                                profile_ranks=[0], profile_step_start=1, profile_step_end=2)
+    hooks = StepHooks(compat, str(tmp_path / "tb"), torch.device("cpu"), rank=0)
     try:
         assert not gc.isenabled()
         for it in range(4):

@@ -40,6 +40,7 @@ from megatron_zero.testing.placement import PlacementTracker, watch_collectives
 
 def _two_iterations(argv, tp, pp):
     from megatron_zero.arguments import parse_args
+    from megatron_zero.config import from_args
     from megatron_zero.topology import build_parallel_state
     from megatron_zero.training import Trainer
 
@@ -47,7 +48,7 @@ def _two_iterations(argv, tp, pp):
     args = parse_args(argv, world_size=dist.get_world_size())
     tracker = PlacementTracker()
     with tracker, watch_collectives(tracker):
-        trainer = Trainer(args, build_parallel_state(tp, pp), device)
+        trainer = Trainer(from_args(args), build_parallel_state(tp, pp), device)
         trainer.train()  # --train-iters 2, the second logged
     opt = trainer.optimizer
     home = torch.device("cpu") if opt.offload != "none" else device

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_zero import ops
+from megatron_zero.config import flat, from_args
 from megatron_zero.device import HOST, backend_for
 from megatron_zero.distributed import shutdown_distributed
 from megatron_zero.testing.multirank import free_port
@@ -82,7 +83,7 @@ def _args(corpus, tmp_path, **extra):
 def _trainer(args, device):
     from megatron_zero.topology import build_parallel_state
     from megatron_zero.training import Trainer
-    return Trainer(args, build_parallel_state(1, 1), device)
+    return Trainer(from_args(args), build_parallel_state(1, 1), device)
 
 
 def _train(trainer, iters):
@@ -90,7 +91,7 @@ def _train(trainer, iters):
     for _ in range(iters):
         micro = trainer._micro_batches(trainer.train_ds, trainer.progress.consumed_train_samples)
         losses.append(trainer.train_step(micro)[0].item())  # the loss stays on the device until read
-        trainer.progress.consumed_train_samples += trainer.args.global_batch_size
+        trainer.progress.consumed_train_samples += trainer.sections.parallel.global_batch_size
         trainer.lr_schedule.step()
     return losses
 
@@ -103,9 +104,10 @@ def _unfused():
     return dict(masked_softmax_fusion=False, bias_gelu_fusion=False, persist_layer_norm=False)
 
 
-def _step_rtol(args):
+def _step_rtol(cfg):
     """Each step's loss (and gradients, normwise): model_rtol of one training step's dependency path."""
     from megatron_zero.data.tokenizers import build_tokenizer
+    args = SimpleNamespace(**flat(cfg))
     shape = SimpleNamespace(hidden_size=args.hidden_size, seq_length=args.seq_length, num_layers=args.num_layers,
                             ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_attention_heads,
                             vocab_size=build_tokenizer(args.tokenizer_type, args.tokenizer_model).vocab_size)
@@ -133,14 +135,14 @@ def _train_with_norms(trainer, iters):
         loss, _, _, norm = trainer.train_step(micro)
         losses.append(loss.item())
         norms.append(float(norm))
-        trainer.progress.consumed_train_samples += trainer.args.global_batch_size
+        trainer.progress.consumed_train_samples += trainer.sections.parallel.global_batch_size
         trainer.lr_schedule.step()
     return losses, norms
 
 
 def _assert_parity(here, ref, iters):
     """`iters` fp32 steps of two trainers of the same model: losses, gradient norms, masters within the bounds."""
-    rtol = _step_rtol(ref.args)
+    rtol = _step_rtol(ref.sections)
     bound = _record_bound(ref, rtol)
     (a, na), (b, nb) = _train_with_norms(here, iters), _train_with_norms(ref, iters)
     assert_losses_close(a, b, rtol, "loss")
@@ -178,7 +180,7 @@ def _count_kernel_calls(monkeypatch):
 
 def _losses_match(fused, plain, trainer):
     """Fused kernels against the fallback: the same fp32 step summed in another order."""
-    assert_losses_close(fused, plain, _step_rtol(trainer.args), "loss, fused kernels against the fallback")
+    assert_losses_close(fused, plain, _step_rtol(trainer.sections), "loss, fused kernels against the fallback")
 
 
 # the causal softmax kernel runs where the attention backend is `unfused` (the flags decide; `auto` is torch's
@@ -271,7 +273,6 @@ def test_offload_keeps_masters_in_pinned_host_memory_and_matches(builtin_corpus,
 
 def _save(trainer, path, async_save=False):
     from megatron_zero import checkpoint as ckpt
-    trainer.args.save, trainer.args.async_save = str(path), async_save
     sections = trainer.sections  # the trainer reads the typed checkpoint section, built once from the flags
     trainer.sections = replace(sections, checkpoint=replace(sections.checkpoint, save=str(path), async_save=async_save))
     trainer.progress.iteration = 2
@@ -348,5 +349,5 @@ def test_two_gpus_nccl_layouts_match_one_gpu(builtin_corpus, tmp_path, layout):
     one = run(1)
     two = run(2, **layout)
     assert len(one) == len(two) == 6
-    rtol = _step_rtol(_args(builtin_corpus, tmp_path))  # model_flags' model, as `base` trains it
+    rtol = _step_rtol(from_args(_args(builtin_corpus, tmp_path)))  # model_flags' model, as `base` trains it
     assert_losses_close(two, one, rtol, f"loss, 2 GPUs {layout} against 1")

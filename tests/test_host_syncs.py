@@ -31,6 +31,7 @@ def _syncs_per_iteration(argv, tp, pp):
     import torch
 
     from megatron_zero.arguments import parse_args
+    from megatron_zero.config import from_args
     from megatron_zero.topology import build_parallel_state
     from megatron_zero.training import Trainer
 
@@ -38,7 +39,7 @@ def _syncs_per_iteration(argv, tp, pp):
     tracker = PlacementTracker()
     starts = []
     with tracker:
-        trainer = Trainer(args, build_parallel_state(tp, pp), torch.device("cpu"))
+        trainer = Trainer(from_args(args), build_parallel_state(tp, pp), torch.device("cpu"))
         step = trainer.train_step
 
         def marked_step(*a, **k):

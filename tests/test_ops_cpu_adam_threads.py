@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megatron_zero.arguments import parse_args
+from megatron_zero.config import from_args
 from megatron_zero.ops import available_kernels
 from megatron_zero.ops.cpu_adam import adamw_step_, default_offload_threads
 from megatron_zero.ops.registry import load
@@ -71,7 +72,7 @@ def _offload_trainer(corpus, tmp_path, threads):
     args = parse_args(model_flags(data, tok, **{"cpu-optimizer": True, "cpu-optimizer-threads": threads,
                                                 "zero-stage": 1, "eval-iters": 0, "train-iters": 2,
                                                 "data-cache-path": tmp_path / "cache"}), world_size=1)
-    return Trainer(args, build_parallel_state(1, 1), HOST)
+    return Trainer(from_args(args), build_parallel_state(1, 1), HOST)
 
 
 def _step(trainer):

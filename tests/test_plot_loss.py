@@ -21,7 +21,7 @@ def _tool(*argv, python=(sys.executable,)):
 
 
 def _write_run(directory, iterations, validation=()):
-    log = ScalarLog(SimpleNamespace(tensorboard_dir=str(directory), tensorboard_queue_size=100, wandb_project=None), True)
+    log = ScalarLog(SimpleNamespace(tensorboard_dir=str(directory), wandb_project=None), 100, True)
     for it in iterations:
         log.scalar("lm loss", 6.0 / (1 + 0.05 * it), it, 16 * it)
     for it in validation:

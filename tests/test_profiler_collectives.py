@@ -27,11 +27,11 @@ def _profiled_steps_with_a_gather_in_flight(trace_dir, cycles):
     outs = [torch.empty_like(x) for _ in range(2)]
     done = []
     for cycle in range(cycles):
-        args = argparse.Namespace(manual_gc=False, manual_gc_interval=None, empty_unused_memory_level=0,
-                                  profile=True, profile_ranks=[0, 1], profile_step_start=0, profile_step_end=1,
-                                  tensorboard_dir=os.path.join(trace_dir, f"rank{rank}", f"cycle{cycle}"))
+        compat = argparse.Namespace(manual_gc=False, manual_gc_interval=None, empty_unused_memory_level=0,
+                                    profile=True, profile_ranks=[0, 1], profile_step_start=0, profile_step_end=1)
         in_flight = []
-        hooks = StepHooks(args, torch.device("cpu"), rank, settle=lambda: [w.wait() for w in in_flight])
+        hooks = StepHooks(compat, os.path.join(trace_dir, f"rank{rank}", f"cycle{cycle}"), torch.device("cpu"), rank,
+                          settle=lambda: [w.wait() for w in in_flight])
         hooks.before_step(0)
         done.clear()  # the last cycle's handle freed under this cycle's profiler
         if rank == 1:

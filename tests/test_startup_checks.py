@@ -55,7 +55,7 @@ def test_checkpoint_model_settings_are_checked_on_resume(tmp_path):
     convert_to_universal(str(tmp_path / "ckpt" / "global_step2"), str(universal), merge_workers=1)
     args = parse_args(tiny_flags(tmp_path, data, **{"num-attention-heads": 2}))
     with pytest.raises(CheckpointError, match="--num-attention-heads 4 in the checkpoint vs 2 here"):
-        check_checkpoint_compat(str(universal), args, 257, lambda tp: 384)
+        check_checkpoint_compat(str(universal), vars(args), 257, lambda tp: 384)
     # what may change on resume: batch sizes, lr, ZeRO stage, dropout, precision of the run, seed (a changed
     # schedule -- --lr, --train-iters -- with --override-opt_param-scheduler, as Megatron-LM: schedule_resume.py)
     run = pretrain(tmp_path, data, load=tmp_path / "ckpt", **{

@@ -64,9 +64,9 @@ def test_the_line_names_the_n_slowest_and_fastest_and_compares_ranks_within_thei
 
 def test_the_control_port_turns_the_report_off_and_on_at_the_next_log_line():
     port = free_port()
-    args = argparse.Namespace(straggler_minmax_count=1, straggler_factor=1.5, disable_straggler_on_startup=True,
-                              straggler_ctrlr_port=port)
-    report = StragglerReport(args, 0, 1, torch.device("cpu"), [0])
+    elastic = argparse.Namespace(straggler_minmax_count=1, straggler_factor=1.5, disable_straggler_on_startup=True,
+                                 straggler_ctrlr_port=port)
+    report = StragglerReport(elastic, 0, 1, torch.device("cpu"), [0])
     report.timed(lambda: None)()
     assert report.line() is None  # off from the start: nothing timed, nothing said
     socket.create_connection(("127.0.0.1", port)).recv(1024)  # as `curl host:PORT`

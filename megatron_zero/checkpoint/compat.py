@@ -105,12 +105,14 @@ def disagreements(head: dict, args, vocab_size: int, padded_at) -> list:
     return out
 
 
-def check_checkpoint_compat(checkpoint: Union[str, Checkpoint], args, vocab_size: int, padded_at) -> dict:
+def check_checkpoint_compat(checkpoint: Union[str, Checkpoint], args, vocab_size: int, padded_at,
+                            verify: bool = True) -> dict:
     """Refuse, in one sentence naming each difference, a checkpoint (a directory, or one opened already)
-    holding another model than the flags'.
+    holding another model than the flags' (`args`: this run's, as a checkpoint records them: config.flat).
 
-    padded_at(tp) is this run's padded vocabulary at tensor-parallel size tp. -> the header it read."""
-    head = read_head(checkpoint, args.verify_checkpoint)
+    padded_at(tp) is this run's padded vocabulary at tensor-parallel size tp; `verify`: --verify-checkpoint.
+    -> the header it read."""
+    head = read_head(checkpoint, verify)
     diffs = disagreements(head, args, vocab_size, padded_at)
     directory = checkpoint.directory if isinstance(checkpoint, Checkpoint) else checkpoint
     if diffs:

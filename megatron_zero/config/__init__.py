@@ -21,11 +21,14 @@ compile.py, rerun.py) plug in through arguments.py's FEATURES: the module's `add
 `check(args)` that runs once the layout, model and run length are checked.
 
 A refusal is one sentence (errors.ArgumentError) naming the flags, their values and what would be right.
-Downstream code takes the checked values and does not check them again.
+Downstream code takes the checked values and does not check them again: the trainer gets the tree
+(training.Trainer(cfg, state)) and hands each part the section it reads. The namespace ends at from_args; the
+flat `args` Megatron-LM's checkpoints record are made back from the tree in one place (flat, saved_args).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -42,6 +45,7 @@ from .compile import CompileConfig
 from .data import DataConfig
 from .elastic import ElasticConfig
 from .errors import ArgumentError
+from .fields import computed_fields
 from .fp8 import Fp8Config
 from .log import LogConfig
 from .loss import LossConfig
@@ -105,6 +109,26 @@ SECTIONS = {"model": ModelConfig, "moe": MoeConfig, "router_bias": MoERouterBias
 def from_args(args) -> Config:
     """The typed sections of a namespace `validate` has checked."""
     return Config(**{name: cls.from_args(args) for name, cls in SECTIONS.items()})
+
+
+def flat(cfg: Config) -> dict:
+    """Every field of the tree under its own name, in one flat mapping: Megatron-LM's `args`, made from the tree
+    here alone (what a checkpoint records, `saved_args`; what the model mapping model/architecture.gpt_config and
+    the resume check read, as they read a checkpoint's)."""
+    return {f.name: getattr(part, f.name) for part in (getattr(cfg, name) for name in SECTIONS)
+            for f in dataclasses.fields(part)}
+
+
+def saved_args(cfg: Config) -> dict:
+    """The `args` a checkpoint records (and wandb's run config): `flat(cfg)`'s plain values, but those computed
+    from the others (a derived field's `value`: the checks never held them)."""
+    computed = {name for section in SECTIONS.values() for name in computed_fields(section)}
+    return plain_values({name: value for name, value in flat(cfg).items() if name not in computed})
+
+
+def plain_values(values: dict) -> dict:
+    """The entries of `values` a checkpoint's `args` keep: the JSON-able ones."""
+    return {name: value for name, value in values.items() if isinstance(value, (int, float, str, bool, list, type(None)))}
 
 
 def validate(args, world_size: int, given: set, feature_checks: Iterable[Callable] = ()) -> Config:

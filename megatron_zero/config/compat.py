@@ -187,8 +187,7 @@ def _schedule_units(args) -> None:
             f"({decay}); shorten --lr-wsd-decay-iters / --lr-wsd-decay-samples")
 
 
-def lr_increment(args, global_batch_size: int) -> int:
-    """What one optimizer step adds to the schedule's count, in its unit, at this step's global batch."""
-    unit = getattr(args, "lr_schedule_unit", "iterations")
-    return {"iterations": 1, "samples": global_batch_size,
-            "tokens": global_batch_size * args.seq_length}[unit]
+def lr_increment(unit: str, global_batch_size: int, seq_length: int) -> int:
+    """What one optimizer step adds to the schedule's count in its `unit` (CompatConfig.lr_schedule_unit), at
+    this step's global batch."""
+    return {"iterations": 1, "samples": global_batch_size, "tokens": global_batch_size * seq_length}[unit]

@@ -149,6 +149,11 @@ def flag_fields(cls) -> list:
     return [f.name for f in dataclasses.fields(cls) if isinstance(_declaration(f), _Flag)]
 
 
+def computed_fields(cls) -> list:
+    """The names of `cls`'s derived fields computed from other values (`derived(doc, value)`): not recorded."""
+    return [f.name for f in dataclasses.fields(cls) if isinstance(_declaration(f), _Derived) and _declaration(f).value]
+
+
 def flag_spelling(cls, name: str) -> str:
     """The first option string of `cls`'s flag field `name` (its own names, or --the-name)."""
     return _names(_declaration(next(f for f in dataclasses.fields(cls) if f.name == name)), name)[0]

@@ -136,9 +136,9 @@ def check_positions(args) -> None:
         args.attention_backend = "flash"
 
 
-def transformer_impl_line(args) -> str:
+def transformer_impl_line(model: ModelConfig) -> str:
     """What --transformer-impl selects here, said once at start-up."""
-    return (f"--transformer-impl {args.transformer_impl}: megatron_zero's own layers run (Megatron-Core's parameter "
+    return (f"--transformer-impl {model.transformer_impl}: megatron_zero's own layers run (Megatron-Core's parameter "
             "layout, the fused kernels listed above); Transformer Engine is not used")
 
 

@@ -1,8 +1,8 @@
 """The node-local checkpoint tier: a checkpoint every --non-persistent-save-interval iterations in
 --non-persistent-local-ckpt-dir (fast storage on the ranks' host), the persistent --save less often.
 
-    tier = LocalTier(args, state, log)       # collective when on: every rank's host, compared
-    where = resume_dir(args, log)            # the directory a (re)start loads from
+    tier = LocalTier(elastic, async_save, state, world_size)   # collective when on: every rank's host, compared
+    where = resume_dir(elastic, load, log)   # the directory a (re)start loads from (`load`: --load)
     tier.after_step(trainer, iteration)      # saves when due (not where --save just saved)
 
 Each local save is an ordinary checkpoint written through the same path as --save's (every rank's files in
@@ -39,22 +39,24 @@ def _newest(directory: Optional[str]) -> int:
     return int(found.group(1)) if found else -1
 
 
-def resume_dir(args, log: Callable[[str], None]) -> Optional[str]:
-    """The directory this start loads from: --load, or the local tier's when its newest checkpoint is newer."""
-    local = args.non_persistent_local_ckpt_dir if args.non_persistent_save_interval else None
-    here, there = _newest(local), _newest(args.load)
+def resume_dir(elastic, load: Optional[str], log: Callable[[str], None]) -> Optional[str]:
+    """The directory this start loads from: --load, or the local tier's (`elastic`: the run's ElasticConfig) when
+    its newest checkpoint is newer."""
+    local = elastic.non_persistent_local_ckpt_dir if elastic.non_persistent_save_interval else None
+    here, there = _newest(local), _newest(load)
     if here < 0 or here <= there:
-        return args.load
+        return load
     log(f"resuming from the local checkpoint tier {local} (iteration {here}), newer than "
-        + (f"--load {args.load}'s (iteration {there})" if there >= 0 else "any under --load"))
+        + (f"--load {load}'s (iteration {there})" if there >= 0 else "any under --load"))
     return local
 
 
 class LocalTier:
-    def __init__(self, args, state, world_size: int):
-        self.interval = args.non_persistent_save_interval
-        self.dir = args.non_persistent_local_ckpt_dir
-        self.async_save = args.async_save
+    def __init__(self, elastic, async_save: bool, state, world_size: int):
+        """`elastic`: the run's ElasticConfig (--non-persistent-*); `async_save`: --async-save."""
+        self.interval = elastic.non_persistent_save_interval
+        self.dir = elastic.non_persistent_local_ckpt_dir
+        self.async_save = async_save
         self.state = state
         if not self.interval:
             return

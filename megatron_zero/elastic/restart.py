@@ -1,7 +1,7 @@
 """A run that torchrun restarted (--max-restarts), perhaps at another world size (--nnodes MIN:MAX).
 
     args = parse_for_launch(argv, launch)   # the flags at this world size; refused: the sizes that work
-    note_resize(client, args, log)          # after a load at another DP: the one line saying what changed
+    note_resize(client, parallel, log)      # after a load at another DP: the one line saying what changed
 
 A restart resumes from the newest checkpoint under --load (checkpoint/resume.py; the same rule as any
 resume). At another world size TP, PP, CP and EP stay as the flags give them and DP takes the rest; the
@@ -79,24 +79,24 @@ def parse_for_launch(argv, rank: int, world_size: int):
         raise SystemExit(2) from None
 
 
-def resize_line(client: dict, args) -> Optional[str]:
+def resize_line(client: dict, parallel) -> Optional[str]:
     """One line when the checkpoint was saved at another DP: the micro-batches a step before and now (the
     global batch is the same). None at the same DP, or where the checkpoint does not record its DP."""
     recorded = client.get("args") or {}
     saved = recorded.get("data_parallel_size") if isinstance(recorded, dict) else getattr(
         recorded, "data_parallel_size", None)
-    dp = args.data_parallel_size
-    if not saved or saved == dp or args.global_batch_size is None:
+    dp = parallel.data_parallel_size
+    if not saved or saved == dp or parallel.global_batch_size is None:
         return None
-    per_step = args.global_batch_size // args.micro_batch_size
+    per_step = parallel.global_batch_size // parallel.micro_batch_size
     before = per_step // saved if per_step % saved == 0 else f"{per_step / saved:g}"
     again = " after a restart" if restart_count() else ""
     return (f"resuming at DP={dp}{again} (saved at DP={saved}): {per_step // dp} micro-batches a step instead "
-            f"of {before}, the global batch of {args.global_batch_size} samples kept")
+            f"of {before}, the global batch of {parallel.global_batch_size} samples kept")
 
 
-def note_resize(client: dict, args, log) -> None:
-    """log(resize_line(...)) where there is one."""
-    line = resize_line(client, args)
+def note_resize(client: dict, parallel, log) -> None:
+    """log(resize_line(...)) where there is one (`parallel`: the run's ParallelConfig)."""
+    line = resize_line(client, parallel)
     if line:
         log(line)

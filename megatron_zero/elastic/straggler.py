@@ -23,7 +23,7 @@ ZeRO-3's weight gathers) share the slow rank's time, so the group shows slow tog
 on port P and each connection (e.g. `curl host:P`) turns the report on or off at the next log line (every rank
 learns it in that line's all-gather).
 
-    report = straggler_report(args, state, device)   # collective (the hosts); None without --log-straggler
+    report = straggler_report(elastic, state, device)  # collective (the hosts); None without --log-straggler
     step = report.timed(forward_step)                 # per micro-batch
     line = report.line()                              # collective, at each log line
 """
@@ -100,21 +100,22 @@ class _Toggle:
 
 
 class StragglerReport:
-    def __init__(self, args, rank: int, world_size: int, device: torch.device, stages: List[int]):
-        """`stages`: each rank's pipeline stage (ranks are compared with those doing the same work)."""
+    def __init__(self, elastic, rank: int, world_size: int, device: torch.device, stages: List[int]):
+        """`elastic`: the run's ElasticConfig (--straggler-*); `stages`: each rank's pipeline stage (ranks are
+        compared with those doing the same work)."""
         self.rank, self.world, self.device, self.stages = rank, world_size, device, stages
-        self.count, self.factor = args.straggler_minmax_count, args.straggler_factor
-        self.on = not args.disable_straggler_on_startup
+        self.count, self.factor = elastic.straggler_minmax_count, elastic.straggler_factor
+        self.on = not elastic.disable_straggler_on_startup
         self.clock, self.steps, self.timed_steps = _Clock(device), 0, 0
         self.hosts = [socket.gethostname()] * world_size
         if world_size > 1:
             dist.all_gather_object(self.hosts, socket.gethostname())
         self.toggle = None
-        if rank == 0 and args.straggler_ctrlr_port:
+        if rank == 0 and elastic.straggler_ctrlr_port:
             try:
-                self.toggle = _Toggle(args.straggler_ctrlr_port)
+                self.toggle = _Toggle(elastic.straggler_ctrlr_port)
             except OSError as err:
-                raise ArgumentError(f"--straggler-ctrlr-port {args.straggler_ctrlr_port}: rank 0 cannot listen "
+                raise ArgumentError(f"--straggler-ctrlr-port {elastic.straggler_ctrlr_port}: rank 0 cannot listen "
                                     f"on it ({err.strerror or err}); give a free port") from None
 
     def timed(self, forward_step: Callable) -> Callable:
@@ -149,12 +150,12 @@ class StragglerReport:
         return line + (" | off from the next iteration" if not self.on else "")
 
 
-def straggler_report(args, state, device: torch.device) -> Optional[StragglerReport]:
-    """The report of this rank (`state`: its ParallelState) when --log-straggler asks for one."""
-    if not args.log_straggler:
+def straggler_report(elastic, state, device: torch.device) -> Optional[StragglerReport]:
+    """The report of this rank (`state`: its ParallelState) when --log-straggler (ElasticConfig) asks for one."""
+    if not elastic.log_straggler:
         return None
     size = state.layout.world_size
-    return StragglerReport(args, state.rank, size, device, [state.layout.coords(r)[0] for r in range(size)])
+    return StragglerReport(elastic, state.rank, size, device, [state.layout.coords(r)[0] for r in range(size)])
 
 
 def straggler_line(seconds: List[float], hosts: List[str], stages: List[int], count: int, factor: float) -> str:

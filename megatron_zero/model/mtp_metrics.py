@@ -20,12 +20,11 @@ class MTPMetrics:
         self.dp_group, self.dp, self.log_interval, self.train_iters = dp_group, dp, log_interval, train_iters
 
     @classmethod
-    def of(cls, model, state, args, device: torch.device):
+    def of(cls, model, state, log_interval: int, train_iters: int, device: torch.device):
         """The metrics of the stage holding `model`'s MTP layers; None on a stage without them."""
         if model.mtp is None:
             return None
-        return cls(len(model.mtp), device, state.dp_group, state.data_parallel_size, args.log_interval,
-                   args.train_iters)
+        return cls(len(model.mtp), device, state.dp_group, state.data_parallel_size, log_interval, train_iters)
 
     def after_iteration(self, mtp, micro_batches: int, progress, scalars, log_line: Callable[[str], None]) -> None:
         """Take what `mtp` (the model's MultiTokenPrediction) recorded in the last global batch's forwards; at a

@@ -13,18 +13,14 @@ def train_losses(argv, tp, pp):
 def recorded_training(argv, tp=None, pp=None):
     """Train with Megatron flags `argv` on this rank's group, at TP x PP, or (None) at the layout the flags give
     as pretrain_gpt.py builds it (CP and expert parallelism included); -> (the Trainer, each iteration's loss)."""
-    from ..arguments import cp_a2a_size, parse_args
+    from ..arguments import parse_args
+    from ..config import from_args
     from ..topology import build_parallel_state
     from ..training import Trainer
 
-    args = parse_args(argv, world_size=dist.get_world_size())
-    if tp is None:
-        state = build_parallel_state(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                     cp=args.context_parallel_size, ep=args.expert_model_parallel_size,
-                                     etp=args.expert_tensor_parallel_size, cp_a2a=cp_a2a_size(args))
-    else:
-        state = build_parallel_state(tp, pp)
-    trainer = Trainer(args, state)
+    cfg = from_args(parse_args(argv, world_size=dist.get_world_size()))
+    state = build_parallel_state(**cfg.parallel.degrees()) if tp is None else build_parallel_state(tp, pp)
+    trainer = Trainer(cfg, state)
     losses = []
     step = trainer.train_step
 
