@@ -79,9 +79,6 @@ SLOW_CASES = {
         "test_mapping_semantics[2] (each mapping's forward and backward over a group of two)",
     "tests/test_tensor_parallel_mappings.py::test_parallel_layers_match_dense[4]":
         "test_parallel_layers_match_dense[2]",
-    "tests/test_zero_pipeline.py::test_tp2_pp2_dp2_matches_torch_adamw[2]":
-        "test_tp2_pp2_dp2_matches_torch_adamw[1] (the same 8-rank layout); "
-        "tests/test_zero_gpt.py::test_gpt_zero_matches_adamw[2] (stage 2)",
     "tests/test_pipeline_gpt.py::test_pipeline_matches_reference[2-2-2-2-None-False]":
         "test_pipeline_matches_reference[2-2-1-3-None-True] (TP2 x PP2); "
         "tests/test_zero_pipeline.py::test_tp2_pp2_dp2_matches_torch_adamw[1] (TP2 x PP2 x DP2)",
