@@ -29,9 +29,9 @@ class ExpertHalves:
         return self.dense.weight_slices() + self.expert.weight_slices()
 
     def write_weights(self, masters: List[torch.Tensor], fp8: bool = True) -> None:
-        """`fp8` False: the dense half's FP8 layers published in the training dtype too (a checkpoint's)."""
-        self.dense.write_weights(*([masters[:self.n_dense]] if fp8 else [masters[:self.n_dense], False]))
-        self.expert.write_weights(masters[self.n_dense:])
+        """`fp8` False: the FP8 layers published in the training dtype too (a checkpoint's)."""
+        self.dense.write_weights(masters[:self.n_dense], fp8)
+        self.expert.write_weights(masters[self.n_dense:], fp8)
 
     def zero_grad(self) -> None:
         self.dense.zero_grad()
