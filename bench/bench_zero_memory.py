@@ -94,7 +94,7 @@ def measure_fp8(layers, hidden):
         # the FP8 layers' weights: their bf16 weights or shards, their FP8 weights or FP8 shards
         own = [m.weight for m in fp8] + [m.fp8.weight8.data for m in fp8]
         if stage == 3:
-            own = [p.ds_shard for p in params if any(p is m.weight for m in fp8)] + \
+            own = [p.ds_shard for p in params if any(p is m.weight for m in fp8) and p.ds_shard is not None] + \
                 [p.ds_shard8 for p in params if getattr(p, "ds_shard8", None) is not None]
         held = sum(t.numel() * t.element_size() for t in own if t.untyped_storage().nbytes() > t.element_size())
         out[stage] = (weight_bytes(model, shards) / psi, held / numel, storage_bytes(model.buffers()) / psi)

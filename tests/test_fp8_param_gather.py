@@ -114,6 +114,21 @@ def test_fp8_weights_are_the_masters_cast_and_the_one_copy(recipe):
     assert weight_bytes(model) == _bytes_held(model, False)
 
 
+def test_zero3_holds_an_fp8_weight_chunk_in_fp8_only():
+    """ZeRO-3 at rest (every parameter released, threshold 0): the shards' bytes are 2 an element of the other
+    parameters and 1 of the FP8 weights (their FP8 chunks), counted from the tensors."""
+    model = _bf16_model()
+    opt = ZeroOptimizer(list(model.named_parameters()), stage=3, dtype="bf16", module=model, lr=1e-2,
+                        persistence_threshold=0)
+    opt.backward(model(TOKENS[:, :-1], labels=TOKENS[:, 1:]))
+    assert opt.step()[0]
+    fp8 = [m.weight for _, m in _fp8_layers(model)]
+    params = [p for g in opt.impl.groups for p in g]
+    fp8_numel = sum(w.ds_numel for w in fp8)
+    held = storage_bytes([*opt.impl.shards, *(getattr(p, "ds_shard8", None) for p in params), *model.parameters()])
+    assert held == 2 * (sum(p.ds_numel for p in params) - fp8_numel) + fp8_numel
+
+
 def test_log_line_says_which_weights_are_gathered_in_fp8():
     from megatron_zero.testing.fp8_layouts import moe_config
 
