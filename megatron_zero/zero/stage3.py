@@ -238,8 +238,7 @@ class Stage3(GatherMixin):
         updated weights go (an offloaded optimizer uploads them straight there)."""
         return self.shards
 
-    def write_weights(self, masters, fp8: bool = True):
-        """`fp8`: the publication of --fp8-param-gather's FP8 layers or not (stage3_fp8.py); none here."""
+    def write_weights(self, masters):
         for shards, m in zip(self.shards, masters):
             if m.data_ptr() != shards.data_ptr():
                 shards.copy_(m.detach())  # a cast to the model dtype; masters held on the host come up

@@ -118,12 +118,12 @@ class Stage3ZeroPP(Stage3):
                 secondary[:piece.numel()].copy_(piece)
                 p.ds_secondary = secondary
 
-    def write_weights(self, masters, fp8: bool = True):
+    def write_weights(self, masters):
         if self.h > 1:
             for g in self.groups:
                 for p in g:
                     p.ds_secondary = None
-        super().write_weights(masters, fp8)
+        super().write_weights(masters)
 
     def _all_gather_shards(self, flat):
         if not self.quantized_weights:

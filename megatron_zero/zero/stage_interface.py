@@ -29,9 +29,9 @@ class ZeroStage(Protocol):
         """Per group: the device tensor (model dtype, partition-sized) holding this rank's weights, which
         write_weights publishes from; an offloaded optimizer uploads its stepped masters into it."""
 
-    def write_weights(self, masters: List[torch.Tensor], fp8: bool = True) -> None:
+    def write_weights(self, masters: List[torch.Tensor]) -> None:
         """Publish the updated partitions (fp32 masters, or weight_slices() already written) as the
-        model's (16-bit) weights; `fp8` False: --fp8-param-gather's FP8 layers in the training dtype too."""
+        model's (16-bit) weights."""
 
     def zero_grad(self) -> None:
         """Drop gradients and reset the reduction state for the next step."""
