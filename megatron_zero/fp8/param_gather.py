@@ -20,15 +20,14 @@ converter marked (`Float8Matmul.param_gather`):
   instead of its bf16 copy.
 - `Float8Weight`, the gathered weight: the matmul's forward and its backward's grad-input GEMM multiply
   with it (`Float8Matmul.weight8`); nothing casts the weight in the step.
-- One copy: the weight of an FP8 layer holds no bytes between a step's publication and a checkpoint's
-  (`release`: a placeholder of its shape and dtype, one element of storage; autograd, the matmul and the
-  gradient hooks read only its shape, dtype and device), as Megatron-LM's FP8 parameters are FP8 only. The
-  readers of its values get them where they read: a checkpoint's ZeroOptimizer.state_dict publishes the
-  weights from the masters in the training dtype first (the gather without FP8: the files are a bf16 run's,
-  the weights held again until the next step's publication), which also holds them from the optimizer's
-  construction to the first publication (a resume loads into them and may read them); the norms read the
-  masters and gradients; an evaluation's forward multiplies by the FP8 weight. `dequantized` gives the value
-  the GEMMs multiply by, for a reader that wants that.
+- One copy (ZeRO-1/2; ZeRO-3 holds an FP8 weight's chunk in FP8 only, stage3_fp8.py): the weight of an FP8
+  layer holds no bytes between a step's publication and a checkpoint's (`release`: a placeholder of its shape
+  and dtype, one element of storage; autograd, the matmul and the gradient hooks read only its shape, dtype
+  and device), as Megatron-LM's FP8 parameters are FP8 only. The readers of its values get them where they
+  read: a checkpoint's ZeroOptimizer.state_dict publishes the weights from the masters in the training dtype
+  first (the gather without FP8: the files are a bf16 run's, the weights held again until the next step),
+  and they are held from the optimizer's making to its first step (a resume loads into them and may read
+  them); the norms read the masters and gradients; an evaluation's forward multiplies by the FP8 weight.
 - The experts' layers (fp8/experts.py) are gathered the same way, by a gather of their own over the
   expert-data-parallel group (their shards), their amaxes reduced over it and their expert-TP group.
 """
@@ -169,9 +168,3 @@ class Float8ParamGather:
         for m in self.layers:
             if holds_bytes(m.weight):
                 m.weight.data = placeholder(m.weight)
-
-    def dequantized(self, layer: int) -> torch.Tensor:
-        """The layer's FP8 weight in the training dtype: the value its GEMMs multiply by."""
-        m = self.layers[layer]
-        w8 = m.fp8.weight8
-        return (w8.data.float() / w8.scale).to(m.weight.dtype)
