@@ -14,6 +14,11 @@ stage 3), grads 4Ψ (4Ψ/N at stage 2/3), optimizer 12Ψ/N (master, m, v; the pa
 bf16 with fp32 gradient accumulation, per parameter: Megatron-Core's distributed optimizer (its ZeRO-1) holds
 2 (bf16 weights) + 4 (the fp32 gradient buffer, reduce-scattered in place) + 12/N (fp32 master and moments);
 plain data parallelism (our stage 0) 2 + 4 + 12 = 18.
+
+`--fp8`: the weights' bytes with --fp8-param-gather (bf16, the blocks' linear layers in FP8, emulated) after a
+step at ZeRO-1 and ZeRO-3, counted from the live tensors (megatron_zero/testing/live_bytes.py: the storages of
+the model's parameters, buffers and FP8 weights, and ZeRO-3's shards), per parameter of the model and per
+element of the FP8 layers' weights. Run it on an earlier commit's tree (its bench/ directory) for the "before".
 """
 import argparse
 import os
@@ -65,6 +70,37 @@ def measure(layers, hidden, bucket, dtype="fp32"):
     return out
 
 
+def measure_fp8(layers, hidden):
+    """-> {stage: (weight bytes / Ψ, (bytes of the FP8 layers' weights) / (their elements))} after one step."""
+    from megatron_zero.fp8.convert import Float8Converter
+    from megatron_zero.fp8.settings import Float8Settings
+    from megatron_zero.testing.live_bytes import storage_bytes, weight_bytes
+
+    rank, out = dist.get_rank(), {}
+    for stage in (1, 3):
+        torch.manual_seed(0)
+        model = GPTModel(config(layers, hidden, "bf16"))
+        Float8Converter(Float8Settings("hybrid", "tensorwise", 0, True, param_gather=True), torch.device("cpu"))(model)
+        opt = ZeroOptimizer(list(model.named_parameters()), dp_group=dist.group.WORLD, stage=stage, module=model,
+                            lr=1e-3, dtype="bf16")
+        tokens = torch.randint(0, 1000, (2, 65), generator=torch.Generator().manual_seed(rank))
+        opt.backward(model(tokens[:, :-1], labels=tokens[:, 1:]))
+        opt.step()
+        fp8 = [m for m in model.modules() if getattr(getattr(m, "fp8", None), "param_gather", False)]
+        params = [p for g in opt.impl.groups for p in g] if stage == 3 else []
+        shards = list(getattr(opt.impl, "shards", [])) + [getattr(p, "ds_shard8", None) for p in params]
+        psi = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+        numel = sum(getattr(m.weight, "ds_numel", m.weight.numel()) for m in fp8)
+        # the FP8 layers' weights: their bf16 weights or shards, their FP8 weights or FP8 shards
+        own = [m.weight for m in fp8] + [m.fp8.weight8.data for m in fp8]
+        if stage == 3:
+            own = [p.ds_shard for p in params if any(p is m.weight for m in fp8) and p.ds_shard is not None] + \
+                [p.ds_shard8 for p in params if getattr(p, "ds_shard8", None) is not None]
+        held = sum(t.numel() * t.element_size() for t in own if t.untyped_storage().nbytes() > t.element_size())
+        out[stage] = (weight_bytes(model, shards) / psi, held / numel, storage_bytes(model.buffers()) / psi)
+    return out
+
+
 def formulas(stage, psi, n, layer):
     params = 4 * psi if stage < 3 else 4 * psi / n + 4 * layer
     grads = 4 * psi if stage < 2 else 4 * psi / n
@@ -78,7 +114,14 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--bucket", type=int, default=200_000)
+    ap.add_argument("--fp8", action="store_true", help="the weights' bytes with --fp8-param-gather only")
     a = ap.parse_args()
+    if a.fp8:
+        for n in sorted({1, a.dp}):
+            for stage, (per_param, per_fp8, buffers) in run_ranks(measure_fp8, n, a.layers, a.hidden,
+                                                                   timeout=600)[0].items():
+                print(f"| {n} | {stage} | {per_param:.2f} | {per_fp8:.2f} | (buffers {buffers:.2f}) |")
+        return
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}")
     res = run_ranks(measure, a.dp, a.layers, a.hidden, a.bucket, timeout=600)[0]
     psi, layer = res[0]["psi"], res[0]["layer"]

@@ -1,24 +1,28 @@
 """--fp8-param-gather: ZeRO-1/2 all-gather the FP8 layers' weights in FP8, cast from the fp32 masters.
 
 Default tier: one process in bf16, the FP8 weight each step is the master's cast within fp8_master_cast_bound
-of the bf16 weight's cast (what the matmul casts without the flag), the model's bf16 weight is that FP8
-weight dequantized (never stale) and a checkpoint's state_dict republishes the bf16 weights from the masters;
-DP2 ZeRO-1 in bf16 moves the FP8 weights as 1 byte an element (the collectives' bytes counted) with one
-all-reduce of the weights' amaxes, and leaves every rank each FP8 weight bit-equal to the whole master's cast
-(failing with the amaxes not reduced over DP). `slow` (the training claim the DP2 test covers for one step):
-DP2 at ZeRO-1, ZeRO-1 overlapped and ZeRO-2, TP2 x DP2 at ZeRO-1 and PP2 x DP2 at ZeRO-2 overlapped, against the
-one-process FP8 model (fp32: a master is its weight, so the flag changes no value; tensorwise) and, for
-delayed scaling, DP2 against DP1 with the flag; each run again with the weights' amaxes not reduced over DP
-fails the check.
+of the bf16 weight's cast (what the matmul casts without the flag), the FP8 weight is the layer's one copy
+(the bytes of the model's tensors counted: 2 an element of the other weights, 1 of the FP8 layers') and a
+checkpoint's state_dict republishes the bf16 weights from the masters; the MoE experts' weights gathered in FP8
+too, and at EP2 against the one-process model with the flag; with an offloaded optimizer the FP8 weights are
+cast from the fp32 masters (bit for bit); DP2 ZeRO-1 in bf16 moves the FP8 weights as 1 byte an element (the
+collectives' bytes counted) with one all-reduce of the weights' amaxes, and leaves every rank each FP8 weight
+bit-equal to the whole master's cast (failing with the amaxes not reduced over DP). `slow` (the training claim
+the DP2 test covers for one step): DP2 at ZeRO-1, ZeRO-1 overlapped and ZeRO-2, TP2 x DP2 at ZeRO-1 and PP2 x
+DP2 at ZeRO-2 overlapped, against the one-process FP8 model (fp32: a master is its weight, so the flag changes
+no value; tensorwise) and, for delayed scaling, DP2 against DP1 with the flag; each run again with the weights'
+amaxes not reduced over DP fails the check.
 """
 import pytest
 import torch
 import torch.distributed as dist
 
 from megatron_zero import shm_comm
+from megatron_zero.device import HOST
 from megatron_zero.model import reference_model
 from megatron_zero.testing import run_ranks
 from megatron_zero.testing.collective_counter import CollectiveCounter
+from megatron_zero.testing.live_bytes import storage_bytes
 from megatron_zero.testing.tiny_gpt import tiny_llama_config
 from megatron_zero.testing.tolerances import assert_losses_close, assert_within, fp8_master_cast_bound
 from megatron_zero.zero import ZeroOptimizer
@@ -44,6 +48,11 @@ def _fp8_layers(model):
     return [(n, m) for n, m in model.named_modules() if getattr(m, "fp8", None) is not None]
 
 
+def holds_bytes(weight):
+    """Whether a weight's storage holds its elements (not --fp8-param-gather's placeholder of its shape)."""
+    return weight.untyped_storage().nbytes() >= weight.numel() * weight.element_size()
+
+
 def _masters_by_param(opt):
     """id(param) -> this rank's fragments of its fp32 master, zero elsewhere (all of it at DP1)."""
     out = {}
@@ -53,21 +62,39 @@ def _masters_by_param(opt):
     return out
 
 
+def _bytes_held(model, fp8_held: bool) -> int:
+    """What the model's weights should hold in bf16 with --fp8-param-gather at ZeRO-1/2: 2 bytes an element of
+    every weight but the FP8 layers', 1 an element of those (their FP8 weight), their bf16 weight (2 more) only
+    where `fp8_held`, else its placeholder's one element; and the buffers."""
+    fp8 = [m.weight for _, m in _fp8_layers(model)]
+    others = sum(p.numel() for p in model.parameters() if all(p is not w for w in fp8))
+    return (2 * others + sum(w.numel() * (3 if fp8_held else 1) for w in fp8) + (0 if fp8_held else 2 * len(fp8))
+            + storage_bytes(model.buffers()))
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
-def test_fp8_weights_are_the_masters_cast_and_the_bf16_weights_follow(recipe):
+def test_fp8_weights_are_the_masters_cast_and_the_one_copy(recipe):
+    """The FP8 layers' bf16 weights are not held between steps (one copy, the FP8 one: the bytes of the model's
+    tensors counted); a checkpoint's state_dict holds them again, the masters in bf16, until the next step."""
     from torchao.float8.float8_utils import amax_to_scale, to_fp8_saturated
+
+    from megatron_zero.testing.live_bytes import weight_bytes
 
     model = _bf16_model(recipe)
     opt = ZeroOptimizer(list(model.named_parameters()), stage=1, dtype="bf16", module=model, lr=1e-2)
+    assert weight_bytes(model) == _bytes_held(model, True)  # a resume loads into them
     for step in range(2):
         loss = model(TOKENS[:, :-1], labels=TOKENS[:, 1:])
         opt.backward(loss)
         assert opt.step()[0]
+        assert weight_bytes(model) == _bytes_held(model, False)
+        fp8_numel = sum(m.weight.numel() for _, m in _fp8_layers(model))
+        assert opt.memory_bytes()["params"] == 2 * (sum(p.numel() for p in model.parameters()) - fp8_numel) + fp8_numel
         masters = _masters_by_param(opt)
         for name, m in _fp8_layers(model):
+            assert not holds_bytes(m.weight), name
             w8 = m.fp8.weight8
             dequant = w8.data.float() / w8.scale
-            assert torch.equal(m.weight.float(), dequant.to(torch.bfloat16).float()), name  # refreshed, not stale
             master = masters[id(m.weight)].view(m.weight.shape)
             dtype = w8.data.dtype
             if recipe == "tensorwise":  # the whole master's amax
@@ -77,12 +104,29 @@ def test_fp8_weights_are_the_masters_cast_and_the_bf16_weights_follow(recipe):
             without = to_fp8_saturated(bf16.float() * s_bf16, dtype).float() / s_bf16  # the matmul's own cast
             assert_within(dequant, without, fp8_master_cast_bound(master, w8.scale, s_bf16, dtype).float(),
                           f"{name} step {step}")
-    fp8_numel = sum(m.weight.numel() for _, m in _fp8_layers(model))  # the FP8 weights beside the bf16 ones
-    assert opt.memory_bytes()["params"] == sum(f.numel() * 2 for f in opt.impl.flat) + fp8_numel
     opt.state_dict()  # a checkpoint's weights: the masters in bf16, a bf16 run's
+    assert weight_bytes(model) == _bytes_held(model, True)
     masters = _masters_by_param(opt)
     for name, m in _fp8_layers(model):
         assert torch.equal(m.weight, masters[id(m.weight)].view(m.weight.shape).to(torch.bfloat16)), name
+    opt.backward(model(TOKENS[:, :-1], labels=TOKENS[:, 1:]))
+    assert opt.step()[0]
+    assert weight_bytes(model) == _bytes_held(model, False)
+
+
+def test_zero3_holds_an_fp8_weight_chunk_in_fp8_only():
+    """ZeRO-3 at rest (every parameter released, threshold 0): the shards' bytes are 2 an element of the other
+    parameters and 1 of the FP8 weights (their FP8 chunks), counted from the tensors."""
+    model = _bf16_model()
+    opt = ZeroOptimizer(list(model.named_parameters()), stage=3, dtype="bf16", module=model, lr=1e-2,
+                        persistence_threshold=0)
+    opt.backward(model(TOKENS[:, :-1], labels=TOKENS[:, 1:]))
+    assert opt.step()[0]
+    fp8 = [m.weight for _, m in _fp8_layers(model)]
+    params = [p for g in opt.impl.groups for p in g]
+    fp8_numel = sum(w.ds_numel for w in fp8)
+    held = storage_bytes([*opt.impl.shards, *(getattr(p, "ds_shard8", None) for p in params), *model.parameters()])
+    assert held == 2 * (sum(p.ds_numel for p in params) - fp8_numel) + fp8_numel
 
 
 def test_log_line_says_which_weights_are_gathered_in_fp8():
@@ -90,7 +134,66 @@ def test_log_line_says_which_weights_are_gathered_in_fp8():
 
     model = reference_model(moe_config())
     line = Float8Converter(Float8Settings("hybrid", "tensorwise", 0, True, param_gather=True), CPU)(model)
-    assert line.endswith("; ZeRO all-gathers the other layers' weights in FP8 (the experts' in the training dtype)")
+    assert line.endswith("; ZeRO all-gathers their weights in FP8")
+
+
+def _assert_cast_from(masters, layers):
+    """Each layer's FP8 weight is its whole fp32 master (`masters`: id(weight) -> flat fp32) cast with the
+    master's own scale, bit for bit."""
+    from torchao.float8.float8_utils import amax_to_scale, to_fp8_saturated
+
+    for name, m in layers:
+        w8 = m.fp8.weight8
+        assert w8 is not None, f"{name}: no FP8 weight gathered"
+        master = masters[id(m.weight)]
+        scale = amax_to_scale(master.abs().max(), w8.data.dtype)
+        assert torch.equal(w8.scale, scale), name
+        assert torch.equal(w8.data.reshape(-1).view(torch.uint8),
+                           to_fp8_saturated(master * scale, w8.data.dtype).view(torch.uint8)), name
+
+
+def test_moe_experts_weights_are_gathered_in_fp8_too():
+    """The MoE experts' layers (each its own FP8 matmul, fp8/experts.py) get their FP8 weight from ZeRO's gather
+    as the other layers do: the fp32 master's cast, the bf16 weight not held (one process, ZeRO-1)."""
+    from megatron_zero.fp8.experts import is_expert
+    from megatron_zero.testing.fp8_layouts import moe_config
+
+    torch.manual_seed(0)
+    model = reference_model(moe_config())
+    model.to(torch.bfloat16)
+    Float8Converter(Float8Settings("hybrid", "tensorwise", 0, True, param_gather=True), CPU)(model)
+    experts = [(n, m) for n, m in _fp8_layers(model) if is_expert(m)]
+    assert experts
+    opt = ZeroOptimizer(list(model.named_parameters()), stage=1, dtype="bf16", module=model, lr=1e-2)
+    opt.backward(model(TOKENS[:, :-1], labels=TOKENS[:, 1:]))
+    assert opt.step()[0]
+    _assert_cast_from(_masters_by_param(opt), experts)
+    assert not any(holds_bytes(m.weight) for _, m in experts)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_cpu_optimizer_casts_the_fp8_weights_from_the_fp32_masters(stage):
+    """--cpu-optimizer on a GPU used to upload the stepped masters in bf16 and cast the FP8 weights from that
+    upload (a double rounding); they are cast from the fp32 masters, bit for bit the whole master's cast.
+    `cpu:0` stands in for the GPU: a device that is not the host, so ZeroOptimizer wires the offload as for one
+    (the copies then synchronous)."""
+    model = _bf16_model()
+    opt = ZeroOptimizer(list(model.named_parameters()), stage=stage, dtype="bf16", module=model, lr=1e-2,
+                        offload="cpu", device=torch.device("cpu", 0), persistence_threshold=0)
+    assert opt.device != HOST
+    for _ in range(2):
+        opt.backward(model(TOKENS[:, :-1], labels=TOKENS[:, 1:]))
+        assert opt.step()[0]
+    masters = {}  # id(weight) -> its whole fp32 master (DP1: every fragment is this rank's)
+    for gi, m in enumerate(opt.optimizer.params):
+        for p, in_param, in_part, n in opt.impl.owned_ranges(gi):
+            masters.setdefault(id(p), torch.zeros(p.ds_numel if stage == 3 else p.numel()))[
+                in_param:in_param + n] = m.detach()[in_part:in_part + n]
+    if stage == 3:  # the FP8 weights are gathered with their units: this rank's FP8 chunk of each
+        with opt.impl.gathered():
+            _assert_cast_from(masters, _fp8_layers(model))
+    else:
+        _assert_cast_from(masters, _fp8_layers(model))
 
 
 def _bytes_step():
@@ -105,15 +208,14 @@ def _bytes_step():
     fp8 = {n + ".weight" for n, _ in _fp8_layers(model)}
     mine = _masters_by_param(opt)
     weights = {n: (m.fp8.weight8.data.view(torch.uint8).clone(), m.fp8.weight8.scale.clone(),
-                   mine.get(id(m.weight), torch.zeros(m.weight.numel())),
-                   torch.equal(m.weight.float(), (m.fp8.weight8.data.float() / m.fp8.weight8.scale).bfloat16().float()))
+                   mine.get(id(m.weight), torch.zeros(m.weight.numel())), not holds_bytes(m.weight))
                for n, m in _fp8_layers(model)}
     return seen.calls, [[(n, p.numel(), n in fp8) for n, p in g] for g in opt.named_groups], weights
 
 
 def test_dp2_zero1_gathers_the_fp8_weights_as_one_byte_an_element():
     """Also: every rank ends with each FP8 weight exactly the whole fp32 master's cast (the scale from the
-    amax over both ranks' fragments, the bytes of both), and its bf16 weight that FP8 weight dequantized."""
+    amax over both ranks' fragments, the bytes of both), its bf16 weight not held."""
     from torchao.float8.float8_utils import amax_to_scale, to_fp8_saturated
 
     dp = 2
@@ -225,11 +327,10 @@ def test_dp2_delayed_matches_one_process(stage):
             _check(broken, losses, norms, rtol)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("stage", [1, 3])
-def test_ep2_moe_dense_layers_gathered_in_fp8(stage):
-    """An MoE model at EP2 (delayed scaling): the attention's FP8 weights gathered in FP8 by the dense half, the
-    experts' in bf16 over expert-DP; against the one-process model with the flag's casts."""
+def _ep2_moe(stage):
+    """An MoE model at EP2 (delayed scaling) with the flag: every FP8 layer's weight gathered in FP8, the
+    experts' by the expert half over expert-DP, and no bf16 copy held at ZeRO-1; against the one-process model
+    with the flag's casts (the experts' weights cast once a step too)."""
     import dataclasses
 
     from megatron_zero.testing.fp8_layouts import GLOBAL_BATCH, delayed_settings, moe_config, reference_run
@@ -240,5 +341,19 @@ def test_ep2_moe_dense_layers_gathered_in_fp8(stage):
     for good, broken in run_ranks(_runs, 2, timeout=600, recipe="delayed", stage=stage, ep=2, moe={},
                                   **({"persistence_threshold": 0} if stage == 3 else {})):
         _check(good, losses, norms, rtol)
+        layers = good["fp8_gathered"]
+        assert any(expert for expert, _ in layers.values()), layers
+        assert all(gathered for _, gathered in layers.values()), layers
         with pytest.raises(AssertionError):
             _check(broken, losses, norms, rtol)
+
+
+def test_ep2_moe_experts_gathered_in_fp8():
+    _ep2_moe(1)
+
+
+@pytest.mark.slow
+def test_ep2_moe_experts_gathered_in_fp8_zero3():
+    """The default-tier test_ep2_moe_experts_gathered_in_fp8 at ZeRO-3 (each unit's gather packs the experts'
+    FP8 chunks)."""
+    _ep2_moe(3)

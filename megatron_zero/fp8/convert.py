@@ -50,7 +50,7 @@ class Float8Converter:
                            if s.delayed else None)
                 if is_expert(module):  # its tokens split over expert-DP only (experts.py)
                     module.fp8 = Float8Matmul(expert_config(self.config), SPLIT[cls], module.tp_group,
-                                              self.expert_dp_group, s.margin, history)
+                                              self.expert_dp_group, s.margin, history, param_gather=s.param_gather)
                     experts += 1
                 else:
                     module.fp8 = Float8Matmul(self.config, SPLIT[cls], module.tp_group, _token_group(module,
@@ -62,7 +62,7 @@ class Float8Converter:
                 f"{f', margin {s.margin}' if s.margin else ''}): {count} linear layers of this stage's blocks"
                 f"{f' ({experts} of them the MoE experts, each scaled on its own rows)' if experts else ''} run "
                 "their GEMMs through torchao's float8"
-                f"{_gathered(s.param_gather, experts)}")
+                f"{'; ZeRO all-gathers their weights in FP8' if s.param_gather else ''}")
 
 
 def _token_group(module, cp_group):
@@ -71,11 +71,3 @@ def _token_group(module, cp_group):
     sp_group = getattr(module, "sequence_parallel_group", None)
     return cp_group if cp_group is not None or sp_group is None else sp_group
 
-
-def _gathered(param_gather: bool, experts: int) -> str:
-    """--fp8-param-gather's part of the log line."""
-    if not param_gather:
-        return ""
-    if not experts:
-        return "; ZeRO all-gathers their weights in FP8"
-    return "; ZeRO all-gathers the other layers' weights in FP8 (the experts' in the training dtype)"

@@ -20,11 +20,16 @@ converter marked (`Float8Matmul.param_gather`):
   instead of its bf16 copy.
 - `Float8Weight`, the gathered weight: the matmul's forward and its backward's grad-input GEMM multiply
   with it (`Float8Matmul.weight8`); nothing casts the weight in the step.
-- The model's weight of an FP8 layer (bf16, the training dtype) is refreshed by dequantizing the gathered
-  FP8 weight (`landed`): whatever reads it between steps (an evaluation outside the FP8 layers, an
-  export from memory) reads the value the FP8 GEMMs multiply by, never a stale one. A checkpoint does not
-  save that: ZeroOptimizer.state_dict first publishes the weights from the masters in the training dtype
-  (the gather without FP8), so the files are a bf16 run's.
+- One copy (ZeRO-1/2; ZeRO-3 holds an FP8 weight's chunk in FP8 only, stage3_fp8.py): the weight of an FP8
+  layer holds no bytes between a step's publication and a checkpoint's (`release`: a placeholder of its shape
+  and dtype, one element of storage; autograd, the matmul and the gradient hooks read only its shape, dtype
+  and device), as Megatron-LM's FP8 parameters are FP8 only. The readers of its values get them where they
+  read: a checkpoint's ZeroOptimizer.state_dict publishes the weights from the masters in the training dtype
+  first (the gather without FP8: the files are a bf16 run's, the weights held again until the next step),
+  and they are held from the optimizer's making to its first step (a resume loads into them and may read
+  them); the norms read the masters and gradients; an evaluation's forward multiplies by the FP8 weight.
+- The experts' layers (fp8/experts.py) are gathered the same way, by a gather of their own over the
+  expert-data-parallel group (their shards), their amaxes reduced over it and their expert-TP group.
 """
 from __future__ import annotations
 
@@ -52,9 +57,24 @@ class Float8Weight:
         return Float8TrainingTensor(self.data.t(), self.scale, weight.dtype, mm_config, GemmInputRole.WEIGHT, None)
 
 
-def gathered_layers(model: torch.nn.Module) -> List[torch.nn.Module]:
-    """The FP8 layers whose weights ZeRO gathers in FP8, in module order (the same on every DP rank)."""
-    return [m for m in model.modules() if getattr(getattr(m, "fp8", None), "param_gather", False)]
+def gathered_layers(model: torch.nn.Module, experts: Optional[bool] = None) -> List[torch.nn.Module]:
+    """The FP8 layers whose weights ZeRO gathers in FP8, in module order (the same on every DP rank); `experts`
+    True / False: only the MoE experts' / only the others (None: all)."""
+    from .experts import is_expert
+
+    return [m for m in model.modules() if getattr(getattr(m, "fp8", None), "param_gather", False)
+            and (experts is None or is_expert(m) == experts)]
+
+
+def placeholder(like: torch.Tensor) -> torch.Tensor:
+    """A tensor of `like`'s shape, dtype and device over one element of storage (stride 0): what an FP8-gathered
+    layer's weight holds between publications."""
+    return torch.zeros((), dtype=like.dtype, device=like.device).expand(like.shape)
+
+
+def holds_bytes(weight: torch.Tensor) -> bool:
+    """Whether a weight holds its values (not a placeholder)."""
+    return weight.numel() <= 1 or any(s != 0 for s in weight.stride())
 
 
 class Float8ParamGather:
@@ -104,8 +124,8 @@ class Float8ParamGather:
         """Every layer's scale from this rank's fp32 master fragments (fragments[i] a piece of layer index[i]'s
         weight): the max |element| per layer, 0 where the rank holds none of it, then set_scales."""
         amax = torch.zeros(len(self.layers), device=self.device)
-        if fragments:
-            local = torch.stack([f.abs().max().float().to(self.device) for f in fragments])
+        if fragments:  # (fp32 masters held on the host, --cpu-optimizer: one copy up)
+            local = torch.stack([f.abs().max().float() for f in fragments]).to(self.device)
             amax.scatter_reduce_(0, index, local, "amax")
         self.set_scales(amax)
 
@@ -127,21 +147,24 @@ class Float8ParamGather:
                 w8.scale.copy_(scale * 2.0 ** -mm.margin if mm.margin else scale)
 
     def cast(self, layer: int, master: torch.Tensor) -> torch.Tensor:
-        """A fragment of the layer's fp32 master in FP8 with the layer's scale, as bytes (uint8)."""
+        """A fragment of the layer's fp32 master in FP8 with the layer's scale, as bytes (uint8) on the device (a
+        master held on the host, --cpu-optimizer, goes up in fp32 and is cast there)."""
         w8 = self.layers[layer].fp8.weight8
-        return to_fp8_saturated(master.float() * w8.scale.to(master.device), w8.data.dtype).view(torch.uint8)
+        master = master.to(w8.scale.device, torch.float32)
+        return to_fp8_saturated(master * w8.scale, w8.data.dtype).view(torch.uint8)
 
     def bytes_of(self, layer: int) -> torch.Tensor:
         """The layer's FP8 weight as flat bytes: where its gathered fragments land."""
         return self.layers[layer].fp8.weight8.data.view(torch.uint8).view(-1)
 
     def held_bytes(self) -> int:
-        """The gathered FP8 weights' bytes (1 an element), held beside the weights in the training dtype."""
-        return sum(m.fp8.weight8.data.numel() for m in self.layers)
+        """The gathered FP8 weights' bytes (1 an element), and the layers' weights' in the training dtype where
+        they are held (from a checkpoint's publication to the next step's)."""
+        return sum(m.fp8.weight8.data.numel() + (m.weight.numel() * m.weight.element_size()
+                                                  if holds_bytes(m.weight) else 0) for m in self.layers)
 
-    @torch.no_grad()
-    def landed(self, layer: int) -> None:
-        """Every fragment of the layer's FP8 weight is in: refresh its weight in the training dtype from it."""
-        m = self.layers[layer]
-        w8 = m.fp8.weight8
-        m.weight.detach().copy_(w8.data.float() / w8.scale)
+    def release(self) -> None:
+        """Every layer's weight in the training dtype dropped: a placeholder (the FP8 weight is the one copy)."""
+        for m in self.layers:
+            if holds_bytes(m.weight):
+                m.weight.data = placeholder(m.weight)

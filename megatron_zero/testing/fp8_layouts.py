@@ -8,8 +8,9 @@ groups that split them (the bug the tests must catch). With delayed scaling (`se
 the scales come from the layers' amax histories, not amax_to_scale: the run returns each layer's final
 scales instead, and the reference takes each micro-batch of every DP rank together, as one micro-batch
 (the DP ranks' amaxes are reduced over DP: one history entry for all of them).
-`param_gather` (--fp8-param-gather, optionally `overlap`ped) has ZeRO gather the FP8 weights in FP8;
-`broken_gather` then leaves each weight's amax unreduced over DP (each rank scales its own shard). The
+`param_gather` (--fp8-param-gather, optionally `overlap`ped) has ZeRO gather the FP8 weights in FP8 (the
+experts' too; the run says which layers it gathered so, `fp8_gathered`); `broken_gather` then leaves each
+weight's amax unreduced over DP (each rank scales its own shard). The
 reference with `settings.param_gather` casts each FP8 weight once per step after the optimizer's step
 (and once before the first), with fp8/param_gather.py's scales: the flag's FP8 weights, one process.
 
@@ -209,5 +210,16 @@ def fp8_layout_run(tp=1, pp=1, cp=1, stage=1, sequence_parallel=False, recipe="t
         matmul.TP_SPLIT.update(saved)
     dist.barrier()
     scales = [s.scale.clone() for _, s in histories(model)] if settings.delayed else log.scales
-    return {"dp_rank": state.data_parallel_rank, "losses": losses, "norms": norms, "scales": scales}
+    return {"dp_rank": state.data_parallel_rank, "losses": losses, "norms": norms, "scales": scales,
+            "fp8_gathered": _gathered_in_fp8(model, stage) if param_gather else None}
+
+
+def _gathered_in_fp8(model, stage):
+    """Per FP8 layer (name -> (an expert's, gathered)): whether ZeRO gathers its weight in FP8 (stage 3: holds
+    an FP8 chunk of it) and, at stage 1/2, holds no copy of it in the training dtype between steps."""
+    from ..fp8.param_gather import holds_bytes
+
+    return {n: (is_expert(m), getattr(m.weight, "ds_shard8", None) is not None if stage == 3 else
+                m.fp8.weight8 is not None and not holds_bytes(m.weight))
+            for n, m in model.named_modules() if getattr(m, "fp8", None) is not None}
 

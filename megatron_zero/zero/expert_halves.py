@@ -29,9 +29,10 @@ class ExpertHalves:
         return self.dense.weight_slices() + self.expert.weight_slices()
 
     def write_weights(self, masters: List[torch.Tensor], fp8: bool = True) -> None:
-        """`fp8` False: the dense half's FP8 layers published in the training dtype too (a checkpoint's)."""
-        self.dense.write_weights(*([masters[:self.n_dense]] if fp8 else [masters[:self.n_dense], False]))
-        self.expert.write_weights(masters[self.n_dense:])
+        """`fp8` False: the FP8 layers published in the training dtype too (a checkpoint's)."""
+        for half, mine in ((self.dense, masters[:self.n_dense]), (self.expert, masters[self.n_dense:])):
+            gathers_fp8 = getattr(half, "packed", None) is not None or getattr(half, "fp8", None) is not None
+            half.write_weights(*([mine] if fp8 or not gathers_fp8 else [mine, False]))
 
     def zero_grad(self) -> None:
         self.dense.zero_grad()

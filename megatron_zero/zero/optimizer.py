@@ -15,13 +15,18 @@ The checkpoint code calls ``state_dict()`` / ``load_state_dict()`` (DeepSpeed's 
 see checkpoint_state.py).
 
 A `module` whose FP8 layers were converted with --fp8-param-gather (fp8/param_gather.py) has their weights
-all-gathered in FP8 at stage 1/2 (packed_gather.py) and 3 (stage3_fp8.py): published once when the optimizer is made (the first
-forward's FP8 weights) and after every step; ``state_dict()`` republishes the weights in the training dtype
-first, so a checkpoint is a bf16 run's, and ``refresh_fp8_weights()`` recasts them after a resume has
-restored the FP8 scaling state.
+all-gathered in FP8 at stage 1/2 (packed_gather.py) and 3 (stage3_fp8.py), the MoE experts' over the
+expert-data-parallel group: published once when the optimizer is made (the first forward's FP8 weights) and
+after every step, always cast from the fp32 masters (with an offloaded optimizer too: they are not uploaded
+in the training dtype first); ``state_dict()`` republishes the weights in the training dtype first, so a
+checkpoint is a bf16 run's, and ``refresh_fp8_weights()`` recasts them after a resume has restored the FP8
+scaling state. At stage 1/2 the FP8 layers' weights in the training dtype are held from the optimizer's
+making (a resume loads into them) and from each ``state_dict()`` until the next step publishes: the FP8
+weight is their one copy in training.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import List, Optional, Sequence
 
 import torch
@@ -83,7 +88,11 @@ class ZeroOptimizer:
         # every buffer lives beside the parameters (the model was built on the rank's device)
         self.device = device if device is not None else next(
             (p.device for g in self.named_groups for _, p in g), HOST)
-        self.fp8_gather = _fp8_gather(module, dp_group, self.device)
+        # --fp8-param-gather: the dense FP8 layers' gather over DP; with expert parallelism the experts' over expert-DP
+        self.fp8_gather = _fp8_gather(module, dp_group, self.device, None if expert_dp_group is None else False)
+        self.expert_fp8_gather = (_fp8_gather(module, expert_dp_group, self.device, True)
+                                  if expert_dp_group is not None else None)
+        self._fp8_gathers = [g for g in (self.fp8_gather, self.expert_fp8_gather) if g is not None]
         # --grad-reduce-in-bf16: stages 0-2 reduce gradient buckets in bf16 (the sums stay fp32)
         reduce_dtype = torch.bfloat16 if grad_reduce_in_bf16 else torch.float32
         if expert_dp_group is not None:  # expert parallelism: expert parameters over their own group
@@ -96,13 +105,13 @@ class ZeroOptimizer:
                 self.impl = ExpertParallelStage3(dense, expert, dp_group, expert_dp_group, self.dtype, bucket_size,
                                                  module, self.device, layers=layers, prefetch=prefetch,
                                                  persistence_threshold=persistence_threshold,
-                                                 fp8_gather=self.fp8_gather)
+                                                 fp8_gather=self.fp8_gather, expert_fp8_gather=self.expert_fp8_gather)
             else:
                 self.impl = ExpertParallelStage(dense, expert, dp_group, expert_dp_group, stage, self.dtype,
                                                 bucket_size, self.device, grad_reduce_dtype=reduce_dtype,
                                                 overlap_grad_reduce=overlap_grad_reduce,
                                                 overlap_param_gather=overlap_param_gather, module=module,
-                                                fp8_gather=self.fp8_gather)
+                                                fp8_gather=self.fp8_gather, expert_fp8_gather=self.expert_fp8_gather)
         elif stage == 3:
             from .stage3 import Stage3
             from .stage3_zeropp import Stage3ZeroPP
@@ -127,8 +136,10 @@ class ZeroOptimizer:
         self.dp_rank = self.impl.rank
         tag = f"dp{dist.get_rank(dp_group) if dp_group is not None else 0}" + (
             f"_rank{dist.get_rank()}" if dist.is_initialized() else "")
-        # offloaded from a GPU: each stepped chunk goes up straight into the stage's weight buffers
-        uploads = self.impl.weight_slices() if offload != "none" and self.device != HOST else None
+        # offloaded from a GPU: each stepped chunk goes up straight into the stage's weight buffers (in the
+        # training dtype: not with --fp8-param-gather, whose FP8 weights are cast from the fp32 masters)
+        uploads = (self.impl.weight_slices() if offload != "none" and self.device != HOST and not self._fp8_gathers
+                   else None)
         self.optimizer = FlatAdamW(self.impl.initial_masters, hparams, offload, nvme_path, tag=tag,
                                    device=self.device, weight_slices=uploads, cpu_threads=cpu_optimizer_threads)
         del self.impl.initial_masters
@@ -153,7 +164,7 @@ class ZeroOptimizer:
                         if here(gi) else [] for gi in range(len(self.named_groups))]
         self.norm_groups = [self.dp_group if self.impl.dp > 1 or getattr(self.impl, "norm_over_dp", False) else None,
                             self.mp_group]
-        if self.fp8_gather is not None:  # the first forward's FP8 weights
+        if self._fp8_gathers:  # the first forward's FP8 weights
             with self.optimizer.paged():
                 self.impl.write_weights(self.optimizer.weights())
 
@@ -230,6 +241,7 @@ class ZeroOptimizer:
             for update in self.after_update:  # e.g. QK-clip's scaling of q and k (optimizer/qk_clip.py)
                 update(self.optimizer.params)
             self.impl.write_weights(self.optimizer.weights())
+        self._release_fp8_weights()
         self.loss_scaler.update(False)
         self.zero_grad()
         return True, norm
@@ -249,7 +261,7 @@ class ZeroOptimizer:
     # ---- checkpoints ----------------------------------------------------------------
     def state_dict(self) -> dict:
         self.wait_params()  # the checkpoint's model files are read next
-        if self.fp8_gather is not None:  # a bf16 run's weights in those files, not the FP8 ones dequantized
+        if self._fp8_gathers:  # a bf16 run's weights in those files, not the FP8 ones dequantized
             with self.optimizer.paged():
                 self.impl.write_weights(self.optimizer.weights(), fp8=False)
         return checkpoint_state.state_dict(self)
@@ -257,11 +269,22 @@ class ZeroOptimizer:
     def refresh_fp8_weights(self) -> None:
         """--fp8-param-gather: cast and gather the FP8 weights again from the masters, recording no amax (a
         resume, after the FP8 scaling state was restored: the FP8 weights the saved run had)."""
-        if self.fp8_gather is None:
+        if not self._fp8_gathers:
             return
         self.wait_params()
-        with self.fp8_gather.without_recording(), self.optimizer.paged():
-            self.impl.write_weights(self.optimizer.weights())
+        with contextlib.ExitStack() as stack:
+            for g in self._fp8_gathers:
+                stack.enter_context(g.without_recording())
+            with self.optimizer.paged():
+                self.impl.write_weights(self.optimizer.weights())
+        self._release_fp8_weights()
+
+    def _release_fp8_weights(self) -> None:
+        """Stage 1/2 with --fp8-param-gather: the FP8 layers' weights in the training dtype dropped, once the
+        FP8 weights are published (stage 3 holds them only while its units are gathered)."""
+        if self.stage < 3:
+            for g in self._fp8_gathers:
+                g.release()
 
     def load_state_dict(self, state: dict):
         self._state_about_to_change()
@@ -282,10 +305,11 @@ class ZeroOptimizer:
                 "optimizer_state": self.optimizer.state_bytes()}
 
 
-def _fp8_gather(module, dp_group, device):
-    """The FP8 side of the weight gather for the module's layers converted with --fp8-param-gather (the dense
-    layers: an MoE expert's weight is gathered over expert-DP in the training dtype), or None."""
+def _fp8_gather(module, dp_group, device, experts: Optional[bool] = None):
+    """The FP8 side of the weight gather over `dp_group` for the module's layers converted with
+    --fp8-param-gather (`experts` True / False: the MoE experts' only / the others only; None: all), or None."""
     if module is None or not any(getattr(getattr(m, "fp8", None), "param_gather", False) for m in module.modules()):
         return None  # (torchao is imported only for such layers)
     from ..fp8.param_gather import Float8ParamGather, gathered_layers
-    return Float8ParamGather(gathered_layers(module), dp_group, device)
+    layers = gathered_layers(module, experts)
+    return Float8ParamGather(layers, dp_group, device) if layers else None

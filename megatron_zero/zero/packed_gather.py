@@ -15,10 +15,13 @@ they are not padded to the longest, which would send a whole bf16 row again wher
 holds no FP8 weight (DP64 on Llama-3-8B's layout): they are all-gathered as rows of their own lengths
 (`all_gather_rows`: NCCL's all_gather takes such rows, broadcasting each, coalesced; on other backends one
 broadcast a row), each rounded up to 16 bytes, into one uint8 buffer per group. Landing a parameter
-copies its fragments out of the gathered rows: an FP8 weight's into its FP8 tensor (then dequantized into
-the model's weight, param_gather.Float8ParamGather.landed), another's into the flat buffer (this rank's own
-already there). One extra buffer per group while the gather is under way: the gathered rows, about the
-size of the FP8 weights plus the other weights.
+copies its fragments out of the gathered rows: an FP8 weight's into its FP8 tensor, another's into the
+parameter (this rank's own already there: `pack` wrote it). One extra buffer per group while the gather is
+under way: the gathered rows, about the size of the FP8 weights plus the other weights.
+
+The weights in the training dtype are held apart from the partition layout (`hold_apart`): the other
+parameters as views of one buffer of their own, the FP8 weights not at all between publications (the FP8
+weight is their one copy, fp8/param_gather.py), so no rank holds a flat buffer of the whole group.
 """
 from __future__ import annotations
 
@@ -68,24 +71,45 @@ class PackedGroup:
         self.fp8_numel = sum(f.numel for row in self.rows for f in row if f.layer is not None)
 
 
+def hold_apart(params: Sequence[torch.nn.Parameter], part: GroupPartition, flat: torch.Tensor, fp8) -> torch.Tensor:
+    """The group's weights (`flat`: all of them in the partition layout, the training dtype) held apart: the
+    parameters other than `fp8`'s layers' weights become views of one buffer of their own (returned), each FP8
+    weight a tensor of its own until its first FP8 publication drops it (Float8ParamGather.release)."""
+    others = [(p, off, n) for p, off, n in zip(params, part.offsets, part.numels) if fp8.layer_of(p) is None]
+    buffer = flat.new_empty(sum(n for _, _, n in others))
+    at = 0
+    for p, off, n in zip(params, part.offsets, part.numels):
+        if fp8.layer_of(p) is not None:
+            p.data = flat[off:off + n].view(p.shape).clone()
+        else:
+            buffer[at:at + n].copy_(flat[off:off + n])
+            p.data = buffer[at:at + n].view(p.shape)
+            at += n
+    return buffer
+
+
 class PackedGather:
     """The packed gather of a Stage12's groups; `fp8`: fp8/param_gather.Float8ParamGather."""
 
     def __init__(self, parts: Sequence[GroupPartition], groups: Sequence[Sequence[torch.nn.Parameter]], fp8,
                  rank: int, itemsize: int):
-        self.fp8, self.rank = fp8, rank
+        self.fp8, self.rank, self.params = fp8, rank, groups
         self.groups = [PackedGroup(part, [fp8.layer_of(p) for p in params], itemsize)
                        for part, params in zip(parts, groups)]
-        self.partition_sizes = [part.partition_size for part in parts]
         # this rank's fragments of FP8 weights (group, fragment), and their layers on the device
         self.mine = [(gi, f) for gi, g in enumerate(self.groups) for f in g.rows[rank] if f.layer is not None]
         self.mine_index = fp8.fragment_index(f.layer for _, f in self.mine)
 
+    def _weight(self, gi: int, f: Fragment) -> torch.Tensor:
+        """Fragment f's elements of its (non-FP8) parameter, flat."""
+        return self.params[gi][f.pi].data.view(-1)[f.in_param:f.in_param + f.numel]
+
     @torch.no_grad()
-    def pack(self, masters: Sequence[torch.Tensor], slices: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        """This rank's packed row of each group. `masters`: its updated fp32 partitions; `slices`: its
-        partitions of the flat buffers, already holding the masters in the training dtype. The FP8 weights'
-        scales are set first (one all-reduce of their amaxes)."""
+    def pack(self, masters: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """This rank's packed row of each group. `masters`: its updated fp32 partitions (on the device, or on
+        the host with --cpu-optimizer): the FP8 fragments cast from them, the others written into their
+        parameters in the training dtype and sent from there. The FP8 weights' scales are set first (one
+        all-reduce of their amaxes)."""
         device = self.fp8.device
         self.fp8.scales_from_fragments([masters[gi][f.in_part:f.in_part + f.numel] for gi, f in self.mine],
                                        self.mine_index)
@@ -93,31 +117,27 @@ class PackedGather:
         for gi, g in enumerate(self.groups):
             row = torch.zeros(g.row_bytes[self.rank], dtype=torch.uint8, device=device)
             for f in g.rows[self.rank]:
+                master = masters[gi][f.in_part:f.in_part + f.numel]
                 if f.layer is not None:
-                    row[f.at:f.at + f.nbytes].copy_(self.fp8.cast(f.layer, masters[gi][f.in_part:f.in_part + f.numel]))
+                    row[f.at:f.at + f.nbytes].copy_(self.fp8.cast(f.layer, master))
                 else:
-                    row[f.at:f.at + f.nbytes].copy_(slices[gi][f.in_part:f.in_part + f.numel].view(torch.uint8))
+                    mine = self._weight(gi, f)
+                    mine.copy_(master)  # a cast to the training dtype (a master held on the host comes up)
+                    row[f.at:f.at + f.nbytes].copy_(mine.view(torch.uint8))
             rows.append(row)
         return rows
 
     @torch.no_grad()
-    def land(self, gi: int, pi: int, gathered: torch.Tensor, flat: torch.Tensor) -> None:
+    def land(self, gi: int, pi: int, gathered: torch.Tensor) -> None:
         """Copy parameter pi of group gi out of the gathered rows (`gathered`: every rank's row in rank order):
-        an FP8 weight into its FP8 tensor (then refreshed in the training dtype), another into the flat buffer."""
-        layer = None
-        flat_bytes = flat.view(torch.uint8)
-        size, itemsize = self.partition_sizes[gi], flat.element_size()
+        an FP8 weight into its FP8 tensor, another into the parameter (this rank's fragment is there already)."""
         for r, f in self.groups[gi].of_param.get(pi, ()):
             at = self.groups[gi].row_at[r] + f.at
             src = gathered[at:at + f.nbytes]
             if f.layer is not None:
-                layer = f.layer
-                self.fp8.bytes_of(layer)[f.in_param:f.in_param + f.numel].copy_(src)
+                self.fp8.bytes_of(f.layer)[f.in_param:f.in_param + f.numel].copy_(src)
             elif r != self.rank:
-                at = (r * size + f.in_part) * itemsize
-                flat_bytes[at:at + f.nbytes].copy_(src)
-        if layer is not None:
-            self.fp8.landed(layer)
+                self._weight(gi, f).view(torch.uint8).copy_(src)
 
     def rows_of(self, gi: int, gathered: torch.Tensor, lo: int = 0, hi: Optional[int] = None) -> List[torch.Tensor]:
         """Bytes [lo, hi) of each rank's row of group gi in the gathered buffer (empty past a row's end)."""

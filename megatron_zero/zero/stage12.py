@@ -27,8 +27,11 @@ After the step, each rank writes its updated master into its slice of the flat b
 (an offloaded optimizer uploads it there itself, ``weight_slices``) and the flat buffer is
 all-gathered in place (``all_gather_into_tensor``, the slice being its input). With ``fp8_gather``
 (--fp8-param-gather, fp8/param_gather.py) each rank sends a packed row instead, the FP8 layers' weights
-cast from the masters to FP8, 1 byte an element (packed_gather.py); ``write_weights(..., fp8=False)``
-publishes in the training dtype (a checkpoint's weights).
+cast from the masters to FP8, 1 byte an element (packed_gather.py), and no flat buffer of the whole group is
+held: the other weights are views of a buffer of their own, the FP8 layers' weights in the training dtype
+are not held between publications (their FP8 weight is the one copy); ``write_weights(..., fp8=False)``
+publishes every weight in the training dtype again (a checkpoint's weights), through a flat buffer of the
+group held for that gather only.
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ import torch.distributed as dist
 from .. import shm_comm
 from ..ops.fusion_flags import get_fusion_flags
 from .grad_buckets import GradBuckets
-from .packed_gather import PackedGather, all_gather_rows
+from .packed_gather import PackedGather, all_gather_rows, hold_apart
 from .partition import GroupPartition, contiguous_buckets, partition_group, strided_buckets
 
 
@@ -67,8 +70,11 @@ class Stage12:
             lo, hi = part.bounds(self.rank)
             self.initial_masters.append(flat32[lo:hi].clone())
             flat = flat32.to(dtype) if dtype != torch.float32 else flat32
-            for p, off, n in zip(params, part.offsets, part.numels):
-                p.data = flat[off:off + n].view(p.shape)
+            if fp8_gather is not None:  # the weights held apart (packed_gather.py): no flat buffer of the group
+                flat = hold_apart(params, part, flat, fp8_gather)
+            else:
+                for p, off, n in zip(params, part.offsets, part.numels):
+                    p.data = flat[off:off + n].view(p.shape)
             self.flat.append(flat)
         # --fp8-param-gather: the packed gather (FP8 weights as 1 byte an element)
         self.packed = (PackedGather(self.parts, self.groups, fp8_gather, self.rank, torch.finfo(dtype).bits // 8)
@@ -173,19 +179,25 @@ class Stage12:
     # ---- weights -------------------------------------------------------------------
     def weight_slices(self) -> List[torch.Tensor]:
         """Per group: this rank's slice of the flat buffer, where its updated weights go (an offloaded
-        optimizer uploads them straight there)."""
+        optimizer uploads them straight there). The packed gather holds no flat buffer: the FP8 weights are
+        cast from the fp32 masters, wherever they live."""
+        if self.packed is not None:
+            raise ValueError("with the FP8 weights gathered in FP8 the weights are held apart, not in one flat "
+                             "buffer: publish the fp32 masters (write_weights casts them)")
         return [flat[slice(*part.bounds(self.rank))] for flat, part in zip(self.flat, self.parts)]
 
     def write_weights(self, masters: List[torch.Tensor], fp8: bool = True):
         """Copy each updated master into this rank's slice (unless it is that slice already) and
         all-gather the flat buffers, the slice being the all-gather's input (in place); with the packed
-        gather (unless `fp8` is False) its packed rows instead."""
-        self._write_slices(masters)
-        if self.packed is not None and fp8:
+        gather its packed rows instead, or (`fp8` False) every weight in the training dtype."""
+        if self.packed is not None:
+            if not fp8:
+                return self._publish_unpacked(masters)
             for gi, gathered in enumerate(self._gather_packed(masters)):
                 for pi in range(len(self.groups[gi])):
-                    self.packed.land(gi, pi, gathered, self.flat[gi])
+                    self.packed.land(gi, pi, gathered)
             return
+        self._write_slices(masters)
         for flat, mine in zip(self.flat, self.weight_slices()):
             if self.dp > 1:
                 shm_comm.all_gather_into_tensor(flat, mine, self.dp_group)
@@ -196,10 +208,26 @@ class Stage12:
             if m.data_ptr() != mine.data_ptr():
                 mine.copy_(m.detach())  # a cast to the model dtype; masters held on the host come up
 
+    @torch.no_grad()
+    def _publish_unpacked(self, masters: List[torch.Tensor]) -> None:
+        """The packed gather's weights, all in the training dtype from the masters (the FP8 layers' held again
+        until the next FP8 publication): through a flat buffer of each group, all-gathered in place, then freed."""
+        for gi, (params, part, m) in enumerate(zip(self.groups, self.parts, masters)):
+            flat = torch.empty(part.padded_numel, dtype=self.dtype, device=self.device)
+            mine = flat[slice(*part.bounds(self.rank))]
+            mine.copy_(m.detach())
+            if self.dp > 1:
+                shm_comm.all_gather_into_tensor(flat, mine, self.dp_group)
+            for p, off, n in zip(params, part.offsets, part.numels):
+                if self.packed.fp8.layer_of(p) is not None:
+                    p.data = flat[off:off + n].view(p.shape).clone()
+                else:
+                    p.data.copy_(flat[off:off + n].view(p.shape))
+
     def _gather_packed(self, masters: List[torch.Tensor]) -> List[torch.Tensor]:
         """Each group's packed rows, gathered (blocking): every rank's row, in rank order."""
         out = []
-        for gi, row in enumerate(self.packed.pack(masters, self.weight_slices())):
+        for gi, row in enumerate(self.packed.pack(masters)):
             gathered = row.new_empty(self.packed.groups[gi].total_bytes)
             if self.dp > 1:
                 all_gather_rows(self.packed.rows_of(gi, gathered), row, self.dp_group)
@@ -214,8 +242,10 @@ class Stage12:
         return held + main + self.buckets.held_bytes()
 
     def param_bytes(self) -> int:
-        fp8 = self.packed.fp8.held_bytes() if self.packed is not None else 0  # the gathered FP8 weights
-        return sum(f.numel() * f.element_size() for f in self.flat) + fp8
+        held = sum(f.numel() * f.element_size() for f in self.flat)
+        if self.packed is None:
+            return held
+        return held + self.packed.fp8.held_bytes()  # the FP8 weights, and their layers' where held
 
     def remove_hooks(self):
         for h in self._hooks:

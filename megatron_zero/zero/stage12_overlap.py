@@ -115,7 +115,7 @@ class Stage12Overlap(Stage12):
         for key in keys:
             if key in self._to_land:
                 self._to_land.discard(key)
-                self.packed.land(*key, self._packed_rows[key[0]][1], self.flat[key[0]])
+                self.packed.land(*key, self._packed_rows[key[0]][1])
 
     def wait_params(self):
         self._wait(list(self._gathers), sorted(self._to_land))
@@ -124,7 +124,7 @@ class Stage12Overlap(Stage12):
     def write_weights(self, masters: List[torch.Tensor], fp8: bool = True):
         """Write this rank's slice; start the all-gather of the rest chunk by chunk, async."""
         self.wait_params()
-        if not self.overlap_param_gather:
+        if not self.overlap_param_gather or (self.packed is not None and not fp8):  # (a checkpoint's: blocking)
             return super().write_weights(masters, fp8)
         if self.packed is not None and fp8:
             return self._write_packed(masters)
@@ -140,8 +140,7 @@ class Stage12Overlap(Stage12):
 
     def _write_packed(self, masters: List[torch.Tensor]):
         """The packed rows (packed_gather.py), all-gathered chunk by chunk, async; landed by the hooks."""
-        self._write_slices(masters)
-        for gi, row in enumerate(self.packed.pack(masters, self.weight_slices())):
+        for gi, row in enumerate(self.packed.pack(masters)):
             g = self.packed.groups[gi]
             gathered = row.new_empty(g.total_bytes)
             self._packed_rows[gi] = (row, gathered)  # the sent row too: kept until the gathers have landed

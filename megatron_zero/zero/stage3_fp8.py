@@ -11,6 +11,8 @@ all_gather_into_tensor. Landing a gathered FP8 weight sets the layer's FP8 weigh
 with it, fp8/matmul.py) and, as the parameter's data (its slot of the flight's storage, stage3_storage.py),
 that weight dequantized in the training dtype (what autograd, the saved-tensor hooks and `gathered()` see:
 the value the GEMMs use, never stale); releasing the parameter frees both. ZeRO-3 checkpoints hold the fp32 masters only, so nothing saved changes.
+One copy at rest: an FP8 weight's chunk is held in FP8 only (`ds_shard8`); the other parameters' chunks in the
+training dtype are views of a buffer of their own (`shards`), without the FP8 weights' bf16 chunks.
 """
 from __future__ import annotations
 
@@ -31,6 +33,16 @@ class Stage3Float8(Stage3):
                 if p.ds_layer is not None:
                     p.ds_shard8 = torch.zeros(p.ds_per, dtype=torch.uint8, device=self.device)
         self.fp8_params = [p for g in self.groups for p in g if p.ds_layer is not None]  # this rank's chunks
+        for gi, g in enumerate(self.groups):  # the FP8 weights' chunks in FP8 only: the others' shards apart
+            others = [p for p in g if p.ds_layer is None]
+            shards, at = self.shards[gi].new_empty(sum(p.ds_per for p in others)), 0
+            for p in others:
+                shards[at:at + p.ds_per].copy_(p.ds_shard)
+                p.ds_shard, at = shards[at:at + p.ds_per], at + p.ds_per
+            for p in g:
+                if p.ds_layer is not None:
+                    p.ds_shard = None
+            self.shards[gi] = shards
         self.fp8_index = self.fp8.fragment_index(p.ds_layer for p in self.fp8_params)
         for m in self.fp8.layers:  # held only while gathered
             m.fp8.weight8.data = m.fp8.weight8.data.new_empty(0)
@@ -95,16 +107,23 @@ class Stage3Float8(Stage3):
         dtype): nothing to do, a ZeRO-3 checkpoint holds the masters only."""
         if not fp8:
             return
-        for shards, m in zip(self.shards, masters):
-            if m.data_ptr() != shards.data_ptr():
-                shards.copy_(m.detach())
+        for g, m in zip(self.groups, masters):
+            for p in g:
+                if p.ds_layer is None:
+                    p.ds_shard.copy_(m.detach()[p.ds_where[1]:p.ds_where[1] + p.ds_per])
         chunks = [masters[p.ds_where[0]][p.ds_where[1]:p.ds_where[1] + p.ds_per] for p in self.fp8_params]
         self.fp8.scales_from_fragments(chunks, self.fp8_index)
         for p, c in zip(self.fp8_params, chunks):
             p.ds_shard8.copy_(self.fp8.cast(p.ds_layer, c))
         self._refresh_persistent()
 
+    def weight_slices(self):
+        raise ValueError("with the FP8 weights gathered in FP8 an FP8 weight's chunk is held in FP8 only: publish "
+                         "the fp32 masters (write_weights casts them)")
+
     def param_bytes(self):
+        shards = sum(s.numel() * s.element_size() for s in self.shards)
         fp8 = sum(p.ds_shard8.numel() for p in self.fp8_params)
-        return super().param_bytes() + fp8 + sum(m.fp8.weight8.data.numel() for m in self.fp8.layers)
+        return (shards + fp8 + self.gathered_numel() * self.dtype.itemsize
+                + sum(m.fp8.weight8.data.numel() for m in self.fp8.layers))
 
