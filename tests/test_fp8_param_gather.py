@@ -25,7 +25,7 @@ from megatron_zero.zero import ZeroOptimizer
 from megatron_zero.zero.partition import partition_group
 
 torchao_float8 = pytest.importorskip("torchao.float8")
-from megatron_zero.fp8.convert import Float8Converter  # noqa: E402  (needs torchao)
+from megatron_zero.fp8.convert import Float8Converter, fp8_weight_gather  # noqa: E402  (needs torchao)
 from megatron_zero.fp8.settings import Float8Settings  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -58,7 +58,8 @@ def test_fp8_weights_are_the_masters_cast_and_the_bf16_weights_follow(recipe):
     from torchao.float8.float8_utils import amax_to_scale, to_fp8_saturated
 
     model = _bf16_model(recipe)
-    opt = ZeroOptimizer(list(model.named_parameters()), stage=1, dtype="bf16", module=model, lr=1e-2)
+    opt = ZeroOptimizer(list(model.named_parameters()), stage=1, dtype="bf16", module=model, lr=1e-2,
+                        fp8_gather=fp8_weight_gather(model, None, CPU))
     for step in range(2):
         loss = model(TOKENS[:, :-1], labels=TOKENS[:, 1:])
         opt.backward(loss)
@@ -97,7 +98,7 @@ def _bytes_step():
     shm_comm.set_shared_memory_comm(False)
     model = _bf16_model()
     opt = ZeroOptimizer(list(model.named_parameters()), dp_group=dist.group.WORLD, stage=1, dtype="bf16",
-                        module=model)
+                        module=model, fp8_gather=fp8_weight_gather(model, dist.group.WORLD, CPU))
     with CollectiveCounter() as seen:
         opt.backward(model(TOKENS[dist.get_rank():dist.get_rank() + 1, :-1],
                            labels=TOKENS[dist.get_rank():dist.get_rank() + 1, 1:]))
@@ -147,7 +148,8 @@ def _zero3_gathers(param_gather):
     shm_comm.set_shared_memory_comm(False)
     model = _bf16_model(param_gather=param_gather)
     opt = ZeroOptimizer(list(model.named_parameters()), dp_group=dist.group.WORLD, stage=3, dtype="bf16",
-                        module=model, persistence_threshold=0, prefetch=False)
+                        module=model, persistence_threshold=0, prefetch=False,
+                        fp8_gather=fp8_weight_gather(model, dist.group.WORLD, CPU))
     r = dist.get_rank()
     with CollectiveCounter() as seen:
         opt.backward(model(TOKENS[r:r + 1, :-1], labels=TOKENS[r:r + 1, 1:]))

@@ -14,8 +14,9 @@ policy's signal and time-limit votes, so stopping costs no collective of its own
 The checkpoint code calls ``state_dict()`` / ``load_state_dict()`` (DeepSpeed's ZeRO layout,
 see checkpoint_state.py).
 
-A `module` whose FP8 layers were converted with --fp8-param-gather (fp8/param_gather.py) has their weights
-all-gathered in FP8 at stage 1/2 (packed_gather.py) and 3 (stage3_fp8.py): published once when the optimizer is made (the first
+`fp8_gather` (what the model converters' `weight_gather` gives, model/converters.py: with --fp8-param-gather
+fp8/param_gather.py's Float8ParamGather) has the layers it holds gathered with their weights
+in FP8 at stage 1/2 (packed_gather.py) and 3 (stage3_fp8.py): published once when the optimizer is made (the first
 forward's FP8 weights) and after every step; ``state_dict()`` republishes the weights in the training dtype
 first, so a checkpoint is a bf16 run's, and ``refresh_fp8_weights()`` recasts them after a resume has
 restored the FP8 scaling state.
@@ -72,7 +73,7 @@ class ZeroOptimizer:
                  quantized_weights: bool = False, quantized_gradients: bool = False, hpz_group=None,
                  device: Optional[torch.device] = None, grad_reduce_in_bf16: bool = False,
                  cpu_optimizer_threads: Optional[int] = None, expert_dp_group=None, muon=None, tp_group=None,
-                 expert_tp_group=None):
+                 expert_tp_group=None, fp8_gather=None):
         if stage not in (0, 1, 2, 3):  # the stage picks the implementation below; no other value has one
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
         self.stage, self.dtype, self.clip_grad = stage, _dtype(dtype), float(clip_grad or 0.0)
@@ -83,7 +84,7 @@ class ZeroOptimizer:
         # every buffer lives beside the parameters (the model was built on the rank's device)
         self.device = device if device is not None else next(
             (p.device for g in self.named_groups for _, p in g), HOST)
-        self.fp8_gather = _fp8_gather(module, dp_group, self.device)
+        self.fp8_gather = fp8_gather
         # --grad-reduce-in-bf16: stages 0-2 reduce gradient buckets in bf16 (the sums stay fp32)
         reduce_dtype = torch.bfloat16 if grad_reduce_in_bf16 else torch.float32
         if expert_dp_group is not None:  # expert parallelism: expert parameters over their own group
@@ -280,12 +281,3 @@ class ZeroOptimizer:
         """Bytes of tensors this rank holds now: model parameters, gradients, optimizer state."""
         return {"params": self.impl.param_bytes(), "grads": self.impl.grad_bytes(),
                 "optimizer_state": self.optimizer.state_bytes()}
-
-
-def _fp8_gather(module, dp_group, device):
-    """The FP8 side of the weight gather for the module's layers converted with --fp8-param-gather (the dense
-    layers: an MoE expert's weight is gathered over expert-DP in the training dtype), or None."""
-    if module is None or not any(getattr(getattr(m, "fp8", None), "param_gather", False) for m in module.modules()):
-        return None  # (torchao is imported only for such layers)
-    from ..fp8.param_gather import Float8ParamGather, gathered_layers
-    return Float8ParamGather(gathered_layers(module), dp_group, device)
