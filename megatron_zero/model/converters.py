@@ -41,7 +41,8 @@ class ModelConverter:
         return None
 
     def post_optimizer_hook(self, model: torch.nn.Module) -> None:
-        """After every optimizer step, a skipped one too."""
+        """After every optimizer step: a skipped one too, and each run of a step the re-run machine repeats
+        (reliability/rerun.py), as the expert bias's update (moe/expert_bias.py)."""
 
     def state_dict(self, model: torch.nn.Module, dp_group) -> Optional[object]:
         """This rank's training state kept outside the model's state dict, for the model-states file under
