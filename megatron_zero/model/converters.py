@@ -72,9 +72,6 @@ class ModelConverters:
     def __iter__(self) -> Iterator[ModelConverter]:
         return iter(self.converters)
 
-    def __len__(self) -> int:
-        return len(self.converters)
-
     @property
     def names(self) -> List[str]:
         return [c.name for c in self.converters]
