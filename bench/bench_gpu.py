@@ -123,12 +123,12 @@ def build(size, seq, device, dtype):
 
 def ours_step(size, seq, device, offload="none", step_plus_copy=True, fp8=None, compile_layers=False):
     model, cfg = build(size, seq, device, torch.bfloat16)
-    if fp8:  # the model transform pretrain_gpt.py --fp8-format hybrid --fp8-recipe fp8 applies
+    if fp8:  # the model converter pretrain_gpt.py --fp8-format hybrid --fp8-recipe fp8 applies
         from megatron_zero.fp8.convert import Float8Converter
         from megatron_zero.fp8.settings import Float8Settings, has_fp8_tensor_cores
 
         Float8Converter(Float8Settings("hybrid", fp8, emulate=not has_fp8_tensor_cores(device)), device)(model)
-    if compile_layers:  # after FP8, as the model transforms order them (pretrain_gpt.py --compile-layers)
+    if compile_layers:  # after FP8, as the model converters order them (pretrain_gpt.py --compile-layers)
         from megatron_zero.compile.layers import CompileLayersConverter
 
         CompileLayersConverter(device)(model)

@@ -80,9 +80,12 @@ def measure_fp8(layers, hidden):
     for stage in (1, 3):
         torch.manual_seed(0)
         model = GPTModel(config(layers, hidden, "bf16"))
-        Float8Converter(Float8Settings("hybrid", "tensorwise", 0, True, param_gather=True), torch.device("cpu"))(model)
+        converter = Float8Converter(Float8Settings("hybrid", "tensorwise", 0, True, param_gather=True),
+                                    torch.device("cpu"))
+        converter.convert(model)
         opt = ZeroOptimizer(list(model.named_parameters()), dp_group=dist.group.WORLD, stage=stage, module=model,
-                            lr=1e-3, dtype="bf16")
+                            lr=1e-3, dtype="bf16",
+                            fp8_gather=converter.weight_gather(model, dist.group.WORLD, torch.device("cpu")))
         tokens = torch.randint(0, 1000, (2, 65), generator=torch.Generator().manual_seed(rank))
         opt.backward(model(tokens[:, :-1], labels=tokens[:, 1:]))
         opt.step()

@@ -7,6 +7,7 @@ from typing import Optional
 from .config.muon import MuonConfig
 from .config.optimizer import OptimizerConfig
 from .model.params import is_embedding_or_output
+from .model.converters import NO_CONVERTERS, ModelConverters
 from .optimizer.muon import MuonSettings, takes_muon
 from .topology import build_hpz_group
 from .zero import ZeroOptimizer
@@ -47,9 +48,11 @@ def muon_settings(muon: MuonConfig, config) -> MuonSettings:
                         muon.muon_extra_scale_factor, (q_rows, config.head_dim, config.head_dim))
 
 
-def build_optimizer(model, opt: OptimizerConfig, state, device, muon: Optional[MuonConfig] = None) -> ZeroOptimizer:
+def build_optimizer(model, opt: OptimizerConfig, state, device, muon: Optional[MuonConfig] = None,
+                    converters: ModelConverters = NO_CONVERTERS) -> ZeroOptimizer:
     """ZeroOptimizer over `model`'s parameters (this rank's stage) as `opt` says, on `state`'s groups; with
-    `muon` saying --optimizer muon/dist_muon, the blocks' matrices step by Muon."""
+    `muon` saying --optimizer muon/dist_muon, the blocks' matrices step by Muon. `converters`: the model converters that
+    converted `model`; ZeRO gathers the weights one of them names in its format (--fp8-param-gather: FP8)."""
     hpz = opt.zero_hpz_partition_size
     with_muon = muon is not None and muon.is_muon
     return ZeroOptimizer(
@@ -64,4 +67,14 @@ def build_optimizer(model, opt: OptimizerConfig, state, device, muon: Optional[M
         hpz_group=build_hpz_group(state.layout, state.rank, hpz) if hpz > 1 else None, device=device,
         grad_reduce_in_bf16=opt.grad_reduce_in_bf16, cpu_optimizer_threads=opt.cpu_optimizer_threads,
         expert_dp_group=state.expert_dp_group, muon=muon_settings(muon, model.config) if with_muon else None,
-        tp_group=state.tp_group, expert_tp_group=state.expert_tp_group)
+        tp_group=state.tp_group, expert_tp_group=state.expert_tp_group,
+        **weight_gathers(converters, model, state.dp_group, state.expert_dp_group, device))
+
+
+def weight_gathers(converters, model, dp_group, expert_dp_group, device) -> dict:
+    """ZeroOptimizer's `fp8_gather` and `expert_fp8_gather` from the converters' `weight_gather`: with expert
+    parallelism the experts' weights over expert-DP and the others over DP; without, all over DP."""
+    if expert_dp_group is None:
+        return {"fp8_gather": converters.weight_gather(model, dp_group, device), "expert_fp8_gather": None}
+    return {"fp8_gather": converters.weight_gather(model, dp_group, device, False),
+            "expert_fp8_gather": converters.weight_gather(model, expert_dp_group, device, True)}

@@ -42,7 +42,7 @@ from .throughput import model_flops_per_iteration
 from .schedule_resume import resume_schedule
 from .lr_schedule import build_lr_schedule, decoupled_lr
 from .model.architecture import gpt_config
-from .model_transforms import apply_model_transforms, model_converters
+from .model_converters import model_converters
 from .ops import require_fused_kernels, set_fusion_flags
 from .pipeline.gpt_stage import (activation_shape, build_gpt_stage, grad_reduce_arming, make_forward_step,
                                  stage_p2p, sync_tied_embedding_grads)
@@ -74,12 +74,11 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def fusion_flags(sections: config.Config) -> dict:
-    """Megatron's --no-*-fusion flags as megatron_zero.ops switches."""
+    """Megatron's --no-*-fusion flags as megatron_zero.ops switches (the loss's is a model converter's)."""
     run = sections.runtime
     return dict(masked_softmax_fusion=run.masked_softmax_fusion, bias_gelu_fusion=run.bias_gelu_fusion,
                 persist_layer_norm=run.persist_layer_norm, rope_fusion=run.rope_fusion,
-                gradient_accumulation_fusion=run.gradient_accumulation_fusion,
-                cross_entropy_loss_fusion=sections.loss.cross_entropy_loss_fusion)
+                gradient_accumulation_fusion=run.gradient_accumulation_fusion)
 
 
 class Trainer(LoopSteps):
@@ -104,9 +103,11 @@ class Trainer(LoopSteps):
                                 int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         self.model = build_gpt_stage(self.config, state, par.pipeline_partition_method, par.pipeline_partition,
                                      device=self.device, virtual_stages=par.virtual_pipeline_model_parallel_size)
-        self.transforms = apply_model_transforms(self.model, model_converters(self.sections, state, self.device))
+        self.converters = model_converters(self.sections, state, self.device)  # FP8, the output loss, compile
+        self.transforms = self.converters.convert(self.model)  # their log lines
         self.forward_backward = schedule_for(par.virtual_pipeline_model_parallel_size)
-        self.optimizer = build_optimizer(self.model, self.sections.optimizer, state, self.device, self.sections.muon)
+        self.optimizer = build_optimizer(self.model, self.sections.optimizer, state, self.device, self.sections.muon,
+                                         self.converters)
         m = self.sections.muon  # QK-clip, or the max attention logit logged (optimizer/qk_clip.py)
         self.qk_clip = (QKClip(self.model, self.optimizer, state.dp_group, m.qk_clip, m.qk_clip_alpha,
                                m.qk_clip_threshold) if m.log_max_attention_logit else None)
@@ -209,6 +210,7 @@ class Trainer(LoopSteps):
             updated, grad_norm = self.optimizer.step(lr=lr, decoupled_lr=self.decoupled_lr, votes=votes(),
                                                      riders=None if gate is None else riders(loss), gate=gate)
         self.expert_bias.step()  # after every step, a skipped one too (Megatron-Core's finalize_model_grads)
+        self.converters.post_optimizer_hook(self.model)  # after every step too (model/converters.py)
         if gate is None:
             with timers("loss-broadcast", 2):
                 loss = reduce_loss(losses, s.is_last_stage, s.layout.pp_group(s.rank)[-1], s.pp_group, s.dp_group,
@@ -247,7 +249,8 @@ class Trainer(LoopSteps):
         save_dir = os.path.join(c.save, "weights_only") if weights_only and not no_save_optim else c.save
         tag = ckpt.save_checkpoint(save_dir, self.progress.iteration, self.state, self.model, self.optimizer,
                                    self.client_state(weights_only or no_save_optim), async_save=c.async_save,
-                                   keep_last_k=c.keep_last_k, megatron_deepspeed=c.save_megatron_deepspeed_layout)
+                                   keep_last_k=c.keep_last_k, megatron_deepspeed=c.save_megatron_deepspeed_layout,
+                                   converters=self.converters)
         seconds, directory = time.monotonic() - start, os.path.join(save_dir, tag)
         self.last_checkpoint = directory
         if self.is_writer:  # a synchronous save is committed on return: its manifest lists every file
@@ -300,7 +303,7 @@ class Trainer(LoopSteps):
                                    load_optimizer=not (c.no_load_optim or c.finetune),
                                    universal=c.universal_checkpoint, verify=c.verify_checkpoint, log=self._log,
                                    check=check, ckpt_format=c.ckpt_format, keep_optimizer=lambda: not any(switch),
-                                   step=c.ckpt_step)
+                                   step=c.ckpt_step, converters=self.converters)
         if any(switch):
             self._log(switch[0])
         if client is None:

@@ -49,7 +49,7 @@ class LoopSteps:
         return 0
 
     def _announce(self):
-        """What trains, on what, from where; the kernels; the model transforms."""
+        """What trains, on what, from where; the kernels; the model converters."""
         s, p, o = self.state, self.progress, self.sections.optimizer
         experts = "" if self.config.num_experts is None else (
             f" with {self.config.num_experts} experts per MoE layer" + (f" (EP={s.ep_size})" if s.ep_size > 1 else ""))

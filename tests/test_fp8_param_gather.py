@@ -29,7 +29,7 @@ from megatron_zero.zero import ZeroOptimizer
 from megatron_zero.zero.partition import partition_group
 
 torchao_float8 = pytest.importorskip("torchao.float8")
-from megatron_zero.fp8.convert import Float8Converter  # noqa: E402  (needs torchao)
+from megatron_zero.fp8.convert import Float8Converter, fp8_weight_gather  # noqa: E402  (needs torchao)
 from megatron_zero.fp8.settings import Float8Settings  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -81,7 +81,8 @@ def test_fp8_weights_are_the_masters_cast_and_the_one_copy(recipe):
     from megatron_zero.testing.live_bytes import weight_bytes
 
     model = _bf16_model(recipe)
-    opt = ZeroOptimizer(list(model.named_parameters()), stage=1, dtype="bf16", module=model, lr=1e-2)
+    opt = ZeroOptimizer(list(model.named_parameters()), stage=1, dtype="bf16", module=model, lr=1e-2,
+                        fp8_gather=fp8_weight_gather(model, None, CPU))
     assert weight_bytes(model) == _bytes_held(model, True)  # a resume loads into them
     for step in range(2):
         loss = model(TOKENS[:, :-1], labels=TOKENS[:, 1:])
@@ -119,7 +120,7 @@ def test_zero3_holds_an_fp8_weight_chunk_in_fp8_only():
     parameters and 1 of the FP8 weights (their FP8 chunks), counted from the tensors."""
     model = _bf16_model()
     opt = ZeroOptimizer(list(model.named_parameters()), stage=3, dtype="bf16", module=model, lr=1e-2,
-                        persistence_threshold=0)
+                        persistence_threshold=0, fp8_gather=fp8_weight_gather(model, None, CPU))
     opt.backward(model(TOKENS[:, :-1], labels=TOKENS[:, 1:]))
     assert opt.step()[0]
     fp8 = [m.weight for _, m in _fp8_layers(model)]
@@ -164,7 +165,8 @@ def test_moe_experts_weights_are_gathered_in_fp8_too():
     Float8Converter(Float8Settings("hybrid", "tensorwise", 0, True, param_gather=True), CPU)(model)
     experts = [(n, m) for n, m in _fp8_layers(model) if is_expert(m)]
     assert experts
-    opt = ZeroOptimizer(list(model.named_parameters()), stage=1, dtype="bf16", module=model, lr=1e-2)
+    opt = ZeroOptimizer(list(model.named_parameters()), stage=1, dtype="bf16", module=model, lr=1e-2,
+                        fp8_gather=fp8_weight_gather(model, None, CPU))
     opt.backward(model(TOKENS[:, :-1], labels=TOKENS[:, 1:]))
     assert opt.step()[0]
     _assert_cast_from(_masters_by_param(opt), experts)
@@ -179,7 +181,8 @@ def test_cpu_optimizer_casts_the_fp8_weights_from_the_fp32_masters(stage):
     (the copies then synchronous)."""
     model = _bf16_model()
     opt = ZeroOptimizer(list(model.named_parameters()), stage=stage, dtype="bf16", module=model, lr=1e-2,
-                        offload="cpu", device=torch.device("cpu", 0), persistence_threshold=0)
+                        offload="cpu", device=torch.device("cpu", 0), persistence_threshold=0,
+                        fp8_gather=fp8_weight_gather(model, None, torch.device("cpu", 0)))
     assert opt.device != HOST
     for _ in range(2):
         opt.backward(model(TOKENS[:, :-1], labels=TOKENS[:, 1:]))
@@ -200,7 +203,7 @@ def _bytes_step():
     shm_comm.set_shared_memory_comm(False)
     model = _bf16_model()
     opt = ZeroOptimizer(list(model.named_parameters()), dp_group=dist.group.WORLD, stage=1, dtype="bf16",
-                        module=model)
+                        module=model, fp8_gather=fp8_weight_gather(model, dist.group.WORLD, CPU))
     with CollectiveCounter() as seen:
         opt.backward(model(TOKENS[dist.get_rank():dist.get_rank() + 1, :-1],
                            labels=TOKENS[dist.get_rank():dist.get_rank() + 1, 1:]))
@@ -249,7 +252,8 @@ def _zero3_gathers(param_gather):
     shm_comm.set_shared_memory_comm(False)
     model = _bf16_model(param_gather=param_gather)
     opt = ZeroOptimizer(list(model.named_parameters()), dp_group=dist.group.WORLD, stage=3, dtype="bf16",
-                        module=model, persistence_threshold=0, prefetch=False)
+                        module=model, persistence_threshold=0, prefetch=False,
+                        fp8_gather=fp8_weight_gather(model, dist.group.WORLD, CPU))
     r = dist.get_rank()
     with CollectiveCounter() as seen:
         opt.backward(model(TOKENS[r:r + 1, :-1], labels=TOKENS[r:r + 1, 1:]))

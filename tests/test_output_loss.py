@@ -18,17 +18,18 @@ from megatron_zero.config import from_args
 from megatron_zero.arguments import parse_args
 from megatron_zero.model import GPTConfig, GPTModel, reference_model
 from megatron_zero.model.layer_indices import num_pipeline_layers
-from megatron_zero.ops.fusion_flags import set_fusion_flags
+from megatron_zero.model.output_loss_converter import OutputLossConverter
+from megatron_zero.model_converters import model_converters
 from megatron_zero.tensor_parallel import vocab_parallel_cross_entropy
 from megatron_zero.tensor_parallel import output_loss
 from megatron_zero.tensor_parallel.output_loss import chunk_columns, vocab_parallel_linear_cross_entropy, worth_chunking
 from megatron_zero.testing import run_ranks
 from megatron_zero.testing.flag_checks import BASE, refused
 from megatron_zero.testing.loss_memory import peaks_in_subprocess
+from megatron_zero.testing.tiny_gpt import tiny_gpt_config
 from megatron_zero.testing.tolerances import assert_close_normwise, gpt_path_length, model_rtol
 from megatron_zero.testing.trainer_losses import resume_flags, train_losses
 from megatron_zero.topology import build_parallel_state
-from megatron_zero.training import fusion_flags
 
 VOCAB, PADDED, H, TOKENS = 1000, 1152, 32, (3, 8)
 
@@ -149,15 +150,12 @@ def test_fused_tp2_matches_unfused_tp1():
 
 def model_loss_and_grads(stages, tokens, labels, mask, fused):
     """Run `stages` (GPTModels, the first taking tokens) one after another; -> loss, {name: grad}."""
-    old = set_fusion_flags(cross_entropy_loss_fusion=fused)
-    try:
-        x = tokens
-        for stage in stages[:-1]:
-            x = stage(x)
-        loss = stages[-1](x, labels, mask)
-        loss.backward()
-    finally:
-        set_fusion_flags(**{"cross_entropy_loss_fusion": old.cross_entropy_loss_fusion})
+    OutputLossConverter(fused).convert(stages[-1])  # as --[no-]cross-entropy-loss-fusion
+    x = tokens
+    for stage in stages[:-1]:
+        x = stage(x)
+    loss = stages[-1](x, labels, mask)
+    loss.backward()
     grads = {}
     for stage in stages:
         for n, p in stage.named_parameters():
@@ -205,8 +203,11 @@ def test_peak_memory_under_a_quarter_of_the_logits():
 def test_flags_set_the_switch():
     assert parse_args(BASE, world_size=1).cross_entropy_loss_fusion is True  # the default
     assert parse_args(BASE + ["--cross-entropy-loss-fusion"], world_size=1).cross_entropy_loss_fusion is True
-    args = parse_args(BASE + ["--no-cross-entropy-loss-fusion"], world_size=1)
-    assert fusion_flags(from_args(args))["cross_entropy_loss_fusion"] is False  # what the Trainer sets
+    for flags, fused in ((BASE, True), (BASE + ["--no-cross-entropy-loss-fusion"], False)):
+        model = reference_model(tiny_gpt_config(num_layers=1))
+        model.fused_output_loss = not fused
+        model_converters(from_args(parse_args(flags, world_size=1)), None, torch.device("cpu")).convert(model)
+        assert model.fused_output_loss is fused  # as the Trainer converts its stage
     assert parse_args(BASE + ["--cross-entropy-fusion-impl", "native"], world_size=1).cross_entropy_loss_fusion
 
 

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from ..device import HOST
-from ..fp8.delayed import STATE_KEY as FP8_SCALING, load_scaling_state
+from ..model.converters import NO_CONVERTERS, ModelConverters
 from ..topology import ParallelState
 from ..zero.universal_state import set_state_from_params
 from .deepspeed_layout import EMBED_PREFIX, layer_of, param_shapes, persistent_buffers
@@ -36,8 +36,8 @@ from .storage.reader import Checkpoint, open_checkpoint
 ENGINE_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
                "frozen_param_fragments", "data_sampler", "random_ltd", "skipped_steps", "global_steps",
                "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
-               "universal_checkpoint_info", FP8_SCALING}
-FP8_NOTE = "fp8_scaling_note"  # the client's line when FP8 delayed scaling's histories start fresh
+               "universal_checkpoint_info"}
+CONVERTER_NOTES = "model_converter_notes"  # the client's lines when a converter's state starts fresh (FP8's histories)
 
 
 def _check_layout(ckpt: Checkpoint, states: dict, name: str, state: ParallelState, need_same_dp: bool):
@@ -165,9 +165,12 @@ def state_devices(model, optimizer, device: Optional[torch.device] = None):
 
 def load_checkpoint(load_dir: str, state: ParallelState, model, optimizer, load_optimizer: bool = True,
                     tag: Optional[str] = None, verify: bool = True, device: Optional[torch.device] = None,
-                    checkpoint: Optional[Checkpoint] = None) -> Optional[dict]:
+                    checkpoint: Optional[Checkpoint] = None,
+                    converters: ModelConverters = NO_CONVERTERS) -> Optional[dict]:
     """`checkpoint`: the directory already opened (resume_checkpoint passes the one it chose; load_dir and
-    tag are then not read). A universal checkpoint, or one of another layout, is reshape/universal_load.py's."""
+    tag are then not read). A universal checkpoint, or one of another layout, is reshape/universal_load.py's.
+    `converters`: the run's model converters (model/converters.py); they restore their entries of the model-states
+    file (their training state: FP8 delayed scaling's histories)."""
     if checkpoint is None and tag is None and not os.path.exists(os.path.join(load_dir, LATEST)):
         return None
     ckpt = checkpoint if checkpoint is not None else open_checkpoint(load_dir, tag, verify=verify)
@@ -203,11 +206,10 @@ def load_checkpoint(load_dir: str, state: ParallelState, model, optimizer, load_
             raise CheckpointError(f"the checkpoint file {ckpt.path(opt_name)} does not fit this optimizer: {e}") from e
     else:  # weights only, saved at another DP: this rank's ZeRO partition is none of the saved ones
         _masters_from_weights(model, optimizer)
-    client = {k: v for k, v in states.items() if k not in ENGINE_KEYS}
-    note = load_scaling_state(model, states.get(FP8_SCALING))  # the same layout: bit-exact
-    optimizer.refresh_fp8_weights()  # --fp8-param-gather: the FP8 weights cast again, with the restored scales
-    if note:
-        client[FP8_NOTE] = note
+    client = {k: v for k, v in states.items() if k not in ENGINE_KEYS and k not in converters.state_keys}
+    notes = converters.load_state_dict(model, states, optimizer)  # the same layout: bit-exact
+    if notes:
+        client[CONVERTER_NOTES] = notes
     client["lr_scheduler"] = states.get("lr_scheduler")
     client["rng_state"] = rank_rng_state(client.get("rng_state"), dp)
     if isinstance(client.get("args"), argparse.Namespace):

@@ -28,8 +28,8 @@ from .storage.commit import committed_tags, latest_tag, read_latest
 from .errors import CheckpointError
 from .format import LATEST, MODEL_FILE, ZERO3_MODEL_FILE
 from .compat import read_head
-from ..fp8.delayed import fresh_line, histories
-from .load import FP8_NOTE, load_checkpoint
+from ..model.converters import NO_CONVERTERS, ModelConverters
+from .load import CONVERTER_NOTES, load_checkpoint
 from .megatron_deepspeed import is_module_layout, writes_qkv_blocks
 from .report import layout_here, loaded_line
 from .save import saved_layout
@@ -127,7 +127,8 @@ def _at_step(load_dir: str, step: int, universal: bool, verify: bool) -> ResumeP
 
 def resume_checkpoint(path: str, state, model, optimizer, load_optimizer: bool = True, universal: bool = False,
                       verify: bool = True, log=print, check=None, ckpt_format: Optional[str] = None,
-                      keep_optimizer=None, step: Optional[int] = None) -> Optional[dict]:
+                      keep_optimizer=None, step: Optional[int] = None,
+                      converters: ModelConverters = NO_CONVERTERS) -> Optional[dict]:
     """Load what `--load path` names (find_resume_point), the one call a run resumes through: a universal
     checkpoint, a checkpoint saved on this layout, or, saved on another TP/PP/DP or ZeRO stage, the same
     reshaped while loading.
@@ -135,7 +136,8 @@ def resume_checkpoint(path: str, state, model, optimizer, load_optimizer: bool =
     `keep_optimizer()` False loads the weights only, parameter by parameter (the checkpoint's optimizer is another
     one, its param groups too).
     A Megatron-LM checkpoint (torch_dist or legacy; `ckpt_format`: Megatron-LM's --ckpt-format) loads through
-    interop/megatron_load.py.
+    interop/megatron_load.py. `converters`: the run's model converters (model/converters.py): a load on the saving
+    layout restores their state, any other says in a line what of it starts fresh.
     -> the client state, or None when `path` holds no checkpoint."""
     from .interop.megatron_layout import find_megatron_checkpoint
     from .interop.megatron_load import load_megatron_checkpoint  # it reads through reshape/, as universal loads do
@@ -144,7 +146,7 @@ def resume_checkpoint(path: str, state, model, optimizer, load_optimizer: bool =
                               "pass its iter_XXXXXXX directory as --load instead")
     client = load_megatron_checkpoint(path, state, model, optimizer, load_optimizer, ckpt_format, log, check)
     if client is not None:
-        _say_what_starts_fresh(model, log, "a Megatron-LM checkpoint's are not read")
+        _say_what_starts_fresh(model, converters, log, "a Megatron-LM checkpoint's are not read")
         return client
     point = find_resume_point(path, universal, verify, step)
     if point is None:
@@ -164,30 +166,30 @@ def resume_checkpoint(path: str, state, model, optimizer, load_optimizer: bool =
         client = load_universal_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify,
                                            checkpoint=opened)
         log(loaded_line(point.directory, "universal", client, this_layout))
-        _say_what_starts_fresh(model, log, "a universal checkpoint keeps none")
+        _say_what_starts_fresh(model, converters, log, "a universal checkpoint keeps none")
         return client
     same_stage_family = (opened.meta.get("zero_stage", optimizer.stage) == 3) == (optimizer.stage == 3)
     if switched or (saved is not None and (saved != here or not same_stage_family)) or megatron_deepspeed_layout(opened):
         client = load_reshaped_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify,
                                           checkpoint=opened)
         log(loaded_line(point.directory, "plain", client, this_layout))
-        _say_what_starts_fresh(model, log, "the checkpoint was saved at another layout")
+        _say_what_starts_fresh(model, converters, log, "the checkpoint was saved at another layout")
         return client
     root, tag = os.path.split(point.directory)
     client = load_checkpoint(root, state, model, optimizer, load_optimizer=load_optimizer, tag=tag, verify=verify,
-                             checkpoint=opened)
+                             checkpoint=opened, converters=converters)
     log(loaded_line(point.directory, "plain", client))
-    if client.get(FP8_NOTE):
-        log(client.pop(FP8_NOTE))
+    for line in client.pop(CONVERTER_NOTES, ()):
+        log(line)
     return client
 
 
-def _say_what_starts_fresh(model, log, why: str) -> None:
-    """What a load that cannot restore the saving layout's per-rank state says, one line each: FP8 delayed scaling's
-    amax histories start fresh, and so do dropout's random streams (one per TP rank and layer chunk: they cannot be
-    mapped to another layout, so a run with dropout drifts from an uninterrupted one, about 1e-4 relative)."""
-    if next(histories(model), None) is not None:
-        log(fresh_line(why))
+def _say_what_starts_fresh(model, converters: ModelConverters, log, why: str) -> None:
+    """What a load that cannot restore the saving layout's per-rank state says, one line each: the model converters'
+    state (FP8 delayed scaling's amax histories) starts fresh, and so do dropout's random streams (one per TP rank
+    and layer chunk: they cannot be mapped to another layout, so a run with dropout drifts from an uninterrupted one, about 1e-4 relative)."""
+    for line in converters.starts_fresh(model, why):
+        log(line)
     config = getattr(model, "config", None)
     dropout = {k: getattr(config, k, 0.0) for k in ("hidden_dropout", "attention_dropout")}
     if any(dropout.values()):

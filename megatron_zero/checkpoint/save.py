@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..fp8.delayed import STATE_KEY as FP8_SCALING, checkpoint_scaling_state
+from ..model.converters import NO_CONVERTERS, ModelConverters
 from ..topology import ParallelState
 from .expert_layout import expert_files, without_experts, zero3_expert_files
 from .deepspeed_layout import assign_layers_to_dp, engine_state, layer_state_dicts, universal_checkpoint_info
@@ -68,14 +68,16 @@ def weights_only_state(osd: dict) -> dict:
     return sd
 
 
-def build_plan(iteration: int, state: ParallelState, model, optimizer, client: dict):
-    """[(file name, object)] this rank writes."""
+def build_plan(iteration: int, state: ParallelState, model, optimizer, client: dict,
+               converters: ModelConverters = NO_CONVERTERS):
+    """[(file name, object)] this rank writes; the model-states file with the entries the model converters add
+    (their training state outside the model's state dict: FP8 delayed scaling's amax histories)."""
     tp, mp, dp_rank = state.tp_rank, state.mp_rank, state.dp_rank
     stage = optimizer.stage
     config = model.config
     cfg = ds_config(optimizer)
     osd = optimizer.state_dict()
-    fp8 = checkpoint_scaling_state(model, state.dp_group)  # FP8 delayed scaling's amax histories (collective)
+    kept = converters.state_dict(model, state.dp_group)  # collective where a converter's state is
     plan = [(optim_states_name(dp_rank, mp, optimizer.dtype == torch.bfloat16),
              {"optimizer_state_dict": weights_only_state(osd) if client.get("weights_only") else osd,
               "ds_config": cfg, "ds_version": DS_VERSION})]
@@ -85,8 +87,7 @@ def build_plan(iteration: int, state: ParallelState, model, optimizer, client: d
                               client.get("lr_scheduler"), int(client.get("skipped_steps", 0) or 0))
         states["universal_checkpoint_info"] = universal_checkpoint_info(config, config.padded_vocab_size(state.tp_size))
         states.update({k: v for k, v in client.items() if k not in states})
-        if fp8 is not None:
-            states[FP8_SCALING] = fp8
+        states.update(kept)
         plan.append((model_states_name(mp, stage, dp_rank), states))
     if stage == 3 and config.num_experts is not None:  # the DeepSpeed-MoE files at ZeRO-3 too (expert_layout.py)
         plan += list(zero3_expert_files(model, config, mp, writes=dp_rank < state.ep_size).items())
@@ -126,15 +127,17 @@ def _expert_dp_rank(state) -> int:
 
 def save_checkpoint(save_dir: str, iteration: int, state: ParallelState, model, optimizer, client_state: dict,
                     async_save: bool = False, keep_last_k: Optional[int] = None, tag: Optional[str] = None,
-                    save_latest: bool = True, megatron_deepspeed: bool = False) -> str:
+                    save_latest: bool = True, megatron_deepspeed: bool = False,
+                    converters: ModelConverters = NO_CONVERTERS) -> str:
     """Collective. Returns the tag. With async_save, returns at once; the optimizer's next step waits
     until the background writer has read the state (writer.py). megatron_deepspeed: the files Megatron-DeepSpeed's
-    own --load resumes at this layout (megatron_deepspeed_save.py)."""
+    own --load resumes at this layout (megatron_deepspeed_save.py). `converters`: the run's model converters
+    (model/converters.py), whose training state the model-states files carry."""
     tag = tag or f"global_step{iteration}"
     writer = get_writer()
     writer.wait()  # the previous async save must be done before its buffers/state are reused
     client = _client(client_state, state, iteration)
-    plan = build_plan(iteration, state, model, optimizer, client)
+    plan = build_plan(iteration, state, model, optimizer, client, converters)
     if megatron_deepspeed:
         plan = megatron_deepspeed_plan(plan, state, model, optimizer, client)
     meta = {"layout": saved_layout(state, model), "zero_stage": optimizer.stage,

@@ -1,8 +1,8 @@
 """--compile-layers: each transformer layer's forward compiled by torch.compile (inductor), one layer at a time.
 
-A model transform (megatron_zero/model_transforms.py), applied last, after the converters that change what a
-layer computes (FP8), as torchtitan compiles each TransformerBlock after float8. The layer's `forward` is
-replaced by its compiled version on the instance: the module, its parameters and their names stay as they
+A model converter (megatron_zero/model/converters.py; megatron_zero/model_converters.py orders them), applied
+last, after the converters that change what a layer computes (FP8), as torchtitan compiles each TransformerBlock
+after float8. The layer's `forward` is replaced by its compiled version on the instance: the module, its parameters and their names stay as they
 were (the optimizer, ZeRO-3's gather/release hooks on the layer and the checkpoint see the uncompiled
 layer), and those module hooks, activation recomputation around the layers and the pipeline schedule stay
 eager around the compiled forward.
@@ -29,6 +29,7 @@ from typing import List
 
 import torch
 
+from ..model.converters import ModelConverter
 from ..ops.fusion_flags import get_fusion_flags
 from ..ops.registry import extension_for
 
@@ -60,13 +61,15 @@ def own_build_directory() -> str:
     return base
 
 
-class CompileLayersConverter:
-    """Compile each transformer layer's forward of a built stage (a model transform); -> the log line."""
+class CompileLayersConverter(ModelConverter):
+    """Compile each transformer layer's forward of a built stage (a model converter); -> the log line."""
+
+    name = "compile"
 
     def __init__(self, device: torch.device, mode: str = "default", fullgraph: bool = False):
         self.device, self.mode, self.fullgraph = device, mode, fullgraph
 
-    def __call__(self, model: torch.nn.Module) -> str:
+    def convert(self, model: torch.nn.Module) -> str:
         own_build_directory()
         blocks = list(model.blocks)
         config = getattr(model, "config", None)

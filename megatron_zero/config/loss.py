@@ -3,7 +3,7 @@
 The output layer and the cross-entropy run fused by vocabulary chunks by default (tensor_parallel/output_loss.py): the
 same losses in fp32 without the [tokens, vocab] logits, so Megatron's --cross-entropy-loss-fusion asks
 for what happens anyway; --no-cross-entropy-loss-fusion computes the whole logits and then the loss
-(tensor_parallel/cross_entropy.py), the switch ops/fusion_flags.py holds as `cross_entropy_loss_fusion`. Megatron's
+(tensor_parallel/cross_entropy.py), a model converter (model/output_loss_converter.py) sets the stage to. Megatron's
 --cross-entropy-fusion-impl native names this PyTorch implementation; its `te` (Transformer Engine's kernel)
 is refused by argparse's choices, in one line.
 """

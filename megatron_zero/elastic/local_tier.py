@@ -77,7 +77,8 @@ class LocalTier:
         trainer.log.flush(trainer.progress)  # the saved nan count includes every iteration run
         start = time.monotonic()
         tag = ckpt.save_checkpoint(self.dir, iteration, self.state, trainer.model, trainer.optimizer,
-                                   trainer.client_state(), async_save=self.async_save, keep_last_k=1)
+                                   trainer.client_state(), async_save=self.async_save, keep_last_k=1,
+                                   converters=trainer.converters)
         directory, seconds = os.path.join(self.dir, tag), time.monotonic() - start
         trainer._log("local tier: " + (async_started_line(directory, seconds) if self.async_save else
                                        saved_line(directory, seconds, None)))

@@ -1,4 +1,4 @@
-"""FP8 training through torchao's float8: Megatron-LM's --fp8-* flags, applied as a model transform.
+"""FP8 training through torchao's float8: Megatron-LM's --fp8-* flags, applied as a model converter.
 
 flags.py declares and checks the flags; settings.py maps them onto torchao's Float8LinearConfig and
 refuses a device without FP8 tensor cores (unless emulated); convert.py swaps the blocks' tensor-parallel

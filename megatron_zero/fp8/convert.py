@@ -1,6 +1,6 @@
 """The FP8 model converter: the transformer blocks' linear layers (QKV, projection, MLP) to FP8 matmuls.
 
-A model transform (megatron_zero/model_transforms.py): applied once to the built model stage, before the
+A model converter (megatron_zero/model/converters.py): applied once to the built model stage, before the
 optimizer is made. Each ColumnParallelLinear / RowParallelLinear of a block becomes its Float8 subclass in
 place (the same module and parameters, as torchao's `convert_to_float8_training` swaps nn.Linear), with a
 Float8Matmul that knows the layer's TP split and the groups its scales are reduced over; an MoE expert's
@@ -16,17 +16,20 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .delayed import AmaxHistory
+from ..model.converters import ModelConverter
+from .delayed import STATE_KEY, AmaxHistory, checkpoint_scaling_state, fresh_line, histories, load_scaling_state
 from .experts import expert_config, is_expert
 from .layers import FLOAT8_CLASS, SPLIT
 from .matmul import Float8Matmul
+from .param_gather import Float8ParamGather, gathered_layers
 from .settings import Float8Settings, require_fp8_device
 
 SKIPPED = ("lm_head",)  # the output layer (its module name); the embedding is not a linear layer
 
 
-class Float8Converter:
+class Float8Converter(ModelConverter):
     name = "fp8"
+    state_key = STATE_KEY  # delayed scaling's amax histories and scales (delayed.py)
 
     def __init__(self, settings: Float8Settings, device: torch.device,
                  cp_group: Optional[dist.ProcessGroup] = None, dp_group: Optional[dist.ProcessGroup] = None,
@@ -38,7 +41,7 @@ class Float8Converter:
         self.expert_dp_group = expert_dp_group
         self.config = settings.linear_config()
 
-    def __call__(self, model: torch.nn.Module) -> str:
+    def convert(self, model: torch.nn.Module) -> str:
         """Convert in place; the log line says what."""
         count = experts = 0
         for name, module in model.named_modules():
@@ -63,6 +66,32 @@ class Float8Converter:
                 f"{f' ({experts} of them the MoE experts, each scaled on its own rows)' if experts else ''} run "
                 "their GEMMs through torchao's float8"
                 f"{'; ZeRO all-gathers their weights in FP8' if s.param_gather else ''}")
+
+    def weight_gather(self, model: torch.nn.Module, dp_group, device: torch.device, experts: Optional[bool] = None):
+        """--fp8-param-gather: the FP8 side of ZeRO's weight gather (param_gather.py), or None."""
+        return fp8_weight_gather(model, dp_group, device, experts) if self.settings.param_gather else None
+
+    def state_dict(self, model: torch.nn.Module, dp_group) -> Optional[dict]:
+        """Delayed scaling's amax histories and scales, every DP rank's MoE experts' with them (collective)."""
+        return checkpoint_scaling_state(model, dp_group)
+
+    def load_state_dict(self, model: torch.nn.Module, saved: Optional[dict], optimizer) -> Optional[str]:
+        """The histories restored (bit-exact: the same layout), then --fp8-param-gather's FP8 weights cast
+        again from the restored masters with the restored scales."""
+        note = load_scaling_state(model, saved)
+        optimizer.refresh_fp8_weights()
+        return note
+
+    def starts_fresh(self, model: torch.nn.Module, why: str) -> Optional[str]:
+        return fresh_line(why) if next(histories(model), None) is not None else None
+
+
+def fp8_weight_gather(model: torch.nn.Module, dp_group, device: torch.device, experts: Optional[bool] = None):
+    """The FP8 side of ZeRO's weight gather over `dp_group` for the model's layers converted with
+    --fp8-param-gather (`experts` True / False: the MoE experts' only, over expert-DP / the others only; None:
+    all), or None where it has none."""
+    layers = gathered_layers(model, experts)
+    return Float8ParamGather(layers, dp_group, device) if layers else None
 
 
 def _token_group(module, cp_group):

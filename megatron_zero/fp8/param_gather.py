@@ -101,6 +101,10 @@ class Float8ParamGather:
             m.fp8.weight8 = Float8Weight(torch.zeros(m.weight.shape, dtype=cast.target_dtype, device=device),
                                          torch.ones((), device=device))
 
+    def weight8(self, layer: int) -> Float8Weight:
+        """The layer's gathered FP8 weight (ZeRO-3 sets its data while the layer is gathered, frees it after)."""
+        return self.layers[layer].fp8.weight8
+
     def layer_of(self, p: torch.nn.Parameter) -> Optional[int]:
         """The index of the FP8 layer whose weight `p` is, or None."""
         return self.index.get(id(p))

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from .. import shm_comm
-from ..ops.fusion_flags import get_fusion_flags
 from ..tensor_parallel import vocab_parallel_cross_entropy
 from ..tensor_parallel.utils import tp_rank_in, tp_world_size
 from .config import GPTConfig
@@ -48,6 +47,8 @@ class GPTModel(nn.Module):
             raise ValueError(f"layer_indices must be non-empty, increasing and within 0..{len(all_layers) - 1}, "
                              f"got {self.layer_indices}")
         self.tied = not config.untie_embeddings_and_output_weights
+        # the output layer and the loss fused by vocabulary chunks (model/output_loss_converter.py sets it per run)
+        self.fused_output_loss = True
         mirror = False  # an untied embedding's copy on the last stage, which multi-token prediction embeds with
         if config.mtp_num_layers and lm_head_index(L) in self.layer_indices:
             mirror = not self.tied and EMBEDDING_INDEX not in self.layer_indices
@@ -96,9 +97,9 @@ class GPTModel(nn.Module):
 
     def output_losses(self, hidden, labels):
         """Per-token cross-entropy [b, s] of the output layer; padded vocabulary never counts. Fused by
-        vocabulary chunks (--cross-entropy-loss-fusion, the default: no [tokens, vocab] logits), else the
-        vocab-parallel cross-entropy of the whole logits."""
-        if get_fusion_flags().cross_entropy_loss_fusion:
+        vocabulary chunks (`fused_output_loss`, --cross-entropy-loss-fusion, the default: no [tokens, vocab]
+        logits), else the vocab-parallel cross-entropy of the whole logits."""
+        if self.fused_output_loss:
             if self.tied:
                 return self.embedding.lm_losses(hidden, labels)
             return self._modules[str(lm_head_index(self.config.num_layers))](hidden, labels)

@@ -7,7 +7,8 @@ training.py maps the command line onto these once at start-up:
     --no-gradient-accumulation-fusion -> gradient_accumulation_fusion = False
     --no-persist-layer-norm           -> persist_layer_norm = False (LayerNorm and RMSNorm)
     --no-rope-fusion                  -> rope_fusion = False
-    --no-cross-entropy-loss-fusion    -> cross_entropy_loss_fusion = False (config/loss.py)
+
+(--no-cross-entropy-loss-fusion is no switch here: it is a model converter, model/output_loss_converter.py.)
 
 A switch that is on only *allows* the fused kernel: an op still falls back to
 PyTorch when the kernel was not built or the tensors are not on its device.
@@ -30,9 +31,6 @@ class FusionFlags:
     layer_norm_fusion: bool = True
     rope_fusion: bool = True
     cpu_adam_fusion: bool = True
-    # The output layer and the cross-entropy by vocabulary chunks (tensor_parallel/output_loss.py): the
-    # [tokens, vocab] logits never exist at once. PyTorch ops on every device, same losses in fp32.
-    cross_entropy_loss_fusion: bool = True
     multi_tensor_adam_fusion: bool = True
 
 

@@ -1,5 +1,6 @@
 """The output layer and the vocab-parallel cross-entropy in one, by vocabulary chunks: the [tokens, vocab]
-logits never exist at once (--cross-entropy-loss-fusion, on by default; ops/fusion_flags.py).
+logits never exist at once (--cross-entropy-loss-fusion, on by default: GPTModel.fused_output_loss, set by
+model/output_loss_converter.py).
 
     losses = vocab_parallel_linear_cross_entropy(hidden, weight, target, group, vocab_size, sequence_parallel)
     # the same per-token losses as

@@ -33,6 +33,7 @@ from ..fp8.experts import is_expert
 from ..fp8.settings import Float8Settings
 from ..context_parallel import slice_batch_for_cp
 from ..model import reference_model
+from ..optimizer_setup import weight_gathers
 from ..pipeline.gpt_stage import activation_shape, build_gpt_stage
 from ..pipeline.p2p import P2P
 from ..topology import build_parallel_state
@@ -172,12 +173,14 @@ def fp8_layout_run(tp=1, pp=1, cp=1, stage=1, sequence_parallel=False, recipe="t
     cfg = moe_config(sp, **moe) if moe is not None else config(sp)
     model = build_gpt_stage(cfg, state)
     dp_group = state.dp_group if state.dp_size > 1 else None
-    Float8Converter(settings, CPU, state.cp_group if cp > 1 else None, dp_group,
-                    state.expert_dp_group if state.expert_dp_group is not None else dp_group)(model)
+    converter = Float8Converter(settings, CPU, state.cp_group if cp > 1 else None, dp_group,
+                                state.expert_dp_group if state.expert_dp_group is not None else dp_group)
+    converter.convert(model)
     opt = ZeroOptimizer(list(model.named_parameters()), dp_group=state.dp_group, stage=stage, clip_grad=1e9,
                         mp_group=state.mp_group, tp_rank=state.tp_rank, module=model,
                         expert_dp_group=state.expert_dp_group, overlap_grad_reduce=overlap,
-                        overlap_param_gather=overlap, persistence_threshold=persistence_threshold, **HP)
+                        overlap_param_gather=overlap, persistence_threshold=persistence_threshold,
+                        **weight_gathers(converter, model, state.dp_group, state.expert_dp_group, CPU), **HP)
     if broken_gather:  # each rank's weight scale from its own master fragments only
         opt.fp8_gather.groups = [g for g in opt.fp8_gather.groups if g is not state.dp_group]
     p2p = P2P(state.prev_rank, state.next_rank, activation_shape(1, cfg, state.tp_size, state.cp_size),

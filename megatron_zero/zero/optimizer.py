@@ -14,15 +14,15 @@ policy's signal and time-limit votes, so stopping costs no collective of its own
 The checkpoint code calls ``state_dict()`` / ``load_state_dict()`` (DeepSpeed's ZeRO layout,
 see checkpoint_state.py).
 
-A `module` whose FP8 layers were converted with --fp8-param-gather (fp8/param_gather.py) has their weights
-all-gathered in FP8 at stage 1/2 (packed_gather.py) and 3 (stage3_fp8.py), the MoE experts' over the
-expert-data-parallel group: published once when the optimizer is made (the first forward's FP8 weights) and
-after every step, always cast from the fp32 masters (with an offloaded optimizer too: they are not uploaded
-in the training dtype first); ``state_dict()`` republishes the weights in the training dtype first, so a
-checkpoint is a bf16 run's, and ``refresh_fp8_weights()`` recasts them after a resume has restored the FP8
-scaling state. At stage 1/2 the FP8 layers' weights in the training dtype are held from the optimizer's
-making (a resume loads into them) and from each ``state_dict()`` until the next step publishes: the FP8
-weight is their one copy in training.
+`fp8_gather` and `expert_fp8_gather` (what the model converters' `weight_gather` gives, model/converters.py:
+with --fp8-param-gather fp8/param_gather.py's Float8ParamGather, the experts' over the expert-data-parallel group)
+have the layers they hold gathered with their weights in FP8 at stage 1/2 (packed_gather.py) and 3 (stage3_fp8.py):
+published once when the optimizer is made (the first forward's FP8 weights) and after every step, always cast from
+the fp32 masters (with an offloaded optimizer too: they are not uploaded in the training dtype first);
+``state_dict()`` republishes the weights in the training dtype first, so a checkpoint is a bf16 run's, and
+``refresh_fp8_weights()`` recasts them after a resume has restored the FP8 scaling state. At stage 1/2 the FP8
+layers' weights in the training dtype are held from the optimizer's making (a resume loads into them) and from each
+``state_dict()`` until the next step publishes: the FP8 weight is their one copy in training.
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ class ZeroOptimizer:
                  quantized_weights: bool = False, quantized_gradients: bool = False, hpz_group=None,
                  device: Optional[torch.device] = None, grad_reduce_in_bf16: bool = False,
                  cpu_optimizer_threads: Optional[int] = None, expert_dp_group=None, muon=None, tp_group=None,
-                 expert_tp_group=None):
+                 expert_tp_group=None, fp8_gather=None, expert_fp8_gather=None):
         if stage not in (0, 1, 2, 3):  # the stage picks the implementation below; no other value has one
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
         self.stage, self.dtype, self.clip_grad = stage, _dtype(dtype), float(clip_grad or 0.0)
@@ -89,9 +89,7 @@ class ZeroOptimizer:
         self.device = device if device is not None else next(
             (p.device for g in self.named_groups for _, p in g), HOST)
         # --fp8-param-gather: the dense FP8 layers' gather over DP; with expert parallelism the experts' over expert-DP
-        self.fp8_gather = _fp8_gather(module, dp_group, self.device, None if expert_dp_group is None else False)
-        self.expert_fp8_gather = (_fp8_gather(module, expert_dp_group, self.device, True)
-                                  if expert_dp_group is not None else None)
+        self.fp8_gather, self.expert_fp8_gather = fp8_gather, expert_fp8_gather
         self._fp8_gathers = [g for g in (self.fp8_gather, self.expert_fp8_gather) if g is not None]
         # --grad-reduce-in-bf16: stages 0-2 reduce gradient buckets in bf16 (the sums stay fp32)
         reduce_dtype = torch.bfloat16 if grad_reduce_in_bf16 else torch.float32
@@ -303,13 +301,3 @@ class ZeroOptimizer:
         """Bytes of tensors this rank holds now: model parameters, gradients, optimizer state."""
         return {"params": self.impl.param_bytes(), "grads": self.impl.grad_bytes(),
                 "optimizer_state": self.optimizer.state_bytes()}
-
-
-def _fp8_gather(module, dp_group, device, experts: Optional[bool] = None):
-    """The FP8 side of the weight gather over `dp_group` for the module's layers converted with
-    --fp8-param-gather (`experts` True / False: the MoE experts' only / the others only; None: all), or None."""
-    if module is None or not any(getattr(getattr(m, "fp8", None), "param_gather", False) for m in module.modules()):
-        return None  # (torchao is imported only for such layers)
-    from ..fp8.param_gather import Float8ParamGather, gathered_layers
-    layers = gathered_layers(module, experts)
-    return Float8ParamGather(layers, dp_group, device) if layers else None

@@ -44,8 +44,8 @@ class Stage3Float8(Stage3):
                     p.ds_shard = None
             self.shards[gi] = shards
         self.fp8_index = self.fp8.fragment_index(p.ds_layer for p in self.fp8_params)
-        for m in self.fp8.layers:  # held only while gathered
-            m.fp8.weight8.data = m.fp8.weight8.data.new_empty(0)
+        for w8 in map(self.fp8.weight8, range(len(self.fp8.layers))):  # held only while gathered
+            w8.data = w8.data.new_empty(0)
 
     def _nbytes(self, p) -> int:
         return p.ds_per * (1 if getattr(p, "ds_layer", None) is not None else self.dtype.itemsize)
@@ -82,7 +82,7 @@ class Stage3Float8(Stage3):
             if getattr(p, "ds_layer", None) is not None:  # (none before __init__ has set them)
                 data = torch.empty(p.ds_per * self.dp, dtype=torch.uint8, device=self.device)
                 data.view(self.dp, p.ds_per).copy_(rows[:, pos:pos + n])
-                w8 = self.fp8.layers[p.ds_layer].fp8.weight8
+                w8 = self.fp8.weight8(p.ds_layer)
                 w8.data = data[:p.ds_numel].view(w8.data.dtype).view(p.ds_shape)
                 slot[:p.ds_numel].copy_((w8.data.float() / w8.scale).reshape(-1))
             else:
@@ -97,7 +97,7 @@ class Stage3Float8(Stage3):
         super()._release(params)
         for p in params:
             if p.data.numel() == 0 and getattr(p, "ds_layer", None) is not None:
-                w8 = self.fp8.layers[p.ds_layer].fp8.weight8
+                w8 = self.fp8.weight8(p.ds_layer)
                 w8.data = w8.data.new_empty(0)
 
     @torch.no_grad()
@@ -125,5 +125,5 @@ class Stage3Float8(Stage3):
         shards = sum(s.numel() * s.element_size() for s in self.shards)
         fp8 = sum(p.ds_shard8.numel() for p in self.fp8_params)
         return (shards + fp8 + self.gathered_numel() * self.dtype.itemsize
-                + sum(m.fp8.weight8.data.numel() for m in self.fp8.layers))
+                + sum(self.fp8.weight8(i).data.numel() for i in range(len(self.fp8.layers))))
 
