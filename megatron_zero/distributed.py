@@ -9,8 +9,9 @@ Each launch attempt forms its process group from its own store (`attempt_store`)
 one TCPStore at MASTER_ADDR:MASTER_PORT for all the attempts of a run (its --max-restarts restarts and an
 elastic job's re-rendezvous), so the process groups' keys go under the attempt's
 TORCHELASTIC_RESTART_COUNT; otherwise a restarted attempt reads the addresses its killed predecessor left
-there and gloo/NCCL connect to processes that are gone. Where rank 0 hosts the store (SLURM, one process)
-it dies with the attempt. On NCCL the rank's GPU is bound and named to the process group (device_id).
+there and gloo/NCCL connect to processes that are gone. Where rank 0 hosts the store (SLURM) it dies with
+the attempt; a run of one process without a launcher keeps its store in memory (no port: two such runs on one
+host, or one beside a torchrun job on the default port, never collide). On NCCL the rank's GPU is bound and named to the process group (device_id).
 
 On NCCL a dead peer raises nothing: the others wait in their collective. Before the process group is
 made, `nccl_environment` turns on PyTorch's NCCL watchdog teardown (TORCH_NCCL_ASYNC_ERROR_HANDLING=1:
@@ -134,6 +135,8 @@ def attempt_store(launch: LaunchEnv, timeout: datetime.timedelta, environ: Optio
     not (`host`: when forming the process group, not when looking up a report afterwards)."""
     import torch.distributed as dist
 
+    if launch.source == "single":  # no other process to reach it: no port, so no run on this host to collide with
+        return dist.HashStore()
     prefix = attempt_prefix(environ)
     store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size,
                           is_master=host and not prefix and launch.rank == 0, timeout=timeout,

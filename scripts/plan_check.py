@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,12 +44,6 @@ WRAPPER = ("import runpy, sys, torch\nsys.argv = sys.argv[1:]\ntry:\n    runpy.r
            "torch.cuda.max_memory_allocated() if torch.cuda.is_available() else -1, flush=True)\n")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def check(name: str, iters: int, gpu_tflops: float) -> dict:
     flags = [*CASES[name], *COMMON, "--train-iters", str(iters), "--eval-interval", str(iters + 1)]
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -59,7 +52,6 @@ def check(name: str, iters: int, gpu_tflops: float) -> dict:
     if plan.returncode:
         return dict(case=name, error="plan: " + (plan.stderr.strip().splitlines() or ["?"])[-1])
     predicted = json.loads(plan.stdout)
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     run = subprocess.run([sys.executable, "-c", WRAPPER, os.path.join(ROOT, "pretrain_gpt.py"), *flags],
                          capture_output=True, text=True, env=env)
     out = run.stdout + run.stderr

@@ -16,7 +16,8 @@ The chosen directory is opened once (manifest read, sizes checked) and that open
 the model check (`check`) and the loader read.
 A ZeRO checkpoint saved at this TP x PP x DP and ZeRO stage family loads as saved (load.py); saved at
 another (an MoE checkpoint's EP included), it is reshaped while loading (universal_load.py), as a universal
-checkpoint always is.
+checkpoint always is. The layout is the one its manifest records, or, without one read (DeepSpeed's saves,
+--no-verify-checkpoint), the one its header and files show (shown_layout.py).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from .load import CONVERTER_NOTES, load_checkpoint
 from .megatron_deepspeed import is_module_layout, writes_qkv_blocks
 from .report import layout_here, loaded_line
 from .save import saved_layout
+from .shown_layout import layout_meta
 from .storage.manifest import MANIFEST
 from .storage.reader import Checkpoint, open_directory
 from .reshape.universal_load import (find_universal_dir, load_reshaped_checkpoint, load_universal_checkpoint,
@@ -159,17 +161,20 @@ def resume_checkpoint(path: str, state, model, optimizer, load_optimizer: bool =
     load_optimizer = load_optimizer and not switched
     this_layout = layout_here(state, optimizer.stage)
     opened = point.checkpoint
-    saved = opened.meta.get("layout")
     here = saved_layout(state, model)  # an interleaved pipeline holds other layers: reshaped
-    _refuse_expert_tp_reshape(point, saved, here)
     if point.universal:
+        _refuse_expert_tp_reshape(point, None, here)
         client = load_universal_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify,
                                            checkpoint=opened)
         log(loaded_line(point.directory, "universal", client, this_layout))
         _say_what_starts_fresh(model, converters, log, "a universal checkpoint keeps none")
         return client
-    same_stage_family = (opened.meta.get("zero_stage", optimizer.stage) == 3) == (optimizer.stage == 3)
-    if switched or (saved is not None and (saved != here or not same_stage_family)) or megatron_deepspeed_layout(opened):
+    recorded = layout_meta(opened)  # the manifest's, or what the header and files show where none was read
+    saved = recorded["layout"]
+    _refuse_expert_tp_reshape(point, saved, here)
+    saved_stage = recorded["zero_stage"] if recorded["zero_stage"] is not None else optimizer.stage
+    same_stage_family = (saved_stage == 3) == (optimizer.stage == 3)
+    if switched or (saved is not None and saved != here) or not same_stage_family or megatron_deepspeed_layout(opened):
         client = load_reshaped_checkpoint(point.directory, state, model, optimizer, load_optimizer, verify,
                                           checkpoint=opened)
         log(loaded_line(point.directory, "plain", client, this_layout))
