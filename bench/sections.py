@@ -113,9 +113,14 @@ def _git(*argv: str) -> subprocess.CompletedProcess:
 
 
 def _code(source: str):
-    """The AST of a Python source with its docstrings removed (comments are not in it), as text."""
+    """The AST of a Python source with its docstrings removed (comments are not in it) and its imports' module
+    paths (the names imported stay: a module moved to another package is the same code), as text."""
     tree = ast.parse(source)
     for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            node.module, node.level = None, 0
+        elif isinstance(node, ast.Import):
+            node.names = [ast.alias(name=a.asname or a.name.rsplit(".", 1)[-1]) for a in node.names]
         body = getattr(node, "body", None)
         if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and \
                 isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
