@@ -10,6 +10,7 @@ the recorded commit's but for comments and docstrings (their ASTs, docstrings st
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import re
 import subprocess
@@ -128,6 +129,17 @@ def _code(source: str):
     return ast.dump(tree)
 
 
+@functools.lru_cache(maxsize=None)
+def _renamed(commit: str) -> dict:
+    """{path today: its path at `commit`} for the files git finds moved since (a module regrouped into a package)."""
+    out = {}
+    for line in _git("diff", "-M", "--name-status", commit).stdout.splitlines():
+        fields = line.split("\t")
+        if fields[0].startswith("R") and len(fields) == 3:
+            out[fields[2]] = fields[1]
+    return out
+
+
 def changed_since(commit: str, paths) -> Optional[List[str]]:
     """The files under `paths` whose code differs between `commit` and the working tree (a Python file: by its
     AST without docstrings; any other: by its bytes); None when `commit` is not in this clone's history."""
@@ -140,7 +152,7 @@ def changed_since(commit: str, paths) -> Optional[List[str]]:
         if not path.endswith(".py"):
             changed.append(path)
             continue
-        before = _git("show", f"{commit}:{path}")
+        before = _git("show", f"{commit}:{_renamed(commit).get(path, path)}")
         now = os.path.join(ROOT, path)
         if before.returncode != 0 or not os.path.exists(now):
             changed.append(path)  # added or removed since
