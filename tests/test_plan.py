@@ -97,6 +97,31 @@ def test_llama3_70b_plain_dp_does_not_fit_64_gpus():
     assert rank.weights + rank.gradients > 80 * GIB  # no activation could make it fit
 
 
+GPTJ_6B = ("--num-layers 28 --hidden-size 4096 --num-attention-heads 16 --ffn-hidden-size 16384 --seq-length 2048 "
+           "--max-position-embeddings 2048 --position-embedding-type rope --rotary-percent 0.25 "
+           "--untie-embeddings-and-output-weights --vocab-size 50400 --train-iters 10 --lr 1e-5 --bf16 "
+           "--micro-batch-size 1 --global-batch-size 1").split()
+
+
+def test_plan_cli_search_6b_on_one_24gib_gpu_names_the_offload_layouts():
+    """A GPT-J-sized 6B model on one 24 GiB GPU with 128 GiB of host memory: the run as given (ZeRO-1, no offload)
+    does not fit; --search names the layouts that fit the GPU and the host: ZeRO-2 with --cpu-optimizer, whose
+    fp32 gradient partition is in host memory (zero/host_grads.py), with full recomputation."""
+    argv = [*GPTJ_6B, "--gpus", "1", "--gpus-per-node", "1", "--gpu-memory", "24", "--host-memory", "128",
+            "--search", "--json"]
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plan.py"), *argv], capture_output=True,
+                         text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout)
+    assert 6.0e9 < got["parameters"] < 6.1e9 and got["fits"] is False
+    assert got["layouts"], "no layout fits"
+    for layout in got["layouts"]:
+        assert layout["peak"] <= 24 * GIB and layout["host_bytes_per_node"]["total"] <= 128 * GIB, layout
+        assert "--cpu-optimizer" in layout["flags"] and "--zero-stage 2" in layout["flags"], layout
+        # the device holds the bf16 weights and one reduce bucket, not the 22.5 GiB fp32 gradient partition
+        assert layout["host_bytes_per_node"]["pinned"] >= got["parameters"] * 4, layout
+
+
 def test_time_model_reproduces_h200_llama_run():
     """Fitted on the 1.3B run (49.8 % MFU); our Llama-3-8B-shape run (16 layers, seq 4096, mb1 GA8, a
     256-token vocabulary, one H200) measured 50.2 %: within 15 %."""
