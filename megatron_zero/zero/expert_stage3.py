@@ -31,18 +31,20 @@ from .stage3 import Stage3
 class ExpertParallelStage3(ExpertHalves):
     def __init__(self, dense_groups, expert_groups, dp_group, expert_dp_group, dtype: torch.dtype, bucket_size: int,
                  module, device: torch.device, layers=None, prefetch: bool = True,
-                 persistence_threshold: int = 100_000, fp8_gather=None):
+                 persistence_threshold: int = 100_000, fp8_gather=None, grads_to_host: bool = False):
         cls, extra = Stage3, {}
         if fp8_gather is not None:  # --fp8-param-gather: the dense FP8 layers' chunks gathered in FP8
             from .stage3_fp8 import Stage3Float8
             cls, extra = Stage3Float8, {"fp8_gather": fp8_gather}
         dense = cls(dense_groups, dp_group, dtype, bucket_size, module=module, layers=layers,
-                    prefetch=prefetch, persistence_threshold=persistence_threshold, device=device, **extra)
+                    prefetch=prefetch, persistence_threshold=persistence_threshold, device=device,
+                    grads_to_host=grads_to_host, **extra)
         expert = Stage3(expert_groups, expert_dp_group, dtype, bucket_size, module=module, layers=layers,
                         prefetch=prefetch, persistence_threshold=persistence_threshold, device=device,
-                        storage_map=dense._storage)
+                        storage_map=dense._storage, grads_to_host=grads_to_host)
         self._init_halves(dense, expert, len(dense_groups))
         self.dp, self.reduce_dp, self.rank = self.dense.dp, self.dense.dp, self.dense.rank
+        self.grads_on_host = grads_to_host
 
     @property
     def halves(self):

@@ -99,7 +99,7 @@ class ZeroOptimizer:
                 self.impl = ExpertParallelStage3(dense, expert, dp_group, expert_dp_group, self.dtype, bucket_size,
                                                  module, self.device, layers=layers, prefetch=prefetch,
                                                  persistence_threshold=persistence_threshold,
-                                                 fp8_gather=self.fp8_gather)
+                                                 fp8_gather=self.fp8_gather, grads_to_host=grads_to_host)
             else:
                 self.impl = ExpertParallelStage(dense, expert, dp_group, expert_dp_group, stage, self.dtype,
                                                 bucket_size, self.device, grad_reduce_dtype=reduce_dtype,
