@@ -239,6 +239,24 @@ def test_probed_stages_equal_the_exact_trace(name):
         assert exact == fast, (name, exact, fast)
 
 
+@pytest.mark.slow  # a minute on a loaded machine (the exact side traces every candidate whole); the default tier:
+# test_probed_stages_equal_the_exact_trace (the probes' bytes equal the whole-stage trace's)
+def test_search_lists_the_layouts_of_whole_stage_traces():
+    """--search's fast path (probes of one and two blocks, one trace each: probe.py) lists the same layouts, with
+    the same bytes, as the search that builds and traces every candidate's whole stages: a 6-block Llama on
+    8 GPUs of a memory that excludes some (TP, PP, CP, ZeRO, micro-batch and recompute vary)."""
+    from megatron_zero.planning.search import search
+    config = tiny_llama_config(6, **SHAPE, ffn_hidden_size=256)
+    base = Plan(config, micro_batch=1, global_batch=8, dtype=torch.bfloat16)
+    cluster = Cluster(gpus=8, gpus_per_node=8, gpu_memory_gib=6 * 2 ** 20 / GIB)  # recompute none mostly out
+
+    def listed(exact):
+        return [(c.describe(), c.ranks) for c in search(base, cluster, limit=12, exact=exact)]
+
+    fast = listed(False)
+    assert len(fast) == 12 and fast == listed(True)
+
+
 LLAMA3_70B = [*LLAMA3_8B, "--num-layers", "80", "--hidden-size", "8192", "--num-attention-heads", "64",
               "--ffn-hidden-size", "28672"]
 

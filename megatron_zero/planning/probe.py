@@ -70,6 +70,18 @@ class Probes:
                                                   ROLES[role][1], micro_batch, self.dtype)
         return self._traces[key]
 
+    def two_block_trace(self, role: str, tp: int, cp: int, micro_batch: int) -> Tuple[int, int, int]:
+        """(saved, peak, one block's saved bytes) of the two-block probe, from its one trace: a block's saved
+        bytes are the live bytes' growth over the second block's forward (its saved tensors and its output
+        in place of its input's, the same size), which is saved(2) - saved(1) without the one-block trace."""
+        key = (role, tp, cp, micro_batch, "marked")
+        if key not in self._traces:
+            marks = []
+            saved, peak = trace_activations(self._probe_config(role, 2), self._degrees(role, tp, cp, 1),
+                                            ROLES[role][1], micro_batch, self.dtype, marks=marks)
+            self._traces[key] = (saved, peak, marks[1] - marks[0])
+        return self._traces[key]
+
     def rank(self, role: str, pp: int, pp_rank: int, degrees: dict, micro_batch: int,
              trace: bool = True) -> TracedRank:
         """Stage `pp_rank` of `pp` (of `role`) of the layout `degrees`, scaled from the probes."""
@@ -81,9 +93,7 @@ class Probes:
         params = self._stages[key]
         if not trace:
             return TracedRank(params, 0, 0)
-        saved1, _ = self.trace(role, degrees["tp"], degrees["cp"], micro_batch, 1)
-        saved2, peak2 = self.trace(role, degrees["tp"], degrees["cp"], micro_batch, 2)
-        per_block = saved2 - saved1
+        saved2, peak2, per_block = self.two_block_trace(role, degrees["tp"], degrees["cp"], micro_batch)
         return TracedRank(params, saved2 + (n - 2) * per_block, peak2 + (n - 2) * per_block)
 
     def _scaled_params(self, probe, role_pp: Tuple[int, int], first_block: int, n: int):
