@@ -1,8 +1,10 @@
 """A stage of n identical blocks planned from probes of the same stage with one and two blocks.
 
 A fake build or trace costs per operator, so an 80-layer stage costs 80 blocks' worth whatever its tensors'
-sizes. When the stage's blocks are all alike, the model code builds and traces the same stage kind with one
-block and with two (the config's num_layers set to 1 or 2 per stage, everything else as the run has it), and:
+sizes. When the stage's blocks are all alike, the model code builds the same stage kind with one block (its
+parameters) and builds and traces it with two (the config's num_layers set to 1 or 2 per stage, everything
+else as the run has it; one block's saved bytes, saved(2) - saved(1), are the live bytes' growth over the
+second block's forward in that one trace: its saved tensors, and its output in place of its input), and:
 
     parameters   the one-block probe's, its block's parameters repeated n times (renamed to the real layer
                  indices, in module order): the same list the n-block stage builds
@@ -47,7 +49,7 @@ class Probes:
     def __init__(self, config, dtype: torch.dtype):
         self.config, self.dtype = config, dtype
         self._params: Dict[tuple, tuple] = {}
-        self._traces: Dict[tuple, Tuple[int, int]] = {}
+        self._traces: Dict[tuple, Tuple[int, int, int]] = {}
         self._stages: Dict[tuple, tuple] = {}
 
     def _probe_config(self, role: str, blocks: int):
@@ -63,18 +65,11 @@ class Probes:
                                              ROLES[role][1], self.dtype)
         return self._params[key]
 
-    def trace(self, role: str, tp: int, cp: int, micro_batch: int, blocks: int) -> Tuple[int, int]:
-        key = (role, tp, cp, micro_batch, blocks)
-        if key not in self._traces:
-            self._traces[key] = trace_activations(self._probe_config(role, blocks), self._degrees(role, tp, cp, 1),
-                                                  ROLES[role][1], micro_batch, self.dtype)
-        return self._traces[key]
-
     def two_block_trace(self, role: str, tp: int, cp: int, micro_batch: int) -> Tuple[int, int, int]:
         """(saved, peak, one block's saved bytes) of the two-block probe, from its one trace: a block's saved
         bytes are the live bytes' growth over the second block's forward (its saved tensors and its output
         in place of its input's, the same size), which is saved(2) - saved(1) without the one-block trace."""
-        key = (role, tp, cp, micro_batch, "marked")
+        key = (role, tp, cp, micro_batch)
         if key not in self._traces:
             marks = []
             saved, peak = trace_activations(self._probe_config(role, 2), self._degrees(role, tp, cp, 1),
