@@ -283,10 +283,13 @@ class ZeroOptimizer:
 
     # ---- measurement -----------------------------------------------------------------
     def memory_bytes(self) -> dict:
-        """Bytes of tensors this rank holds now: model parameters, gradients, optimizer state."""
-        return {"params": self.impl.param_bytes(), "grads": self.impl.grad_bytes(),
-                "optimizer_state": self.optimizer.state_bytes(),
-                "host_grads": getattr(self.impl, "host_grad_bytes", lambda: 0)()}
+        """Bytes of tensors this rank holds now: model parameters, gradients (on the device), optimizer state,
+        and under offload the gradients held on the host."""
+        out = {"params": self.impl.param_bytes(), "grads": self.impl.grad_bytes(),
+               "optimizer_state": self.optimizer.state_bytes()}
+        if getattr(self.impl, "grads_on_host", False):  # offload: the gradient partitions (and slots) on the host
+            out["host_grads"] = self.impl.host_grad_bytes()
+        return out
 
 
 def _fp8_gather(module, dp_group, device):
