@@ -18,9 +18,9 @@ layout-independent initial weights, pinned staging buffers) names `HOST` explici
 asserts that no call went unplaced, that placed calls were seen at all (the mode is not
 looking at nothing), and, after the two steps, that the parameters, ZeRO flat buffers, gradient
 partitions, fp32 masters and Adam moments are on the trainer's device (host memory only for
-the masters of --cpu-optimizer). Layouts: PP2 (p2p buffers, tied-embedding sync), DP2 ZeRO-3
-(gathers, saved-tensor hooks), DP2 ZeRO-2 with --cpu-optimizer, TP2 with --sequence-parallel (the
-tensor-parallel mappings and cross-entropy); dropout on (the RNG tracker).
+the masters, moments and gradient partitions of --cpu-optimizer). Layouts: PP2 (p2p buffers,
+tied-embedding sync), DP2 ZeRO-3 (gathers, saved-tensor hooks), DP2 ZeRO-2 with --cpu-optimizer, TP2 with
+--sequence-parallel (the tensor-parallel mappings and cross-entropy); dropout on (the RNG tracker).
 
 The second iteration is a logged one with --timing-log-level 2 --log-params-norm (the timers' gather,
 the parameter norm's all-reduce over host masters with --cpu-optimizer). The same mode tells host
@@ -62,9 +62,12 @@ def _two_iterations(argv, tp, pp):
         where["flat buffers"] = {f.device for f in opt.impl.flat}
     else:
         where["shards"] = {p.ds_shard.device for g in opt.impl.groups for p in g}
-    expected = {name: {home if name in ("masters", "moments") else device} for name in where}
+    expected = {name: {home if name in ("masters", "moments", "grad partitions") else device} for name in where}
     masters_on_host = all(tracker.is_host(p) for p in opt.optimizer.params)
-    return tracker.placed, tracker.unplaced, where, expected, tracker.host_in_collective, masters_on_host
+    # --cpu-optimizer: the reduced gradients are brought to the host as they land (zero/host_grads.py)
+    grads_on_host = all(tracker.is_host(g) for g in opt.impl.grad_partitions())
+    return (tracker.placed, tracker.unplaced, where, expected, tracker.host_in_collective, masters_on_host,
+            grads_on_host)
 
 
 # tp2_muon_qk_clip (slow: the tier has tp2_sequence_parallel's path): Muon's gathers and reduce-scatter, its TP
@@ -87,10 +90,12 @@ def test_trainer_makes_every_tensor_on_its_device(builtin_corpus, tmp_path, layo
     if layout.endswith("muon_qk_clip"):
         flags.update({"optimizer": "muon", "muon-tp-mode": "duplicated", "qk-clip": True})
     results = run_ranks(_two_iterations, 2, model_flags(data, tok, **flags), tp, pp, timeout=300)
-    for rank, (placed, unplaced, where, expected, host_in_collective, masters_on_host) in enumerate(results):
+    for rank, (placed, unplaced, where, expected, host_in_collective, masters_on_host, grads_on_host) in enumerate(
+            results):
         assert not unplaced, f"rank {rank}: factory calls without a device: {unplaced}"
         assert placed > 10, f"rank {rank}: only {placed} factory calls seen; the recorder is not looking"
         assert where == expected, f"rank {rank}: {where} != {expected}"
         # the tracker sees the offloaded masters as host memory (else the collective check would look at nothing)
         assert masters_on_host == layout.endswith("cpu_optimizer"), f"rank {rank}: masters on host: {masters_on_host}"
+        assert grads_on_host == layout.endswith("cpu_optimizer"), f"rank {rank}: gradients on host: {grads_on_host}"
         assert not host_in_collective, f"rank {rank}: host tensors handed to collectives: {host_in_collective}"

@@ -97,6 +97,31 @@ def test_llama3_70b_plain_dp_does_not_fit_64_gpus():
     assert rank.weights + rank.gradients > 80 * GIB  # no activation could make it fit
 
 
+GPTJ_6B = ("--num-layers 28 --hidden-size 4096 --num-attention-heads 16 --ffn-hidden-size 16384 --seq-length 2048 "
+           "--max-position-embeddings 2048 --position-embedding-type rope --rotary-percent 0.25 "
+           "--untie-embeddings-and-output-weights --vocab-size 50400 --train-iters 10 --lr 1e-5 --bf16 "
+           "--micro-batch-size 1 --global-batch-size 1").split()
+
+
+def test_plan_cli_search_6b_on_one_24gib_gpu_names_the_offload_layouts():
+    """A GPT-J-sized 6B model on one 24 GiB GPU with 128 GiB of host memory: the run as given (ZeRO-1, no offload)
+    does not fit; --search names the layouts that fit the GPU and the host: ZeRO-2 with --cpu-optimizer, whose
+    fp32 gradient partition is in host memory (zero/host_grads.py), with full recomputation."""
+    argv = [*GPTJ_6B, "--gpus", "1", "--gpus-per-node", "1", "--gpu-memory", "24", "--host-memory", "128",
+            "--search", "--json"]
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plan.py"), *argv], capture_output=True,
+                         text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout)
+    assert 6.0e9 < got["parameters"] < 6.1e9 and got["fits"] is False
+    assert got["layouts"], "no layout fits"
+    for layout in got["layouts"]:
+        assert layout["peak"] <= 24 * GIB and layout["host_bytes_per_node"]["total"] <= 128 * GIB, layout
+        assert "--cpu-optimizer" in layout["flags"] and "--zero-stage 2" in layout["flags"], layout
+        # the device holds the bf16 weights and one reduce bucket, not the 22.5 GiB fp32 gradient partition
+        assert layout["host_bytes_per_node"]["pinned"] >= got["parameters"] * 4, layout
+
+
 def test_time_model_reproduces_h200_llama_run():
     """Fitted on the 1.3B run (49.8 % MFU); our Llama-3-8B-shape run (16 layers, seq 4096, mb1 GA8, a
     256-token vocabulary, one H200) measured 50.2 %: within 15 %."""
@@ -156,6 +181,9 @@ STEP_FLAGS = ("--num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-le
               "--disable-bias-linear --untie-embeddings-and-output-weights").split()
 STEP_RUNS = {  # name -> (extra flags, tolerance of the peak)
     "zero0": ("--zero-stage 0", 0.05), "zero2": ("--zero-stage 2", 0.05),
+    # the optimizer state and the fp32 gradient partition in host memory (zero/host_grads.py: with the slots the
+    # reduced buckets come down through), which on the CPU is the memory measured
+    "zero2_cpu_optimizer": ("--zero-stage 2 --cpu-optimizer", 0.05),
     # bf16 ZeRO-3 predicts 6 % high since logits this small are computed whole (the trace takes PyTorch's
     # cross-entropy, the run the fused kernel): within 10 %, on the safe side
     "zero3_bf16": ("--zero-stage 3 --bf16", 0.10),
@@ -178,9 +206,11 @@ def test_planned_step_memory_matches_a_measured_step():
                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     for (name, (_, tol)), got in zip(STEP_RUNS.items(), json.loads(out.stdout.splitlines()[-1])):
+        got["predicted_peak"] += got["predicted_host"]  # (offload: the host's, on the CPU the same memory)
+        got["predicted_states"] += got["predicted_host"]
         assert abs(got["predicted_peak"] - got["measured_peak"]) <= tol * got["measured_peak"], (name, got)
         assert got["predicted_peak"] >= 0.995 * got["measured_peak"], (name, got)
-        if name != "zero2":  # ZeRO-2's plan counts its reduce bucket among the gradients; freed after the step
+        if not name.startswith("zero2"):  # ZeRO-2's plan counts its reduce bucket among the gradients; freed after the step
             assert abs(got["predicted_states"] - got["measured_states"]) <= 0.005 * got["measured_states"], (name, got)
 
 
@@ -207,6 +237,24 @@ def test_probed_stages_equal_the_exact_trace(name):
         assert scalable(config, pp)
         exact, fast = traced_ranks(plan, exact=True), traced_ranks(plan)
         assert exact == fast, (name, exact, fast)
+
+
+@pytest.mark.slow  # a minute on a loaded machine (the exact side traces every candidate whole); the default tier:
+# test_probed_stages_equal_the_exact_trace (the probes' bytes equal the whole-stage trace's)
+def test_search_lists_the_layouts_of_whole_stage_traces():
+    """--search's fast path (probes of one and two blocks, one trace each: probe.py) lists the same layouts, with
+    the same bytes, as the search that builds and traces every candidate's whole stages: a 6-block Llama on
+    8 GPUs of a memory that excludes some (TP, PP, CP, ZeRO, micro-batch and recompute vary)."""
+    from megatron_zero.planning.search import search
+    config = tiny_llama_config(6, **SHAPE, ffn_hidden_size=256)
+    base = Plan(config, micro_batch=1, global_batch=8, dtype=torch.bfloat16)
+    cluster = Cluster(gpus=8, gpus_per_node=8, gpu_memory_gib=6 * 2 ** 20 / GIB)  # recompute none mostly out
+
+    def listed(exact):
+        return [(c.describe(), c.ranks) for c in search(base, cluster, limit=12, exact=exact)]
+
+    fast = listed(False)
+    assert len(fast) == 12 and fast == listed(True)
 
 
 LLAMA3_70B = [*LLAMA3_8B, "--num-layers", "80", "--hidden-size", "8192", "--num-attention-heads", "64",

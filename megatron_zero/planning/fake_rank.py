@@ -133,16 +133,17 @@ def stage_params(config, degrees: dict, pp_rank: int, dtype: torch.dtype, partit
 
 
 def trace_activations(config, degrees: dict, pp_rank: int, micro_batch: int, dtype: torch.dtype,
-                      partition_method: str = "uniform", virtual_stages: int = 1) -> Tuple[int, int]:
-    """(saved bytes, peak bytes) of one traced micro-batch of stage `pp_rank` (trace_rank's choices)."""
+                      partition_method: str = "uniform", virtual_stages: int = 1, marks: list = None) -> Tuple[int, int]:
+    """(saved bytes, peak bytes) of one traced micro-batch of stage `pp_rank` (trace_rank's choices). `marks`, a
+    list: the live bytes as each of the stage's blocks returns in the forward are appended to it."""
     if config.attention_backend in ("auto", "flash") and config.attention_dropout > 0:
         config = dataclasses.replace(config, attention_dropout=0.0)
     _, saved, peak = _build(config, {**degrees, "ep": 1, "etp": None}, pp_rank, dtype, partition_method,
-                            virtual_stages, micro_batch)
+                            virtual_stages, micro_batch, marks)
     return saved, peak
 
 
-def _build(config, degrees, pp_rank, dtype, partition_method, virtual_stages, micro_batch):
+def _build(config, degrees, pp_rank, dtype, partition_method, virtual_stages, micro_batch, marks=None):
     tp, pp, cp, ep = degrees["tp"], degrees["pp"], degrees["cp"], degrees["ep"]
     world = tp * pp * cp * ep
     old_flags = set_fusion_flags(**UNFUSED)
@@ -162,13 +163,13 @@ def _build(config, degrees, pp_rank, dtype, partition_method, virtual_stages, mi
                                for n, p in model.named_parameters())
                 saved = peak = 0
                 if micro_batch:
-                    saved, peak = _trace_micro_batch(model, state, config, micro_batch, dtype)
+                    saved, peak = _trace_micro_batch(model, state, config, micro_batch, dtype, marks)
     finally:
         set_fusion_flags(**{k: getattr(old_flags, k) for k in UNFUSED})
     return params, saved, peak
 
 
-def _trace_micro_batch(model, state, config, micro_batch: int, dtype) -> Tuple[int, int]:
+def _trace_micro_batch(model, state, config, micro_batch: int, dtype, marks=None) -> Tuple[int, int]:
     seq = config.seq_length // state.cp_size
     tokens = torch.zeros(micro_batch, seq, dtype=torch.long)
     if state.is_first_stage:
@@ -179,15 +180,21 @@ def _trace_micro_batch(model, state, config, micro_batch: int, dtype) -> Tuple[i
     for p in model.parameters():  # the optimizer takes each gradient into its own buffers (memory.py counts those)
         p.register_post_accumulate_grad_hook(_drop_grad)
     routing = BalancedExpertCounts() if config.num_experts else contextlib.nullcontext()  # a mode costs per operator
-    with routing, LiveBytes() as live:
+    live, forward = LiveBytes(), [True]
+    hooks = [b.register_forward_hook(lambda *_: marks.append(live.current) if forward[0] else None)
+             for b in (model.blocks if marks is not None else [])]  # (not again in a backward's recomputation)
+    with routing, live:
         out = model(inputs, labels=tokens if state.is_last_stage else None,
                     tokens=tokens if state.is_last_stage else None)  # (multi-token prediction embeds them)
+        forward[0] = False
         saved = live.current - out.untyped_storage().nbytes()
         if state.is_last_stage:
             out.backward()
         else:
             out.backward(torch.ones_like(out))
         del out
+    for h in hooks:
+        h.remove()
     return saved, live.peak
 
 

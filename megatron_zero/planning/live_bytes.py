@@ -42,8 +42,22 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        # only an operator whose schema says an output aliases an input (views, in-place, out=) can return an
+        # input's storage; the others' outputs are new storage (the input scan is most of this mode's cost)
+        inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)} if _may_alias(func) else ()
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in inputs:
                 self._count(t)
         return out
+
+
+_ALIASING = {}  # operator -> whether an output of its schema may alias an input
+
+
+def _may_alias(func) -> bool:
+    may = _ALIASING.get(func)
+    if may is None:
+        schema = getattr(func, "_schema", None)
+        may = _ALIASING[func] = schema is None or any(r.alias_info is not None for r in schema.returns)
+    return may

@@ -3,7 +3,8 @@
     weights      the stage's parameters in the training dtype (ZeRO-3: this rank's partition plus the
                  gathered copies of the two largest layers in flight, fetch and prefetch; at DP 1 all of them)
     gradients    fp32: the whole stage's (ZeRO 0/1: the main-grad buffer) or this rank's partition plus
-                 the reduce buckets (ZeRO 2/3)
+                 the reduce buckets (ZeRO 2/3); under offload the partition is in host memory instead
+                 (zero/host_grads.py): ZeRO 2/3 keep only the bucket on the device, ZeRO 0/1 their buffer
     optimizer    the fp32 master partition (a flat copy in fp32 runs too) and the optimizer's states per element (OPTIMIZER_STATES),
                  over the padded partition of zero/partition.py (ZeRO >= 1) or whole (ZeRO 0); on the host
                  under --cpu-optimizer, in files under NVMe offload
@@ -74,6 +75,7 @@ class RankMemory:
     host_optimizer: int    # offloaded to host memory (--cpu-optimizer)
     nvme_optimizer: int    # offloaded to files
     partition: int = 0     # this rank's fp32 partition elements (the master copy's)
+    host_gradients: int = 0  # under offload: the fp32 gradient partition and the slots it comes down through
 
     @property
     def peak(self) -> int:
@@ -142,7 +144,10 @@ def rank_memory(plan: Plan, kind: str, pp_rank: int, traced: TracedRank) -> Rank
     else:
         weights = numel * wb
     bucket = min(plan.bucket_elements, numel) * 4
-    gradients = numel * 4 if plan.zero_stage < 2 else sum(local) * 4 + (bucket if plan.zero_stage == 2 else 0)
+    offloaded = plan.offload != "none"
+    partition_grads = 0 if offloaded else sum(local) * 4  # on the host under offload (zero/host_grads.py)
+    gradients = numel * 4 if plan.zero_stage < 2 else partition_grads + (bucket if plan.zero_stage == 2 else 0)
+    host_gradients = sum(local) * 4 + host_grad_slots(plan, groups, local) * 4 if offloaded else 0
     # the fp32 master partition (in fp32 runs too) and each group's optimizer states
     states = sum((per_element + 1) * n * 4 for n, (_, _, per_element) in zip(local, groups))
     optimizer, host, nvme = states, 0, 0
@@ -154,7 +159,25 @@ def rank_memory(plan: Plan, kind: str, pp_rank: int, traced: TracedRank) -> Rank
     activations = traced.peak_bytes + (in_flight - 1) * traced.saved_bytes
     seq = plan.config.seq_length // plan.cp
     p2p = 2 * plan.micro_batch * seq * plan.config.hidden_size * wb if plan.pp > 1 else 0
-    return RankMemory(kind, numel, weights, gradients, optimizer, activations, p2p, host, nvme, sum(local))
+    return RankMemory(kind, numel, weights, gradients, optimizer, activations, p2p, host, nvme, sum(local),
+                      host_gradients)
+
+
+def host_grad_slots(plan: Plan, groups, local: List[int]) -> int:
+    """Elements of the host slots an offloaded run's reduced buckets come down through (zero/host_grads.py):
+    SLOTS of the widest bucket, ZeRO 0/1's strided buckets and ZeRO 2's contiguous ones as GradBuckets forms
+    them (grown to a partition at most), ZeRO 3's of its bucket size (its partitions' total at most)."""
+    from ..zero.host_grads import SLOTS
+    from ..zero.partition import contiguous_buckets, strided_buckets
+    if plan.zero_stage == 3:
+        return SLOTS * min(plan.bucket_elements, sum(local))
+    widths = []
+    for group, dp, _ in groups:
+        part = partition_group(group, dp if plan.zero_stage else 1)
+        layouts = (strided_buckets(part, plan.bucket_elements) if plan.zero_stage < 2 else
+                   contiguous_buckets(part, plan.bucket_elements))
+        widths += [lay.width for lay in layouts]
+    return SLOTS * max(widths, default=1)
 
 
 def _largest_layer(params) -> int:
@@ -172,16 +195,17 @@ def plan_memory(plan: Plan, trace: bool = True, exact: bool = False) -> List[Ran
 
 def host_bytes_per_node(plan: Plan, ranks: List[RankMemory], gpus_per_node: int) -> Dict[str, int]:
     """Host memory of one node: the offloaded masters and optimizer states of its ranks; the pinned buffers
-    of zero/offload.py's step (the fp32 gradient staging of the partition, UPLOAD_SLOTS chunks of the model
-    dtype); a checkpoint save's staging of the largest rank's model states on the host."""
+    under offload (the fp32 gradient partition and the slots it comes down through, zero/host_grads.py;
+    zero/offload.py's UPLOAD_SLOTS chunks of the model dtype the new weights go up through, from a GPU); a
+    checkpoint save's staging of the largest rank's model states on the host."""
     from ..zero.offload import OFFLOAD_CHUNK_NUMEL, UPLOAD_SLOTS
     worst = max(ranks, key=lambda r: r.host_optimizer + r.weights)
     per_rank_optimizer = worst.host_optimizer
     pinned = 0
     if plan.offload != "none":
-        partition_fp32 = worst.partition * 4
-        slots = UPLOAD_SLOTS * OFFLOAD_CHUNK_NUMEL * DTYPE_BYTES[plan.dtype] if plan.dtype != torch.float32 else 0
-        pinned = partition_fp32 + slots
+        chunk = min(OFFLOAD_CHUNK_NUMEL, worst.partition)
+        slots = UPLOAD_SLOTS * chunk * DTYPE_BYTES[plan.dtype] if plan.dtype != torch.float32 else 0
+        pinned = worst.host_gradients + slots
     staging = worst.weights + (0 if plan.offload == "cpu" else worst.optimizer + worst.nvme_optimizer)
     n = min(gpus_per_node, plan.gpus)
     return dict(optimizer=n * per_rank_optimizer, pinned=n * pinned, checkpoint_staging=n * staging,

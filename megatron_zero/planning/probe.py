@@ -1,8 +1,10 @@
 """A stage of n identical blocks planned from probes of the same stage with one and two blocks.
 
 A fake build or trace costs per operator, so an 80-layer stage costs 80 blocks' worth whatever its tensors'
-sizes. When the stage's blocks are all alike, the model code builds and traces the same stage kind with one
-block and with two (the config's num_layers set to 1 or 2 per stage, everything else as the run has it), and:
+sizes. When the stage's blocks are all alike, the model code builds the same stage kind with one block (its
+parameters) and builds and traces it with two (the config's num_layers set to 1 or 2 per stage, everything
+else as the run has it; one block's saved bytes, saved(2) - saved(1), are the live bytes' growth over the
+second block's forward in that one trace: its saved tensors, and its output in place of its input), and:
 
     parameters   the one-block probe's, its block's parameters repeated n times (renamed to the real layer
                  indices, in module order): the same list the n-block stage builds
@@ -47,7 +49,7 @@ class Probes:
     def __init__(self, config, dtype: torch.dtype):
         self.config, self.dtype = config, dtype
         self._params: Dict[tuple, tuple] = {}
-        self._traces: Dict[tuple, Tuple[int, int]] = {}
+        self._traces: Dict[tuple, Tuple[int, int, int]] = {}
         self._stages: Dict[tuple, tuple] = {}
 
     def _probe_config(self, role: str, blocks: int):
@@ -63,11 +65,16 @@ class Probes:
                                              ROLES[role][1], self.dtype)
         return self._params[key]
 
-    def trace(self, role: str, tp: int, cp: int, micro_batch: int, blocks: int) -> Tuple[int, int]:
-        key = (role, tp, cp, micro_batch, blocks)
+    def two_block_trace(self, role: str, tp: int, cp: int, micro_batch: int) -> Tuple[int, int, int]:
+        """(saved, peak, one block's saved bytes) of the two-block probe, from its one trace: a block's saved
+        bytes are the live bytes' growth over the second block's forward (its saved tensors and its output
+        in place of its input's, the same size), which is saved(2) - saved(1) without the one-block trace."""
+        key = (role, tp, cp, micro_batch)
         if key not in self._traces:
-            self._traces[key] = trace_activations(self._probe_config(role, blocks), self._degrees(role, tp, cp, 1),
-                                                  ROLES[role][1], micro_batch, self.dtype)
+            marks = []
+            saved, peak = trace_activations(self._probe_config(role, 2), self._degrees(role, tp, cp, 1),
+                                            ROLES[role][1], micro_batch, self.dtype, marks=marks)
+            self._traces[key] = (saved, peak, marks[1] - marks[0])
         return self._traces[key]
 
     def rank(self, role: str, pp: int, pp_rank: int, degrees: dict, micro_batch: int,
@@ -81,9 +88,7 @@ class Probes:
         params = self._stages[key]
         if not trace:
             return TracedRank(params, 0, 0)
-        saved1, _ = self.trace(role, degrees["tp"], degrees["cp"], micro_batch, 1)
-        saved2, peak2 = self.trace(role, degrees["tp"], degrees["cp"], micro_batch, 2)
-        per_block = saved2 - saved1
+        saved2, peak2, per_block = self.two_block_trace(role, degrees["tp"], degrees["cp"], micro_batch)
         return TracedRank(params, saved2 + (n - 2) * per_block, peak2 + (n - 2) * per_block)
 
     def _scaled_params(self, probe, role_pp: Tuple[int, int], first_block: int, n: int):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from typing import List
 
-from .memory import GIB, RankMemory
+from .memory import GIB, RankMemory, host_bytes_per_node
 from .search import Candidate
 from .time_model import Cluster
 
@@ -21,7 +21,9 @@ def as_json(cand: Candidate, cluster: Cluster, host: dict, parameters: int, layo
                tokens_per_second_per_gpu=cand.time.tokens_per_second / cand.plan.gpus, constants=cluster.named())
     if layouts:
         out["layouts"] = [dict(layout=c.describe(), flags=c.flags(), peak=c.peak, mfu=c.time.mfu,
-                               tokens_per_second=c.time.tokens_per_second) for c in layouts]
+                               tokens_per_second=c.time.tokens_per_second,
+                               host_bytes_per_node=host_bytes_per_node(c.plan, list(c.ranks), cluster.gpus_per_node))
+                          for c in layouts]
     return json.dumps(out, indent=1)
 
 

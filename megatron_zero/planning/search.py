@@ -86,14 +86,16 @@ def _with_recompute(config, recompute: str):
 
 class StageCache:
     """The stages a search has built or traced, by layout and recomputation: probes (probe.py) shared by
-    every layout whose blocks are alike, whole traces of the others."""
+    every layout whose blocks are alike, whole traces of the others (of every layout with `exact`: the
+    reference the probes are checked against, tests/test_plan.py)."""
 
-    def __init__(self):
+    def __init__(self, exact: bool = False):
         self._probes: Dict[str, Probes] = {}
         self._exact: dict = {}
+        self.exact = exact
 
     def rank(self, plan: Plan, recompute: str, kind: RankKind, trace: bool = True) -> RankMemory:
-        if scalable(plan.config, plan.pp, plan.virtual_stages):
+        if not self.exact and scalable(plan.config, plan.pp, plan.virtual_stages):
             if recompute not in self._probes:
                 self._probes[recompute] = Probes(plan.config, plan.dtype)
             traced = self._probes[recompute].rank(kind.name, plan.pp, kind.pp_rank, plan.degrees(),
@@ -126,7 +128,7 @@ def evaluate(plan: Plan, recompute: str, cluster: Cluster, cache: Optional[Stage
 
 
 def search(base: Plan, cluster: Cluster, offload: bool = False, fp8: bool = False, limit: int = 10,
-           fits_host: bool = True, near: bool = False) -> List[Candidate]:
+           fits_host: bool = True, near: bool = False, exact: bool = False) -> List[Candidate]:
     """The layouts that fit the GPUs' memory (and, with offload, the host's), best tokens/s first.
 
     The step time needs no trace: every layout whose model states alone fit is timed, and only the fastest
@@ -135,7 +137,7 @@ def search(base: Plan, cluster: Cluster, offload: bool = False, fp8: bool = Fals
     does not fit, no micro-batch or recomputation of that layout does), and its rank kinds one at a time,
     stopping at the first that does not fit."""
     from .memory import host_bytes_per_node
-    cache = StageCache()
+    cache = StageCache(exact)
     device = cluster.gpu_memory_gib * GIB
     timed = []
     for plan, recompute in layouts(base, cluster, offload, near):

@@ -75,6 +75,9 @@ import re, runpy, sys
 import torch, torch.distributed.checkpoint  # noqa: F401  (imports are not the work)
 import megatron_zero.checkpoint.interop.convert, megatron_zero.checkpoint.interop.titan  # noqa: F401
 import megatron_zero.checkpoint.interop.torch_dist_write, megatron_zero.checkpoint.interop.to_universal  # noqa: F401
+import importlib, os
+for name in filter(None, os.environ.get("TOOL_PEAK_IMPORTS", "").split(",")):  # the tool's own, also not the work
+    importlib.import_module(name)
 def kb(field):
     return int(re.search(field + r":\\s+(\\d+)", open("/proc/self/status").read()).group(1))
 with open("/proc/self/clear_refs", "w") as f:
@@ -90,13 +93,15 @@ print("PEAK_GROWTH_KB", kb("VmHWM") - base, file=sys.stderr)
 """
 
 
-def tool_peak_growth(script: str, *args: str) -> int:
+def tool_peak_growth(script: str, *args: str, imports: tuple = ()) -> int:
     """Bytes the tool `script` (run in a fresh interpreter with `args`) held at its peak beyond what it held once
-    its imports were done: resident pages, anonymous and file-backed (mapped checkpoint files) alike."""
+    its imports (and the modules named in `imports`) were done: resident pages, anonymous and file-backed
+    (mapped checkpoint files) alike."""
     import subprocess
     import sys
+    env = dict(os.environ, TOOL_PEAK_IMPORTS=",".join(imports))
     run = subprocess.run([sys.executable, "-c", _TOOL_PEAK, script, *args], capture_output=True, text=True,
-                         timeout=900)
+                         timeout=900, env=env)
     if run.returncode or "PEAK_GROWTH_KB" not in run.stderr:
         raise AssertionError(f"{script} failed ({run.returncode}): {run.stderr[-2000:]}")
     return int(run.stderr.rsplit("PEAK_GROWTH_KB", 1)[1].split()[0]) * 1024

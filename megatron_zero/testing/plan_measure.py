@@ -5,7 +5,9 @@ model is built, beside the planner's prediction for the same flags (tests/test_p
     torchrun --nproc_per_node N -m megatron_zero.testing.plan_measure RUNS.json   # N ranks (TP, CP, DP)
         {"measured_states": after the step (weights, gradients, optimizer state),
          "predicted_states": weights + gradients + optimizer of planning/memory.py,
-         "measured_peak": the second step's peak, "predicted_peak": the plan's peak}
+         "measured_peak": the second step's peak, "predicted_peak": the plan's peak,
+         "predicted_host": under offload, what the plan puts in host memory (the offloaded optimizer state and
+                           gradients: on the CPU the same memory the measurement counts)}
 
 Each run in a gloo world of one rank in this process, or of torchrun's ranks (rank 0 measures and prints; the
 planner's fake world is made and gone before the real one); the compiled kernels off, as the planner's trace
@@ -65,7 +67,8 @@ def measure(argv) -> dict:
         states = live.current
     dist.destroy_process_group()
     return dict(measured_states=states, predicted_states=predicted.weights + predicted.gradients + predicted.optimizer,
-                measured_peak=live.peak, predicted_peak=predicted.peak)
+                measured_peak=live.peak, predicted_peak=predicted.peak,
+                predicted_host=predicted.host_optimizer + predicted.host_gradients)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,9 @@ class ExpertHalves:
     def grad_bytes(self) -> int:
         return self.dense.grad_bytes() + self.expert.grad_bytes()
 
+    def host_grad_bytes(self) -> int:
+        return sum(getattr(h, "host_grad_bytes", lambda: 0)() for h in (self.dense, self.expert))
+
     def param_bytes(self) -> int:
         return self.dense.param_bytes() + self.expert.param_bytes()
 

@@ -47,24 +47,26 @@ class ExpertParallelStage(ExpertHalves):
                  dp_group, expert_dp_group, stage: int, dtype: torch.dtype, bucket_size: int,
                  device: torch.device, grad_reduce_dtype: torch.dtype = torch.float32,
                  overlap_grad_reduce: bool = False, overlap_param_gather: bool = False, module=None, fp8_gather=None,
-                 expert_fp8_gather=None):
+                 expert_fp8_gather=None, grads_to_host: bool = False):
         """`fp8_gather`, `expert_fp8_gather` (--fp8-param-gather): the dense half gathers the dense FP8 layers'
         weights in FP8, the expert half the experts'."""
         if overlap_grad_reduce or overlap_param_gather:
             def half(groups, group, fp8=None):
                 return Stage12Overlap(groups, group, stage, dtype, bucket_size, overlap_grad_reduce,
                                       overlap_param_gather, module=module, device=device,
-                                      grad_reduce_dtype=grad_reduce_dtype, fp8_gather=fp8)
+                                      grad_reduce_dtype=grad_reduce_dtype, fp8_gather=fp8,
+                                      grads_to_host=grads_to_host)
         else:
             def half(groups, group, fp8=None):
                 return Stage12(groups, group, stage, dtype, bucket_size, device, grad_reduce_dtype=grad_reduce_dtype,
-                               fp8_gather=fp8)
+                               fp8_gather=fp8, grads_to_host=grads_to_host)
         self._init_halves(half(dense_groups, dp_group, fp8_gather),
                           half(expert_groups, expert_dp_group, expert_fp8_gather), len(dense_groups))
         self.overlapped = overlap_grad_reduce or overlap_param_gather
         self.norm_over_dp = stage == 0  # the optimizer sums the norm over DP (counts_in_norm_here)
         self._replica_rank = [dist.get_rank(g) if g is not None else 0 for g in (dp_group, expert_dp_group)]
         self.dp, self.reduce_dp, self.rank = self.dense.dp, self.dense.reduce_dp, self.dense.rank
+        self.grads_on_host = grads_to_host
 
     def counts_in_norm_here(self, gi: int) -> bool:
         """Whether this rank's gradients of group `gi` count in the norm summed over DP: at stage 0 one

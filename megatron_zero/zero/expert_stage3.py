@@ -31,7 +31,8 @@ from .stage3 import Stage3
 class ExpertParallelStage3(ExpertHalves):
     def __init__(self, dense_groups, expert_groups, dp_group, expert_dp_group, dtype: torch.dtype, bucket_size: int,
                  module, device: torch.device, layers=None, prefetch: bool = True,
-                 persistence_threshold: int = 100_000, fp8_gather=None, expert_fp8_gather=None):
+                 persistence_threshold: int = 100_000, fp8_gather=None, expert_fp8_gather=None,
+                 grads_to_host: bool = False):
         def stage(fp8_gather):
             """Stage3, or with --fp8-param-gather's gather of the half's FP8 layers Stage3Float8 (chunks in FP8)."""
             if fp8_gather is None:
@@ -41,13 +42,15 @@ class ExpertParallelStage3(ExpertHalves):
 
         cls, extra = stage(fp8_gather)
         dense = cls(dense_groups, dp_group, dtype, bucket_size, module=module, layers=layers,
-                    prefetch=prefetch, persistence_threshold=persistence_threshold, device=device, **extra)
+                    prefetch=prefetch, persistence_threshold=persistence_threshold, device=device,
+                    grads_to_host=grads_to_host, **extra)
         cls, extra = stage(expert_fp8_gather)
         expert = cls(expert_groups, expert_dp_group, dtype, bucket_size, module=module, layers=layers,
                      prefetch=prefetch, persistence_threshold=persistence_threshold, device=device,
-                     storage_map=dense._storage, **extra)
+                     storage_map=dense._storage, grads_to_host=grads_to_host, **extra)
         self._init_halves(dense, expert, len(dense_groups))
         self.dp, self.reduce_dp, self.rank = self.dense.dp, self.dense.dp, self.dense.rank
+        self.grads_on_host = grads_to_host
 
     @property
     def halves(self):

@@ -27,6 +27,11 @@ torch.distributed's otherwise); async ones (``async_op``: --overlap-grad-reduce)
 at most MAX_IN_FLIGHT under way, landed in launch order, so results are added in the same order either way.
 ``reduce_dtype`` bfloat16 (--grad-reduce-in-bf16) casts a bucket's rows for the collective only; the
 accumulation stays fp32.
+
+``to_host`` (an offloaded optimizer, host_grads.py): the partitions are host tensors; each bucket is reduced
+on the device as above (persistent: onto this rank's own row of the buffer) and its sum goes down to the
+host as it lands, added into (persistent: copied over) the partition there. The device holds no fp32
+partition of its own (stage 2: only the open buckets; stages 0/1 keep the accumulation buffer).
 """
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ import torch.distributed as dist
 
 from .. import shm_comm
 from ..reduce_scatter import reduce_scatter_tensor
+from .host_grads import HostGradients
 from .partition import BucketLayout, GroupPartition
 
 MAX_IN_FLIGHT = 2
@@ -55,7 +61,7 @@ class _Bucket:
 class GradBuckets:
     def __init__(self, parts: Sequence[GroupPartition], layouts: Sequence[Sequence[BucketLayout]], rank: int,
                  group, reduce_dp: int, device: torch.device, persistent: bool, async_op: bool = False,
-                 reduce_dtype: torch.dtype = torch.float32):
+                 reduce_dtype: torch.dtype = torch.float32, to_host: bool = False):
         self.dp = parts[0].dp if parts else 1
         self.rank, self.group, self.reduce_dp, self.device = rank, group, reduce_dp, device
         self.persistent, self.async_op, self.reduce_dtype = persistent, async_op, reduce_dtype
@@ -82,8 +88,16 @@ class GradBuckets:
                     self.routes.setdefault((gi, i), []).append((bucket, tuple(ps)))
             self.buffers.append(buffer)
         # this rank's fp32 gradient partitions: its stretch of the persistent buffer, or tensors of their own
-        self.partitions = ([b[slice(*p.bounds(rank))] for b, p in zip(self.buffers, parts)] if persistent else
-                           [torch.zeros(p.partition_size, device=device) for p in parts])
+        # (on the host with to_host; the reduce-scatters still land on the device: `device_parts`)
+        own = [b[slice(*p.bounds(rank))] for b, p in zip(self.buffers, parts)] if persistent else None
+        self.host = None
+        if to_host:
+            widths = [lay.width for group_layouts in layouts for lay in group_layouts]
+            self.host = HostGradients([p.partition_size for p in parts], device, max(widths, default=1))
+            self.partitions = self.host.partitions
+        else:
+            self.partitions = own if persistent else [torch.zeros(p.partition_size, device=device) for p in parts]
+        self.device_parts = own if persistent else self.partitions
         self._in_flight = deque()
         self.held_numel = 0  # gradient elements in transient rows not yet reduced
         self.staged_numel = 0  # elements of persistent buckets' contiguous copies under way
@@ -133,7 +147,7 @@ class GradBuckets:
             bucket.rows = None
             self.held_numel -= bucket.numel
         lo, hi = lay.lo[self.rank], lay.hi[self.rank]
-        target = self.partitions[bucket.gi][lo:hi]
+        target = self.device_parts[bucket.gi][lo:hi]  # (to_host, transient: the host partition, read at landing)
         if self.persistent:  # [dp, width] rows of the buffer: one contiguous input (a copy where dp > 1)
             data = rows.reshape(-1) if self.reduce_dtype == rows.dtype else rows.to(self.reduce_dtype).reshape(-1)
             if self.dp > 1 and data.data_ptr() == rows.data_ptr():
@@ -154,7 +168,8 @@ class GradBuckets:
             if self.reduce_dp > 1:
                 work = self._all_reduce(data)
         # what the collective reads and writes stays referenced until it has landed
-        self._in_flight.append((work, result, target, data))
+        host = self.partitions[bucket.gi][lo:hi] if self.host is not None else None
+        self._in_flight.append((work, result, target, data, host))
         while len(self._in_flight) > (MAX_IN_FLIGHT if self.async_op else 0):
             self._land_oldest()
 
@@ -169,12 +184,15 @@ class GradBuckets:
         shm_comm.all_reduce(rows, self.group)
 
     def _land_oldest(self) -> None:
-        work, result, target, data = self._in_flight.popleft()
+        work, result, target, data, host = self._in_flight.popleft()
         if work is not None:
             work.wait()
         if self.persistent and data.data_ptr() != target.data_ptr():
             self.staged_numel -= data.numel()
         n = target.numel()
+        if host is not None:  # the sum goes down to the host partition (persistent: it is the whole sum)
+            self.host.put(result[:n], [(host, 0, n)], accumulate=not self.persistent)
+            return
         if n == 0 or (result.data_ptr() == target.data_ptr() and result.dtype == target.dtype):
             return  # nothing of this bucket is mine, or it was reduced in place
         if self.persistent:
@@ -183,16 +201,20 @@ class GradBuckets:
             target.add_(result[:n])
 
     def land_all(self) -> None:
+        """Every launched bucket reduced and added into the partitions (to_host: on the host)."""
         while self._in_flight:
             self._land_oldest()
+        if self.host is not None:
+            self.host.flush()
 
     # ---- accounting and reset --------------------------------------------------------------
     def held_bytes(self) -> int:
-        """Bytes of every gradient tensor held here: buffers, partitions, open rows, collectives under way."""
+        """Bytes of every gradient tensor held on the device: buffers, partitions, open rows, collectives under
+        way (to_host: the partitions are host_bytes())."""
         seen, total = set(), 0
-        tensors = [b for b in self.buffers if b is not None] + self.partitions + [
+        tensors = [b for b in self.buffers if b is not None] + (self.partitions if self.host is None else []) + [
             b.rows for b in self.buckets if b.rows is not None and not self.persistent]
-        for _, result, _, data in self._in_flight:
+        for _, result, _, data, _ in self._in_flight:
             tensors += [result, data]
         for t in tensors:  # views of a buffer counted once, with the buffer
             storage = t.untyped_storage()
@@ -200,6 +222,10 @@ class GradBuckets:
                 seen.add(storage.data_ptr())
                 total += storage.nbytes()
         return total
+
+    def host_bytes(self) -> int:
+        """Bytes of gradients held on the host (to_host): the partitions and the slots they come down through."""
+        return self.host.held_bytes() if self.host is not None else 0
 
     def zero(self) -> None:
         """Before the next global batch: nothing launched, every count full, every sum zero."""

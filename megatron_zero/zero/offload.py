@@ -11,6 +11,9 @@ One flat fp32 master per param group (this rank's partition). ``offload``:
             copy stream:  grad 0 down | grad 1 down | grad 2 down | ...      w 0 up |      w 1 up | ...
             host:                     | Adam 0 (+cast) | Adam 1 (+cast) | Adam 2 (+cast) | ...
 
+          the gradients are host tensors already where the ZeRO stage keeps them there
+          (``host_grads``: zero/host_grads.py brings each reduced bucket down as it lands, so the
+          device holds no fp32 gradient partition); otherwise
           every chunk's gradient is queued at once to come down into pinned host buffers on a
           side copy stream (device.copy_stream); the CPU steps chunk i as soon as its copy has
           landed, writing the new weights in the model dtype in the same pass (the C++ kernel's
@@ -57,7 +60,8 @@ UPLOAD_SLOTS = 2  # pinned model-dtype chunk buffers the new weights go up throu
 class FlatAdamW:
     def __init__(self, masters: List[torch.Tensor], hparams: List[dict], offload: str = "none",
                  nvme_path: str | None = None, tag: str = "rank0", device: torch.device = HOST,
-                 weight_slices: List[torch.Tensor] | None = None, cpu_threads: int | None = None):
+                 weight_slices: List[torch.Tensor] | None = None, cpu_threads: int | None = None,
+                 host_grads: bool = False):
         if offload not in ("none", "cpu", "nvme"):
             raise ValueError(f"offload must be 'none', 'cpu' or 'nvme', got {offload!r}")
         if cpu_threads is not None and (offload == "none" or cpu_threads < 1):
@@ -69,8 +73,9 @@ class FlatAdamW:
         self.home = HOST if offload != "none" else device  # where masters and moments live
         self.numels = [m.numel() for m in masters]
         self.params = [torch.nn.Parameter(self._at_home(m), requires_grad=True) for m in masters]
-        # host buffers the device's gradients are copied into (offload from a GPU only)
-        self.grad_staging = [host_empty(n, torch.float32, device) if self.home != device else None
+        # host buffers the device's gradients are copied into (offload from a GPU only; none where the stage
+        # hands over host gradients, `host_grads`: zero/host_grads.py)
+        self.grad_staging = [host_empty(n, torch.float32, device) if self.home != device and not host_grads else None
                              for n in self.numels]
         self.stream = copy_stream(device) if self.home != device else None
         self.chunk_numel = OFFLOAD_CHUNK_NUMEL
@@ -171,7 +176,7 @@ class FlatAdamW:
         landed = []
         with on_stream(self.stream, self.device):  # after the work that produced the gradients
             for g, staging in zip(grads, self.grad_staging):
-                if staging is None:  # the device is the CPU: the gradient is used in place
+                if staging is None:  # the device is the CPU, or the gradient is in host memory: used in place
                     landed.append((g, [None] * len(self._chunks(g.numel()))))
                     continue
                 events = []

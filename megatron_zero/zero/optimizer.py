@@ -93,6 +93,9 @@ class ZeroOptimizer:
         self._fp8_gathers = [g for g in (self.fp8_gather, self.expert_fp8_gather) if g is not None]
         # --grad-reduce-in-bf16: stages 0-2 reduce gradient buckets in bf16 (the sums stay fp32)
         reduce_dtype = torch.bfloat16 if grad_reduce_in_bf16 else torch.float32
+        # offload (ZeRO-Offload): the reduced fp32 gradient partitions live in host memory, beside the masters
+        # the CPU Adam steps (zero/host_grads.py), not on the device
+        grads_to_host = offload != "none"
         if expert_dp_group is not None:  # expert parallelism: expert parameters over their own group
             from .expert_stage import ExpertParallelStage, split_expert_groups
             dense, hparams, expert, expert_hp = split_expert_groups(self.named_groups, hparams)
@@ -103,13 +106,15 @@ class ZeroOptimizer:
                 self.impl = ExpertParallelStage3(dense, expert, dp_group, expert_dp_group, self.dtype, bucket_size,
                                                  module, self.device, layers=layers, prefetch=prefetch,
                                                  persistence_threshold=persistence_threshold,
-                                                 fp8_gather=self.fp8_gather, expert_fp8_gather=self.expert_fp8_gather)
+                                                 fp8_gather=self.fp8_gather, expert_fp8_gather=self.expert_fp8_gather,
+                                                 grads_to_host=grads_to_host)
             else:
                 self.impl = ExpertParallelStage(dense, expert, dp_group, expert_dp_group, stage, self.dtype,
                                                 bucket_size, self.device, grad_reduce_dtype=reduce_dtype,
                                                 overlap_grad_reduce=overlap_grad_reduce,
                                                 overlap_param_gather=overlap_param_gather, module=module,
-                                                fp8_gather=self.fp8_gather, expert_fp8_gather=self.expert_fp8_gather)
+                                                fp8_gather=self.fp8_gather, expert_fp8_gather=self.expert_fp8_gather,
+                                                grads_to_host=grads_to_host)
         elif stage == 3:
             from .stage3 import Stage3
             from .stage3_zeropp import Stage3ZeroPP
@@ -121,15 +126,17 @@ class ZeroOptimizer:
                 cls, extra = Stage3Float8, {"fp8_gather": self.fp8_gather}
             self.impl = cls(self.named_groups, dp_group, self.dtype, bucket_size, module=module, layers=layers,
                             prefetch=prefetch, persistence_threshold=persistence_threshold, device=self.device,
-                            **extra)
+                            grads_to_host=grads_to_host, **extra)
         elif overlap_grad_reduce or overlap_param_gather:
             from .stage12_overlap import Stage12Overlap
             self.impl = Stage12Overlap(self.named_groups, dp_group, stage, self.dtype, bucket_size,
                                        overlap_grad_reduce, overlap_param_gather, module=module, device=self.device,
-                                       grad_reduce_dtype=reduce_dtype, fp8_gather=self.fp8_gather)
+                                       grad_reduce_dtype=reduce_dtype, fp8_gather=self.fp8_gather,
+                                       grads_to_host=grads_to_host)
         else:
             self.impl = Stage12(self.named_groups, dp_group, stage, self.dtype, bucket_size, self.device,
-                                grad_reduce_dtype=reduce_dtype, fp8_gather=self.fp8_gather)
+                                grad_reduce_dtype=reduce_dtype, fp8_gather=self.fp8_gather,
+                                grads_to_host=grads_to_host)
         self.partition_count = self.impl.dp
         self.dp_rank = self.impl.rank
         tag = f"dp{dist.get_rank(dp_group) if dp_group is not None else 0}" + (
@@ -139,7 +146,8 @@ class ZeroOptimizer:
         uploads = (self.impl.weight_slices() if offload != "none" and self.device != HOST and not self._fp8_gathers
                    else None)
         self.optimizer = FlatAdamW(self.impl.initial_masters, hparams, offload, nvme_path, tag=tag,
-                                   device=self.device, weight_slices=uploads, cpu_threads=cpu_optimizer_threads)
+                                   device=self.device, weight_slices=uploads, cpu_threads=cpu_optimizer_threads,
+                                   host_grads=getattr(self.impl, "grads_on_host", False))
         del self.impl.initial_masters
         self.offload = offload
         self.muon = None  # `muon` (optimizer/muon.py's MuonSettings): the groups marked `muon` step by Muon
@@ -298,6 +306,10 @@ class ZeroOptimizer:
 
     # ---- measurement -----------------------------------------------------------------
     def memory_bytes(self) -> dict:
-        """Bytes of tensors this rank holds now: model parameters, gradients, optimizer state."""
-        return {"params": self.impl.param_bytes(), "grads": self.impl.grad_bytes(),
-                "optimizer_state": self.optimizer.state_bytes()}
+        """Bytes of tensors this rank holds now: model parameters, gradients (on the device), optimizer state,
+        and under offload the gradients held on the host."""
+        out = {"params": self.impl.param_bytes(), "grads": self.impl.grad_bytes(),
+               "optimizer_state": self.optimizer.state_bytes()}
+        if getattr(self.impl, "grads_on_host", False):  # offload: the gradient partitions (and slots) on the host
+            out["host_grads"] = self.impl.host_grad_bytes()
+        return out

@@ -19,6 +19,8 @@ Gradients go through grad_buckets.GradBuckets, one code path for every stage:
   over the first and last stage after backward, pipeline/gpt_stage.py) accumulate into an fp32
   ``main_grad`` of their own (stage 2, or fusion on), which that sum reads; they go into their
   buckets at the step.
+- ``grads_to_host`` (an offloaded optimizer, --cpu-optimizer): the fp32 gradient partitions live in host
+  memory and each reduced bucket goes down as it lands (grad_buckets.py, host_grads.py).
 - ``overlap_grad_reduce`` (stage12_overlap.py): buckets are launched async as they complete.
   ``grad_reduce_dtype`` bfloat16 (--grad-reduce-in-bf16): the collectives run in bf16, the sums
   stay fp32.
@@ -50,8 +52,9 @@ from .partition import GroupPartition, contiguous_buckets, partition_group, stri
 class Stage12:
     def __init__(self, groups: Sequence[Sequence[Tuple[str, torch.nn.Parameter]]], dp_group, stage: int,
                  dtype: torch.dtype, bucket_size: int, device: torch.device, overlap_grad_reduce: bool = False,
-                 grad_reduce_dtype: torch.dtype = torch.float32, fp8_gather=None):
+                 grad_reduce_dtype: torch.dtype = torch.float32, fp8_gather=None, grads_to_host: bool = False):
         self.stage, self.dtype, self.dp_group, self.device = stage, dtype, dp_group, device
+        self.grads_on_host = grads_to_host  # an offloaded optimizer's: the fp32 partitions in host memory
         # the DP size gradients are reduced over; stage 0 (plain data parallelism) keeps
         # everything whole, so it partitions over one rank
         self.reduce_dp = dist.get_world_size(dp_group) if dp_group is not None else 1
@@ -90,7 +93,7 @@ class Stage12:
                        for gi, part in enumerate(self.parts)]
         self.buckets = GradBuckets(self.parts, layouts, self.rank, dp_group, self.reduce_dp, device,
                                    persistent=stage < 2 and self.fused, async_op=overlap_grad_reduce,
-                                   reduce_dtype=grad_reduce_dtype)
+                                   reduce_dtype=grad_reduce_dtype, to_host=grads_to_host)
         self.grad_parts = self.buckets.partitions
         self.main_grads = self.buckets.buffers if self.buckets.persistent else None
         # stage 0/1 with overlap reduce only in the global batch's last backward (arm())
@@ -240,6 +243,9 @@ class Stage12:
         held = sum(p.grad.numel() * p.grad.element_size() for ps in self.groups for p in ps if p.grad is not None)
         main = sum(p.main_grad.numel() * 4 for ps in self.groups for p in ps if getattr(p, "main_grad", None) is not None)
         return held + main + self.buckets.held_bytes()
+
+    def host_grad_bytes(self) -> int:
+        return self.buckets.host_bytes()
 
     def param_bytes(self) -> int:
         held = sum(f.numel() * f.element_size() for f in self.flat)

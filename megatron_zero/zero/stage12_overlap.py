@@ -38,9 +38,9 @@ class Stage12Overlap(Stage12):
     def __init__(self, groups, dp_group, stage: int, dtype: torch.dtype, bucket_size: int,
                  overlap_grad_reduce: bool = True, overlap_param_gather: bool = False, module=None,
                  entry_points=("lm_logits", "lm_losses"), device: torch.device = HOST,
-                 grad_reduce_dtype: torch.dtype = torch.float32, fp8_gather=None):
+                 grad_reduce_dtype: torch.dtype = torch.float32, fp8_gather=None, grads_to_host: bool = False):
         super().__init__(groups, dp_group, stage, dtype, bucket_size, device, overlap_grad_reduce=overlap_grad_reduce,
-                         grad_reduce_dtype=grad_reduce_dtype, fp8_gather=fp8_gather)
+                         grad_reduce_dtype=grad_reduce_dtype, fp8_gather=fp8_gather, grads_to_host=grads_to_host)
         self._gathers: Dict[Tuple[int, int], object] = {}
         self._packed_rows: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # group -> (sent row, gathered rows)
         self._to_land: Set[Tuple[int, int]] = set()  # (group, param) not yet copied out of the gathered rows

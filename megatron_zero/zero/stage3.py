@@ -12,7 +12,8 @@ before it); a unit is released again once every parameter of it has its gradient
 tensors that autograd saves for backward are saved as references to the parameter (to each of
 several, for a view over them: grouped GEMM's stacked experts) and rebuilt from the re-gathered data
 (saved-tensor hooks), so they do not pin the gathered storage.
-Gradients are reduce-scattered in buckets into this rank's fp32 chunk as they become ready.
+Gradients are reduce-scattered in buckets into this rank's fp32 chunk as they become ready (with
+``grads_to_host``, an offloaded optimizer's, that chunk is in host memory: host_grads.py).
 Methods named in ``entry_points`` (the tied embedding's ``lm_logits`` and ``lm_losses``) gather like a forward.
 Parameters of at most ``persistence_threshold`` elements (DeepSpeed's
 stage3_param_persistence_threshold, default 1e5; 0: none) and parameters outside every unit
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 from ..device import HOST
 from ..reduce_scatter import reduce_scatter
+from .host_grads import HostGradients
 from .partition import zero3_group_offsets
 from .stage3_gather import GatherMixin
 from .units import model_units
@@ -46,7 +48,8 @@ class _PreBackward(torch.autograd.Function):
 
 class Stage3(GatherMixin):
     def __init__(self, groups, dp_group, dtype, bucket_size, module=None, layers=None, prefetch=True,
-                 entry_points=("lm_logits", "lm_losses"), persistence_threshold=100_000, device=HOST, storage_map=None):
+                 entry_points=("lm_logits", "lm_losses"), persistence_threshold=100_000, device=HOST, storage_map=None,
+                 grads_to_host: bool = False):
         if module is None:
             raise ValueError("ZeRO stage 3 needs module= (the model), to gather each layer's parameters "
                              "around its forward and backward")
@@ -59,7 +62,7 @@ class Stage3(GatherMixin):
         # gathered storage -> its parameter (the saved-tensor hooks' map; shared by the two halves of
         # expert_stage3.py, whose hooks nest, so either half's hooks find the other's parameters)
         self._storage = storage_map if storage_map is not None else {}
-        self.initial_masters, self.grad_parts, self.shards = [], [], []
+        self.initial_masters, self.shards, sizes = [], [], []
         self.peak_param_numel = self.gather_calls = 0
         self.comm_bytes = {"all_gather": 0, "reduce_scatter": 0}  # sent by this rank
         for gi, (g, offs) in enumerate(zip(groups, self.offsets)):
@@ -79,7 +82,15 @@ class Stage3(GatherMixin):
                 p.data = torch.empty(0, dtype=dtype, device=device)
             self.initial_masters.append(master)
             self.shards.append(shards)
-            self.grad_parts.append(torch.zeros(total, device=device))
+            sizes.append(total)
+        # an offloaded optimizer's: the fp32 gradient partitions in host memory, each reduced bucket brought
+        # down as it is reduced (host_grads.py); the device holds only the bucket under way
+        self.grads_on_host, self.host = grads_to_host, None
+        if grads_to_host:
+            self.host = HostGradients(sizes, device, min(self.bucket_size, sum(sizes)))
+            self.grad_parts = self.host.partitions
+        else:
+            self.grad_parts = [torch.zeros(n, device=device) for n in sizes]
         managed = {id(p) for g in self.groups for p in g}
         self.units = list(layers) if layers is not None else model_units(module)
         in_unit = {id(p) for u in self.units for p in u.parameters()}
@@ -187,11 +198,16 @@ class Stage3(GatherMixin):
                 dst[full + 1:].zero_()
             p.grad = None
         out = self._reduce_scatter_rows(flat) if self.dp > 1 else flat[0]
-        pos = 0
+        pieces, pos = [], 0
         for p in self._bucket:
             gi, off = p.ds_where
-            self.grad_parts[gi][off:off + p.ds_per].add_(out[pos:pos + p.ds_per])
+            pieces.append((self.grad_parts[gi][off:off + p.ds_per], pos, p.ds_per))
             pos += p.ds_per
+        if self.host is not None:
+            self.host.put(out, pieces)
+        else:
+            for target, a, n in pieces:
+                target.add_(out[a:a + n])
         self._bucket, self._bucket_numel = [], 0
 
     def _reduce_scatter_rows(self, flat):
@@ -224,9 +240,13 @@ class Stage3(GatherMixin):
         return out
 
     def grad_partitions(self):
+        if self.host is not None:
+            self.host.flush()
         return self.grad_parts
 
     def zero_grad(self):
+        if self.host is not None:
+            self.host.flush()
         for g in self.grad_parts:
             g.zero_()
         for ps in self.groups:
@@ -249,7 +269,10 @@ class Stage3(GatherMixin):
 
     def grad_bytes(self):
         held = sum(p.grad.numel() * p.grad.element_size() for g in self.groups for p in g if p.grad is not None)
-        return held + sum(g.numel() * 4 for g in self.grad_parts)
+        return held + (sum(g.numel() * 4 for g in self.grad_parts) if self.host is None else 0)
+
+    def host_grad_bytes(self):
+        return self.host.held_bytes() if self.host is not None else 0
 
     def param_bytes(self):
         shards = sum(p.ds_shard.numel() * p.ds_shard.element_size() for g in self.groups for p in g)
