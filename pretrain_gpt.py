@@ -6,11 +6,11 @@
 See scripts/ for launchers (local torchrun, SLURM) and `--help` for every flag.
 
 The flags are parsed and checked before torch and the model are imported, so a bad flag is refused at once
-(one sentence from rank 0, exit status 2); only then does training load (megatron_zero.training.pretrain).
+(one sentence from rank 0, exit status 2); only then does training load (megatron_zero.training.trainer.pretrain).
 """
 import sys
 
-from megatron_zero.distributed import LaunchError, read_launch_env
+from megatron_zero.distributed.initialize import LaunchError, read_launch_env
 from megatron_zero.elastic.restart import parse_for_launch
 
 

@@ -43,7 +43,7 @@ setup(
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     entry_points={"console_scripts": [
-        "megatron-zero-pretrain = megatron_zero.training:pretrain",
+        "megatron-zero-pretrain = megatron_zero.training.trainer:pretrain",
         "megatron-zero-ds-to-universal = megatron_zero_tools.ds_to_universal:main",
         "megatron-zero-zero-to-fp32 = megatron_zero_tools.zero_to_fp32:main",
         "megatron-zero-convert-to-hf = megatron_zero_tools.convert_to_hf:main",

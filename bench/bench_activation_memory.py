@@ -40,7 +40,7 @@ from megatron_zero.model.layer_indices import block_layer_index  # noqa: E402
 from megatron_zero.tensor_parallel import model_parallel_seed  # noqa: E402
 from megatron_zero.testing import run_ranks  # noqa: E402
 from megatron_zero.testing.host_memory import reset_high_water_mark, status_bytes  # noqa: E402
-from megatron_zero.topology import build_parallel_state  # noqa: E402
+from megatron_zero.distributed.topology import build_parallel_state  # noqa: E402
 
 M_MMAP_THRESHOLD = -3
 RECOMPUTE = {"none": {}, "selective": {"recompute_granularity": "selective"},

@@ -83,7 +83,7 @@ def all_saves(a, root):
     from megatron_zero.checkpoint.save import _client, build_plan
     from megatron_zero.checkpoint.storage.writer import CopyFile, get_writer
     from megatron_zero.model.gpt import GPTModel
-    from megatron_zero.topology import build_parallel_state
+    from megatron_zero.distributed.topology import build_parallel_state
     from megatron_zero.zero import ZeroOptimizer
 
     state = build_parallel_state(1, 1)
@@ -155,7 +155,7 @@ def phases(a, root):
     import megatron_zero.checkpoint.storage.writer as writer
     from megatron_zero.checkpoint import save_checkpoint
     from megatron_zero.model.gpt import GPTModel
-    from megatron_zero.topology import build_parallel_state
+    from megatron_zero.distributed.topology import build_parallel_state
     from megatron_zero.zero import ZeroOptimizer
 
     state, cfg = build_parallel_state(1, 1), config(a)

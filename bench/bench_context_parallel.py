@@ -47,7 +47,7 @@ from megatron_zero.model.gpt import GPTModel  # noqa: E402
 from megatron_zero.tensor_parallel import model_parallel_seed  # noqa: E402
 from megatron_zero.testing import run_ranks  # noqa: E402
 from megatron_zero.testing.tiny_gpt import LLAMA_ARCHITECTURE  # noqa: E402
-from megatron_zero.topology import build_parallel_state  # noqa: E402
+from megatron_zero.distributed.topology import build_parallel_state  # noqa: E402
 
 M_MMAP_THRESHOLD = -3
 QUANTUM = 64  # sequence lengths searched: multiples of this (and of 2 x CP)

@@ -35,7 +35,7 @@ step (its cost amortised as in training). The sides (`SIDES`, one factory each; 
             id: V tokens), bf16, ZeRO-1, global batch = micro-batch x --micro-batches, in a process of
             its own; its step time is the median of the per-iteration times it logs after --warmup.
 Same random tokens, same AdamW hyper-parameters. tokens/s = tokens of a step / median step time;
-MFU = model FLOPs per step (megatron_zero.throughput, Megatron's count) / step time / the device's
+MFU = model FLOPs per step (megatron_zero.metrics.throughput, Megatron's count) / step time / the device's
 peak dense bf16 FLOP/s (a table of known GPUs, or --peak-tflops). The in-process sides alternate
 blocks of --block timed steps (the order reversed every round) so they share the device's clocks
 and temperature; where their states do not fit the device together, they run one after the other
@@ -57,11 +57,11 @@ import time
 
 import torch
 
-from megatron_zero.device import select_device, synchronize
+from megatron_zero.distributed.device import select_device, synchronize
 from megatron_zero.model.config import GPTConfig
 from megatron_zero.model.gpt import GPTModel
 from megatron_zero.ops import set_fusion_flags
-from megatron_zero.throughput import gpt_flops_per_iteration
+from megatron_zero.metrics.throughput import gpt_flops_per_iteration
 from megatron_zero.testing.multirank import free_port
 from megatron_zero.zero import ZeroOptimizer
 

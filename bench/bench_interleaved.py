@@ -31,7 +31,7 @@ def run(virtual_stages, layers, m, n_steps):
     from megatron_zero.model.config import GPTConfig
     from megatron_zero.pipeline.gpt_stage import activation_shape, build_gpt_stage, stage_p2p
     from megatron_zero.testing.train_step import pipeline_train_step
-    from megatron_zero.topology import build_parallel_state
+    from megatron_zero.distributed.topology import build_parallel_state
     from megatron_zero.zero import ZeroOptimizer
 
     cfg = GPTConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=layers, num_attention_heads=HEADS,

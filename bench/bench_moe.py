@@ -62,7 +62,7 @@ from megatron_zero.pipeline.gpt_stage import build_gpt_stage  # noqa: E402
 from megatron_zero.testing import run_ranks  # noqa: E402
 from megatron_zero.testing.copy_counter import CopyCounter  # noqa: E402
 from megatron_zero.testing.tiny_gpt import LLAMA_ARCHITECTURE  # noqa: E402
-from megatron_zero.topology import build_parallel_state  # noqa: E402
+from megatron_zero.distributed.topology import build_parallel_state  # noqa: E402
 from megatron_zero.zero import ZeroOptimizer  # noqa: E402
 
 M_MMAP_THRESHOLD = -3

@@ -23,7 +23,7 @@ import torch.distributed as dist  # noqa: E402
 from megatron_zero.model.config import GPTConfig  # noqa: E402
 from megatron_zero.model.gpt import GPTModel  # noqa: E402
 from megatron_zero.optimizer.muon import MuonSettings, takes_muon  # noqa: E402
-from megatron_zero.optimizer_setup import param_groups  # noqa: E402
+from megatron_zero.zero.build import param_groups  # noqa: E402
 from megatron_zero.testing import run_ranks  # noqa: E402
 from megatron_zero.zero import ZeroOptimizer  # noqa: E402
 

@@ -47,7 +47,7 @@ def ours(a, root):
     from megatron_zero.checkpoint import save_checkpoint
     from megatron_zero.checkpoint.export.save_16bit import save_16bit_model
     from megatron_zero.model.gpt import GPTModel
-    from megatron_zero.topology import build_parallel_state
+    from megatron_zero.distributed.topology import build_parallel_state
     from megatron_zero.zero import ZeroOptimizer
 
     state = build_parallel_state(1, 1)

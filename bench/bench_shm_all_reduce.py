@@ -1,4 +1,4 @@
-"""All-reduce time of megatron_zero.shm_comm (shared memory + FIFO wake-ups) against gloo's, same ranks, same run.
+"""All-reduce time of megatron_zero.distributed.shm_comm (shared memory + FIFO wake-ups) against gloo's, same ranks, same run.
 
     .venv/bin/python bench/bench_shm_all_reduce.py [--ranks 2] [--reps 3] [--calls 100]
 
@@ -26,7 +26,7 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron_zero import shm_comm  # noqa: E402
 from megatron_zero.pipeline.p2p import P2P  # noqa: E402
-from megatron_zero.reduce_scatter import all_gather_into_tensor, reduce_scatter_tensor  # noqa: E402
+from megatron_zero.distributed.reduce_scatter import all_gather_into_tensor, reduce_scatter_tensor  # noqa: E402
 from megatron_zero.testing.multirank import run_ranks  # noqa: E402
 
 SIZES = {"4 KiB": 1 << 10, "1 MiB": 1 << 18, "16 MiB": 1 << 22}

@@ -79,7 +79,7 @@ def use(variant, inside):
 def layer_fn(micro, seq, hidden, reps):
     from megatron_zero.model.config import GPTConfig
     from megatron_zero.model.transformer import ParallelTransformerLayer
-    from megatron_zero.topology import build_parallel_state
+    from megatron_zero.distributed.topology import build_parallel_state
     state = build_parallel_state(tp=2)
     config = GPTConfig(vocab_size=1024, hidden_size=hidden, num_layers=1, num_attention_heads=8, seq_length=seq,
                        max_position_embeddings=seq, hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=True)

@@ -88,8 +88,8 @@ def worker(argv):
 
     from megatron_zero.arguments import parse_args
     from megatron_zero.config import from_args
-    from megatron_zero.distributed import init_distributed
-    from megatron_zero.topology import build_parallel_state
+    from megatron_zero.distributed.initialize import init_distributed
+    from megatron_zero.distributed.topology import build_parallel_state
     from megatron_zero.training import Trainer
 
     init_distributed("gloo")

@@ -30,8 +30,8 @@ def make_checkpoint(hidden, layers, vocab, save_dir):
     from megatron_zero.checkpoint import save_checkpoint
     from megatron_zero.model.config import GPTConfig
     from megatron_zero.pipeline.gpt_stage import build_gpt_stage
-    from megatron_zero.topology import build_parallel_state
-    from megatron_zero.training import param_groups
+    from megatron_zero.distributed.topology import build_parallel_state
+    from megatron_zero.training.trainer import param_groups
     from megatron_zero.zero import ZeroOptimizer
 
     state = build_parallel_state(1, 1)

@@ -22,8 +22,8 @@ BENCHMARKS = os.path.join(ROOT, "BENCHMARKS.md")
 RECORD = re.compile(r"^Run `(?P<name>[\w-]+)`: (?P<date>[^,]+), load (?P<load>[^,]+), code at `(?P<commit>[0-9a-f]{7,40})`"
                     r"\. \*\*(?P<status>Current|Stale)\*\*(?:\.|: (?P<why>.*)\.)$")
 PEER = ("--mds-dir", "DIR", "--mds-python", "PY")  # Megatron-DeepSpeed's checkout and python (bench/peers/)
-CORE = ("megatron_zero/training.py", "megatron_zero/model", "megatron_zero/tensor_parallel", "megatron_zero/pipeline",
-        "megatron_zero/zero", "megatron_zero/ops", "megatron_zero/shm_comm.py", "csrc/cpu_ops")
+CORE = ("megatron_zero/training/trainer.py", "megatron_zero/model", "megatron_zero/tensor_parallel", "megatron_zero/pipeline",
+        "megatron_zero/zero", "megatron_zero/ops", "megatron_zero/distributed/shm_comm.py", "csrc/cpu_ops")
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ SECTIONS = (
               "dp2-zero1-h64"),), CORE, printed="none"),
     Section("shm", "Shared-memory collectives on one host", (("bench_shm_all_reduce.py", "--reps", "3", "--calls",
                                                                "50"),),
-            ("megatron_zero/shm_comm.py", "megatron_zero/pipeline/shm_p2p.py")),
+            ("megatron_zero/distributed/shm_comm.py", "megatron_zero/pipeline/shm_p2p.py")),
     Section("sp-copies", "Sequence parallelism: activation copies", (("bench_sp_copies.py",),),
             ("megatron_zero/tensor_parallel/mappings.py",), printed="none"),
     Section("activation-memory", "Activation memory: recomputation, attention backends, sequence parallelism",

@@ -9,8 +9,8 @@
     lines = converters.starts_fresh(model, why)            # a load that cannot restore them (another layout)
 
 The protocol a feature implements and the container are model/converters.py's (which the features, zero/'s
-caller optimizer_setup.py and checkpoint/ import); this module alone knows which features there are, and is
-training.py's one call. It sits outside model/, which the configuration's packages import, so that `fp8/` may check
+caller zero/build.py and checkpoint/ import); this module alone knows which features there are, and is
+training/trainer.py's one call. It sits outside model/, which the configuration's packages import, so that `fp8/` may check
 its flags with theirs.
 """
 from __future__ import annotations

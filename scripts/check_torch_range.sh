@@ -32,7 +32,7 @@ echo "check_torch_range.sh: torch $got in $venv"
 
 cd "$root"
 export PYTHONPATH="$root" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-"$venv/bin/python" -c "import megatron_zero, megatron_zero.training, megatron_zero.checkpoint, megatron_zero.zero"
+"$venv/bin/python" -c "import megatron_zero, megatron_zero.training.trainer, megatron_zero.checkpoint, megatron_zero.zero"
 
 pytest=("$venv/bin/python" -m pytest -q -p no:cacheprovider -rfEs)
 "${pytest[@]}" -m "not multirank and not gpu" tests \

@@ -6,14 +6,14 @@
 # and then so does torchrun. A worker that exits 2 has printed its one sentence (bad input): torchrun's
 # report of the workers' ends (its "closing signal SIGTERM" / "failed (exitcode: 2)" lines and the
 # ChildFailedError traceback) is left out then and the job exits 2; any other failure keeps all of it,
-# preceded by one line naming the rank that failed first (megatron_zero.distributed.first_failure: a rank
+# preceded by one line naming the rank that failed first (megatron_zero.distributed.initialize.first_failure: a rank
 # that only lost contact with it is not the cause).
 # Ctrl-C (SIGINT, to this script's process group from a terminal) goes to the workers too, and torchrun leaves
 # it alone (it would stop the workers 30 s later and print a SignalException traceback): the first stops every
 # rank after the current iteration, saved, exit 0, the second at once, one line, exit 130 (torchrun's report of
 # the workers' ends left out, as for bad input). A worker that exits 17 has named a rank that computes wrong
 # results (--rerun-mode validate_results, docs/reliability.md): the job exits 17, its report left out too.
-# pretrain_gpt.py's flags are checked before torchrun starts (megatron_zero/flag_precheck.py: torchrun imports
+# pretrain_gpt.py's flags are checked before torchrun starts (megatron_zero/elastic/flag_precheck.py: torchrun imports
 # torch, seconds): a bad flag is refused at once, in the one sentence rank 0 would print, exit 2.
 # OMP_NUM_THREADS defaults to 1 here (what torchrun sets, without its four-line warning about it).
 # Used by pretrain_local.sh, torchrun_node.sh and pretrain_slurm.sbatch (LAUNCHER=torchrun).
@@ -24,7 +24,7 @@ PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "${PYTHON:-$root/.venv/bin/python}
 import logging
 import signal
 import sys
-from megatron_zero.flag_precheck import check_before_launch
+from megatron_zero.elastic.flag_precheck import check_before_launch
 check_before_launch(sys.argv[1:])  # a bad pretrain_gpt.py flag: one sentence, exit 2, before torch loads
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
@@ -75,7 +75,7 @@ except ChildFailedError as failed:
     if 17 in codes:  # a rank computes wrong results (--rerun-mode): it has said which, on which host
         sys.exit(17)
     if all(f.exitcode != 2 for f in failed.failures.values()):
-        from megatron_zero.distributed import first_failure
+        from megatron_zero.distributed.initialize import first_failure
         print(f"pretrain_torchrun: {first_failure(failed.failures)}", file=sys.stderr, flush=True)
         hold.flush()
         raise

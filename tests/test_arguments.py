@@ -71,7 +71,7 @@ def test_deepspeed_config_fills_and_conflicts(tmp_path, capsys):
 
 def test_no_fusion_flags_reach_the_ops_switches():
     from megatron_zero.ops import get_fusion_flags, set_fusion_flags
-    from megatron_zero.training import fusion_flags
+    from megatron_zero.training.trainer import fusion_flags
     from megatron_zero.config import from_args
 
     args = parse_args(BASE + ["--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-rope-fusion"], world_size=1)
@@ -127,7 +127,7 @@ def test_bad_architecture_flags_are_one_sentence(flags, world, words, capsys):
 def test_device_flags_choose_one_device(capsys, monkeypatch):
     import torch
 
-    from megatron_zero.device import backend_for, select_device
+    from megatron_zero.distributed.device import backend_for, select_device
     from megatron_zero.training import pretrain
 
     assert parse_args(BASE + ["--no-cuda"], world_size=1).device == "cpu"

@@ -2,7 +2,7 @@
 against the single-process reference with torch.optim.AdamW, fp32.
 
 Each step k takes global batch [C_k, C_k + G_k) of a fixed sample table, G_k from the schedule
-(megatron_zero/batch_schedule.py) at C_k consumed samples; every rank reads its part through the
+(megatron_zero/config/batch_schedule.py) at C_k consumed samples; every rank reads its part through the
 sampler with that schedule (megatron_zero/data/sampler.py) and the pipeline schedule and ZeRO run that
 step's micro-batch count (1 to 8 here; the interleaved schedule, 2 model chunks per rank, 2 to 4). The
 reference takes the whole global batch in one forward.
@@ -11,7 +11,7 @@ bounds derived from the computation (the largest global batch's path), with clip
 import pytest
 import torch
 
-from megatron_zero.batch_schedule import BatchSchedule, parse_step_schedule
+from megatron_zero.config.batch_schedule import BatchSchedule, parse_step_schedule
 from megatron_zero.data import GlobalBatchSampler
 from megatron_zero.model import reference_model
 from megatron_zero.pipeline.gpt_stage import activation_shape, build_gpt_stage, stage_p2p
@@ -19,7 +19,7 @@ from megatron_zero.testing import run_ranks
 from megatron_zero.testing.tiny_gpt import tiny_gpt_config
 from megatron_zero.testing.tolerances import assert_losses_close, global_norm_rtol, gpt_path_length, model_rtol
 from megatron_zero.testing.train_step import pipeline_train_step
-from megatron_zero.topology import build_parallel_state
+from megatron_zero.distributed.topology import build_parallel_state
 from megatron_zero.zero import ZeroOptimizer
 
 STEPS, SEQ, FINAL, WORLD = 6, 8, 8, 2

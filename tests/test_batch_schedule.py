@@ -7,10 +7,10 @@ import pytest
 
 from megatron_zero.config import from_args
 from megatron_zero.arguments import ArgumentError, parse_command_line, validate_args
-from megatron_zero.batch_schedule import BatchSchedule, parse_step_schedule
+from megatron_zero.config.batch_schedule import BatchSchedule, parse_step_schedule
 from megatron_zero.config.compat import lr_increment
 from megatron_zero.data import GlobalBatchSampler
-from megatron_zero.lr_schedule import build_lr_schedule
+from megatron_zero.optimizer.lr_schedule import build_lr_schedule
 
 
 def megatron_rampup(consumed, final, start, increment, samples):

@@ -9,7 +9,7 @@ from megatron_zero.model.config import GPTConfig
 from megatron_zero.pipeline.gpt_stage import build_gpt_stage
 from megatron_zero.testing.checkpoint_stage import CONFIG, random_train_step
 from megatron_zero.testing.multirank import run_ranks
-from megatron_zero.topology import build_parallel_state
+from megatron_zero.distributed.topology import build_parallel_state
 from megatron_zero.zero import ZeroOptimizer
 
 

@@ -28,8 +28,8 @@ def _start(argv):
     from megatron_zero.arguments import parse_args
     from megatron_zero.config import from_args
     from megatron_zero.checkpoint import CheckpointError
-    from megatron_zero.rng_state import get_rng_state
-    from megatron_zero.topology import build_parallel_state
+    from megatron_zero.tensor_parallel.rng_state import get_rng_state
+    from megatron_zero.distributed.topology import build_parallel_state
     from megatron_zero.training import Trainer
 
     lines = []

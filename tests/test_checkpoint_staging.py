@@ -14,7 +14,7 @@ import torch
 
 from megatron_zero.checkpoint.storage.staging import HostStaging
 from megatron_zero.checkpoint.storage.tensor_io import load_file, save_file
-from megatron_zero.device import HOST
+from megatron_zero.distributed.device import HOST
 from megatron_zero.testing.host_memory import anon_and_rss, measured
 from test_gpu_training import device as gpu_device  # noqa: F401 (the gpu tier's fixture, as gpu_device)
 

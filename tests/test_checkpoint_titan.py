@@ -75,8 +75,8 @@ def test_titan_refuses_gpt2(tmp_path):
 def _load_tp2(directory):
     from megatron_zero.checkpoint.reshape.universal_load import load_from
     from megatron_zero.pipeline.gpt_stage import build_gpt_stage
-    from megatron_zero.topology import build_parallel_state
-    from megatron_zero.training import param_groups
+    from megatron_zero.distributed.topology import build_parallel_state
+    from megatron_zero.training.trainer import param_groups
     from megatron_zero.zero import ZeroOptimizer
     cfg = _config()
     state = build_parallel_state(tp=2, pp=1)

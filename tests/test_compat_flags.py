@@ -12,7 +12,7 @@ from megatron_zero.data.builder import build_train_valid_test_datasets
 from megatron_zero.data.indexed_dataset import IndexedDataset
 from megatron_zero.data.prefetch import BatchPrefetcher
 from megatron_zero.data.tokenizers import build_tokenizer
-from megatron_zero.lr_schedule import build_lr_schedule
+from megatron_zero.optimizer.lr_schedule import build_lr_schedule
 from megatron_zero.testing.flag_checks import BASE, refused, with_flags
 from megatron_zero.testing.launch import byte_data
 
@@ -146,7 +146,7 @@ def test_step_hooks_manual_gc_and_profile(tmp_path):
 
     import torch
 
-    from megatron_zero.step_hooks import StepHooks
+    from megatron_zero.training.step_hooks import StepHooks
 
     compat = argparse.Namespace(manual_gc=True, manual_gc_interval=2, empty_unused_memory_level=2, profile=True,
                                 profile_ranks=[0], profile_step_start=1, profile_step_end=2)

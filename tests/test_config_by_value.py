@@ -14,9 +14,9 @@ from megatron_zero.training import Trainer
 PACKAGE = Path(megatron_zero.__file__).parent
 
 # the training loop and the parts it builds: none takes the namespace (pretrain, the front door, parses it)
-LOOP = ("training.py", "training_steps.py", "training_log.py", "step_hooks.py", "logger.py", "elastic/local_tier.py",
+LOOP = ("training/trainer.py", "training/steps.py", "metrics/training_log.py", "training/step_hooks.py", "metrics/logger.py", "elastic/local_tier.py",
         "elastic/straggler.py", "elastic/restart.py", "model/mtp_metrics.py")
-FRONT_DOOR = {("training.py", "pretrain")}
+FRONT_DOOR = {("training/trainer.py", "pretrain")}
 
 
 @pytest.mark.parametrize("argv,world", [

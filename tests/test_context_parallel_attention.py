@@ -26,7 +26,7 @@ from megatron_zero.model.attention_core import attention_core
 from megatron_zero.model.transformer import expand_kv_heads
 from megatron_zero.testing import run_ranks
 from megatron_zero.testing.tolerances import assert_close_normwise, model_rtol
-from megatron_zero.topology import hierarchical_cp_ranks
+from megatron_zero.distributed.topology import hierarchical_cp_ranks
 
 B, HEADS, SEQ, D = 2, 4, 16, 8
 
@@ -174,7 +174,7 @@ def dropout_gradients():
     from megatron_zero.model.gpt import GPTModel
     from megatron_zero.tensor_parallel.random import model_parallel_seed
     from megatron_zero.testing.tiny_gpt import tiny_llama_config
-    from megatron_zero.topology import build_parallel_state
+    from megatron_zero.distributed.topology import build_parallel_state
 
     state = build_parallel_state(cp=2)
     whole = torch.randint(0, 100, (1, 17), generator=torch.Generator().manual_seed(3))

@@ -4,7 +4,7 @@ import pytest
 
 from megatron_zero.arguments import cp_a2a_size, parse_args
 from megatron_zero.testing.flag_checks import BASE, refused, with_flags
-from megatron_zero.topology import Layout, hierarchical_cp_ranks
+from megatron_zero.distributed.topology import Layout, hierarchical_cp_ranks
 
 
 def test_cp_divides_the_world_and_dp_counts_data_replicas():

@@ -27,7 +27,7 @@ from megatron_zero.testing import run_ranks
 from megatron_zero.testing.tiny_gpt import tiny_gpt_config, tiny_llama_config
 from megatron_zero.testing.tolerances import assert_losses_close, global_norm_rtol, gpt_path_length, model_rtol
 from megatron_zero.testing.train_step import pipeline_train_step
-from megatron_zero.topology import build_parallel_state
+from megatron_zero.distributed.topology import build_parallel_state
 from megatron_zero.zero import ZeroOptimizer
 
 STEPS, GLOBAL_BATCH, SEQ, KEPT, WORLD = 3, 4, 16, 12, 4

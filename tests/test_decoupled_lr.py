@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from megatron_zero.arguments import ArgumentError, parse_command_line, validate_args
 from megatron_zero.checkpoint.errors import CheckpointError
-from megatron_zero.lr_schedule import LRSchedule, decoupled_lr
+from megatron_zero.optimizer.lr_schedule import LRSchedule, decoupled_lr
 from megatron_zero.model import reference_model
 from megatron_zero.model.params import param_spec
 from megatron_zero.model.sharding import gather_state_dicts, gather_tensor
@@ -34,8 +34,8 @@ from megatron_zero.testing.tiny_gpt import tiny_gpt_config, tiny_llama_config
 from megatron_zero.testing.tolerances import (AdamWeightBound, assert_losses_close, assert_within, global_norm_rtol,
                                               gpt_path_length, model_rtol)
 from megatron_zero.testing.train_step import train_steps
-from megatron_zero.topology import build_parallel_state
-from megatron_zero.training import param_groups
+from megatron_zero.distributed.topology import build_parallel_state
+from megatron_zero.training.trainer import param_groups
 from megatron_zero.zero import ZeroOptimizer
 
 LR, MIN_LR, DECOUPLED, DECOUPLED_MIN = 3e-3, 3e-4, 9e-3, 1e-3

@@ -8,7 +8,7 @@ from deepspeed.runtime.config import DeepSpeedConfig
 
 from megatron_zero.config import from_args
 from megatron_zero.arguments import parse_args
-from megatron_zero.lr_schedule import build_lr_schedule
+from megatron_zero.optimizer.lr_schedule import build_lr_schedule
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--train-iters", "40"]

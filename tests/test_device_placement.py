@@ -41,7 +41,7 @@ from megatron_zero.testing.placement import PlacementTracker, watch_collectives
 def _two_iterations(argv, tp, pp):
     from megatron_zero.arguments import parse_args
     from megatron_zero.config import from_args
-    from megatron_zero.topology import build_parallel_state
+    from megatron_zero.distributed.topology import build_parallel_state
     from megatron_zero.training import Trainer
 
     device = torch.device("cpu")  # not device.HOST: the tracker tells the two apart by identity

@@ -1,7 +1,7 @@
 """Reading torchrun's and SLURM's launch environment."""
 import pytest
 
-from megatron_zero.distributed import LaunchError, first_host, read_launch_env
+from megatron_zero.distributed.initialize import LaunchError, first_host, read_launch_env
 
 
 def test_torchrun_env():
@@ -48,9 +48,9 @@ def _groups_torn_down_with_their_threads():
     import torch
     import torch.distributed as dist
 
-    from megatron_zero import shm_comm
-    from megatron_zero.distributed import shutdown_distributed
-    from megatron_zero.topology import build_parallel_state
+    from megatron_zero.distributed import shm_comm
+    from megatron_zero.distributed.initialize import shutdown_distributed
+    from megatron_zero.distributed.topology import build_parallel_state
 
     with_default_group = _threads()
     state = build_parallel_state(tp=2)

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from megatron_zero import training
+from megatron_zero.training import trainer as training
 from megatron_zero.testing.launch import byte_data, tiny_flags
 from megatron_zero.testing.multirank import free_port
 from megatron_zero.testing.restarts import RestartJob, resumed_from

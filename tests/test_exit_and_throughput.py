@@ -3,8 +3,8 @@ import signal
 
 import pytest
 
-from megatron_zero.exit_signal import ExitPolicy
-from megatron_zero.throughput import gpt_flops_per_iteration
+from megatron_zero.training.exit_signal import ExitPolicy
+from megatron_zero.metrics.throughput import gpt_flops_per_iteration
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])

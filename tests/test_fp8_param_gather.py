@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_zero import shm_comm
-from megatron_zero.device import HOST
+from megatron_zero.distributed import shm_comm
+from megatron_zero.distributed.device import HOST
 from megatron_zero.model import reference_model
 from megatron_zero.testing import run_ranks
 from megatron_zero.testing.collective_counter import CollectiveCounter

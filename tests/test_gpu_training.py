@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from megatron_zero import ops
 from megatron_zero.config import flat, from_args
-from megatron_zero.device import HOST, backend_for
-from megatron_zero.distributed import shutdown_distributed
+from megatron_zero.distributed.device import HOST, backend_for
+from megatron_zero.distributed.initialize import shutdown_distributed
 from megatron_zero.testing.multirank import free_port
 from megatron_zero.testing.launch import losses_from_log, model_flags, torchrun
 from megatron_zero.testing.tolerances import (AdamWeightBound, assert_losses_close, assert_within, global_norm_rtol,
@@ -81,7 +81,7 @@ def _args(corpus, tmp_path, **extra):
 
 
 def _trainer(args, device):
-    from megatron_zero.topology import build_parallel_state
+    from megatron_zero.distributed.topology import build_parallel_state
     from megatron_zero.training import Trainer
     return Trainer(from_args(args), build_parallel_state(1, 1), device)
 

@@ -24,7 +24,7 @@ from megatron_zero.pipeline.gpt_stage import build_gpt_stage
 from megatron_zero.testing import run_ranks
 from megatron_zero.testing.hf_parity import SEQ, VOCAB, first_loss, hf_tensors, our_logits, tokens
 from megatron_zero.testing.tiny_gpt import tiny_llama_config
-from megatron_zero.topology import build_parallel_state
+from megatron_zero.distributed.topology import build_parallel_state
 from megatron_zero.zero import ZeroOptimizer
 
 transformers = pytest.importorskip("transformers")

@@ -32,7 +32,7 @@ def _syncs_per_iteration(argv, tp, pp):
 
     from megatron_zero.arguments import parse_args
     from megatron_zero.config import from_args
-    from megatron_zero.topology import build_parallel_state
+    from megatron_zero.distributed.topology import build_parallel_state
     from megatron_zero.training import Trainer
 
     args = parse_args(argv, world_size=dist.get_world_size())

@@ -3,7 +3,7 @@
 Every flag of each script either parses or is refused in one sentence of its own naming it and why
 (never argparse's "unrecognized arguments", never an abbreviation match); the refused flags are
 exactly those expected here, every one of them in the table of docs/coming_from_megatron.md, and
-that table is megatron_zero/flag_refusals.py's. With the refused flags removed, each script passes
+that table is megatron_zero/arguments/flag_refusals.py's. With the refused flags removed, each script passes
 validate_args at the world size it launches.
 """
 import os
@@ -12,7 +12,7 @@ import re
 import pytest
 
 from megatron_zero.arguments import ArgumentError, parse_args, parse_command_line, validate_args
-from megatron_zero.flag_refusals import REFUSED, refusals
+from megatron_zero.arguments.flag_refusals import REFUSED, refusals
 from megatron_zero.testing.launch_scripts import script_argv, scripts
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "coming_from_megatron.md")

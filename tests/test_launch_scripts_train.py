@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from megatron_zero.flag_refusals import refusals
+from megatron_zero.arguments.flag_refusals import refusals
 from megatron_zero.testing.launch import ROOT, losses_from_log, torchrun
 from megatron_zero.testing.launch_scripts import replace_flag, script_argv
 

@@ -33,8 +33,8 @@ from megatron_zero.testing.tiny_gpt import tiny_gpt_config, tiny_llama_config
 from megatron_zero.testing.tolerances import (AdamWeightBound, assert_losses_close, assert_within, global_norm_rtol,
                                               gpt_path_length, model_rtol)
 from megatron_zero.testing.train_step import train_steps
-from megatron_zero.topology import build_parallel_state
-from megatron_zero.training import param_groups
+from megatron_zero.distributed.topology import build_parallel_state
+from megatron_zero.training.trainer import param_groups
 from megatron_zero.zero import ZeroOptimizer
 
 CONFIGS = {"LayerNorm": lambda **kw: tiny_gpt_config(num_layers=2, **kw),

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from megatron_zero.lr_schedule import LRSchedule
+from megatron_zero.optimizer.lr_schedule import LRSchedule
 
 
 def test_warmup_then_cosine_to_min():

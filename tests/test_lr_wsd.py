@@ -8,7 +8,7 @@ import torch
 
 from megatron_zero.config import from_args
 from megatron_zero.arguments import parse_args
-from megatron_zero.lr_schedule import build_lr_schedule
+from megatron_zero.optimizer.lr_schedule import build_lr_schedule
 from megatron_zero.testing.flag_checks import BASE, refused, with_flags
 from megatron_zero.testing.launch import byte_data, pretrain
 

@@ -9,7 +9,7 @@ import pytest
 from megatron_zero.arguments import ArgumentError, parse_args, parse_command_line, validate_args
 from megatron_zero.config.compat_noops import SWITCHES
 from megatron_zero.testing.flag_checks import BASE
-from megatron_zero.megatron_unsupported import UNSUPPORTED
+from megatron_zero.arguments.megatron_unsupported import UNSUPPORTED
 
 NOOPS = ["--attention-softmax-in-fp32", "--accumulate-allreduce-grads-in-fp32", "--no-bias-dropout-fusion",
          "--disable-jit-fuser", "--auto-detect-ckpt-format", "--use-pytorch-profiler", "--dataloader-type", "single"]

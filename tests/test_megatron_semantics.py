@@ -12,8 +12,8 @@ import pytest
 
 from megatron_zero.config import from_args
 from megatron_zero.arguments import parse_args
-from megatron_zero.batch_schedule import BatchSchedule
-from megatron_zero.lr_schedule import build_lr_schedule
+from megatron_zero.config.batch_schedule import BatchSchedule
+from megatron_zero.optimizer.lr_schedule import build_lr_schedule
 from megatron_zero.testing.launch import byte_data, model_flags, pretrain
 
 

@@ -179,7 +179,7 @@ def _tp2(sequence_parallel: bool):
     from megatron_zero.model.params import param_spec
     from megatron_zero.model.sharding import gather_tensor
     from megatron_zero.pipeline.gpt_stage import build_gpt_stage
-    from megatron_zero.topology import build_parallel_state
+    from megatron_zero.distributed.topology import build_parallel_state
 
     state = build_parallel_state(tp=2, pp=1)
     cfg = GPTConfig(**TOY, sequence_parallel=sequence_parallel)
@@ -350,7 +350,7 @@ def test_flops_per_iteration_counts_mla_matmuls():
     from torch.utils.flop_counter import FlopCounterMode
 
     from megatron_zero.model.mla import MultiLatentAttention, mla_flop_sizes
-    from megatron_zero.throughput import gpt_flops_per_iteration
+    from megatron_zero.metrics.throughput import gpt_flops_per_iteration
 
     for change in CASES:
         cfg = layer_config(**change, attention_backend="unfused")

@@ -48,12 +48,12 @@ def _toy():
 
 
 def _train_save_resume(save_dir):
-    import megatron_zero.training as training
+    import megatron_zero.training.trainer as training
     from megatron_zero.arguments import parse_args
     from megatron_zero.config import from_args
     from megatron_zero.checkpoint.format import model_states_name
     from megatron_zero.model_converters import ModelConverters
-    from megatron_zero.topology import build_parallel_state
+    from megatron_zero.distributed.topology import build_parallel_state
 
     toys, lines, clients = [], [], []
     flagged, resume = training.model_converters, training.resume_checkpoint

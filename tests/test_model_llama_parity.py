@@ -20,7 +20,7 @@ from megatron_zero.testing.train_step import train_steps
 from megatron_zero.testing.tiny_gpt import tiny_llama_config
 from megatron_zero.testing.tolerances import (AdamWeightBound, assert_losses_close, assert_within, global_norm_rtol,
                                               gpt_path_length, model_rtol)
-from megatron_zero.topology import build_parallel_state
+from megatron_zero.distributed.topology import build_parallel_state
 from megatron_zero.zero import ZeroOptimizer
 
 pytestmark = pytest.mark.isa  # the Adam-aware bound on the layouts a fresh AVX-512 machine once failed

@@ -10,7 +10,7 @@ from megatron_zero.model.params import param_spec
 from megatron_zero.model.sharding import gather_tensor
 from megatron_zero.testing import run_ranks
 from megatron_zero.testing.tolerances import assert_close_normwise, assert_losses_close, gpt_path_length, model_rtol
-from megatron_zero.topology import build_parallel_state
+from megatron_zero.distributed.topology import build_parallel_state
 
 # vocab 1000 / divisible_by 96 pads to 1056 at TP1 and 1152 at TP2 and TP4;
 # vocab 960 is unpadded at TP1 and TP2 and padded to 1152 at TP4.

@@ -16,7 +16,7 @@ from megatron_zero.pipeline.schedule import forward_backward
 from megatron_zero.tensor_parallel import model_parallel_seed
 from megatron_zero.testing import run_ranks
 from megatron_zero.testing.tiny_gpt import tiny_gpt_config
-from megatron_zero.topology import build_parallel_state
+from megatron_zero.distributed.topology import build_parallel_state
 
 VARIANTS = {
     "selective": dict(recompute_granularity="selective"),

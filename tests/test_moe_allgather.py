@@ -20,7 +20,7 @@ from megatron_zero.testing.flag_checks import BASE, with_flags
 from megatron_zero.testing.moe_train import GBS, moe_config, parallel_run, reference_run
 from megatron_zero.testing.tolerances import (assert_close_scaled, assert_losses_close, global_norm_rtol,
                                               gpt_path_length, model_rtol)
-from megatron_zero.topology import build_parallel_state
+from megatron_zero.distributed.topology import build_parallel_state
 
 pytestmark = pytest.mark.multirank
 

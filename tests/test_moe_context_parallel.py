@@ -34,7 +34,7 @@ from megatron_zero.testing import run_ranks
 from megatron_zero.testing.moe_train import moe_config
 from megatron_zero.testing.tolerances import assert_losses_close, global_norm_rtol, gpt_path_length, model_rtol
 from megatron_zero.testing.train_step import pipeline_train_step
-from megatron_zero.topology import build_parallel_state
+from megatron_zero.distributed.topology import build_parallel_state
 from megatron_zero.zero import ZeroOptimizer
 
 pytestmark = pytest.mark.multirank
@@ -114,7 +114,7 @@ def train_layout(states, model, pp, cp, stage, comm_type, other):
         micro = [slice_batch_for_cp({"tokens": tokens[j:j + 1], "labels": labels[j:j + 1],
                                      "loss_mask": mask[j:j + 1]}, cp, state.cp_rank)
                  for j in range(first, first + per_replica)]
-        set_aux_loss_scale(opt.loss_scale * cp / len(micro))  # as training.py sets it
+        set_aux_loss_scale(opt.loss_scale * cp / len(micro))  # as training/trainer.py sets it
         loss, norm = pipeline_train_step(net, opt, state, p2p, micro)
         losses.append(loss)
         norms.append(norm)

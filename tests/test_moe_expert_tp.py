@@ -15,7 +15,7 @@ from megatron_zero.testing import run_ranks
 from megatron_zero.testing.flag_checks import BASE, refused, with_flags
 from megatron_zero.testing.moe_train import GBS, moe_config, parallel_run, reference_run
 from megatron_zero.testing.tolerances import assert_losses_close, global_norm_rtol, gpt_path_length, model_rtol
-from megatron_zero.topology import Layout, TopologyError
+from megatron_zero.distributed.topology import Layout, TopologyError
 
 GROUP_LAYOUTS = [  # tp, pp, dp, ep, etp
     (2, 1, 4, 4, 1), (2, 1, 4, 2, 1), (2, 2, 2, 2, 2), (4, 1, 2, 2, 2), (1, 1, 8, 2, 2), (2, 1, 2, 2, 2),

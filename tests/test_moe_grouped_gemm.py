@@ -179,7 +179,7 @@ def _zero3(model, halves: bool, persistence_threshold: int):
     if not halves:
         return ZeroOptimizer(list(model.named_parameters()), stage=3, module=model,
                              persistence_threshold=persistence_threshold).impl
-    from megatron_zero.device import HOST
+    from megatron_zero.distributed.device import HOST
     from megatron_zero.zero.expert_stage import split_expert_groups
     from megatron_zero.zero.expert_stage3 import ExpertParallelStage3
     dense, _, expert, _ = split_expert_groups([list(model.named_parameters())], [{}])

@@ -19,7 +19,7 @@ from megatron_zero.testing.cli import CliResume, cli_flags, text_data
 from megatron_zero.testing.moe_train import CLIP, GBS, HP, global_batch, micro_slices, moe_config, reference_run
 from megatron_zero.testing.tolerances import assert_losses_close, global_norm_rtol, gpt_path_length, model_rtol
 from megatron_zero.testing.train_step import pipeline_train_step
-from megatron_zero.topology import build_parallel_state
+from megatron_zero.distributed.topology import build_parallel_state
 from megatron_zero.zero import ZeroOptimizer
 
 pytestmark = pytest.mark.multirank

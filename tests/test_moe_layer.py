@@ -15,7 +15,7 @@ from megatron_zero.moe.router import switch_load_balancing_loss, z_loss
 from megatron_zero.testing.flag_checks import BASE, refused, with_flags
 from megatron_zero.testing.moe_train import moe_config
 from megatron_zero.testing.tolerances import assert_close_scaled, model_rtol
-from megatron_zero.topology import Layout, TopologyError
+from megatron_zero.distributed.topology import Layout, TopologyError
 
 TOKENS = 16
 
@@ -122,7 +122,7 @@ def test_moe_flags_parse():
 
 
 def test_expert_parallel_stage_implements_the_protocol():
-    from megatron_zero.device import HOST
+    from megatron_zero.distributed.device import HOST
     from megatron_zero.zero.expert_stage import ExpertParallelStage, split_expert_groups
     from megatron_zero.zero.stage_interface import ZeroStage
 

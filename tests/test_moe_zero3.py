@@ -47,7 +47,7 @@ def test_moe_zero3_expert_parallel_matches_reference(name, tmp_path):
 def test_expert_parallel_stage3_implements_the_protocol():
     import torch
 
-    from megatron_zero.device import HOST
+    from megatron_zero.distributed.device import HOST
     from megatron_zero.zero.expert_stage import split_expert_groups
     from megatron_zero.zero.expert_stage3 import ExpertParallelStage3
     from megatron_zero.zero.stage_interface import ZeroStage

@@ -257,7 +257,7 @@ def _tp2_step(cfg):
     from megatron_zero.model import GPTModel
     from megatron_zero.model.sharding import gather_state_dicts, shard_state_dict
     from megatron_zero.tensor_parallel import model_parallel_seed
-    from megatron_zero.topology import build_parallel_state
+    from megatron_zero.distributed.topology import build_parallel_state
 
     state = build_parallel_state(tp=2)
     model_parallel_seed(1, state.tp_rank, 0)

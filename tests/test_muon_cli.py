@@ -56,7 +56,7 @@ def test_llama3_8b_launch_with_dist_muon_and_qk_clip_trains_cut_down(tmp_path):
     tests/test_launch_scripts_train.py cuts it, those 2 ranks context-parallel (QK-clip's max logit over the CP
     ranks' keys, Muon's owners over DP x CP) with the flash backend: trains 5 iterations, logging the max attention
     logit."""
-    from megatron_zero.flag_refusals import refusals
+    from megatron_zero.arguments.flag_refusals import refusals
     from megatron_zero.testing.launch import torchrun
     from megatron_zero.testing.launch_scripts import replace_flag, script_argv
 

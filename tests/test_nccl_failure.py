@@ -14,8 +14,9 @@ import torch.distributed as dist
 from conftest import ROOT
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from megatron_zero import distributed, training
-from megatron_zero.device import DeviceError, backend_for
+from megatron_zero.distributed import initialize as distributed
+from megatron_zero.training import trainer as training
+from megatron_zero.distributed.device import DeviceError, backend_for
 from megatron_zero.testing.launch import PRETRAIN, byte_data, tiny_flags
 from megatron_zero.testing.multirank import free_port
 
@@ -157,7 +158,7 @@ def test_the_launch_script_names_the_rank_that_was_killed(tmp_path):
 
 NCCL_START = """
 import torch, torch.distributed as dist
-from megatron_zero.distributed import init_distributed, shutdown_distributed
+from megatron_zero.distributed.initialize import init_distributed, shutdown_distributed
 init_distributed("nccl", 1.0)
 x = torch.ones(4, device="cuda")
 dist.all_reduce(x)

@@ -64,9 +64,9 @@ def _spy(monkeypatch):
 
 
 def _offload_trainer(corpus, tmp_path, threads):
-    from megatron_zero.device import HOST
+    from megatron_zero.distributed.device import HOST
     from megatron_zero.testing.launch import model_flags
-    from megatron_zero.topology import build_parallel_state
+    from megatron_zero.distributed.topology import build_parallel_state
     from megatron_zero.training import Trainer
     data, tok = corpus
     args = parse_args(model_flags(data, tok, **{"cpu-optimizer": True, "cpu-optimizer-threads": threads,
@@ -86,7 +86,7 @@ def test_cpu_optimizer_threads_flag_reaches_the_kernel(builtin_corpus, tmp_path,
     threads though torch has 1; the weights equal those of the same step on 1 thread, bit for bit."""
     import torch.distributed as dist
 
-    from megatron_zero.distributed import shutdown_distributed
+    from megatron_zero.distributed.initialize import shutdown_distributed
     from megatron_zero.testing.multirank import free_port
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)

@@ -29,7 +29,7 @@ from megatron_zero.testing.loss_memory import peaks_in_subprocess
 from megatron_zero.testing.tiny_gpt import tiny_gpt_config
 from megatron_zero.testing.tolerances import assert_close_normwise, gpt_path_length, model_rtol
 from megatron_zero.testing.trainer_losses import resume_flags, train_losses
-from megatron_zero.topology import build_parallel_state
+from megatron_zero.distributed.topology import build_parallel_state
 
 VOCAB, PADDED, H, TOKENS = 1000, 1152, 32, (3, 8)
 

@@ -19,7 +19,7 @@ from megatron_zero.pipeline.schedule import broadcast_loss, forward_backward
 from megatron_zero.testing import run_ranks
 from megatron_zero.testing.tiny_gpt import tiny_gpt_config
 from megatron_zero.testing.tolerances import assert_close_scaled, assert_losses_close, gpt_path_length, model_rtol
-from megatron_zero.topology import build_parallel_state
+from megatron_zero.distributed.topology import build_parallel_state
 
 STEPS, LR, MB = 3, 0.5, 2
 

@@ -7,7 +7,7 @@ from megatron_zero.pipeline.p2p import P2P
 from megatron_zero.pipeline.schedule import ScheduleStats, broadcast_loss, forward_backward
 from megatron_zero.testing import run_ranks
 from megatron_zero.testing.toy_pipeline import H, MB, toy_batches, toy_layers, toy_reference
-from megatron_zero.topology import build_parallel_state
+from megatron_zero.distributed.topology import build_parallel_state
 
 
 def pipelined(m):

@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_zero import shm_comm
+from megatron_zero.distributed import shm_comm
 from megatron_zero.pipeline.p2p import P2P
 from megatron_zero.pipeline.schedule import forward_backward
 from megatron_zero.testing import run_ranks
 from megatron_zero.testing.toy_pipeline import H, MB, toy_batches, toy_layers
-from megatron_zero.topology import build_parallel_state
+from megatron_zero.distributed.topology import build_parallel_state
 
 SHAPE = (3, 5, 70)  # 4200 bytes of fp32: five chunks of a 1 KiB slot
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_zero.logger import ScalarLog
+from megatron_zero.metrics.logger import ScalarLog
 from megatron_zero.testing.launch import ROOT, byte_data, pretrain
 
 TOOL = os.path.join(ROOT, "tools", "plot_loss.py")

@@ -1,6 +1,6 @@
 """--profile with a collective in flight when the profiler stops (--overlap-param-gather leaves the step's
 all-gathers running past it): StepHooks waits for them first (its `settle`, the optimizer's wait_params in
-training.py).
+training/trainer.py).
 
 Without that wait, torch.profiler (2.13) stopped while gloo's worker thread was finishing an all-gather that
 started under it, and freeing that collective's handle afterwards killed the rank with SIGSEGV (in
@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_zero.step_hooks import StepHooks
+from megatron_zero.training.step_hooks import StepHooks
 from megatron_zero.testing.multirank import run_ranks
 
 CYCLES = 40

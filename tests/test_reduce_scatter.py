@@ -1,10 +1,10 @@
-"""megatron_zero.reduce_scatter: the list-form reduce-scatter, and the tensor-form fallback torch 2.4-2.6's gloo
+"""megatron_zero.distributed.reduce_scatter: the list-form reduce-scatter, and the tensor-form fallback torch 2.4-2.6's gloo
 needs, give each rank the exact sum of its part (fp32 integers: no rounding), sync and async, flat parts
 (ZeRO buckets) and 3-D parts (TP sequence-parallel chunks). The fallback is forced so it runs on any torch."""
 import pytest
 import torch
 
-from megatron_zero import reduce_scatter as rs
+from megatron_zero.distributed import reduce_scatter as rs
 from megatron_zero.testing.multirank import run_ranks
 
 

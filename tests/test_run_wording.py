@@ -14,12 +14,12 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_zero.checkpoint.report import layout_here, loaded_line, saved_layout_text, saved_line
-from megatron_zero.logger import format_train_line
+from megatron_zero.metrics.logger import format_train_line
 from megatron_zero.moe.metrics import logged_names
-from megatron_zero.run_summary import RunSummary
+from megatron_zero.metrics.run_summary import RunSummary
 from megatron_zero.testing.cli import cli_flags, text_data
 from megatron_zero.testing.launch import torchrun
-from megatron_zero.topology import Layout
+from megatron_zero.distributed.topology import Layout
 
 
 def test_saved_and_loaded_layouts_name_cp_and_ep():

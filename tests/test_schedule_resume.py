@@ -11,8 +11,8 @@ import torch
 from megatron_zero import config
 from megatron_zero.arguments import parse_args
 from megatron_zero.checkpoint.errors import CheckpointError
-from megatron_zero.lr_schedule import build_lr_schedule
-from megatron_zero.schedule_resume import resume_schedule
+from megatron_zero.optimizer.lr_schedule import build_lr_schedule
+from megatron_zero.training.schedule_resume import resume_schedule
 from megatron_zero.testing.flag_checks import BASE, with_flags
 
 mcore_scheduler = pytest.importorskip("megatron.core.optimizer_param_scheduler")

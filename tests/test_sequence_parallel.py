@@ -18,7 +18,7 @@ from megatron_zero.tensor_parallel import model_parallel_seed
 from megatron_zero.testing import run_ranks
 from megatron_zero.testing.tiny_gpt import tiny_gpt_config, tiny_llama_config
 from megatron_zero.testing.tolerances import assert_close_scaled, assert_losses_close, gpt_path_length, model_rtol
-from megatron_zero.topology import build_parallel_state
+from megatron_zero.distributed.topology import build_parallel_state
 
 WORD = "tied_modules.embed.word_embeddings.weight"
 

@@ -6,13 +6,13 @@ the values are the mappings' (the gathered whole is every rank's tokens in order
 import torch
 import torch.distributed as dist
 
-from megatron_zero import shm_comm
+from megatron_zero.distributed import shm_comm
 from megatron_zero.tensor_parallel import (gather_from_sequence_parallel_region,
                                            reduce_scatter_to_sequence_parallel_region,
                                            scatter_to_sequence_parallel_region)
 from megatron_zero.testing import run_ranks
 from megatron_zero.testing.copy_counter import CopyCounter
-from megatron_zero.topology import build_parallel_state
+from megatron_zero.distributed.topology import build_parallel_state
 
 B, S, H, TP = 3, 8, 16, 2
 

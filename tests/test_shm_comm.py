@@ -1,4 +1,4 @@
-"""The shared-memory all-reduce / all-gather (megatron_zero/shm_comm.py) against the exact results, chunked
+"""The shared-memory all-reduce / all-gather (megatron_zero/distributed/shm_comm.py) against the exact results, chunked
 rounds included, with nothing left in /dev/shm; the gloo fallback when it is switched off; a missing rank
 reported after the timeout, a killed one at once."""
 import os
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_zero import shm_comm
+from megatron_zero.distributed import shm_comm
 from megatron_zero.arguments import parse_args
 from megatron_zero.testing import multirank, run_ranks
 from test_arguments import BASE

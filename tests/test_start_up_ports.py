@@ -25,7 +25,7 @@ def test_a_one_process_store_binds_no_port():
     on the default 29500 where it is unset, is no conflict."""
     import datetime
 
-    from megatron_zero.distributed import attempt_store, read_launch_env
+    from megatron_zero.distributed.initialize import attempt_store, read_launch_env
 
     taken = _listening()
     try:

@@ -57,7 +57,7 @@ def test_checkpoint_model_settings_are_checked_on_resume(tmp_path):
     with pytest.raises(CheckpointError, match="--num-attention-heads 4 in the checkpoint vs 2 here"):
         check_checkpoint_compat(str(universal), vars(args), 257, lambda tp: 384)
     # what may change on resume: batch sizes, lr, ZeRO stage, dropout, precision of the run, seed (a changed
-    # schedule -- --lr, --train-iters -- with --override-opt_param-scheduler, as Megatron-LM: schedule_resume.py)
+    # schedule -- --lr, --train-iters -- with --override-opt_param-scheduler, as Megatron-LM: training/schedule_resume.py)
     run = pretrain(tmp_path, data, load=tmp_path / "ckpt", **{
         "train-iters": 3, "global-batch-size": 8, "lr": 5e-4, "zero-stage": 2, "hidden-dropout": 0.0, "seed": 9,
         "override-opt_param-scheduler": True})

@@ -1,4 +1,4 @@
-"""A run that has stopped learning stops, through pretrain_gpt.py as a user runs it (megatron_zero/stop_rules.py).
+"""A run that has stopped learning stops, through pretrain_gpt.py as a user runs it (megatron_zero/training/stop_rules.py).
 
 - fp16 whose loss scale cannot fall below what overflows (--initial-loss-scale = --min-loss-scale = 2**40: every
   step's gradients overflow) stops after --max-consecutive-skipped-iterations' default, 50, instead of training

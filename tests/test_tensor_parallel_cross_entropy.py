@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from megatron_zero.tensor_parallel import vocab_parallel_cross_entropy
 from megatron_zero.testing import run_ranks
-from megatron_zero.topology import build_parallel_state
+from megatron_zero.distributed.topology import build_parallel_state
 
 VOCAB, PADDED = 1000, 1152  # 152 padded columns: the last TP=4 rank holds 288 columns, 136 of them real
 

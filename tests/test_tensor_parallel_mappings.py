@@ -15,7 +15,7 @@ from megatron_zero.tensor_parallel import (ColumnParallelLinear, RowParallelLine
                                            scatter_to_tensor_model_parallel_region)
 from megatron_zero.testing import run_ranks
 from megatron_zero.testing.tolerances import assert_within, reduction_atol
-from megatron_zero.topology import build_parallel_state
+from megatron_zero.distributed.topology import build_parallel_state
 
 
 def per_rank(rank, shape=(2, 8)):

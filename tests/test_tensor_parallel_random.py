@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from megatron_zero.model import GPTConfig, GPTModel
 from megatron_zero.tensor_parallel import get_rng_tracker, model_parallel_seed
 from megatron_zero.testing import run_ranks
-from megatron_zero.topology import build_parallel_state
+from megatron_zero.distributed.topology import build_parallel_state
 
 
 def masks():

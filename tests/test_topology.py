@@ -2,7 +2,7 @@
 import pytest
 
 from megatron_zero.testing.layouts import factorisations
-from megatron_zero.topology import GROUP_KINDS, Layout, TopologyError
+from megatron_zero.distributed.topology import GROUP_KINDS, Layout, TopologyError
 
 
 ALL_LAYOUTS = [lay for w in (1, 2, 4, 8) for lay in factorisations(w)]

@@ -5,7 +5,7 @@ import torch.distributed as dist
 
 from megatron_zero.testing import run_ranks
 from megatron_zero.testing.layouts import factorisations
-from megatron_zero.topology import GROUP_KINDS, build_parallel_state
+from megatron_zero.distributed.topology import GROUP_KINDS, build_parallel_state
 
 
 def check_all_layouts(world):

@@ -13,8 +13,8 @@ from megatron_zero.model.gpt import reference_model
 from megatron_zero.pipeline.gpt_stage import build_gpt_stage
 from megatron_zero.testing import run_ranks
 from megatron_zero.testing.tiny_gpt import tiny_gpt_config
-from megatron_zero.timers import Timers
-from megatron_zero.topology import build_parallel_state
+from megatron_zero.metrics.timers import Timers
+from megatron_zero.distributed.topology import build_parallel_state
 from megatron_zero.zero import ZeroOptimizer
 from megatron_zero.testing.launch import model_flags, torchrun
 

@@ -4,7 +4,7 @@ import math
 import torch
 
 from megatron_zero.testing import run_ranks
-from megatron_zero.topology import build_parallel_state
+from megatron_zero.distributed.topology import build_parallel_state
 from megatron_zero.zero import ZeroOptimizer
 
 

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from megatron_zero.device import HOST
+from megatron_zero.distributed.device import HOST
 from megatron_zero.zero import clip_grad
 from megatron_zero.zero.clip_grad import local_sums, norm_and_overflow
 

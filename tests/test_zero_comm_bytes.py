@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_zero import shm_comm
+from megatron_zero.distributed import shm_comm
 from megatron_zero.testing import run_ranks
 from megatron_zero.testing.collective_counter import CollectiveCounter
 from megatron_zero.zero import ZeroOptimizer

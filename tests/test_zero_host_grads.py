@@ -10,7 +10,7 @@ relative 1e-6. The command-line runs (tests/test_zero_offload_cli.py, slow) show
 import torch
 import torch.distributed as dist
 
-from megatron_zero.device import HOST
+from megatron_zero.distributed.device import HOST
 from megatron_zero.testing import run_ranks
 from megatron_zero.testing.toy_zero import GLOBAL_BATCH, HP, ZERO3_PERSIST, ToyGPT, batch
 from megatron_zero.zero import ZeroOptimizer

@@ -8,7 +8,7 @@ on-device MultiTensorAdamW, relative 1e-6 (the fallback math vs the C++ kernel's
 import pytest
 import torch
 
-from megatron_zero.device import HOST
+from megatron_zero.distributed.device import HOST
 from megatron_zero.zero.offload import FlatAdamW
 
 HP = [dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1), dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8,

@@ -81,7 +81,7 @@ def test_offloaded_run_host_peak_matches_the_plan(tmp_path, monkeypatch):
     flags = flags_argv({**HOST_MODEL, "data-path": data, "data-cache-path": tmp_path / "cache"})
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    grown = tool_peak_growth(PRETRAIN, *flags, imports=("megatron_zero.training",))
+    grown = tool_peak_growth(PRETRAIN, *flags, imports=("megatron_zero.training.trainer",))
     plan = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plan.py"), *flags, "--vocab-size", "257",
                            "--gpus", "1", "--json"], capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, PYTHONPATH=ROOT))

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_zero.device import HOST
+from megatron_zero.distributed.device import HOST
 from megatron_zero.testing import run_ranks
 from megatron_zero.testing.toy_zero import GLOBAL_BATCH, HP, ZERO3_PERSIST, ToyGPT, batch
 from megatron_zero.zero import ZeroOptimizer

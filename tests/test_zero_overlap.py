@@ -15,7 +15,7 @@ from megatron_zero.pipeline.p2p import P2P
 from megatron_zero.pipeline.schedule import broadcast_loss, forward_backward
 from megatron_zero.testing import run_ranks
 from megatron_zero.testing.tiny_gpt import tiny_gpt_config
-from megatron_zero.topology import build_parallel_state
+from megatron_zero.distributed.topology import build_parallel_state
 from megatron_zero.zero import ZeroOptimizer
 
 STEPS, MB, M, DP = 4, 2, 2, 2

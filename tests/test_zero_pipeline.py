@@ -14,7 +14,7 @@ from megatron_zero.testing.train_step import pipeline_train_step
 from megatron_zero.testing.tiny_gpt import tiny_gpt_config
 from megatron_zero.testing.tolerances import (AdamWeightBound, assert_losses_close, assert_within, gpt_path_length,
                                               model_rtol)
-from megatron_zero.topology import build_parallel_state
+from megatron_zero.distributed.topology import build_parallel_state
 from megatron_zero.zero import ZeroOptimizer
 
 STEPS, MB, M, DP = 20, 2, 2, 2

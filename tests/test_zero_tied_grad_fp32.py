@@ -17,7 +17,7 @@ from megatron_zero.pipeline.p2p import P2P
 from megatron_zero.pipeline.schedule import forward_backward
 from megatron_zero.testing import run_ranks
 from megatron_zero.testing.tiny_gpt import tiny_gpt_config
-from megatron_zero.topology import build_parallel_state
+from megatron_zero.distributed.topology import build_parallel_state
 from megatron_zero.zero import ZeroOptimizer
 
 M, MB = 8, 2

@@ -76,7 +76,7 @@ def test_quantized_training_follows_the_unquantized_curve():
 
 
 def hpz_against_plain():
-    from megatron_zero.topology import Layout, build_hpz_group
+    from megatron_zero.distributed.topology import Layout, build_hpz_group
     hpz = build_hpz_group(Layout.from_world(dist.get_world_size()), dist.get_rank(), 2)
     out = {}
     for name, group in (("plain", None), ("hpZ", hpz)):

@@ -14,8 +14,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_zero.distributed import LaunchError, init_distributed, shutdown_distributed
-from megatron_zero.topology import GROUP_KINDS, TopologyError, build_parallel_state
+from megatron_zero.distributed.initialize import LaunchError, init_distributed, shutdown_distributed
+from megatron_zero.distributed.topology import GROUP_KINDS, TopologyError, build_parallel_state
 
 
 def main(argv=None):

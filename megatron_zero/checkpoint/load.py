@@ -21,9 +21,9 @@ from typing import Optional
 
 import torch
 
-from ..device import HOST
+from ..distributed.device import HOST
 from ..model.converters import NO_CONVERTERS, ModelConverters
-from ..topology import ParallelState
+from ..distributed.topology import ParallelState
 from ..zero.universal_state import set_state_from_params
 from .deepspeed_layout import EMBED_PREFIX, layer_of, param_shapes, persistent_buffers
 from .errors import CheckpointError

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from .errors import CheckpointError
 from .deepspeed_layout import param_shapes
 from .format import MODEL_FILE, ZERO_FILE
-from ..lr_schedule import LRSchedule
+from ..optimizer.lr_schedule import LRSchedule
 from ..zero.partition import partition_group
 from .megatron_deepspeed import QKV_SUFFIXES, module_name_from_ours, nest_module, qkv_from_ours
 from .storage.safe_pickle import DynamicLossScaler, LossScaler, ModelType, fragment_address

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..model.converters import NO_CONVERTERS, ModelConverters
-from ..topology import ParallelState
+from ..distributed.topology import ParallelState
 from .expert_layout import expert_files, without_experts, zero3_expert_files
 from .deepspeed_layout import assign_layers_to_dp, engine_state, layer_state_dicts, universal_checkpoint_info
 from .megatron_deepspeed_save import megatron_deepspeed_plan

@@ -11,7 +11,7 @@ Left to eager inside a compiled layer (torch.compiler.disable, ops/eager.py):
 - the fused kernels (megatron_zero/ops), C++/CUDA extensions inductor cannot trace: each runs between the
   compiled pieces, where its fusion flag and the device pick it (named once in the converter's log line);
 - the tensor-parallel collectives (TP/SP's conjugate pairs, the asynchronous gradient all-reduce), which may
-  go through the shared-memory transport (shm_comm.py) that dynamo must not trace;
+  go through the shared-memory transport (distributed/shm_comm.py) that dynamo must not trace;
 - an MoE layer's router and expert dispatch: its token counts per expert are data-dependent shapes that
   would recompile every step; the layer's attention and norms compile (named in the log line).
 Context parallelism's attention exchange runs eagerly at a graph break where dynamo cannot trace it.

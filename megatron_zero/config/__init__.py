@@ -8,7 +8,7 @@
                          data-parallel size and every cross-degree rule; check_layout builds it first)
            model         GPTConfig, by model/architecture.gpt_config (the one args -> model mapping,
                          also for a checkpoint's saved args)
-           optimizer     OptimizerConfig -> ZeroOptimizer (optimizer_setup.py); the schedule
+           optimizer     OptimizerConfig -> ZeroOptimizer (zero/build.py); the schedule
                          (lr_schedule.build_lr_schedule(Config))
            checkpoint    CheckpointConfig: save/resume (training.py); the resume check compares the saved args'
                          and the run's model/architecture.ModelSettings (checkpoint/compat.py)
@@ -17,7 +17,7 @@ Each area is a module whose typed section's fields declare its flags (`add_flags
 fields.py) and which owns their checks: model.py, recompute.py, mla.py, moe.py (with moe_deepspeed.py,
 moe_router.py, moe_router_bias.py), mtp.py, parallel.py, optimizer.py, muon.py, training.py, data.py,
 checkpointing.py, log.py, runtime.py. A feature's flags (compat.py, compat_noops.py, elastic.py, loss.py, fp8.py,
-compile.py, rerun.py) plug in through arguments.py's FEATURES: the module's `add_flags(parser)` and a
+compile.py, rerun.py) plug in through arguments/__init__.py's FEATURES: the module's `add_flags(parser)` and a
 `check(args)` that runs once the layout, model and run length are checked.
 
 A refusal is one sentence (errors.ArgumentError) naming the flags, their values and what would be right.
@@ -32,11 +32,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from ..batch_schedule import BatchScheduleError
-from ..deepspeed_config import DeepSpeedConfigError, apply_deepspeed_config
+from .batch_schedule import BatchScheduleError
+from .deepspeed_config import DeepSpeedConfigError, apply_deepspeed_config
 from ..model.shape_rules import ModelShapeError
 from ..moe.expert_counts import ExpertCountError
-from ..topology import TopologyError
+from ..distributed.topology import TopologyError
 from . import checkpointing, data, log, mla, model, moe, mtp, muon, optimizer, parallel, recompute, runtime, training
 from .checkpointing import CheckpointConfig
 from .compat import CompatConfig
@@ -74,7 +74,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 @dataclass(frozen=True)
 class Config:
     """The typed sections of a checked run (fields.py: each section's fields declare its flags); the features'
-    (FEATURES in arguments.py) after the core areas'."""
+    (FEATURES in arguments/__init__.py) after the core areas'."""
     model: ModelConfig
     moe: MoeConfig
     router_bias: MoERouterBiasConfig

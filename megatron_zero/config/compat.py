@@ -2,7 +2,7 @@
 
 CompatConfig's fields declare them; `validate_compat(args)` (a feature check of config.validate)
 checks them and turns them into what the trainer reads (schedule units, batch limits). A flag whose
-feature this build lacks is not declared here but refused in flag_refusals.py. A few are documented
+feature this build lacks is not declared here but refused in arguments/flag_refusals.py. A few are documented
 no-ops: each says in --help why it changes nothing here (what it asks for is what happens anyway).
 """
 from __future__ import annotations

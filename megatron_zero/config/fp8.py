@@ -6,7 +6,7 @@ in FP8.
 --fp8-amax-compute-algo; or torchao's tensorwise / rowwise), --fp8-margin the headroom below the FP8
 maximum, --fp8-emulate the emulated GEMMs a device without FP8 tensor cores needs, --fp8-param-gather
 ZeRO's weight all-gathers in FP8 (param_gather.py). Megatron-LM's other recipes are refused in
-flag_refusals.py, with the reason.
+arguments/flag_refusals.py, with the reason.
 """
 from __future__ import annotations
 

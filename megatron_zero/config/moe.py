@@ -11,7 +11,7 @@ from ..moe.expert_counts import check_expert_counts
 from ..model import shape_rules
 from ..model.config import GPTConfig
 from ..model.moe_layers import parse_moe_layer_freq, placement
-from ..topology import Layout
+from ..distributed.topology import Layout
 from .errors import require
 from .fields import add_section_flags, derived, flag, section
 from .moe_deepspeed import apply_deepspeed_moe_flags

@@ -18,7 +18,7 @@ ZERO = "ZeRO and offload"  # the flags' second group in --help
 @section("optimizer and precision")
 class OptimizerConfig:
     """AdamW, its learning rates, clipping, precision and loss scaling, and ZeRO, checked; ZeroOptimizer is built
-    from it (optimizer_setup.py)."""
+    from it (zero/build.py)."""
     lr: Optional[float] = flag("peak learning rate")
     min_lr: float = flag("the learning rate's floor at the end of decay", 0.0)
     decoupled_lr: Optional[float] = flag("the word embedding's and output layer's own peak learning rate "

@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 from typing import List, Optional
 
-from ..batch_schedule import check_reachable, schedule_from_args
+from .batch_schedule import check_reachable, schedule_from_args
 from ..context_parallel.comm_types import CP_COMM_TYPES
 from ..model.config import GPTConfig
-from ..topology import Layout
+from ..distributed.topology import Layout
 from .errors import require
 from .fields import add_section_flags, derived, flag, section
 
@@ -17,7 +17,7 @@ from .fields import add_section_flags, derived, flag, section
 @section("parallel layout and batch")
 class ParallelConfig:
     """The layout and the batch, checked; the sizes derived from them. build_parallel_state(**degrees()) and
-    layout() give the ranks' groups and their arithmetic (topology.py)."""
+    layout() give the ranks' groups and their arithmetic (distributed/topology.py)."""
     tensor_model_parallel_size: int = flag("ranks each layer's matrices are split over (Megatron's tensor parallelism)",
                                            1)
     pipeline_model_parallel_size: int = flag("pipeline stages the layers are split into", 1)
@@ -48,7 +48,7 @@ class ParallelConfig:
         nargs=3, metavar=("START", "INCREMENT", "SAMPLES"))
     step_batch_size_schedule: Optional[List[str]] = flag(
         "Megatron-LM's step-wise global batch: \"THRESHOLD:BATCH ...\", each batch size from its threshold in tokens "
-        "on (K/M/B/T suffixes; the first at 0; megatron_zero/batch_schedule.py); one quoted word or several (as an "
+        "on (K/M/B/T suffixes; the first at 0; megatron_zero/config/batch_schedule.py); one quoted word or several (as an "
         "unquoted array expansion in a script hands them over)", nargs="+", metavar="THRESHOLD:BATCH")
     world_size: int = derived("ranks in the run (check_layout)")
     data_parallel_size: int = derived("world / (TP x PP x CP), from topology.Layout (check_layout)")

@@ -1,7 +1,7 @@
 """The flags of a run that heals itself (megatron_zero/reliability/, docs/reliability.md), under Megatron-LM's
 names: the re-run mode, the result checks beyond --check-for-nan-in-loss-and-grad (training.py's section owns
 that one), the tracker file of rejected results, the iterations to skip and fault injection. Registered from
-arguments.py (FEATURES); `check` is their one check."""
+arguments/__init__.py (FEATURES); `check` is their one check."""
 from __future__ import annotations
 
 import argparse

@@ -15,7 +15,7 @@ class RuntimeConfig:
     distributed_backend: Optional[str] = flag("default: nccl on CUDA, gloo on the CPU", choices=["gloo", "nccl"])
     shared_memory_all_reduce: bool = flag(
         "all-reduces and pipeline sends of host tensors through gloo even where all ranks of the group share one host "
-        "(default there: through shared memory, megatron_zero/shm_comm.py, megatron_zero/pipeline/shm_p2p.py)", True,
+        "(default there: through shared memory, megatron_zero/distributed/shm_comm.py, megatron_zero/pipeline/shm_p2p.py)", True,
         names=("--no-shared-memory-all-reduce",), action="store_false")
     device: str = flag("where each rank trains: cuda:LOCAL_RANK when CUDA is present (auto), or forced", "auto",
                        choices=["auto", "cuda", "cpu"],

@@ -30,7 +30,7 @@ class TrainingConfig:
     lr_warmup_iters: int = flag("steps of linear warm-up from 0 to --lr", 0)
     max_consecutive_skipped_iterations: int = flag(
         "stop the run (exit 2, nothing saved) after N optimizer steps in a row skipped for overflowing gradients; "
-        "0: never (megatron_zero/stop_rules.py says why 50)", 50, metavar="N")
+        "0: never (megatron_zero/training/stop_rules.py says why 50)", 50, metavar="N")
     check_for_nan_in_loss_and_grad: bool = flag(
         "stop the run (exit 2, nothing saved) on an inf/NaN loss, or inf/NaN gradients where the loss scale is not "
         "dynamic (the default)", True, action="store_true",

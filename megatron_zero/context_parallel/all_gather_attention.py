@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from .. import shm_comm
+from ..distributed import shm_comm
 from .block_attention import block_backward, block_forward, expand_heads, sum_heads
 from .chunks import cp_positions
 

@@ -52,7 +52,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     and all_gather compute their blocks themselves, with attention dropout `dropout_p` (0 in eval): the
     masks hash a seed drawn from the RNG tracker's per-TP-rank stream (per CP rank too: model_parallel_seed),
     which recomputation replays (block_attention.keep_mask). a2a+p2p: `hierarchy` is (the all-to-all group,
-    the ring group) of this rank (topology.py's cp_a2a and cp_p2p groups). `backend`: --attention-backend,
+    the ring group) of this rank (distributed/topology.py's cp_a2a and cp_p2p groups). `backend`: --attention-backend,
     which picks the p2p and a2a+p2p blocks' kernel (`ring_kernel`)."""
     if comm_type == "a2a":
         if core is None:

@@ -7,7 +7,7 @@ MegatronPretrainingSampler does. Changing DP or m changes only who reads what an
 in how many steps; the set of samples in each global batch never changes.
 Shuffling is the dataset's business (its shuffle index), not the sampler's.
 
-With a global batch that grows (--rampup-batch-size, --step-batch-size-schedule: batch_schedule.py),
+With a global batch that grows (--rampup-batch-size, --step-batch-size-schedule: config/batch_schedule.py),
 `batch_size_at(consumed)` gives each global batch's size G_k from the samples consumed before it:
 batch k is [C_k, C_k + G_k) with C_{k+1} = C_k + G_k, split the same way, as Megatron's sampler
 (which advances consumed_samples by m * DP per micro-batch) reads it.

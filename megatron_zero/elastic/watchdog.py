@@ -22,7 +22,7 @@ import time
 import weakref
 from typing import Callable, Optional
 
-from ..distributed import lost_contact_line, record_peer_loss
+from ..distributed.initialize import lost_contact_line, record_peer_loss
 
 
 class StepWatchdog:

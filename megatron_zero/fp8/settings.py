@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..device_error import DeviceError
+from ..distributed.device_error import DeviceError
 
 if TYPE_CHECKING:  # torch loads when a device is asked about, not when the flags are checked
     import torch

@@ -20,7 +20,7 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from .. import shm_comm
+from ..distributed import shm_comm
 from ..tensor_parallel import vocab_parallel_cross_entropy
 from ..tensor_parallel.utils import tp_rank_in, tp_world_size
 from .config import GPTConfig

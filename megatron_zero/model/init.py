@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from ..device import HOST
+from ..distributed.device import HOST
 from .config import GPTConfig
 from .params import param_spec
 from .sharding import shard_tensor

@@ -24,7 +24,7 @@ from typing import List
 import torch
 import torch.distributed as dist
 
-from .. import shm_comm
+from ..distributed import shm_comm
 from ..tensor_parallel.random import is_recomputing
 
 

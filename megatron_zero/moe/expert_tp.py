@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..device import has_grouped_mm, ints_to_device
+from ..distributed.device import has_grouped_mm, ints_to_device
 from .. import ops
-from ..reduce_scatter import all_gather_into_tensor, reduce_scatter_tensor
+from ..distributed.reduce_scatter import all_gather_into_tensor, reduce_scatter_tensor
 from ..tensor_parallel import copy_to_tensor_model_parallel_region
 from ..tensor_parallel.conjugate import conjugate_pair
 from .dispatch import sort_by_expert

@@ -27,7 +27,7 @@ from typing import List, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..device import has_grouped_mm, ints_to_device
+from ..distributed.device import has_grouped_mm, ints_to_device
 from .. import ops
 from .stacked_weights import ALIGN_BYTES, stacked
 from ..tensor_parallel import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region

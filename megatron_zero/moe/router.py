@@ -44,7 +44,7 @@ from typing import Dict
 import torch
 import torch.distributed as dist
 
-from .. import shm_comm
+from ..distributed import shm_comm
 from ..tensor_parallel.random import is_recomputing
 from .sinkhorn import sinkhorn_routing
 

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from ..device import HOST
+from ..distributed.device import HOST
 from .fusion_flags import use_fused
 from .registry import load, warn_fallback_once
 

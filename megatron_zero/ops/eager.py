@@ -6,7 +6,7 @@ function runs eagerly (forward and backward), and the compiled pieces resume aft
   trace;
 - the model-parallel communication (tensor_parallel/conjugate.py's pairs, the asynchronous gradient
   all-reduce of tensor_parallel/linear_async.py): collectives that go through this package's shared-memory
-  transport (shm_comm.py) or hold in-flight handles, which dynamo must not trace or reorder.
+  transport (distributed/shm_comm.py) or hold in-flight handles, which dynamo must not trace or reorder.
 """
 import torch
 

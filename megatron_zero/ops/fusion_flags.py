@@ -1,6 +1,6 @@
 """On/off switches for every fusion, the targets of Megatron's --no-*-fusion flags.
 
-training.py maps the command line onto these once at start-up:
+training/trainer.py maps the command line onto these once at start-up:
 
     --no-masked-softmax-fusion        -> masked_softmax_fusion = False
     --no-bias-gelu-fusion             -> bias_gelu_fusion = False

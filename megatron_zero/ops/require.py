@@ -15,7 +15,7 @@ from typing import Dict, List
 
 import torch
 
-from ..device import DeviceError
+from ..distributed.device import DeviceError
 from .registry import CPU_OPS_EXT, CUDA_EXT, EXTENSIONS, available_kernels
 
 CPU_ADAM_EXT = "megatron_zero._C_cpu_adam"

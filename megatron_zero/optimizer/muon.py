@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .. import shm_comm
+from ..distributed import shm_comm
 from ..model.params import (BLOCK_PARAMS, MOE_ROUTER_SUFFIX, MTP_LAYER_PREFIX, MTP_PROJECTION,
                             SHARED_EXPERT_GATE_SUFFIX, parse_expert_suffix, parse_mtp_suffix)
 from . import newton_schulz

@@ -26,8 +26,8 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from .. import shm_comm
-from ..device import HOST
+from ..distributed import shm_comm
+from ..distributed.device import HOST
 from ..model.params import parse_expert_suffix
 from .muon import MuonSettings, ns_flops, orthogonalized_update
 from .muon_ownership import assign_owners, loads

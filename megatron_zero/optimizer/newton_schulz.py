@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .. import shm_comm
+from ..distributed import shm_comm
 
 # the "quintic" coefficient sets, cycled (Keller Jordan's modded-nanogpt; emerging-optimizers' default for Muon)
 QUINTIC = ((4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),

@@ -23,7 +23,7 @@ from typing import Dict, List, Protocol
 import torch
 import torch.distributed as dist
 
-from .. import shm_comm
+from ..distributed import shm_comm
 
 QUERY_BLOCK = 256
 

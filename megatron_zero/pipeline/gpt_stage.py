@@ -24,12 +24,12 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from .. import shm_comm
-from ..device import HOST
+from ..distributed import shm_comm
+from ..distributed.device import HOST
 from ..model.gpt import GPTModel
 from ..model.layer_indices import EMBEDDING_INDEX, block_layer_index, final_norm_index, lm_head_index
 from ..model.params import layer_param_names, param_spec
-from ..topology import ParallelState
+from ..distributed.topology import ParallelState
 from .p2p import P2P
 from .partition import PartitionError, stage_layer_ranges, virtual_stage_layer_ranges
 

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..device import HOST
+from ..distributed.device import HOST
 from . import shm_p2p
 
 

@@ -23,8 +23,8 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from .. import shm_comm
-from ..device import HOST
+from ..distributed import shm_comm
+from ..distributed.device import HOST
 
 from .p2p import P2P
 

@@ -27,7 +27,7 @@ from typing import Iterable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import shm_comm
+from ..distributed import shm_comm
 
 NSLOTS = 4
 _WAKE = bytes([1])

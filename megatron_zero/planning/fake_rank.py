@@ -24,10 +24,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..model.params import MOE_EXPERT_PREFIX
 from ..ops.fusion_flags import set_fusion_flags
-from ..optimizer_setup import param_group_kind
+from ..zero.build import param_group_kind
 from ..pipeline.gpt_stage import build_gpt_stage
 from ..tensor_parallel.random import model_parallel_seed
-from ..topology import build_parallel_state
+from ..distributed.topology import build_parallel_state
 from .live_bytes import LiveBytes
 
 # the compiled kernels are not torch operators (a fake tensor has no data to hand them): the trace takes

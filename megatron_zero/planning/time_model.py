@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..throughput import model_flops_per_iteration
+from ..metrics.throughput import model_flops_per_iteration
 
 # fitted on our H200 run of GPT 1.3B, seq 2048, mb 4, GA 8, bf16, one GPU: 49.8 % MFU (BENCHMARKS.md, the GPU section);
 # checked against the same run's Llama-3-8B shape (16 layers, seq 4096, mb 1, GA 8): 50.2 % measured

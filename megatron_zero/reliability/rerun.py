@@ -37,7 +37,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from ..rng_state import get_rng_state, set_rng_state
+from ..tensor_parallel.rng_state import get_rng_state, set_rng_state
 from . import tracker
 from .injection import ErrorInjector
 from .validation import ResultChecks

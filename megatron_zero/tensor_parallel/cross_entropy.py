@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import shm_comm
+from ..distributed import shm_comm
 from ..ops.exp_rows import exp_shifted_rows
 from .utils import tp_rank_in, tp_world_size
 

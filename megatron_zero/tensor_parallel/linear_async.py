@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import shm_comm
+from ..distributed import shm_comm
 from ..ops.eager import eager_apply
 
 

@@ -30,8 +30,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import shm_comm
-from ..reduce_scatter import reduce_scatter
+from ..distributed import shm_comm
+from ..distributed.reduce_scatter import reduce_scatter
 from .conjugate import conjugate_pair
 from .utils import divide, split_along_dim, tp_rank_in, tp_world_size
 

@@ -6,7 +6,7 @@ from ..model.config import GPTConfig
 from ..pipeline.gpt_stage import build_gpt_stage, make_forward_step, sync_tied_embedding_grads
 from ..pipeline.p2p import P2P
 from ..pipeline.schedule import forward_backward
-from ..topology import build_parallel_state
+from ..distributed.topology import build_parallel_state
 from ..zero import ZeroOptimizer
 
 CONFIG = dict(vocab_size=100, hidden_size=32, num_layers=2, num_attention_heads=4, seq_length=16,

@@ -33,10 +33,10 @@ from ..fp8.experts import is_expert
 from ..fp8.settings import Float8Settings
 from ..context_parallel import slice_batch_for_cp
 from ..model import reference_model
-from ..optimizer_setup import weight_gathers
+from ..zero.build import weight_gathers
 from ..pipeline.gpt_stage import activation_shape, build_gpt_stage
 from ..pipeline.p2p import P2P
-from ..topology import build_parallel_state
+from ..distributed.topology import build_parallel_state
 from ..zero import ZeroOptimizer
 from .tiny_gpt import tiny_llama_config
 from .train_step import pipeline_train_step

@@ -13,8 +13,8 @@ from ..model.sharding import shard_state_dict
 from ..pipeline.gpt_stage import activation_shape, build_gpt_stage, make_forward_step
 from ..pipeline.p2p import P2P
 from ..pipeline.schedule import broadcast_loss, forward_backward
-from ..topology import build_parallel_state
-from ..training import param_groups
+from ..distributed.topology import build_parallel_state
+from ..training.trainer import param_groups
 from ..zero import ZeroOptimizer
 
 VOCAB, SEQ = 100, 8

@@ -9,8 +9,8 @@ from ..model.sharding import gather_state_dicts
 from ..pipeline.gpt_stage import activation_shape, build_gpt_stage, make_forward_step, sync_tied_embedding_grads
 from ..pipeline.p2p import P2P
 from ..pipeline.schedule import broadcast_loss, forward_backward
-from ..topology import build_parallel_state
-from ..training import param_groups
+from ..distributed.topology import build_parallel_state
+from ..training.trainer import param_groups
 from ..zero import ZeroOptimizer
 from .tiny_gpt import tiny_gpt_config
 

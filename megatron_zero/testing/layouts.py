@@ -1,7 +1,7 @@
 """Every TP x PP x DP factorisation of a world size, for the topology tests."""
 import itertools
 
-from ..topology import Layout
+from ..distributed.topology import Layout
 
 
 def factorisations(world):

@@ -15,8 +15,8 @@ from ..pipeline.gpt_stage import (activation_shape, build_gpt_stage, grad_reduce
                                   sync_tied_embedding_grads)
 from ..pipeline.p2p import P2P
 from ..pipeline.schedule import forward_backward
-from ..topology import build_parallel_state
-from ..training import param_groups
+from ..distributed.topology import build_parallel_state
+from ..training.trainer import param_groups
 from ..zero import ZeroOptimizer
 from .mcore_peer import BETAS, EPS, LR, SIZES, WEIGHT_DECAY, arch_settings, batch
 
@@ -64,7 +64,7 @@ def load_and_step(tp, pp, stage, ckpt, arch, mb=1, source="torch_dist", save_dir
              for j in range(m)]
     p2p = P2P(state.prev_rank, state.next_rank, activation_shape(mb, cfg), torch.float32)
     forward_backward(make_forward_step(model, micro, state), m, p2p, state.pp_rank, pp, backward_loss=opt.backward,
-                     before_last_backward=grad_reduce_arming(model, opt))  # as training.py steps
+                     before_last_backward=grad_reduce_arming(model, opt))  # as training/trainer.py steps
     sync_tied_embedding_grads(model, state)
     updated, _ = opt.step(lr=LR)
     assert updated

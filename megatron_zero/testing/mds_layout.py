@@ -160,10 +160,10 @@ def save_both_layouts(tp: int, pp: int, stage: int, ours_dir: str, mds_dir: str)
     from ..pipeline.gpt_stage import activation_shape, build_gpt_stage, make_forward_step, sync_tied_embedding_grads
     from ..pipeline.p2p import P2P
     from ..pipeline.schedule import forward_backward
-    from ..rng_state import get_rng_state
+    from ..tensor_parallel.rng_state import get_rng_state
     from ..tensor_parallel.random import model_parallel_seed
-    from ..topology import build_parallel_state
-    from ..training import param_groups
+    from ..distributed.topology import build_parallel_state
+    from ..training.trainer import param_groups
     from ..zero import ZeroOptimizer
     from .layout_train import global_batch
     from .tiny_gpt import tiny_gpt_config

@@ -10,10 +10,10 @@ import torch.distributed as dist
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..checkpoint.reshape.universal_load import load_reshaped_checkpoint, load_universal_checkpoint
 from ..moe import reset_aux_losses
-from ..optimizer_setup import param_groups
+from ..zero.build import param_groups
 from ..pipeline.gpt_stage import activation_shape, build_gpt_stage
 from ..pipeline.p2p import P2P
-from ..topology import build_parallel_state
+from ..distributed.topology import build_parallel_state
 from ..zero import ZeroOptimizer
 from .moe_train import CLIP, GBS, HP, STEPS, reference_run, train_step
 from .toy_zero import ZERO3_PERSIST

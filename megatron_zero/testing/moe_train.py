@@ -9,7 +9,7 @@ from ..moe import reset_aux_losses, set_aux_loss_scale
 from ..pipeline.gpt_stage import activation_shape, build_gpt_stage, make_forward_step, sync_tied_embedding_grads
 from ..pipeline.p2p import P2P
 from ..pipeline.schedule import broadcast_loss, forward_backward
-from ..topology import build_parallel_state
+from ..distributed.topology import build_parallel_state
 from ..zero import ZeroOptimizer
 from .tiny_gpt import tiny_gpt_config, tiny_llama_config
 from .toy_zero import ZERO3_PERSIST
@@ -74,7 +74,7 @@ def reference_backward(model, step: int, dp: int, mb: int) -> float:
 
 def train_step(model, opt, state, p2p, step: int, mb: int):
     """One step of global batch `step` on this stage: this DP rank's micro-batches of `mb` samples through the
-    pipeline schedule, the aux losses scaled as training.py does, the ZeRO step. -> (loss on every rank, norm)."""
+    pipeline schedule, the aux losses scaled as training/trainer.py does, the ZeRO step. -> (loss on every rank, norm)."""
     tokens, labels = global_batch(step)
     slices = micro_slices(state.dp_size, mb)
     m = GBS // (mb * state.dp_size)

@@ -79,10 +79,10 @@ def _worker(rank, world_size, port, fn, args, kwargs, results, threads, env, sta
         torch.save(value, buf)
         results.put((rank, "ok", buf.getvalue()))
     except BaseException as err:  # report everything, including SystemExit and KeyboardInterrupt
-        from ..distributed import is_peer_failure
+        from ..distributed.initialize import is_peer_failure
         results.put((rank, "peer" if is_peer_failure(err) else "error", traceback.format_exc()))
     finally:
-        from ..distributed import shutdown_distributed
+        from ..distributed.initialize import shutdown_distributed
         shutdown_distributed()
 
 

@@ -13,10 +13,10 @@ from ..moe import reset_aux_losses
 from ..model.transformer import ParallelAttention
 from ..optimizer.muon import MuonSettings, is_qkv, qkv_joined, qkv_pieces, takes_muon
 from ..optimizer.qk_clip import FusedQKVTarget, QKClip
-from ..optimizer_setup import param_groups
+from ..zero.build import param_groups
 from ..pipeline.gpt_stage import activation_shape, build_gpt_stage
 from ..pipeline.p2p import P2P
-from ..topology import build_parallel_state
+from ..distributed.topology import build_parallel_state
 from .moe_train import reference_backward, train_step
 from .muon_reference import emerging_muon_utils
 from .toy_zero import ZERO3_PERSIST

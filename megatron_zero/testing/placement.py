@@ -4,7 +4,7 @@ On the CPU the trainer's device and the host are the same memory, so a tensor th
 memory on a GPU machine (and crash an NCCL collective, or cost a host round trip) computes correctly
 here. `PlacementTracker`, a TorchFunctionMode, tells them apart by how each tensor was made:
 
-- *host* tensors: a factory call given `device=HOST` (device.py's host object: `host_empty`, the
+- *host* tensors: a factory call given `device=HOST` (distributed/device.py's host object: `host_empty`, the
   offloaded masters, checkpoint staging), `pin_memory=True`, or no device at all (torch's default
   device is the CPU whatever the trainer was given: also recorded as an unplaced call when megatron_zero
   code makes it); `torch.from_numpy` / `frombuffer`; `.cpu()`, `.pin_memory()`, `.to(HOST)`; and every
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from ..device import HOST
+from ..distributed.device import HOST
 
 FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.arange, torch.tensor, torch.as_tensor,
              torch.randn, torch.rand, torch.randint, torch.randperm, torch.empty_strided, torch.linspace,
@@ -161,7 +161,7 @@ class PlacementTracker(TorchFunctionMode):
 @contextmanager
 def watch_collectives(tracker: PlacementTracker):
     """Record each host tensor handed to a collective or point-to-point transfer while inside."""
-    from .. import shm_comm
+    from ..distributed import shm_comm
     from ..pipeline import shm_p2p
 
     def wrap(name, fn):

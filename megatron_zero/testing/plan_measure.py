@@ -29,14 +29,14 @@ def measure(argv) -> dict:
     from ..config import from_args
     from ..model.architecture import gpt_config
     from ..ops.fusion_flags import set_fusion_flags
-    from ..optimizer_setup import build_optimizer
+    from ..zero.build import build_optimizer
     from ..pipeline.gpt_stage import build_gpt_stage
     from ..planning.cli import plan_from
     from ..planning.fake_rank import UNFUSED
     from ..planning.live_bytes import LiveBytes
     from ..planning.memory import plan_memory
     from ..tensor_parallel.random import model_parallel_seed
-    from ..topology import build_parallel_state
+    from ..distributed.topology import build_parallel_state
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     args = parse_args(argv, world_size=world)

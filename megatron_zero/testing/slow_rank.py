@@ -6,7 +6,7 @@ import os
 import sys
 import time
 
-from megatron_zero import training
+from megatron_zero.training import trainer as training
 
 
 def _slowed(make_forward_step, seconds: float, after: int):

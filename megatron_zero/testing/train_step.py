@@ -1,4 +1,4 @@
-"""One training step of a GPT pipeline stage the way training.py takes it, for parity tests: the 1F1B
+"""One training step of a GPT pipeline stage the way training/trainer.py takes it, for parity tests: the 1F1B
 schedule (interleaved for a stage of several model chunks) over the given micro-batches, the
 tied-embedding sum, the ZeRO step, the loss from the last stage."""
 from ..pipeline.gpt_stage import grad_reduce_arming, make_forward_step, sync_tied_embedding_grads

@@ -15,7 +15,7 @@ def recorded_training(argv, tp=None, pp=None):
     as pretrain_gpt.py builds it (CP and expert parallelism included); -> (the Trainer, each iteration's loss)."""
     from ..arguments import parse_args
     from ..config import from_args
-    from ..topology import build_parallel_state
+    from ..distributed.topology import build_parallel_state
     from ..training import Trainer
 
     cfg = from_args(parse_args(argv, world_size=dist.get_world_size()))

@@ -41,8 +41,8 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import shm_comm
-from ..reduce_scatter import reduce_scatter_tensor
+from ..distributed import shm_comm
+from ..distributed.reduce_scatter import reduce_scatter_tensor
 from .host_grads import HostGradients
 from .partition import BucketLayout, GroupPartition
 

@@ -26,7 +26,7 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-from ..device import copy_stream, host_empty, on_stream, record_event, wait_event
+from ..distributed.device import copy_stream, host_empty, on_stream, record_event, wait_event
 
 SLOTS = 2  # host buffers reduced buckets come down through, in turn
 

@@ -48,7 +48,7 @@ from typing import Dict, List
 import numpy as np
 import torch
 
-from ..device import HOST, copy_stream, host_empty, join_stream, on_stream, record_event, wait_event
+from ..distributed.device import HOST, copy_stream, host_empty, join_stream, on_stream, record_event, wait_event
 from ..ops.cpu_adam import CPUAdamW, adamw_step_, default_offload_threads
 from ..ops.fused_adam import MultiTensorAdamW
 

@@ -32,7 +32,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..device import HOST
+from ..distributed.device import HOST
 from . import checkpoint_state
 from .clip_grad import clip_coefficient, counts_in_norm, local_sums, norm_and_overflow, reduce_sums
 from .loss_scaler import LossScaler, LossScalerConfig

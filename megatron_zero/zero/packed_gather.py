@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import shm_comm
+from ..distributed import shm_comm
 from .partition import GroupPartition
 
 ROW_ALIGN = 16

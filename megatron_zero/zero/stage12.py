@@ -42,7 +42,7 @@ from typing import List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import shm_comm
+from ..distributed import shm_comm
 from ..ops.fusion_flags import get_fusion_flags
 from .grad_buckets import GradBuckets
 from .packed_gather import PackedGather, all_gather_rows, hold_apart

@@ -28,7 +28,7 @@ from typing import Dict, List, Set, Tuple
 import torch
 import torch.distributed as dist
 
-from ..device import HOST
+from ..distributed.device import HOST
 from .packed_gather import all_gather_rows
 from .stage12 import Stage12
 from .units import model_units

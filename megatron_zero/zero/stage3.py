@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..device import HOST
-from ..reduce_scatter import reduce_scatter
+from ..distributed.device import HOST
+from ..distributed.reduce_scatter import reduce_scatter
 from .host_grads import HostGradients
 from .partition import zero3_group_offsets
 from .stage3_gather import GatherMixin

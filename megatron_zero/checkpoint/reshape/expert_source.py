@@ -7,7 +7,7 @@ expert-data-parallel group). `all_expert_shapes` adds, beside each listed expert
 parameter of every other expert the checkpoint's DeepSpeed-MoE files name (all experts of a layer have
 one shape), so a StageReader finds each expert's fragments in the ZeRO files of the DP ranks holding it.
 A checkpoint saved at an expert-tensor-parallel size other than TP (its args' `expert_tensor_parallel_size`)
-holds each expert in ETP slices, slice e on the ranks of expert-TP rank e (topology.py's expert carving):
+holds each expert in ETP slices, slice e on the ranks of expert-TP rank e (distributed/topology.py's expert carving):
 the StageReader merges an expert's slices by ETP, each gathered from its expert-DP group's files.
 
 DeepSpeed's engine itself (Megatron-DeepSpeed's MoE runs) names an expert in a rank's ZeRO files by its

@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ...topology import Layout
+from ...distributed.topology import Layout
 from ...zero.partition import zero3_group_offsets
 from ...model.sharding import merge_sub_params
 from ..errors import CheckpointError
@@ -119,7 +119,7 @@ class SourceCheckpoint:
         self.head = head
         self.info = _with_swiglu_patterns(head.get(UNIVERSAL_CHECKPOINT_INFO) or {}, head.get("args"))
         self.layout = Layout(*self._tp_pp(head, len(mps)), dp=len(dps))
-        saved_args = header_args(head)  # experts split over another ETP than TP: their slices by ETP (topology.py)
+        saved_args = header_args(head)  # experts split over another ETP than TP: their slices by ETP (distributed/topology.py)
         self.expert_tp = int(saved_args.get("expert_tensor_parallel_size") or self.layout.tp)
         self.expert_ep = int(saved_args.get("expert_model_parallel_size") or saved_args.get("moe_expert_parallel_size")
                              or 1)

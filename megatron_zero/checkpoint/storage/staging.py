@@ -21,7 +21,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from ...device import HOST, copy_stream, host_empty, on_stream, record_event, wait_event
+from ...distributed.device import HOST, copy_stream, host_empty, on_stream, record_event, wait_event
 
 DEFAULT_STAGING_BYTES = 256 << 20
 CHUNK_BYTES = 8 << 20

@@ -7,7 +7,7 @@ pretrain_gpt.py itself checks its flags before it imports the trainer (its `main
 step earlier, in the launcher, at the world size torchrun's command line names (`--nnodes` times
 `--nproc-per-node`, where both are numbers). Where the world size is not fixed there (an elastic `--nnodes
 1:4`, `--nproc-per-node gpu`), the flags are only parsed (unknown, refused or malformed flags) and the ranks
-check the rest. Nothing here imports torch: arguments.py and the configuration it reads import it lazily.
+check the rest. Nothing here imports torch: arguments/__init__.py and the configuration it reads import it lazily.
 """
 from __future__ import annotations
 
@@ -53,14 +53,14 @@ def check_before_launch(torchrun_argv: List[str]) -> None:
     options, flags = split_torchrun_argv(torchrun_argv)
     if flags is None:
         return
-    from .elastic.restart import parse_for_launch
+    from .restart import parse_for_launch
 
     size = world_size(options)
     if size is not None:
         parse_for_launch(flags, 0, size)
         return
-    from .arguments import parse_command_line
-    from .config.errors import ArgumentError
+    from ..arguments import parse_command_line
+    from ..config.errors import ArgumentError
 
     try:
         parse_command_line(flags)

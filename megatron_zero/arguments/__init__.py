@@ -12,10 +12,10 @@ import sys
 import weakref
 from typing import List, Optional
 
-from . import config
-from .config import compat, compat_noops, compile, elastic, fp8, loss, rerun
-from .config.errors import ArgumentError
-from .config.parallel import cp_a2a_size
+from .. import config
+from ..config import compat, compat_noops, compile, elastic, fp8, loss, rerun
+from ..config.errors import ArgumentError
+from ..config.parallel import cp_a2a_size
 from .flag_refusals import refusals, unknown_flag_sentence
 
 __all__ = ["ArgumentError", "FEATURES", "args_to_dict", "build_parser", "cp_a2a_size", "explicit_flags",

@@ -33,7 +33,7 @@ class LRSchedule:
         self.decay_style = decay_style
         self.num_steps = int(num_steps)
         # the run's length in the schedule's unit, saved as Megatron's wd_incr_steps (train iters x global batch,
-        # or train samples) so that a resume checks --train-iters as Megatron-LM does (schedule_resume.py)
+        # or train samples) so that a resume checks --train-iters as Megatron-LM does (training/schedule_resume.py)
         self.train_steps = None if train_steps is None else int(train_steps)
 
     def lr(self, step: int = None, max_lr: Optional[float] = None, min_lr: Optional[float] = None) -> float:

@@ -4,7 +4,7 @@
 Ctrl-C is a person stopping the run by hand, so it is always handled (where the loop runs in the main
 thread), with or without --exit-signal-handler: the first one is a vote like SIGTERM's (stop after this
 iteration, save, exit 0), and the rank that writes the log says so at once, in one line; a second one
-raises KeyboardInterrupt, which pretrain() turns into one line and exit code 130 (training.py). Under
+raises KeyboardInterrupt, which pretrain() turns into one line and exit code 130 (training/trainer.py). Under
 torchrun the terminal's Ctrl-C reaches torchrun, not the workers (each in a session of its own):
 torchrun passes it on when it shuts down (and kills them after its --shutdown-timeout, 30 s), while
 scripts/pretrain_torchrun.sh passes each one on and leaves torchrun running.
@@ -29,8 +29,8 @@ from typing import Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .device import HOST
-from .distributed import read_launch_env
+from ..distributed.device import HOST
+from ..distributed.initialize import read_launch_env
 
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 CTRL_C_REASON = "Ctrl-C received"

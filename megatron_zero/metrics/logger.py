@@ -69,7 +69,7 @@ class ScalarLog:
             self.writer = SummaryWriter(log_dir=log.tensorboard_dir, max_queue=queue_size)
         if log.wandb_project:
             import wandb
-            from .config import saved_args
+            from ..config import saved_args
             os.makedirs(log.wandb_save_dir, exist_ok=True)
             self.wandb = wandb.init(project=log.wandb_project, name=log.wandb_exp_name, dir=log.wandb_save_dir,
                                     config=saved_args(run_config))

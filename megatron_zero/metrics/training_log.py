@@ -55,7 +55,7 @@ class TrainingLog:
         self.peak = peak_tflops(device, self.params_dtype, self.log_cfg.peak_tflops)
         self._loss_sum, self._loss_count, self._iters, self._samples = 0.0, 0, 0, 0
         self._pending = []  # (iteration, consumed samples, loss on the device, updated) not yet read
-        self.first_nonfinite_loss = None  # (iteration, loss) of the first inf/NaN loss read (stop_rules.py)
+        self.first_nonfinite_loss = None  # (iteration, loss) of the first inf/NaN loss read (training/stop_rules.py)
         self.last_loss = None  # (iteration, loss) of the newest loss read (the run's summary)
         self._last = time.monotonic()
         self.straggler = None  # the --log-straggler report (elastic/straggler.py), set by the trainer

@@ -45,7 +45,7 @@ def model_flops_per_iteration(config, global_batch_size: int, tp_size: int = 1) 
     """gpt_flops_per_iteration of a GPTConfig's model (what the log's TFLOP/s and MFU and the planner's step time
     count): an MoE token runs its top-k experts' MLPs and the shared expert's, multi-latent attention its own
     matmuls (model/mla.py's `mla_flop_sizes`)."""
-    from .model.mla import mla_flop_sizes
+    from ..model.mla import mla_flop_sizes
     c = config
     ffn = c.ffn_hidden_size
     if c.num_experts:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .config.muon import MuonConfig
-from .config.optimizer import OptimizerConfig
-from .model.params import is_embedding_or_output
-from .model.converters import NO_CONVERTERS, ModelConverters
-from .optimizer.muon import MuonSettings, takes_muon
-from .topology import build_hpz_group
-from .zero import ZeroOptimizer
+from ..config.muon import MuonConfig
+from ..config.optimizer import OptimizerConfig
+from ..model.params import is_embedding_or_output
+from ..model.converters import NO_CONVERTERS, ModelConverters
+from ..optimizer.muon import MuonSettings, takes_muon
+from ..distributed.topology import build_hpz_group
+from . import ZeroOptimizer
 
 
 def param_groups(model, weight_decay: float, decoupled: bool = False, muon: bool = False):

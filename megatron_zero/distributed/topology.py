@@ -376,7 +376,7 @@ def build_parallel_state(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, etp
 
     if not dist.is_initialized():
         raise RuntimeError("build_parallel_state needs torch.distributed initialised first "
-                           "(megatron_zero.distributed.init_distributed)")
+                           "(megatron_zero.distributed.initialize.init_distributed)")
     layout = Layout.from_world(dist.get_world_size(), tp=tp, pp=pp, cp=cp)
     etp = tp if etp is None else etp
     layout.check_expert_parallel(ep, etp)

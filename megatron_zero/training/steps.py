@@ -1,4 +1,4 @@
-"""The training loop's named steps (Trainer.train in training.py strings them together): the start-up lines, one
+"""The training loop's named steps (Trainer.train in training/trainer.py strings them together): the start-up lines, one
 step (through the re-run machine where it is on), the stop rules' stop, evaluation, the save policy (where the
 global batch grows, --save-interval, --save-weights-interval, the local tier), a skipped batch, and the end of
 the run. A mix-in of Trainer: each step reads the trainer's state and sections."""
@@ -8,15 +8,15 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from . import checkpoint as ckpt
-from .config.compat import lr_increment
-from .config.model import transformer_impl_line
+from .. import checkpoint as ckpt
+from ..config.compat import lr_increment
+from ..config.model import transformer_impl_line
 from .exit_signal import ExitPolicy, ctrl_c_line
-from .logger import format_eval_line
-from .ops import kernel_report
-from .reliability.rerun import ResultFault, TooManyRejected
+from ..metrics.logger import format_eval_line
+from ..ops import kernel_report
+from ..reliability.rerun import ResultFault, TooManyRejected
 from .stop_rules import RunStopped
-from .training_log import architecture_name
+from ..metrics.training_log import architecture_name
 
 
 @dataclass

@@ -6,7 +6,7 @@ import random
 import numpy as np
 import torch
 
-from .tensor_parallel.random import get_rng_tracker
+from .random import get_rng_tracker
 
 
 def get_rng_state() -> dict:

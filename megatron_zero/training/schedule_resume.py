@@ -12,7 +12,7 @@ step count only, as does a checkpoint saved before its key was written.
 """
 from __future__ import annotations
 
-from .checkpoint.errors import CheckpointError
+from ..checkpoint.errors import CheckpointError
 
 # the saved key (Megatron's) -> (the schedule's attribute, what it is, the flags that set it)
 ARGUMENTS = {"max_lr": ("max_lr", "peak learning rate", "--lr"),

@@ -7,7 +7,7 @@ gloo's worker thread; stopped while that thread was finishing it, torch.profiler
 rank died with SIGSEGV when the collective's handle was freed (~TorchOpStorage, under ~AsyncWork), with or without
 record_shapes (tests/test_profiler_collectives.py).
 
-training.py calls `after_forward_backward()`, `after_step(iteration)`, `before_eval_or_save()` and
+training/trainer.py calls `after_forward_backward()`, `after_step(iteration)`, `before_eval_or_save()` and
 `close()`; each does nothing unless its flag asks.
 """
 from __future__ import annotations

@@ -17,58 +17,58 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import checkpoint as ckpt
-from . import config
-from .arguments import ArgumentError
-from .config.checkpointing import load_is_first_run
-from .checkpoint.compat import check_checkpoint_compat
-from .checkpoint.format import header_args
-from .checkpoint.storage.lock import hold_save_lock
-from .checkpoint.preflight import check_save_dir, checkpoint_bytes
-from .checkpoint.report import async_started_line, checkpoint_size, saved_line
-from .checkpoint.resume import refuse_foreign_load, refuse_fresh_start_over, resume_checkpoint
-from .checkpoint.export.save_16bit import save_16bit_model
-from .context_parallel import slice_batch_for_cp
-from .data import DataError, GlobalBatchSampler, build_tokenizer, build_train_valid_test_datasets, collate_gpt
-from .device import DeviceError, backend_for, select_device, to_device, use_device
-from .distributed import (LaunchError, another_rank_failed, init_distributed, is_peer_failure, lost_contact_line,
+from .. import checkpoint as ckpt
+from .. import config
+from ..arguments import ArgumentError
+from ..config.checkpointing import load_is_first_run
+from ..checkpoint.compat import check_checkpoint_compat
+from ..checkpoint.format import header_args
+from ..checkpoint.storage.lock import hold_save_lock
+from ..checkpoint.preflight import check_save_dir, checkpoint_bytes
+from ..checkpoint.report import async_started_line, checkpoint_size, saved_line
+from ..checkpoint.resume import refuse_foreign_load, refuse_fresh_start_over, resume_checkpoint
+from ..checkpoint.export.save_16bit import save_16bit_model
+from ..context_parallel import slice_batch_for_cp
+from ..data import DataError, GlobalBatchSampler, build_tokenizer, build_train_valid_test_datasets, collate_gpt
+from ..distributed.device import DeviceError, backend_for, select_device, to_device, use_device
+from ..distributed.initialize import (LaunchError, another_rank_failed, init_distributed, is_peer_failure, lost_contact_line,
                           read_launch_env, record_peer_loss, report_failure, shutdown_distributed, stop_with_launcher)
-from .elastic.local_tier import LocalTier, resume_dir
-from .elastic.restart import note_resize, parse_for_launch
-from .elastic.straggler import straggler_report
-from .elastic.watchdog import watch_steps
+from ..elastic.local_tier import LocalTier, resume_dir
+from ..elastic.restart import note_resize, parse_for_launch
+from ..elastic.straggler import straggler_report
+from ..elastic.watchdog import watch_steps
 from .exit_signal import INTERRUPTED, report_interrupt
-from .throughput import model_flops_per_iteration
+from ..metrics.throughput import model_flops_per_iteration
 from .schedule_resume import resume_schedule
-from .lr_schedule import build_lr_schedule, decoupled_lr
-from .model.architecture import gpt_config
-from .model_converters import model_converters
-from .ops import require_fused_kernels, set_fusion_flags
-from .pipeline.gpt_stage import (activation_shape, build_gpt_stage, grad_reduce_arming, make_forward_step,
+from ..optimizer.lr_schedule import build_lr_schedule, decoupled_lr
+from ..model.architecture import gpt_config
+from ..model_converters import model_converters
+from ..ops import require_fused_kernels, set_fusion_flags
+from ..pipeline.gpt_stage import (activation_shape, build_gpt_stage, grad_reduce_arming, make_forward_step,
                                  stage_p2p, sync_tied_embedding_grads)
-from .pipeline.interleaved_schedule import schedule_for
-from .planning.cli import plan_from
-from .planning.startup import check_device_memory
-from .reliability.rerun import ResultFault, RerunMachine, TooManyRejected, hostnames
-from .pipeline.schedule import broadcast_loss, reduce_loss
-from .rng_state import get_rng_state, set_rng_state
-from .run_summary import RunSummary
-from .shm_comm import set_shared_memory_comm
+from ..pipeline.interleaved_schedule import schedule_for
+from ..planning.cli import plan_from
+from ..planning.startup import check_device_memory
+from ..reliability.rerun import ResultFault, RerunMachine, TooManyRejected, hostnames
+from ..pipeline.schedule import broadcast_loss, reduce_loss
+from ..tensor_parallel.rng_state import get_rng_state, set_rng_state
+from ..metrics.run_summary import RunSummary
+from ..distributed.shm_comm import set_shared_memory_comm
 from .stop_rules import RunStopped, StopRules
 from .step_hooks import StepHooks
-from .data.prefetch import BatchPrefetcher
-from .tensor_parallel.random import model_parallel_seed
-from .timers import TimedCalls
-from .optimizer.muon import optimizer_switch
-from .optimizer.qk_clip import QKClip
-from .optimizer_setup import build_optimizer, param_groups  # noqa: F401 (param_groups: training's name for it)
-from .topology import build_parallel_state
-from .training_log import TrainingLog
-from .training_steps import LoopSteps, TrainState
-from .moe import reset_aux_losses, set_aux_loss_scale
-from .moe.expert_bias import ExpertBiasUpdate
-from .moe.metrics import MoEMetrics, logged_names
-from .model.mtp_metrics import MTPMetrics
+from ..data.prefetch import BatchPrefetcher
+from ..tensor_parallel.random import model_parallel_seed
+from ..metrics.timers import TimedCalls
+from ..optimizer.muon import optimizer_switch
+from ..optimizer.qk_clip import QKClip
+from ..zero.build import build_optimizer, param_groups  # noqa: F401 (param_groups: training's name for it)
+from ..distributed.topology import build_parallel_state
+from ..metrics.training_log import TrainingLog
+from .steps import LoopSteps, TrainState
+from ..moe import reset_aux_losses, set_aux_loss_scale
+from ..moe.expert_bias import ExpertBiasUpdate
+from ..moe.metrics import MoEMetrics, logged_names
+from ..model.mtp_metrics import MTPMetrics
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -326,7 +326,7 @@ class Trainer(LoopSteps):
 
     # ---- the loop --------------------------------------------------------------------
     def train(self) -> int:
-        """The loop, as named steps (training_steps.py): each iteration maybe saves where the batch grows, skips a
+        """The loop, as named steps (training/steps.py): each iteration maybe saves where the batch grows, skips a
         batch it is told to, steps, checks the run still learns, evaluates, saves and asks whether to exit."""
         p, t = self.progress, self.sections.training
         policy = self._exit_policy()

@@ -281,7 +281,7 @@ def apply_deepspeed_config(args, path: str, explicit: set = frozenset()):
     unsupported = _unsupported(config)
     if unsupported:
         raise DeepSpeedConfigError(f"--deepspeed-config {path} has keys megatron_zero does not honour: "
-                                   f"{'; '.join(unsupported)}; remove them (see megatron_zero/deepspeed_config.py "
+                                   f"{'; '.join(unsupported)}; remove them (see megatron_zero/config/deepspeed_config.py "
                                    "for the keys it reads)")
     for json_path, (dest, flag) in _FLAGS.items():
         value = _lookup(config, json_path)
