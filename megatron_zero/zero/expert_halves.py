@@ -31,7 +31,7 @@ class ExpertHalves:
     def write_weights(self, masters: List[torch.Tensor], fp8: bool = True) -> None:
         """`fp8` False: the FP8 layers published in the training dtype too (a checkpoint's)."""
         for half, mine in ((self.dense, masters[:self.n_dense]), (self.expert, masters[self.n_dense:])):
-            gathers_fp8 = getattr(half, "packed", None) is not None or getattr(half, "fp8", None) is not None
+            gathers_fp8 = getattr(half, "packed", None) is not None or getattr(half, "gather8", None) is not None
             half.write_weights(*([mine] if fp8 or not gathers_fp8 else [mine, False]))
 
     def zero_grad(self) -> None:

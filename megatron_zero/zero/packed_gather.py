@@ -93,7 +93,7 @@ class PackedGather:
 
     def __init__(self, parts: Sequence[GroupPartition], groups: Sequence[Sequence[torch.nn.Parameter]], fp8,
                  rank: int, itemsize: int):
-        self.fp8, self.rank, self.params = fp8, rank, groups
+        self.gather8, self.rank, self.params = fp8, rank, groups
         self.groups = [PackedGroup(part, [fp8.layer_of(p) for p in params], itemsize)
                        for part, params in zip(parts, groups)]
         # this rank's fragments of FP8 weights (group, fragment), and their layers on the device
@@ -110,8 +110,8 @@ class PackedGather:
         the host with --cpu-optimizer): the FP8 fragments cast from them, the others written into their
         parameters in the training dtype and sent from there. The FP8 weights' scales are set first (one
         all-reduce of their amaxes)."""
-        device = self.fp8.device
-        self.fp8.scales_from_fragments([masters[gi][f.in_part:f.in_part + f.numel] for gi, f in self.mine],
+        device = self.gather8.device
+        self.gather8.scales_from_fragments([masters[gi][f.in_part:f.in_part + f.numel] for gi, f in self.mine],
                                        self.mine_index)
         rows = []
         for gi, g in enumerate(self.groups):
@@ -119,7 +119,7 @@ class PackedGather:
             for f in g.rows[self.rank]:
                 master = masters[gi][f.in_part:f.in_part + f.numel]
                 if f.layer is not None:
-                    row[f.at:f.at + f.nbytes].copy_(self.fp8.cast(f.layer, master))
+                    row[f.at:f.at + f.nbytes].copy_(self.gather8.cast(f.layer, master))
                 else:
                     mine = self._weight(gi, f)
                     mine.copy_(master)  # a cast to the training dtype (a master held on the host comes up)
@@ -135,7 +135,7 @@ class PackedGather:
             at = self.groups[gi].row_at[r] + f.at
             src = gathered[at:at + f.nbytes]
             if f.layer is not None:
-                self.fp8.bytes_of(f.layer)[f.in_param:f.in_param + f.numel].copy_(src)
+                self.gather8.bytes_of(f.layer)[f.in_param:f.in_param + f.numel].copy_(src)
             elif r != self.rank:
                 self._weight(gi, f).view(torch.uint8).copy_(src)
 

@@ -222,7 +222,7 @@ class Stage12:
             if self.dp > 1:
                 shm_comm.all_gather_into_tensor(flat, mine, self.dp_group)
             for p, off, n in zip(params, part.offsets, part.numels):
-                if self.packed.fp8.layer_of(p) is not None:
+                if self.packed.gather8.layer_of(p) is not None:
                     p.data = flat[off:off + n].view(p.shape).clone()
                 else:
                     p.data.copy_(flat[off:off + n].view(p.shape))
@@ -251,7 +251,7 @@ class Stage12:
         held = sum(f.numel() * f.element_size() for f in self.flat)
         if self.packed is None:
             return held
-        return held + self.packed.fp8.held_bytes()  # the FP8 weights, and their layers' where held
+        return held + self.packed.gather8.held_bytes()  # the FP8 weights, and their layers' where held
 
     def remove_hooks(self):
         for h in self._hooks:

@@ -25,11 +25,11 @@ from .stage3_storage import lay_out
 
 class Stage3Float8(Stage3):
     def __init__(self, *args, fp8_gather, **kwargs):
-        self.fp8 = fp8_gather  # before Stage3's init gathers the persistent parameters
+        self.gather8 = fp8_gather  # before Stage3's init gathers the persistent parameters
         super().__init__(*args, **kwargs)
         for g in self.groups:
             for p in g:
-                p.ds_layer = self.fp8.layer_of(p)
+                p.ds_layer = self.gather8.layer_of(p)
                 if p.ds_layer is not None:
                     p.ds_shard8 = torch.zeros(p.ds_per, dtype=torch.uint8, device=self.device)
         self.fp8_params = [p for g in self.groups for p in g if p.ds_layer is not None]  # this rank's chunks
@@ -43,8 +43,8 @@ class Stage3Float8(Stage3):
                 if p.ds_layer is not None:
                     p.ds_shard = None
             self.shards[gi] = shards
-        self.fp8_index = self.fp8.fragment_index(p.ds_layer for p in self.fp8_params)
-        for w8 in map(self.fp8.weight8, range(len(self.fp8.layers))):  # held only while gathered
+        self.fp8_index = self.gather8.fragment_index(p.ds_layer for p in self.fp8_params)
+        for w8 in map(self.gather8.weight8, range(len(self.gather8.layers))):  # held only while gathered
             w8.data = w8.data.new_empty(0)
 
     def _nbytes(self, p) -> int:
@@ -82,7 +82,7 @@ class Stage3Float8(Stage3):
             if getattr(p, "ds_layer", None) is not None:  # (none before __init__ has set them)
                 data = torch.empty(p.ds_per * self.dp, dtype=torch.uint8, device=self.device)
                 data.view(self.dp, p.ds_per).copy_(rows[:, pos:pos + n])
-                w8 = self.fp8.weight8(p.ds_layer)
+                w8 = self.gather8.weight8(p.ds_layer)
                 w8.data = data[:p.ds_numel].view(w8.data.dtype).view(p.ds_shape)
                 slot[:p.ds_numel].copy_((w8.data.float() / w8.scale).reshape(-1))
             else:
@@ -97,7 +97,7 @@ class Stage3Float8(Stage3):
         super()._release(params)
         for p in params:
             if p.data.numel() == 0 and getattr(p, "ds_layer", None) is not None:
-                w8 = self.fp8.weight8(p.ds_layer)
+                w8 = self.gather8.weight8(p.ds_layer)
                 w8.data = w8.data.new_empty(0)
 
     @torch.no_grad()
@@ -112,9 +112,9 @@ class Stage3Float8(Stage3):
                 if p.ds_layer is None:
                     p.ds_shard.copy_(m.detach()[p.ds_where[1]:p.ds_where[1] + p.ds_per])
         chunks = [masters[p.ds_where[0]][p.ds_where[1]:p.ds_where[1] + p.ds_per] for p in self.fp8_params]
-        self.fp8.scales_from_fragments(chunks, self.fp8_index)
+        self.gather8.scales_from_fragments(chunks, self.fp8_index)
         for p, c in zip(self.fp8_params, chunks):
-            p.ds_shard8.copy_(self.fp8.cast(p.ds_layer, c))
+            p.ds_shard8.copy_(self.gather8.cast(p.ds_layer, c))
         self._refresh_persistent()
 
     def weight_slices(self):
@@ -125,5 +125,5 @@ class Stage3Float8(Stage3):
         shards = sum(s.numel() * s.element_size() for s in self.shards)
         fp8 = sum(p.ds_shard8.numel() for p in self.fp8_params)
         return (shards + fp8 + self.gathered_numel() * self.dtype.itemsize
-                + sum(self.fp8.weight8(i).data.numel() for i in range(len(self.fp8.layers))))
+                + sum(self.gather8.weight8(i).data.numel() for i in range(len(self.gather8.layers))))
 
