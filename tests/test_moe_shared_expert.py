@@ -71,8 +71,7 @@ MOE = {"num_experts": 4}
 
 
 @pytest.mark.parametrize("changes,world,message", [
-    ({**MOE, "moe_shared_expert_intermediate_size": 32, "moe_shared_expert_overlap": True}, 1,
-     "--moe-shared-expert-overlap is not implemented"),
+    ({**MOE, "moe_shared_expert_overlap": True}, 1, "give --moe-shared-expert-intermediate-size or drop the flag"),
     ({**MOE, "moe_shared_expert_gate": True}, 1, "give --moe-shared-expert-intermediate-size"),
     ({"moe_shared_expert_intermediate_size": 32}, 1, "give --num-experts"),
     ({**MOE, "moe_shared_expert_intermediate_size": 33, "tensor_model_parallel_size": 2}, 2,

@@ -53,8 +53,9 @@ class MoeConfig:
         "(tensor-parallel like the dense MLP, not expert-parallel)")
     moe_shared_expert_gate: bool = flag("scale the shared expert's output by sigmoid(x g^T), g a [1, h] weight "
                                         "(Qwen2-MoE)", GPTConfig.moe_shared_expert_gate, action="store_true")
-    moe_shared_expert_overlap: bool = flag("refused: the shared expert runs after the routed experts, not overlapped "
-                                           "with dispatch", False, action="store_true")
+    moe_shared_expert_overlap: bool = flag("no-op: the shared expert runs after the routed experts here (Megatron-Core's "
+                                           "overlap with the dispatch gives the same result); needs a shared expert",
+                                           False, action="store_true")
     expert_model_parallel_size: int = flag("ranks the experts are spread over, carved out of the data-parallel ranks",
                                            1)
     expert_tensor_parallel_size: Optional[int] = flag(
@@ -190,8 +191,8 @@ def _check_sequence_parallel(args, tp: int) -> None:
 def _check_shared_expert(args, tp: int) -> None:
     """--moe-shared-expert-intermediate-size and its gate (moe/shared_expert.py)."""
     shared = args.moe_shared_expert_intermediate_size
-    require(not args.moe_shared_expert_overlap, "--moe-shared-expert-overlap is not implemented: the shared expert "
-            "runs after the routed experts; drop the flag (the result is the same)")
+    require(not args.moe_shared_expert_overlap or shared is not None, "--moe-shared-expert-overlap overlaps a shared "
+            "expert with the dispatch; give --moe-shared-expert-intermediate-size or drop the flag")
     require(shared is None or args.num_experts is not None,
             f"--moe-shared-expert-intermediate-size {shared} belongs to MoE layers; give --num-experts")
     shape_rules.shared_expert_gate(args.moe_shared_expert_gate, shared)

@@ -61,8 +61,7 @@ def deepseek_toy_rtol() -> float:
 
 # Megatron-LM's examples/post_training/modelopt/conf/deepseek-ai/DeepSeek-R1.sh MODEL_ARGS in its order, the sizes
 # (layers, widths, heads, ranks, experts, top-k and groups, sequence) cut to a toy, the dense first layers with them
-# ([0]*3+[1]*58 -> [0]*1+[1]*3), the tokenizer the byte-level one; every other flag as the script has it but
-# --moe-shared-expert-overlap (refused: the shared expert runs after the routed experts here)
+# ([0]*3+[1]*58 -> [0]*1+[1]*3), the tokenizer the byte-level one; every other flag as the script has it
 MEGATRON_DEEPSEEK_R1 = """
     --save-interval 100000 --micro-batch-size 1 --bf16 --no-masked-softmax-fusion --disable-bias-linear
     --untie-embeddings-and-output-weights --position-embedding-type rope --no-rope-fusion --normalization RMSNorm
@@ -72,7 +71,7 @@ MEGATRON_DEEPSEEK_R1 = """
     --moe-router-dtype fp32 --moe-router-score-function sigmoid --moe-router-bias-update-rate 1e-3
     --moe-router-enable-expert-bias --moe-router-topk 2 --moe-router-num-groups 4 --moe-router-group-topk 2
     --moe-router-pre-softmax --moe-router-topk-scaling-factor 2.5 --moe-shared-expert-intermediate-size 16
-    --moe-aux-loss-coeff 1e-4 --moe-router-load-balancing-type seq_aux_loss --moe-token-dispatcher-type alltoall
+    --moe-shared-expert-overlap --moe-aux-loss-coeff 1e-4 --moe-router-load-balancing-type seq_aux_loss --moe-token-dispatcher-type alltoall
     --moe-token-drop-policy probs --seq-length 16 --max-position-embeddings 163840 --tokenizer-type ByteTokenizer
     --make-vocab-size-divisible-by 1280 --use-mcore-models --rotary-base 10000 --rotary-percent 1.0
     --rotary-scaling-factor 40 --mscale 1.0 --mscale-all-dim 1.0 --recompute-activations --moe-layer-recompute
