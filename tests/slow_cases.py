@@ -100,4 +100,9 @@ SLOW_CASES = {
     "tests/test_checkpoint_latest.py::test_a_damaged_latest_resumes_from_the_newest_verified_checkpoint":
         "tests/test_checkpoint_resume_paths.py::test_without_latest_the_newest_verified_checkpoint_is_resumed; "
         "test_a_damaged_latest_with_no_checkpoint_beside_it_is_one_sentence_from_one_rank",
+    "tests/test_checkpoint_fault_injection.py::test_tools_refuse_a_flipped_byte_unless_told_not_to_verify":
+        "test_every_read_path_refuses_every_flipped_byte (the readers the tools call); "
+        "tests/test_standalone_zero_to_fp32_verify.py (a tool's refusal from the command line)",
+    "tests/test_hf_gpt2.py::test_conversion_memory_is_about_one_tensor":
+        "tests/test_convert_memory.py (the converters hold about one tensor)",
 }
