@@ -2,7 +2,7 @@
 
     converters = model_converters(cfg, state, device)    # the run's, from its checked configuration, in order
     lines = converters.convert(model)                      # in place, before the optimizer is made; log lines
-    ZeroOptimizer(..., fp8_gather=converters.weight_gather(model, dp_group, device))
+    ZeroOptimizer(..., **weight_gathers(converters, model, dp_group, expert_dp_group, device))   # zero/build.py
     converters.post_optimizer_hook(model)                  # after every optimizer step (a skipped one too)
     states.update(converters.state_dict(model, dp_group))  # checkpoint/save.py: the model-states file's entries
     lines = converters.load_state_dict(model, states, optimizer)   # checkpoint/load.py, the same layout
