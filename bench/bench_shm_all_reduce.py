@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megatron_zero import shm_comm  # noqa: E402
+from megatron_zero.distributed import shm_comm  # noqa: E402
 from megatron_zero.pipeline.p2p import P2P  # noqa: E402
 from megatron_zero.distributed.reduce_scatter import all_gather_into_tensor, reduce_scatter_tensor  # noqa: E402
 from megatron_zero.testing.multirank import run_ranks  # noqa: E402

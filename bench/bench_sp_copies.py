@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megatron_zero import shm_comm  # noqa: E402
+from megatron_zero.distributed import shm_comm  # noqa: E402
 from megatron_zero.tensor_parallel import mappings  # noqa: E402
 from megatron_zero.tensor_parallel.utils import split_along_dim, tp_rank_in, tp_world_size  # noqa: E402
 from megatron_zero.testing.copy_counter import CopyCounter  # noqa: E402

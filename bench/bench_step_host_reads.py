@@ -87,15 +87,22 @@ def worker(argv):
     import torch.distributed as dist
 
     from megatron_zero.arguments import parse_args
-    from megatron_zero.config import from_args
-    from megatron_zero.distributed.initialize import init_distributed
-    from megatron_zero.distributed.topology import build_parallel_state
     from megatron_zero.training import Trainer
+    try:  # this tree's layout: the trainer takes the typed configuration
+        from megatron_zero.config import from_args
+        from megatron_zero.distributed.initialize import init_distributed
+        from megatron_zero.distributed.topology import build_parallel_state
+    except ImportError:  # a baseline from before the regrouping: modules at the root, the trainer takes the namespace
+        from megatron_zero.distributed import init_distributed
+        from megatron_zero.topology import build_parallel_state
+
+        def from_args(args):
+            return args
 
     init_distributed("gloo")
     args = parse_args(argv, world_size=dist.get_world_size())
     trainer = Trainer(from_args(args), build_parallel_state(args.tensor_model_parallel_size,
-                                                 args.pipeline_model_parallel_size))
+                                                            args.pipeline_model_parallel_size))
     stamps = {"wall": [], "cpu": []}
     step = trainer.train_step
 
