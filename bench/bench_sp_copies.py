@@ -19,6 +19,7 @@ backward over --reps, with the default communication (shared memory on one host)
 interleaved.
 """
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -31,6 +32,7 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron_zero.distributed import shm_comm  # noqa: E402
 from megatron_zero.tensor_parallel import mappings  # noqa: E402
+from megatron_zero.tensor_parallel.conjugate import conjugate_pair  # noqa: E402
 from megatron_zero.tensor_parallel.utils import split_along_dim, tp_rank_in, tp_world_size  # noqa: E402
 from megatron_zero.testing.copy_counter import CopyCounter  # noqa: E402
 from megatron_zero.testing.multirank import run_ranks  # noqa: E402
@@ -60,20 +62,23 @@ VARIANTS = {
     "list form (before)": (_split_list_form, _gather_list_form, _reduce_scatter_list_form),
     "in place (now)": (mappings._split_tokens, mappings._gather_tokens, mappings._reduce_scatter_tokens),
 }
-NAMES = ("_split_tokens", "_gather_tokens", "_reduce_scatter_tokens")
 
 
 def use(variant, inside):
-    """Install a variant's three collectives in mappings, each counting its copies into `inside`."""
+    """Install a variant's three collectives in mappings' sequence-parallel autograd functions (built from them
+    as mappings.py builds its own, conjugate_pair), each counting its copies into `inside`."""
     def counted(fn):
+        @functools.wraps(fn)
         def call(*args):
             with CopyCounter() as copies:
                 out = fn(*args)
             inside.append(copies.total)
             return out
         return call
-    for name, fn in zip(NAMES, VARIANTS[variant]):
-        setattr(mappings, name, counted(fn))
+    split, gather, reduce_scatter = (counted(fn) for fn in VARIANTS[variant])
+    mappings._ScatterToSequenceParallel, mappings._GatherFromSequenceParallel = conjugate_pair(split, gather)
+    mappings._ReduceScatterToSequenceParallel, mappings._GatherPartialFromSequenceParallel = conjugate_pair(
+        reduce_scatter, gather)
 
 
 def layer_fn(micro, seq, hidden, reps):
@@ -97,6 +102,9 @@ def layer_fn(micro, seq, hidden, reps):
         use(variant, inside)
         with CopyCounter() as whole:
             step()
+        if not inside:
+            raise SystemExit(f"bench: the {variant} collectives were not called; mappings.py no longer runs the "
+                             "autograd functions this bench replaces")
         out[variant] = {"inside": sum(inside) / MIB, "whole": whole.total / MIB, "ms": []}
     shm_comm.set_shared_memory_comm(True)  # timing: the default communication
     for _ in range(reps):

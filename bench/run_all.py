@@ -38,16 +38,23 @@ def _argv(command, peer: dict):
     return [sys.executable, os.path.join(ROOT, "bench", out[0])] + out[1:]
 
 
+def _is_header(lines, i) -> bool:
+    return lines[i].startswith("|") and i + 1 < len(lines) and lines[i + 1].startswith("|---")
+
+
 def _tables(lines):
-    """The `|` tables of printed lines, each a list of lines."""
+    """The `|` tables of printed lines, each a list of lines. A table's rows printed between other lines (a bench's
+    log lines between its rows) stay one table: a table ends only where another header (a row above `|---`) or
+    the end comes."""
     tables, current = [], []
-    for line in lines + [""]:
-        if line.startswith("|"):
-            current.append(line.rstrip())
-        elif current:
+    for i, line in enumerate(lines):
+        if not line.startswith("|"):
+            continue
+        if _is_header(lines, i) and current:
             tables.append(current)
             current = []
-    return tables
+        current.append(line.rstrip())
+    return tables + [current] if current else tables
 
 
 def rewrite(text: str, sec, stdout: str, record: str) -> str:

@@ -57,5 +57,8 @@ def test_run_all_rewrites_a_sections_tables_and_record():
     assert records("\n".join(out))["zeropp"]["status"] == "Current"
     two = rewrite(text, sec, printed + "\nwords\n" + printed.replace("3 | 4", "5 | 6"), record).split("\n")
     assert "| 3 | 4 |" in two and "| 5 | 6 |" in two and two[-1] == "| kept |"  # printed in another number: all
+    logged = "| a | b |\n|---|---|\nlog: a row's setting\n| 7 | 8 |\nlog: the next\n| 9 | 0 |\n"
+    one = rewrite(text, sec, logged, record).split("\n")  # log lines between a table's rows: one table still
+    assert one[one.index("| a | b |"):one.index("| a | b |") + 4] == ["| a | b |", "|---|---|", "| 7 | 8 |", "| 9 | 0 |"]
     with pytest.raises(SystemExit, match="printed 0 tables"):
         rewrite(text, sec, "no table", record)
