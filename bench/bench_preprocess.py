@@ -79,7 +79,7 @@ def main():
         have_mc = False
     print(f"machine: {cpu_model()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
           f"megatron-core {'installed' if have_mc else 'not installed'}, load average {os.getloadavg()[0]:.1f}")
-    print(f"median of {args.reps} interleaved runs; ratio = baseline time / this time (higher is faster)")
+    print(f"# median of {args.reps} interleaved runs; ratio = baseline time / this time (higher is faster)")
     print(f"{'input':<14} {'run':<34} {'docs':>6} {'MB':>6} {'median s':>9} {'docs/s':>9} {'MB/s':>7} {'ratio':>6}")
     for name, jsonl in (("builtin", corpus["jsonl"]), ("builtin x10", big)):
         rows = []
