@@ -9,13 +9,14 @@ every block MoE.
 Claims (fp32): our model on an imported checkpoint gives transformers' logits (1e-5); HF -> ours -> HF is
 bit-exact on every tensor (the expert bias included, kept fp32 by a bf16 export) and transformers computes the
 very logits from the export; a router without the bias exports with zeros in its place;
-what transformers' class computes otherwise than ours is refused in one sentence; tools/convert_from_hf.py takes
-the directory, prints the flags, which build the very model, and says it left DeepSeek's MTP layer out; the
-released DeepSeek-V3 config.json gives Megatron-LM's DeepSeek-V3 model flags. Slow: the import's first training
+what transformers' class computes otherwise than ours is refused in one sentence; DeepSeek's MTP layer in the
+files becomes our MTP depth and exports back bit-exactly (its copy of the embedding checked); tools/convert_from_hf.py
+takes the directory, prints the flags, which build the very model, MTP depth included; the released DeepSeek-V3
+config.json gives Megatron-LM's DeepSeek-V3 model flags. Slow: the import's first training
 loss at EP2 (the bias restored whole on each rank) is transformers' loss on that batch (1e-5); pretrain_gpt.py
 trains the import at EP2 with the bias moving, and tools/convert_to_hf.py exports that two-rank save to a
 DeepseekV3ForCausalLM whose logits are ours (1e-5), its e_score_correction_bias the trained bias; a model of an
-import's flags trained with --mtp-num-layers 1 exports without the depth, one line saying so."""
+import's flags trained with --mtp-num-layers 1 exports its depth as DeepSeek's layer, and re-imports bit-exactly."""
 import dataclasses
 import json
 import os
@@ -67,6 +68,32 @@ def save_hf(tmp_path, variant="v3", vocab=VOCAB):
     return path
 
 
+def add_mtp_layer(path, seed=1):
+    """Write DeepSeek's MTP layer into an HF directory's files as DeepSeek-V3's release holds it (transformers'
+    save_pretrained writes none): model.layers.{L} with enorm, hnorm, eh_proj, a block shaped as the last one,
+    shared_head.norm, and the copies of the embedding and output layer (shared_head.head)."""
+    from safetensors.torch import load_file, save_file
+
+    weights = os.path.join(path, "model.safetensors")
+    tensors, config = load_file(weights), read_config(path)
+    layers, h = config["num_hidden_layers"], config["hidden_size"]
+    g = torch.Generator().manual_seed(seed)
+    last, mtp = f"model.layers.{layers - 1}.", f"model.layers.{layers}."
+    extra = {mtp + n[len(last):]: t + 0.05 * torch.randn(t.shape, generator=g)
+             for n, t in tensors.items() if n.startswith(last) and not n.endswith("e_score_correction_bias")}
+    extra.update({mtp + n[len(last):]: t.clone() for n, t in tensors.items()
+                  if n.startswith(last) and n.endswith("e_score_correction_bias")})
+    extra.update({mtp + "enorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+                  mtp + "hnorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+                  mtp + "eh_proj.weight": 0.05 * torch.randn(h, 2 * h, generator=g),
+                  mtp + "shared_head.norm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+                  mtp + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
+                  mtp + "shared_head.head.weight": tensors.get("lm_head.weight",
+                                                               tensors["model.embed_tokens.weight"]).clone()})
+    save_file({**tensors, **extra}, weights, {"format": "pt"})
+    return extra
+
+
 def read_config(path):
     with open(os.path.join(path, "config.json")) as f:
         return json.load(f)
@@ -74,12 +101,23 @@ def read_config(path):
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_import_matches_logits_and_round_trips(tmp_path, variant):
+    from megatron_zero.checkpoint.export.consolidate import get_fp32_state_dict
+    from megatron_zero.model.layer_indices import mtp_index
+
     src = save_hf(tmp_path, variant)
+    mtp = add_mtp_layer(src)
     hf = read_config(src)
-    assert for_hf_config(hf) is deepseek_v3
+    assert for_hf_config(hf) is deepseek_v3 and hf["num_nextn_predict_layers"] == 1
     out = import_hf(src, str(tmp_path / "ckpt"))
-    config = deepseek_v3.config_from_hf(hf)
-    assert config.multi_latent_attention and config.moe_router_enable_expert_bias
+    config = deepseek_v3.config_for_files(deepseek_v3.config_from_hf(hf), hf, set(hf_tensors(src)))
+    assert config.multi_latent_attention and config.moe_router_enable_expert_bias and config.mtp_num_layers == 1
+    assert "--mtp-num-layers 1" in " ".join(out["flags"])
+    ours, depth = get_fp32_state_dict(str(tmp_path / "ckpt")), f"{mtp_index(config.num_layers)}.0."
+    for hf_name, ours_name in (("enorm.weight", "enorm.weight"), ("eh_proj.weight", "eh_proj.weight"),
+                               ("shared_head.norm.weight", "final_layernorm.weight"),
+                               ("self_attn.kv_b_proj.weight", "transformer_layer.self_attention.linear_kv_up_proj.weight"),
+                               ("mlp.shared_experts.down_proj.weight", "transformer_layer.mlp.shared_expert.dense_4h_to_h.weight")):
+        assert torch.equal(ours[depth + ours_name], mtp["model.layers.2." + hf_name]), hf_name
     toks = tokens()
     with torch.no_grad():
         want = hf_model(variant)(toks).logits
@@ -171,19 +209,13 @@ def test_cli_import_prints_the_flags_that_build_the_model(tmp_path, capsys):
     from megatron_zero.testing.cli import imported_flags
     from tools.convert_from_hf import main
 
-    from safetensors.torch import load_file, save_file
-
     src = save_hf(tmp_path)
-    weights = os.path.join(src, "model.safetensors")  # DeepSeek's files hold its MTP layer as the next block
-    save_file({**load_file(weights), "model.layers.2.eh_proj.weight": torch.zeros(64, 128)}, weights, {"format": "pt"})
-    with open(os.path.join(src, "config.json")) as f:
-        assert json.load(f)["num_nextn_predict_layers"] == 1
+    add_mtp_layer(src)  # DeepSeek's files hold its MTP layer as the next block
     ckpt = str(tmp_path / "ckpt")
     assert main(["--input-dir", src, "--output-dir", ckpt]) == 0
     printed = capsys.readouterr().out
-    assert "DeepseekV3ForCausalLM" in printed and "--multi-latent-attention" in printed
-    assert "left out 1 tensors (model.layers.2.eh_proj.weight, ...): the multi-token prediction layers" in printed
-    config = deepseek_v3.config_from_hf(read_config(src))
+    assert "DeepseekV3ForCausalLM" in printed and "--multi-latent-attention" in printed and "--mtp-num-layers 1" in printed
+    config = dataclasses.replace(deepseek_v3.config_from_hf(read_config(src)), mtp_num_layers=1)
     argv = imported_flags(ckpt) + ["--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "1",
                                    "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
                                    str(VOCAB)]
@@ -194,8 +226,27 @@ def test_cli_import_prints_the_flags_that_build_the_model(tmp_path, capsys):
                   "moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor",
                   "moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_dtype",
                   "moe_shared_expert_intermediate_size", "moe_ffn_hidden_size", "ffn_hidden_size", "qk_layernorm",
-                  "layernorm_epsilon", "untie_embeddings_and_output_weights", "multi_latent_attention"):
+                  "layernorm_epsilon", "untie_embeddings_and_output_weights", "multi_latent_attention",
+                  "mtp_num_layers"):
         assert getattr(built, field) == getattr(config, field), field
+
+
+def test_import_takes_the_mtp_layers_the_files_hold_and_refuses_a_changed_copy(tmp_path):
+    """transformers' save_pretrained writes no MTP layer though its config says num_nextn_predict_layers 1: the
+    import builds no depth. DeepSeek's layer copies the embedding: a copy that differs is refused in one sentence."""
+    from safetensors.torch import load_file, save_file
+
+    src = save_hf(tmp_path, "q-proj")
+    assert "--mtp-num-layers" not in import_hf(src, str(tmp_path / "none"))["flags"]
+    add_mtp_layer(src)
+    weights = os.path.join(src, "model.safetensors")
+    tensors = load_file(weights)
+    tensors["model.layers.2.embed_tokens.weight"][0, 0] += 1
+    save_file(tensors, weights, {"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"^model\.layers\.2\.embed_tokens\.weight differs from "
+                                              r"model\.embed_tokens\.weight: our multi-token prediction shares"):
+        import_hf(src, str(tmp_path / "changed"))
+    assert not os.path.exists(str(tmp_path / "changed"))
 
 
 @pytest.mark.slow  # default tier: test_import_matches_logits_and_round_trips (the logits, the bias included)
@@ -247,25 +298,22 @@ def test_cli_trains_the_import_at_ep2_and_exports_the_save(tmp_path):
     assert_close_normwise(theirs, our_logits(ckpt, config, toks), 1e-5, "DeepSeek-V3 logits")
 
 
-@pytest.mark.slow  # default tier: test_import_matches_logits_and_round_trips; tests/test_multi_token_prediction.py
-def test_cli_export_leaves_the_mtp_depths_out_and_says_so(tmp_path):
-    """A model of an import's flags (every block dense: an MTP layer takes the last block's structure, an MoE one
-    is not implemented here) trained by pretrain_gpt.py with --mtp-num-layers 1: tools/convert_to_hf.py writes a
-    DeepseekV3ForCausalLM without the depth, says so in one line, and transformers computes our logits."""
+@pytest.mark.slow  # default tier: test_import_matches_logits_and_round_trips (a depth there and back, bit-exact)
+def test_cli_export_writes_the_mtp_depth_as_deepseeks_layer(tmp_path):
+    """A model of an import's flags trained by pretrain_gpt.py with --mtp-num-layers 1: tools/convert_to_hf.py writes
+    its depth as DeepSeek's model.layers.2 (num_nextn_predict_layers 1), transformers loads the export (skipping
+    that layer) and computes our logits, and tools/convert_from_hf.py takes the depth back bit-exactly."""
     from megatron_zero.checkpoint.export.consolidate import get_fp32_state_dict, resolve_checkpoint_dir
     from megatron_zero.checkpoint.export.hf.exporter import shape_reader
     from megatron_zero.checkpoint.saved_config import saved_args, saved_config
-    from megatron_zero.model.gpt import reference_model
     from megatron_zero.model.layer_indices import mtp_index
-    from megatron_zero.model.sharding import shard_state_dict
     from megatron_zero.testing.cli import cli_flags, imported_flags, pretrain_cli, text_data, tool
     from megatron_zero.testing.launch import flags_argv
     from megatron_zero.testing.tolerances import assert_close_normwise
 
-    path = str(tmp_path / "dense")
+    path = str(tmp_path / "hf")
     torch.manual_seed(0)
-    fields = {**COMMON, **VARIANTS["v3"], "vocab_size": 257, "bos_token_id": 256, "eos_token_id": 256,
-              "first_k_dense_replace": 2}
+    fields = {**COMMON, **VARIANTS["v3"], "vocab_size": 257, "bos_token_id": 256, "eos_token_id": 256}
     transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**fields)).save_pretrained(path)
     imported, save = str(tmp_path / "imported"), str(tmp_path / "trained")
     tool("convert_from_hf.py", "--input-dir", path, "--output-dir", imported)
@@ -273,20 +321,23 @@ def test_cli_export_leaves_the_mtp_depths_out_and_says_so(tmp_path):
     flags = cli_flags(data, str(tmp_path / "cache"), None) + imported_flags(imported)
     pretrain_cli(1, flags + flags_argv({"train-iters": 2, "mtp-num-layers": 1, "save": save}))
     exported = str(tmp_path / "exported")
-    lines = [line for line in tool("convert_to_hf.py", save, exported).stdout.splitlines()
-             if "multi-token prediction" in line]
-    assert len(lines) == 1 and "DeepseekV3ForCausalLM has no MTP layers" in lines[0], lines
-    assert not any(n.startswith("model.layers.2.") for n in hf_tensors(exported))
+    assert "multi-token prediction" not in tool("convert_to_hf.py", save, exported).stdout
+    assert read_config(exported)["num_nextn_predict_layers"] == 1
+    written = hf_tensors(exported)
+    assert torch.equal(written["model.layers.2.embed_tokens.weight"], written["model.embed_tokens.weight"])
+    assert torch.equal(written["model.layers.2.shared_head.head.weight"], written["lm_head.weight"])
     ckpt = resolve_checkpoint_dir(save, None)
     config = saved_config(*shape_reader(ckpt), saved_args(ckpt))
     assert config.mtp_num_layers == 1
-    depth = f"{mtp_index(config.num_layers)}."
-    config.mtp_num_layers = None  # our model's own output, without the depth
-    ours = reference_model(config)
-    ours.load_state_dict(shard_state_dict({n: t for n, t in get_fp32_state_dict(ckpt).items()
-                                           if not n.startswith(depth)}, config, 1, 0))
+    trained = get_fp32_state_dict(ckpt)
+    depth = f"{mtp_index(config.num_layers)}.0."
+    assert torch.equal(written["model.layers.2.eh_proj.weight"], trained[depth + "eh_proj.weight"])
     model = transformers.AutoModelForCausalLM.from_pretrained(exported, torch_dtype=torch.float32).eval()
     toks = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        theirs, want = model(toks).logits, ours.eval()(toks)[..., :257]
-    assert_close_normwise(theirs, want, 1e-5, "DeepSeek-V3 logits without the MTP depth")
+        theirs = model(toks).logits
+    assert_close_normwise(theirs, our_logits(ckpt, config, toks), 1e-5, "DeepSeek-V3 logits")
+    again = str(tmp_path / "again")
+    tool("convert_from_hf.py", "--input-dir", exported, "--output-dir", again)
+    back = get_fp32_state_dict(again)
+    assert set(back) == set(trained) and all(torch.equal(back[n], t) for n, t in trained.items())

@@ -40,9 +40,6 @@ def main(argv=None) -> int:
     print(f"wrote {out['architecture']} ({out['params']} parameters, {out['bytes'] / 2**20:.1f} MiB) to "
           f"{a.output_dir} in {out['seconds']:.1f} s; train it with --load {a.output_dir} and:")
     print(shlex.join(out["flags"]))
-    if out["dropped"]:
-        print(f"left out {len(out['dropped'])} tensors ({out['dropped'][0]}, ...): the multi-token prediction layers, "
-              f"which {out['architecture']} does not compute")
     return 0
 
 

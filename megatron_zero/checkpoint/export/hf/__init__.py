@@ -12,7 +12,7 @@ An architecture module (see gpt2.py) provides
     matches(config) -> bool                      whether an export of `config` is this architecture
     tensor_mappings(config) -> list[TensorMapping]   one per parameter of ours, in our model order, and one per
                                                      persistent buffer the HF model holds too (the expert bias)
-    dropped_hf(hf) -> regex                      optional: HF tensors an import leaves out, and says so (MTP layers)
+    config_for_files(config, hf, names) -> GPTConfig   optional: what the HF files decide (DeepSeek's MTP depths)
     FP32_HF                    optional: regexes of HF tensors an export keeps in fp32 whatever its --dtype
 
 Tensors are in our full form (model/sharding.py): unsharded, the unpadded vocabulary, the fused QKV in

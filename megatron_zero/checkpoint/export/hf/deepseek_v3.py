@@ -38,18 +38,34 @@ What differs in meaning is refused (`unsupported_export` names it for an export;
 HF scores a group by the sum of its top 2 experts, Megatron-Core by its top k / group-topk (equal where that is 2,
 as DeepSeek-V3's 8 / 4); HF's latent norms use epsilon 1e-6 whatever rms_norm_eps says, ours the model's;
 HF's sigmoid router renormalises the top-k weights only with norm_topk_prob, Megatron-Core's always for k > 1.
-Multi-token prediction: HF's class has none (its loader ignores DeepSeek-V3's model.layers.61); an import leaves
-those layers out and says so (`dropped_hf`), an export leaves our depths out and says so (exporter.py).
+
+Multi-token prediction: DeepSeek's files hold depth k as the block after the last, model.layers.{L + k}
+(DeepSeek-V3's model.layers.61; transformers' class computes no MTP and its loader skips them), our
+--mtp-num-layers depth k (model/multi_token_prediction.py, laid out as Megatron-Core's and as vLLM reads
+DeepSeek's: eh_proj over [enorm(embedding); hnorm(hidden)]):
+
+    model.layers.{L+k}.enorm / hnorm / eh_proj.weight        {mtp}.{k}.enorm / hnorm / eh_proj.weight
+    model.layers.{L+k}.<the block's tensors>                  {mtp}.{k}.transformer_layer.<the last block's>
+    model.layers.{L+k}.shared_head.norm.weight                {mtp}.{k}.final_layernorm.weight
+    model.layers.{L+k}.embed_tokens / shared_head.head        copies of the embedding and output layer: written
+                                                             by an export, and on import equal to them or refused
+
+An import takes the depths the files hold (`config_for_files`; transformers' save_pretrained writes none, and
+config_from_hf alone describes transformers' model, without them); an export writes ours and sets
+num_nextn_predict_layers to their number.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import List, Optional
 
 import torch
 
 from ....model.config import GPTConfig
+from ....model.layer_indices import mtp_index
 from ....model.moe_layers import as_pattern, placement
+from ....model.params import MTP_LAYER_PREFIX, MTP_PROJECTION, lm_head_name, word_embeddings_name
 from ....ops.yarn import concentration_factor, yarn_mscale
 from ...errors import CheckpointError
 from . import llama
@@ -134,12 +150,13 @@ def _router(hf: dict, layers: int, refuse) -> dict:
                 moe_shared_expert_intermediate_size=moe * shared)
 
 
-def dropped_hf(hf: dict) -> str:
-    """A regex of the tensors an import leaves out: DeepSeek's multi-token prediction layers, stored as blocks
-    num_hidden_layers .. + num_nextn_predict_layers - 1 (DeepSeek-V3's model.layers.61, which transformers'
-    loader ignores too). They are not mapped to our --mtp-num-layers depths: a run with depths starts them afresh."""
-    first, count = int(hf.get("num_hidden_layers", 61)), int(hf.get("num_nextn_predict_layers") or 0)
-    return rf"^model\.layers\.({'|'.join(str(first + k) for k in range(count)) or 'none'})\."
+def config_for_files(config: GPTConfig, hf: dict, names) -> GPTConfig:
+    """`config` (config_from_hf's: transformers' model, no MTP) with the multi-token prediction depths the HF files
+    hold, their eh_proj present, up to config.json's num_nextn_predict_layers."""
+    depths, most = 0, int(hf.get("num_nextn_predict_layers") or 0)
+    while depths < most and f"model.layers.{config.num_layers + depths}.{MTP_PROJECTION}" in names:
+        depths += 1
+    return dataclasses.replace(config, mtp_num_layers=depths or None)
 
 
 def config_from_hf(hf: dict) -> GPTConfig:
@@ -237,6 +254,8 @@ def flags(config: GPTConfig) -> List[str]:
                 repr(c.beta_slow), "--mscale", repr(c.mscale), "--mscale-all-dim", repr(c.mscale_all_dim)]
     if c.untie_embeddings_and_output_weights:
         out.append("--untie-embeddings-and-output-weights")
+    if c.mtp_num_layers:
+        out += ["--mtp-num-layers", str(c.mtp_num_layers)]
     if c.num_experts is None:
         return out
     dense = _dense_blocks(c)
@@ -264,7 +283,7 @@ def hf_config(config: GPTConfig) -> dict:
            "max_position_embeddings": c.max_position_embeddings, "initializer_range": c.init_method_std,
            "rms_norm_eps": c.layernorm_epsilon, "rope_theta": float(c.rotary_base), "rope_interleave": True,
            "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": not c.untie_embeddings_and_output_weights,
-           "first_k_dense_replace": _dense_blocks(c), "num_nextn_predict_layers": 0}  # the export has no MTP layer
+           "first_k_dense_replace": _dense_blocks(c), "num_nextn_predict_layers": c.mtp_num_layers or 0}
     if c.rope_type == "yarn":
         rope = {"type": "yarn", "rope_type": "yarn", "factor": c.rotary_scaling_factor,
                 "original_max_position_embeddings": c.original_max_position_embeddings, "beta_fast": c.beta_fast,
@@ -313,5 +332,46 @@ def _mlp(config: GPTConfig, block: int, ours: str, hf: str) -> List[TensorMappin
     return [zeros] + out[1:]
 
 
+def _copied(m: TensorMapping, copies: List[str]) -> TensorMapping:
+    """`m` with the MTP layers' copies of its tensor: written by an export; on import equal to it or refused."""
+    def to_ours(ts):
+        for name, t in zip(copies, ts[len(m.hf):]):
+            if not torch.equal(t, ts[0]):
+                raise CheckpointError(f"{name} differs from {m.hf[0]}: our multi-token prediction shares the "
+                                      "model's embedding and output layer")
+        return m.to_ours(ts[:len(m.hf)])
+
+    def to_hf(t):
+        hf = m.to_hf(t)
+        return hf + [hf[0]] * len(copies)
+    return TensorMapping(m.ours, m.hf + tuple(copies), to_ours, to_hf)
+
+
+def _mtp_depth(config: GPTConfig, k: int) -> List[TensorMapping]:
+    """Depth k's mappings: its norms and projection, its block (built as the last one), its final norm."""
+    ours, hf = f"{mtp_index(config.num_layers)}.{k}.", f"model.layers.{config.num_layers + k}."
+    block = ours + MTP_LAYER_PREFIX
+    out = [same(ours + name, hf + name) for name in ("enorm.weight", "hnorm.weight", MTP_PROJECTION)]
+    out.append(same(block + "input_layernorm.weight", hf + "input_layernorm.weight"))
+    out += _attention(config, block, hf)
+    out.append(same(block + "post_attention_layernorm.weight", hf + "post_attention_layernorm.weight"))
+    out += _mlp(config, config.num_layers - 1, block, hf)
+    return out + [same(ours + "final_layernorm.weight", hf + "shared_head.norm.weight")]
+
+
 def tensor_mappings(config: GPTConfig) -> List[TensorMapping]:
-    return llama.tensor_mappings(config, _mlp, _attention)
+    out = llama.tensor_mappings(config, _mlp, _attention)
+    depths = range(config.mtp_num_layers or 0)
+    if not depths:
+        return out
+    layers = [f"model.layers.{config.num_layers + k}." for k in depths]
+    embedding, head = word_embeddings_name(config), lm_head_name(config)
+    tied = not config.untie_embeddings_and_output_weights
+    for i, m in enumerate(out):
+        if m.ours == embedding:  # tied: the one tensor is also each depth's shared_head.head
+            copies = [h + "embed_tokens.weight" for h in layers] + (
+                [h + "shared_head.head.weight" for h in layers] if tied else [])
+            out[i] = _copied(m, copies)
+        elif m.ours == head and not tied:
+            out[i] = _copied(m, [h + "shared_head.head.weight" for h in layers])
+    return out + [m for k in depths for m in _mtp_depth(config, k)]

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import shlex
 import shutil
 import time
@@ -49,14 +48,16 @@ def implied_flags(module, config, tp: int, pp: int, tokenizer_dir: Optional[str]
 
 
 def import_hf(input_dir: str, output_dir: str, tp: int = 1, pp: int = 1, apply_layernorm_1p: bool = False) -> dict:
-    """Convert; returns {'architecture', 'params', 'bytes', 'seconds', 'flags', 'dropped'}: `dropped` the HF
-    tensors left out (an architecture's `dropped_hf(config.json)` pattern: DeepSeek's MTP layers).
+    """Convert; returns {'architecture', 'params', 'bytes', 'seconds', 'flags'}. An architecture's optional
+    `config_for_files(config, names)` sets what of its config the files decide (DeepSeek's MTP depths).
     `apply_layernorm_1p`: the checkpoint holds a zero-centred model (each norm weight stored as gamma - 1), to
     train with that flag."""
     start = time.monotonic()
     hf = HFModelDir(input_dir)
     module = for_hf_config(hf.config, os.path.join(input_dir, "config.json"))
     config = dataclasses.replace(module.config_from_hf(hf.config), apply_layernorm_1p=apply_layernorm_1p)
+    if hasattr(module, "config_for_files"):
+        config = module.config_for_files(config, hf.config, set(hf.names))
     try:
         config.check_tp(tp)
     except ValueError as e:
@@ -72,10 +73,7 @@ def import_hf(input_dir: str, output_dir: str, tp: int = 1, pp: int = 1, apply_l
     missing = [n for n in names if n not in mappings]
     if missing:
         raise CheckpointError(f"the {module.HF_ARCHITECTURE} mapping gives no tensor for {', '.join(missing[:3])}")
-    dropped_pattern = module.dropped_hf(hf.config) if hasattr(module, "dropped_hf") else None
-    dropped = hf.unused([h for m in mappings.values() for h in m.hf], module.SKIPPED_HF)
-    unused = [n for n in dropped if dropped_pattern is None or not re.search(dropped_pattern, n)]
-    dropped = [n for n in dropped if n not in unused]
+    unused = hf.unused([h for m in mappings.values() for h in m.hf], module.SKIPPED_HF)
     if unused:
         raise CheckpointError(f"{input_dir} holds tensors a {module.HF_ARCHITECTURE} of this config.json does not "
                               f"have ({', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''})")
@@ -129,5 +127,5 @@ def import_hf(input_dir: str, output_dir: str, tp: int = 1, pp: int = 1, apply_l
         raise
     finally:
         hf.close()
-    return {"architecture": module.HF_ARCHITECTURE, "params": len(names), "bytes": total, "dropped": dropped,
+    return {"architecture": module.HF_ARCHITECTURE, "params": len(names), "bytes": total,
             "seconds": time.monotonic() - start, "flags": flags}
