@@ -1,6 +1,7 @@
-"""The planner's time model beyond the GPU's work (megatron_zero/planning/time_model.py, host_step.py): an
-offloaded layout's step grows by the modelled host step (our measured CPU AdamW per core, PCIe both ways);
-tools/plan.py's 6B one-GPU search ranks the offload layouts by it."""
+"""The planner's time model beyond the GPU's work (megatron_zero/planning/time_model.py, host_step.py) and
+docs/planning.md's scaling tables (megatron_zero/planning/scaling.py): an offloaded layout's step grows by the
+modelled host step (our measured CPU AdamW per core, PCIe both ways); tools/plan.py's 6B one-GPU search ranks
+the offload layouts by it; the page's tables are the module's output."""
 import dataclasses
 import json
 import os
@@ -100,3 +101,23 @@ def test_plan_cli_refuses_a_host_without_cores_in_one_sentence(capsys):
     assert main([*GPTJ_6B, "--host-cores", "0"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--host-cores 0" in err, err
+
+
+def _page_tables() -> list:
+    """docs/planning.md's tables under "## Scaling", in order."""
+    with open(os.path.join(ROOT, "docs", "planning.md")) as f:
+        section = f.read().split("\n## Scaling", 1)[1].split("\n## ", 1)[0]
+    tables, rows = [], []
+    for line in section.splitlines() + [""]:
+        if line.startswith("|"):
+            rows.append(line)
+        elif rows:
+            tables.append("\n".join(rows))
+            rows = []
+    return tables
+
+
+def test_scaling_page_is_the_modules_output():
+    """`python -m megatron_zero.planning.scaling` prints docs/planning.md's three scaling tables exactly."""
+    from megatron_zero.planning import scaling
+    assert _page_tables() == scaling.tables().split("\n\n")
