@@ -6,6 +6,7 @@
     memory.py         per rank kind: weights, gradients, optimizer state (ZeRO's partition math), activations
                       (a traced micro-batch), buffers, peak; per node host memory under offload
     time_model.py     step time: compute, exposed communication, pipeline bubble; MFU, tokens/s (named constants)
+    host_step.py      an offloaded optimizer's host step: PCIe both ways, the CPU AdamW on the node's cores
     search.py         every layout of a cluster that fits, ranked by predicted tokens/s
     report.py         the table and the JSON of tools/plan.py
 """

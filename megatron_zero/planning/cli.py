@@ -9,7 +9,9 @@ import sys
 
 import torch
 
+from ..config.fields import add_section_flags
 from . import memory, report, search, time_model
+from .host_step import HostConfig
 
 
 def cluster_parser() -> argparse.ArgumentParser:
@@ -22,6 +24,7 @@ def cluster_parser() -> argparse.ArgumentParser:
     p.add_argument("--intra-node-bandwidth", type=float, default=time_model.NVLINK_GBPS, help="GB/s per GPU")
     p.add_argument("--inter-node-bandwidth", type=float, default=time_model.IB_GBPS, help="GB/s per GPU")
     p.add_argument("--host-memory", type=float, default=2048.0, help="GiB per node")
+    add_section_flags(p, HostConfig)
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.add_argument("--search", action="store_true", help="rank the layouts that fit by predicted tokens/s")
     return p
@@ -59,6 +62,10 @@ def main(argv=None) -> int:
     from ..model.architecture import gpt_config
 
     cluster_args, rest = cluster_parser().parse_known_args(argv)
+    if cluster_args.host_cores < 1 or cluster_args.pcie_bandwidth <= 0:
+        print(f"plan.py: error: --host-cores {cluster_args.host_cores} and --pcie-bandwidth "
+              f"{cluster_args.pcie_bandwidth} must be positive (cores per node, GB/s per GPU)", file=sys.stderr)
+        return 2
     gpus = cluster_args.gpus or _layout_gpus(rest)
     args = parse_args(rest, world_size=gpus)
     if args.vocab_size is None:
@@ -69,7 +76,8 @@ def main(argv=None) -> int:
     plan = plan_from(plan_sections, gpt_config(args, args.vocab_size), gpus)
     cluster = time_model.Cluster(gpus, cluster_args.gpus_per_node, cluster_args.gpu_memory, cluster_args.gpu_tflops,
                                  cluster_args.intra_node_bandwidth, cluster_args.inter_node_bandwidth,
-                                 cluster_args.host_memory)
+                                 cluster_args.host_memory, host_cores=cluster_args.host_cores,
+                                 pcie_gbps=cluster_args.pcie_bandwidth)
     recompute = plan.config.recompute_granularity or "none"
     fp8 = plan_sections.fp8.fp8_format is not None
     with contextlib.redirect_stdout(sys.stderr):  # what the traced model code says is not the plan (--json)

@@ -16,11 +16,13 @@ def as_json(cand: Candidate, cluster: Cluster, host: dict, parameters: int, layo
     out = dict(parameters=parameters, layout=cand.describe(), per_rank_bytes=ranks,
                peak=cand.peak, fits=cand.peak <= cluster.gpu_memory_gib * GIB, host_bytes_per_node=host,
                step_seconds=cand.time.seconds, compute_seconds=cand.time.compute,
-               exposed_comm_seconds=cand.time.exposed_comm, bubble_seconds=cand.time.bubble, mfu=cand.time.mfu,
+               exposed_comm_seconds=cand.time.exposed_comm, bubble_seconds=cand.time.bubble,
+               host_optimizer_seconds=cand.time.host, mfu=cand.time.mfu,
                tokens_per_second=cand.time.tokens_per_second,
                tokens_per_second_per_gpu=cand.time.tokens_per_second / cand.plan.gpus, constants=cluster.named())
     if layouts:
         out["layouts"] = [dict(layout=c.describe(), flags=c.flags(), peak=c.peak, mfu=c.time.mfu,
+                               step_seconds=c.time.seconds, host_optimizer_seconds=c.time.host,
                                tokens_per_second=c.time.tokens_per_second,
                                host_bytes_per_node=host_bytes_per_node(c.plan, list(c.ranks), cluster.gpus_per_node))
                           for c in layouts]
@@ -42,8 +44,9 @@ def as_table(cand: Candidate, cluster: Cluster, host: dict, parameters: int) -> 
     if nvme:
         lines.append(f"NVMe per rank: {nvme / GIB:.1f} GiB")
     t = cand.time
+    host_step = f" + host optimizer {t.host:.3f}" if t.host else ""
     lines.append(f"step {t.seconds:.3f} s = compute {t.compute:.3f} + exposed communication {t.exposed_comm:.3f} "
-                 f"+ bubble {t.bubble:.3f}; MFU {100 * t.mfu:.1f} %; {t.tokens_per_second:,.0f} tokens/s "
+                 f"+ bubble {t.bubble:.3f}{host_step}; MFU {100 * t.mfu:.1f} %; {t.tokens_per_second:,.0f} tokens/s "
                  f"({t.tokens_per_second / cand.plan.gpus:,.0f} per GPU)")
     lines.append("constants: " + ", ".join(f"{k}={v}" for k, v in cluster.named().items()))
     return "\n".join(lines)

@@ -10,7 +10,9 @@ pipeline bubble; MFU and tokens/s. Every constant is named and printed beside th
                  the all-gather again in backward), ring bytes 2 (d-1)/d x the stage's bytes, at the
                  inter-node bandwidth when DP spans nodes; exposed: DP_EXPOSED of it
     EP         = the tokens' all-to-all, twice per MoE layer forward and backward, exposed
-    bubble     = (pp - 1) / (micro-batches x virtual stages) of the compute (1F1B)
+    bubble     = (pp - 1) / (micro-batches x virtual stages) of the compute (1F1B; interleaved with
+                 --num-layers-per-virtual-pipeline-stage, Megatron's bubble over the virtual stages)
+    host       under --cpu-optimizer: the gradients down, the CPU's AdamW, the weights up (host_step.py)
 MFU = model FLOPs / (step time x GPUs x peak), Megatron's definition (recomputation does not count).
 """
 from __future__ import annotations
@@ -18,6 +20,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..metrics.throughput import model_flops_per_iteration
+from .host_step import (CPU_ADAM_BYTES, CPU_ADAM_CORE_SECONDS, HOST_CORES, HOST_MEMORY_GBPS, PCIE_GBPS,
+                        host_step)
 
 # fitted on our H200 run of GPT 1.3B, seq 2048, mb 4, GA 8, bf16, one GPU: 49.8 % MFU (BENCHMARKS.md, the GPU section);
 # checked against the same run's Llama-3-8B shape (16 layers, seq 4096, mb 1, GA 8): 50.2 % measured
@@ -42,10 +46,14 @@ class Cluster:
     inter_node_gbps: float = IB_GBPS
     host_memory_gib: float = 2048.0
     compute_efficiency: float = COMPUTE_EFFICIENCY
+    host_cores: int = HOST_CORES          # per node, stepping an offloaded optimizer
+    pcie_gbps: float = PCIE_GBPS          # per GPU and direction, host <-> device
 
     def named(self) -> dict:
         return {**asdict(self), "bus_efficiency": BUS_EFFICIENCY, "dp_exposed": DP_EXPOSED,
-                "cp_overlap": CP_OVERLAP, "fp8_speedup": FP8_SPEEDUP, "fp8_matmul_share": FP8_MATMUL_SHARE}
+                "cp_overlap": CP_OVERLAP, "fp8_speedup": FP8_SPEEDUP, "fp8_matmul_share": FP8_MATMUL_SHARE,
+                "cpu_adam_core_seconds": CPU_ADAM_CORE_SECONDS, "cpu_adam_bytes": CPU_ADAM_BYTES,
+                "host_memory_gbps": HOST_MEMORY_GBPS}
 
 
 @dataclass(frozen=True)
@@ -55,10 +63,11 @@ class StepTime:
     bubble: float
     mfu: float
     tokens_per_second: float
+    host: float = 0.0          # the offloaded optimizer's step where it is not overlapped (host_step.py)
 
     @property
     def seconds(self) -> float:
-        return self.compute + self.exposed_comm + self.bubble
+        return self.compute + self.exposed_comm + self.bubble + self.host
 
     def as_dict(self) -> dict:
         return {**asdict(self), "step_seconds": self.seconds}
@@ -70,7 +79,10 @@ def _link(group_span: int, cluster: Cluster) -> float:
     return gbps * 1e9 * BUS_EFFICIENCY
 
 
-def step_time(plan, cluster: Cluster, stage_parameters: int, recompute: str = None, fp8: bool = False) -> StepTime:
+def step_time(plan, cluster: Cluster, stage_parameters: int, recompute: str = None, fp8: bool = False,
+              partition: int = None) -> StepTime:
+    """`partition`: this rank's fp32 master elements (default: the stage's over DP x CP at ZeRO >= 1), which an
+    offloaded optimizer steps on the host."""
     c = plan.config
     s, h, L = c.seq_length, c.hidden_size, c.num_layers
     flops = model_flops_per_iteration(c, plan.global_batch, plan.tp)
@@ -98,11 +110,16 @@ def step_time(plan, cluster: Cluster, stage_parameters: int, recompute: str = No
         dp = DP_EXPOSED * dp_bytes / _link(plan.tp * ranks_dp * plan.pp, cluster)
     ep = 0.0
     if c.num_experts and plan.ep > 1:
-        moe_layers = layers_here / max(1, c.moe_layer_freq)
+        moe_layers = sum(map(c.is_moe_layer, range(L))) / plan.pp  # a pattern (first k dense) or every N-th
         tokens = plan.micro_batch * (s // plan.cp) * c.moe_router_topk
         ep = 4 * moe_layers * micro * (plan.ep - 1) / plan.ep * tokens * h * wb / _link(plan.tp * plan.ep, cluster)
     bubble = compute * (plan.pp - 1) / (micro * plan.virtual_stages) if plan.pp > 1 else 0.0
-    seconds = compute + tp + cp + dp + ep + bubble
+    host = 0.0
+    if plan.offload != "none":
+        if partition is None:
+            partition = -(-stage_parameters // ranks_dp) if plan.zero_stage >= 1 else stage_parameters
+        host = host_step(partition, wb, plan.zero_stage, micro, compute, cluster, BUS_EFFICIENCY).seconds
+    seconds = compute + tp + cp + dp + ep + bubble + host
     tokens = plan.global_batch * s / seconds
     return StepTime(compute, tp + cp + dp + ep, bubble, flops / (seconds * plan.gpus * cluster.gpu_tflops * 1e12),
-                    tokens)
+                    tokens, host)
