@@ -96,12 +96,12 @@ def test_unknown_keys_listed_in_one_sentence(tmp_path, capsys):
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimisation": {"stage": 2},
               "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
               "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, "overlap_comm": True,
-                                    "reduce_bucket_size": "auto"},
+                                    "allgather_bucket_size": 5e8},
               "wall_clock_breakdown": True, "scheduler": {"type": "OneCycle", "params": {}}}
     err = refusal(tmp_path, config, capsys, extra=["--lr", "1"])
     for word in ("zero_optimisation.stage", "optimizer.type SGD", "optimizer.params.momentum",
                  "zero_optimization.offload_param.device", "zero_optimization.overlap_comm",
-                 "zero_optimization.reduce_bucket_size", "wall_clock_breakdown true", "scheduler.type OneCycle"):
+                 "zero_optimization.allgather_bucket_size", "wall_clock_breakdown true", "scheduler.type OneCycle"):
         assert word in err, (word, err)
     err = refusal(tmp_path, {"train_micro_batch_size_per_gpu": 1,
                              "optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}, capsys, extra=["--lr", "1"])

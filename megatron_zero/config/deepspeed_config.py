@@ -14,8 +14,8 @@ DeepSpeed's own communication such as `overlap_comm`).
     fp16.{enabled, loss_scale (0 = dynamic), initial_scale_power, loss_scale_window,
           hysteresis, min_loss_scale}            --fp16 and the loss-scaler flags
     bf16.enabled (alias bfloat16.enabled)         --bf16
-    zero_optimization.{stage, stage3_param_persistence_threshold,
-          offload_optimizer.{device, nvme_path}}  --zero-stage, ..., optimizer offload
+    zero_optimization.{stage, stage3_param_persistence_threshold, reduce_bucket_size,
+          offload_optimizer.{device, nvme_path}}  --zero-stage, ..., --ddp-bucket-size, optimizer offload
     optimizer.type Adam | AdamW (any case), params.{lr, betas, eps, weight_decay, torch_adam,
           adam_w_mode (true), bias_correction (true), amsgrad (false)}
                                                   AdamW (DeepSpeed's Adam is AdamW unless
@@ -59,6 +59,7 @@ _FLAGS = {
     ("gradient_clipping",): ("clip_grad", "--clip-grad"),
     ("steps_per_print",): ("log_interval", "--log-interval"),
     ("zero_optimization", "stage"): ("zero_stage", "--zero-stage"),
+    ("zero_optimization", "reduce_bucket_size"): ("ddp_bucket_size", "--ddp-bucket-size"),
     ("zero_optimization", "stage3_gather_16bit_weights_on_model_save"): ("save_16bit_model", "--save-16bit-model"),
     ("zero_optimization", "stage3_param_persistence_threshold"): ("zero_param_persistence_threshold",
                                                                   "--zero-param-persistence-threshold"),

@@ -13,6 +13,8 @@ from .fields import add_section_flags, derived, flag, section
 
 
 ZERO = "ZeRO and offload"  # the flags' second group in --help
+REDUCE_BUCKET_SIZE = 50_000_000  # --ddp-bucket-size's default: elements of a gradient reduce bucket
+PERSISTENCE_THRESHOLD = 100_000  # --zero-param-persistence-threshold's default (DeepSpeed's)
 
 
 @section("optimizer and precision")
@@ -46,7 +48,7 @@ class OptimizerConfig:
                         names=("--cpu-optimizer", "--zero-cpu-offload"), action="store_const", const="cpu")
     zero_param_persistence_threshold: int = flag(
         "ZeRO-3: parameters of at most this many elements stay gathered (DeepSpeed's "
-        "stage3_param_persistence_threshold; 0 gathers every parameter per layer)", 100_000, group=ZERO)
+        "stage3_param_persistence_threshold; 0 gathers every parameter per layer)", PERSISTENCE_THRESHOLD, group=ZERO)
     zero_nvme_offload_path: Optional[str] = flag("keep optimizer state in files under this path (ZeRO-Infinity "
                                                  "style)", group=ZERO)
     use_distributed_optimizer: bool = flag("Megatron's distributed optimizer: ZeRO-1 (the default --zero-stage)",
@@ -63,6 +65,10 @@ class OptimizerConfig:
                                           "(zero_quantized_gradients)", False, group=ZERO, action="store_true")
     zero_hpz_partition_size: int = flag("ZeRO++ hpZ (ZeRO-3): backward re-gathers weights within blocks of this "
                                         "many DP ranks (zero_hpz_partition_size; 1: off)", 1, group=ZERO)
+    ddp_bucket_size: int = flag(
+        "elements of ZeRO's gradient reduce buckets (Megatron-LM's --ddp-bucket-size, DeepSpeed's "
+        "zero_optimization.reduce_bucket_size): ZeRO-2/3 hold one bucket beside the gradient partition, ZeRO 0/1 "
+        "reduce their fp32 buffer in buckets of this size", REDUCE_BUCKET_SIZE, group=ZERO)
     grad_reduce_in_bf16: bool = flag("ZeRO 0-2 and the tied-embedding sum: reduce gradients in bfloat16 (half the "
                                      "bytes); micro-batches are still accumulated in fp32", False, group=ZERO,
                                      action="store_true")
@@ -104,6 +110,9 @@ def check(args, pp: int) -> None:
     for name in ("adam_beta1", "adam_beta2"):
         value = getattr(args, name)
         require(0 <= value < 1, f"--{name.replace('_', '-')} {value} must lie in [0, 1)")
+    require(args.ddp_bucket_size >= 1 and float(args.ddp_bucket_size).is_integer(),
+            f"--ddp-bucket-size {args.ddp_bucket_size} must be a positive whole number of elements")
+    args.ddp_bucket_size = int(args.ddp_bucket_size)  # (the DeepSpeed JSON's reduce_bucket_size may read 5e8)
     require(args.clip_grad >= 0, f"--clip-grad {args.clip_grad} must not be negative (0 disables clipping)")
     require(args.zero_stage < 3 or pp == 1,
             f"--zero-stage 3 partitions parameters across data-parallel ranks and cannot be combined with "

@@ -33,10 +33,13 @@ class Float8Converter(ModelConverter):
 
     def __init__(self, settings: Float8Settings, device: torch.device,
                  cp_group: Optional[dist.ProcessGroup] = None, dp_group: Optional[dist.ProcessGroup] = None,
-                 expert_dp_group: Optional[dist.ProcessGroup] = None):
+                 expert_dp_group: Optional[dist.ProcessGroup] = None, device_check: bool = True):
         """`dp_group`: delayed scaling reduces its amaxes over it as well (fp8/delayed.py); None: one replica.
-        `expert_dp_group`: the ranks holding the same experts (the DP x CP group without expert parallelism)."""
-        require_fp8_device(device, settings.emulate)
+        `expert_dp_group`: the ranks holding the same experts (the DP x CP group without expert parallelism).
+        `device_check` False: no refusal of a device without FP8 tensor cores (the planner's fake build,
+        planning/fake_rank.py, plans on the CPU for the run's GPU)."""
+        if device_check:
+            require_fp8_device(device, settings.emulate)
         self.settings, self.cp_group, self.dp_group = settings, cp_group, dp_group
         self.expert_dp_group = expert_dp_group
         self.config = settings.linear_config()

@@ -11,6 +11,7 @@ import torch
 
 from ..config.fields import add_section_flags
 from . import memory, report, search, time_model
+from .fake_rank import Conversion
 from .host_step import HostConfig
 
 
@@ -53,7 +54,19 @@ def plan_from(sections, config, gpus: int) -> memory.Plan:
     dp = gpus // (degrees["tp"] * degrees["pp"] * degrees["cp"])
     return memory.Plan(config, degrees["tp"], degrees["pp"], degrees["cp"], degrees["ep"], dp, opt.zero_stage,
                        par.micro_batch_size, par.global_batch_size, dtype, opt.offload,
-                       sections.muon.optimizer, virtual_stages=par.virtual_pipeline_model_parallel_size)
+                       sections.muon.optimizer, bucket_elements=opt.ddp_bucket_size,
+                       persistence_threshold=opt.zero_param_persistence_threshold,
+                       virtual_stages=par.virtual_pipeline_model_parallel_size, conversion=conversion(sections))
+
+
+def conversion(sections) -> Conversion:
+    """What the run's model converters change in a stage (model_converters.py reads the same sections): its FP8
+    settings (fp8/settings.py; None without --fp8-format) and whether the output loss is fused."""
+    fp8 = None
+    if sections.fp8.fp8_format is not None:
+        from ..fp8.settings import Float8Settings
+        fp8 = Float8Settings.from_args(sections.fp8)
+    return Conversion(fp8, sections.loss.cross_entropy_loss_fusion)
 
 
 def main(argv=None) -> int:

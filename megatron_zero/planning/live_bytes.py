@@ -8,14 +8,16 @@ Works the same under torch's FakeTensorMode (no memory allocated: the planner's 
 tensors (the measurement the trace is checked against): each storage an operator returns is counted
 once, and leaves the count when its last reference goes (a weak reference's callback), the way a
 caching allocator sees a block freed. Storage that existed before the region (weights, optimizer
-state) is not counted; an in-place or view output shares its input's storage and adds nothing.
+state) is not counted; an in-place or view output shares its input's storage and adds nothing. A tensor
+subclass that wraps others (torchao's float8 tensors: their FP8 data and scale) is counted by the tensors
+it wraps.
 """
 from __future__ import annotations
 
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 
@@ -44,12 +46,27 @@ class LiveBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         # only an operator whose schema says an output aliases an input (views, in-place, out=) can return an
         # input's storage; the others' outputs are new storage (the input scan is most of this mode's cost)
-        inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor)} if _may_alias(func) else ()
+        inputs = {id(s.untyped_storage()) for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) for s in _plain(t)} if _may_alias(func) else ()
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in inputs:
-                self._count(t)
+            if isinstance(t, torch.Tensor):
+                for s in _plain(t):
+                    if id(s.untyped_storage()) not in inputs:
+                        self._count(s)
         return out
+
+
+def _plain(t: torch.Tensor):
+    """The tensors holding `t`'s bytes: itself, or those a wrapper subclass wraps (its __tensor_flatten__)."""
+    wraps = _WRAPS.get(type(t))
+    if wraps is None:
+        wraps = _WRAPS[type(t)] = is_traceable_wrapper_subclass(t)
+    if not wraps:
+        return (t,)
+    return tuple(s for name in t.__tensor_flatten__()[0] for s in _plain(getattr(t, name)))
+
+
+_WRAPS = {torch.Tensor: False}  # tensor type -> whether it wraps others
 
 
 _ALIASING = {}  # operator -> whether an output of its schema may alias an input

@@ -1,16 +1,25 @@
 """Bytes per rank kind of a layout: model states by ZeRO's partition math, activations from a traced micro-batch.
 
     weights      the stage's parameters in the training dtype (ZeRO-3: this rank's partition plus the
-                 gathered copies of the two largest layers in flight, fetch and prefetch; at DP 1 all of them)
-    gradients    fp32: the whole stage's (ZeRO 0/1: the main-grad buffer) or this rank's partition plus
-                 the reduce buckets (ZeRO 2/3); under offload the partition is in host memory instead
-                 (zero/host_grads.py): ZeRO 2/3 keep only the bucket on the device, ZeRO 0/1 their buffer
+                 persistent parameters, --zero-param-persistence-threshold, gathered once and kept)
+    gradients    fp32: the whole stage's (ZeRO 0/1: the main-grad buffer) or this rank's partition (ZeRO 2/3);
+                 under offload the partition is in host memory instead (zero/host_grads.py), ZeRO 0/1 keep
+                 their buffer on the device
     optimizer    the fp32 master partition (a flat copy in fp32 runs too) and the optimizer's states per element (OPTIMIZER_STATES),
                  over the padded partition of zero/partition.py (ZeRO >= 1) or whole (ZeRO 0); on the host
                  under --cpu-optimizer, in files under NVMe offload
     activations  one micro-batch's traced peak plus the saved bytes of the micro-batches the schedule
                  keeps in flight on that stage (1F1B: pp - stage, at most the number of micro-batches)
-    buffers      the pipeline's send/receive tensors and ZeRO's gradient buckets
+    buffers      the pipeline's send/receive tensors; ZeRO's reduce bucket of --ddp-bucket-size elements
+                 (ZeRO-2: fp32; ZeRO-3: its gradients waiting in the model dtype and the fp32 rows they are
+                 reduced from), on the device under offload too; ZeRO-3's layers in flight (two of the largest
+                 layer's other parameters: the one in use and the one prefetched; at DP 1 too, where a layer's
+                 gather is a copy of its shards)
+    fp8          what the FP8 converter holds (fp8/convert.py, applied on the fake build): delayed scaling's amax
+                 histories and scales; under --fp8-param-gather each FP8 layer's weight in FP8 (1 byte an element)
+                 and its scale, which at ZeRO 1/2 is that weight's one copy (its training-dtype weight a
+                 one-element placeholder, fp8/param_gather.py) and at ZeRO-3 is held as this rank's FP8 chunk
+                 (zero/stage3_fp8.py), gathered (in FP8 and dequantized: buffers) with the other weights
 Experts partition over the expert-data-parallel group (DP x CP / EP), the rest over DP x CP.
 """
 from __future__ import annotations
@@ -20,8 +29,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from ..config.optimizer import PERSISTENCE_THRESHOLD, REDUCE_BUCKET_SIZE
 from ..zero.partition import partition_group, zero3_param_partition
-from .fake_rank import TracedRank, rank_kinds, trace_rank
+from .fake_rank import NO_CONVERSION, Conversion, TracedRank, rank_kinds, trace_rank
 from .probe import Probes, scalable
 
 # elements of optimizer state per parameter element, by optimizer: what a new optimizer plugs in
@@ -48,8 +58,10 @@ class Plan:
     dtype: torch.dtype = torch.bfloat16
     offload: str = "none"          # none, cpu, nvme
     optimizer: str = "adam"
-    bucket_elements: int = 500_000_000 // 4  # reduce bucket (DeepSpeed's reduce_bucket_size default 5e8 bytes)
+    bucket_elements: int = REDUCE_BUCKET_SIZE  # ZeRO's reduce bucket: the run's --ddp-bucket-size
+    persistence_threshold: int = PERSISTENCE_THRESHOLD  # ZeRO-3: --zero-param-persistence-threshold
     virtual_stages: int = 1
+    conversion: Conversion = NO_CONVERSION  # the run's model converters: FP8, the output loss (fake_rank.py)
 
     @property
     def gpus(self) -> int:
@@ -76,16 +88,17 @@ class RankMemory:
     nvme_optimizer: int    # offloaded to files
     partition: int = 0     # this rank's fp32 partition elements (the master copy's)
     host_gradients: int = 0  # under offload: the fp32 gradient partition and the slots it comes down through
+    fp8: int = 0           # the FP8 converter's: amax histories, scales, FP8 weights (--fp8-param-gather)
 
     @property
     def peak(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.buffers
+        return self.weights + self.gradients + self.optimizer + self.activations + self.buffers + self.fp8
 
     def as_dict(self) -> dict:
         return {**asdict(self), "peak": self.peak}
 
     def largest_parts(self, n: int = 2) -> List[str]:
-        parts = {k: getattr(self, k) for k in ("weights", "gradients", "optimizer", "activations", "buffers")}
+        parts = {k: getattr(self, k) for k in ("weights", "gradients", "optimizer", "activations", "buffers", "fp8")}
         return [f"{k} {size(v)}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])[:n]]
 
 
@@ -99,11 +112,11 @@ def traced_ranks(plan: Plan, trace: bool = True, probes: Optional[Probes] = None
     """Each rank kind's stage: scaled from probes of one and two blocks where its blocks are alike (probe.py;
     `probes` of plan.config and dtype, reused across calls), else (or `exact`) built and traced whole."""
     if not exact and scalable(plan.config, plan.pp, plan.virtual_stages):
-        probes = probes or Probes(plan.config, plan.dtype)
+        probes = probes or Probes(plan.config, plan.dtype, plan.conversion)
         return {k.name: probes.rank(k.name, plan.pp, k.pp_rank, plan.degrees(), plan.micro_batch, trace)
                 for k in rank_kinds(plan.pp)}
     return {k.name: trace_rank(plan.config, plan.degrees(), k.pp_rank, plan.micro_batch, plan.dtype,
-                               virtual_stages=plan.virtual_stages, trace=trace)
+                               virtual_stages=plan.virtual_stages, trace=trace, conversion=plan.conversion)
             for k in rank_kinds(plan.pp)}
 
 
@@ -138,15 +151,23 @@ def rank_memory(plan: Plan, kind: str, pp_rank: int, traced: TracedRank) -> Rank
         local = [partition_group(group, dp).partition_size for group, dp, _ in groups]
     else:
         local = [sum(k for _, k in group) for group, _, _ in groups]
+    in_fp8 = [p for p in traced.params if p.fp8_gathered]  # --fp8-param-gather: held in FP8 (fp8 below)
+    fp8 = sum(p.fp8_bytes for p in traced.params)
     if plan.zero_stage == 3:
-        gathered = numel if plan.dp * plan.cp == 1 else min(numel, 2 * _largest_layer(traced.params))
-        weights = (sum(local) + gathered) * wb
+        dp_of = {name: dp for group, dp, _ in groups for name, _ in group}
+        chunks8 = sum(zero3_param_partition(p.numel, dp_of[p.name])[0] for p in in_fp8)
+        (kept, kept8), (flying, flying8) = _gathered(traced.params, plan.persistence_threshold)
+        weights = (sum(local) - chunks8 + kept) * wb  # the bf16 chunks and the persistent parameters, gathered
+        fp8 += chunks8 + kept8 - sum(p.numel for p in in_fp8)  # FP8 chunks, not whole FP8 weights at rest
+        gathering = flying * wb + flying8  # the layers gathered (an FP8 weight dequantized and in FP8)
     else:
-        weights = numel * wb
-    bucket = min(plan.bucket_elements, numel) * 4
+        weights = (numel - sum(p.numel for p in in_fp8) + len(in_fp8)) * wb  # (a placeholder's one element)
+        gathering = 0
+    # ZeRO-2's fp32 bucket; ZeRO-3's gradients wait in the model dtype, then go into fp32 rows (zero/stage3.py)
+    bucket = min(plan.bucket_elements, numel) * (wb + 4 if plan.zero_stage == 3 else 4) if plan.zero_stage >= 2 else 0
     offloaded = plan.offload != "none"
     partition_grads = 0 if offloaded else sum(local) * 4  # on the host under offload (zero/host_grads.py)
-    gradients = numel * 4 if plan.zero_stage < 2 else partition_grads + (bucket if plan.zero_stage == 2 else 0)
+    gradients = numel * 4 if plan.zero_stage < 2 else partition_grads
     host_gradients = sum(local) * 4 + host_grad_slots(plan, groups, local) * 4 if offloaded else 0
     # the fp32 master partition (in fp32 runs too) and each group's optimizer states
     states = sum((per_element + 1) * n * 4 for n, (_, _, per_element) in zip(local, groups))
@@ -159,8 +180,8 @@ def rank_memory(plan: Plan, kind: str, pp_rank: int, traced: TracedRank) -> Rank
     activations = traced.peak_bytes + (in_flight - 1) * traced.saved_bytes
     seq = plan.config.seq_length // plan.cp
     p2p = 2 * plan.micro_batch * seq * plan.config.hidden_size * wb if plan.pp > 1 else 0
-    return RankMemory(kind, numel, weights, gradients, optimizer, activations, p2p, host, nvme, sum(local),
-                      host_gradients)
+    return RankMemory(kind, numel, weights, gradients, optimizer, activations, p2p + bucket + gathering, host, nvme,
+                      sum(local), host_gradients, fp8)
 
 
 def host_grad_slots(plan: Plan, groups, local: List[int]) -> int:
@@ -180,12 +201,23 @@ def host_grad_slots(plan: Plan, groups, local: List[int]) -> int:
     return SLOTS * max(widths, default=1)
 
 
-def _largest_layer(params) -> int:
-    per_layer: Dict[str, int] = {}
+def _gathered(params, persistence_threshold: int) -> Tuple[Tuple[int, int], Tuple[int, int]]:
+    """ZeRO-3's gathered weights (zero/stage3.py), at any DP size (at DP 1 a layer's gather is a copy of its
+    shards): the persistent parameters (at most `persistence_threshold` elements), gathered once and kept, and
+    of the others two of the largest layer's (the one in use and the one prefetched), their total at most,
+    in flight; -> ((kept elements, those in FP8), (in-flight elements, those in FP8)): an FP8-gathered weight
+    is held in FP8 as well."""
+    kept = [p for p in params if p.numel <= persistence_threshold]
+    per_layer: Dict[str, List[int]] = {}
     for p in params:
-        top = p.name.split(".")[0]
-        per_layer[top] = per_layer.get(top, 0) + p.numel
-    return max(per_layer.values())
+        if p.numel > persistence_threshold:
+            layer = per_layer.setdefault(p.name.split(".")[0], [0, 0])
+            layer[0] += p.numel
+            layer[1] += p.numel if p.fp8_gathered else 0
+    largest = max(per_layer.values(), default=[0, 0])
+    others = [sum(n for n, _ in per_layer.values()), sum(n8 for _, n8 in per_layer.values())]
+    return ((sum(p.numel for p in kept), sum(p.numel for p in kept if p.fp8_gathered)),
+            (min(others[0], 2 * largest[0]), min(others[1], 2 * largest[1])))
 
 
 def plan_memory(plan: Plan, trace: bool = True, exact: bool = False) -> List[RankMemory]:

@@ -26,7 +26,7 @@ from typing import Dict, Tuple
 import torch
 
 from ..model.layer_indices import block_layer_index, final_norm_index, is_block_index, lm_head_index
-from .fake_rank import TracedRank, stage_params, trace_activations
+from .fake_rank import NO_CONVERSION, Conversion, TracedRank, stage_params, trace_activations
 
 # role -> (the probe's pipeline size, the probe's stage): a stage with the same neighbours
 ROLES = {"only stage": (1, 0), "first stage": (2, 0), "middle stage": (3, 1), "last stage": (2, 1)}
@@ -46,8 +46,8 @@ def scalable(config, pp: int, virtual_stages: int = 1, partition_method: str = "
 class Probes:
     """The probes of one model config and dtype, each built or traced once (a search's cache)."""
 
-    def __init__(self, config, dtype: torch.dtype):
-        self.config, self.dtype = config, dtype
+    def __init__(self, config, dtype: torch.dtype, conversion: Conversion = NO_CONVERSION):
+        self.config, self.dtype, self.conversion = config, dtype, conversion  # the run's converters (fake_rank.py)
         self._params: Dict[tuple, tuple] = {}
         self._traces: Dict[tuple, Tuple[int, int, int]] = {}
         self._stages: Dict[tuple, tuple] = {}
@@ -62,7 +62,7 @@ class Probes:
         key = (role, tp, ep)
         if key not in self._params:
             self._params[key] = stage_params(self._probe_config(role, 1), self._degrees(role, tp, 1, ep),
-                                             ROLES[role][1], self.dtype)
+                                             ROLES[role][1], self.dtype, conversion=self.conversion)
         return self._params[key]
 
     def two_block_trace(self, role: str, tp: int, cp: int, micro_batch: int) -> Tuple[int, int, int]:
@@ -73,7 +73,8 @@ class Probes:
         if key not in self._traces:
             marks = []
             saved, peak = trace_activations(self._probe_config(role, 2), self._degrees(role, tp, cp, 1),
-                                            ROLES[role][1], micro_batch, self.dtype, marks=marks)
+                                            ROLES[role][1], micro_batch, self.dtype, marks=marks,
+                                            conversion=self.conversion)
             self._traces[key] = (saved, peak, marks[1] - marks[0])
         return self._traces[key]
 

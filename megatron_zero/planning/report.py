@@ -8,7 +8,7 @@ from .memory import GIB, RankMemory, host_bytes_per_node
 from .search import Candidate
 from .time_model import Cluster
 
-PARTS = ("weights", "gradients", "optimizer", "activations", "buffers")
+PARTS = ("weights", "gradients", "optimizer", "activations", "buffers", "fp8")
 
 
 def as_json(cand: Candidate, cluster: Cluster, host: dict, parameters: int, layouts: List[Candidate] = ()) -> str:

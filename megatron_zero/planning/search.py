@@ -97,7 +97,7 @@ class StageCache:
     def rank(self, plan: Plan, recompute: str, kind: RankKind, trace: bool = True) -> RankMemory:
         if not self.exact and scalable(plan.config, plan.pp, plan.virtual_stages):
             if recompute not in self._probes:
-                self._probes[recompute] = Probes(plan.config, plan.dtype)
+                self._probes[recompute] = Probes(plan.config, plan.dtype, plan.conversion)
             traced = self._probes[recompute].rank(kind.name, plan.pp, kind.pp_rank, plan.degrees(),
                                                   plan.micro_batch, trace)
         else:
@@ -105,7 +105,8 @@ class StageCache:
                    plan.virtual_stages, kind)
             if key not in self._exact:
                 self._exact[key] = trace_rank(plan.config, plan.degrees(), kind.pp_rank, plan.micro_batch,
-                                              plan.dtype, virtual_stages=plan.virtual_stages, trace=trace)
+                                              plan.dtype, virtual_stages=plan.virtual_stages, trace=trace,
+                                              conversion=plan.conversion)
             traced = self._exact[key]
         return rank_memory(plan, kind.name, kind.pp_rank, traced)
 

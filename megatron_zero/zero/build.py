@@ -59,7 +59,7 @@ def build_optimizer(model, opt: OptimizerConfig, state, device, muon: Optional[M
         param_groups(model, opt.weight_decay, opt.decoupled_lr is not None, with_muon), dp_group=state.dp_group,
         stage=opt.zero_stage, lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps,
         weight_decay=opt.weight_decay, clip_grad=opt.clip_grad, mp_group=state.mp_group, tp_rank=state.tp_rank,
-        dtype=opt.params_dtype, loss_scaler=opt.loss_scaler(), offload=opt.offload,
+        dtype=opt.params_dtype, loss_scaler=opt.loss_scaler(), offload=opt.offload, bucket_size=opt.ddp_bucket_size,
         nvme_path=opt.zero_nvme_offload_path, module=model, persistence_threshold=opt.zero_param_persistence_threshold,
         prefetch=opt.overlap_param_gather, overlap_grad_reduce=opt.overlap_grad_reduce,
         overlap_param_gather=opt.overlap_param_gather and opt.zero_stage < 3,
