@@ -232,7 +232,7 @@ def test_a_models_waiting_amaxes_wait_for_its_own_casts():
     """Each model's casts wait in the model's own buffer (the converter's): a cast of another model of the same
     process (here a layer used alone) neither reduces nor records them, so no reduction over a model's groups
     runs at a point that its other ranks need not reach (tests/test_fp8_moe.py's
-    test_expert_without_rows_joins_the_reductions[delayed] hung on that before); its own next cast does."""
+    test_expert_without_rows_joins_the_reductions[delayed] failed on that: its peer had left); its own next cast does."""
     from megatron_zero.fp8.delayed import AmaxHistory
     from megatron_zero.fp8.matmul import Float8Matmul
 
