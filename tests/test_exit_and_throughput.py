@@ -37,10 +37,12 @@ def test_exit_votes_are_what_every_rank_decides_on():
 
 
 def test_flops_match_megatron_formula():
-    # Megatron: 72 * B * s * L * h^2 * (1 + s/(6h) + V/(12 h L)) with ffn = 4h.
+    # Megatron-LM: 72 * B * s * L * h^2 * (1 + s/(12h) + V/(12 h L)) with ffn = 4h, the attention's score and
+    # context matmuls over the causal half (the paper's s/(6h) counts the whole s x s: causal=False)
     B, s, L, h, V = 8, 1024, 24, 1024, 50304
-    megatron = 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * h * L))
-    assert abs(gpt_flops_per_iteration(B, s, L, h, V) - megatron) / megatron < 1e-12
+    for causal, core in ((True, s / (12 * h)), (False, s / (6 * h))):
+        megatron = 72 * B * s * L * h * h * (1 + core + V / (12 * h * L))
+        assert abs(gpt_flops_per_iteration(B, s, L, h, V, causal=causal) - megatron) / megatron < 1e-12
 
 
 def test_ctrl_c_votes_once_then_interrupts(capfd):

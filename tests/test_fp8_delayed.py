@@ -226,3 +226,24 @@ def test_amaxes_reduced_together_once_per_group():
     for run, per_step in runs:
         _check(run, reference)
         assert per_step <= 2 * micro_batches, f"{per_step} amax all-reduces a step"  # each micro-batch's forward amaxes, then its backward's
+
+
+def test_a_models_waiting_amaxes_wait_for_its_own_casts():
+    """Each model's casts wait in the model's own buffer (the converter's): a cast of another model of the same
+    process (here a layer used alone) neither reduces nor records them, so no reduction over a model's groups
+    runs at a point that its other ranks need not reach (tests/test_fp8_moe.py's
+    test_expert_without_rows_joins_the_reductions[delayed] failed on that: its peer had left); its own next cast does."""
+    from megatron_zero.fp8.delayed import AmaxHistory
+    from megatron_zero.fp8.matmul import Float8Matmul
+
+    config = delayed_settings().linear_config()
+    layer = ColumnParallelLinear(16, 8, bias=False)  # a model of one layer, converted
+    Float8Converter(delayed_settings(), CPU).convert(layer)
+    alone = Float8Matmul(config, "column", delayed=AmaxHistory(1, "most_recent", 0, CPU))
+    x = torch.randn(4, 16)
+    layer(x)
+    for _ in range(2):  # its second cast of x flushes its own buffer
+        alone(x, torch.randn(8, 16))
+    assert torch.equal(layer.fp8.delayed.scale, torch.ones(3)) and not torch.equal(alone.delayed.scale, torch.ones(3))
+    layer(x)
+    assert layer.fp8.delayed.scale[0] != 1

@@ -346,7 +346,8 @@ def test_cli_fp8_trains_mla_at_tp2_with_sequence_parallelism(cli_reference):
 
 def test_flops_per_iteration_counts_mla_matmuls():
     """throughput's count with MLA's sizes is torch's FlopCounterMode count of the layer's matmuls (forward; the
-    unfused core multiplies the whole s x s, as the count assumes)."""
+    unfused core multiplies the whole s x s: the count's causal=False; the log's counts the causal half, as
+    Megatron-LM does)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from megatron_zero.model.mla import MultiLatentAttention, mla_flop_sizes
@@ -357,6 +358,6 @@ def test_flops_per_iteration_counts_mla_matmuls():
         with FlopCounterMode(display=False) as counter:
             MultiLatentAttention(cfg)(torch.randn(2, cfg.seq_length, cfg.hidden_size))
         def count(attention):
-            return gpt_flops_per_iteration(2, cfg.seq_length, 1, cfg.hidden_size, 0, attention=attention)
+            return gpt_flops_per_iteration(2, cfg.seq_length, 1, cfg.hidden_size, 0, attention=attention, causal=False)
         attention = count(mla_flop_sizes(cfg)) - count((0, 0))  # the count less its MLP's
         assert attention == 3 * counter.get_total_flops(), change  # forward + backward (twice the forward)

@@ -19,10 +19,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..model.layer_indices import EMBEDDING_INDEX
-from ..model.params import (BLOCK_PARAMS, LM_HEAD_SUFFIX, MTP_LAYER_PREFIX, MTP_PROJECTION, SWIGLU_SUFFIXES,
-                            block_suffixes, mtp_suffixes, position_embeddings_name, word_embeddings_name)
-from .format import (DS_VERSION, PIPELINE_REPLICATED_PATTERNS, ROW_PARALLEL_PATTERNS, SUB_PARAMS_PATTERNS,
-                     TO_AVERAGE_PATTERNS, TP_REPLICATED_PATTERNS, UNIVERSAL_CHECKPOINT_VERSION, VOCAB_PATTERNS)
+from ..model.params import LM_HEAD_SUFFIX, position_embeddings_name, word_embeddings_name
+from .format import DS_VERSION, PIPELINE_REPLICATED_PATTERNS, TO_AVERAGE_PATTERNS, UNIVERSAL_CHECKPOINT_VERSION, VOCAB_PATTERNS
+from .reshape.universal_info import deepspeed_pattern_lists
 
 EMBED_PREFIX = "tied_modules.embed."
 
@@ -63,47 +62,20 @@ def assign_layers_to_dp(layer_bytes: "OrderedDict[int, int]", dp: int) -> Dict[i
 
 
 def universal_checkpoint_info(config, padded_vocab_size: int) -> dict:
-    """Megatron-DeepSpeed's pattern lists, derived from our parameter catalogue for this model's config."""
-    def pat(suffix):
-        return r"\d+\." + re.escape(suffix)
-
+    """Megatron-DeepSpeed's pattern lists, derived from our parameter catalogue for this model's config
+    (reshape/universal_info.py's deepspeed_pattern_lists: every parameter's TP split, the MoE, MLA and MTP ones
+    with them)."""
     word, positions = word_embeddings_name(config), position_embeddings_name(config)
-    suffixes = block_suffixes(config)
-    replicated = [re.escape(positions)] if positions else []
-    replicated += [pat(s) for s in suffixes if BLOCK_PARAMS[s][0] is None]
-    replicated += [pat("weight"), pat("bias")]  # the final norm, `{L+2}.weight|bias`
-    row = [pat(s) for s in suffixes if BLOCK_PARAMS[s][0] == 1]
-    swiglu = [pat(s) for s in suffixes if s in SWIGLU_SUFFIXES]
-    if config.mtp_num_layers:  # `{L+4}.{k}.<local>`: the norms replicated, the block's as a block's
-        depth = mtp_patterns(config)
-        replicated, row, swiglu = replicated + depth["replicated"], row + depth["row"], swiglu + depth["swiglu"]
     tied = not config.untie_embeddings_and_output_weights
     return {
         "universal_checkpoint_version": UNIVERSAL_CHECKPOINT_VERSION,
         "original_vocab_size": int(config.vocab_size),
         "padded_vocab_size": int(padded_vocab_size),
-        VOCAB_PATTERNS: [re.escape(word)] + ([] if tied else [pat(LM_HEAD_SUFFIX)]),
+        VOCAB_PATTERNS: [re.escape(word)] + ([] if tied else [r"\d+\." + re.escape(LM_HEAD_SUFFIX)]),
         PIPELINE_REPLICATED_PATTERNS: [re.escape(n) for n in (word, positions) if n and tied],
-        TP_REPLICATED_PATTERNS: replicated,
-        ROW_PARALLEL_PATTERNS: row,
         TO_AVERAGE_PATTERNS: [],
-        **({SUB_PARAMS_PATTERNS: swiglu} if config.swiglu else {}),
+        **deepspeed_pattern_lists(config),
     }
-
-
-def mtp_patterns(config) -> Dict[str, List[str]]:
-    """The multi-token prediction depths' names in DeepSpeed's pattern lists: replicated, row-parallel, SwiGLU."""
-    def pat(local):
-        return r"\d+\.\d+\." + re.escape(local)
-
-    locals_ = mtp_suffixes(config)
-    # the block's dense names, as universal_checkpoint_info lists a block's (an MoE layer's by name: gpt_rule)
-    block = {s: s[len(MTP_LAYER_PREFIX):] for s in locals_
-             if s.startswith(MTP_LAYER_PREFIX) and s[len(MTP_LAYER_PREFIX):] in BLOCK_PARAMS}
-    return {"replicated": [pat(s) for s in locals_ if not s.startswith(MTP_LAYER_PREFIX) and s != MTP_PROJECTION]
-            + [pat(s) for s, b in block.items() if BLOCK_PARAMS[b][0] is None],
-            "row": [pat(s) for s, b in block.items() if BLOCK_PARAMS[b][0] == 1],
-            "swiglu": [pat(s) for s, b in block.items() if b in SWIGLU_SUFFIXES]}
 
 
 def param_shapes(optimizer, named_params: Dict) -> List["OrderedDict"]:

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from ..model.converters import ModelConverter
-from .delayed import STATE_KEY, AmaxHistory, checkpoint_scaling_state, fresh_line, histories, load_scaling_state
+from .delayed import (STATE_KEY, AmaxHistory, AmaxReductions, checkpoint_scaling_state, fresh_line, histories,
+                      load_scaling_state)
 from .experts import expert_config, is_expert
 from .layers import FLOAT8_CLASS, SPLIT
 from .matmul import Float8Matmul
@@ -47,13 +48,14 @@ class Float8Converter(ModelConverter):
     def convert(self, model: torch.nn.Module) -> str:
         """Convert in place; the log line says what."""
         count = experts = 0
+        reductions = AmaxReductions()  # delayed scaling: the model's layers' amaxes reduced together (delayed.py)
         for name, module in model.named_modules():
             cls = type(module)
             if cls in FLOAT8_CLASS and name.rsplit(".", 1)[-1] not in SKIPPED:
                 module.__class__ = FLOAT8_CLASS[cls]
                 s = self.settings
-                history = (AmaxHistory(s.amax_history_len, s.amax_compute_algo, s.margin, module.weight.device)
-                           if s.delayed else None)
+                history = (AmaxHistory(s.amax_history_len, s.amax_compute_algo, s.margin, module.weight.device,
+                                       reductions) if s.delayed else None)
                 if is_expert(module):  # its tokens split over expert-DP only (experts.py)
                     module.fp8 = Float8Matmul(expert_config(self.config), SPLIT[cls], module.tp_group,
                                               self.expert_dp_group, s.margin, history, param_gather=s.param_gather)

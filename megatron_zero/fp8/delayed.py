@@ -15,11 +15,14 @@ scale: one history entry per operand per micro-batch. Nothing here reads a value
 
 The amaxes are reduced together, as Transformer Engine does (its global amax buffer): a cast's local amax
 waits (`defer`) until the next cast of the same operand of the same layer (its next micro-batch) or a read
-of the histories (`histories`, the checkpoint's state) needs it; then every waiting amax of this process is
-reduced at once (`flush_amaxes`), one all-reduce per group over the stacked amaxes that reduce over the same
-groups, and recorded. Every cast still sees the history it would see with one reduction per cast (its own
-operand's amaxes are all in), so the scales are the same; the collectives per step fall from up to three
-per cast to a few per micro-batch.
+of the histories (`histories`, the checkpoint's state) needs it; then every waiting amax of the model is
+reduced at once (`AmaxReductions.flush`), one all-reduce per group over the stacked amaxes that reduce over
+the same groups, and recorded. Every cast still sees the history it would see with one reduction per cast (its
+own operand's amaxes are all in), so the scales are the same; the collectives per step fall from up to three
+per cast to a few per micro-batch. The buffer is the model's (the converter gives its layers one), not the
+process's: a flush reduces that model's amaxes over that model's groups only, at a cast of that model, which
+every rank of its stage reaches; another model of the same process (a reference, a second layout, a layer
+used alone) neither flushes them nor is flushed by them.
 
 The histories and scales are training state: `checkpoint_scaling_state(model, dp_group)` (with every DP
 rank's MoE experts') / `load_scaling_state(model, saved)` carry them in the checkpoint's model-states file
@@ -43,21 +46,24 @@ STATE_KEY = "fp8_delayed_scaling"  # the model-states file's entry
 class AmaxHistory:
     """One layer's delayed-scaling state: per operand (OPERANDS) an amax history and the scale it gives."""
 
-    def __init__(self, length: int, algo: str, margin: int, device: torch.device):
+    def __init__(self, length: int, algo: str, margin: int, device: torch.device,
+                 reductions: Optional["AmaxReductions"] = None):
+        """`reductions`: the model's buffer of waiting amaxes, shared by its layers (None: this layer's own)."""
         self.algo, self.margin = algo, margin
         self.history = torch.zeros(len(OPERANDS), length, device=device)
         self.scale = torch.ones(len(OPERANDS), device=device)
+        self.reductions = AmaxReductions() if reductions is None else reductions
 
     def scale_for(self, operand: str) -> torch.Tensor:
         """The scale this cast multiplies by (a copy: the update below changes the state in place); the
         waiting amaxes reduced first when one of them is this operand's."""
-        if (self, OPERANDS[operand]) in _WAITING:
-            flush_amaxes()
+        if (self, OPERANDS[operand]) in self.reductions.waiting:
+            self.reductions.flush()
         return self.scale[OPERANDS[operand]].clone()
 
     def defer(self, operand: str, amax: torch.Tensor, fp8_max: float, groups: Tuple) -> None:
         """Record this cast's local `amax` once it is reduced (MAX) over `groups` with the others waiting."""
-        _WAITING[(self, OPERANDS[operand])] = (amax.float().reshape(()), fp8_max, groups)
+        self.reductions.waiting[(self, OPERANDS[operand])] = (amax.float().reshape(()), fp8_max, groups)
 
     @torch.no_grad()
     def record(self, operand, amax: torch.Tensor, fp8_max: float) -> None:
@@ -75,35 +81,37 @@ class AmaxHistory:
         history[0] = 0.0
 
 
-# (history, operand index) -> (local amax, fp8 max, the groups it reduces over), in the order of the casts
-_WAITING: Dict[Tuple[AmaxHistory, int], Tuple[torch.Tensor, float, Tuple]] = {}
+class AmaxReductions:
+    """One model's casts' amaxes waiting to be reduced: (history, operand index) -> (local amax, fp8 max, the
+    groups it reduces over), in the order of the casts."""
 
+    def __init__(self):
+        self.waiting: Dict[Tuple[AmaxHistory, int], Tuple[torch.Tensor, float, Tuple]] = {}
 
-@torch.no_grad()
-def flush_amaxes() -> None:
-    """Reduce every waiting amax (one all-reduce per group for the amaxes sharing their groups) and record
-    them. Collective over those groups: every rank of a stage waits for the same casts' amaxes."""
-    by_groups: Dict[Tuple, List] = {}
-    for key, (amax, fp8_max, groups) in _WAITING.items():
-        by_groups.setdefault(groups, []).append((key, amax, fp8_max))
-    _WAITING.clear()
-    for groups, entries in by_groups.items():
-        amaxes = torch.stack([amax for _, amax, _ in entries])
-        for group in groups:
-            dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
-        for k, ((history, i), _, fp8_max) in enumerate(entries):
-            history.record(i, amaxes[k], fp8_max)
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Reduce every waiting amax (one all-reduce per group for the amaxes sharing their groups) and record
+        them. Collective over those groups: every rank of a stage waits for the same casts' amaxes."""
+        by_groups: Dict[Tuple, List] = {}
+        for key, (amax, fp8_max, groups) in self.waiting.items():
+            by_groups.setdefault(groups, []).append((key, amax, fp8_max))
+        self.waiting.clear()
+        for groups, entries in by_groups.items():
+            amaxes = torch.stack([amax for _, amax, _ in entries])
+            for group in groups:
+                dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
+            for k, ((history, i), _, fp8_max) in enumerate(entries):
+                history.record(i, amaxes[k], fp8_max)
 
 
 def histories(model: torch.nn.Module):
-    """(module name, AmaxHistory) of every delayed-scaling FP8 layer of the model, the waiting amaxes recorded
-    first (collective where some wait: every rank of a stage reads them at the same point)."""
-    if _WAITING:
-        flush_amaxes()
-    for name, module in model.named_modules():
-        state = getattr(getattr(module, "fp8", None), "delayed", None)
-        if state is not None:
-            yield name, state
+    """(module name, AmaxHistory) of every delayed-scaling FP8 layer of the model, the model's waiting amaxes
+    recorded first (collective where some wait: every rank of a stage reads them at the same point)."""
+    found = [(name, state) for name, module in model.named_modules()
+             if (state := getattr(getattr(module, "fp8", None), "delayed", None)) is not None]
+    for reductions in {id(s.reductions): s.reductions for _, s in found}.values():
+        reductions.flush()
+    yield from found
 
 
 def scaling_state(model: torch.nn.Module) -> Optional[dict]:

@@ -21,37 +21,67 @@ PEAK_TFLOPS = {
 
 def gpt_flops_per_iteration(batch_size: int, seq_length: int, num_layers: int, hidden_size: int,
                             vocab_size: int, ffn_hidden_size: int = None, qkv_size: int = None,
-                            swiglu: bool = False, attention: Optional[Tuple[int, int]] = None) -> float:
-    """Forward + backward FLOPs of one global batch (no activation recomputation).
+                            swiglu: bool = False, attention: Optional[Tuple[int, int]] = None,
+                            causal: bool = True) -> float:
+    """Forward + backward FLOPs of one global batch of a model whose every layer is dense (no activation
+    recomputation), Megatron-LM's count.
 
-    The standard 6N-per-token count for the weight matmuls plus the attention
-    score and context matmuls: per layer and token, forward 2*(4h^2 + 2h*ffn)
-    for QKV/dense/MLP and 4*s*h for attention; backward twice the forward; and
-    the logit layer 2*h*V forward. Grouped-query attention shrinks QKV to `qkv_size` rows
-    (default 3h); SwiGLU doubles the first MLP matmul. `attention`: another attention's (weights per layer,
-    the width its score and context matmuls run over per position: heads x (q head + v head)), e.g.
+    Per layer and token, forward: 2 per multiply-add of each weight (QKV, output projection, the MLP's two
+    matmuls; grouped-query attention shrinks QKV to `qkv_size` rows, default 3h; SwiGLU doubles the first MLP
+    matmul) and the attention's score and context matmuls, 2 x s x width each position, halved by the causal mask
+    (`causal`; False: the whole s x s, as an unfused core multiplies it); the logit layer 2 x h x V; backward twice
+    the forward. `attention`: another attention's (weights per layer, width: heads x (q head + v head)), e.g.
     multi-latent attention's (model/mla.py's `mla_flop_sizes`); the default is (h qkv + h^2, 2h).
     """
-    h, s, L, V = hidden_size, seq_length, num_layers, vocab_size
+    h = hidden_size
     ffn = ffn_hidden_size or 4 * h
-    qkv = qkv_size or 3 * h
-    mlp_in = 2 * ffn if swiglu else ffn
-    weights, width = attention or (h * qkv + h * h, 2 * h)
-    per_token_forward = L * (2 * (weights + h * mlp_in + ffn * h) + 2 * s * width) + 2 * h * V
+    mlp = num_layers * h * ((2 * ffn if swiglu else ffn) + ffn)
+    return _flops(batch_size, seq_length, h, vocab_size, num_layers,
+                  attention or (h * (qkv_size or 3 * h) + h * h, 2 * h), mlp, causal=causal)
+
+
+def _flops(batch_size: int, s: int, h: int, vocab_size: int, layers: int, attention: Tuple[int, int],
+           mlp_weights: int, mtp_depths: int = 0, causal: bool = True) -> float:
+    """3 x (forward FLOPs per token) x tokens: 2 per multiply-add of every weight a token meets (the layers'
+    attention weights, `mlp_weights` summed over the layers, each MTP depth's three norms and its 2h -> h
+    projection, one logit layer per output), and each layer's attention core."""
+    weights, width = attention
+    core = layers * s * width * (1 if causal else 2)
+    per_token_forward = (2 * (layers * weights + mlp_weights + mtp_depths * (3 * h + 2 * h * h)
+                              + (mtp_depths + 1) * h * vocab_size) + core)
     return 3.0 * per_token_forward * batch_size * s
 
 
 def model_flops_per_iteration(config, global_batch_size: int, tp_size: int = 1) -> float:
-    """gpt_flops_per_iteration of a GPTConfig's model (what the log's TFLOP/s and MFU and the planner's step time
-    count): an MoE token runs its top-k experts' MLPs and the shared expert's, multi-latent attention its own
-    matmuls (model/mla.py's `mla_flop_sizes`)."""
+    """Forward + backward FLOPs of one global batch of a GPTConfig's model, Megatron-LM's count
+    (`num_floating_point_operations` of its megatron/training/training.py), what the log's TFLOP/s and MFU and the
+    planner's step time count:
+
+    - a dense layer's MLP is ffn_hidden_size wide; an MoE layer's (`--moe-layer-freq`: the dense first layers stay
+      dense) is its top-k experts' (moe_ffn_hidden_size) and its shared expert's;
+    - attention: QKV and the output projection over heads x kv_channels, or multi-latent attention's own
+      projections (model/mla.py's `mla_flop_sizes`) and the norms of its q and kv latents (one multiply-add per
+      element, as Megatron-LM counts them); the score and context matmuls over the causal half;
+    - each multi-token prediction depth (`--mtp-num-layers`): a layer built like the last block (MoE where it is),
+      its three norms (3h) and its 2h -> h projection, and another logit layer;
+    - not counted, as in Megatron-LM: the other norms, the router, activations, the softmax, embeddings.
+    """
     from ..model.mla import mla_flop_sizes
     c = config
-    ffn = c.ffn_hidden_size
-    if c.num_experts:
-        ffn = c.moe_router_topk * c.moe_ffn_hidden_size + (c.moe_shared_expert_intermediate_size or 0)
-    return gpt_flops_per_iteration(global_batch_size, c.seq_length, c.num_layers, c.hidden_size,
-                                   c.padded_vocab_size(tp_size), ffn, c.qkv_size, c.swiglu, mla_flop_sizes(c))
+    h = c.hidden_size
+    depths = c.mtp_num_layers or 0
+    layers = c.num_layers + depths
+    moe_layers = c.num_moe_layers()
+    per_mlp = 3 if c.swiglu else 2  # weights per hidden unit: [gate;] up and down
+    moe_width = c.moe_router_topk * c.moe_ffn_hidden_size + (c.moe_shared_expert_intermediate_size or 0)
+    mlp = h * per_mlp * ((layers - moe_layers) * c.ffn_hidden_size + moe_layers * moe_width)
+    if c.multi_latent_attention:
+        weights, width = mla_flop_sizes(c)
+        attention = (weights + (c.q_lora_rank or 0) + c.kv_lora_rank, width)
+    else:
+        q = c.query_projection_size
+        attention = (h * c.qkv_size + q * h, 2 * q)
+    return _flops(global_batch_size, c.seq_length, h, c.padded_vocab_size(tp_size), layers, attention, mlp, depths)
 
 
 def tflops_per_rank(flops: float, seconds: float, world_size: int) -> float:

@@ -18,9 +18,9 @@ An output directory gets Hugging Face's names: pytorch_model.bin or model.safete
 <checkpoint_dir> is the save directory (its `latest` names the tag) or a tag directory. For each
 model-parallel rank the fp32 masters are reassembled from the DP partitions in the order of
 `param_shapes`; then pipeline stages are merged by name and TP pieces joined as the checkpoint's
-`universal_checkpoint_info` says (replicated: taken once; row-parallel: dim 1; others: dim 0, the
-two halves of a SwiGLU [gate; up] each joined on their own; the vocabulary trimmed to
-`original_vocab_size`). An MoE checkpoint's expert groups (partitioned over expert-DP, each EP rank its
+`universal_checkpoint_info` says (replicated: taken once, as are the persistent buffers, whole on every
+rank; row-parallel: dim 1; others: dim 0, the two halves of a SwiGLU [gate; up] each joined on their own; the
+vocabulary trimmed to `original_vocab_size`). An MoE checkpoint's expert groups (partitioned over expert-DP, each EP rank its
 own experts) give every expert under its global id. Shards are memory-mapped, not read whole, and unpickled safely (weights
 only, plus safe_pickle.py's allow-list): a file referring to any other global is refused with a
 sentence, and nothing in it runs. Before a file is read, its size and checksum are checked against
@@ -247,8 +247,10 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None, verify=Tr
             if slot[tp_rank] is None:  # a pipeline-replicated copy (tied embedding) is taken once
                 slot[tp_rank] = t
     out = OrderedDict()
+    buffers = set(first.get("buffer_names") or ())  # whole on every rank (the routers' expert bias)
     for name, parts in pieces.items():
-        if tp == 1 or _matches(info.get("tp_replicated_parameter_patterns", []), name) or parts[0].dim() == 0:
+        if tp == 1 or name in buffers or _matches(info.get("tp_replicated_parameter_patterns", []), name) \
+                or parts[0].dim() == 0:
             full = parts[0]
         else:
             dim = 1 if _matches(info.get("parameter_with_row_parallelism_patterns", []), name) else 0

@@ -15,6 +15,12 @@ An MoE block's experts (`{i}.mlp.deepspeed_moe.experts.deepspeed_experts.{e}.*`,
 dense MLP's parameters do, and so does its shared expert (`{i}.mlp.shared_expert.*`); its router
 (`{i}.mlp.deepspeed_moe.gate.wg.weight`) and the shared expert's gate are TP-replicated. A multi-token
 prediction depth (`{L+4}.{k}.*`) merges its block's parameters as a block's, eh_proj on dim 0, its norms replicated.
+
+The pattern lists a checkpoint records for DeepSpeed's readers (`deepspeed_pattern_lists`: its ds_to_universal,
+the zero_to_fp32.py copied into every checkpoint) come from the same catalogue: one pattern per parameter name,
+its layer index, MTP depth and expert id generalised, so an MoE block's experts, router and shared expert, MLA's
+projections and an MTP depth's are listed as what they are, and every pattern matches a parameter of the model
+(ds_to_universal refuses a checkpoint whose info lists a pattern that none matches).
 """
 from __future__ import annotations
 
@@ -24,8 +30,8 @@ from typing import Optional
 
 from ...model.params import (BLOCK_PARAMS, LM_HEAD_SUFFIX, MOE_ROUTER_SUFFIX, MTP_LAYER_PREFIX, MTP_PROJECTION,
                             POSITION_EMBEDDINGS, SHARED_EXPERT_GATE_SUFFIX, SHARED_EXPERT_PREFIX,
-                            UNTIED_POSITION_EMBEDDINGS, UNTIED_WORD_EMBEDDINGS, WORD_EMBEDDINGS, parse_expert_suffix,
-                            parse_mtp_suffix)
+                            UNTIED_POSITION_EMBEDDINGS, UNTIED_WORD_EMBEDDINGS, WORD_EMBEDDINGS, param_names, param_spec,
+                            parse_expert_suffix, parse_mtp_suffix)
 from ..format import ROW_PARALLEL_PATTERNS, SUB_PARAMS_PATTERNS, TO_AVERAGE_PATTERNS, TP_REPLICATED_PATTERNS, VOCAB_PATTERNS
 _LM_HEAD = re.compile(r"\d+\." + re.escape(LM_HEAD_SUFFIX) + "$")
 
@@ -38,11 +44,13 @@ class MergeRule:
     sub_params: int = 1      # >1: cat_dim holds this many equal blocks, each concatenated over TP on its own
 
 
-def gpt_rule(name: str, info: Optional[dict]) -> Optional[MergeRule]:
+def gpt_rule(name: str, info: Optional[dict], _listed_as: str = None) -> Optional[MergeRule]:
     """The rule for one of our GPT's parameter names, or None for a name our GPT does not have.
 
     Whether dense_h_to_4h holds SwiGLU's [gate; up] (two sub-parameters, each split across TP)
-    is a property of the model, recorded in the checkpoint's pattern list SUB_PARAMS_PATTERNS."""
+    is a property of the model, recorded in the checkpoint's pattern list SUB_PARAMS_PATTERNS: an expert's,
+    the shared expert's or an MTP depth's is one where the list names it, or (the lists written before they
+    named them) the dense MLP's parameter it stands for (`_listed_as`: the name the recursion started from)."""
     if name in (WORD_EMBEDDINGS, UNTIED_WORD_EMBEDDINGS) or _LM_HEAD.match(name):
         return MergeRule(0, vocab=True)
     if name in (POSITION_EMBEDDINGS, UNTIED_POSITION_EMBEDDINGS):
@@ -51,13 +59,15 @@ def gpt_rule(name: str, info: Optional[dict]) -> Optional[MergeRule]:
     if index.isdigit():
         if suffix in (MOE_ROUTER_SUFFIX, SHARED_EXPERT_GATE_SUFFIX):
             return MergeRule(None)  # the router and the shared expert's gate: replicated across TP ranks
+        listed = _listed_as or name
         if suffix.startswith(SHARED_EXPERT_PREFIX):  # the shared expert: merged as the dense MLP's parameter
-            return gpt_rule(f"{index}.mlp.{suffix[len(SHARED_EXPERT_PREFIX):]}", info)
+            return gpt_rule(f"{index}.mlp.{suffix[len(SHARED_EXPERT_PREFIX):]}", info, listed)
         expert = parse_expert_suffix(suffix)
         if expert is not None:  # an expert: merged as the dense MLP parameter it stands for
-            return gpt_rule(f"{index}.{expert[1]}", info)
+            return gpt_rule(f"{index}.{expert[1]}", info, listed)
         if suffix in BLOCK_PARAMS:
-            sub_params = 2 if _matches((info or {}).get(SUB_PARAMS_PATTERNS), name) else 1
+            swiglu = (info or {}).get(SUB_PARAMS_PATTERNS)
+            sub_params = 2 if _matches(swiglu, name) or _matches(swiglu, listed) else 1
             return MergeRule(BLOCK_PARAMS[suffix][0], sub_params=sub_params)
         if suffix in ("weight", "bias"):
             return MergeRule(None)  # the final norm
@@ -65,7 +75,7 @@ def gpt_rule(name: str, info: Optional[dict]) -> Optional[MergeRule]:
         if depth is not None:  # a multi-token prediction depth's `{k}.<local>`
             local = depth[1]
             if local.startswith(MTP_LAYER_PREFIX):  # its block: merged as a block's parameter
-                return gpt_rule(f"{index}.{local[len(MTP_LAYER_PREFIX):]}", info)
+                return gpt_rule(f"{index}.{local[len(MTP_LAYER_PREFIX):]}", info, listed)
             return MergeRule(0) if local == MTP_PROJECTION else MergeRule(None)  # eh_proj column-parallel; norms
     return None
 
@@ -87,3 +97,29 @@ def pattern_rule(name: str, info: Optional[dict]) -> MergeRule:
 
 def merge_rule(name: str, info: Optional[dict]) -> MergeRule:
     return gpt_rule(name, info) or pattern_rule(name, info)
+
+
+def deepspeed_pattern_lists(config) -> dict:
+    """DeepSpeed's pattern lists for this model's parameters (the catalogue's split of each, model/params.py):
+    TP-replicated, row-parallel (dim 1) and SwiGLU's [gate; up] (two sub-parameters on dim 0, with --swiglu
+    only); a name in none of them is split on dim 0. The vocabulary's and the pipeline's lists are the
+    caller's (deepspeed_layout.universal_checkpoint_info)."""
+    lists = {TP_REPLICATED_PATTERNS: [], ROW_PARALLEL_PATTERNS: [], SUB_PARAMS_PATTERNS: []}
+    for name in param_names(config):
+        spec = param_spec(name, config)
+        if spec.is_vocab:
+            continue
+        key = (TP_REPLICATED_PATTERNS if spec.partition_dim is None else ROW_PARALLEL_PATTERNS if spec.partition_dim == 1
+               else SUB_PARAMS_PATTERNS if spec.sub_params == 2 else None)
+        pattern = name_pattern(name)
+        if key is not None and pattern not in lists[key]:
+            lists[key].append(pattern)
+    if not config.swiglu:
+        del lists[SUB_PARAMS_PATTERNS]
+    return lists
+
+
+def name_pattern(name: str) -> str:
+    """The pattern of every parameter like `name`: its numbers (layer index, MTP depth, expert id) any number,
+    the rest as written, to the end of the name."""
+    return r"\.".join(r"\d+" if part.isdigit() else re.escape(part) for part in name.split(".")) + "$"
