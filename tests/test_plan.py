@@ -239,6 +239,28 @@ def test_probed_stages_equal_the_exact_trace(name):
         assert exact == fast, (name, exact, fast)
 
 
+def test_replayed_loss_and_ring_give_the_bytes_of_whole_traces():
+    """The probes replay the fused loss and the CP ring measured once per shape (planning/replay.py): a 6-block
+    bf16 Llama on PP 2 x CP 2 whose loss takes the chunked path (64 MiB of fp32 logits), with full recomputation
+    (a recomputed forward replays one measured under the checkpoint) and without, one Replays shared as a
+    search shares it: the same saved and peak bytes, to the byte, as the whole-stage traces that run both
+    for real."""
+    from megatron_zero.context_parallel.ring_attention import RingAttention
+    from megatron_zero.planning.memory import traced_ranks
+    from megatron_zero.planning.probe import Probes
+    from megatron_zero.planning.replay import Replays
+    from megatron_zero.tensor_parallel.output_loss import _LinearCrossEntropy, worth_chunking
+    shape = dict(SHAPE, seq_length=1024, max_position_embeddings=1024, vocab_size=16384)
+    assert worth_chunking(2 * 1024 // 2, 16384)
+    replays = Replays()
+    for recompute in (dict(recompute_granularity="full", recompute_method="uniform"), {}):
+        config = tiny_llama_config(6, **shape, ffn_hidden_size=256, **recompute)
+        plan = Plan(config, pp=2, cp=2, dp=1, micro_batch=2, global_batch=4, dtype=torch.bfloat16)
+        fast = traced_ranks(plan, probes=Probes(config, plan.dtype, replays))
+        assert fast == traced_ranks(plan, exact=True), recompute
+    assert replays.measured() == {_LinearCrossEntropy, RingAttention} and replays.replayed >= 10
+
+
 @pytest.mark.slow  # a minute on a loaded machine (the exact side traces every candidate whole); the default tier:
 # test_probed_stages_equal_the_exact_trace (the probes' bytes equal the whole-stage trace's)
 def test_search_lists_the_layouts_of_whole_stage_traces():

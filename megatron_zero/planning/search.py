@@ -15,6 +15,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 from .fake_rank import RankKind, rank_kinds, trace_rank
 from .memory import GIB, Plan, RankMemory, rank_memory
 from .probe import Probes, scalable
+from .replay import Replays
 from .time_model import Cluster, StepTime, step_time
 
 
@@ -91,13 +92,14 @@ class StageCache:
 
     def __init__(self, exact: bool = False):
         self._probes: Dict[str, Probes] = {}
+        self._replays = Replays()  # the loss's and the CP ring's measurements, shared by every probe
         self._exact: dict = {}
         self.exact = exact
 
     def rank(self, plan: Plan, recompute: str, kind: RankKind, trace: bool = True) -> RankMemory:
         if not self.exact and scalable(plan.config, plan.pp, plan.virtual_stages):
             if recompute not in self._probes:
-                self._probes[recompute] = Probes(plan.config, plan.dtype)
+                self._probes[recompute] = Probes(plan.config, plan.dtype, self._replays)
             traced = self._probes[recompute].rank(kind.name, plan.pp, kind.pp_rank, plan.degrees(),
                                                   plan.micro_batch, trace)
         else:
@@ -109,10 +111,14 @@ class StageCache:
             traced = self._exact[key]
         return rank_memory(plan, kind.name, kind.pp_rank, traced)
 
-    def ranks(self, plan: Plan, recompute: str, trace: bool = True, limit: float = float("inf")):
-        """Every rank kind's memory, or None as soon as one kind's peak exceeds `limit` bytes."""
+    def ranks(self, plan: Plan, recompute: str, trace: bool = True, limit: float = float("inf"),
+              least: Optional[Plan] = None):
+        """Every rank kind's memory, or None as soon as one kind's peak exceeds `limit` bytes (or, given the
+        layout's `least` plan, that kind's under it: full recomputation, micro-batch 1)."""
         out = []
         for kind in rank_kinds(plan.pp):
+            if least is not None and self.rank(least, "full", kind).peak > limit:
+                return None
             out.append(self.rank(plan, recompute, kind, trace))
             if out[-1].peak > limit:
                 return None
@@ -152,9 +158,8 @@ def search(base: Plan, cluster: Cluster, offload: bool = False, fp8: bool = Fals
     for plan, recompute, time in timed:
         least = dataclasses.replace(plan, micro_batch=1, global_batch=plan.global_batch // plan.micro_batch,
                                     config=_with_recompute(plan.config, "full"))  # as many micro-batches
-        if (plan.micro_batch, recompute) != (1, "full") and cache.ranks(least, "full", limit=device) is None:
-            continue
-        ranks = cache.ranks(plan, recompute, limit=device)
+        ranks = cache.ranks(plan, recompute, limit=device,
+                            least=least if (plan.micro_batch, recompute) != (1, "full") else None)
         if ranks is None:
             continue
         cand = Candidate(plan, recompute, ranks, time)
