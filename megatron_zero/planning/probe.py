@@ -69,6 +69,9 @@ class Probes:
                                              ROLES[role][1], self.dtype)
         return self._params[key]
 
+    def traced(self, role: str, tp: int, cp: int, micro_batch: int) -> bool:
+        return (role, tp, cp, micro_batch) in self._traces
+
     def two_block_trace(self, role: str, tp: int, cp: int, micro_batch: int) -> Tuple[int, int, int]:
         """(saved, peak, one block's saved bytes) of the two-block probe, from its one trace: a block's saved
         bytes are the live bytes' growth over the second block's forward (its saved tensors and its output
