@@ -261,6 +261,24 @@ def test_replayed_loss_and_ring_give_the_bytes_of_whole_traces():
     assert replays.measured() == {_LinearCrossEntropy, RingAttention} and replays.replayed >= 10
 
 
+def test_smaller_micro_batch_or_fuller_recompute_never_holds_more():
+    """The search skips a layout where the same layout with a smaller micro-batch or fuller recomputation (as
+    many micro-batches) does not fit (search._lesser, and the least plan before it): every rank kind's peak
+    of a 6-block Llama on TP2 PP2 and CP2 PP2 grows with the micro-batch and is lower under full
+    recomputation."""
+    from megatron_zero.planning.fake_rank import rank_kinds
+    from megatron_zero.planning.search import StageCache, _lesser, _with_recompute
+    config = tiny_llama_config(6, **SHAPE, ffn_hidden_size=256)
+    cache = StageCache()
+    for tp, cp in ((2, 1), (1, 2)):
+        for mb, recompute in ((4, "none"), (2, "none"), (4, "full")):
+            plan = Plan(_with_recompute(config, recompute), tp=tp, pp=2, cp=cp, dp=2, micro_batch=mb,
+                        global_batch=16 * mb, dtype=torch.bfloat16)
+            for kind in rank_kinds(2):
+                peak = cache.rank(plan, recompute, kind).peak
+                assert all(cache.rank(p, r, kind).peak <= peak for p, r in _lesser(plan, recompute)), (tp, cp, mb)
+
+
 @pytest.mark.slow  # a minute on a loaded machine (the exact side traces every candidate whole); the default tier:
 # test_probed_stages_equal_the_exact_trace (the probes' bytes equal the whole-stage trace's)
 def test_search_lists_the_layouts_of_whole_stage_traces():
