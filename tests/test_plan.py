@@ -301,7 +301,7 @@ LLAMA3_70B = [*LLAMA3_8B, "--num-layers", "80", "--hidden-size", "8192", "--num-
               "--ffn-hidden-size", "28672"]
 
 
-@pytest.mark.slow  # minutes on a loaded 2-core machine; the default tier: test_probed_stages_equal_the_exact_trace
+@pytest.mark.slow  # half a minute on a loaded 2-core machine; the default tier: test_probed_stages_equal_the_exact_trace
 # (the fast path's numbers are the exact path's) and test_llama3_70b_plain_dp_does_not_fit_64_gpus
 def test_plan_cli_search_llama3_70b_on_64_gpus():
     """Llama-3-70B, seq 8192, on 64 x 80 GiB from the command line: plain DP does not fit, --search lists
