@@ -277,6 +277,46 @@ def test_probed_stages_equal_the_exact_trace(name):
         assert exact == fast, (name, exact, fast)
 
 
+def test_replayed_loss_and_ring_give_the_bytes_of_whole_traces():
+    """The probes replay the fused loss and the CP ring measured once per shape (planning/replay.py): a 6-block
+    bf16 Llama on PP 2 x CP 2 whose loss takes the chunked path (64 MiB of fp32 logits), with full recomputation
+    (a recomputed forward replays one measured under the checkpoint) and without, one Replays shared as a
+    search shares it: the same saved and peak bytes, to the byte, as the whole-stage traces that run both
+    for real."""
+    from megatron_zero.context_parallel.ring_attention import RingAttention
+    from megatron_zero.planning.memory import traced_ranks
+    from megatron_zero.planning.probe import Probes
+    from megatron_zero.planning.replay import Replays
+    from megatron_zero.tensor_parallel.output_loss import _LinearCrossEntropy, worth_chunking
+    shape = dict(SHAPE, seq_length=1024, max_position_embeddings=1024, vocab_size=16384)
+    assert worth_chunking(2 * 1024 // 2, 16384)
+    replays = Replays()
+    for recompute in (dict(recompute_granularity="full", recompute_method="uniform"), {}):
+        config = tiny_llama_config(6, **shape, ffn_hidden_size=256, **recompute)
+        plan = Plan(config, pp=2, cp=2, dp=1, micro_batch=2, global_batch=4, dtype=torch.bfloat16)
+        fast = traced_ranks(plan, probes=Probes(config, plan.dtype, replays=replays))
+        assert fast == traced_ranks(plan, exact=True), recompute
+    assert replays.measured() == {_LinearCrossEntropy, RingAttention} and replays.replayed >= 10
+
+
+def test_smaller_micro_batch_or_fuller_recompute_never_holds_more():
+    """The search skips a layout where the same layout with a smaller micro-batch or fuller recomputation (as
+    many micro-batches) does not fit (search._lesser, and the least plan before it): every rank kind's peak
+    of a 6-block Llama on TP2 PP2 and CP2 PP2 grows with the micro-batch and is lower under full
+    recomputation."""
+    from megatron_zero.planning.fake_rank import rank_kinds
+    from megatron_zero.planning.search import StageCache, _lesser, _with_recompute
+    config = tiny_llama_config(6, **SHAPE, ffn_hidden_size=256)
+    cache = StageCache()
+    for tp, cp in ((2, 1), (1, 2)):
+        for mb, recompute in ((4, "none"), (2, "none"), (4, "full")):
+            plan = Plan(_with_recompute(config, recompute), tp=tp, pp=2, cp=cp, dp=2, micro_batch=mb,
+                        global_batch=16 * mb, dtype=torch.bfloat16)
+            for kind in rank_kinds(2):
+                peak = cache.rank(plan, recompute, kind).peak
+                assert all(cache.rank(p, r, kind).peak <= peak for p, r in _lesser(plan, recompute)), (tp, cp, mb)
+
+
 @pytest.mark.slow  # a minute on a loaded machine (the exact side traces every candidate whole); the default tier:
 # test_probed_stages_equal_the_exact_trace (the probes' bytes equal the whole-stage trace's)
 def test_search_lists_the_layouts_of_whole_stage_traces():
@@ -299,7 +339,7 @@ LLAMA3_70B = [*LLAMA3_8B, "--num-layers", "80", "--hidden-size", "8192", "--num-
               "--ffn-hidden-size", "28672"]
 
 
-@pytest.mark.slow  # minutes on a loaded 2-core machine; the default tier: test_probed_stages_equal_the_exact_trace
+@pytest.mark.slow  # half a minute on a loaded 2-core machine; the default tier: test_probed_stages_equal_the_exact_trace
 # (the fast path's numbers are the exact path's) and test_llama3_70b_plain_dp_does_not_fit_64_gpus
 def test_plan_cli_search_llama3_70b_on_64_gpus():
     """Llama-3-70B, seq 8192, on 64 x 80 GiB from the command line: plain DP does not fit, --search lists

@@ -42,6 +42,10 @@ class LiveBytes(TorchDispatchMode):
         self._seen.pop(key, None)
         self.current -= nbytes
 
+    def alive(self) -> list:
+        """The storages created in the region that are still alive."""
+        return [s for s in (ref() for ref in self._seen.values()) if s is not None]
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         # only an operator whose schema says an output aliases an input (views, in-place, out=) can return an

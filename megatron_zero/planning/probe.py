@@ -16,17 +16,20 @@ A probe depends on the stage's role (only, first, middle or last: what it holds 
 pipeline size, so one probe serves every PP degree of a search; its activations not on EP either (traced at
 EP 1, as trace_rank does). Blocks are alike unless some are MoE and some dense, or full recomputation keeps
 more than one block per chunk or only the first blocks (`scalable` says; the exact trace is used then).
-tests/test_plan.py holds the probes' numbers equal to the exact trace's.
+A probe's trace replays the fused loss and the CP ring from their first measurement with the same inputs'
+shapes (replay.py: most of a trace's operators, the same bytes). tests/test_plan.py holds the probes'
+numbers equal to the exact trace's.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from ..model.layer_indices import block_layer_index, final_norm_index, is_block_index, lm_head_index
 from .fake_rank import NO_CONVERSION, Conversion, TracedRank, stage_params, trace_activations
+from .replay import Replays
 
 # role -> (the probe's pipeline size, the probe's stage): a stage with the same neighbours
 ROLES = {"only stage": (1, 0), "first stage": (2, 0), "middle stage": (3, 1), "last stage": (2, 1)}
@@ -46,8 +49,10 @@ def scalable(config, pp: int, virtual_stages: int = 1, partition_method: str = "
 class Probes:
     """The probes of one model config and dtype, each built or traced once (a search's cache)."""
 
-    def __init__(self, config, dtype: torch.dtype, conversion: Conversion = NO_CONVERSION):
+    def __init__(self, config, dtype: torch.dtype, conversion: Conversion = NO_CONVERSION,
+                 replays: Optional[Replays] = None):
         self.config, self.dtype, self.conversion = config, dtype, conversion  # the run's converters (fake_rank.py)
+        self.replays = replays or Replays()  # (a search shares one across its configs)
         self._params: Dict[tuple, tuple] = {}
         self._traces: Dict[tuple, Tuple[int, int, int]] = {}
         self._stages: Dict[tuple, tuple] = {}
@@ -65,6 +70,9 @@ class Probes:
                                              ROLES[role][1], self.dtype, conversion=self.conversion)
         return self._params[key]
 
+    def traced(self, role: str, tp: int, cp: int, micro_batch: int) -> bool:
+        return (role, tp, cp, micro_batch) in self._traces
+
     def two_block_trace(self, role: str, tp: int, cp: int, micro_batch: int) -> Tuple[int, int, int]:
         """(saved, peak, one block's saved bytes) of the two-block probe, from its one trace: a block's saved
         bytes are the live bytes' growth over the second block's forward (its saved tensors and its output
@@ -72,9 +80,10 @@ class Probes:
         key = (role, tp, cp, micro_batch)
         if key not in self._traces:
             marks = []
-            saved, peak = trace_activations(self._probe_config(role, 2), self._degrees(role, tp, cp, 1),
-                                            ROLES[role][1], micro_batch, self.dtype, marks=marks,
-                                            conversion=self.conversion)
+            with self.replays.installed():
+                saved, peak = trace_activations(self._probe_config(role, 2), self._degrees(role, tp, cp, 1),
+                                                ROLES[role][1], micro_batch, self.dtype, marks=marks,
+                                                conversion=self.conversion)
             self._traces[key] = (saved, peak, marks[1] - marks[0])
         return self._traces[key]
 

@@ -15,6 +15,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 from .fake_rank import RankKind, rank_kinds, trace_rank
 from .memory import GIB, Plan, RankMemory, rank_memory
 from .probe import Probes, scalable
+from .replay import Replays
 from .time_model import Cluster, StepTime, step_time
 
 
@@ -91,13 +92,14 @@ class StageCache:
 
     def __init__(self, exact: bool = False):
         self._probes: Dict[str, Probes] = {}
+        self._replays = Replays()  # the loss's and the CP ring's measurements, shared by every probe
         self._exact: dict = {}
         self.exact = exact
 
     def rank(self, plan: Plan, recompute: str, kind: RankKind, trace: bool = True) -> RankMemory:
         if not self.exact and scalable(plan.config, plan.pp, plan.virtual_stages):
             if recompute not in self._probes:
-                self._probes[recompute] = Probes(plan.config, plan.dtype, plan.conversion)
+                self._probes[recompute] = Probes(plan.config, plan.dtype, plan.conversion, self._replays)
             traced = self._probes[recompute].rank(kind.name, plan.pp, kind.pp_rank, plan.degrees(),
                                                   plan.micro_batch, trace)
         else:
@@ -110,10 +112,25 @@ class StageCache:
             traced = self._exact[key]
         return rank_memory(plan, kind.name, kind.pp_rank, traced)
 
-    def ranks(self, plan: Plan, recompute: str, trace: bool = True, limit: float = float("inf")):
-        """Every rank kind's memory, or None as soon as one kind's peak exceeds `limit` bytes."""
+    def traced(self, plan: Plan, recompute: str, kind: RankKind) -> bool:
+        """Whether this kind's micro-batch of `plan` is traced already (rank() costs no trace)."""
+        if not self.exact and scalable(plan.config, plan.pp, plan.virtual_stages):
+            return recompute in self._probes and self._probes[recompute].traced(kind.name, plan.tp, plan.cp,
+                                                                                 plan.micro_batch)
+        return (plan.tp, plan.pp, plan.cp, plan.ep, plan.micro_batch, recompute, plan.virtual_stages,
+                kind) in self._exact
+
+    def ranks(self, plan: Plan, recompute: str, trace: bool = True, limit: float = float("inf"),
+              least: Optional[Plan] = None, lesser=()):
+        """Every rank kind's memory, or None as soon as one kind's peak exceeds `limit` bytes, or, given the
+        layout's `least` plan (full recomputation, micro-batch 1), that kind's under it, or under one of the
+        `lesser` (plan, recompute) that is traced already."""
         out = []
         for kind in rank_kinds(plan.pp):
+            if least is not None and self.rank(least, "full", kind).peak > limit:
+                return None
+            if any(self.traced(p, r, kind) and self.rank(p, r, kind).peak > limit for p, r in lesser):
+                return None
             out.append(self.rank(plan, recompute, kind, trace))
             if out[-1].peak > limit:
                 return None
@@ -128,15 +145,28 @@ def evaluate(plan: Plan, recompute: str, cluster: Cluster, cache: Optional[Stage
     return Candidate(plan, recompute, ranks, step_time(plan, cluster, stage_params, recompute, fp8))
 
 
+def _lesser(plan: Plan, recompute: str) -> List[Tuple[Plan, str]]:
+    """The same layout with a smaller micro-batch or full recomputation (as many micro-batches): each holds
+    fewer activations, so where one does not fit, neither does `plan`."""
+    out = []
+    for mb in (1, 2, 4):
+        for r in (recompute, "full"):
+            if mb <= plan.micro_batch and (mb, r) != (plan.micro_batch, recompute):
+                out.append((dataclasses.replace(plan, micro_batch=mb, config=_with_recompute(plan.config, r),
+                                                global_batch=plan.global_batch // plan.micro_batch * mb), r))
+    return out
+
+
 def search(base: Plan, cluster: Cluster, offload: bool = False, fp8: bool = False, limit: int = 10,
            fits_host: bool = True, near: bool = False, exact: bool = False) -> List[Candidate]:
     """The layouts that fit the GPUs' memory (and, with offload, the host's), best tokens/s first.
 
     The step time needs no trace: every layout whose model states alone fit is timed, and only the fastest
-    are traced, in order, until `limit` fit (a trace is the costly part). A layout is traced only where
-    the same layout at micro-batch 1 with full recomputation fits (it holds the fewest activations: if it
-    does not fit, no micro-batch or recomputation of that layout does), and its rank kinds one at a time,
-    stopping at the first that does not fit."""
+    are traced, in order, until `limit` fit (a trace is the costly part). A layout's rank kinds are traced
+    one at a time, stopping at the first that does not fit, each only where the same kind of the same
+    layout at micro-batch 1 with full recomputation fits (it holds the fewest activations: if it does not
+    fit, no micro-batch or recomputation of that layout does), and where no smaller micro-batch or fuller
+    recomputation of it traced already fails (`_lesser`: the same rule, at no trace's cost)."""
     from .memory import host_bytes_per_node
     cache = StageCache(exact)
     device = cluster.gpu_memory_gib * GIB
@@ -153,9 +183,9 @@ def search(base: Plan, cluster: Cluster, offload: bool = False, fp8: bool = Fals
     for plan, recompute, time in timed:
         least = dataclasses.replace(plan, micro_batch=1, global_batch=plan.global_batch // plan.micro_batch,
                                     config=_with_recompute(plan.config, "full"))  # as many micro-batches
-        if (plan.micro_batch, recompute) != (1, "full") and cache.ranks(least, "full", limit=device) is None:
-            continue
-        ranks = cache.ranks(plan, recompute, limit=device)
+        ranks = cache.ranks(plan, recompute, limit=device,
+                            least=least if (plan.micro_batch, recompute) != (1, "full") else None,
+                            lesser=_lesser(plan, recompute))
         if ranks is None:
             continue
         cand = Candidate(plan, recompute, ranks, time)
