@@ -231,8 +231,8 @@ def _build(config, degrees, pp_rank, dtype, partition_method, virtual_stages, mi
                 if micro_batch:
                     saved, peak = _trace_micro_batch(model, state, config, micro_batch, dtype, marks)
                 if conversion.fp8 is not None:
-                    from ..fp8.delayed import flush_amaxes
-                    flush_amaxes()  # delayed scaling's amaxes still waiting: recorded here, in the fake world
+                    from ..fp8.delayed import histories
+                    list(histories(model))  # delayed scaling's amaxes still waiting: recorded here, in the fake world
     finally:
         set_fusion_flags(**{k: getattr(old_flags, k) for k in UNFUSED})
     return params, saved, peak

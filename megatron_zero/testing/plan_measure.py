@@ -29,7 +29,7 @@ import torch.distributed as dist
 def measure(argv) -> dict:
     from ..arguments import parse_args
     from ..config import from_args
-    from ..fp8.delayed import flush_amaxes
+    from ..fp8.delayed import histories
     from ..model.architecture import gpt_config
     from ..model_converters import model_converters
     from ..ops.fusion_flags import set_fusion_flags
@@ -73,7 +73,7 @@ def measure(argv) -> dict:
             del loss
             optimizer.step(lr=sections.optimizer.lr)
             converters.post_optimizer_hook(model)
-        flush_amaxes()  # FP8 delayed scaling's amaxes waiting to be reduced together (4 bytes each), recorded
+        list(histories(model))  # FP8 delayed scaling's amaxes waiting to be reduced together (4 bytes each), recorded
         states = live.current
     dist.destroy_process_group()
     return dict(measured_states=states,
