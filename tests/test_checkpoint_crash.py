@@ -40,11 +40,12 @@ POINTS = [("mid_file", 1, False), ("mid_file", 0, False), ("before_manifest", 0,
           ("before_rename", 0, False), ("before_latest", 0, False), ("after_latest", 0, True)]
 
 
-def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path):
+def _crash_each(tmp_path, points):
+    """Save step 1, then a save per point killed there (sync and async in turn), then one that succeeds."""
     save_dir = str(tmp_path / "ckpt")
     run_ranks(_save, 2, save_dir, 1, timeout=60)
     previous = 1
-    for i, (point, rank, committed) in enumerate(POINTS):
+    for i, (point, rank, committed) in enumerate(points):
         step = 2 + i
         env = {CRASH_ENV: point, CRASH_RANK_ENV: str(rank)}
         with pytest.raises(RankFailure):  # the killed rank, or its peer losing it
@@ -56,3 +57,13 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path):
     run_ranks(_save, 2, save_dir, 99, timeout=60)
     assert _check_whole(save_dir) == 99
     assert not [n for n in os.listdir(save_dir) if ".tmp-" in n or ".old-" in n]
+
+
+def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path):
+    """A rank killed mid-file, before the directory's rename and after `latest` moved (sync, async, sync)."""
+    _crash_each(tmp_path, [POINTS[0], POINTS[3], POINTS[5]])
+
+
+@pytest.mark.slow  # default tier: test_sigkill_during_save_keeps_previous_checkpoint (three of these points)
+def test_sigkill_at_every_point_of_a_save_keeps_previous_checkpoint(tmp_path):
+    _crash_each(tmp_path, POINTS)
